@@ -1,0 +1,28 @@
+"""autoshard: an automatic parallelization compiler for PyTorch training.
+
+Public names only; see DESIGN.md for the contract.
+"""
+
+from autoshard.errors import (
+    AutoshardError,
+    CaptureError,
+    InfeasiblePlanError,
+    InvalidConfigError,
+    PlanFileError,
+    UnsupportedOpError,
+)
+from autoshard.ir import Mesh, Plan, Recompute, Stage
+
+__all__ = [
+    "AutoshardError",
+    "CaptureError",
+    "InfeasiblePlanError",
+    "InvalidConfigError",
+    "Mesh",
+    "Plan",
+    "PlanFileError",
+    "Recompute",
+    "Stage",
+    "UnsupportedOpError",
+]
+__version__ = "0.1.0"

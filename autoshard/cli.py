@@ -1,0 +1,46 @@
+"""`autoshard` command line: inspect, sweep, plan, show.
+
+Each command lives in `autoshard/commands/<name>.py` with `add_parser(subparsers)` and
+`run(args) -> int`. User errors (`AutoshardError`) print one line and exit 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from autoshard.errors import AutoshardError
+
+COMMANDS = ("inspect", "sweep", "plan", "show")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(
+        prog="autoshard",
+        description="Automatic parallelization for PyTorch training: capture a model, price every "
+        "(DP, PP, TP, CP, EP) layout on a cluster, solve for the fastest plan, and run it.",
+        epilog="Run `autoshard COMMAND --help` for the options of each command.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"autoshard.commands.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except AutoshardError as e:
+        print(f"autoshard {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""`autoshard show`: not built yet (see the open issues)."""
+
+from __future__ import annotations
+
+from autoshard.errors import AutoshardError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("show", help="(not built yet)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    raise AutoshardError("'autoshard show' is not built yet")
