@@ -1,0 +1,259 @@
+"""Device profiles: the numbers of one accelerator and the links between accelerators.
+
+Contract: `load_hardware(name_or_path) -> DeviceProfile`. A name picks a built-in profile
+(`ascend-910b`, `a100-80g`, `h100`, `h200`, `cpu`); a path to a `.json` file reads a user profile
+with the same field names (SI units: FLOP/s, bytes, bytes/s, seconds). Every built-in constant
+names its source in `DeviceProfile.sources`; constants calibrated on the paper's measured table
+(arXiv 2602.09109, LLaMA-7B on 8x Ascend 910B) say so, with the amount, and are documented in
+docs/hardware.md.
+
+Terms: *intra* is the link between devices of one node (HCCS, NVLink); *inter* the per-device
+network link between nodes (RoCE, InfiniBand). Bandwidths are per device and per direction: the
+rate at which one device can push bytes to its neighbour in a ring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from autoshard.errors import InvalidConfigError, UnknownNameError
+
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceProfile:
+    """One accelerator type and its interconnect; all numbers in SI units."""
+
+    name: str
+    peak_flops: float  # dense bf16/fp16 GEMM FLOP/s
+    memory_bytes: float  # HBM usable by the training process
+    hbm_bandwidth: float  # bytes/s
+    devices_per_node: int
+    intra_bandwidth: float  # bytes/s per device per direction, inside a node
+    intra_latency: float  # seconds per message step inside a node
+    inter_bandwidth: float  # bytes/s per device per direction, across nodes
+    inter_latency: float  # seconds per message step across nodes
+    gemm_efficiency: float = 0.8  # achievable fraction of peak_flops for large GEMMs
+    gemm_half_dim: float = 64.0  # a GEMM dimension of this size halves that dimension's efficiency factor
+    vector_efficiency: float = 0.8  # achievable fraction of hbm_bandwidth for memory-bound ops
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for f in _NUMERIC_FIELDS:
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a positive number, "
+                                         f"got {value!r}")
+        if not isinstance(self.devices_per_node, int):
+            raise InvalidConfigError(f"hardware profile {self.name!r}: field 'devices_per_node' must be an "
+                                     f"integer, got {self.devices_per_node!r}")
+        for f in ("gemm_efficiency", "vector_efficiency"):
+            if getattr(self, f) > 1:
+                raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} is a fraction of peak and "
+                                         f"must be in (0, 1], got {getattr(self, f)!r}")
+
+    @property
+    def memory_gb(self) -> float:
+        return self.memory_bytes / GB
+
+    def source(self, field_name: str) -> str:
+        return dict(self.sources).get(field_name, "")
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["sources"] = dict(self.sources)
+        return data
+
+
+_NUMERIC_FIELDS = ("peak_flops", "memory_bytes", "hbm_bandwidth", "devices_per_node", "intra_bandwidth",
+                   "intra_latency", "inter_bandwidth", "inter_latency", "gemm_efficiency", "gemm_half_dim",
+                   "vector_efficiency")
+_REQUIRED_FIELDS = ("name", "peak_flops", "memory_bytes", "hbm_bandwidth", "devices_per_node", "intra_bandwidth",
+                    "intra_latency", "inter_bandwidth", "inter_latency")
+
+_CALIBRATED = "calibrated on arXiv 2602.09109's LLaMA-7B table (8x 910B), see docs/cost_model.md"
+
+ASCEND_910B = DeviceProfile(
+    name="ascend-910b",
+    peak_flops=378.88 * TFLOPS,
+    memory_bytes=60 * GB,
+    hbm_bandwidth=1.6e12,
+    devices_per_node=8,
+    intra_bandwidth=20 * GB,
+    intra_latency=20e-6,
+    inter_bandwidth=25 * GB,
+    inter_latency=20e-6,
+    gemm_efficiency=0.72,
+    gemm_half_dim=160.0,
+    vector_efficiency=0.7,
+    sources=(
+        ("peak_flops", "arXiv 2602.09109 case study: 378.88 TFLOPS fp16/bf16 GEMM per 910B"),
+        ("memory_bytes", "arXiv 2602.09109: 64 GB HBM, 60 GB usable per device"),
+        ("hbm_bandwidth", "Huawei Atlas 800T A2 sheet: HBM2e 1.6 TB/s per 910B"),
+        ("devices_per_node", "arXiv 2602.09109: 8x 910B per node (Atlas 800T A2)"),
+        ("intra_bandwidth", "HCCS full mesh, 56 GB/s bidirectional per link (Atlas 800T A2 sheet) = 28 GB/s "
+                            "per direction; " + _CALIBRATED + ": lowered 28 -> 20 GB/s (HCCL bus bandwidth)"),
+        ("intra_latency", "HCCL small-message step latency, order of 10-20 us (Ascend HCCL docs); assumed"),
+        ("inter_bandwidth", "Atlas 800T A2: 8x 200GE RoCE, one per NPU = 25 GB/s"),
+        ("inter_latency", "RoCE v2 round trip, ~20 us per ring step; assumed"),
+        ("gemm_efficiency", _CALIBRATED + ": 0.72 of 378.88 TFLOPS for large GEMMs"),
+        ("gemm_half_dim", _CALIBRATED + ": 16x16 cube unit, wave quantisation; 160"),
+        ("vector_efficiency", "typical STREAM-like fraction of HBM peak for fused elementwise kernels; assumed"),
+    ),
+)
+
+A100_80G = DeviceProfile(
+    name="a100-80g",
+    peak_flops=312 * TFLOPS,
+    memory_bytes=76 * GB,
+    hbm_bandwidth=2.039e12,
+    devices_per_node=8,
+    intra_bandwidth=240 * GB,
+    intra_latency=10e-6,
+    inter_bandwidth=25 * GB,
+    inter_latency=15e-6,
+    gemm_efficiency=0.75,
+    gemm_half_dim=128.0,
+    vector_efficiency=0.8,
+    sources=(
+        ("peak_flops", "NVIDIA A100 datasheet: 312 TFLOPS dense BF16 tensor core"),
+        ("memory_bytes", "NVIDIA A100 datasheet: 80 GB HBM2e; ~4 GB left to CUDA context and allocator"),
+        ("hbm_bandwidth", "NVIDIA A100 80GB SXM datasheet: 2,039 GB/s"),
+        ("devices_per_node", "DGX A100: 8 GPUs per node"),
+        ("intra_bandwidth", "NVLink 3: 600 GB/s bidirectional = 300 GB/s per direction; NCCL busbw ~240 GB/s "
+                            "(nccl-tests on DGX A100)"),
+        ("intra_latency", "NCCL ring step latency over NVLink, ~5-10 us (nccl-tests); assumed 10 us"),
+        ("inter_bandwidth", "DGX A100: 8x HDR InfiniBand 200 Gb/s, one per GPU = 25 GB/s"),
+        ("inter_latency", "InfiniBand HDR ring step, ~15 us incl. NCCL proxy; assumed"),
+        ("gemm_efficiency", "cuBLAS large BF16 GEMM reaches ~75-80% of peak on A100 (NVIDIA MLPerf notes)"),
+        ("gemm_half_dim", "128x128 CTA tiles: dims below ~128 underfill tiles; assumed"),
+        ("vector_efficiency", "STREAM-like fraction of HBM peak; assumed 0.8"),
+    ),
+)
+
+H100 = DeviceProfile(
+    name="h100",
+    peak_flops=989 * TFLOPS,
+    memory_bytes=76 * GB,
+    hbm_bandwidth=3.35e12,
+    devices_per_node=8,
+    intra_bandwidth=360 * GB,
+    intra_latency=8e-6,
+    inter_bandwidth=50 * GB,
+    inter_latency=12e-6,
+    gemm_efficiency=0.7,
+    gemm_half_dim=128.0,
+    vector_efficiency=0.8,
+    sources=(
+        ("peak_flops", "NVIDIA H100 SXM datasheet: 989 TFLOPS dense BF16 (1,979 with sparsity)"),
+        ("memory_bytes", "NVIDIA H100 SXM datasheet: 80 GB HBM3; ~4 GB left to CUDA context and allocator"),
+        ("hbm_bandwidth", "NVIDIA H100 SXM datasheet: 3.35 TB/s"),
+        ("devices_per_node", "DGX H100 / HGX H100: 8 GPUs per node"),
+        ("intra_bandwidth", "NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction; NCCL busbw ~360 GB/s"),
+        ("intra_latency", "NCCL ring step latency over NVLink, assumed 8 us"),
+        ("inter_bandwidth", "DGX H100: 8x ConnectX-7 NDR 400 Gb/s, one per GPU = 50 GB/s"),
+        ("inter_latency", "InfiniBand NDR ring step, assumed 12 us"),
+        ("gemm_efficiency", "cuBLAS large BF16 GEMM ~70% of dense peak on H100 (Megatron-LM MFU reports)"),
+        ("gemm_half_dim", "128x128/256 CTA tiles; assumed"),
+        ("vector_efficiency", "STREAM-like fraction of HBM peak; assumed 0.8"),
+    ),
+)
+
+H200 = dataclasses.replace(
+    H100,
+    name="h200",
+    memory_bytes=137 * GB,
+    hbm_bandwidth=4.8e12,
+    sources=tuple(
+        (k, v) for k, v in H100.sources if k not in ("memory_bytes", "hbm_bandwidth", "peak_flops")
+    ) + (
+        ("peak_flops", "NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16 (same die as H100)"),
+        ("memory_bytes", "NVIDIA H200 datasheet: 141 GB HBM3e; ~4 GB left to CUDA context and allocator"),
+        ("hbm_bandwidth", "NVIDIA H200 datasheet: 4.8 TB/s"),
+    ),
+)
+
+CPU = DeviceProfile(
+    name="cpu",
+    peak_flops=1 * TFLOPS,
+    memory_bytes=16 * GB,
+    hbm_bandwidth=20 * GB,
+    devices_per_node=64,
+    intra_bandwidth=5 * GB,
+    intra_latency=50e-6,
+    inter_bandwidth=1.25 * GB,
+    inter_latency=100e-6,
+    gemm_efficiency=0.5,
+    gemm_half_dim=32.0,
+    vector_efficiency=0.5,
+    sources=(
+        ("peak_flops", "order of a many-core AVX-512 server socket in fp32 (~1 TFLOPS); a stand-in for gloo runs"),
+        ("memory_bytes", "assumed 16 GB per process"),
+        ("hbm_bandwidth", "DDR4/DDR5 bandwidth available to one process, ~20 GB/s; assumed"),
+        ("devices_per_node", "gloo processes on one host share memory; assumed 64 per host"),
+        ("intra_bandwidth", "gloo over loopback TCP / shared memory, ~5 GB/s; assumed"),
+        ("intra_latency", "gloo loopback message latency ~50 us; assumed"),
+        ("inter_bandwidth", "10 GbE = 1.25 GB/s"),
+        ("inter_latency", "TCP over Ethernet ~100 us; assumed"),
+        ("gemm_efficiency", "oneDNN/MKL sgemm ~50% of peak; assumed"),
+        ("gemm_half_dim", "small register blocking; assumed 32"),
+        ("vector_efficiency", "assumed 0.5"),
+    ),
+)
+
+PROFILES: Mapping[str, DeviceProfile] = {p.name: p for p in (ASCEND_910B, A100_80G, H100, H200, CPU)}
+
+
+def hardware_names() -> tuple[str, ...]:
+    return tuple(PROFILES)
+
+
+def load_hardware(name_or_path: str | Path | DeviceProfile) -> DeviceProfile:
+    """A built-in profile by name, or a JSON profile file (same field names, SI units)."""
+    if isinstance(name_or_path, DeviceProfile):
+        return name_or_path
+    text = str(name_or_path)
+    if text in PROFILES:
+        return PROFILES[text]
+    path = Path(text)
+    if text.endswith(".json") or path.is_file():
+        return _load_profile_file(path)
+    raise UnknownNameError(f"unknown hardware {text!r}; known profiles: {', '.join(PROFILES)} "
+                           "(or pass a path to a JSON profile, see docs/hardware.md)")
+
+
+def _load_profile_file(path: Path) -> DeviceProfile:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise InvalidConfigError(f"cannot read hardware profile {path}: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidConfigError(f"hardware profile {path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise InvalidConfigError(f"hardware profile {path}: expected a JSON object of fields, "
+                                 f"found {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(DeviceProfile)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise InvalidConfigError(f"hardware profile {path}: unknown field(s) {unknown}; "
+                                 f"known fields: {', '.join(sorted(known))}")
+    missing = [f for f in _REQUIRED_FIELDS if f not in data]
+    if missing:
+        raise InvalidConfigError(f"hardware profile {path}: missing field(s) {missing}; "
+                                 f"required: {', '.join(_REQUIRED_FIELDS)} (SI units, see docs/hardware.md)")
+    if not isinstance(data["name"], str):
+        raise InvalidConfigError(f"hardware profile {path}: field 'name' must be a string, got {data['name']!r}")
+    sources = data.get("sources", {})
+    if not isinstance(sources, dict):
+        raise InvalidConfigError(f"hardware profile {path}: field 'sources' must be an object {{field: source}}")
+    fields = {k: v for k, v in data.items() if k != "sources"}
+    try:
+        return DeviceProfile(**fields, sources=tuple((str(k), str(v)) for k, v in sources.items()))
+    except InvalidConfigError as e:
+        raise InvalidConfigError(f"{path}: {e}") from None

@@ -1,0 +1,633 @@
+"""Cost model: seconds and bytes of one training step for a parallel layout.
+
+Contract
+--------
+`estimate(table, spec, hw, layout, *, global_batch, seq_len, stages=None) -> Estimate`
+
+* `table` is the symbolic `CostTable` of the model (passes/shapes) or the `CompiledTable` made
+  from it once by `compile_table(table, spec)` (do that when pricing many layouts).
+* `layout` is a `Layout`: mesh (dp, pp, tp, cp, ep), micro-batch size, ZeRO level 0-3, recompute.
+* `stages` (optional) assigns layers to pipeline stages (ir.Stage); default: an even split,
+  the first stages taking the remainder, embedding on the first stage and head on the last.
+* Runtime convention: rank order (pp, dp, cp, tp), tp innermost. A tp group is contiguous
+  ranks (stride 1), cp stride tp, dp stride cp*tp (the gradient group dp x cp has stride tp),
+  pp stride dp*cp*tp.
+
+Component functions (public, stable names; the CP-SAT planner builds its model from them and
+`estimate` is nothing but their composition, so both agree):
+
+  compile_table(table, spec) -> CompiledTable          numeric evaluators of the SymPy table
+  block_time(ct, hw, layout, kind, *, seq_len) -> BlockTime
+        one instance of a block (one layer, the embedding, the head) for ONE micro-batch:
+        forward, backward, recompute, TP and CP communication (all on the critical path)
+  block_activation_bytes(ct, layout, kind, *, seq_len) -> float
+        bytes one instance keeps alive for backward per micro-batch, after recompute
+  block_params(ct, layout, kind) -> float              parameters of one instance on one device
+  state_bytes(params, layout) -> MemoryBreakdown       weights, grads, optimizer under ZeRO
+  p2p_time(ct, hw, layout, *, seq_len) -> float        stage-to-stage sends per micro-batch
+  dp_sync_time(hw, params, layout) -> float            gradient sync of one stage (not overlapped)
+  optimizer_time(hw, params, layout) -> float          Adam step on this device's shard
+  logits_bytes(ct, layout, *, seq_len) -> float        fp32 logits peak of the head stage
+  pipeline_time(stage_times, microbatches) -> float    1F1B makespan (arXiv 2602.09109 sec. 4.3)
+  model_flops_per_token(ct, seq_len) -> float          paper's MFU convention
+
+What TP shards (decided by module path, Megatron-LM conventions, no sequence parallelism):
+attention (`self_attn` and its q/k/v/o projections: heads split; K/V projections split by
+min(tp, kv_heads), replicated beyond), MLP (`mlp`: gate/up column-, down row-parallel), the
+Mamba-2 mixer (`mixer`: in_proj by heads and groups, conv1d by channel, gated norm by group,
+out_proj row-parallel), the embedding (vocab-parallel), the LM head and the loss (vocab-parallel
+cross-entropy, root module path ""). Not split: RMSNorms outside the mixer and residual adds, run
+replicated on every TP rank. CP splits every token-proportional cost by cp (load-balanced causal
+split, so attention's s x s work also divides by cp).
+
+Precision (Megatron-LM / MindSpeed mixed precision, arXiv 1910.02054 table 1): bf16 weights
+(2 B/param), fp32 main gradients (4 B), fp32 master weights + Adam m + v (12 B). ZeRO-1 shards
+the 12 B over dp x cp, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import sympy
+
+from autoshard.errors import InvalidConfigError
+from autoshard.hardware import DeviceProfile
+from autoshard.ir import B, S, BlockKind, CostTable, Mesh, OpKind, Recompute, Stage
+from autoshard.models.presets import Family, ModelSpec
+from autoshard.passes.collectives import Collective, best_time, collective_time
+
+PARAM_BYTES = 2.0  # bf16 weights
+GRAD_BYTES = 4.0  # fp32 main gradients (Megatron-LM / MindSpeed accumulate in fp32)
+OPTIM_BYTES = 12.0  # fp32 master copy + Adam m + v
+ACT_BYTES = 2.0  # bf16 activations on the wire
+OPTIM_TRAFFIC = 30.0  # HBM bytes per parameter of an Adam step: grad r, master/m/v r+w, bf16 w
+
+# replication class of a node under TP
+_REPLICATED, _SHARDED, _KV = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """One parallel layout: the mesh plus the memory options."""
+
+    mesh: Mesh
+    micro_batch: int = 1
+    zero: int = 0
+    recompute: Recompute = Recompute.NONE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
+            raise InvalidConfigError(f"micro_batch must be a positive integer, got {self.micro_batch!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise InvalidConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.recompute, Recompute):
+            object.__setattr__(self, "recompute", Recompute(self.recompute))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockTime:
+    """Seconds for one instance of a block and one micro-batch on one device."""
+
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    tp_comm_s: float
+    cp_comm_s: float
+
+    @property
+    def compute_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s + self.recompute_s + self.tp_comm_s + self.cp_comm_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes on one device."""
+
+    weights: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    buffers: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.buffers
+
+    def as_gb(self) -> dict[str, float]:
+        names = ("weights", "grads", "optimizer", "activations", "logits", "buffers")
+        return {n: getattr(self, n) / 1e9 for n in names}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimeBreakdown:
+    """Seconds of one step on the critical path; the parts add up to the step time."""
+
+    compute: float = 0.0
+    recompute: float = 0.0
+    tp_comm: float = 0.0
+    cp_comm: float = 0.0
+    p2p: float = 0.0
+    pp_bubble: float = 0.0
+    dp_comm_exposed: float = 0.0
+    optimizer: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {n: getattr(self, n) for n in ("compute", "recompute", "tp_comm", "cp_comm", "p2p", "pp_bubble",
+                                              "dp_comm_exposed", "optimizer")}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    """The predicted cost of one training step of one layout."""
+
+    layout: Layout
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float  # fraction, paper convention
+    memory_gb: float  # peak over devices
+    memory: MemoryBreakdown  # of the device with the peak
+    fits: bool
+    time: TimeBreakdown
+    microbatches: int
+    stages: tuple[Stage, ...]
+    stage_times_s: tuple[float, ...]  # per micro-batch, fwd + bwd, per stage
+
+    def to_json(self) -> dict[str, Any]:
+        mesh, lay = self.layout.mesh, self.layout
+        return {
+            **mesh.as_dict(), "zero": lay.zero, "recompute": lay.recompute.value, "micro_batch": lay.micro_batch,
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "memory_gb": self.memory_gb,
+            "mfu": self.mfu, "fits": self.fits, "microbatches": self.microbatches,
+            "memory_breakdown_gb": self.memory.as_gb(), "time_breakdown_s": self.time.as_dict(),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# The table, compiled to numbers
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompiledBlock:
+    """One block's nodes as arrays; `evaluate(b, s)` gives flops, bytes, saved bytes and GEMM dims."""
+
+    kind: BlockKind
+    count: int
+    params: int
+    fwd: np.ndarray  # bool per node
+    tp_class: np.ndarray  # _REPLICATED / _SHARDED / _KV per node
+    core: np.ndarray  # bool: attention core / SSD scan (what selective recompute drops)
+    is_gemm: np.ndarray  # bool: priced by GEMM throughput
+    tp_dim: np.ndarray  # index into (batch, m, n, k) that TP divides, -1 none
+    cp_dim: np.ndarray  # index into (batch, m, n, k) that CP divides, -1 none
+    fn: Any  # lambdified (b, s) -> list of 7 * n numbers
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def evaluate(self, b: int, s: int) -> np.ndarray:
+        """(7, n) array: flops, bytes, saved, gemm batch, m, n, k."""
+        key = (b, s)
+        if key not in self.memo:
+            n = len(self.fwd)
+            vals = np.asarray(self.fn(b, s), dtype=np.float64) if n else np.zeros(0)
+            self.memo[key] = vals.reshape(7, n)
+        return self.memo[key]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompiledTable:
+    """A CostTable with numeric evaluators, plus the model spec; made once by `compile_table`."""
+
+    spec: ModelSpec
+    blocks: dict  # BlockKind -> CompiledBlock
+
+    def block(self, kind: BlockKind) -> CompiledBlock:
+        return self.blocks[kind]
+
+
+def compile_table(table: CostTable | CompiledTable, spec: ModelSpec) -> CompiledTable:
+    """Turn the SymPy table into arrays and one lambdified function per block (done once)."""
+    if isinstance(table, CompiledTable):
+        return table
+    blocks = {}
+    for block in table.blocks:
+        blocks[block.kind] = _compile_block(block, spec)
+    for kind in BlockKind:
+        if kind not in blocks:
+            raise InvalidConfigError(f"cost table of {table.model} has no {kind.value} block; "
+                                     "build it with autoshard.passes.shapes.build_cost_table")
+    return CompiledTable(spec=spec, blocks=blocks)
+
+
+def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
+    nodes = [n for n in block.nodes if n.kind is not OpKind.VIEW]
+    exprs: list[sympy.Expr] = []
+    for attr in ("flops", "bytes", "saved_bytes"):
+        for n in nodes:
+            exprs.append(n.bytes_read + n.bytes_written if attr == "bytes" else getattr(n, attr))
+    for i in range(4):
+        exprs.extend((n.gemm[i] if n.gemm is not None else sympy.Integer(0)) for n in nodes)
+    fn = sympy.lambdify((B, S), exprs, modules="numpy") if nodes else None
+    tp_class = np.array([_tp_class(n.module_path, block.kind) for n in nodes], dtype=np.int8)
+    core = np.array([_is_core(n.module_path) for n in nodes], dtype=bool)
+    is_gemm = np.array([n.kind is OpKind.MATMUL and n.gemm is not None for n in nodes], dtype=bool)
+    tp_dim = np.array([_tp_dim(n, spec) if c else -1 for n, c in zip(nodes, tp_class)], dtype=np.int8)
+    cp_dim = np.array([_cp_dim(n) for n in nodes], dtype=np.int8)
+    return CompiledBlock(kind=block.kind, count=block.count, params=block.params,
+                         fwd=np.array([n.phase == "fwd" for n in nodes], dtype=bool), tp_class=tp_class,
+                         core=core, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, fn=fn)
+
+
+def _parts(path: str) -> list[str]:
+    return path.split(".") if path else []
+
+
+def _tp_class(path: str, kind: BlockKind) -> int:
+    parts = _parts(path)
+    if any(p in ("k_proj", "v_proj") for p in parts):
+        return _KV
+    if any(p in ("self_attn", "mlp", "mixer", "embed_tokens", "embeddings", "lm_head") for p in parts):
+        return _SHARDED
+    if kind is BlockKind.HEAD and not any("norm" in p for p in parts):
+        return _SHARDED  # the loss at the root module: vocab-parallel cross-entropy
+    return _REPLICATED
+
+
+def _is_core(path: str) -> bool:
+    parts = _parts(path)
+    return bool(parts) and parts[-1] in ("self_attn", "mixer")
+
+
+def _symbols(expr) -> set:
+    return getattr(expr, "free_symbols", set())
+
+
+def _tp_dim(node, spec: ModelSpec) -> int:
+    if node.gemm is None:
+        return -1
+    if _is_core(node.module_path) and node.gemm[0] != 1:
+        return 0  # batched attention / SSD matmuls: heads live in the batch dim
+    weight_dims = [i for i in (1, 2, 3) if not _symbols(node.gemm[i])]
+    if not weight_dims:
+        return -1
+    for i in weight_dims:
+        if int(node.gemm[i]) != spec.hidden:
+            return i
+    return weight_dims[0]
+
+
+def _cp_dim(node) -> int:
+    if node.gemm is None:
+        return -1
+    for i in (1, 2, 3):
+        if S in _symbols(node.gemm[i]):
+            return i
+    return -1
+
+
+# --------------------------------------------------------------------------------------------
+# Component functions
+
+
+def _tp_divisor(cls: np.ndarray, spec: ModelSpec, tp: int) -> np.ndarray:
+    kv = min(tp, spec.kv_heads) if spec.family is Family.LLAMA and spec.kv_heads else tp
+    return np.where(cls == _SHARDED, float(tp), np.where(cls == _KV, float(kv), 1.0))
+
+
+def gemm_efficiency(hw: DeviceProfile, m: np.ndarray, n: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Achievable fraction of peak for GEMMs of these shapes: hw.gemm_efficiency times, per
+    dimension, d / (d + hw.gemm_half_dim): thin or small GEMMs underfill the tiles (the paper's
+    observation that TP's smaller GEMMs run less efficiently)."""
+    h = hw.gemm_half_dim
+    f = np.ones_like(m)
+    for d in (m, n, k):
+        d = np.maximum(d, 1.0)
+        f = f * d / (d + h)
+    return hw.gemm_efficiency * f
+
+
+def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> np.ndarray:
+    """Roofline seconds per node of one block instance and one micro-batch on one device."""
+    blk = ct.block(kind)
+    if not len(blk.fwd):
+        return np.zeros(0)
+    vals = blk.evaluate(layout.micro_batch, seq_len)
+    tp, cp = layout.mesh.tp, layout.mesh.cp
+    div = _tp_divisor(blk.tp_class, ct.spec, tp)
+    flops = vals[0] / div / cp
+    nbytes = vals[1] / div / cp
+    mem_t = nbytes / (hw.hbm_bandwidth * hw.vector_efficiency)
+    dims = vals[3:7].copy()
+    idx = np.arange(dims.shape[1])
+    has_tp = blk.tp_dim >= 0
+    dims[blk.tp_dim[has_tp], idx[has_tp]] /= div[has_tp]
+    has_cp = blk.cp_dim >= 0
+    dims[blk.cp_dim[has_cp], idx[has_cp]] /= cp
+    eff = gemm_efficiency(hw, dims[1], dims[2], dims[3])
+    gemm_t = np.where(blk.is_gemm, flops / (hw.peak_flops * eff), 0.0)
+    return np.maximum(gemm_t, mem_t)
+
+
+def _tokens(layout: Layout, seq_len: int) -> float:
+    return layout.micro_batch * seq_len / layout.mesh.cp
+
+
+def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> tuple:
+    """(forward, backward) seconds of TP collectives of one block instance, one micro-batch
+    (Megatron-LM, Narayanan et al. 2021 sec. 2.3: all-reduce after each row-parallel GEMM in
+    forward, after each column-parallel input in backward)."""
+    tp = layout.mesh.tp
+    if tp == 1:
+        return 0.0, 0.0
+    act = _tokens(layout, seq_len) * ct.spec.hidden * ACT_BYTES
+    ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=1)
+    if kind is BlockKind.LAYER:
+        n = 2 if ct.spec.family is Family.LLAMA else 1  # attention + MLP, or the mixer
+        return n * ar, n * ar
+    if kind is BlockKind.EMBED:
+        return ar, 0.0  # vocab-parallel lookup: partial sums all-reduced in forward
+    small = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * 3 * 4, size=tp, stride=1)
+    return small, ar  # vocab-parallel CE (max, sum, target) forward; LM-head input grad backward
+
+
+def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> float:
+    """Seconds of CP communication of one block instance, one micro-batch, forward + backward,
+    not overlapped. LLaMA: all-gather K/V in forward, reduce-scatter dK/dV in backward.
+    Mamba-2: all-gather the chunk-final SSM states (fp32, O(d * d_state * CP), arXiv 2602.09109)
+    forward and backward, plus the conv1d halo (d_conv - 1 tokens) from the previous rank."""
+    mesh, spec = layout.mesh, ct.spec
+    cp, tp = mesh.cp, mesh.tp
+    if cp == 1 or kind is not BlockKind.LAYER:
+        return 0.0
+    b = layout.micro_batch
+    if spec.family is Family.LLAMA:
+        head_dim = spec.hidden // spec.heads
+        kv_local = spec.kv_heads / min(tp, spec.kv_heads)
+        kv_full = 2 * b * seq_len * kv_local * head_dim * ACT_BYTES
+        ag = best_time(hw, Collective.ALL_GATHER, kv_full, size=cp, stride=tp)
+        rs = best_time(hw, Collective.REDUCE_SCATTER, kv_full, size=cp, stride=tp)
+        return ag + rs
+    heads_local = spec.heads / tp
+    state = b * heads_local * spec.head_dim * spec.state * 4.0
+    ag = best_time(hw, Collective.ALL_GATHER, state * cp, size=cp, stride=tp)
+    conv_dim = (spec.intermediate + 2 * spec.groups * spec.state) / tp
+    halo = collective_time(hw, Collective.SEND_RECV, b * (spec.conv - 1) * conv_dim * ACT_BYTES,
+                           size=2, stride=tp)
+    return 2 * (ag + halo)
+
+
+def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, *,
+               seq_len: int) -> BlockTime:
+    """One instance of block `kind` (one layer / the embedding / the head), one micro-batch."""
+    blk = ct.block(kind)
+    t = _node_times(ct, hw, layout, kind, seq_len)
+    fwd = float(t[blk.fwd].sum()) if len(t) else 0.0
+    bwd = float(t[~blk.fwd].sum()) if len(t) else 0.0
+    tp_f, tp_b = _tp_comm(ct, hw, layout, kind, seq_len)
+    recompute = 0.0
+    if kind is BlockKind.LAYER and layout.recompute is Recompute.FULL:
+        recompute = fwd + tp_f  # rerun the whole forward, its TP all-reduces included
+    elif kind is BlockKind.LAYER and layout.recompute is Recompute.SELECTIVE:
+        recompute = float(t[blk.fwd & blk.core].sum())
+    return BlockTime(fwd_s=fwd, bwd_s=bwd, recompute_s=recompute, tp_comm_s=tp_f + tp_b,
+                     cp_comm_s=_cp_comm(ct, hw, layout, kind, seq_len))
+
+
+def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *, seq_len: int) -> float:
+    """Bytes one block instance keeps for backward per micro-batch on one device (read off the
+    joint graph's saved tensors; sharded by TP as above, by CP over tokens), after recompute."""
+    blk = ct.block(kind)
+    mesh, spec = layout.mesh, ct.spec
+    if kind is BlockKind.LAYER and layout.recompute is Recompute.FULL:
+        return _tokens(layout, seq_len) * spec.hidden * ACT_BYTES  # only the block input
+    if not len(blk.fwd):
+        return 0.0
+    vals = blk.evaluate(layout.micro_batch, seq_len)
+    saved = vals[2] / _tp_divisor(blk.tp_class, spec, mesh.tp) / mesh.cp
+    keep = blk.fwd.copy()
+    if kind is BlockKind.LAYER and layout.recompute is Recompute.SELECTIVE:
+        keep &= ~blk.core
+    total = float(saved[keep].sum())
+    if kind is BlockKind.LAYER and mesh.cp > 1 and spec.family is Family.LLAMA:
+        # the gathered K/V of the other CP ranks stay alive for the attention backward
+        head_dim = spec.hidden // spec.heads
+        kv_local = spec.kv_heads / min(mesh.tp, spec.kv_heads)
+        total += 2 * layout.micro_batch * seq_len * kv_local * head_dim * ACT_BYTES * (mesh.cp - 1) / mesh.cp
+    return total
+
+
+def replicated_params(spec: ModelSpec, kind: BlockKind) -> tuple[float, float]:
+    """(parameters every TP rank holds whole, parameters split by min(tp, kv_heads)) of one
+    instance: the RMSNorm weights outside the mixer, and LLaMA's K/V projections."""
+    if kind is BlockKind.EMBED:
+        return 0.0, 0.0
+    if kind is BlockKind.HEAD:
+        return float(spec.hidden), 0.0
+    if spec.family is Family.LLAMA:
+        head_dim = spec.hidden // spec.heads
+        return 2.0 * spec.hidden, 2.0 * spec.hidden * spec.kv_heads * head_dim
+    return float(spec.hidden), 0.0
+
+
+def block_params(ct: CompiledTable, layout: Layout, kind: BlockKind) -> float:
+    """Parameters of one instance of block `kind` held by one device (TP-sharded, before ZeRO)."""
+    spec, tp = ct.spec, layout.mesh.tp
+    total = float(ct.block(kind).params)
+    rep, kv = replicated_params(spec, kind)
+    rep, kv = min(rep, total), min(kv, max(0.0, total - rep))
+    kv_div = min(tp, spec.kv_heads) if spec.kv_heads else tp
+    return rep + kv / kv_div + (total - rep - kv) / tp
+
+
+def _dp_group(layout: Layout) -> int:
+    return layout.mesh.dp * layout.mesh.cp
+
+
+def state_bytes(params: float, layout: Layout) -> MemoryBreakdown:
+    """Weights, gradients and optimizer state of `params` parameters under the ZeRO level,
+    sharded over the dp x cp group (Rajbhandari et al. 2020, ZeRO, sec. 5)."""
+    shard = float(_dp_group(layout))
+    z = layout.zero
+    return MemoryBreakdown(
+        weights=params * PARAM_BYTES / (shard if z >= 3 else 1.0),
+        grads=params * GRAD_BYTES / (shard if z >= 2 else 1.0),
+        optimizer=params * OPTIM_BYTES / (shard if z >= 1 else 1.0),
+    )
+
+
+def dp_sync_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
+    """Seconds of the per-step gradient sync of `params` parameters over dp x cp (stride tp):
+    all-reduce of fp32 gradients (ZeRO-0) or reduce-scatter of gradients plus all-gather of the
+    updated bf16 weights (ZeRO-1/2, Megatron's distributed optimizer). ZeRO-3 syncs per
+    micro-batch instead (see `zero3_time`)."""
+    n, tp = _dp_group(layout), layout.mesh.tp
+    if n == 1:
+        return 0.0
+    if layout.zero == 0:
+        return best_time(hw, Collective.ALL_REDUCE, params * GRAD_BYTES, size=n, stride=tp)
+    rs = best_time(hw, Collective.REDUCE_SCATTER, params * GRAD_BYTES, size=n, stride=tp)
+    if layout.zero == 3:
+        return 0.0
+    return rs + best_time(hw, Collective.ALL_GATHER, params * PARAM_BYTES, size=n, stride=tp)
+
+
+def zero3_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
+    """ZeRO-3 communication of one micro-batch of one stage: all-gather the weights in forward
+    and again in backward, reduce-scatter the gradients."""
+    n, tp = _dp_group(layout), layout.mesh.tp
+    if layout.zero != 3 or n == 1:
+        return 0.0
+    ag = best_time(hw, Collective.ALL_GATHER, params * PARAM_BYTES, size=n, stride=tp)
+    return 2 * ag + best_time(hw, Collective.REDUCE_SCATTER, params * GRAD_BYTES, size=n, stride=tp)
+
+
+def optimizer_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
+    """Adam on this device's shard: memory-bound, OPTIM_TRAFFIC bytes per parameter."""
+    shard = params / (_dp_group(layout) if layout.zero >= 1 else 1)
+    return shard * OPTIM_TRAFFIC / (hw.hbm_bandwidth * hw.vector_efficiency)
+
+
+def p2p_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, *, seq_len: int) -> float:
+    """Stage-to-stage traffic of one micro-batch: the activation forward and its gradient back."""
+    mesh = layout.mesh
+    if mesh.pp == 1:
+        return 0.0
+    act = _tokens(layout, seq_len) * ct.spec.hidden * ACT_BYTES
+    return 2 * collective_time(hw, Collective.SEND_RECV, act, size=2, stride=mesh.dp * mesh.cp * mesh.tp)
+
+
+def logits_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int) -> float:
+    """Transient peak of the loss on the head stage: the fp32 logits and their gradient
+    (vocab-parallel over TP, tokens split over CP)."""
+    return _tokens(layout, seq_len) * ct.spec.vocab / layout.mesh.tp * 4.0 * 2
+
+
+def pipeline_time(stage_times: Sequence[float], microbatches: int) -> float:
+    """1F1B makespan: every stage runs all micro-batches, the slowest stage sets the pace, and
+    fill/drain costs one pass through the other stages: sum(t) + (m - 1) * max(t). With equal
+    stages this is (m + p - 1) t, the bubble fraction (p - 1)/(m + p - 1) (arXiv 2104.04473)."""
+    return float(sum(stage_times) + (microbatches - 1) * max(stage_times))
+
+
+def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
+    """Training FLOPs per token in the paper's MFU convention: 6N + 12 L d s for LLaMA
+    (PaLM, arXiv 2204.02311 app. B); for Mamba-2, 6N plus 3x the SSD forward FLOPs of
+    arXiv 2405.21060 sec. 8.3 per token."""
+    spec = ct.spec
+    n = sum(blk.params * blk.count for blk in ct.blocks.values())
+    if spec.family is Family.LLAMA:
+        return 6.0 * n + 12.0 * spec.layers * spec.hidden * seq_len
+    h, p, nst = spec.heads, spec.head_dim, spec.state
+    chunk = min(spec.chunk, seq_len)
+    ssd = 2 * (h * chunk * nst + h * chunk * p + h * p * nst + h * p * nst / chunk + h * p * nst)
+    return 6.0 * n + 3.0 * ssd * spec.layers
+
+
+# --------------------------------------------------------------------------------------------
+# Composition
+
+
+def default_stages(layers: int, pp: int) -> tuple[Stage, ...]:
+    """Even split of `layers` over `pp` stages; the first `layers % pp` stages take one more."""
+    if pp > layers:
+        raise InvalidConfigError(f"pp ({pp}) must be <= layers ({layers}): every stage needs a layer")
+    base, extra = divmod(layers, pp)
+    out, start = [], 0
+    for i in range(pp):
+        n = base + (1 if i < extra else 0)
+        out.append(Stage(first_layer=start, end_layer=start + n, embed=i == 0, head=i == pp - 1))
+        start += n
+    return tuple(out)
+
+
+def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfile, layout: Layout, *,
+             global_batch: int, seq_len: int, stages: Sequence[Stage] | None = None) -> Estimate:
+    """Predicted step time, throughput, MFU and peak memory of one layout (see module docstring)."""
+    ct = compile_table(table, spec)
+    mesh = layout.mesh
+    _check(spec, layout, global_batch, seq_len)
+    m = global_batch // (mesh.dp * layout.micro_batch)
+    stages = tuple(stages) if stages is not None else default_stages(spec.layers, mesh.pp)
+    if len(stages) != mesh.pp or sum(st.layers for st in stages) != spec.layers:
+        raise InvalidConfigError(f"{len(stages)} stages with {sum(st.layers for st in stages)} layers given; "
+                                 f"expected pp={mesh.pp} stages covering all {spec.layers} layers")
+    kinds = (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD)
+    bt = {k: block_time(ct, hw, layout, k, seq_len=seq_len) for k in kinds}
+    act = {k: block_activation_bytes(ct, layout, k, seq_len=seq_len) for k in kinds}
+    prm = {k: block_params(ct, layout, k) for k in kinds}
+    p2p = p2p_time(ct, hw, layout, seq_len=seq_len)
+
+    times, parts, peaks = [], [], []
+    for i, st in enumerate(stages):
+        counts = {BlockKind.EMBED: int(st.embed), BlockKind.LAYER: st.layers, BlockKind.HEAD: int(st.head)}
+        if st.head and spec.tied and not st.embed:
+            counts_params = prm[BlockKind.EMBED]  # tied LM head keeps a copy of the embedding
+        else:
+            counts_params = 0.0
+        params = sum(prm[k] * c for k, c in counts.items()) + counts_params
+        z3 = zero3_time(hw, params, layout)
+        comp = sum((bt[k].compute_s) * c for k, c in counts.items())
+        reco = sum(bt[k].recompute_s * c for k, c in counts.items())
+        tpc = sum(bt[k].tp_comm_s * c for k, c in counts.items())
+        cpc = sum(bt[k].cp_comm_s * c for k, c in counts.items())
+        bwd_last = sum(bt[k].bwd_s * c for k, c in counts.items())
+        t = comp + reco + tpc + cpc + p2p + max(0.0, z3 - comp)
+        times.append(t)
+        parts.append((comp, reco, tpc, cpc, p2p, params, bwd_last))
+        in_flight = min(mesh.pp - i, m)
+        acts = sum(act[k] * c for k, c in counts.items()) * in_flight
+        mem = state_bytes(params, layout)
+        buffers = _buffers(ct, layout, seq_len, params)
+        logit = logits_bytes(ct, layout, seq_len=seq_len) if st.head else 0.0
+        peaks.append(MemoryBreakdown(weights=mem.weights, grads=mem.grads, optimizer=mem.optimizer,
+                                     activations=acts, logits=logit, buffers=buffers))
+
+    slow = int(np.argmax(times))
+    comp, reco, tpc, cpc, p2p_s, params, _ = parts[slow]
+    pipe = pipeline_time(times, m)
+    # DP sync and the optimizer step are per stage and run in parallel across stages: take the
+    # stage where they end last. The gradient reduce overlaps the last micro-batch's backward.
+    tail = []
+    for (_, _, _, _, _, prm_i, bwd_last) in parts:
+        sync = dp_sync_time(hw, prm_i, layout)
+        tail.append((max(0.0, sync - bwd_last), optimizer_time(hw, prm_i, layout)))
+    dp_exposed, opt = max(tail, key=lambda x: x[0] + x[1])
+    step = pipe + dp_exposed + opt
+    busy = times[slow] * m
+    frac = (lambda x: x * m)
+    breakdown = TimeBreakdown(compute=frac(comp), recompute=frac(reco), tp_comm=frac(tpc), cp_comm=frac(cpc),
+                              p2p=frac(p2p_s), pp_bubble=pipe - busy + (busy - frac(comp + reco + tpc + cpc + p2p_s)),
+                              dp_comm_exposed=dp_exposed, optimizer=opt)
+    peak = max(peaks, key=lambda mb: mb.total)
+    tokens = global_batch * seq_len
+    mfu = model_flops_per_token(ct, seq_len) * tokens / (step * mesh.size * hw.peak_flops)
+    return Estimate(layout=layout, step_time_s=step, tokens_per_s=tokens / step, mfu=mfu,
+                    memory_gb=peak.total / 1e9, memory=peak, fits=peak.total <= hw.memory_bytes,
+                    time=breakdown, microbatches=m, stages=stages, stage_times_s=tuple(times))
+
+
+def _buffers(ct: CompiledTable, layout: Layout, seq_len: int, params: float) -> float:
+    """Communication staging: two activation-sized TP/p2p buffers, and the gathered weights of
+    one layer in flight (twice, prefetch) under ZeRO-3."""
+    act = _tokens(layout, seq_len) * ct.spec.hidden * ACT_BYTES
+    z3 = 0.0
+    if layout.zero == 3:
+        z3 = 2 * block_params(ct, layout, BlockKind.LAYER) * PARAM_BYTES
+    return 2 * act * (layout.mesh.tp > 1 or layout.mesh.pp > 1) + z3
+
+
+def _check(spec: ModelSpec, layout: Layout, global_batch: int, seq_len: int) -> None:
+    mesh = layout.mesh
+    if global_batch < 1 or seq_len < 1:
+        raise InvalidConfigError(f"global_batch and seq_len must be positive, got {global_batch}, {seq_len}")
+    if global_batch % (mesh.dp * layout.micro_batch):
+        raise InvalidConfigError(f"dp ({mesh.dp}) x micro_batch ({layout.micro_batch}) must divide the global "
+                                 f"batch ({global_batch}); pick a micro-batch or dp that divides it")
+    if mesh.ep != 1:
+        raise InvalidConfigError(f"ep must be 1: {spec.name} has no experts (got ep={mesh.ep})")
