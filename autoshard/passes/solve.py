@@ -1,198 +1,310 @@
-"""The CP-SAT planner (the only module that imports OR-Tools): `solve` and one mesh's model.
+"""The CP-SAT planner: `solve(spec, hw, *, devices, global_batch, seq_len) -> Plan`.
 
-Contract: `solve_mesh(problem, time_limit_s=...) -> MeshResult` decides together the option of
-every mesh-wide `Choice` (op-group placements, ZeRO level), the number of layers of each
-pipeline stage and each stage's recomputation, minimising the step time of
-`solve_model.evaluate` under the per-stage memory limit. CP-SAT needs integers: seconds and
-bytes are converted once here, times to `time_unit` (about 1e-5 of one layer's time),
-bytes to `byte_unit` (1e-6 of the capacity, rounded up so a plan that fits in integers
-fits in floats). Products of a stage's layer count with a per-layer cost that depends on
-decisions are exact `AddMultiplicationEquality` constraints.
+This is the only module that imports OR-Tools.
+
+Contract
+  For every candidate layout (mesh DP x PP x TP x CP x EP = devices, micro-batch size, ZeRO
+  level; `candidate_layouts`) one CP-SAT model decides together the contiguous assignment of
+  the layers to the pipeline stages (the first stage also holds the embedding, the last the
+  LM head and loss; uneven splits allowed, a first / last stage may hold no layer) and the
+  recomputation level of every stage, minimising the step time of `passes/cost.py` (read off
+  its component functions through `solve_model.mesh_problem`) subject to peak memory per
+  device <= capacity on every stage. Layouts are visited by a lower bound on their step time
+  (perfect pipeline balance, no recomputation, no exposed sync) and skipped once the bound
+  reaches the best plan found. The op placements are the Megatron-LM ones the cost model
+  prices (`strategies.block_placements`).
+  Integers: seconds are converted once here to units of 1e-6 of the largest stage time.
+  No layout fits -> `InfeasiblePlanError` naming the binding constraint (memory per device)
+  and by how much the smallest plan misses.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from ortools.sat.python import cp_model
 
-from autoshard.passes.solve_model import Assignment, Linear, MeshProblem
+from autoshard.errors import InfeasiblePlanError, InvalidConfigError
+from autoshard.ir import Mesh, Plan, Recompute
+from autoshard.passes import cost
+from autoshard.passes.cost import CompiledTable, Layout
+from autoshard.passes.solve_model import Assignment, MeshProblem, evaluate, mesh_problem
 
 _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
            cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
+Progress = Callable[[int, int, float], None]  # (layouts visited, layouts in total, best step so far)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeshResult:
     status: str  # optimal / feasible / infeasible / unknown
     assignment: Assignment | None
-    objective_s: float  # CP-SAT's objective converted back (integer-rounded costs)
-    bound_s: float
+    step_s: float  # evaluated in floats from the tables (math.inf when nothing fits)
+    bound_s: float  # CP-SAT's lower bound, converted back to seconds
     wall_s: float
 
     @property
     def gap(self) -> float:
-        return 0.0 if self.objective_s <= 0 else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+        if not math.isfinite(self.step_s) or self.step_s <= 0:
+            return 0.0
+        return max(0.0, (self.step_s - self.bound_s) / self.step_s)
 
 
-class _Builder:
-    """Turns `Linear` forms into integer CP-SAT expressions over one-hot option booleans."""
-
-    def __init__(self, problem: MeshProblem, *, time_unit: float, byte_unit: float) -> None:
-        self.p, self.m = problem, cp_model.CpModel()
-        self.time_unit, self.byte_unit = time_unit, byte_unit
-        self.x = {}
-        for c in problem.choices:
-            lits = {o: self.m.NewBoolVar(f"{c.name}={o}") for o in c.options}
-            self.m.AddExactlyOne(lits.values())
-            self.x.update({(c.name, o): v for o, v in lits.items()})
-        self.pairs = {}
-        self.domain = {}  # var index -> (lo, hi): kept here, not read back from the proto
-
-    def int_var(self, lo: int, hi: int, name: str):
-        v = self.m.NewIntVar(lo, hi, name)
-        self.domain[v.Index()] = (lo, hi)
-        return v
-
-    def _pair(self, a, b):
-        key = (a, b)
-        if key not in self.pairs:
-            v = self.m.NewBoolVar(f"{a}&{b}")
-            self.m.AddBoolAnd([self.x[a], self.x[b]]).OnlyEnforceIf(v)
-            self.m.AddBoolOr([self.x[a].Not(), self.x[b].Not()]).OnlyEnforceIf(v.Not())
-            self.pairs[key] = v
-        return self.pairs[key]
-
-    def ints(self, form: Linear, unit: float, up: bool) -> tuple[int, list[tuple[int, object]]]:
-        r = math.ceil if up else round
-        terms = [(int(r(c / unit)), self.x[o]) for o, c in form.terms]
-        terms += [(int(r(c / unit)), self._pair(a, b)) for a, b, c in form.pairs]
-        return int(r(form.const / unit)), [(k, v) for k, v in terms if k]
-
-    def expr(self, form: Linear, unit: float, up: bool = False):
-        const, terms = self.ints(form, unit, up)
-        return const + sum(k * v for k, v in terms)
-
-    def bounds(self, form: Linear, unit: float, up: bool = False) -> tuple[int, int]:
-        const, terms = self.ints(form, unit, up)
-        lo = const + sum(min(0, k) for k, _ in terms)
-        hi = const + sum(max(0, k) for k, _ in terms)
-        return lo, hi
-
-    def per_stage(self, name: str, forms: dict, r_lits: dict, unit: float, up: bool):
-        """Integer var equal to forms[r] for the recompute r taken by this stage."""
-        bounds = [self.bounds(f, unit, up) for f in forms.values()]
-        v = self.int_var(min(b[0] for b in bounds), max(b[1] for b in bounds), name)
-        for r, f in forms.items():
-            self.m.Add(v == self.expr(f, unit, up)).OnlyEnforceIf(r_lits[r])
-        return v
-
-    def times_n(self, name: str, n, value):
-        """n * value for an integer layer count n and an integer var value (exact product)."""
-        lo, hi = self.domain[value.Index()]
-        nmax = self.p.layers
-        prod = self.m.NewIntVar(min(0, lo * nmax), max(0, hi * nmax), name)
-        self.m.AddMultiplicationEquality(prod, [n, value])
-        return prod
-
-
-def _units(problem: MeshProblem) -> tuple[float, float]:
-    scale = max([abs(c) for f in problem.layer.time.values() for c in _coefs(f)] + [1e-12])
-    return scale * 1e-5, problem.capacity_bytes * 1e-6
-
-
-def _coefs(form: Linear) -> list[float]:
-    return [form.const, *(c for _, c in form.terms), *(c for *_, c in form.pairs)]
-
-
-def build(problem: MeshProblem, *, memory_limit: bool = True):
-    """The CP-SAT model of `problem`: (builder, layer-count vars, recompute literals, objective, peak)."""
-    tu, bu = _units(problem)
-    b = _Builder(problem, time_unit=tu, byte_unit=bu)
-    m, p, L = b.m, problem.pp, problem.layers
-    lows = [L] if p == 1 else [0] + [1] * (p - 2) + [0]
-    n = [m.NewIntVar(lows[i], L, f"n{i}") for i in range(p)]
+def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assignment | None = None,
+               workers: int = 1) -> MeshResult:
+    """The fastest assignment of `problem` that fits (CP-SAT, optimal within the time limit)."""
+    p, L, R = problem.pp, problem.layers, len(problem.recomputes)
+    unit = max(max(max(row) for row in rows) for rows in problem.time_s) * 1e-6 or 1.0
+    m = cp_model.CpModel()
+    n = [m.NewIntVar(problem.min_layers(i), L, f"n{i}") for i in range(p)]
     m.Add(sum(n) == L)
-    rec = []
+    times, tails = [], []
     for i in range(p):
-        lits = {r: m.NewBoolVar(f"r{i}={r.value}") for r in problem.recomputes}
-        m.AddExactlyOne(lits.values())
-        rec.append(lits)
-    layer_state = b.int_var(*b.bounds(problem.layer.state, bu, True), "layer_state")
-    m.Add(layer_state == b.expr(problem.layer.state, bu, True))
-    layer_sync = b.int_var(*b.bounds(problem.layer.sync, tu), "layer_sync")
-    m.Add(layer_sync == b.expr(problem.layer.sync, tu))
-    t_max = m.NewIntVar(0, 2**50, "t_max")
-    s_max = m.NewIntVar(0, 2**50, "sync_max")
-    mem_max = m.NewIntVar(0, 2**50, "mem_max")
-    times = []
-    for i in range(p):
-        first, last, inflight = i == 0, i == p - 1, problem.inflight(i)
-        t_layer = b.per_stage(f"tl{i}", dict(problem.layer.time), rec[i], tu, False)
-        a_layer = b.per_stage(f"al{i}", dict(problem.layer.act), rec[i], bu, True)
-        time = b.times_n(f"T{i}", n[i], t_layer) + (round(problem.p2p_s / tu) if p > 1 else 0)
-        mem = b.times_n(f"S{i}", n[i], layer_state) + inflight * b.times_n(f"A{i}", n[i], a_layer)
-        mem += math.ceil(problem.fixed_bytes / bu)
-        sync = b.times_n(f"G{i}", n[i], layer_sync)
-        for present, block, tag in ((first, problem.embed, "e"), (last, problem.head, "h")):
-            if present:
-                time += b.per_stage(f"bt{tag}{i}", dict(block.time), rec[i], tu, False)
-                mem += b.expr(block.state, bu, True) + b.expr(block.peak, bu, True)
-                mem += inflight * b.per_stage(f"ba{tag}{i}", dict(block.act), rec[i], bu, True)
-                sync += b.expr(block.sync, tu)
-        if memory_limit:
-            m.Add(mem <= math.floor(problem.capacity_bytes / bu))
-        m.Add(mem_max >= mem)
-        m.Add(t_max >= time)
-        m.Add(s_max >= sync)
-        times.append(time)
-    objective = (problem.microbatches - 1) * t_max + sum(times) + s_max
-    return b, n, rec, objective, mem_max
-
-
-def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, workers: int = 1,
-               hint: Assignment | None = None) -> MeshResult:
-    """Optimal (or best within the time limit) assignment of one mesh's problem."""
-    b, n, rec, objective, _ = build(problem)
-    b.m.Minimize(objective)
+        allowed = [r * (L + 1) + k for r in range(R) for k in range(problem.min_layers(i), L + 1)
+                   if problem.mem_bytes[i][r][k] <= problem.capacity_bytes]
+        if not allowed:
+            return MeshResult(status="infeasible", assignment=None, step_s=math.inf, bound_s=math.inf, wall_s=0.0)
+        idx = m.NewIntVarFromDomain(cp_model.Domain.FromValues(allowed), f"idx{i}")
+        r = m.NewIntVar(0, R - 1, f"r{i}")
+        m.Add(idx == r * (L + 1) + n[i])
+        table = [round(t / unit) for row in problem.time_s[i] for t in row]
+        t = m.NewIntVar(0, max(table), f"t{i}")
+        m.AddElement(idx, table, t)
+        tail_table = [round(x / unit) for x in problem.tail_s[i]]
+        tail = m.NewIntVar(0, max(tail_table), f"tail{i}")
+        m.AddElement(n[i], tail_table, tail)
+        times.append((t, r))
+        tails.append(tail)
+    t_max = m.NewIntVar(0, max(round(max(max(row) for row in rows) / unit) for rows in problem.time_s), "t_max")
+    m.AddMaxEquality(t_max, [t for t, _ in times])
+    tail_max = m.NewIntVar(0, max(max(round(x / unit) for x in row) for row in problem.tail_s), "tail_max")
+    m.AddMaxEquality(tail_max, tails)
+    m.Minimize((problem.microbatches - 1) * t_max + sum(t for t, _ in times) + tail_max)
     if hint is not None:
-        _add_hint(b, n, rec, hint)
-    solver = _solver(time_limit_s, workers)
-    status = solver.Solve(b.m)
-    name = _STATUS.get(status, "unknown")
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return MeshResult(status=name, assignment=None, objective_s=math.inf, bound_s=math.inf,
-                          wall_s=solver.WallTime())
-    taken = {c: o for (c, o), v in b.x.items() if solver.Value(v)}
-    assignment = Assignment(taken=taken, layers=tuple(solver.Value(v) for v in n),
-                            recompute=tuple(next(r for r, lit in lits.items() if solver.Value(lit)) for lits in rec))
-    tu = b.time_unit
-    fixed = problem.fixed_s
-    return MeshResult(status=name, assignment=assignment, objective_s=solver.ObjectiveValue() * tu + fixed,
-                      bound_s=solver.BestObjectiveBound() * tu + fixed, wall_s=solver.WallTime())
-
-
-def min_peak_bytes(problem: MeshProblem, *, time_limit_s: float = 5.0) -> float:
-    """The smallest per-device peak memory any assignment reaches (ignores the capacity)."""
-    b, _, _, _, mem_max = build(problem, memory_limit=False)
-    b.m.Minimize(mem_max)
-    solver = _solver(time_limit_s, 1)
-    solver.Solve(b.m)
-    return solver.BestObjectiveBound() * b.byte_unit
-
-
-def _solver(time_limit_s: float, workers: int) -> cp_model.CpSolver:
+        for i in range(p):
+            m.AddHint(n[i], hint.layers[i])
+            m.AddHint(times[i][1], problem.recomputes.index(hint.recompute[i]))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, float(time_limit_s))
-    solver.parameters.num_search_workers = max(1, workers)
-    return solver
+    solver.parameters.num_workers = max(1, workers)
+    status = solver.Solve(m)
+    name = _STATUS.get(status, "unknown")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return MeshResult(status=name, assignment=None, step_s=math.inf, bound_s=math.inf, wall_s=solver.WallTime())
+    a = Assignment(layers=tuple(solver.Value(v) for v in n),
+                   recompute=tuple(problem.recomputes[solver.Value(r)] for _, r in times))
+    step = evaluate(problem, a).step_s
+    bound = min(step, solver.BestObjectiveBound() * unit)
+    return MeshResult(status=name, assignment=a, step_s=step, bound_s=bound, wall_s=solver.WallTime())
 
 
-def _add_hint(b: _Builder, n, rec, hint: Assignment) -> None:
-    for (c, o), v in b.x.items():
-        b.m.AddHint(v, hint.taken.get(c) == o)
-    for i, k in enumerate(hint.layers):
-        b.m.AddHint(n[i], k)
-        for r, lit in rec[i].items():
-            b.m.AddHint(lit, hint.recompute[i] == r)
+def min_peak_bytes(problem: MeshProblem) -> float:
+    """The smallest peak memory per device over every assignment (binary search on the cap)."""
+    p, L = problem.pp, problem.layers
+
+    def fits(cap: float) -> bool:
+        # stages are independent given their layer counts: can the layers be spread so each fits?
+        lo = [min((k for k in range(problem.min_layers(i), L + 1)
+                   if any(row[k] <= cap for row in problem.mem_bytes[i])), default=None) for i in range(p)]
+        hi = [max((k for k in range(problem.min_layers(i), L + 1)
+                   if any(row[k] <= cap for row in problem.mem_bytes[i])), default=None) for i in range(p)]
+        return None not in lo and sum(lo) <= L <= sum(hi)
+
+    values = sorted({v for rows in problem.mem_bytes for row in rows for v in row})
+    left, right = 0, len(values) - 1
+    while left < right:
+        mid = (left + right) // 2
+        left, right = (left, mid) if fits(values[mid]) else (mid + 1, right)
+    return values[left]
+
+
+# -- the search over layouts -------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
+                      zeros: tuple[int, ...] = (0, 1, 2, 3), micro_batches: tuple[int, ...] = (1, 2, 4, 8)):
+    """Every (mesh, micro-batch, ZeRO) the runtime can run: tp divides the heads (and Mamba-2's
+    groups), cp gives each rank two equal causal chunks, pp <= layers, dp x micro-batch divides
+    the global batch. EP stays 1 (dense models)."""
+    out = []
+    for tp in _divisors(devices):
+        if spec.heads % tp or (spec.groups and spec.groups % tp):
+            continue
+        for cp in _divisors(devices // tp):
+            if seq_len % (2 * cp) and cp > 1:
+                continue
+            for pp in _divisors(devices // (tp * cp)):
+                dp = devices // (tp * cp * pp)
+                if pp > spec.layers or global_batch % dp:
+                    continue
+                for mb in micro_batches:
+                    if global_batch % (dp * mb):
+                        continue
+                    for z in zeros:
+                        out.append(Layout(mesh=Mesh(dp=dp, pp=pp, tp=tp, cp=cp), micro_batch=mb, zero=z))
+    return out
+
+
+def lower_bound(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, seq_len: int) -> float:
+    """A step time no plan of `layout` beats: all work W (no recompute) perfectly balanced,
+    W + (m - 1) * max(W / pp, heaviest single block)."""
+    kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
+    bt = {k: cost.block_time(ct, hw, replace(layout, recompute=Recompute.NONE), k, seq_len=seq_len) for k in kinds}
+    mesh = layout.mesh
+    p2p = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
+    work = sum(bt[k].total_s for k in kinds) + (ct.spec.layers - 1) * bt[cost.BlockKind.LAYER].total_s
+    work += mesh.pp * p2p
+    m = global_batch // (mesh.dp * layout.micro_batch)
+    heaviest = max(bt[k].total_s for k in kinds) + p2p
+    return work + (m - 1) * max(work / mesh.pp, heaviest)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    layout: Layout
+    result: MeshResult
+
+
+def search(ct: CompiledTable, hw, *, devices: int, global_batch: int, seq_len: int, time_limit_s: float = 30.0,
+           progress: Progress | None = None, layouts: list[Layout] | None = None) -> list[Candidate]:
+    """Solve layouts in order of their lower bound until the bound passes the best plan;
+    returns every solved layout's result, best first."""
+    spec = ct.spec
+    layouts = layouts if layouts is not None else candidate_layouts(
+        spec, devices=devices, global_batch=global_batch, seq_len=seq_len)
+    bounds = sorted(((lower_bound(ct, hw, lay, global_batch=global_batch, seq_len=seq_len), k, lay)
+                     for k, lay in enumerate(layouts)), key=lambda x: (x[0], x[1]))
+    start, best, found = time.perf_counter(), math.inf, []
+    for visited, (bound, _, layout) in enumerate(bounds):
+        if bound >= best * (1 - 1e-9):
+            break
+        left = time_limit_s - (time.perf_counter() - start)
+        if left <= 0 and found:
+            break
+        problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len)
+        result = solve_mesh(problem, time_limit_s=max(0.2, min(left, time_limit_s / 4)), hint=_even(problem))
+        if result.assignment is not None:
+            found.append(Candidate(layout=layout, result=result))
+            best = min(best, result.step_s)
+        if progress is not None:
+            progress(visited + 1, len(bounds), best)
+    return sorted(found, key=lambda c: c.result.step_s)
+
+
+def _even(problem: MeshProblem) -> Assignment:
+    stages = cost.default_stages(problem.layers, problem.pp) if problem.pp <= problem.layers else ()
+    layers = tuple(st.layers for st in stages) or (problem.layers,) + (0,) * (problem.pp - 1)
+    return Assignment(layers=layers, recompute=(problem.recomputes[0],) * problem.pp)
+
+
+def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit_s: float = 30.0,
+          progress: Progress | None = None, table=None) -> Plan:
+    """The fastest plan that fits (see the module docstring). `hw`: a profile or its name;
+    `table`: a CostTable / CompiledTable already built for `spec` (built here when None)."""
+    from autoshard.hardware import load_hardware
+    from autoshard.passes.shapes import build_cost_table
+
+    for name, value in (("devices", devices), ("global_batch", global_batch), ("seq_len", seq_len)):
+        if not isinstance(value, int) or value <= 0:
+            raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
+    hw = load_hardware(hw)
+    t0 = time.perf_counter()
+    ct = cost.compile_table(table if table is not None else build_cost_table(spec), spec)
+    layouts = candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len)
+    if not layouts:
+        raise InvalidConfigError(
+            f"no valid layout of {devices} devices for {spec.name}: tp must divide the heads ({spec.heads}), "
+            f"pp <= layers ({spec.layers}), dp x micro-batch must divide the global batch ({global_batch}); "
+            "change the device count or the global batch")
+    found = search(ct, hw, devices=devices, global_batch=global_batch, seq_len=seq_len,
+                   time_limit_s=time_limit_s, progress=progress, layouts=layouts)
+    if found and not any(c.layout.mesh != found[0].layout.mesh for c in found):
+        found += _runner_up(ct, hw, found[0].layout.mesh, layouts, global_batch=global_batch, seq_len=seq_len)
+    if not found:
+        raise _infeasible(ct, hw, spec, layouts, devices=devices, global_batch=global_batch, seq_len=seq_len)
+    return _plan(ct, hw, spec, found, devices=devices, global_batch=global_batch, seq_len=seq_len,
+                 solve_s=time.perf_counter() - t0, layouts=len(layouts))
+
+
+def _runner_up(ct, hw, mesh: Mesh, layouts, *, global_batch: int, seq_len: int) -> list[Candidate]:
+    """The best plan on another mesh (for `show`'s "why this mesh"): next layouts by bound."""
+    rest = [lay for lay in layouts if lay.mesh != mesh]
+    rest.sort(key=lambda lay: lower_bound(ct, hw, lay, global_batch=global_batch, seq_len=seq_len))
+    for lay in rest[:8]:
+        found = search(ct, hw, devices=mesh.size, global_batch=global_batch, seq_len=seq_len, time_limit_s=2.0,
+                       layouts=[x for x in rest if x.mesh == lay.mesh])
+        if found:
+            return found[:1]
+    return []
+
+
+def _infeasible(ct, hw, spec, layouts, *, devices, global_batch, seq_len) -> InfeasiblePlanError:
+    small = [lay for lay in layouts if lay.zero == max(x.zero for x in layouts) and lay.micro_batch == 1]
+    best, where = math.inf, None
+    for lay in small:
+        need = min_peak_bytes(mesh_problem(ct, hw, lay, global_batch=global_batch, seq_len=seq_len))
+        if need < best:
+            best, where = need, lay
+    cap = hw.memory_bytes
+    return InfeasiblePlanError(
+        f"{spec.name} fits no layout on {devices} x {hw.name}: binding constraint is memory per device; "
+        f"the smallest plan ({where.mesh}, ZeRO-{where.zero}, micro-batch 1, recompute per stage) needs "
+        f"{best / 1e9:.1f} GB but the device has {cap / 1e9:.1f} GB, {(best - cap) / 1e9:.1f} GB "
+        f"({100 * (best / cap - 1):.0f}%) too much; use more devices or a device with more memory")
+
+
+def _predict(ct, hw, spec, cand: Candidate, *, global_batch: int, seq_len: int) -> dict:
+    """Predicted figures of a solved layout from `cost.estimate(stages=)`. With one recompute
+    level on every stage they are estimate's own; with mixed levels (which estimate prices with
+    one level) step time and memory come from the per-stage tables, the breakdown from estimate
+    run at the bottleneck stage's level."""
+    a = cand.result.assignment
+    problem = mesh_problem(ct, hw, cand.layout, global_batch=global_batch, seq_len=seq_len)
+    ev = evaluate(problem, a)
+    slow = max(range(len(ev.stage_s)), key=lambda i: ev.stage_s[i])
+    layout = replace(cand.layout, recompute=a.recompute[slow])
+    est = cost.estimate(ct, spec, hw, layout, global_batch=global_batch, seq_len=seq_len, stages=a.stages())
+    uniform = len(set(a.recompute)) == 1
+    step = est.step_time_s if uniform else ev.step_s
+    tokens = global_batch * seq_len
+    return {
+        "step_time_s": step, "tokens_per_s": tokens / step, "mfu": est.mfu * est.step_time_s / step,
+        "memory_gb": (est.memory_gb if uniform else ev.peak_bytes / 1e9),
+        "stage_memory_gb": [b / 1e9 for b in ev.stage_bytes], "stage_time_s": list(ev.stage_s),
+        "microbatches": problem.microbatches, "time_breakdown_s": est.time.as_dict(),
+        "memory_breakdown_gb": est.memory.as_gb(), "fits": ev.peak_bytes <= hw.memory_bytes,
+        "source": "cost.estimate(stages=)" if uniform else "cost component tables (mixed recompute)",
+    }
+
+
+def _why(win: dict, other: dict) -> str:
+    diffs = {k: other["time_breakdown_s"].get(k, 0.0) - v for k, v in win["time_breakdown_s"].items()}
+    k = max(diffs, key=lambda x: diffs[x])
+    return f"{k.replace('_', ' ')} costs {diffs[k]:.2f} s more per step on the runner-up"
+
+
+def _plan(ct, hw, spec, found: list[Candidate], *, devices, global_batch, seq_len, solve_s, layouts) -> Plan:
+    from autoshard.fingerprint import fingerprint_spec
+    from autoshard.passes.strategies import block_placements
+
+    best = found[0]
+    pred = _predict(ct, hw, spec, best, global_batch=global_batch, seq_len=seq_len)
+    a, layout = best.result.assignment, best.layout
+    others = [c for c in found[1:] if c.layout.mesh != layout.mesh]
+    solver = {"status": best.result.status, "gap": best.result.gap, "solve_time_s": solve_s,
+              "layouts": layouts, "layouts_solved": len(found), "objective_s": best.result.step_s}
+    if others:
+        ru = _predict(ct, hw, spec, others[0], global_batch=global_batch, seq_len=seq_len)
+        solver["runner_up"] = {"mesh": others[0].layout.mesh.as_dict(), "zero": others[0].layout.zero,
+                               "micro_batch": others[0].layout.micro_batch, "step_time_s": ru["step_time_s"],
+                               "why": _why(pred, ru)}
+    rec = a.recompute[0] if len(set(a.recompute)) == 1 else max(a.recompute, key=list(Recompute).index)
+    return Plan(model=spec.name, fingerprint=fingerprint_spec(spec), hardware=hw.name, devices=devices,
+                global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,
+                zero=layout.zero, recompute=rec, stages=a.stages(),
+                placements=block_placements(spec, tp=layout.mesh.tp), predicted=pred, solver=solver)

@@ -1,0 +1,30 @@
+"""Model fingerprints: a short hash of a model's structure and parameter shapes.
+
+A plan is only valid for the model it was solved for. `fingerprint_module(model)` hashes the
+module tree (each submodule's path and class) and every parameter's name, shape and dtype;
+no weights are read, so a model on the meta device gives the same fingerprint as the same
+model on CPU. The runtime compares it with `Plan.fingerprint` when it loads a plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from torch import nn
+
+
+def fingerprint_module(model: nn.Module) -> str:
+    """16 hex digits identifying the module tree and the parameter shapes of `model`."""
+    h = hashlib.sha256()
+    for path, module in model.named_modules():
+        h.update(f"m {path} {type(module).__name__}\n".encode())
+    for name, p in model.named_parameters():
+        h.update(f"p {name} {tuple(p.shape)} {p.dtype}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def fingerprint_spec(spec) -> str:
+    """The fingerprint of the preset `spec` (built on the meta device: no weights)."""
+    from autoshard.models.presets import build_model
+
+    return fingerprint_module(build_model(spec, device="meta"))
