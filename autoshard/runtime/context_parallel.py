@@ -1,0 +1,190 @@
+"""Context parallelism (CP): the sequence of every sample split over a group of ranks.
+
+Contract: `CPContext(group=..., rank=..., size=...)` names the CP group of this rank.
+`enable_context_parallel(model, ctx)` switches an unmodified HF `LlamaForCausalLM` or
+`Mamba2ForCausalLM` so that its forward, fed this rank's slice of the sequence
+(`split_sequence`) with this rank's real position ids (`sequence_positions`), computes exactly
+this rank's slice of the full-sequence forward, and its backward the matching gradients
+(summed over the CP group they give the full-sequence gradients).
+
+Terms (S = global sequence length, cp = CP group size):
+
+* *balanced* layout (LLaMA): the sequence is cut into 2*cp chunks of S/(2*cp) tokens; rank i
+  holds chunks i and 2*cp-1-i, so every rank has the same causal-attention work.
+  Attention all-gathers K and V over the group (the gradient is a reduce-scatter), see
+  `cp_attention.py`.
+* *contiguous* layout (Mamba-2): rank i holds tokens [i*S/cp, (i+1)*S/cp); a scan has no
+  causal imbalance. The mixer passes chunk-final SSM states between ranks, see `cp_mamba.py`.
+
+Labels: the causal shift (target[t] = label[t+1]) crosses chunk borders, so labels are shifted
+over the *whole* sequence first (`split_targets`) and split afterwards with the same layout.
+The loss is sum over local valid tokens / global valid-token count; summing it over the CP
+(and DP) group gives the global mean, so replicated parameters' gradients are *summed* over
+dp x cp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from autoshard.errors import InvalidConfigError, UnsupportedOpError
+
+IGNORE_INDEX = -100
+
+
+class SeqLayout(str, Enum):
+    BALANCED = "balanced"  # chunks i and 2cp-1-i of 2cp (causal attention)
+    CONTIGUOUS = "contiguous"  # chunk i of cp (scans)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CPContext:
+    """This rank's place in its CP group. `group` is None only when size == 1."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise InvalidConfigError(f"CP rank {self.rank} must lie in [0, {self.size}) and size must be >= 1")
+        if self.size > 1 and self.group is None:
+            raise InvalidConfigError(f"CP size {self.size} needs a process group, got None")
+
+    @classmethod
+    def from_group(cls, group: dist.ProcessGroup) -> CPContext:
+        return cls(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group))
+
+
+# -- layouts ---------------------------------------------------------------------------------
+
+def layout_of(model: nn.Module) -> SeqLayout:
+    """The sequence layout CP uses for `model` (raises if the model has no CP rule)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type == "llama":
+        return SeqLayout.BALANCED
+    if model_type == "mamba2":
+        return SeqLayout.CONTIGUOUS
+    raise UnsupportedOpError(
+        f"context parallelism has no rule for model type {model_type!r} ({type(model).__name__}); "
+        "autoshard knows LLaMA attention and the Mamba-2 mixer: run this model with cp=1"
+    )
+
+
+def check_seq_len(seq_len: int, cp: int, layout: SeqLayout, *, min_local: int = 1) -> None:
+    """Raise before any collective if `seq_len` cannot be split over `cp` ranks."""
+    parts = 2 * cp if layout is SeqLayout.BALANCED else cp
+    if seq_len % parts:
+        raise InvalidConfigError(
+            f"sequence length {seq_len} is not divisible by {parts} (= {'2*cp' if parts == 2 * cp else 'cp'}, "
+            f"cp={cp}, {layout.value} layout); pad the sequence to a multiple of {parts} or pick a smaller cp"
+        )
+    if seq_len // cp < min_local:
+        raise InvalidConfigError(
+            f"sequence length {seq_len} over cp={cp} leaves {seq_len // cp} tokens per rank, fewer than the "
+            f"{min_local} this model needs (Mamba-2 conv1d halo = conv_kernel - 1); use a smaller cp"
+        )
+
+
+def sequence_positions(seq_len: int, cp: int, rank: int, layout: SeqLayout) -> Tensor:
+    """(S/cp,) int64: the global positions of the tokens rank `rank` holds, in its local order."""
+    if layout is SeqLayout.CONTIGUOUS:
+        local = seq_len // cp
+        return torch.arange(rank * local, (rank + 1) * local)
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    last = 2 * cp - 1 - rank
+    return torch.cat([first, torch.arange(last * chunk, (last + 1) * chunk)])
+
+
+def gathered_order(seq_len: int, cp: int, layout: SeqLayout) -> Tensor:
+    """(S,) int64: index into the rank-order concatenation of all ranks' tokens that gives the
+    natural order (natural = gathered[:, order])."""
+    held = torch.cat([sequence_positions(seq_len, cp, r, layout) for r in range(cp)])
+    return torch.argsort(held)
+
+
+def split_sequence(x: Tensor, ctx: CPContext, layout: SeqLayout, *, dim: int = 1) -> Tensor:
+    """This rank's slice of a full-sequence tensor (ids, labels, embeddings) along `dim`."""
+    if ctx.size == 1:
+        return x
+    check_seq_len(x.shape[dim], ctx.size, layout)
+    index = sequence_positions(x.shape[dim], ctx.size, ctx.rank, layout).to(x.device)
+    return x.index_select(dim, index)
+
+
+def all_gather_autograd(x: Tensor, ctx: CPContext, *, dim: int = 0) -> Tensor:
+    """Concatenate every CP rank's `x` along `dim`, in rank order; the backward is a reduce-scatter (sum)."""
+    from torch.distributed import _functional_collectives as fc
+
+    gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+    moved = x.movedim(dim, 0).contiguous()  # gather along dim 0 only: no cat/chunk copies
+    return gather(moved, gather_dim=0, group=ctx.group).movedim(0, dim)
+
+
+def gather_sequence(x: Tensor, ctx: CPContext, layout: SeqLayout, *, dim: int = 1) -> Tensor:
+    """Inverse of `split_sequence` over the group (autograd: the backward keeps this rank's slice)."""
+    if ctx.size == 1:
+        return x
+    full = all_gather_autograd(x, ctx, dim=dim)
+    order = gathered_order(full.shape[dim], ctx.size, layout).to(x.device)
+    return full.index_select(dim, order)
+
+
+def split_targets(labels: Tensor, ctx: CPContext, layout: SeqLayout) -> Tensor:
+    """Shift (b, S) labels over the whole sequence (target[t] = labels[t+1], -100 last), then split."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    return split_sequence(shifted, ctx, layout, dim=-1)
+
+
+def split_batch(input_ids: Tensor, labels: Tensor | None, ctx: CPContext,
+                layout: SeqLayout) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(b, S) ids and unshifted labels -> this rank's (ids, position ids (1, S/cp), shifted targets)."""
+    positions = sequence_positions(input_ids.shape[-1], ctx.size, ctx.rank, layout).to(input_ids.device)[None]
+    targets = None if labels is None else split_targets(labels, ctx, layout)
+    return split_sequence(input_ids, ctx, layout), positions, targets
+
+
+def cp_loss(logits: Tensor, targets: Tensor, *, num_tokens: int | Tensor) -> Tensor:
+    """Sum of cross-entropy over this rank's valid (already shifted) targets / `num_tokens`.
+
+    `num_tokens` is the valid-token count of the global batch, so the sum of this value over
+    the CP (and DP) group is the global mean loss.
+    """
+    total = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                              ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / num_tokens
+
+
+# -- switching a model ----------------------------------------------------------------------
+
+def enable_context_parallel(model: nn.Module, ctx: CPContext) -> SeqLayout:
+    """Switch `model`'s attention (LLaMA) or mixers (Mamba-2) to their CP versions, in place.
+
+    Returns the layout the inputs must be split with. With ctx.size == 1 nothing changes.
+    Raises UnsupportedOpError (before any collective) for a model with no CP rule.
+    """
+    layout = layout_of(model)
+    if ctx.size == 1:
+        return layout
+    model.config.use_cache = False  # a cache would hold only this rank's slice
+    if layout is SeqLayout.BALANCED:
+        from autoshard.runtime.cp_attention import install_cp_attention
+
+        install_cp_attention(model, ctx)
+    else:
+        from autoshard.runtime.cp_mamba import install_cp_mixers
+
+        install_cp_mixers(model, ctx)
+    return layout
+
+
+def min_local_tokens(model: nn.Module) -> int:
+    """The fewest tokens per rank the model's CP rule can handle."""
+    config = model.config
+    return max(1, int(getattr(config, "conv_kernel", 1)) - 1) if config.model_type == "mamba2" else 1

@@ -1,0 +1,96 @@
+"""Context-parallel causal attention for HF LLaMA, registered as a HF attention function.
+
+Contract: `install_cp_attention(model, ctx)` registers `cp_attention_forward` under the name
+`ATTN_NAME` in transformers' `AttentionInterface`, points every attention module's config at
+it and attaches `ctx` to each attention module. The unmodified `LlamaAttention` then calls
+it with this rank's q (b, hq, 2c, d) and k, v (b, hkv, 2c, d), already rotated with this rank's
+real position ids (c = S / (2 cp), balanced layout: local chunks i and 2cp-1-i).
+
+Algorithm (all-gather, the cheap choice under GQA):
+
+1. k and v are packed into one (b, 2 hkv, 2c, d) tensor and all-gathered over the CP group
+   (one collective of 2*hkv*S*d elements per layer; its autograd backward is a
+   reduce-scatter of dk, dv).
+2. The gathered keys are put back in natural order (a fixed permutation).
+3. Each local query chunk j attends to the key prefix [0, (j+1) c), with the causal mask built
+   from the real global positions (query position >= key position). Rank i thus computes
+   (i+1) + (2cp-i) = 2cp+1 chunk pairs: the same on every rank (the load balance).
+
+HF creates no mask for an attention implementation it does not know, so the mask is ours.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from autoshard.errors import InvalidConfigError
+from autoshard.runtime.context_parallel import CPContext, SeqLayout, all_gather_autograd, gathered_order
+
+ATTN_NAME = "autoshard_cp"
+_CTX_ATTR = "autoshard_cp_context"
+
+
+def cp_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                         attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                         **kwargs) -> tuple[Tensor, None]:
+    """HF attention-function signature; returns ((b, 2c, hq, d) output, None)."""
+    ctx: CPContext | None = getattr(module, _CTX_ATTR, None)
+    if ctx is None:
+        raise InvalidConfigError(f"{type(module).__name__} uses attn_implementation={ATTN_NAME!r} but has no CP "
+                                 "context; call autoshard.runtime.context_parallel.enable_context_parallel(model, ctx)")
+    if dropout:
+        raise InvalidConfigError(f"CP attention does not implement attention dropout ({dropout}); "
+                                 "set config.attention_dropout = 0")
+    if attention_mask is not None:
+        raise InvalidConfigError("CP attention takes no attention_mask (padding masks are not split over CP); "
+                                 "mark padding with label -100 instead")
+    return balanced_causal_attention(query, key, value, ctx, scale=scaling), None
+
+
+def balanced_causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CPContext, *,
+                              scale: float | None = None) -> Tensor:
+    """Causal attention of this rank's balanced-layout slice over the whole sequence.
+
+    query (b, hq, 2c, d), key/value (b, hkv, 2c, d) -> (b, 2c, hq, d).
+    """
+    b, hkv, local, d = key.shape
+    if local % 2:
+        raise InvalidConfigError(f"CP attention got {local} local tokens; the balanced layout needs an even count")
+    chunk, cp = local // 2, ctx.size
+    seq = local * cp
+    kv = torch.cat([key, value], dim=1).contiguous()  # (b, 2 hkv, 2c, d)
+    kv = all_gather_autograd(kv, ctx, dim=2)  # (b, 2 hkv, S, d), rank order
+    kv = kv.index_select(2, gathered_order(seq, cp, SeqLayout.BALANCED).to(kv.device))  # natural order
+    outs = []
+    for part, chunk_id in enumerate((ctx.rank, 2 * cp - 1 - ctx.rank)):
+        q = query[:, :, part * chunk:(part + 1) * chunk]  # (b, hq, c, d)
+        end = (chunk_id + 1) * chunk
+        k, v = kv[:, :hkv, :end], kv[:, hkv:, :end]  # (b, hkv, end, d)
+        q_pos = torch.arange(chunk_id * chunk, end, device=q.device)
+        mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]  # (c, end)
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                   enable_gqa=q.shape[1] != hkv))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()  # (b, 2c, hq, d)
+
+
+def install_cp_attention(model: nn.Module, ctx: CPContext) -> int:
+    """Register the CP attention function and switch every attention module of `model` to it.
+
+    Returns the number of attention modules switched (0 means the model had none: an error).
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, cp_attention_forward)
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "q_proj") and hasattr(module, "k_proj") and hasattr(module, "config"):
+            setattr(module, _CTX_ATTR, ctx)
+            module.config._attn_implementation = ATTN_NAME
+            count += 1
+    if count == 0:
+        raise InvalidConfigError(f"{type(model).__name__} has no attention module with q_proj/k_proj; "
+                                 "CP attention cannot be installed")
+    model.config._attn_implementation = ATTN_NAME
+    return count

@@ -1,0 +1,152 @@
+"""Context-parallel Mamba-2 mixer: state passing between ranks (contiguous layout).
+
+Contract: `install_cp_mixers(model, ctx)` replaces the forward of every HF `Mamba2Mixer` of
+`model` with `cp_mixer_forward`: fed this rank's contiguous slice of L = S/cp tokens, it returns
+exactly this slice of the full-sequence mixer output (training path, no cache), with the
+module's own in_proj / conv1d / norm / out_proj, so tensor-parallel wrappers of those still
+apply (sizes are read off the parameters, not the config: heads may be TP-local).
+
+Why state passing rather than all-to-all to head sharding (Megatron-Core): the all-to-all moves
+the whole (b, L, d_inner + 2 g n) activation twice per layer and needs cp | heads and cp | groups
+(mamba2-tiny has 2 groups, mamba2-1b has 1); state passing moves (b, h, p, n) per rank once
+(O(d_inner * d_state * cp), the paper's figure) and works for any head/group count.
+
+Per layer, two all-gathers over the CP group (both autograd: backward is a reduce-scatter):
+
+1. conv halo: each rank's last conv_kernel-1 pre-conv xBC tokens; rank r convolves its slice
+   prefixed by rank r-1's tail (zeros on rank 0), the same as the causal conv of the full
+   sequence.
+2. states: each rank scans its slice from a zero state (`ssd_chunk_scan`), giving local outputs,
+   the slice-final state F_r (b, h, p, n) and the slice's total log-decay T_r (b, h). After the
+   gather, rank r's true initial state is h_r = sum_{j<r} exp(T_{j+1} + ... + T_{r-1}) F_j, and
+   its outputs gain C_t . (exp(cumsum_{<=t} A dt) h_r), the SSD off-diagonal term.
+
+Every rank keeps every gathered value in its autograd graph (rank 0 with zero weights), so every
+rank runs the backward reduce-scatter and no rank waits alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from autoshard.errors import InvalidConfigError
+from autoshard.runtime.context_parallel import CPContext, all_gather_autograd
+
+
+def ssd_chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """The SSD scan from a zero state (Mamba-2 paper, sec. 6, chunked "state space dual" form).
+
+    x (b, L, h, p), dt (b, L, h) already softplus-ed and clamped, A (h,) negative,
+    B, C (b, L, h, n) expanded to heads. Returns y (b, L, h, p) without the D skip, and the final
+    state (b, h, p, n). All float32.
+    """
+    b, L, h, p = x.shape
+    pad = (-L) % chunk
+    if pad:  # dt = 0 on padding: no decay, no input, so the final state is unchanged
+        x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
+    nc = x.shape[1] // chunk
+
+    def chunked(t: Tensor) -> Tensor:
+        return t.reshape(b, nc, chunk, *t.shape[2:])
+
+    xd = chunked(x * dt[..., None])  # (b, nc, Q, h, p)
+    Bc, Cc = chunked(B), chunked(C)  # (b, nc, Q, h, n)
+    acs = chunked(dt * A).cumsum(2)  # (b, nc, Q, h) log-decay from chunk start
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    seg = (acs[:, :, :, None] - acs[:, :, None]).masked_fill(~lower[:, :, None], float("-inf"))
+    scores = torch.einsum("bclhn,bcshn->bclsh", Cc, Bc) * seg.exp()  # (b, nc, Q, Q, h)
+    y = torch.einsum("bclsh,bcshp->bclhp", scores, xd)  # intra-chunk (diagonal blocks)
+
+    to_end = (acs[:, :, -1:] - acs).exp()  # (b, nc, Q, h) decay from position to chunk end
+    states = torch.einsum("bcshn,bcsh,bcshp->bchpn", Bc, to_end, xd)  # (b, nc, h, p, n)
+    total = acs[:, :, -1]  # (b, nc, h) log-decay of each whole chunk
+    ends = total.cumsum(1)  # (b, nc, h)
+    starts = ends - total
+    # entering chunk c: sum_{z<c} exp(starts[c] - ends[z]) states[z]
+    strict = torch.ones(nc, nc, dtype=torch.bool, device=x.device).tril(-1)
+    w = (starts[:, :, None] - ends[:, None]).masked_fill(~strict[..., None], float("-inf")).exp()  # (b, c, z, h)
+    entering = torch.einsum("bczh,bzhpn->bchpn", w, states)
+    y = y + torch.einsum("bclhn,bchpn->bclhp", Cc, entering) * acs.exp()[..., None]
+    final = torch.einsum("bzh,bzhpn->bhpn", (ends[:, -1:] - ends).exp(), states)
+    return y.reshape(b, nc * chunk, h, p)[:, :L], final
+
+
+def prefix_state(final: Tensor, total: Tensor, ctx: CPContext) -> Tensor:
+    """This rank's initial SSM state from all ranks' slice-final states (b, h, p, n) and log-decays (b, h)."""
+    b, h, p, n = final.shape
+    packed = torch.cat([final.reshape(b, -1), total], dim=1).contiguous()  # (b, h p n + h)
+    gathered = all_gather_autograd(packed, ctx).view(ctx.size, b, -1)
+    states = gathered[..., : h * p * n].reshape(ctx.size, b, h, p, n)
+    decays = gathered[..., h * p * n:]  # (cp, b, h)
+    ends = decays.cumsum(0)
+    start_r = ends[ctx.rank] - decays[ctx.rank]  # log-decay from sequence start to this rank's start
+    before = torch.arange(ctx.size, device=final.device) < ctx.rank
+    weight = (start_r[None] - ends).masked_fill(~before[:, None, None], float("-inf")).exp()  # (cp, b, h)
+    return torch.einsum("jbh,jbhpn->bhpn", weight, states)
+
+
+def conv_with_halo(xbc: Tensor, conv: nn.Conv1d, ctx: CPContext) -> Tensor:
+    """Causal depthwise conv1d of this rank's slice (b, L, c), continuing rank r-1's tokens."""
+    b, L, channels = xbc.shape
+    halo = conv.weight.shape[-1] - 1
+    if L < halo:
+        raise InvalidConfigError(f"CP Mamba-2 needs at least conv_kernel-1 = {halo} tokens per rank, got {L}; "
+                                 "use a longer sequence or a smaller cp")
+    tails = xbc[:, L - halo:].contiguous()  # (b, k-1, c)
+    tails = all_gather_autograd(tails, ctx).view(ctx.size, b, halo, channels)
+    prev = tails[(ctx.rank - 1) % ctx.size] * float(ctx.rank > 0)  # zeros on rank 0, still in the graph
+    full = torch.cat([prev, xbc], dim=1).transpose(1, 2)  # (b, c, k-1+L)
+    return F.conv1d(full.to(conv.weight.dtype), conv.weight, conv.bias, groups=channels).transpose(1, 2)
+
+
+def cp_mixer_forward(mixer: nn.Module, ctx: CPContext, hidden_states: Tensor, cache=None,
+                     attention_mask: Tensor | None = None, **kwargs) -> Tensor:
+    """Mamba2Mixer.forward for this rank's contiguous slice (b, L, d) -> (b, L, d)."""
+    if cache is not None:
+        raise InvalidConfigError("CP Mamba-2 mixer runs training forwards only (no generation cache); "
+                                 "call the model with use_cache=False")
+    dtype = hidden_states.dtype
+    if attention_mask is not None:
+        hidden_states = hidden_states * attention_mask[:, :, None].to(dtype)
+    proj = mixer.in_proj(hidden_states)  # (b, L, 2 d_in + 2 g n + h)
+    heads, head_dim, n = mixer.dt_bias.shape[0], mixer.head_dim, mixer.ssm_state_size
+    inner = heads * head_dim
+    conv_dim = mixer.conv1d.weight.shape[0]
+    groups = (conv_dim - inner) // (2 * n)
+    gate, xbc, dt = proj.split([inner, conv_dim, heads], dim=-1)
+    xbc = mixer.act(conv_with_halo(xbc, mixer.conv1d, ctx)).to(dtype)
+    if attention_mask is not None:
+        xbc = xbc * attention_mask[:, :, None].to(dtype)
+    x, B, C = xbc.split([inner, groups * n, groups * n], dim=-1)
+    b, L, _ = x.shape
+
+    A = -torch.exp(mixer.A_log.float())  # (h,)
+    lo, hi = mixer.time_step_limit
+    dt = F.softplus(dt.float() + mixer.dt_bias.float()).clamp(min=lo, max=hi)  # (b, L, h)
+    x = x.float().view(b, L, heads, head_dim)
+    B = B.float().view(b, L, groups, n).repeat_interleave(heads // groups, dim=2)  # (b, L, h, n)
+    C = C.float().view(b, L, groups, n).repeat_interleave(heads // groups, dim=2)
+    y, final = ssd_chunk_scan(x, dt, A, B, C, mixer.chunk_size)
+    log_decay = (dt * A).cumsum(1)  # (b, L, h)
+    start = prefix_state(final, log_decay[:, -1], ctx)  # (b, h, p, n)
+    y = y + torch.einsum("blhn,bhpn->blhp", C, start) * log_decay.exp()[..., None]
+    y = y + mixer.D.float()[:, None] * x
+    y = mixer.norm(y.reshape(b, L, inner), gate)
+    return mixer.out_proj(y.to(dtype))
+
+
+def install_cp_mixers(model: nn.Module, ctx: CPContext) -> int:
+    """Replace the forward of every Mamba2Mixer in `model` with the CP one; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ == "Mamba2Mixer":
+            def forward(hidden_states, cache=None, attention_mask=None, _mixer=module, **kwargs):
+                return cp_mixer_forward(_mixer, ctx, hidden_states, cache, attention_mask, **kwargs)
+
+            module.forward = forward
+            count += 1
+    if count == 0:
+        raise InvalidConfigError(f"{type(model).__name__} has no Mamba2Mixer; CP mixers cannot be installed")
+    return count

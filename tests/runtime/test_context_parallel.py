@@ -1,0 +1,169 @@
+"""Context parallelism against the full-sequence computation (gloo, fp32, values and gradients).
+
+Each world size is spawned once; every case runs inside the same processes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from autoshard.errors import InvalidConfigError, UnsupportedOpError
+from autoshard.models.presets import build_model, get_spec
+from autoshard.runtime.context_parallel import (
+    CPContext, SeqLayout, check_seq_len, cp_loss, enable_context_parallel, gather_sequence, layout_of,
+    sequence_positions, split_batch, split_sequence,
+)
+from autoshard.runtime.cp_attention import balanced_causal_attention
+from autoshard.runtime.cp_mamba import cp_mixer_forward, ssd_chunk_scan
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+# -- single process ------------------------------------------------------------------------
+
+def test_balanced_layout_covers_sequence_once():
+    for cp in (1, 2, 3, 4):
+        held = torch.cat([sequence_positions(24, cp, r, SeqLayout.BALANCED) for r in range(cp)])
+        assert sorted(held.tolist()) == list(range(24))
+    assert sequence_positions(16, 4, 1, SeqLayout.BALANCED).tolist() == [2, 3, 12, 13]
+    assert sequence_positions(16, 4, 1, SeqLayout.CONTIGUOUS).tolist() == [4, 5, 6, 7]
+
+
+def test_bad_input_is_named():
+    with pytest.raises(InvalidConfigError, match=r"not divisible by 8 \(= 2\*cp"):
+        check_seq_len(20, 4, SeqLayout.BALANCED)
+    with pytest.raises(InvalidConfigError, match="conv_kernel - 1"):
+        check_seq_len(8, 4, SeqLayout.CONTIGUOUS, min_local=3)
+    with pytest.raises(UnsupportedOpError, match="no rule for model type 'gpt2'"):
+        layout_of(_FakeModel("gpt2"))
+    with pytest.raises(UnsupportedOpError, match="no rule"):
+        enable_context_parallel(torch.nn.Linear(2, 2), CPContext(group=None, rank=0, size=1))
+
+
+class _FakeModel(torch.nn.Module):
+    def __init__(self, model_type):
+        super().__init__()
+        self.config = type("Config", (), {"model_type": model_type})()
+
+
+def test_ssd_scan_matches_hf_reference():
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    torch.manual_seed(0)
+    b, L, h, p, n, g, q = 2, 40, 4, 8, 6, 2, 16  # L not a multiple of the chunk: padding path
+    x, dt, B, C = torch.randn(b, L, h, p), torch.randn(b, L, h), torch.randn(b, L, g, n), torch.randn(b, L, g, n)
+    A, bias = -torch.rand(h) * 2, torch.randn(h)
+    ref, ref_final = mamba2_chunk_scan(x, dt, A, B, C, chunk_size=q, dt_bias=bias, dt_softplus=True,
+                                       return_final_states=True)
+    y, final = ssd_chunk_scan(x, F.softplus(dt + bias), A, B.repeat_interleave(2, 2), C.repeat_interleave(2, 2), q)
+    torch.testing.assert_close(y, ref, **TOL)
+    torch.testing.assert_close(final, ref_final, **TOL)
+
+
+# -- distributed ---------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        ctx = CPContext.from_group(dist.group.WORLD)
+        _case_attention(ctx, seq=8 * world, heads=4, kv_heads=2, batch=2)
+        _case_attention(ctx, seq=2 * world, heads=2, kv_heads=2, batch=1)  # one token per chunk, no GQA
+        for name, seq in (("llama-tiny", 4 * world), ("llama-tiny", 24 * world),
+                          ("mamba2-tiny", 8 * world), ("mamba2-tiny", 12 * world), ("mamba2-tiny", 40 * world)):
+            _case_model(ctx, name, seq)
+        _case_mixer_with_mask(ctx, seq=6 * world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _case_attention(ctx: CPContext, *, seq: int, heads: int, kv_heads: int, batch: int) -> None:
+    torch.manual_seed(1)
+    q = torch.randn(batch, heads, seq, 8, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, 8, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq, 8, requires_grad=True)
+    w = torch.randn(batch, seq, heads, 8)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+    (ref * w).sum().backward()
+
+    lay = SeqLayout.BALANCED
+    local = [split_sequence(t.detach(), ctx, lay, dim=2).requires_grad_() for t in (q, k, v)]
+    out = balanced_causal_attention(*local, ctx)
+    torch.testing.assert_close(out, split_sequence(ref.detach(), ctx, lay, dim=1), **TOL)
+    (out * split_sequence(w, ctx, lay, dim=1)).sum().backward()
+    for full, part in zip((q, k, v), local):
+        torch.testing.assert_close(part.grad, split_sequence(full.grad, ctx, lay, dim=2), **TOL)
+
+
+def _reference(name: str, seq: int, batch: int = 2):
+    spec = get_spec(name, layers=2)
+    torch.manual_seed(5)
+    ids = torch.randint(0, spec.vocab, (batch, seq))
+    labels = ids.clone()
+    labels[0, : seq // 3] = -100  # some ignored tokens, unevenly spread over the ranks
+    model = build_model(spec, seed=0)
+    out = model(ids, use_cache=False)
+    loss = F.cross_entropy(out.logits[:, :-1].reshape(-1, spec.vocab), labels[:, 1:].reshape(-1))
+    loss.backward()
+    return spec, ids, labels, out.logits.detach(), loss.detach(), model
+
+
+def _case_model(ctx: CPContext, name: str, seq: int) -> None:
+    spec, ids, labels, ref_logits, ref_loss, ref_model = _reference(name, seq)
+    model = build_model(spec, seed=0)
+    layout = enable_context_parallel(model, ctx)
+    local_ids, positions, targets = split_batch(ids, labels, ctx, layout)
+    kwargs = {"position_ids": positions} if layout is SeqLayout.BALANCED else {}
+    logits = model(local_ids, **kwargs).logits
+    num_tokens = int((labels[:, 1:] != -100).sum())
+    loss = cp_loss(logits, targets, num_tokens=num_tokens)
+    loss.backward()
+    torch.testing.assert_close(gather_sequence(logits.detach(), ctx, layout), ref_logits, **TOL)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=ctx.group)
+    torch.testing.assert_close(total, ref_loss, **TOL)
+    ref_grads = dict(ref_model.named_parameters())
+    for pname, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        torch.testing.assert_close(grad, ref_grads[pname].grad, **TOL, msg=lambda m: f"{name} S={seq} {pname}: {m}")
+
+
+def _case_mixer_with_mask(ctx: CPContext, *, seq: int) -> None:
+    """The mixer alone, with a padding mask, against HF's own torch path."""
+    spec = get_spec("mamba2-tiny", layers=1)
+    model = build_model(spec, seed=3)
+    mixer = model.backbone.layers[0].mixer
+    torch.manual_seed(2)
+    x = torch.randn(2, seq, spec.hidden, requires_grad=True)
+    mask = torch.ones(2, seq)
+    mask[1, : seq // 4] = 0
+    ref = mixer(x, attention_mask=mask)
+    w = torch.randn_like(ref)
+    (ref * w).sum().backward()
+    lay = SeqLayout.CONTIGUOUS
+    xl = split_sequence(x.detach(), ctx, lay).requires_grad_()
+    out = cp_mixer_forward(mixer, ctx, xl, attention_mask=split_sequence(mask, ctx, lay))
+    torch.testing.assert_close(out, split_sequence(ref.detach(), ctx, lay), **TOL)
+    (out * split_sequence(w, ctx, lay)).sum().backward()
+    torch.testing.assert_close(xl.grad, split_sequence(x.grad, ctx, lay), **TOL)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_matches_full_sequence(world):
+    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
