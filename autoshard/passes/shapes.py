@@ -1,0 +1,407 @@
+"""Shapes: symbolic per-node cost tables (FLOPs, bytes, activations saved) in batch `b` and sequence `s`.
+
+Contract
+--------
+`build_cost_table(spec, *, training=True, dtype=torch.bfloat16, model=None) -> CostTable`
+
+* Input: a frozen `ModelSpec` (and, for a user model from `package.module:factory`, that model: its
+  class and HF config are used). Nothing is allocated: the model is built on the meta device.
+* Output: `autoshard.ir.CostTable` with three `BlockCost`s: EMBED (everything before the first
+  repeated layer: token embedding, rotary tables, masks), one LAYER standing for `spec.layers`
+  identical layers (`count`), and HEAD (final norm, LM head, loss, and backward nodes no layer owns).
+  Each `NodeCost` holds SymPy expressions in `autoshard.ir.B` (micro-batch) and `S` (sequence):
+  `flops`, `bytes_read`, `bytes_written` and `saved_bytes` (bytes of this forward node's output
+  that the backward graph reads, resolved through views, read off the joint graph).
+* Block deduplication: a copy of the model with ONE layer is traced (capture.capture_model on fake
+  tensors) and its layer is costed once; llama-70b (80 layers) costs what a 1-layer model costs.
+* Symbolic expressions by exact interpolation: the truncated model is traced at b in {2, 3} and
+  three sequence lengths; every node's numbers are a polynomial of degree <= 1 in b and <= 2 in s
+  (attention's s x s, Mamba-2's inter-chunk (s/l)^2), so six traces determine them exactly
+  (rational arithmetic). `tests/passes/test_shapes.py` re-traces at an unseen (b, s) and checks
+  equality node by node. Fixed-shape traces are ~20x faster than torch's symbolic tracing here.
+* Mamba-2 pads the sequence to a multiple of the chunk size l (HF `pad_tensor_by_size`): the
+  samples are multiples of l, and one extra trace at s = 2l + l/2 decides, per node and field,
+  whether the number follows s or the padded length l*ceiling(s/l); the latter is written as
+  `l*ceiling(S/l)` in the expression.
+* Counting conventions: matmul FLOPs are 2*m*n*k (torch.utils.flop_counter); attention counts the
+  full s x s score and value matmuls (PaLM, arXiv 2204.02311 appendix B) and its backward is
+  2x forward (flash-attention's recomputation of the scores is not model FLOPs); elementwise and
+  reduction ops count one FLOP per element of their largest operand; copies, casts, concats,
+  padding and lookups count none. Views cost nothing. Bytes are what each op reads and writes
+  (a broadcast or sliced operand is charged at most its storage size).
+* `training=False` traces the forward only (no loss, no backward; `saved_bytes` are 0).
+The table is cached per (spec, options): the cost model and the solver may call this freely.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+from torch import fx, nn
+
+from autoshard.errors import CaptureError
+from autoshard.ir import B, S, BlockCost, BlockKind, CostTable, NodeCost, OpKind
+from autoshard.models.presets import Family, ModelSpec, build_model
+from autoshard.passes.capture import BWD, FWD, Captured, capture_model
+
+B_SAMPLES = (2, 3)
+FIELDS = ("flops", "bytes_read", "bytes_written", "saved_bytes", "g0", "g1", "g2", "g3")
+
+# ops that only move or create data: no arithmetic (FLOPs 0), bytes still counted
+_DATA_OPS = frozenset({
+    "clone", "copy", "copy_", "_to_copy", "cat", "stack", "constant_pad_nd", "embedding", "index",
+    "index_select", "gather", "slice_scatter", "select_scatter", "zeros", "zeros_like", "ones",
+    "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full", "new_empty", "empty",
+    "empty_like", "empty_strided", "arange", "fill", "fill_", "scalar_tensor", "lift_fresh_copy",
+    "masked_fill", "masked_fill_", "where", "repeat", "expand_copy", "contiguous", "tril", "triu",
+})
+# ops that are views in practice though their schema does not say so
+_VIEW_OPS = frozenset({"_unsafe_view", "detach", "alias", "lift_fresh"})
+_MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Measure:
+    """One node's numbers at one concrete (b, s)."""
+
+    kind: OpKind
+    values: tuple[int, ...]  # in FIELDS order; gemm dims 0 when not a matmul
+    gemm: bool
+
+
+def build_cost_table(spec: ModelSpec, *, training: bool = True, dtype: torch.dtype = torch.bfloat16,
+                     model: nn.Module | None = None) -> CostTable:
+    """The symbolic per-block cost table of one training step of `spec`; see the module docstring."""
+    return _build_cached(spec, training, dtype, model)
+
+
+@functools.lru_cache(maxsize=64)
+def _build_cached(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> CostTable:
+    factory = _truncated_factory(spec, dtype, model)
+    chunk = spec.chunk if spec.family is Family.MAMBA2 else 0
+    s_samples = tuple(chunk * k for k in (1, 2, 3)) if chunk else (64, 128, 192)
+    traces = {(b, s): _trace(factory, b, s, training) for b in B_SAMPLES for s in s_samples}
+    names = _common_names(traces, spec)
+    measured = {bs: _measure_graph(cap) for bs, cap in traces.items()}
+    exprs = _interpolate(names, measured, s_samples)
+    if chunk:
+        exprs = _padded_lengths(exprs, names, _measure_graph(_trace(factory, 2, 2 * chunk + chunk // 2, training)),
+                                chunk)
+    reference = traces[(B_SAMPLES[0], s_samples[0])]
+    return _assemble(spec, reference, exprs, measured[(B_SAMPLES[0], s_samples[0])], factory)
+
+
+def _truncated_factory(spec: ModelSpec, dtype: torch.dtype, model: nn.Module | None) -> Callable[[], nn.Module]:
+    """A builder of the same model with one layer, on the meta device."""
+    if model is None:
+        one = replace(spec, layers=1)
+        return lambda: build_model(one, device="meta", dtype=dtype)
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = 1
+    cls = type(model)
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            return cls(config).to(dtype)
+
+    return build
+
+
+def _trace(factory: Callable[[], nn.Module], b: int, s: int, training: bool) -> Captured:
+    model = factory()
+    ids = torch.zeros(b, s, dtype=torch.long)
+    return capture_model(model, (ids,), joint=training)
+
+
+def _common_names(traces: dict[tuple[int, int], Captured], spec: ModelSpec) -> tuple[str, ...]:
+    """Names of the call nodes; every trace must have the same graph (only shapes differ)."""
+    sigs = {bs: [(n.name, str(n.target)) for n in cap.call_nodes()] for bs, cap in traces.items()}
+    first_bs, first = next(iter(sigs.items()))
+    for bs, sig in sigs.items():
+        if sig != first:
+            diff = next((a, b) for a, b in zip(first + [None] * len(sig), sig + [None] * len(first)) if a != b)
+            raise CaptureError(
+                f"{spec.name}: the traced graph changes with the input shape (b, s) = {first_bs} vs {bs} "
+                f"(first difference: {diff}); autoshard needs shape-independent control flow to derive "
+                "symbolic costs")
+    return tuple(name for name, _ in first)
+
+
+# -- measuring one concrete graph -------------------------------------------------------------------
+
+def _val(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _input_tensors(node: fx.Node) -> dict[int, torch.Tensor]:
+    """The distinct tensors a node reads (lists flattened, keyword arguments included)."""
+    found: dict[int, torch.Tensor] = {}
+    for arg in (*node.args, *node.kwargs.values()):
+        items = arg if isinstance(arg, (list, tuple)) else (arg,)
+        for t in _tensors([_val(a) for a in items]):
+            found[id(t)] = t
+    return found
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    logical = t.numel() * t.element_size()
+    try:
+        return min(logical, t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return logical
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::", 1)[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return True  # operator.getitem on a multi-output op
+    if _op_name(node) in _VIEW_OPS:
+        return True
+    returns = target._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _is_attention(name: str) -> bool:
+    return "scaled_dot_product" in name or name.endswith(("flash_attention", "efficient_attention",
+                                                         "flash_attention_backward",
+                                                         "efficient_attention_backward"))
+
+
+def _attention(node: fx.Node, name: str, args: list) -> tuple[int, tuple[int, int, int, int]]:
+    """FLOPs of a fused attention op: full s x s (PaLM convention); backward is 2x forward
+    (torch.utils.flop_counter's backward count minus its recomputation of the scores)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    backward = name.endswith("backward")
+    q, k, v = (tuple(t.shape) for t in (args[1:4] if backward else args[0:3]))
+    b, h, sq, d = q
+    gemm = (b * h, sq, k[2], d)
+    if not backward:
+        return sdpa_flop_count(q, k, v), gemm
+    grad_out = tuple(args[0].shape)
+    recompute = 2 * b * h * sq * k[2] * d
+    return sdpa_backward_flop_count(grad_out, q, k, v) - recompute, gemm
+
+
+def _matmul(name: str, args: list, out: torch.Tensor) -> tuple[int, tuple[int, int, int, int]]:
+    a, w = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
+    if a.dim() == 2:
+        m, kk = a.shape
+        n = w.shape[1]
+        return 2 * m * n * kk, (1, m, n, kk)
+    batch, m, kk = a.shape
+    n = w.shape[-1]
+    return 2 * batch * m * n * kk, (batch, m, n, kk)
+
+
+def _conv(name: str, node: fx.Node, args: list, out: Any) -> tuple[int, bool]:
+    from torch.utils.flop_counter import flop_registry
+
+    fn = flop_registry[node.target.overloadpacket]
+    flops = fn(*args, out_val=out, **{k: _val(v) for k, v in node.kwargs.items()})
+    groups = args[9] if name == "convolution_backward" else args[8]
+    return int(flops), groups == 1
+
+
+def _measure_node(node: fx.Node) -> _Measure:
+    zero = (0,) * len(FIELDS)
+    if _is_view(node):
+        return _Measure(kind=OpKind.VIEW, values=zero, gemm=False)
+    name = _op_name(node)
+    args = [_val(a) for a in node.args]
+    out = node.meta.get("val")
+    ins = _input_tensors(node)
+    outs = _tensors(out)
+    read = sum(_nbytes(t) for t in ins.values())
+    written = sum(t.numel() * t.element_size() for t in outs)
+    gemm = (0, 0, 0, 0)
+    kind = OpKind.VECTOR
+    if _is_attention(name):
+        flops, gemm = _attention(node, name, args)
+        kind = OpKind.MATMUL
+    elif name in _MATMUL_OPS:
+        flops, gemm = _matmul(name, args, out)
+        kind = OpKind.MATMUL
+    elif name.startswith("convolution") or name == "_convolution":
+        flops, dense = _conv(name, node, args, out)
+        kind = OpKind.MATMUL if dense else OpKind.VECTOR
+    elif name in _DATA_OPS:
+        flops = 0
+    else:
+        flops = max([t.numel() for t in outs] + [t.numel() for t in ins.values()] + [0])
+    return _Measure(kind=kind, values=(flops, read, written, 0, *gemm), gemm=kind is OpKind.MATMUL and any(gemm))
+
+
+def _saved_bytes(cap: Captured) -> dict[str, int]:
+    """Forward outputs the backward reads (through views), by the name of the node that owns the storage."""
+    saved: dict[str, int] = {}
+    for node in cap.call_nodes():
+        if cap.site(node).phase != BWD:
+            continue
+        for arg in node.all_input_nodes:
+            base = _storage_owner(arg, cap)
+            if base is not None and base.name not in saved:
+                saved[base.name] = sum(_nbytes(t) for t in _tensors(base.meta.get("val")))
+    return saved
+
+
+def _storage_owner(node: fx.Node, cap: Captured) -> fx.Node | None:
+    while node.op == "call_function" and node.target is not _getitem() and _is_view(node) and node.args \
+            and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    if node.op != "call_function" or cap.site(node).phase != FWD:
+        return None  # parameters and inputs are not activations
+    return node
+
+
+@functools.cache
+def _getitem():
+    import operator
+
+    return operator.getitem
+
+
+def _measure_graph(cap: Captured) -> dict[str, _Measure]:
+    out = {node.name: _measure_node(node) for node in cap.call_nodes()}
+    for name, nbytes in _saved_bytes(cap).items():
+        m = out[name]
+        values = list(m.values)
+        values[FIELDS.index("saved_bytes")] = nbytes
+        out[name] = replace(m, values=tuple(values))
+    return out
+
+
+# -- from numbers at sample points to expressions -----------------------------------------------------
+
+def _monomials(b: int, s: int) -> list[int]:
+    return [1, s, s * s, b, b * s, b * s * s]
+
+
+_SYMBOLIC_MONOMIALS = (sympy.Integer(1), S, S**2, B, B * S, B * S**2)
+
+
+def _solve_matrix(points: Sequence[tuple[int, int]]) -> list[list[Fraction]]:
+    """Inverse of the (exact, rational) Vandermonde-like matrix of the monomials at the points."""
+    n = len(points)
+    rows = [[Fraction(x) for x in _monomials(b, s)] + [Fraction(int(i == j)) for j in range(n)]
+            for i, (b, s) in enumerate(points)]
+    for col in range(n):
+        pivot = next(r for r in range(col, n) if rows[r][col] != 0)
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        inv = 1 / rows[col][col]
+        rows[col] = [x * inv for x in rows[col]]
+        for r in range(n):
+            if r != col and rows[r][col] != 0:
+                f = rows[r][col]
+                rows[r] = [x - f * y for x, y in zip(rows[r], rows[col])]
+    return [row[n:] for row in rows]
+
+
+def _interpolate(names: Sequence[str], measured: dict[tuple[int, int], dict[str, _Measure]],
+                 s_samples: Sequence[int]) -> dict[str, tuple[sympy.Expr, ...]]:
+    points = [(b, s) for b in B_SAMPLES for s in s_samples]
+    inv = _solve_matrix(points)
+    exprs: dict[str, tuple[sympy.Expr, ...]] = {}
+    for name in names:
+        columns = zip(*(measured[p][name].values for p in points))
+        exprs[name] = tuple(_poly(inv, col) for col in columns)
+    return exprs
+
+
+def _poly(inv: list[list[Fraction]], values: Sequence[int]) -> sympy.Expr:
+    if all(v == values[0] for v in values):
+        return sympy.Integer(values[0])
+    coeffs = [sum(row[j] * values[j] for j in range(len(values))) for row in inv]
+    return sympy.Add(*(sympy.Rational(c.numerator, c.denominator) * m
+                       for c, m in zip(coeffs, _SYMBOLIC_MONOMIALS) if c != 0))
+
+
+def _padded_lengths(exprs: dict[str, tuple[sympy.Expr, ...]], names: Sequence[str],
+                    odd: dict[str, _Measure], chunk: int) -> dict[str, tuple[sympy.Expr, ...]]:
+    """Re-express the numbers that follow the padded length l*ceiling(s/l) instead of s."""
+    b, s = 2, 2 * chunk + chunk // 2
+    padded = chunk * ((s + chunk - 1) // chunk)
+    s_pad = chunk * sympy.ceiling(S / chunk)
+    out = {}
+    for name in names:
+        fields = []
+        for expr, got in zip(exprs[name], odd[name].values):
+            if int(expr.subs({B: b, S: s})) == got:
+                fields.append(expr)
+            elif int(expr.subs({B: b, S: padded})) == got:
+                fields.append(expr.subs(S, s_pad))
+            else:
+                raise CaptureError(
+                    f"node {name}: its cost at s={s} (not a multiple of the chunk size {chunk}) follows neither "
+                    f"s nor the padded length {padded}; autoshard cannot express it symbolically")
+        out[name] = tuple(fields)
+    return out
+
+
+# -- blocks ---------------------------------------------------------------------------------------------
+
+def _assemble(spec: ModelSpec, cap: Captured, exprs: dict[str, tuple[sympy.Expr, ...]],
+              kinds: dict[str, _Measure], factory: Callable[[], nn.Module]) -> CostTable:
+    names = list(exprs)
+    first_layer = next((i for i, n in enumerate(names) if cap.site(n).block is not None), len(names))
+    before = {cap.site(n).module_path for n in names[:first_layer] if cap.site(n).phase == FWD}
+    groups: dict[BlockKind, list[NodeCost]] = {k: [] for k in BlockKind}
+    targets = {n.name: str(n.target) for n in cap.call_nodes()}
+    for i, name in enumerate(names):
+        site = cap.site(name)
+        if site.block is not None:
+            kind = BlockKind.LAYER
+        elif site.phase == FWD:
+            kind = BlockKind.EMBED if i < first_layer else BlockKind.HEAD
+        else:
+            kind = BlockKind.EMBED if site.module_path in before and site.module_path else BlockKind.HEAD
+        e = exprs[name]
+        m = kinds[name]
+        groups[kind].append(NodeCost(
+            name=name, target=targets[name],
+            kind=m.kind, phase=site.phase, module_path=site.module_path, block=site.block,
+            flops=e[0], bytes_read=e[1], bytes_written=e[2], saved_bytes=e[3],
+            gemm=(e[4], e[5], e[6], e[7]) if m.gemm else None))
+    params = _block_params(factory(), cap)
+    return CostTable(model=spec.name, blocks=tuple(
+        BlockCost(name=kind.value, kind=kind, count=spec.layers if kind is BlockKind.LAYER else 1,
+                  params=params[kind], nodes=tuple(groups[kind]))
+        for kind in (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD)))
+
+
+def _block_params(model: nn.Module, cap: Captured) -> dict[BlockKind, int]:
+    """Parameters of the embedding, of ONE layer, and of the head (a tied LM head counts in EMBED)."""
+    out = {k: 0 for k in BlockKind}
+    prefixes = tuple(r.prefix + "." for r in cap.repeated)
+    placeholders = [n for n in cap.graph_module.graph.nodes if n.op == "placeholder"]
+    first_layer = next((i for i, n in enumerate(cap.call_nodes()) if cap.site(n).block is not None), None)
+    order = {n.name: i for i, n in enumerate(cap.call_nodes())}
+    for (name, p), node in zip(model.named_parameters(), placeholders):
+        if name.startswith(prefixes):
+            out[BlockKind.LAYER] += p.numel()
+            continue
+        first_use = min((order[u.name] for u in node.users if u.name in order), default=0)
+        embed = first_layer is not None and first_use < first_layer
+        out[BlockKind.EMBED if embed else BlockKind.HEAD] += p.numel()
+    return out
