@@ -26,3 +26,11 @@ __all__ = [
     "UnsupportedOpError",
 ]
 __version__ = "0.1.0"
+
+from autoshard.api import parallelize  # noqa: E402
+from autoshard.runtime.dist_model import DistributedModel  # noqa: E402
+
+__all__ += ["DistributedModel", "parallelize"]
+from autoshard.compile_backend import backend  # noqa: E402
+
+__all__ += ["backend"]

@@ -1,0 +1,142 @@
+"""Entry points; the only module that reads options and the environment.
+
+`parallelize(model, example_inputs, plan=..., global_batch=..., optimizer=...)` turns an
+unmodified HF `LlamaForCausalLM` / `Mamba2ForCausalLM` into this rank's `DistributedModel`:
+
+1. read the plan (dict / `Plan` / path) and check it against the model and the world size:
+   every rank raises the same `InvalidConfigError` *before* any collective, so nothing hangs;
+2. create the default process group from the torchrun environment if none exists (a plain
+   `python` run is a world of one), then the groups of every mesh axis;
+3. `passes.rewrite.shard_program` decides this rank's slices and collectives,
+   `runtime.tensor_parallel` carries them out on the model in place (a meta model is
+   materialised here module by module), and pp > 1 wraps the rank's stage in the pipeline runner.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from autoshard.errors import InvalidConfigError
+from autoshard.ir import AXES, Mesh, Plan, Recompute
+from autoshard.models.presets import spec_from_hf_config
+from autoshard.passes.rewrite import check_plan, shard_program
+from autoshard.runtime.context_parallel import setup_context_parallel
+from autoshard.runtime.dist_model import DistributedModel, RankSetup
+from autoshard.runtime.mesh import backend_for, build_groups, init_default_group
+from autoshard.runtime.tensor_parallel import apply_tensor_parallel
+
+PLAN_KEYS = (*AXES, "micro_batch", "zero", "recompute")
+
+
+def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping | str | Path | None = None,
+                global_batch: int | None = None,
+                optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+                hardware: str = "auto", device: str | torch.device | None = None, seed: int = 0,
+                schedule: str = "1f1b") -> DistributedModel:
+    """This rank's `DistributedModel` for `model` under `plan` (see the module docstring).
+
+    example_inputs: input_ids (b, s), a tuple starting with them, or a dict with "input_ids";
+    its sequence length is the plan's, its batch the default global batch.
+    optimizer: params -> torch.optim.Optimizer (e.g. functools.partial(torch.optim.AdamW, lr=1e-3)).
+    seed: initialisation seed for a model built on the meta device (the same on every rank).
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise InvalidConfigError(f"{type(model).__name__} has no HF .config; parallelize takes a HF "
+                                 "LlamaForCausalLM or Mamba2ForCausalLM")
+    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
+    ids = _input_ids(example_inputs)
+    device = _device(model, device, hardware)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    plan = _resolve_plan(plan, spec=spec, world=world, seq_len=ids.shape[1],
+                         global_batch=global_batch or ids.shape[0], hardware=hardware)
+    check_plan(plan, spec, world_size=world)  # every rank, before any collective
+    init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
+    groups = build_groups(plan.mesh, device=device, backend=backend_for(device))
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    program = shard_program(plan, spec, shapes, tp_rank=groups.coords.tp)
+    apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
+    model.to(device)
+    cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
+    runner = None
+    if plan.mesh.pp > 1:
+        from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner
+        from autoshard.runtime.stages import even_stages
+
+        stages = plan.stages or even_stages(spec.layers, plan.mesh.pp)
+        runner = PipelineRunner(model, spec, stages, pp_group=groups.pp, device=device,
+                                options=PipelineOptions(schedule=schedule, micro_batch=plan.micro_batch),
+                                tp_group=groups.tp if plan.mesh.tp > 1 else None)
+    setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp)
+    return DistributedModel(setup, optimizer=optimizer)
+
+
+def _input_ids(example_inputs: Any) -> Tensor:
+    if isinstance(example_inputs, Mapping):
+        example_inputs = example_inputs.get("input_ids")
+    elif isinstance(example_inputs, (tuple, list)) and example_inputs:
+        example_inputs = example_inputs[0]
+    if not isinstance(example_inputs, Tensor) or example_inputs.dim() != 2:
+        raise InvalidConfigError("example_inputs must be input_ids of shape (batch, seq) (a tensor, a tuple "
+                                 f"starting with it, or a dict with 'input_ids'), got {type(example_inputs).__name__}")
+    return example_inputs
+
+
+def _device(model: nn.Module, device: str | torch.device | None, hardware: str) -> torch.device:
+    if device is not None:
+        return _npu() if str(device) == "npu" else torch.device(device)
+    if hardware.startswith("ascend"):
+        return _npu()
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type not in ("meta", "cpu"):
+        return first.device
+    if hardware in ("auto", "cpu") and first is not None and first.device.type == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available() and hardware != "cpu":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _npu() -> torch.device:
+    backend_for("npu")  # imports torch_npu or raises a clear error
+    return torch.device("npu", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _resolve_plan(plan: Any, *, spec, world: int, seq_len: int, global_batch: int, hardware: str) -> Plan:
+    if plan is None:
+        solve = getattr(importlib.import_module("autoshard.passes.solve"), "solve", None) \
+            if importlib.util.find_spec("autoshard.passes.solve") else None
+        if solve is None:
+            raise InvalidConfigError("plan=None asks autoshard to solve for a plan, but no solver entry point "
+                                     "(autoshard.passes.solve.solve) is available; pass plan=dict(dp=..., tp=...), "
+                                     "a Plan, or a plan file from `autoshard plan --out plan.json`")
+        raise InvalidConfigError("plan=None: automatic solving is not wired into parallelize yet; pass "
+                                 "plan=dict(dp=..., tp=...) or a plan file from `autoshard plan --out plan.json`")
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    if not isinstance(plan, Mapping):
+        raise InvalidConfigError(f"plan must be a dict, a Plan or a path to a plan file, got {type(plan).__name__}")
+    unknown = sorted(set(plan) - set(PLAN_KEYS))
+    if unknown:
+        raise InvalidConfigError(f"unknown plan keys {unknown}; known keys: {', '.join(PLAN_KEYS)}")
+    mesh = Mesh(**{axis: plan.get(axis, 1) for axis in AXES})
+    if mesh.size != world:
+        raise InvalidConfigError(f"the plan's mesh {mesh.as_dict()} multiplies to {mesh.size}, but the world "
+                                 f"size is {world}; choose dp*pp*tp*cp*ep = {world}")
+    try:
+        recompute = Recompute(plan.get("recompute") or "none")
+    except ValueError:
+        raise InvalidConfigError(f"recompute must be one of none, selective, full; got {plan['recompute']!r}") from None
+    return Plan(model=spec.name, fingerprint="", hardware=hardware, devices=world, global_batch=global_batch,
+                seq_len=seq_len, mesh=mesh, micro_batch=int(plan.get("micro_batch", 1)),
+                zero=int(plan.get("zero", 0) or 0), recompute=recompute)

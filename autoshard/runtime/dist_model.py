@@ -1,0 +1,162 @@
+"""`DistributedModel`: one rank's part of the training step a Plan describes.
+
+Contract (DESIGN.md, "Entry points"): built by `autoshard.parallelize` on every rank;
+* `train_step(input_ids, labels)`: the *global* batch on every rank. This rank takes its dp
+  slice, runs forward and backward over its micro-batches (pp > 1: under the pipeline schedule
+  of `runtime/pipeline.py`), reduces gradients over dp (bucketed, overlapped with the last
+  backward), steps the optimizer if one was given (ZeRO-1: sharded over dp), and returns the
+  global mean loss over valid tokens, the same 0-d tensor on every rank.
+* `full_grads()` / `full_state_dict()`: {original HF parameter name: full tensor} on every rank
+  (collectives over tp, pp and, under ZeRO, dp; for checks, not the fast path).
+* `__call__(input_ids)`: full logits (b, s, V) on every rank, no gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from autoshard.errors import InvalidConfigError
+from autoshard.ir import Plan
+from autoshard.models.presets import ModelSpec
+from autoshard.passes.rewrite import Replicate, ShardProgram
+from autoshard.runtime.comm import gather_last_dim
+from autoshard.runtime.context_parallel import CPRuntime
+from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
+from autoshard.runtime.loss import causal_lm_loss, count_tokens
+from autoshard.runtime.mesh import Groups
+from autoshard.runtime.tensor_parallel import partial_grad_reducer, unshard
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSetup:
+    """Everything a rank needs to run its part (built by `autoshard.api.parallelize`)."""
+
+    model: nn.Module  # already sliced for tp, in place
+    spec: ModelSpec
+    plan: Plan
+    groups: Groups
+    program: ShardProgram
+    pipeline: object | None = None  # runtime.pipeline.PipelineRunner when pp > 1
+    cp: CPRuntime | None = None  # context parallelism (issue 6) when cp > 1
+
+
+class DistributedModel:
+    """See the module docstring."""
+
+    def __init__(self, setup: RankSetup, *, optimizer: OptimizerFactory | None = None):
+        self._setup = setup
+        self.model = setup.model
+        self.plan = setup.plan
+        self._groups = setup.groups
+        self._tp_group = setup.groups.tp if setup.plan.mesh.tp > 1 else None
+        self._runner = setup.pipeline
+        self._cp = setup.cp
+        # cp > 1: replicated gradients are summed (and ZeRO shards) over dp x cp, not dp alone
+        self._grad_group = setup.cp.grad_group if setup.cp is not None else setup.groups.dp
+        params = list(self._runner.parameters()) if self._runner is not None else list(self.model.parameters())
+        self._params = list(dict.fromkeys(params))
+        self._names = {id(p): n for n, p in self.model.named_parameters()}
+        zero = setup.plan.zero >= 1
+        self._sync = GradSync(self._params, self._grad_group, zero=zero,
+                              prepare=partial_grad_reducer(self.model, setup.program, self._tp_group))
+        self._optimizer = None
+        if optimizer is not None:
+            self._optimizer = ShardedOptimizer(self._sync, optimizer) if zero else optimizer(self._params)
+
+    # -- training -----------------------------------------------------------------------------
+    def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """One training step on the global batch; the global mean loss on every rank."""
+        plan, groups = self.plan, self._groups
+        if input_ids.shape != labels.shape or input_ids.dim() != 2 or input_ids.shape[0] != plan.global_batch:
+            raise InvalidConfigError(f"train_step expects input_ids and labels of shape (global_batch={plan.global_batch}, "
+                                     f"seq), got {tuple(input_ids.shape)} and {tuple(labels.shape)}; give the "
+                                     "whole global batch on every rank")
+        num_tokens = count_tokens(labels)
+        rows = plan.global_batch // plan.mesh.dp
+        start = groups.coords.dp * rows
+        ids = input_ids[start:start + rows].to(groups.device)
+        lbl = labels[start:start + rows].to(groups.device)
+        for p in self._params:
+            p.grad = None
+        if self._runner is not None:
+            self._sync.begin(sync=False)
+            loss = self._runner.step(ids, lbl, num_tokens=num_tokens)
+        else:
+            loss = self._local_step(ids, lbl, num_tokens)
+        self._sync.finish()
+        if plan.mesh.dp * plan.mesh.cp > 1:
+            dist.all_reduce(loss, group=self._grad_group)
+        if self._optimizer is not None:
+            self._optimizer.step()
+        return loss
+
+    def _local_step(self, ids: Tensor, labels: Tensor, num_tokens: int) -> Tensor:
+        micro = self.plan.micro_batch
+        chunks = ids.shape[0] // micro
+        total = torch.zeros((), device=ids.device)
+        for i in range(chunks):
+            rows = slice(i * micro, (i + 1) * micro)
+            self._sync.begin(sync=i == chunks - 1)
+            mb_ids, mb_labels, kwargs = ids[rows], labels[rows], {}
+            if self._cp is not None:  # this rank's slice of the sequence, shifted targets
+                mb_ids, positions, mb_labels = self._cp.local_inputs(mb_ids, mb_labels)
+                kwargs = self._cp.model_kwargs(positions)
+            loss = causal_lm_loss(self._logits(mb_ids, **kwargs), mb_labels, num_tokens=num_tokens,
+                                  tp_group=self._tp_group, shifted=self._cp is not None)
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def _logits(self, ids: Tensor, **kwargs) -> Tensor:
+        """This rank's logits (vocab slice under tp) for a batch, through the model's own modules."""
+        base = getattr(self.model, self.model.base_model_prefix)
+        hidden = base(input_ids=ids, use_cache=False, **kwargs).last_hidden_state  # (b, s, h)
+        head = self.model.lm_head
+        return head(hidden.to(head.weight.dtype))  # (b, s, V / tp)
+
+    # -- checks and evaluation ------------------------------------------------------------------
+    def __call__(self, input_ids: Tensor) -> Tensor:
+        """Full logits (b, s, V) of `input_ids` on every rank (no gradient)."""
+        ids = input_ids.to(self._groups.device)
+        with torch.no_grad():
+            if self._cp is not None:  # each cp rank computes its slice of the sequence
+                local_ids, positions, _ = self._cp.local_inputs(ids, None)
+                local = gather_last_dim(self._logits(local_ids, **self._cp.model_kwargs(positions)), self._tp_group)
+                return self._cp.full_sequence(local)
+            local = self._runner.forward(ids) if self._runner is not None else self._logits(ids)
+            return gather_last_dim(local, self._tp_group)
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """{original name: full gradient of the last train_step} on every rank (collective)."""
+        reduced = self._sync.reduced_grads()
+        local = {}
+        for p in self._params:
+            grad = reduced.get(id(p), p.grad)
+            local[self._names[id(p)]] = grad if grad is not None else torch.zeros_like(p)
+        return self._assemble(local)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """{original name: full parameter} on every rank (collective)."""
+        return self._assemble({self._names[id(p)]: p.detach() for p in self._params})
+
+    def _assemble(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if self._runner is not None:
+            local = self._runner.gather(local)
+        placements = dict(self._setup.program.placements)
+        out = {}
+        for name, tensor in local.items():
+            placement = placements.get(name, Replicate())
+            if self._tp_group is None or isinstance(placement, Replicate):
+                out[name] = tensor.detach().clone()
+                continue
+            slices = [torch.empty_like(tensor) for _ in range(self.plan.mesh.tp)]
+            dist.all_gather(slices, tensor.detach().contiguous(), group=self._tp_group)
+            out[name] = unshard(slices, placement)
+        return out

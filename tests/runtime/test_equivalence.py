@@ -1,0 +1,45 @@
+"""Distributed runs on gloo equal one process: loss of two AdamW steps, every gradient, the weights.
+
+Each world size is spawned once and runs all its configurations (start-up costs seconds).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.runtime.dist_harness import run_ranks
+from tests.runtime.equivalence import check_plan
+
+WORLD2 = (
+    ("llama-tiny", dict(dp=2), True),
+    ("llama-tiny", dict(tp=2), True),
+    ("mamba2-tiny", dict(dp=2, micro_batch=2), False),
+    ("mamba2-tiny", dict(tp=2), True),
+    ("llama-tiny", dict(pp=2, micro_batch=2), True),
+    ("mamba2-tiny", dict(pp=2, micro_batch=2), False),
+)
+WORLD4 = (
+    ("llama-tiny", dict(dp=2, tp=2, micro_batch=2), True),
+    ("mamba2-tiny", dict(dp=2, tp=2), False),
+    ("llama-tiny", dict(dp=4, zero=1), False),
+    ("mamba2-tiny", dict(dp=4, zero=1, micro_batch=2), False),
+    ("llama-tiny", dict(dp=2, tp=2, recompute="full"), False),
+    ("mamba2-tiny", dict(dp=2, tp=2, recompute="full", zero=1), False),
+    ("llama-tiny", dict(tp=4), False),  # 2 KV heads, tp 4: each rank keeps one KV head
+    ("llama-tiny", dict(dp=2, pp=2, micro_batch=2), False),
+    ("mamba2-tiny", dict(pp=2, tp=2, micro_batch=2), True),
+)
+WORLD8 = (
+    ("llama-tiny", dict(dp=2, pp=2, tp=2, micro_batch=2), True),
+    ("mamba2-tiny", dict(dp=2, pp=2, tp=2, micro_batch=2, zero=1), False),
+)
+
+
+def _run_all(rank: int, world: int, configs) -> None:
+    for preset, plan, logits in configs:
+        check_plan(preset, plan, logits=logits)
+
+
+@pytest.mark.parametrize("world, configs", [(2, WORLD2), (4, WORLD4), (8, WORLD8)], ids=["ws2", "ws4", "ws8"])
+def test_matches_single_process(world, configs):
+    run_ranks(world, _run_all, configs)
