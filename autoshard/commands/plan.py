@@ -1,14 +1,75 @@
-"""`autoshard plan`: not built yet (see the open issues)."""
+"""`autoshard plan`: solve for the fastest plan with CP-SAT and write it as JSON."""
 
 from __future__ import annotations
 
-from autoshard.errors import AutoshardError
+import json
+import sys
+import time
+
+from autoshard.commands.common import positive_int
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="(not built yet)")
+    p = sub.add_parser("plan", help="solve for the fastest plan (CP-SAT) and export it as JSON",
+                       description="Capture the model, build its cost table, and solve (per candidate mesh, one "
+                       "CP-SAT model over pipeline stage boundaries, per-stage recomputation, ZeRO level and "
+                       "micro-batch size) for the fastest training step that fits in device memory.")
+    p.add_argument("--model", required=True, help="preset name (e.g. llama-7b, mamba2-tiny)")
+    p.add_argument("--hardware", required=True, help="device profile name (e.g. ascend-910b, h100) or a JSON file")
+    p.add_argument("--devices", required=True, type=positive_int, help="number of devices (world size)")
+    p.add_argument("--global-batch", required=True, type=positive_int, help="sequences per training step")
+    p.add_argument("--seq-len", required=True, type=positive_int, help="tokens per sequence")
+    p.add_argument("--time-limit", type=float, default=30.0, metavar="SEC",
+                   help="wall-clock budget of the search in seconds (default 30)")
+    p.add_argument("--out", help="write the plan to this JSON file")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a summary")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    raise AutoshardError("'autoshard plan' is not built yet")
+    from autoshard.hardware import load_hardware
+    from autoshard.models.presets import get_spec
+    from autoshard.passes.solve import solve
+
+    spec = get_spec(args.model)
+    hw = load_hardware(args.hardware)
+    with _progress(enabled=not args.json) as progress:
+        plan = solve(spec, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
+                     time_limit_s=args.time_limit, progress=progress)
+    if args.out:
+        plan.save(args.out)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        from autoshard.commands.show import render
+
+        render(plan)
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0
+
+
+class _progress:
+    """A rich progress line while the search runs longer than a second (stderr, TTY or not)."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled, self.start, self.bar, self.task = enabled, time.perf_counter(), None, None
+
+    def __enter__(self):
+        return self.update
+
+    def update(self, done: int, total: int, best: float) -> None:
+        if not self.enabled or time.perf_counter() - self.start < 1.0:
+            return
+        if self.bar is None:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.bar = Progress(console=Console(file=sys.stderr), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("solving layouts", total=total)
+        self.bar.update(self.task, completed=done, description=f"solving layouts (best {best:.3g} s/step)")
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()

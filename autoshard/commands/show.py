@@ -1,14 +1,68 @@
-"""`autoshard show`: not built yet (see the open issues)."""
+"""`autoshard show`: explain a plan file: mesh, stages, placements, predicted cost, why this mesh."""
 
 from __future__ import annotations
 
-from autoshard.errors import AutoshardError
+from collections import defaultdict
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("show", help="(not built yet)")
+    p = sub.add_parser("show", help="explain a plan file: mesh, stages, placements, predicted cost",
+                       description="Print a plan written by `autoshard plan --out`: the mesh, the layers of each "
+                       "pipeline stage, the op placements grouped by kind, the predicted step time / memory / MFU "
+                       "with their breakdown, and why this mesh beat the runner-up.")
+    p.add_argument("plan", help="plan JSON file")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    raise AutoshardError("'autoshard show' is not built yet")
+    from autoshard.ir import Plan
+
+    render(Plan.load(args.plan))
+    return 0
+
+
+def render(plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    pred, solver = dict(plan.predicted), dict(plan.solver)
+    con.print(f"[bold]{plan.model}[/] on {plan.devices} x {plan.hardware}, global batch {plan.global_batch}, "
+              f"seq {plan.seq_len}  (fingerprint {plan.fingerprint})")
+    con.print(f"mesh: {plan.mesh}  ({', '.join(f'{k}={v}' for k, v in plan.mesh.as_dict().items())}), "
+              f"micro-batch {plan.micro_batch}, ZeRO-{plan.zero}")
+    stages = Table(title="pipeline stages")
+    for col in ("stage", "layers", "holds", "recompute", "time/micro-batch s", "memory GB"):
+        stages.add_column(col)
+    times, mems = pred.get("stage_time_s", []), pred.get("stage_memory_gb", [])
+    for i, st in enumerate(plan.stages):
+        holds = " + ".join(x for x, on in (("embed", st.embed), ("head", st.head)) if on) or "-"
+        layers = f"{st.first_layer}-{st.end_layer - 1}" if st.layers else "none"
+        stages.add_row(str(i), f"{layers} ({st.layers})", holds, st.recompute.value,
+                       _num(times, i), _num(mems, i))
+    con.print(stages)
+    groups = defaultdict(list)
+    for op, placement in plan.placements:
+        groups[placement].append(op)
+    con.print("placements (tp axis):")
+    for placement, ops in groups.items():
+        con.print(f"  {placement:>12}: {', '.join(ops)}")
+    if pred:
+        con.print(f"predicted: step {pred.get('step_time_s', 0):.4g} s, {pred.get('tokens_per_s', 0):.4g} tokens/s, "
+                  f"MFU {100 * pred.get('mfu', 0):.1f}%, peak memory {pred.get('memory_gb', 0):.2f} GB")
+        for title, key, unit in (("time", "time_breakdown_s", "s"), ("memory", "memory_breakdown_gb", "GB")):
+            parts = pred.get(key, {})
+            con.print(f"  {title}: " + ", ".join(f"{k} {v:.3g} {unit}" for k, v in parts.items() if v))
+    if solver:
+        con.print(f"solver: {solver.get('status')}, gap {100 * solver.get('gap', 0):.2f}%, "
+                  f"{solver.get('solve_time_s', 0):.1f} s, {solver.get('layouts_solved')} of "
+                  f"{solver.get('layouts')} layouts solved")
+        ru = solver.get("runner_up")
+        if ru:
+            mesh = " ".join(f"{k}{v}" for k, v in ru["mesh"].items() if v > 1) or "single"
+            con.print(f"runner-up: {mesh} ZeRO-{ru.get('zero')} at {ru['step_time_s']:.4g} s/step "
+                      f"({100 * (ru['step_time_s'] / pred['step_time_s'] - 1):.1f}% slower): {ru['why']}")
+
+
+def _num(values, i: int) -> str:
+    return f"{values[i]:.4g}" if i < len(values) else "-"

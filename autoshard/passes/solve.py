@@ -285,7 +285,7 @@ def _predict(ct, hw, spec, cand: Candidate, *, global_batch: int, seq_len: int) 
 def _why(win: dict, other: dict) -> str:
     diffs = {k: other["time_breakdown_s"].get(k, 0.0) - v for k, v in win["time_breakdown_s"].items()}
     k = max(diffs, key=lambda x: diffs[x])
-    return f"{k.replace('_', ' ')} costs {diffs[k]:.2f} s more per step on the runner-up"
+    return f"{k.replace('_', ' ')} costs {diffs[k]:.3g} s more per step on the runner-up"
 
 
 def _plan(ct, hw, spec, found: list[Candidate], *, devices, global_batch, seq_len, solve_s, layouts) -> Plan:
