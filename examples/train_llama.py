@@ -1,0 +1,46 @@
+"""Train a tiny HF LLaMA for a few steps under a hand-given plan.
+
+    torchrun --nproc-per-node 4 examples/train_llama.py --plan dp=2,tp=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+import autoshard
+from autoshard.models.presets import build_model, get_spec
+
+
+def parse_plan(text: str) -> dict:
+    """"dp=2,tp=2,recompute=full" -> {"dp": 2, "tp": 2, "recompute": "full"}."""
+    plan = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        plan[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return plan
+
+
+def main(preset: str = "llama-tiny") -> None:
+    parser = argparse.ArgumentParser(description=f"train {preset} with autoshard on CPU (gloo)")
+    parser.add_argument("--plan", default="dp=1", help="mesh and options, e.g. dp=2,tp=2,zero=1,recompute=full")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=32)
+    args = parser.parse_args()
+    spec = get_spec(preset)
+    torch.manual_seed(0)
+    ids = torch.randint(0, spec.vocab, (args.global_batch, args.seq_len))
+    dm = autoshard.parallelize(build_model(spec, seed=0), ids, plan=parse_plan(args.plan),
+                               global_batch=args.global_batch,
+                               optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    for step in range(args.steps):
+        loss = dm.train_step(ids, ids)
+        if torch.distributed.get_rank() == 0:
+            print(f"step {step} loss {loss.item():.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Single-process checks: plan validation, mesh coordinates, backend choice, shard tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.errors import InvalidConfigError
+from autoshard.ir import Mesh, Plan
+from autoshard.models.presets import build_model, get_spec
+from autoshard.passes.rewrite import Replicate, Shard, check_plan, shard_program
+from autoshard.runtime.mesh import axis_ranks, backend_for, coords_of, rank_of
+from autoshard.runtime.tensor_parallel import shard_tensor, unshard
+
+
+def _plan(world, global_batch=8, micro_batch=1, **mesh):
+    return Plan(model="t", fingerprint="", hardware="cpu", devices=world, global_batch=global_batch, seq_len=16,
+                mesh=Mesh(**mesh), micro_batch=micro_batch)
+
+
+@pytest.mark.parametrize("preset, world, kwargs, needle", [
+    ("llama-tiny", 4, dict(dp=2), "multiplies to 2, but the world size is 4"),
+    ("llama-tiny", 3, dict(tp=3), "tp (3) does not divide the vocabulary size"),
+    ("mamba2-tiny", 4, dict(tp=4), "tp (4) does not divide the number of groups (n_groups) of mamba2-tiny (2)"),
+    ("llama-tiny", 8, dict(pp=8), "pp (8) is larger than the number of blocks of llama-tiny (4)"),
+    ("llama-tiny", 2, dict(dp=2, micro_batch=3), "global batch 8 is not divisible by dp (2) x micro_batch (3)"),
+])
+def test_bad_plans_name_the_numbers(preset, world, kwargs, needle):
+    micro = kwargs.pop("micro_batch", 1)
+    plan = _plan(Mesh(**kwargs).size, micro_batch=micro, **kwargs)
+    with pytest.raises(InvalidConfigError) as err:
+        check_plan(plan, get_spec(preset), world_size=world)
+    assert needle in str(err.value)
+
+
+def test_parallelize_rejects_before_any_collective():
+    model = build_model(get_spec("llama-tiny"))
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    with pytest.raises(InvalidConfigError, match="multiplies to 4, but the world size is 1"):
+        autoshard.parallelize(model, ids, plan=dict(dp=2, tp=2))
+    with pytest.raises(InvalidConfigError, match="unknown plan keys"):
+        autoshard.parallelize(model, ids, plan=dict(dq=1))
+    assert not torch.distributed.is_initialized()
+
+
+def test_mesh_rank_order_tp_innermost():
+    mesh = Mesh(pp=2, dp=2, tp=2)
+    assert coords_of(5, mesh).pp == 1 and coords_of(5, mesh).dp == 0 and coords_of(5, mesh).tp == 1
+    assert all(rank_of(coords_of(r, mesh), mesh) == r for r in range(8))
+    assert axis_ranks(mesh, "tp")[0] == [0, 1]
+    assert axis_ranks(mesh, "pp")[0] == [0, 4]
+
+
+def test_backend_follows_device():
+    assert backend_for("cpu") == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        with pytest.raises(InvalidConfigError, match="torch_npu"):
+            backend_for("npu:0")
+    else:
+        assert backend_for("npu") == "hccl"
+
+
+def test_mamba_in_proj_slices_every_piece():
+    spec = get_spec("mamba2-tiny")
+    model = build_model(spec, device="meta")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    tables = [shard_program(_plan(2, tp=2), spec, shapes, tp_rank=r) for r in range(2)]
+    placement = tables[1].placement("backbone.layers.0.mixer.in_proj.weight")
+    inner, gn, heads = 128, 32, 8
+    assert placement == Shard(dim=0, index=1, parts=2, segments=(inner, inner, gn, gn, heads))
+    assert tables[0].placement("backbone.norm_f.weight") == Replicate()
+    full = torch.randn(sum(placement.segments), 3)
+    slices = [shard_tensor(full, t.placement("backbone.layers.0.mixer.in_proj.weight")) for t in tables]
+    assert slices[0].shape == (full.shape[0] // 2, 3)
+    assert torch.equal(unshard(slices, placement), full)
+    assert ("backbone.layers.0.mixer", "n_groups", 1) in tables[0].attrs
