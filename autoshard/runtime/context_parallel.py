@@ -188,3 +188,54 @@ def min_local_tokens(model: nn.Module) -> int:
     """The fewest tokens per rank the model's CP rule can handle."""
     config = model.config
     return max(1, int(getattr(config, "conv_kernel", 1)) - 1) if config.model_type == "mamba2" else 1
+
+
+# -- the runtime's side (autoshard.api / DistributedModel) ---------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CPRuntime:
+    """What `DistributedModel` needs for cp > 1: this rank's context, the model's layout, and the
+    dp x cp group over which replicated gradients are summed (and ZeRO shards optimizer state)."""
+
+    ctx: CPContext
+    layout: SeqLayout
+    grad_group: dist.ProcessGroup
+
+    def local_inputs(self, input_ids: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(b, S) ids and unshifted labels -> this rank's ids, position ids and *shifted* targets."""
+        return split_batch(input_ids, labels, self.ctx, self.layout)
+
+    def model_kwargs(self, position_ids: Tensor) -> dict[str, Tensor]:
+        """Extra forward kwargs of the base model: LLaMA needs the real positions (rotary)."""
+        return {"position_ids": position_ids} if self.layout is SeqLayout.BALANCED else {}
+
+    def full_sequence(self, local: Tensor) -> Tensor:
+        """Every rank's slice (b, S/cp, ...) -> the whole sequence (b, S, ...) in natural order."""
+        return gather_sequence(local, self.ctx, self.layout)
+
+
+def data_context_group(mesh, coords) -> tuple[list[list[int]], int]:
+    """The dp x cp rank sets of a (pp, dp, cp, tp) row-major mesh, and the index of this rank's set."""
+    from autoshard.runtime.mesh import Coords, rank_of
+
+    sets, mine = [], 0
+    for pp in range(mesh.pp):
+        for tp in range(mesh.tp):
+            ranks = [rank_of(Coords(pp=pp, dp=dp, cp=cp, tp=tp), mesh) for dp in range(mesh.dp) for cp in range(mesh.cp)]
+            if pp == coords.pp and tp == coords.tp:
+                mine = len(sets)
+            sets.append(ranks)
+    return sets, mine
+
+
+def setup_context_parallel(model: nn.Module, mesh, groups) -> CPRuntime | None:
+    """Collective over the world when mesh.cp > 1 (creates the dp x cp groups); installs the CP
+    attention / mixers on `model`. None when cp == 1. `groups` is `runtime.mesh.Groups`."""
+    if mesh.cp == 1:
+        return None
+    layout = layout_of(model)  # raises before any collective for a model with no CP rule
+    sets, mine = data_context_group(mesh, groups.coords)
+    made = [dist.new_group(ranks, backend=groups.backend) for ranks in sets]
+    ctx = CPContext.from_group(groups.cp)
+    enable_context_parallel(model, ctx)
+    return CPRuntime(ctx=ctx, layout=layout, grad_group=made[mine])

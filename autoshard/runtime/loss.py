@@ -39,7 +39,7 @@ def count_tokens(labels: Tensor) -> int:
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor, *, num_tokens: int | Tensor | None = None,
-                   tp_group: dist.ProcessGroup | None = None) -> Tensor:
+                   tp_group: dist.ProcessGroup | None = None, shifted: bool = False) -> Tensor:
     """Summed token cross-entropy of this batch divided by `num_tokens` (a 0-d float32 tensor).
 
     logits: (b, s, V) full logits, or (b, s, V / tp) this rank's vocab slice when `tp_group`
@@ -49,7 +49,8 @@ def causal_lm_loss(logits: Tensor, labels: Tensor, *, num_tokens: int | Tensor |
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree; "
                          "expected logits (b, s, vocab) and labels (b, s)")
-    target = shift_labels(labels).reshape(-1)  # (b*s,)
+    # shifted=True: `labels` are already targets (context parallelism shifts over the whole sequence)
+    target = (labels if shifted else shift_labels(labels)).reshape(-1)  # (b*s,)
     flat = logits.float().reshape(-1, logits.shape[-1])  # (b*s, V_local)
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         total = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum")

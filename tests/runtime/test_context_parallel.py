@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 
 import pytest
 import torch
@@ -23,8 +22,10 @@ from autoshard.runtime.context_parallel import (
 )
 from autoshard.runtime.cp_attention import balanced_causal_attention
 from autoshard.runtime.cp_mamba import cp_mixer_forward, ssd_chunk_scan
+from tests.runtime.equivalence import check_plan
 
 TOL = dict(rtol=1e-4, atol=1e-5)
+_PLANS = {2: [dict(cp=2)], 4: [dict(cp=4), dict(dp=2, cp=2), dict(tp=2, cp=2, zero=1)]}
 
 
 # -- single process ------------------------------------------------------------------------
@@ -88,6 +89,9 @@ def _worker(rank: int, world: int, port: int) -> None:
                           ("mamba2-tiny", 8 * world), ("mamba2-tiny", 12 * world), ("mamba2-tiny", 40 * world)):
             _case_model(ctx, name, seq)
         _case_mixer_with_mask(ctx, seq=6 * world)
+        for preset in ("llama-tiny", "mamba2-tiny"):  # the runtime: two AdamW steps against one process
+            for plan in _PLANS[world]:
+                check_plan(preset, plan, logits=plan == _PLANS[world][0])
     finally:
         dist.destroy_process_group()
 
