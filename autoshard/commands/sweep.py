@@ -1,14 +1,136 @@
-"""`autoshard sweep`: not built yet (see the open issues)."""
+"""`autoshard sweep`: price every valid (DP, PP, TP, CP, EP) layout of a model on a cluster.
+
+Builds the model's cost table once (passes/shapes), then runs the cost model (passes/cost) on
+every mesh that passes the divisibility rules (passes/layouts), for the given or every ZeRO level
+and recompute mode ("auto" keeps, per mesh, the fastest option that fits, else the smallest).
+Prints a table best first (fitting layouts by step time, then the rest), or `--json`, and can
+plot MFU against memory per device (`--plot f.png`).
+"""
 
 from __future__ import annotations
 
-from autoshard.errors import AutoshardError
+import json
+import sys
+from typing import Sequence
+
+from autoshard.commands.common import positive_int
+from autoshard.errors import InvalidConfigError
+from autoshard.ir import Recompute
+
+ZERO_CHOICES = ("0", "1", "2", "3", "auto")
+RECOMPUTE_CHOICES = ("none", "selective", "full", "auto")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("sweep", help="(not built yet)")
+    p = sub.add_parser(
+        "sweep", help="price every valid (DP, PP, TP, CP, EP) layout: step time, tokens/s, memory, MFU",
+        description="Price every valid (DP, PP, TP, CP, EP) layout of a model on N devices with the cost "
+        "model: step time, tokens/s, peak memory per device, MFU (paper convention), whether it fits. "
+        "Best first.")
+    p.add_argument("--model", required=True, help="preset name (llama-7b, mamba2-1b, ...) or package.module:factory")
+    p.add_argument("--hardware", required=True,
+                   help="device profile: ascend-910b, a100-80g, h100, h200, cpu, or a JSON profile file")
+    p.add_argument("--devices", required=True, type=positive_int, help="number of devices (world size)")
+    p.add_argument("--global-batch", required=True, type=positive_int, help="sequences per optimizer step")
+    p.add_argument("--seq-len", required=True, type=positive_int, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch (default 1)")
+    p.add_argument("--zero", choices=ZERO_CHOICES, default="auto",
+                   help="ZeRO level, or auto: the fastest that fits per layout (default auto)")
+    p.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="auto",
+                   help="activation recomputation, or auto: the fastest that fits per layout (default auto)")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per layout, best first")
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG of MFU against memory per device")
+    p.add_argument("--limit", type=positive_int, default=None, help="show only the first N rows of the table")
     p.set_defaults(run=run)
 
 
+def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, micro_batch: int = 1,
+          zeros: Sequence[int] = (1,), recomputes: Sequence[Recompute] = (Recompute.NONE,)) -> list:
+    """Every valid mesh priced; per mesh the best (fits first, then step time) of the options.
+    Returns `Estimate`s, best first."""
+    from autoshard.passes.cost import Layout, compile_table, estimate
+    from autoshard.passes.layouts import valid_meshes
+
+    meshes = valid_meshes(spec, devices, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
+    ct = compile_table(table, spec)
+    out = []
+    for mesh in meshes:
+        options = [estimate(ct, spec, hw, Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r),
+                            global_batch=global_batch, seq_len=seq_len) for z in zeros for r in recomputes]
+        fitting = [e for e in options if e.fits]
+        out.append(min(fitting, key=lambda e: e.step_time_s) if fitting else min(options, key=lambda e: e.memory_gb))
+    return sorted(out, key=lambda e: (not e.fits, e.step_time_s))
+
+
 def run(args) -> int:
-    raise AutoshardError("'autoshard sweep' is not built yet")
+    from autoshard.hardware import load_hardware
+    from autoshard.models.presets import resolve_model
+    from autoshard.passes.shapes import build_cost_table
+
+    hw = load_hardware(args.hardware)
+    spec, model = resolve_model(args.model, device="meta")
+    table = build_cost_table(spec, model=None if ":" not in args.model else model)
+    zeros = (0, 1, 2, 3) if args.zero == "auto" else (int(args.zero),)
+    recomputes = tuple(Recompute) if args.recompute == "auto" else (Recompute(args.recompute),)
+    results = sweep(spec, table, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
+                    micro_batch=args.micro_batch, zeros=zeros, recomputes=recomputes)
+    if args.plot:
+        write_plot(results, hw, args.plot, title=f"{spec.name} on {args.devices}x {hw.name}, "
+                   f"global batch {args.global_batch}, seq {args.seq_len}")
+    if args.json:
+        json.dump([e.to_json() for e in results], sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        _print_table(results, hw, spec, args)
+    return 0
+
+
+def _print_table(results, hw, spec, args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = results[: args.limit] if args.limit else results
+    table = Table(title=f"{spec.name} on {args.devices}x {hw.name} ({hw.memory_gb:.0f} GB), global batch "
+                  f"{args.global_batch}, seq {args.seq_len}: {len(results)} layouts, best first")
+    for col in ("#", "dp", "pp", "tp", "cp", "ep", "zero", "recompute", "mb", "step s", "ktok/s", "mem GB avg", "peak",
+                "MFU %", "fits"):
+        table.add_column(col, justify="left" if col == "recompute" else "right")
+    for i, e in enumerate(rows, 1):
+        m, lay = e.layout.mesh, e.layout
+        table.add_row(str(i), str(m.dp), str(m.pp), str(m.tp), str(m.cp), str(m.ep), str(lay.zero),
+                      lay.recompute.value, str(lay.micro_batch), f"{e.step_time_s:.2f}", f"{e.tokens_per_s / 1e3:.1f}",
+                      f"{e.mean_memory_gb:.1f}", f"{e.memory_gb:.1f}", f"{100 * e.mfu:.1f}", "yes" if e.fits else "[red]no[/red]")
+    Console(width=max(120, 0)).print(table)
+    if results and not results[0].fits:
+        print(f"no layout fits in {hw.memory_gb:.0f} GB; the smallest needs {min(e.memory_gb for e in results):.1f} GB")
+
+
+def write_plot(results, hw, path: str, *, title: str) -> None:
+    """MFU against peak memory per device, one point per layout, device memory as a line, best marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not str(path).lower().endswith(".png"):
+        raise InvalidConfigError(f"--plot writes a PNG; give a file name ending in .png, got {path!r}")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for fits, color, label in ((True, "tab:blue", "fits"), (False, "tab:gray", "does not fit")):
+        pts = [e for e in results if e.fits is fits]
+        ax.scatter([e.memory_gb for e in pts], [100 * e.mfu for e in pts], c=color, s=18, label=label)
+    ax.axvline(hw.memory_gb, color="tab:red", linestyle="--", label=f"device memory {hw.memory_gb:.0f} GB")
+    best = next((e for e in results if e.fits), None)
+    if best is not None:
+        m = best.layout.mesh
+        ax.scatter([best.memory_gb], [100 * best.mfu], marker="*", s=250, c="tab:orange", zorder=3,
+                   label=f"best: dp{m.dp} pp{m.pp} tp{m.tp} cp{m.cp}")
+    ax.set_xlabel("memory per device (GB, peak)")
+    ax.set_ylabel("MFU (%)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise InvalidConfigError(f"cannot write plot {path}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
