@@ -1,0 +1,225 @@
+"""Pipeline parallelism: stage modules run under `torch.distributed.pipelining` schedules.
+
+Contract: `PipelineRunner(model, spec, stages, pp_group=..., device=...)` is built on every rank
+of the world at once (it creates process groups). Rank i of `pp_group` runs stage i, the module
+`build_stage_module(model, spec, stages[i])` (see `stages.py`), wrapped in a `PipelineStage`
+and driven by `ScheduleGPipe` or `Schedule1F1B`; no scheduler of our own.
+
+* `step(input_ids, labels, num_tokens=N)` runs forward and backward of this pipeline's batch
+  (the local batch of one dp rank, given on every rank of the pp group), split into
+  `batch / micro_batch` micro-batches. The last stage's loss is `causal_lm_loss(..., num_tokens=N,
+  tp_group=...)` per micro-batch, N being the valid-token count of the *global* batch; the
+  schedule runs with `scale_grads=False`, so gradients and the returned loss are *sums* over
+  micro-batches: summing them over dp ranks (all-reduce SUM, not mean) gives the global mean
+  loss and its gradient. The loss is broadcast from the last stage to every rank of the pp group.
+* Tied embeddings (embedding weight is the LM head weight, first and last stage on different
+  ranks): each of the two ranks holds a copy; after the backward `step` all-reduces the copy's
+  gradient over the 2-rank group {first, last}, so both hold the full gradient and stay equal
+  after any optimizer step.
+* Gradients accumulate in `.grad` of the stage's parameters (the caller zeroes them).
+* `forward(input_ids)` runs the forward only and returns the last stage's logits (the local
+  vocab slice under TP) on every rank of the pp group.
+* `gather(tensors)` turns {original name: tensor of this stage} into the same dict for the
+  whole model on every rank of the pp group (checks and `full_grads`, not the fast path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from autoshard.errors import InvalidConfigError
+from autoshard.ir import Stage
+from autoshard.models.presets import ModelSpec
+from autoshard.runtime.loss import causal_lm_loss
+from autoshard.runtime.stages import build_stage_module, check_stages, original_names
+
+
+class Schedule(str, Enum):
+    GPIPE = "gpipe"  # all forwards, then all backwards: activations of every micro-batch live at once
+    ONE_F_ONE_B = "1f1b"  # at most pp micro-batches in flight; same bubble (p-1)/(m+p-1)
+
+
+_SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineOptions:
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    micro_batch: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.schedule, Schedule):
+            object.__setattr__(self, "schedule", _parse_schedule(self.schedule))
+        if self.micro_batch < 1:
+            raise InvalidConfigError(f"micro_batch must be >= 1, got {self.micro_batch}")
+
+
+def _parse_schedule(value) -> Schedule:
+    try:
+        return Schedule(str(value).lower())
+    except ValueError:
+        raise InvalidConfigError(f"unknown pipeline schedule {value!r}; "
+                                 f"known: {', '.join(s.value for s in Schedule)}") from None
+
+
+class PipelineRunner:
+    """This rank's pipeline stage and the schedules that drive it (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, stages: Sequence[Stage], *,
+                 pp_group: dist.ProcessGroup, device: torch.device | str,
+                 options: PipelineOptions = PipelineOptions(), tp_group: dist.ProcessGroup | None = None,
+                 cp=None) -> None:
+        pp = dist.get_world_size(pp_group)
+        self.stages = check_stages(stages, num_layers=model.config.num_hidden_layers, pp=pp)
+        self.options = options
+        self.pp_group, self.tp_group = pp_group, tp_group
+        self.device = torch.device(device)
+        self.stage_index = dist.get_rank(pp_group)
+        self.stage = self.stages[self.stage_index]
+        self.module = build_stage_module(model, spec, self.stage)
+        self.cp = self.module.cp = cp  # context parallelism (issue 6): runtime.context_parallel.CPRuntime or None
+        self.names = original_names(model, self.module)  # stage name -> original name
+        # what every stage holds, by original name, for gather(); shapes/dtypes from this rank's model
+        self._held = [tuple(dict.fromkeys(original_names(model, build_stage_module(model, spec, st)).values()))
+                      for st in self.stages]
+        self._meta = {name: (p.shape, p.dtype) for name, p in model.named_parameters()}
+        self._tied = _tied_parameter(model, spec) if pp > 1 else None
+        self._tied_group = _tied_pair_group(pp_group) if self._tied is not None else None
+        self._cache: dict[tuple, object] = {}
+
+    # -- training ---------------------------------------------------------------------------
+    def parameters(self):
+        return self.module.parameters()
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, *,
+             num_tokens: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of this pipeline's batch; the summed loss on every pp rank."""
+        if num_tokens is None:  # only right when this pipeline sees the whole batch (dp = 1)
+            num_tokens = int((labels[..., 1:] != -100).sum())
+        if self.cp is not None:  # this rank's slice of the sequence, labels shifted over the whole sequence
+            input_ids, _, labels = self.cp.local_inputs(input_ids, labels)
+        schedule = self._schedule(tuple(input_ids.shape), train=True)
+        args = (input_ids.to(self.device),) if self.stage.embed else ()
+        target = labels.to(self.device) if self.stage.head else None
+        losses: list[torch.Tensor] = []
+        schedule.step(*args, target=target, losses=losses if self.stage.head else None, return_outputs=False,
+                      loss_kwargs={"num_tokens": num_tokens})
+        self.sync_tied_grads()
+        loss = torch.stack(losses).sum().detach() if self.stage.head else torch.zeros((), device=self.device)
+        dist.broadcast(loss, group=self.pp_group, group_src=len(self.stages) - 1)
+        return loss
+
+    def sync_tied_grads(self) -> None:
+        """Sum the tied embedding's gradient over the first and last stage (no-op when untied)."""
+        if self._tied_group is None or not (self.stage.embed or self.stage.head):
+            return
+        param = self._tied
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, group=self._tied_group)
+
+    # -- evaluation and checks ---------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the whole batch (local vocab slice under TP) on every rank of the pp group."""
+        if self.cp is not None:  # this cp rank's slice of the sequence: the caller gathers the rest
+            input_ids = self.cp.local_inputs(input_ids, None)[0]
+        schedule = self._schedule(tuple(input_ids.shape), train=False)
+        args = (input_ids.to(self.device),) if self.stage.embed else ()
+        with torch.no_grad():
+            out = schedule.step(*args)
+        header = torch.zeros(4, dtype=torch.int64, device=self.device)  # (b, s, v, dtype index)
+        if self.stage.head:
+            header.copy_(torch.tensor([*out.shape, _DTYPES.index(out.dtype)]))
+        last = len(self.stages) - 1
+        dist.broadcast(header, group=self.pp_group, group_src=last)
+        b, s, v, code = header.tolist()
+        if not self.stage.head:
+            out = torch.empty((b, s, v), dtype=_DTYPES[code], device=self.device)
+        dist.broadcast(out, group=self.pp_group, group_src=last)
+        return out
+
+    def local_grads(self) -> dict[str, torch.Tensor]:
+        """{original name: gradient} of this stage's parameters (zeros where none was computed)."""
+        params = {self.names[n]: p for n, p in self.module.named_parameters()}
+        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """{original name: parameter} of this stage."""
+        return {self.names[n]: p.detach() for n, p in self.module.named_parameters()}
+
+    def gather(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """{original name: tensor} of every stage on every pp rank; `tensors` holds this stage's."""
+        out: dict[str, torch.Tensor] = {}
+        for index, held in enumerate(self._held):
+            names = [n for n in held if n not in out]
+            for dtype in dict.fromkeys(self._meta[n][1] for n in names):
+                group = [n for n in names if self._meta[n][1] == dtype]
+                if index == self.stage_index:
+                    flat = torch.cat([tensors[n].detach().reshape(-1).to(self.device, dtype) for n in group])
+                else:
+                    flat = torch.empty(sum(self._meta[n][0].numel() for n in group), dtype=dtype,
+                                       device=self.device)
+                dist.broadcast(flat, group=self.pp_group, group_src=index)
+                for name, piece in zip(group, flat.split([self._meta[n][0].numel() for n in group])):
+                    out[name] = piece.view(self._meta[name][0])
+        return out
+
+    # -- schedules ---------------------------------------------------------------------------
+    def _schedule(self, shape: tuple[int, ...], *, train: bool):
+        """The schedule for batches of `shape`, built on first use (PipelineStage infers shapes then)."""
+        key = (shape, train)
+        if key not in self._cache:
+            batch = shape[0]
+            micro = self.options.micro_batch
+            if batch % micro:
+                raise InvalidConfigError(f"the pipeline's batch ({batch}) is not divisible by micro_batch ({micro}); "
+                                         f"choose a micro_batch that divides {batch}")
+            stage = PipelineStage(self.module, self.stage_index, len(self.stages), self.device, group=self.pp_group)
+            if train:
+                self._cache[key] = _SCHEDULES[self.options.schedule](
+                    stage, batch // micro, loss_fn=self._loss, scale_grads=False)
+            else:
+                self._cache[key] = ScheduleGPipe(stage, batch // micro)
+        return self._cache[key]
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_tokens) -> torch.Tensor:
+        return causal_lm_loss(logits, labels, num_tokens=num_tokens, tp_group=self.tp_group,
+                              shifted=self.cp is not None)
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _tied_parameter(model: nn.Module, spec: ModelSpec) -> nn.Parameter | None:
+    """The embedding weight when the LM head shares it (tied embeddings), else None."""
+    head = getattr(model, "lm_head", None)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    if embed is not None and head_weight is not None and head_weight is getattr(embed, "weight", None):
+        return head_weight
+    return None
+
+
+def _tied_pair_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """The 2-rank group {first, last stage} of this rank's pipeline (collective over the world).
+
+    Every rank learns every pipeline's (first, last) pair by one all_gather_object, then all ranks
+    create the groups in the same order, as `new_group` requires.
+    """
+    ranks = dist.get_process_group_ranks(pp_group)
+    mine = (ranks[0], ranks[-1])
+    pairs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pairs, mine)
+    group = None
+    for pair in sorted(set(map(tuple, pairs))):
+        made = dist.new_group(list(pair))
+        if pair == mine:
+            group = made
+    return group

@@ -1,0 +1,176 @@
+"""Pipeline stage modules cut from an unmodified HF causal LM.
+
+Contract: `build_stage_module(model, spec, stage)` returns the `nn.Module` that computes one
+pipeline stage of a HF `LlamaForCausalLM` or `Mamba2ForCausalLM`:
+
+    first stage   input_ids (b, s) int64  -> embedding -> layers [first_layer, end_layer)
+    middle stage  hidden (b, s, h)        -> layers [first_layer, end_layer)          -> hidden
+    last stage    hidden (b, s, h)        -> layers -> final norm -> LM head           -> logits
+
+(a stage that is both first and last maps input_ids to logits). Logits are (b, s, V), or this
+rank's vocab slice (b, s, V / tp) when the model's LM head has been split for TP in place.
+
+Invariants:
+* The stage *shares* the model's modules: no copy, parameters keep their identity, so whatever
+  was done to the model in place (TP slicing, loaded weights) is what the stage runs, and
+  `original_names(model, stage_module)` maps every stage parameter name back to the name the
+  parameter has in `model.named_parameters()` (for tied embeddings the LM head weight maps to
+  the embedding's name, the one HF reports).
+* Chaining the stages of `even_stages(...)` (or any valid split) in one process reproduces
+  `model(input_ids).logits` exactly: LLaMA layers get the rotary position embeddings computed
+  locally from position ids 0..s-1 and the causal mask from HF's own `create_causal_mask`
+  (None under sdpa, which then runs causal); Mamba-2 blocks do their residual themselves.
+* `stage.recompute == Recompute.FULL` checkpoints every layer of the stage (only each layer's
+  input is kept; its forward reruns in backward).
+
+Terms: a *split* is the tuple of `Stage`s of a pipeline, stage i on pp rank i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from autoshard.errors import InvalidConfigError
+from autoshard.ir import Recompute, Stage
+from autoshard.models.presets import Family, ModelSpec
+
+
+def even_stages(num_layers: int, pp: int) -> tuple[Stage, ...]:
+    """The default split: `num_layers` over `pp` stages, the first `num_layers % pp` one layer longer."""
+    if pp < 1:
+        raise InvalidConfigError(f"pp must be a positive integer, got {pp}")
+    if pp > num_layers:
+        raise InvalidConfigError(f"pp ({pp}) is larger than the number of layers ({num_layers}); "
+                                 f"use pp <= {num_layers} so every stage holds at least one layer")
+    base, extra = divmod(num_layers, pp)
+    stages, first = [], 0
+    for i in range(pp):
+        end = first + base + (1 if i < extra else 0)
+        stages.append(Stage(first_layer=first, end_layer=end, embed=i == 0, head=i == pp - 1))
+        first = end
+    return tuple(stages)
+
+
+def check_stages(stages: Sequence[Stage], *, num_layers: int, pp: int) -> tuple[Stage, ...]:
+    """`stages` if they are a valid split of `num_layers` layers over `pp` stages, else InvalidConfigError."""
+    stages = tuple(stages)
+    if len(stages) != pp:
+        raise InvalidConfigError(f"the plan has {len(stages)} pipeline stages but pp is {pp}; "
+                                 "give one Stage per pp rank (or none for an even split)")
+    expected_first = 0
+    for i, st in enumerate(stages):
+        where = f"stage {i} (layers [{st.first_layer}, {st.end_layer}))"
+        if st.first_layer != expected_first or st.end_layer < st.first_layer:
+            raise InvalidConfigError(f"{where} does not follow the previous stage; stages must cover layers "
+                                     f"0..{num_layers} in order, this one should start at layer {expected_first}")
+        if st.embed != (i == 0) or st.head != (i == pp - 1):
+            raise InvalidConfigError(f"{where}: the embedding belongs to the first stage and the LM head to "
+                                     f"the last, found embed={st.embed}, head={st.head}")
+        if st.layers == 0 and not (st.embed or st.head):
+            raise InvalidConfigError(f"{where} holds nothing; give every middle stage at least one layer")
+        expected_first = st.end_layer
+    if expected_first != num_layers:
+        raise InvalidConfigError(f"the stages cover layers 0..{expected_first} but the model has {num_layers}; "
+                                 "the last stage must end at the last layer")
+    return stages
+
+
+class StageModule(nn.Module):
+    """One pipeline stage; the family subclasses say how layers are called (see module docstring)."""
+
+    def __init__(self, stage: Stage, *, config, embed: nn.Module | None, layers: Sequence[nn.Module],
+                 norm: nn.Module | None, lm_head: nn.Module | None) -> None:
+        super().__init__()
+        self.stage = stage
+        self.config = config
+        self.embed = embed
+        # keyed by the layer's index in the full model, so names read "layers.5.mlp..."
+        self.layers = nn.ModuleDict({str(stage.first_layer + i): layer for i, layer in enumerate(layers)})
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x) if self.embed is not None else x  # (b, s, h)
+        kwargs = self.layer_kwargs(hidden)
+        for layer in self.layers.values():
+            if self.stage.recompute is Recompute.FULL and torch.is_grad_enabled():
+                hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+            else:
+                hidden = layer(hidden, **kwargs)
+        return self.head(hidden) if self.lm_head is not None else hidden
+
+    def layer_kwargs(self, hidden: torch.Tensor) -> dict:
+        return {}
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))  # (b, s, V or V / tp)
+
+
+class LlamaStage(StageModule):
+    """LLaMA decoder layers need rotary embeddings and the causal mask, computed here per stage."""
+
+    def __init__(self, stage: Stage, *, rotary_emb: nn.Module, **parts) -> None:
+        super().__init__(stage, **parts)
+        self.rotary_emb = rotary_emb
+
+    def layer_kwargs(self, hidden: torch.Tensor) -> dict:
+        from transformers.masking_utils import create_causal_mask
+
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, s)
+        if getattr(self, "cp", None) is not None:  # context parallelism (issue 6): this rank's real positions
+            position_ids = self.cp.positions(hidden.shape[1]).to(hidden.device)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                  position_ids=position_ids)
+        return {"attention_mask": mask, "position_ids": position_ids,
+                "position_embeddings": self.rotary_emb(hidden, position_ids=position_ids)}
+
+
+class Mamba2Stage(StageModule):
+    """Mamba-2 blocks take the hidden state alone; the head casts as Mamba2ForCausalLM does."""
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = next(self.lm_head.parameters()).dtype
+        return self.lm_head(self.norm(hidden).to(dtype)).float()  # (b, s, V or V / tp)
+
+
+def build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage) -> StageModule:
+    """The module of `stage`, sharing `model`'s submodules (see the module docstring)."""
+    config = getattr(model, "config", None)
+    layers_total = getattr(config, "num_hidden_layers", None)
+    if not 0 <= stage.first_layer <= stage.end_layer <= (layers_total or 0):
+        raise InvalidConfigError(f"stage layers [{stage.first_layer}, {stage.end_layer}) are outside the "
+                                 f"model's {layers_total} layers; stages must lie within 0..{layers_total}")
+    if spec.family is Family.LLAMA:
+        body = model.model
+        parts = dict(embed=body.embed_tokens, layers=list(body.layers)[stage.first_layer:stage.end_layer],
+                     norm=body.norm, lm_head=model.lm_head)
+        return LlamaStage(stage, config=config, rotary_emb=body.rotary_emb, **_keep(parts, stage))
+    if spec.family is Family.MAMBA2:
+        body = model.backbone
+        parts = dict(embed=body.embeddings, layers=list(body.layers)[stage.first_layer:stage.end_layer],
+                     norm=body.norm_f, lm_head=model.lm_head)
+        return Mamba2Stage(stage, config=config, **_keep(parts, stage))
+    raise InvalidConfigError(f"pipeline stages are built for LLaMA and Mamba-2 models, got family "
+                             f"{spec.family!r}; use pp=1 for other models")
+
+
+def _keep(parts: dict, stage: Stage) -> dict:
+    """Drop the embedding unless the stage is first, and the norm and head unless it is last."""
+    return {**parts, "embed": parts["embed"] if stage.embed else None,
+            "norm": parts["norm"] if stage.head else None, "lm_head": parts["lm_head"] if stage.head else None}
+
+
+def original_names(model: nn.Module, stage_module: nn.Module) -> dict[str, str]:
+    """{stage parameter name: name of the same parameter in `model.named_parameters()`}."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    names = {}
+    for name, param in stage_module.named_parameters():
+        if id(param) not in by_id:
+            raise InvalidConfigError(f"stage parameter {name} is not a parameter of the model; stage modules "
+                                     "must be built from the model they are mapped back to")
+        names[name] = by_id[id(param)]
+    return names

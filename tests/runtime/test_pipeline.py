@@ -1,0 +1,180 @@
+"""Pipeline parallelism: stage modules, splits, and pp runs on gloo against one process.
+
+Each world size is spawned once; every configuration runs inside it. Every rank compares with
+the single-process run of the same tiny HF model: loss of two AdamW steps, every full gradient
+(gathered to original names) and the weights after the steps.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autoshard.errors import InvalidConfigError
+from autoshard.ir import Recompute, Stage
+from autoshard.models.presets import build_model, get_spec
+from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner, Schedule
+from autoshard.runtime.stages import build_stage_module, check_stages, even_stages, original_names
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+BATCH, SEQ = 4, 16
+
+
+def _stages(*bounds: int) -> tuple[Stage, ...]:
+    """Stages from layer boundaries: _stages(0, 1, 4) -> [0, 1), [1, 4)."""
+    n = len(bounds) - 1
+    return tuple(Stage(first_layer=a, end_layer=b, embed=i == 0, head=i == n - 1)
+                 for i, (a, b) in enumerate(zip(bounds, bounds[1:])))
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[1, 5:] = -100  # micro-batches with different valid-token counts
+    labels[2, :3] = -100
+    return ids, labels
+
+
+# -- single process ------------------------------------------------------------------------------
+def test_even_stages_split_and_errors():
+    assert [(s.first_layer, s.end_layer) for s in even_stages(10, 4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert even_stages(4, 2)[0].embed and even_stages(4, 2)[-1].head and not even_stages(4, 2)[0].head
+    with pytest.raises(InvalidConfigError, match=r"pp \(5\) is larger than the number of layers \(4\)"):
+        even_stages(4, 5)
+    with pytest.raises(InvalidConfigError, match="should start at layer 2"):
+        check_stages(_stages(0, 2, 4)[:1] + _stages(0, 3, 4)[1:], num_layers=4, pp=2)
+    with pytest.raises(InvalidConfigError, match="model has 4"):
+        check_stages(_stages(0, 2, 3), num_layers=4, pp=2)
+    with pytest.raises(InvalidConfigError, match="2 pipeline stages but pp is 3"):
+        check_stages(_stages(0, 2, 4), num_layers=4, pp=3)
+    with pytest.raises(InvalidConfigError, match="holds nothing"):
+        check_stages(_stages(0, 2, 2, 4), num_layers=4, pp=3)
+    with pytest.raises(InvalidConfigError, match="unknown pipeline schedule 'zb'"):
+        PipelineOptions(schedule="zb")
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "mamba2-tiny"])
+def test_chained_stages_equal_model(name):
+    spec = get_spec(name)
+    model = build_model(spec)
+    ids, labels = _batch(spec.vocab)
+    ref = model(ids).logits
+    for split in (_stages(0, 2, 4), _stages(0, 0, 1, 3, 4)):
+        x = ids
+        for stage in split:
+            x = build_stage_module(model, spec, stage)(x)
+        torch.testing.assert_close(x, ref, rtol=0, atol=0)
+    head = build_stage_module(model, spec, _stages(0, 3, 4)[1])
+    names = original_names(model, head)
+    assert names["layers.3.norm.weight" if name.startswith("mamba") else "layers.3.mlp.up_proj.weight"] \
+        == ("backbone.layers.3.norm.weight" if name.startswith("mamba") else "model.layers.3.mlp.up_proj.weight")
+    assert all(dict(model.named_parameters())[orig] is p for n, p in head.named_parameters()
+               for orig in [names[n]])
+
+
+def test_tied_head_maps_to_embedding_and_recompute_matches():
+    spec = replace(get_spec("llama-tiny"), tied=True)
+    model = build_model(spec)
+    last = build_stage_module(model, spec, _stages(0, 2, 4)[1])
+    assert original_names(model, last)["lm_head.weight"] == "model.embed_tokens.weight"
+    ids, labels = _batch(spec.vocab)
+    full = build_stage_module(model, spec, Stage(first_layer=0, end_layer=4, embed=True, head=True,
+                                                 recompute=Recompute.FULL))
+    full(ids).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(ids).logits.sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, **TOL)
+
+
+# -- distributed ---------------------------------------------------------------------------------
+def _reference(spec, steps: int = 2):
+    """Single-process logits, losses, gradients per step, and final weights."""
+    model = build_model(spec)
+    ids, labels = _batch(spec.vocab)
+    with torch.no_grad():
+        logits = model(ids).logits
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, grads = [], []
+    for _ in range(steps):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return logits, losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _check_config(spec, stages, schedule, micro_batch, reference):
+    ref_logits, ref_losses, ref_grads, ref_weights = reference
+    model = build_model(spec)
+    runner = PipelineRunner(model, spec, stages, pp_group=dist.group.WORLD, device="cpu",
+                            options=PipelineOptions(schedule=schedule, micro_batch=micro_batch))
+    ids, labels = _batch(spec.vocab)
+    torch.testing.assert_close(runner.forward(ids), ref_logits, **TOL)
+    opt = torch.optim.AdamW(runner.parameters(), lr=1e-3)
+    for step in range(len(ref_losses)):
+        loss = runner.step(ids, labels, num_tokens=int((labels[:, 1:] != -100).sum()))
+        torch.testing.assert_close(loss, ref_losses[step], **TOL)
+        grads = runner.gather(runner.local_grads())
+        assert grads.keys() == ref_grads[step].keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[step][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        opt.step()
+        opt.zero_grad()
+    weights = runner.gather(runner.local_state())
+    for name, weight in weights.items():
+        torch.testing.assert_close(weight, ref_weights[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    if spec.tied and runner.stage.head:  # the last stage's copy equals the first stage's
+        torch.testing.assert_close(runner.module.lm_head.weight.detach(), weights[runner.names["lm_head.weight"]])
+
+
+CONFIGS = {
+    2: [
+        ("llama-tiny", (0, 2, 4), Schedule.GPIPE, 1, False),
+        ("llama-tiny", (0, 1, 4), Schedule.ONE_F_ONE_B, 2, False),
+        ("mamba2-tiny", (0, 2, 4), Schedule.ONE_F_ONE_B, 1, False),
+        ("mamba2-tiny", (0, 3, 4), Schedule.GPIPE, 2, False),
+        ("llama-tiny", (0, 2, 4), Schedule.ONE_F_ONE_B, 1, True),
+    ],
+    4: [
+        ("llama-tiny", (0, 1, 2, 3, 4), Schedule.ONE_F_ONE_B, 1, False),
+        ("llama-tiny", (0, 0, 2, 3, 4), Schedule.GPIPE, 1, False),
+        ("mamba2-tiny", (0, 1, 2, 3, 4), Schedule.ONE_F_ONE_B, 1, True),
+    ],
+}
+
+
+def _spec(name: str, tied: bool):
+    return replace(get_spec(name), tied=tied)
+
+
+def _worker(rank: int, world: int, init_file: str, references: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for name, bounds, schedule, micro_batch, tied in CONFIGS[world]:
+            try:
+                _check_config(_spec(name, tied), _stages(*bounds), schedule, micro_batch, references[name, tied])
+            except AssertionError as e:
+                raise AssertionError(f"rank {rank}, {name} tied={tied} stages {bounds} {schedule.value} "
+                                     f"micro_batch {micro_batch}: {e}") from None
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_matches_single_process(world):
+    keys = {(name, tied) for name, *_, tied in CONFIGS[world]}
+    references = {key: _reference(_spec(*key)) for key in sorted(keys)}  # computed once, not per rank
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), references), nprocs=world, join=True)
