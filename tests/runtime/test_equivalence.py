@@ -22,7 +22,6 @@ WORLD4 = (
     ("llama-tiny", dict(dp=2, tp=2, micro_batch=2), True),
     ("mamba2-tiny", dict(dp=2, tp=2), False),
     ("llama-tiny", dict(dp=4, zero=1), False),
-    ("mamba2-tiny", dict(dp=4, zero=1, micro_batch=2), False),
     ("llama-tiny", dict(dp=2, tp=2, recompute="full"), False),
     ("mamba2-tiny", dict(dp=2, tp=2, recompute="full", zero=1), False),
     ("llama-tiny", dict(tp=4), False),  # 2 KV heads, tp 4: each rank keeps one KV head
@@ -31,7 +30,6 @@ WORLD4 = (
 )
 WORLD8 = (
     ("llama-tiny", dict(dp=2, pp=2, tp=2, micro_batch=2), True),
-    ("mamba2-tiny", dict(dp=2, pp=2, tp=2, micro_batch=2, zero=1), False),
 )
 
 
