@@ -254,7 +254,7 @@ def _infeasible(ct, hw, spec, layouts, *, devices, global_batch, seq_len) -> Inf
     return InfeasiblePlanError(
         f"{spec.name} fits no layout on {devices} x {hw.name}: binding constraint is memory per device; "
         f"the smallest plan ({where.mesh}, ZeRO-{where.zero}, micro-batch 1, recompute per stage) needs "
-        f"{best / 1e9:.1f} GB but the device has {cap / 1e9:.1f} GB, {(best - cap) / 1e9:.1f} GB "
+        f"{best / 1e9:.3g} GB but the device has {cap / 1e9:.3g} GB, {(best - cap) / 1e9:.3g} GB "
         f"({100 * (best / cap - 1):.0f}%) too much; use more devices or a device with more memory")
 
 

@@ -1,0 +1,92 @@
+"""The planner: CP-SAT finds the brute-force optimum of the same cost model; plans beat sweep."""
+
+from dataclasses import replace
+
+import pytest
+
+from autoshard.errors import InfeasiblePlanError
+from autoshard.hardware import load_hardware
+from autoshard.ir import Mesh, Recompute
+from autoshard.models.presets import get_spec
+from autoshard.passes import cost
+from autoshard.passes.cost import Layout
+from autoshard.passes.shapes import build_cost_table
+from autoshard.passes.solve import candidate_layouts, solve, solve_mesh
+from autoshard.passes.solve_model import Assignment, brute_force, evaluate, mesh_problem
+
+
+@pytest.fixture(scope="module", params=["llama-tiny", "mamba2-tiny"])
+def tiny(request):
+    spec = get_spec(request.param)
+    return spec, cost.compile_table(build_cost_table(spec), spec)
+
+
+def _tight(hw, ct, layout, fraction):
+    """A device whose memory sits `fraction` of the way between the smallest and largest stage."""
+    problem = mesh_problem(ct, hw, layout, global_batch=16, seq_len=64)
+    lo = min(min(r[problem.min_layers(i)] for r in rows) for i, rows in enumerate(problem.mem_bytes))
+    hi = max(max(max(r) for r in rows) for rows in problem.mem_bytes)
+    return replace(hw, memory_bytes=lo + fraction * (hi - lo))
+
+
+@pytest.mark.parametrize("pp, dp, tp, zero, fraction", [(2, 4, 1, 1, 0.3), (4, 2, 1, 0, 0.5), (3, 1, 2, 2, 0.2),
+                                                         (4, 1, 2, 3, 0.05), (1, 8, 1, 1, 1.0)])
+def test_cpsat_finds_the_brute_force_optimum(tiny, pp, dp, tp, zero, fraction):
+    spec, ct = tiny
+    layout = Layout(mesh=Mesh(dp=dp, pp=pp, tp=tp), micro_batch=1, zero=zero)
+    hw = _tight(load_hardware("cpu"), ct, layout, fraction)
+    problem = mesh_problem(ct, hw, layout, global_batch=16, seq_len=64)
+    best = brute_force(problem)
+    got = solve_mesh(problem, time_limit_s=20)
+    if best is None:
+        assert got.assignment is None
+        return
+    assert got.status == "optimal"
+    assert evaluate(problem, got.assignment).peak_bytes <= hw.memory_bytes
+    assert got.step_s == pytest.approx(best[1].step_s, rel=1e-5)
+
+
+def test_tables_agree_with_estimate(tiny):
+    spec, ct = tiny
+    hw = load_hardware("cpu")
+    for rec in Recompute:
+        layout = Layout(mesh=Mesh(dp=2, pp=3), micro_batch=1, zero=1, recompute=rec)
+        problem = mesh_problem(ct, hw, layout, global_batch=16, seq_len=64)
+        a = Assignment(layers=(0, 3, 1), recompute=(rec,) * 3)
+        est = cost.estimate(ct, spec, hw, layout, global_batch=16, seq_len=64, stages=a.stages())
+        ev = evaluate(problem, a)
+        assert ev.step_s == pytest.approx(est.step_time_s, rel=1e-9)
+        assert ev.peak_bytes == pytest.approx(est.memory.total, rel=1e-9)
+
+
+def test_plan_is_never_worse_than_sweep(tiny):
+    spec, ct = tiny
+    hw = load_hardware("cpu")
+    plan = solve(spec, hw, devices=8, global_batch=16, seq_len=64, time_limit_s=20, table=ct)
+    rows = [cost.estimate(ct, spec, hw, replace(lay, recompute=r), global_batch=16, seq_len=64)
+            for lay in candidate_layouts(spec, devices=8, global_batch=16, seq_len=64) for r in Recompute]
+    best = min(e.step_time_s for e in rows if e.fits)
+    assert plan.predicted["step_time_s"] <= best * (1 + 1e-6)
+    assert plan.solver["status"] in ("optimal", "feasible")
+    assert sum(st.layers for st in plan.stages) == spec.layers
+
+
+def test_infeasible_says_by_how_much(tiny):
+    spec, ct = tiny
+    hw = replace(load_hardware("cpu"), memory_bytes=1e5)
+    with pytest.raises(InfeasiblePlanError, match=r"memory per device.*needs .* GB.*%\) too much"):
+        solve(spec, hw, devices=2, global_batch=4, seq_len=64, time_limit_s=5, table=ct)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-7b", "mamba2-7b"])
+def test_reference_setup_beats_the_best_sweep_row(name):
+    spec = get_spec(name)
+    ct = cost.compile_table(build_cost_table(spec), spec)
+    hw = load_hardware("ascend-910b")
+    plan = solve(spec, hw, devices=8, global_batch=1024, seq_len=4096, time_limit_s=20, table=ct)
+    rows = [cost.estimate(ct, spec, hw, replace(lay, recompute=r), global_batch=1024, seq_len=4096)
+            for lay in candidate_layouts(spec, devices=8, global_batch=1024, seq_len=4096) for r in Recompute]
+    best = min(e.step_time_s for e in rows if e.fits)
+    assert plan.predicted["fits"]
+    assert plan.predicted["step_time_s"] <= best * (1 + 1e-6)

@@ -1,0 +1,41 @@
+"""`autoshard plan` / `autoshard show` end to end, and their one-line errors."""
+
+import json
+
+import pytest
+
+from autoshard.cli import main
+
+
+def test_plan_then_show(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-tiny", "--hardware", "cpu", "--devices", "4", "--global-batch", "8",
+                 "--seq-len", "64", "--time-limit", "10", "--out", str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mesh"].keys() == {"dp", "pp", "tp", "cp", "ep"} and data["schema_version"] == 1
+    assert json.loads(out.read_text())["fingerprint"] == data["fingerprint"]
+    assert main(["show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "pipeline stages" in shown and "predicted" in shown and "runner-up" in shown
+
+
+@pytest.mark.parametrize("content", [b"\x80\x04\x95junk", b"{not json", b'{"schema_version": 99}', b"[]"])
+def test_show_refuses_bad_files(tmp_path, capsys, content):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    assert main(["show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args", [["--model", "nope", "--hardware", "cpu"], ["--model", "llama-tiny", "--hardware", "tpu9"]])
+def test_plan_unknown_names(capsys, args):
+    assert main(["plan", *args, "--devices", "2", "--global-batch", "4", "--seq-len", "64"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_plan_nonpositive_devices(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "llama-tiny", "--hardware", "cpu", "--devices", "0", "--global-batch", "4",
+              "--seq-len", "64"])
+    assert e.value.code == 2
