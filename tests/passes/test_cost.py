@@ -1,0 +1,194 @@
+"""Cost model on a hand-built 5-node table whose numbers are checked by hand, and the layout rules."""
+
+import dataclasses
+
+import pytest
+import sympy
+
+from autoshard.errors import InvalidConfigError
+from autoshard.hardware import load_hardware
+from autoshard.ir import B, S, BlockCost, BlockKind, CostTable, Mesh, NodeCost, OpKind, Recompute
+from autoshard.models.presets import get_spec
+from autoshard.passes import cost
+from autoshard.passes.cost import Layout, compile_table, estimate
+from autoshard.passes.layouts import factorizations, mesh_violation, valid_meshes
+
+SPEC = get_spec("llama-tiny")  # hidden 64, 4 heads, 2 KV heads, 4 layers, vocab 256
+H = SPEC.hidden
+# a device with round numbers and no shape penalty: GEMM time = flops / 1e12, vector = bytes / 1e11
+HW = dataclasses.replace(load_hardware("h100"), name="toy", peak_flops=1e12, gemm_efficiency=1.0,
+                         gemm_half_dim=1e-9, hbm_bandwidth=1e11, vector_efficiency=1.0, memory_bytes=1e9)
+
+
+def node(name, kind, phase, path, flops, nbytes, saved=0, gemm=None):
+    return NodeCost(name=name, target="aten." + name, kind=kind, phase=phase, module_path=path, block=0,
+                    flops=sympy.sympify(flops), bytes_read=sympy.sympify(nbytes), bytes_written=sympy.Integer(0),
+                    saved_bytes=sympy.sympify(saved), gemm=None if gemm is None else tuple(map(sympy.sympify, gemm)))
+
+
+def toy_table():
+    t = B * S
+    L = "model.layers.0."
+    layer = (
+        node("norm", OpKind.VECTOR, "fwd", L + "input_layernorm", 0, 4 * t * H, saved=2 * t * H),
+        node("mm", OpKind.MATMUL, "fwd", L + "mlp.up_proj", 2 * t * H * 256, 0, saved=2 * t * 256,
+             gemm=(1, t, 256, H)),
+        node("mm_bwd", OpKind.MATMUL, "bwd", L + "mlp.up_proj", 4 * t * H * 256, 0, gemm=(1, t, H, 256)),
+        node("norm_bwd", OpKind.VECTOR, "bwd", L + "input_layernorm", 0, 8 * t * H),
+    )
+    embed = (node("emb", OpKind.VECTOR, "fwd", "model.embed_tokens", 0, 2 * t * H),)
+    head = (node("lm", OpKind.MATMUL, "fwd", "lm_head", 2 * t * H * 256, 0, saved=4 * t * 256, gemm=(1, t, 256, H)),)
+    return CostTable(model="toy", blocks=(
+        BlockCost(name="embed", kind=BlockKind.EMBED, count=1, params=256 * H, nodes=embed),
+        BlockCost(name="layer", kind=BlockKind.LAYER, count=4, params=1000 + 2 * H, nodes=layer),
+        BlockCost(name="head", kind=BlockKind.HEAD, count=1, params=256 * H + H, nodes=head),
+    ))
+
+
+CT = compile_table(toy_table(), SPEC)
+SEQ, GB = 128, 16
+T = SEQ  # tokens per micro-batch of 1
+
+
+def lay(**kw):
+    mb = kw.pop("micro_batch", 1)
+    zero = kw.pop("zero", 0)
+    rc = kw.pop("recompute", Recompute.NONE)
+    return Layout(mesh=Mesh(**kw), micro_batch=mb, zero=zero, recompute=rc)
+
+
+def test_block_time_is_the_roofline_sum():
+    bt = cost.block_time(CT, HW, lay(), BlockKind.LAYER, seq_len=SEQ)
+    assert bt.fwd_s == pytest.approx(4 * T * H / 1e11 + 2 * T * H * 256 / 1e12)
+    assert bt.bwd_s == pytest.approx(8 * T * H / 1e11 + 4 * T * H * 256 / 1e12)
+    assert bt.tp_comm_s == bt.cp_comm_s == bt.recompute_s == 0
+
+
+def test_tp_splits_the_mlp_not_the_norm_and_adds_all_reduces():
+    one = cost.block_time(CT, HW, lay(), BlockKind.LAYER, seq_len=SEQ)
+    two = cost.block_time(CT, HW, lay(tp=2), BlockKind.LAYER, seq_len=SEQ)
+    assert two.fwd_s == pytest.approx(4 * T * H / 1e11 + T * H * 256 / 1e12)  # norm whole, GEMM halved
+    act = T * H * 2
+    ar = min(2 * HW.intra_latency + act / HW.intra_bandwidth, 2 * HW.intra_latency + 2 * act / HW.intra_bandwidth)
+    assert two.tp_comm_s == pytest.approx(4 * ar)  # LLaMA: 2 all-reduces forward, 2 backward
+    assert one.total_s / 2 < two.total_s
+
+
+def test_gemm_efficiency_falls_for_thin_shapes():
+    hw = load_hardware("ascend-910b")
+    import numpy as np
+    big, thin = cost.gemm_efficiency(hw, *(np.array([4096.0]),) * 3), cost.gemm_efficiency(
+        hw, np.array([4096.0]), np.array([128.0]), np.array([4096.0]))
+    assert thin[0] < big[0] < hw.gemm_efficiency
+
+
+def test_activation_memory_from_saved_bytes_and_recompute():
+    act = cost.block_activation_bytes(CT, lay(), BlockKind.LAYER, seq_len=SEQ)
+    assert act == 2 * T * H + 2 * T * 256
+    assert cost.block_activation_bytes(CT, lay(tp=2), BlockKind.LAYER, seq_len=SEQ) == 2 * T * H + T * 256
+    assert cost.block_activation_bytes(CT, lay(cp=2), BlockKind.LAYER, seq_len=SEQ) > act / 2  # + gathered K/V
+    full = lay(recompute=Recompute.FULL)
+    assert cost.block_activation_bytes(CT, full, BlockKind.LAYER, seq_len=SEQ) == T * H * 2
+    bt = cost.block_time(CT, HW, full, BlockKind.LAYER, seq_len=SEQ)
+    assert bt.recompute_s == pytest.approx(bt.fwd_s)
+
+
+def test_state_bytes_under_zero():
+    p = 1000.0
+    assert cost.state_bytes(p, lay(dp=4)).total == 18 * p  # 2 + 4 + 12 bytes per parameter
+    assert cost.state_bytes(p, lay(dp=4, zero=1)).total == (2 + 4 + 12 / 4) * p
+    assert cost.state_bytes(p, lay(dp=2, cp=2, zero=2)).total == (2 + 16 / 4) * p  # shards over dp x cp
+    assert cost.state_bytes(p, lay(dp=4, zero=3)).total == 18 * p / 4
+
+
+def test_pipeline_time_is_1f1b():
+    assert cost.pipeline_time([1.0] * 4, 8) == pytest.approx(8 + 4 - 1)  # (m + p - 1) t
+    assert cost.pipeline_time([1.0, 2.0], 10) == pytest.approx(3 + 9 * 2)  # the slow stage paces
+
+
+def test_estimate_is_the_composition_of_the_components():
+    layout = lay(dp=2, pp=2)
+    e = estimate(CT, SPEC, HW, layout, global_batch=GB, seq_len=SEQ)
+    m = GB // 2
+    assert e.microbatches == m
+    bt = {k: cost.block_time(CT, HW, layout, k, seq_len=SEQ) for k in BlockKind}
+    p2p = cost.p2p_time(CT, HW, layout, seq_len=SEQ)
+    t0 = bt[BlockKind.EMBED].total_s + 2 * bt[BlockKind.LAYER].total_s + p2p
+    t1 = 2 * bt[BlockKind.LAYER].total_s + bt[BlockKind.HEAD].total_s + p2p
+    assert e.stage_times_s == pytest.approx((t0, t1))
+    assert e.step_time_s == pytest.approx(cost.pipeline_time([t0, t1], m) + e.time.dp_comm_exposed
+                                          + e.time.optimizer)
+    assert sum(e.time.as_dict().values()) == pytest.approx(e.step_time_s)
+    # memory: stage 0 holds 2 micro-batches in flight under 1F1B, stage 1 one plus the logits peak
+    def stage_bytes(kinds, in_flight, head):
+        params = sum(c * cost.block_params(CT, layout, k) for k, c in kinds)
+        act = sum(c * cost.block_activation_bytes(CT, layout, k, seq_len=SEQ) for k, c in kinds)
+        extra = cost.logits_bytes(CT, layout, seq_len=SEQ) if head else 0.0
+        return cost.state_bytes(params, layout).total + in_flight * act + extra + 2 * T * H * 2
+    s0 = stage_bytes([(BlockKind.EMBED, 1), (BlockKind.LAYER, 2)], 2, False)
+    s1 = stage_bytes([(BlockKind.LAYER, 2), (BlockKind.HEAD, 1)], 1, True)
+    assert e.memory_gb == pytest.approx(max(s0, s1) / 1e9)
+    assert e.mean_memory_gb == pytest.approx((s0 + s1) / 2 / 1e9)
+    tokens = GB * SEQ
+    assert e.tokens_per_s == pytest.approx(tokens / e.step_time_s)
+    assert e.mfu == pytest.approx(cost.model_flops_per_token(CT, SEQ) * tokens / (e.step_time_s * 4 * 1e12))
+
+
+def test_more_devices_of_the_same_kind_run_faster_and_dp_sync_overlaps():
+    e1 = estimate(CT, SPEC, HW, lay(), global_batch=GB, seq_len=SEQ)
+    e4 = estimate(CT, SPEC, HW, lay(dp=4), global_batch=GB, seq_len=SEQ)
+    assert e4.step_time_s < e1.step_time_s / 3
+    assert e4.time.dp_comm_exposed <= cost.dp_sync_time(HW, CT.block(BlockKind.LAYER).params * 4, lay(dp=4))
+
+
+def test_mfu_convention_matches_the_paper_for_llama():
+    n = sum(b.params * b.count for b in toy_table().blocks)
+    assert cost.model_flops_per_token(CT, 4096) == 6 * n + 12 * SPEC.layers * SPEC.hidden * 4096
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(InvalidConfigError, match="divide the global batch"):
+        estimate(CT, SPEC, HW, lay(dp=3), global_batch=GB, seq_len=SEQ)
+    with pytest.raises(InvalidConfigError, match="no experts"):
+        estimate(CT, SPEC, HW, lay(ep=2), global_batch=GB, seq_len=SEQ)
+    with pytest.raises(InvalidConfigError, match="pp"):
+        estimate(CT, SPEC, HW, lay(pp=8), global_batch=GB, seq_len=SEQ)
+    with pytest.raises(InvalidConfigError, match="zero"):
+        lay(zero=4)
+
+
+# ---- layouts ---------------------------------------------------------------------------------
+
+def test_factorizations_cover_every_product():
+    meshes = factorizations(8)
+    assert len(meshes) == 35 == len(set(meshes))  # C(3 + 4, 4) ways to spread 2^3 over 5 axes
+    assert all(m.size == 8 for m in meshes)
+
+
+def test_rules():
+    llama7 = get_spec("llama-7b")
+    ok = dict(global_batch=1024, seq_len=4096)
+    assert mesh_violation(llama7, Mesh(dp=4, pp=2), **ok) is None
+    assert "ep" in mesh_violation(llama7, Mesh(dp=4, ep=2), **ok)
+    assert "heads" in mesh_violation(get_spec("llama-13b"), Mesh(tp=16), **ok)  # 40 heads
+    assert mesh_violation(get_spec("llama-tiny"), Mesh(tp=4), global_batch=8, seq_len=8) is None  # KV replicated
+    odd = dataclasses.replace(get_spec("llama-tiny"), heads=12, kv_heads=4)
+    assert "KV heads" in mesh_violation(odd, Mesh(tp=6), global_batch=8, seq_len=8)
+    assert mesh_violation(get_spec("llama-70b"), Mesh(tp=16), **ok) is None  # 8 KV heads replicated twice
+    assert "groups" in mesh_violation(get_spec("mamba2-1b"), Mesh(tp=2), **ok)  # one group
+    assert "layers" in mesh_violation(get_spec("llama-tiny"), Mesh(pp=8), **ok)
+    assert "global batch" in mesh_violation(llama7, Mesh(dp=8), global_batch=4, seq_len=4096)
+    assert "2*cp" in mesh_violation(llama7, Mesh(cp=4), global_batch=8, seq_len=4100)
+    assert mesh_violation(get_spec("mamba2-tiny"), Mesh(cp=4), global_batch=8, seq_len=4100) is None
+    assert len(valid_meshes(llama7, 8, **ok)) == 20
+
+
+def test_no_valid_factorisation_says_why():
+    with pytest.raises(InvalidConfigError) as e:
+        valid_meshes(get_spec("llama-tiny"), 7, global_batch=4, seq_len=8)
+    msg = str(e.value)
+    assert "no valid" in msg and "(7,1,1,1,1)" in msg and "global batch" in msg and "layers" in msg
+    with pytest.raises(InvalidConfigError, match="positive"):
+        valid_meshes(get_spec("llama-tiny"), 0, global_batch=4, seq_len=8)
+    with pytest.raises(InvalidConfigError, match="micro-batch"):
+        valid_meshes(get_spec("llama-tiny"), 2, global_batch=5, seq_len=8, micro_batch=2)
