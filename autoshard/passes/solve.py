@@ -177,8 +177,13 @@ def search(ct: CompiledTable, hw, *, devices: int, global_batch: int, seq_len: i
     spec = ct.spec
     layouts = layouts if layouts is not None else candidate_layouts(
         spec, devices=devices, global_batch=global_batch, seq_len=seq_len)
-    bounds = sorted(((lower_bound(ct, hw, lay, global_batch=global_batch, seq_len=seq_len), k, lay)
-                     for k, lay in enumerate(layouts)), key=lambda x: (x[0], x[1]))
+    memo: dict = {}  # the bound ignores ZeRO: one per (mesh, micro-batch)
+    for lay in layouts:
+        key = (lay.mesh, lay.micro_batch)
+        if key not in memo:
+            memo[key] = lower_bound(ct, hw, lay, global_batch=global_batch, seq_len=seq_len)
+    bounds = sorted(((memo[(lay.mesh, lay.micro_batch)], k, lay) for k, lay in enumerate(layouts)),
+                    key=lambda x: (x[0], x[1]))
     start, best, found = time.perf_counter(), math.inf, []
     for visited, (bound, _, layout) in enumerate(bounds):
         if bound >= best * (1 - 1e-9):

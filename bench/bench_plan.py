@@ -1,0 +1,51 @@
+"""Plan time: capture + cost table + solve, for llama-70b on 1024 H100s and a curve over layers / devices.
+
+Run: python bench/bench_plan.py [--quick]
+Prints seconds per phase; the issue's target is < 30 s (aim 10 s) for llama-70b on 1024 H100s,
+global batch 1024, seq 4096, on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from autoshard.hardware import load_hardware
+from autoshard.models.presets import get_spec
+from autoshard.passes import cost
+from autoshard.passes.shapes import build_cost_table
+from autoshard.passes.solve import solve
+
+
+def plan_time(spec, hw, devices: int, *, time_limit_s: float = 30.0) -> tuple[float, float, object]:
+    t0 = time.perf_counter()
+    ct = cost.compile_table(build_cost_table(spec), spec)
+    t1 = time.perf_counter()
+    plan = solve(spec, hw, devices=devices, global_batch=1024, seq_len=4096, time_limit_s=time_limit_s, table=ct)
+    return t1 - t0, time.perf_counter() - t1, plan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="only the llama-70b / 1024 H100 case")
+    args = ap.parse_args()
+    hw = load_hardware("h100")
+    table_s, solve_s, plan = plan_time(get_spec("llama-70b"), hw, 1024)
+    print(f"llama-70b on 1024 x h100: cost table {table_s:.1f} s + solve {solve_s:.1f} s = "
+          f"{table_s + solve_s:.1f} s; plan {plan.mesh} mb{plan.micro_batch} ZeRO-{plan.zero} "
+          f"step {plan.predicted['step_time_s']:.3f} s, {plan.solver['layouts_solved']} of "
+          f"{plan.solver['layouts']} layouts solved")
+    if args.quick:
+        return
+    print("layers  devices  solve_s  (llama-70b config, table reused)")
+    for layers in (2, 8, 20, 40, 80):
+        spec = get_spec("llama-70b", layers=layers)
+        _, s, _ = plan_time(spec, hw, 64)
+        print(f"{layers:6d}  {64:7d}  {s:7.2f}")
+    for devices in (8, 64, 512, 4096):
+        _, s, _ = plan_time(get_spec("llama-70b"), hw, devices)
+        print(f"{80:6d}  {devices:7d}  {s:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
