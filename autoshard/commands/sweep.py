@@ -98,9 +98,10 @@ def _print_table(results, hw, spec, args) -> None:
     for i, e in enumerate(rows, 1):
         m, lay = e.layout.mesh, e.layout
         table.add_row(str(i), str(m.dp), str(m.pp), str(m.tp), str(m.cp), str(m.ep), str(lay.zero),
-                      lay.recompute.value, str(lay.micro_batch), f"{e.step_time_s:.2f}", f"{e.tokens_per_s / 1e3:.1f}",
+                      lay.recompute.value, str(lay.micro_batch), f"{e.step_time_s:.2f}",
+                      f"{e.tokens_per_s / 1e3:.1f}",
                       f"{e.mean_memory_gb:.1f}", f"{e.memory_gb:.1f}", f"{100 * e.mfu:.1f}", "yes" if e.fits else "[red]no[/red]")
-    Console(width=max(120, 0)).print(table)
+    Console(width=140).print(table)
     if results and not results[0].fits:
         print(f"no layout fits in {hw.memory_gb:.0f} GB; the smallest needs {min(e.memory_gb for e in results):.1f} GB")
 

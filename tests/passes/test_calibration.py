@@ -53,7 +53,8 @@ def predicted(reference):
     print("\n dp pp tp cp | step s pred/meas | mem GB avg pred/meas (peak) | MFU % pred/meas")
     for r, e in rows:
         print(f" {r['dp']:2} {r['pp']:2} {r['tp']:2} {r['cp']:2} | {e.step_time_s:6.1f} / {r['step_s']:6.1f} | "
-              f"{e.mean_memory_gb:5.1f} / {r['mem_gb']:5.1f} ({e.memory_gb:5.1f}) | {100 * e.mfu:5.1f} / {r['mfu']:5.1f}")
+              f"{e.mean_memory_gb:5.1f} / {r['mem_gb']:5.1f} ({e.memory_gb:5.1f}) | "
+              f"{100 * e.mfu:5.1f} / {r['mfu']:5.1f}")
     return rows, sweep
 
 
