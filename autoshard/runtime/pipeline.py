@@ -19,6 +19,9 @@ and driven by `ScheduleGPipe` or `Schedule1F1B`; no scheduler of our own.
 * Gradients accumulate in `.grad` of the stage's parameters (the caller zeroes them).
 * `forward(input_ids)` runs the forward only and returns the last stage's logits (the local
   vocab slice under TP) on every rank of the pp group.
+* Context parallelism (`cp`, a `runtime.context_parallel.CPRuntime`): `step` and `forward`
+  take this rank's slice of the sequence (labels shifted over the whole sequence first), LLaMA
+  stages use the slice's real positions, and `forward` returns the local slice of the logits.
 * `gather(tensors)` turns {original name: tensor of this stage} into the same dict for the
   whole model on every rank of the pp group (checks and `full_grads`, not the fast path).
 """
@@ -83,8 +86,8 @@ class PipelineRunner:
         self.device = torch.device(device)
         self.stage_index = dist.get_rank(pp_group)
         self.stage = self.stages[self.stage_index]
-        self.module = build_stage_module(model, spec, self.stage)
-        self.cp = self.module.cp = cp  # context parallelism (issue 6): runtime.context_parallel.CPRuntime or None
+        self.cp = cp  # context parallelism (issue 6): runtime.context_parallel.CPRuntime or None
+        self.module = build_stage_module(model, spec, self.stage, positions=cp.positions if cp is not None else None)
         self.names = original_names(model, self.module)  # stage name -> original name
         # what every stage holds, by original name, for gather(); shapes/dtypes from this rank's model
         self._held = [tuple(dict.fromkeys(original_names(model, build_stage_module(model, spec, st)).values()))

@@ -18,7 +18,8 @@ Invariants:
   the embedding's name, the one HF reports).
 * Chaining the stages of `even_stages(...)` (or any valid split) in one process reproduces
   `model(input_ids).logits` exactly: LLaMA layers get the rotary position embeddings computed
-  locally from position ids 0..s-1 and the causal mask from HF's own `create_causal_mask`
+  locally from position ids 0..s-1 (or this rank's positions under context parallelism, see
+  `build_stage_module`) and the causal mask from HF's own `create_causal_mask`
   (None under sdpa, which then runs causal); Mamba-2 blocks do their residual themselves.
 * `stage.recompute == Recompute.FULL` checkpoints every layer of the stage (only each layer's
   input is kept; its forward reruns in backward).
@@ -28,7 +29,7 @@ Terms: a *split* is the tuple of `Stage`s of a pipeline, stage i on pp rank i.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -113,16 +114,18 @@ class StageModule(nn.Module):
 class LlamaStage(StageModule):
     """LLaMA decoder layers need rotary embeddings and the causal mask, computed here per stage."""
 
-    def __init__(self, stage: Stage, *, rotary_emb: nn.Module, **parts) -> None:
+    def __init__(self, stage: Stage, *, rotary_emb: nn.Module,
+                 positions: Callable[[int], torch.Tensor] | None = None, **parts) -> None:
         super().__init__(stage, **parts)
         self.rotary_emb = rotary_emb
+        self.positions = positions
 
     def layer_kwargs(self, hidden: torch.Tensor) -> dict:
         from transformers.masking_utils import create_causal_mask
 
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, s)
-        if getattr(self, "cp", None) is not None:  # context parallelism (issue 6): this rank's real positions
-            position_ids = self.cp.positions(hidden.shape[1]).to(hidden.device)
+        s = hidden.shape[1]
+        position_ids = (self.positions(s) if self.positions is not None else torch.arange(s)[None])  # (1, s)
+        position_ids = position_ids.to(hidden.device)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
                                   position_ids=position_ids)
         return {"attention_mask": mask, "position_ids": position_ids,
@@ -137,8 +140,13 @@ class Mamba2Stage(StageModule):
         return self.lm_head(self.norm(hidden).to(dtype)).float()  # (b, s, V or V / tp)
 
 
-def build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage) -> StageModule:
-    """The module of `stage`, sharing `model`'s submodules (see the module docstring)."""
+def build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
+                       positions: Callable[[int], torch.Tensor] | None = None) -> StageModule:
+    """The module of `stage`, sharing `model`'s submodules (see the module docstring).
+
+    positions: local sequence length -> (1, s) position ids of this rank's tokens (context
+    parallelism); default 0..s-1. Only LLaMA uses positions (rotary embeddings, causal mask).
+    """
     config = getattr(model, "config", None)
     layers_total = getattr(config, "num_hidden_layers", None)
     if not 0 <= stage.first_layer <= stage.end_layer <= (layers_total or 0):
@@ -148,7 +156,8 @@ def build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage) -> Stage
         body = model.model
         parts = dict(embed=body.embed_tokens, layers=list(body.layers)[stage.first_layer:stage.end_layer],
                      norm=body.norm, lm_head=model.lm_head)
-        return LlamaStage(stage, config=config, rotary_emb=body.rotary_emb, **_keep(parts, stage))
+        return LlamaStage(stage, config=config, rotary_emb=body.rotary_emb, positions=positions,
+                          **_keep(parts, stage))
     if spec.family is Family.MAMBA2:
         body = model.backbone
         parts = dict(embed=body.embeddings, layers=list(body.layers)[stage.first_layer:stage.end_layer],

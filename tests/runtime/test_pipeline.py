@@ -7,6 +7,7 @@ the single-process run of the same tiny HF model: loss of two AdamW steps, every
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from dataclasses import replace
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import autoshard
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Stage
 from autoshard.models.presets import build_model, get_spec
@@ -23,6 +25,7 @@ from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner, Schedule
 from autoshard.runtime.stages import build_stage_module, check_stages, even_stages, original_names
 
 TOL = dict(rtol=1e-4, atol=1e-5)
+ADAM = dict(lr=1e-3, eps=1e-6)  # eps: see tests/runtime/equivalence.py (sign noise of ~1e-9 gradients)
 BATCH, SEQ = 4, 16
 
 
@@ -102,7 +105,7 @@ def _reference(spec, steps: int = 2):
     ids, labels = _batch(spec.vocab)
     with torch.no_grad():
         logits = model(ids).logits
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
     losses, grads = [], []
     for _ in range(steps):
         loss = model(ids, labels=labels).loss
@@ -121,7 +124,7 @@ def _check_config(spec, stages, schedule, micro_batch, reference):
                             options=PipelineOptions(schedule=schedule, micro_batch=micro_batch))
     ids, labels = _batch(spec.vocab)
     torch.testing.assert_close(runner.forward(ids), ref_logits, **TOL)
-    opt = torch.optim.AdamW(runner.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(runner.parameters(), **ADAM)
     for step in range(len(ref_losses)):
         loss = runner.step(ids, labels, num_tokens=int((labels[:, 1:] != -100).sum()))
         torch.testing.assert_close(loss, ref_losses[step], **TOL)
@@ -138,6 +141,23 @@ def _check_config(spec, stages, schedule, micro_batch, reference):
         torch.testing.assert_close(runner.module.lm_head.weight.detach(), weights[runner.names["lm_head.weight"]])
 
 
+def _check_parallelize(spec, plan, schedule, reference):
+    """The same check through the public entry point: parallelize(plan=dict(pp=..)) runs PipelineRunner."""
+    ref_logits, ref_losses, ref_grads, ref_weights = reference
+    ids, labels = _batch(spec.vocab)
+    dm = autoshard.parallelize(build_model(spec), ids, plan=plan, global_batch=BATCH, schedule=schedule.value,
+                               optimizer=functools.partial(torch.optim.AdamW, **ADAM))
+    assert isinstance(dm._runner, PipelineRunner) and dm._runner.options.schedule is schedule
+    torch.testing.assert_close(dm(ids), ref_logits, **TOL)
+    for step, expected in enumerate(ref_losses):
+        torch.testing.assert_close(dm.train_step(ids, labels), expected, **TOL)
+    grads = dm.full_grads()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[-1][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    for name, weight in dm.full_state_dict().items():
+        torch.testing.assert_close(weight, ref_weights[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 CONFIGS = {
     2: [
         ("llama-tiny", (0, 2, 4), Schedule.GPIPE, 1, False),
@@ -151,6 +171,11 @@ CONFIGS = {
         ("llama-tiny", (0, 0, 2, 3, 4), Schedule.GPIPE, 1, False),
         ("mamba2-tiny", (0, 1, 2, 3, 4), Schedule.ONE_F_ONE_B, 1, True),
     ],
+}
+# through autoshard.parallelize: (preset, plan, schedule, tied)
+PLANS = {
+    2: [("llama-tiny", dict(pp=2, micro_batch=1), Schedule.GPIPE, True)],
+    4: [("llama-tiny", dict(pp=2, cp=2, micro_batch=2), Schedule.ONE_F_ONE_B, False)],
 }
 
 
@@ -168,13 +193,18 @@ def _worker(rank: int, world: int, init_file: str, references: dict) -> None:
             except AssertionError as e:
                 raise AssertionError(f"rank {rank}, {name} tied={tied} stages {bounds} {schedule.value} "
                                      f"micro_batch {micro_batch}: {e}") from None
+        for name, plan, schedule, tied in PLANS[world]:
+            try:
+                _check_parallelize(_spec(name, tied), plan, schedule, references[name, tied])
+            except AssertionError as e:
+                raise AssertionError(f"rank {rank}, {name} tied={tied} plan {plan} {schedule.value}: {e}") from None
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_matches_single_process(world):
-    keys = {(name, tied) for name, *_, tied in CONFIGS[world]}
+    keys = {(name, tied) for name, *_, tied in CONFIGS[world] + PLANS[world]}
     references = {key: _reference(_spec(*key)) for key in sorted(keys)}  # computed once, not per rank
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), references), nprocs=world, join=True)
