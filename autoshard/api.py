@@ -74,7 +74,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         stages = plan.stages or even_stages(spec.layers, plan.mesh.pp)
         runner = PipelineRunner(model, spec, stages, pp_group=groups.pp, device=device,
                                 options=PipelineOptions(schedule=schedule, micro_batch=plan.micro_batch),
-                                tp_group=groups.tp if plan.mesh.tp > 1 else None)
+                                tp_group=groups.tp if plan.mesh.tp > 1 else None, cp=cp)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp)
     return DistributedModel(setup, optimizer=optimizer)
 

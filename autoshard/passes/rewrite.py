@@ -111,9 +111,6 @@ def _check_cp(spec: ModelSpec, plan: Plan) -> None:
     cp, seq = plan.mesh.cp, plan.seq_len
     if cp == 1:
         return
-    if plan.mesh.pp > 1:
-        raise InvalidConfigError(f"cp ({cp}) together with pp ({plan.mesh.pp}) is not supported by the runtime yet; "
-                                 "use pp=1 or cp=1")
     parts, what = (2 * cp, "2*cp") if spec.family is Family.LLAMA else (cp, "cp")
     if seq % parts:
         raise InvalidConfigError(f"sequence length {seq} is not divisible by {what} = {parts} (cp={cp}, "

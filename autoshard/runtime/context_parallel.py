@@ -205,6 +205,10 @@ class CPRuntime:
         """(b, S) ids and unshifted labels -> this rank's ids, position ids and *shifted* targets."""
         return split_batch(input_ids, labels, self.ctx, self.layout)
 
+    def positions(self, local_len: int) -> Tensor:
+        """(1, local_len) global positions of this rank's tokens (pipeline stages rebuild them)."""
+        return sequence_positions(local_len * self.ctx.size, self.ctx.size, self.ctx.rank, self.layout)[None]
+
     def model_kwargs(self, position_ids: Tensor) -> dict[str, Tensor]:
         """Extra forward kwargs of the base model: LLaMA needs the real positions (rotary)."""
         return {"position_ids": position_ids} if self.layout is SeqLayout.BALANCED else {}

@@ -58,18 +58,24 @@ def balanced_causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CP
     b, hkv, local, d = key.shape
     if local % 2:
         raise InvalidConfigError(f"CP attention got {local} local tokens; the balanced layout needs an even count")
-    chunk, cp = local // 2, ctx.size
-    seq = local * cp
-    kv = torch.cat([key, value], dim=1).contiguous()  # (b, 2 hkv, 2c, d)
+    seq = local * ctx.size
+    kv = torch.cat([key, value], dim=1)  # (b, 2 hkv, 2c, d): one collective for both
     kv = all_gather_autograd(kv, ctx, dim=2)  # (b, 2 hkv, S, d), rank order
-    kv = kv.index_select(2, gathered_order(seq, cp, SeqLayout.BALANCED).to(kv.device))  # natural order
+    kv = kv.index_select(2, gathered_order(seq, ctx.size, SeqLayout.BALANCED).to(kv.device))  # natural order
+    return local_causal_attention(query, kv, rank=ctx.rank, cp=ctx.size, scale=scale)
+
+
+def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, scale: float | None = None) -> Tensor:
+    """Rank `rank`'s share of the work: its two query chunks (b, hq, 2c, d) against the key prefixes
+    they can see in `kv` (b, 2 hkv, S, d), K then V, natural order. -> (b, 2c, hq, d)."""
+    chunk, hkv = query.shape[2] // 2, kv.shape[1] // 2
     outs = []
-    for part, chunk_id in enumerate((ctx.rank, 2 * cp - 1 - ctx.rank)):
+    for part, chunk_id in enumerate((rank, 2 * cp - 1 - rank)):
         q = query[:, :, part * chunk:(part + 1) * chunk]  # (b, hq, c, d)
         end = (chunk_id + 1) * chunk
         k, v = kv[:, :hkv, :end], kv[:, hkv:, :end]  # (b, hkv, end, d)
         q_pos = torch.arange(chunk_id * chunk, end, device=q.device)
-        mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]  # (c, end)
+        mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]  # (c, end) causal on real positions
         outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                    enable_gqa=q.shape[1] != hkv))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()  # (b, 2c, hq, d)

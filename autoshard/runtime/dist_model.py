@@ -126,12 +126,15 @@ class DistributedModel:
         """Full logits (b, s, V) of `input_ids` on every rank (no gradient)."""
         ids = input_ids.to(self._groups.device)
         with torch.no_grad():
-            if self._cp is not None:  # each cp rank computes its slice of the sequence
+            if self._runner is not None:  # (with cp: the runner takes this rank's slice of the sequence)
+                local = self._runner.forward(ids)
+            elif self._cp is not None:  # each cp rank computes its slice of the sequence
                 local_ids, positions, _ = self._cp.local_inputs(ids, None)
-                local = gather_last_dim(self._logits(local_ids, **self._cp.model_kwargs(positions)), self._tp_group)
-                return self._cp.full_sequence(local)
-            local = self._runner.forward(ids) if self._runner is not None else self._logits(ids)
-            return gather_last_dim(local, self._tp_group)
+                local = self._logits(local_ids, **self._cp.model_kwargs(positions))
+            else:
+                local = self._logits(ids)
+            full = gather_last_dim(local, self._tp_group)
+            return self._cp.full_sequence(full) if self._cp is not None else full
 
     def full_grads(self) -> dict[str, Tensor]:
         """{original name: full gradient of the last train_step} on every rank (collective)."""

@@ -25,7 +25,9 @@ from autoshard.runtime.cp_mamba import cp_mixer_forward, ssd_chunk_scan
 from tests.runtime.equivalence import check_plan
 
 TOL = dict(rtol=1e-4, atol=1e-5)
-_PLANS = {2: [dict(cp=2)], 4: [dict(cp=4), dict(dp=2, cp=2), dict(tp=2, cp=2, zero=1)]}
+_PLANS = {2: [dict(cp=2)],
+          4: [dict(cp=4), dict(dp=2, cp=2), dict(tp=2, cp=2, zero=1), dict(pp=2, cp=2)],
+          8: [dict(dp=2, tp=2, cp=2)]}
 
 
 # -- single process ------------------------------------------------------------------------
@@ -47,6 +49,21 @@ def test_bad_input_is_named():
         layout_of(_FakeModel("gpt2"))
     with pytest.raises(UnsupportedOpError, match="no rule"):
         enable_context_parallel(torch.nn.Linear(2, 2), CPContext(group=None, rank=0, size=1))
+
+
+def test_plan_check_rejects_bad_cp_before_any_collective():
+    from autoshard.ir import Mesh, Plan
+    from autoshard.passes.rewrite import check_plan as check
+
+    def plan(name, seq, **mesh):
+        m = Mesh(**mesh)
+        return Plan(model=name, fingerprint="", hardware="cpu", devices=m.size, global_batch=8, seq_len=seq, mesh=m)
+
+    with pytest.raises(InvalidConfigError, match=r"sequence length 20 is not divisible by 2\*cp = 8"):
+        check(plan("llama-tiny", 20, cp=4), get_spec("llama-tiny"), world_size=4)
+    with pytest.raises(InvalidConfigError, match="conv_kernel-1 = 3"):
+        check(plan("mamba2-tiny", 8, cp=4), get_spec("mamba2-tiny"), world_size=4)
+    check(plan("mamba2-tiny", 12, cp=4), get_spec("mamba2-tiny"), world_size=4)  # not a multiple of 2*cp: fine
 
 
 class _FakeModel(torch.nn.Module):
@@ -79,19 +96,21 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("WORLD_SIZE", None)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        ctx = CPContext.from_group(dist.group.WORLD)
-        _case_attention(ctx, seq=8 * world, heads=4, kv_heads=2, batch=2)
-        _case_attention(ctx, seq=2 * world, heads=2, kv_heads=2, batch=1)  # one token per chunk, no GQA
-        for name, seq in (("llama-tiny", 4 * world), ("llama-tiny", 24 * world),
-                          ("mamba2-tiny", 8 * world), ("mamba2-tiny", 12 * world), ("mamba2-tiny", 40 * world)):
-            _case_model(ctx, name, seq)
-        _case_mixer_with_mask(ctx, seq=6 * world)
+        if world <= 4:  # the CP functions alone, the whole world as one CP group
+            ctx = CPContext.from_group(dist.group.WORLD)
+            _case_attention(ctx, seq=8 * world, heads=4, kv_heads=2, batch=2)
+            _case_attention(ctx, seq=2 * world, heads=2, kv_heads=2, batch=1)  # one token per chunk, no GQA
+            for name, seq in (("llama-tiny", 4 * world), ("llama-tiny", 24 * world), ("mamba2-tiny", 12 * world),
+                              ("mamba2-tiny", 40 * world)):  # 40: local slices that are not whole SSD chunks
+                _case_model(ctx, name, seq)
+            _case_mixer_with_mask(ctx, seq=6 * world)
         for preset in ("llama-tiny", "mamba2-tiny"):  # the runtime: two AdamW steps against one process
             for plan in _PLANS[world]:
-                check_plan(preset, plan, logits=plan == _PLANS[world][0])
+                check_plan(preset, plan, logits=plan is _PLANS[world][0] or "pp" in plan)
     finally:
         dist.destroy_process_group()
 
@@ -171,3 +190,8 @@ def _case_mixer_with_mask(ctx: CPContext, *, seq: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_matches_full_sequence(world):
     mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+
+
+@pytest.mark.slow
+def test_dp_tp_cp_on_eight_ranks():
+    mp.spawn(_worker, args=(8, _free_port()), nprocs=8, join=True)
