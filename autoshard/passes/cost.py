@@ -365,7 +365,7 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     """Seconds of CP communication of one block instance, one micro-batch, forward + backward,
     not overlapped. LLaMA: all-gather K/V in forward, reduce-scatter dK/dV in backward.
     Mamba-2: all-gather the chunk-final SSM states (fp32, O(d * d_state * CP), arXiv 2602.09109)
-    forward and backward, plus the conv1d halo (d_conv - 1 tokens) from the previous rank."""
+    and the conv1d halo (d_conv - 1 tokens of every rank) forward, reduce-scatter both backward."""
     mesh, spec = layout.mesh, ct.spec
     cp, tp = mesh.cp, mesh.tp
     if cp == 1 or kind is not BlockKind.LAYER:
@@ -378,13 +378,14 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
         ag = best_time(hw, Collective.ALL_GATHER, kv_full, size=cp, stride=tp)
         rs = best_time(hw, Collective.REDUCE_SCATTER, kv_full, size=cp, stride=tp)
         return ag + rs
+    # as runtime/cp_mamba.py runs it: each rank contributes its fp32 final state and log-decay per
+    # head, and its last d_conv - 1 pre-conv tokens (both all-gathered; backward reduce-scatters)
     heads_local = spec.heads / tp
-    state = b * heads_local * spec.head_dim * spec.state * 4.0
-    ag = best_time(hw, Collective.ALL_GATHER, state * cp, size=cp, stride=tp)
+    state = b * heads_local * (spec.head_dim * spec.state + 1) * 4.0
     conv_dim = (spec.intermediate + 2 * spec.groups * spec.state) / tp
-    halo = collective_time(hw, Collective.SEND_RECV, b * (spec.conv - 1) * conv_dim * ACT_BYTES,
-                           size=2, stride=tp)
-    return 2 * (ag + halo)
+    halo = b * (spec.conv - 1) * conv_dim * ACT_BYTES
+    return sum(best_time(hw, op, nbytes * cp, size=cp, stride=tp)
+               for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER) for nbytes in (state, halo))
 
 
 def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, *,
