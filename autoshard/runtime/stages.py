@@ -98,7 +98,8 @@ class StageModule(nn.Module):
         hidden = self.embed(x) if self.embed is not None else x  # (b, s, h)
         kwargs = self.layer_kwargs(hidden)
         for layer in self.layers.values():
-            if self.stage.recompute is Recompute.FULL and torch.is_grad_enabled():
+            # a layer whose forward the rewrite already wrapped in a checkpoint (plan.recompute) is not wrapped twice
+            if self.stage.recompute is Recompute.FULL and torch.is_grad_enabled() and "forward" not in vars(layer):
                 hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
             else:
                 hidden = layer(hidden, **kwargs)
