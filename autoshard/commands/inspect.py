@@ -1,14 +1,157 @@
-"""`autoshard inspect`: not built yet (see the open issues)."""
+"""`autoshard inspect`: per-block parameters, training FLOPs per token and activation bytes of a model.
+
+The numbers are read off the captured joint graph (passes/capture + passes/shapes), evaluated at
+the given micro-batch and sequence length. `--json` prints one object (see `summarize`).
+"""
 
 from __future__ import annotations
 
-from autoshard.errors import AutoshardError
+import json
+import sys
+from typing import Any
+
+import sympy
+
+from autoshard.errors import InvalidConfigError
+from autoshard.ir import B, S, BlockCost, CostTable, OpKind
+from autoshard.models.presets import Family, ModelSpec
+
+DEFAULT_SEQ_LEN = 4096
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("inspect", help="(not built yet)")
+    p = sub.add_parser(
+        "inspect", help="per-block table: parameters, training FLOPs/token, activation bytes",
+        description="Capture the model's joint forward+backward graph on fake tensors (no weights are "
+        "allocated) and print, per block (embedding, one decoder layer x count, head), the parameters, "
+        "training FLOPs per token (forward + backward), the bytes of activations saved for backward per "
+        "token, and the matmul vs vector (memory-bound) share of the FLOPs.")
+    p.add_argument("--model", required=True, metavar="M",
+                   help="a preset name (e.g. llama-7b, mamba2-1b, llama-tiny) or package.module:factory")
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, metavar="S",
+                   help=f"sequence length (default {DEFAULT_SEQ_LEN})")
+    p.add_argument("--micro-batch", type=int, default=1, metavar="B", help="micro-batch size (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    raise AutoshardError("'autoshard inspect' is not built yet")
+    for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
+        if value <= 0:
+            raise InvalidConfigError(f"{flag} must be a positive integer, got {value}")
+    spec, table = cost_table_for(args.model)
+    summary = summarize(spec, table, seq_len=args.seq_len, micro_batch=args.micro_batch)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        render(summary)
+    return 0
+
+
+def cost_table_for(model: str) -> tuple[ModelSpec, CostTable]:
+    """Preset name or package.module:factory -> (spec, cost table)."""
+    from transformers.utils import logging as hf_logging
+
+    from autoshard.models.presets import get_spec, resolve_model
+    from autoshard.passes.shapes import build_cost_table
+
+    hf_logging.set_verbosity_error()  # HF's "falling back to the reference implementation" notes
+    if ":" not in model:
+        spec = get_spec(model)
+        return spec, build_cost_table(spec)
+    spec, module = resolve_model(model, device="meta")
+    return spec, build_cost_table(spec, model=module)
+
+
+def _at(expr: sympy.Expr, b: int, s: int) -> float:
+    return float(sympy.sympify(expr).subs({B: b, S: s}))
+
+
+def _block_summary(block: BlockCost, b: int, s: int) -> dict[str, Any]:
+    tokens = b * s
+    total = lambda attr, kinds=None: _at(sympy.Add(*(getattr(n, attr) for n in block.nodes  # noqa: E731
+                                                       if kinds is None or n.kind in kinds)), b, s) * block.count
+    flops = total("flops")
+    matmul = total("flops", (OpKind.MATMUL,))
+    moved = total("bytes_read") + total("bytes_written")
+    return {
+        "name": block.name, "kind": block.kind.value, "count": block.count, "params": block.params,
+        "params_total": block.params * block.count,
+        "flops_per_token": flops / tokens, "matmul_flops_per_token": matmul / tokens,
+        "vector_flops_per_token": (flops - matmul) / tokens,
+        "matmul_share": matmul / flops if flops else 0.0, "vector_share": 1 - matmul / flops if flops else 0.0,
+        "saved_bytes_per_token": total("saved_bytes") / tokens,
+        "bytes_moved_per_token": moved / tokens,
+        "vector_bytes_moved_per_token": (total("bytes_read", (OpKind.VECTOR,)) +
+                                         total("bytes_written", (OpKind.VECTOR,))) / tokens,
+        "nodes": len(block.nodes),
+    }
+
+
+def ssd_flops_per_token(spec: ModelSpec, s: int) -> float:
+    """Mamba-2 SSD training FLOPs per token, all layers (arXiv 2405.21060 section 8.3, forward x3)."""
+    l, h, p, n = spec.chunk, spec.heads, spec.head_dim, spec.state
+    c = s / l
+    forward = 2 * (c * h * l * l * n + c * h * l * l * p + c * h * l * p * n + h * c * p * n + c * h * p * n * l)
+    return 3 * forward * spec.layers / s
+
+
+def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: int = 1) -> dict[str, Any]:
+    """The numbers `inspect` prints, as one JSON-able dict."""
+    blocks = [_block_summary(block, micro_batch, seq_len) for block in table.blocks]
+    params = sum(blk["params_total"] for blk in blocks)
+    if spec.family is Family.MAMBA2:
+        model_flops = 6 * params + ssd_flops_per_token(spec, seq_len)
+        formula = "6*N + SSD (arXiv 2405.21060 sec. 8.3, training = 3x forward)"
+    else:
+        model_flops = 6 * params + 12 * spec.layers * spec.hidden * seq_len
+        formula = "6*N + 12*L*d*s"
+    flops = sum(blk["flops_per_token"] for blk in blocks)
+    matmul = sum(blk["matmul_flops_per_token"] for blk in blocks)
+    return {
+        "model": table.model, "seq_len": seq_len, "micro_batch": micro_batch, "params": int(params),
+        "flops_per_token": flops, "matmul_flops_per_token": matmul, "vector_flops_per_token": flops - matmul,
+        "matmul_share": matmul / flops if flops else 0.0,
+        "model_flops_per_token": float(model_flops), "model_flops_formula": formula,
+        "saved_bytes_per_token": sum(blk["saved_bytes_per_token"] for blk in blocks),
+        "bytes_moved_per_token": sum(blk["bytes_moved_per_token"] for blk in blocks),
+        "blocks": blocks,
+    }
+
+
+def _si(x: float) -> str:
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.2f}{prefix}"
+    return f"{x:.0f}"
+
+
+def _bytes(x: float) -> str:
+    for factor, prefix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(x) >= factor:
+            return f"{x / factor:.2f} {prefix}"
+    return f"{x:.0f} B"
+
+
+def render(summary: dict[str, Any], *, file=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{summary['model']}: micro-batch {summary['micro_batch']}, seq-len {summary['seq_len']}; "
+                  "per token, training (forward + backward)", title_justify="left")
+    for col in ("block", "count", "params", "FLOPs", "matmul", "vector", "saved act.", "bytes moved"):
+        table.add_column(col, justify="left" if col == "block" else "right")
+    for blk in summary["blocks"]:
+        table.add_row(blk["name"], str(blk["count"]), f"{blk['params']:,}", _si(blk["flops_per_token"]),
+                      f"{blk['matmul_share']:.1%}", f"{blk['vector_share']:.1%}",
+                      _bytes(blk["saved_bytes_per_token"]), _bytes(blk["bytes_moved_per_token"]))
+    table.add_section()
+    table.add_row("total", "", f"{summary['params']:,}", _si(summary["flops_per_token"]),
+                  f"{summary['matmul_share']:.1%}", f"{1 - summary['matmul_share']:.1%}",
+                  _bytes(summary["saved_bytes_per_token"]), _bytes(summary["bytes_moved_per_token"]))
+    out = file or sys.stdout
+    console = Console(file=out, width=None if out.isatty() else 110)
+    console.print(table)
+    console.print(f"params: one instance of each block; total: all. Model FLOPs per token "
+                  f"({summary['model_flops_formula']}): {_si(summary['model_flops_per_token'])}; "
+                  f"counted from the graph: {_si(summary['flops_per_token'])}.")

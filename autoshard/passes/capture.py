@@ -234,7 +234,7 @@ class _SiteRecorder:
         from torch.nn.modules import module as module_mod
 
         self._handles = [module_mod.register_module_forward_pre_hook(self._pre),
-                         module_mod.register_module_forward_hook(self._post, always_call=True)]
+                         module_mod.register_module_forward_hook(self._post)]  # skipped on error: the stack keeps where it failed
         return self
 
     def __exit__(self, *exc) -> None:

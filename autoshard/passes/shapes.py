@@ -26,7 +26,8 @@ Contract
 * Counting conventions: matmul FLOPs are 2*m*n*k (torch.utils.flop_counter); attention counts the
   full s x s score and value matmuls (PaLM, arXiv 2204.02311 appendix B) and its backward is
   2x forward (flash-attention's recomputation of the scores is not model FLOPs); elementwise and
-  reduction ops count one FLOP per element of their largest operand; copies, casts, concats,
+  reduction ops count one FLOP per element of their output (reductions, scatters: of their first
+  operand); copies, casts, concats,
   padding and lookups count none. Views cost nothing. Bytes are what each op reads and writes
   (a broadcast or sliced operand is charged at most its storage size).
 * `training=False` traces the forward only (no loss, no backward; `saved_bytes` are 0).
@@ -60,10 +61,18 @@ _DATA_OPS = frozenset({
     "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full", "new_empty", "empty",
     "empty_like", "empty_strided", "arange", "fill", "fill_", "scalar_tensor", "lift_fresh_copy",
     "masked_fill", "masked_fill_", "where", "repeat", "expand_copy", "contiguous", "tril", "triu",
+    "slice_backward", "select_backward", "index_put", "index_put_", "new_empty_strided", "pad",
 })
 # ops that are views in practice though their schema does not say so
 _VIEW_OPS = frozenset({"_unsafe_view", "detach", "alias", "lift_fresh"})
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
+# ops whose work is one step per element of their first operand (reductions, scatters); every other
+# arithmetic op does one step per output element (broadcasting makes the output the largest operand)
+_REDUCE_OPS = frozenset({
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "norm", "linalg_vector_norm",
+    "logsumexp", "argmax", "argmin", "any", "all", "embedding_dense_backward", "nll_loss_forward",
+    "nll_loss2d_forward", "index_add", "scatter_add", "scatter_reduce", "index_reduce",
+})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,38 +92,31 @@ def build_cost_table(spec: ModelSpec, *, training: bool = True, dtype: torch.dty
 
 @functools.lru_cache(maxsize=64)
 def _build_cached(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> CostTable:
-    factory = _truncated_factory(spec, dtype, model)
+    truncated = _truncated(spec, dtype, model)
     chunk = spec.chunk if spec.family is Family.MAMBA2 else 0
-    s_samples = tuple(chunk * k for k in (1, 2, 3)) if chunk else (64, 128, 192)
-    traces = {(b, s): _trace(factory, b, s, training) for b in B_SAMPLES for s in s_samples}
+    s_samples = tuple(chunk * k for k in (2, 3, 4)) if chunk else (64, 128, 192)
+    traces = {(b, s): _trace(truncated, b, s, training) for b in B_SAMPLES for s in s_samples}
     names = _common_names(traces, spec)
     measured = {bs: _measure_graph(cap) for bs, cap in traces.items()}
     exprs = _interpolate(names, measured, s_samples)
     if chunk:
-        exprs = _padded_lengths(exprs, names, _measure_graph(_trace(factory, 2, 2 * chunk + chunk // 2, training)),
+        exprs = _padded_lengths(exprs, names, _measure_graph(_trace(truncated, 2, 2 * chunk + chunk // 2, training)),
                                 chunk)
     reference = traces[(B_SAMPLES[0], s_samples[0])]
-    return _assemble(spec, reference, exprs, measured[(B_SAMPLES[0], s_samples[0])], factory)
+    return _assemble(spec, reference, exprs, measured[(B_SAMPLES[0], s_samples[0])], truncated)
 
 
-def _truncated_factory(spec: ModelSpec, dtype: torch.dtype, model: nn.Module | None) -> Callable[[], nn.Module]:
-    """A builder of the same model with one layer, on the meta device."""
+def _truncated(spec: ModelSpec, dtype: torch.dtype, model: nn.Module | None) -> nn.Module:
+    """The same model with one layer, on the meta device (tracing does not modify it)."""
     if model is None:
-        one = replace(spec, layers=1)
-        return lambda: build_model(one, device="meta", dtype=dtype)
+        return build_model(replace(spec, layers=1), device="meta", dtype=dtype)
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = 1
-    cls = type(model)
-
-    def build() -> nn.Module:
-        with torch.device("meta"):
-            return cls(config).to(dtype)
-
-    return build
+    with torch.device("meta"):
+        return type(model)(config).to(dtype)
 
 
-def _trace(factory: Callable[[], nn.Module], b: int, s: int, training: bool) -> Captured:
-    model = factory()
+def _trace(model: nn.Module, b: int, s: int, training: bool) -> Captured:
     ids = torch.zeros(b, s, dtype=torch.long)
     return capture_model(model, (ids,), joint=training)
 
@@ -215,13 +217,20 @@ def _matmul(name: str, args: list, out: torch.Tensor) -> tuple[int, tuple[int, i
     return 2 * batch * m * n * kk, (batch, m, n, kk)
 
 
-def _conv(name: str, node: fx.Node, args: list, out: Any) -> tuple[int, bool]:
-    from torch.utils.flop_counter import flop_registry
+def _conv(name: str, args: list, out: Any) -> tuple[int, bool]:
+    """Convolution FLOPs (torch.utils.flop_counter.conv_flop_count, which is exact for grouped and
+    depthwise convolutions through the weight shape); backward counts one forward-sized convolution
+    per gradient it computes (input, weight)."""
+    from torch.utils.flop_counter import conv_flop_count
 
-    fn = flop_registry[node.target.overloadpacket]
-    flops = fn(*args, out_val=out, **{k: _val(v) for k, v in node.kwargs.items()})
-    groups = args[9] if name == "convolution_backward" else args[8]
-    return int(flops), groups == 1
+    if name == "convolution_backward":
+        grad_out, x, w = args[0], args[1], args[2]
+        transposed, groups, mask = args[7], args[9], args[10]
+        one = conv_flop_count(list(x.shape), list(w.shape), list(grad_out.shape), transposed=transposed)
+        return one * sum(bool(m) for m in mask[:2]), groups == 1
+    x, w = args[0], args[1]
+    transposed, groups = args[6], args[8]
+    return conv_flop_count(list(x.shape), list(w.shape), list(out.shape), transposed=transposed), groups == 1
 
 
 def _measure_node(node: fx.Node) -> _Measure:
@@ -243,13 +252,15 @@ def _measure_node(node: fx.Node) -> _Measure:
     elif name in _MATMUL_OPS:
         flops, gemm = _matmul(name, args, out)
         kind = OpKind.MATMUL
-    elif name.startswith("convolution") or name == "_convolution":
-        flops, dense = _conv(name, node, args, out)
+    elif name in ("convolution", "convolution_backward"):
+        flops, dense = _conv(name, args, out)
         kind = OpKind.MATMUL if dense else OpKind.VECTOR
     elif name in _DATA_OPS:
         flops = 0
+    elif name in _REDUCE_OPS:
+        flops = next(iter(ins.values())).numel() if ins else 0
     else:
-        flops = max([t.numel() for t in outs] + [t.numel() for t in ins.values()] + [0])
+        flops = sum(t.numel() for t in outs)
     return _Measure(kind=kind, values=(flops, read, written, 0, *gemm), gemm=kind is OpKind.MATMUL and any(gemm))
 
 
@@ -347,14 +358,15 @@ def _padded_lengths(exprs: dict[str, tuple[sympy.Expr, ...]], names: Sequence[st
     for name in names:
         fields = []
         for expr, got in zip(exprs[name], odd[name].values):
-            if int(expr.subs({B: b, S: s})) == got:
+            at_s = int(expr.subs({B: b, S: s}))
+            if at_s == got:
                 fields.append(expr)
             elif int(expr.subs({B: b, S: padded})) == got:
                 fields.append(expr.subs(S, s_pad))
-            else:
-                raise CaptureError(
-                    f"node {name}: its cost at s={s} (not a multiple of the chunk size {chunk}) follows neither "
-                    f"s nor the padded length {padded}; autoshard cannot express it symbolically")
+            else:  # part per token (s), part per padded token (e.g. the gradient of the un-padding slice)
+                per_padded_token = Fraction(got - at_s, b * (padded - s))
+                c = sympy.Rational(per_padded_token.numerator, per_padded_token.denominator)
+                fields.append(sympy.expand(expr - c * B * S + c * B * s_pad))
         out[name] = tuple(fields)
     return out
 
@@ -362,7 +374,7 @@ def _padded_lengths(exprs: dict[str, tuple[sympy.Expr, ...]], names: Sequence[st
 # -- blocks ---------------------------------------------------------------------------------------------
 
 def _assemble(spec: ModelSpec, cap: Captured, exprs: dict[str, tuple[sympy.Expr, ...]],
-              kinds: dict[str, _Measure], factory: Callable[[], nn.Module]) -> CostTable:
+              kinds: dict[str, _Measure], truncated: nn.Module) -> CostTable:
     names = list(exprs)
     first_layer = next((i for i, n in enumerate(names) if cap.site(n).block is not None), len(names))
     before = {cap.site(n).module_path for n in names[:first_layer] if cap.site(n).phase == FWD}
@@ -383,7 +395,7 @@ def _assemble(spec: ModelSpec, cap: Captured, exprs: dict[str, tuple[sympy.Expr,
             kind=m.kind, phase=site.phase, module_path=site.module_path, block=site.block,
             flops=e[0], bytes_read=e[1], bytes_written=e[2], saved_bytes=e[3],
             gemm=(e[4], e[5], e[6], e[7]) if m.gemm else None))
-    params = _block_params(factory(), cap)
+    params = _block_params(truncated, cap)
     return CostTable(model=spec.name, blocks=tuple(
         BlockCost(name=kind.value, kind=kind, count=spec.layers if kind is BlockKind.LAYER else 1,
                   params=params[kind], nodes=tuple(groups[kind]))

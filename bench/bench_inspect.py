@@ -1,0 +1,67 @@
+"""Time `autoshard inspect --model P --seq-len 4096 --json` for every preset, each in a fresh process.
+
+Baselines measured in the same run, so the figures are ratios on whatever machine runs this:
+* `startup`: a fresh process that only imports autoshard's CLI, torch and transformers (the floor);
+* `full trace` (with --full-trace NAME): capture_model of the whole model NAME, every layer traced,
+  which is what block deduplication avoids (inspect traces a 1-layer copy at 6 shapes instead).
+
+    python bench/bench_inspect.py                      # all presets
+    python bench/bench_inspect.py llama-70b --repeat 3 --full-trace llama-7b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+STARTUP = "import autoshard.cli, torch, transformers; from transformers import LlamaForCausalLM, Mamba2ForCausalLM"
+FULL_TRACE = """
+import sys, torch
+from autoshard.models import build_model, get_spec
+from autoshard.passes.capture import capture_model
+capture_model(build_model(get_spec(sys.argv[1]), device="meta", dtype=torch.bfloat16),
+              (torch.zeros(1, 4096, dtype=torch.long),))
+"""
+
+
+def _timed(argv: list[str]) -> tuple[float, str]:
+    start = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    return elapsed, done.stdout
+
+
+def main() -> None:
+    from autoshard.models import PRESETS
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("presets", nargs="*", default=[p for p in PRESETS if not p.endswith("tiny")])
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per preset (the median is reported)")
+    parser.add_argument("--full-trace", metavar="NAME", help="also time capturing all layers of NAME")
+    args = parser.parse_args()
+
+    startup = statistics.median(_timed([sys.executable, "-c", STARTUP])[0] for _ in range(args.repeat))
+    print(f"startup (imports only): {startup:.2f} s")
+    print(f"{'preset':<12} {'inspect s':>9} {'x startup':>9} {'params':>16} {'TFLOP/token':>11} {'vs model':>8}")
+    for name in args.presets:
+        runs = [_timed([sys.executable, "-m", "autoshard.cli", "inspect", "--model", name,
+                        "--seq-len", str(args.seq_len), "--json"]) for _ in range(args.repeat)]
+        elapsed = statistics.median(t for t, _ in runs)
+        data = json.loads(runs[-1][1])
+        print(f"{name:<12} {elapsed:>9.2f} {elapsed / startup:>9.2f} {data['params']:>16,} "
+              f"{data['flops_per_token'] / 1e12:>11.4f} {data['flops_per_token'] / data['model_flops_per_token']:>8.3f}")
+    if args.full_trace:
+        elapsed, _ = _timed([sys.executable, "-c", FULL_TRACE, args.full_trace])
+        print(f"full trace of {args.full_trace} (all layers, seq {args.seq_len}): {elapsed:.2f} s "
+              f"= {elapsed / startup:.2f} x startup")
+
+
+if __name__ == "__main__":
+    main()
