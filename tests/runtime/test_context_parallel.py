@@ -25,7 +25,7 @@ from autoshard.runtime.cp_mamba import cp_mixer_forward, ssd_chunk_scan
 from tests.runtime.equivalence import check_plan
 
 TOL = dict(rtol=1e-4, atol=1e-5)
-_PLANS = {2: [dict(cp=2)],
+_PLANS = {2: [dict(cp=2), dict(cp=2, recompute="full", micro_batch=2)],
           4: [dict(cp=4), dict(dp=2, cp=2), dict(tp=2, cp=2, zero=1), dict(pp=2, cp=2)],
           8: [dict(dp=2, tp=2, cp=2)]}
 
