@@ -14,7 +14,8 @@ unmodified HF `LlamaForCausalLM` / `Mamba2ForCausalLM` into this rank's `Distrib
 
 from __future__ import annotations
 
-import importlib
+import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autoshard.errors import InvalidConfigError
+from autoshard import errors
+from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.ir import AXES, Mesh, Plan, Recompute
 from autoshard.models.presets import spec_from_hf_config
 from autoshard.passes.rewrite import check_plan, shard_program
@@ -32,6 +34,8 @@ from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup
 from autoshard.runtime.mesh import backend_for, build_groups, init_default_group
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
+
+log = logging.getLogger("autoshard")
 
 PLAN_KEYS = (*AXES, "micro_batch", "zero", "recompute")
 
@@ -56,8 +60,13 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     ids = _input_ids(example_inputs)
     device = _device(model, device, hardware)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    plan = _resolve_plan(plan, spec=spec, world=world, seq_len=ids.shape[1],
-                         global_batch=global_batch or ids.shape[0], hardware=hardware)
+    if plan is None:  # rank 0 solves, every rank runs what it broadcasts
+        init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
+        plan = _solve_on_rank0(spec, world=world, seq_len=ids.shape[1], global_batch=global_batch or ids.shape[0],
+                               hardware=_hardware_name(hardware, device), device=device)
+    else:
+        plan = _resolve_plan(plan, spec=spec, world=world, seq_len=ids.shape[1],
+                             global_batch=global_batch or ids.shape[0], hardware=hardware)
     check_plan(plan, spec, world_size=world)  # every rank, before any collective
     init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
     groups = build_groups(plan.mesh, device=device, backend=backend_for(device))
@@ -110,16 +119,65 @@ def _npu() -> torch.device:
     return torch.device("npu", int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def _hardware_name(hardware: str, device: torch.device) -> str:
+    """The device profile for `hardware="auto"`: read off the device this rank runs on."""
+    if hardware != "auto":
+        return hardware
+    if device.type == "npu":
+        return "ascend-910b"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).upper()
+        for marker, profile in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80g")):
+            if marker in name:
+                return profile
+        log.warning("no device profile for %r; planning with the h100 profile (pass hardware=<profile or "
+                    "profile.json> to choose)", name)
+        return "h100"
+    return "cpu"
+
+
+def _solve_on_rank0(spec, *, world: int, seq_len: int, global_batch: int, hardware: str,
+                    device: torch.device) -> Plan:
+    """Rank 0 solves; the plan (or the error) reaches every rank as JSON bytes, never pickle."""
+    if dist.get_rank() == 0:
+        from autoshard.passes.solve import solve
+
+        try:
+            plan = solve(spec, hardware, devices=world, global_batch=global_batch, seq_len=seq_len)
+            payload = {"plan": plan.to_json()}
+        except AutoshardError as e:
+            payload = {"error": str(e), "kind": type(e).__name__}
+        data = json.dumps(payload).encode()
+    else:
+        data = b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=0)
+    payload = json.loads(bytes(buf.cpu().tolist()).decode())
+    if "error" in payload:
+        error = getattr(errors, payload["kind"], AutoshardError)
+        raise error(payload["error"])
+    plan = Plan.from_json(payload["plan"], source="the plan solved on rank 0")
+    if dist.get_rank() == 0:
+        _announce(plan)
+    return plan
+
+
+def _announce(plan: Plan) -> None:
+    if not log.handlers and not logging.getLogger().handlers:
+        log.addHandler(logging.StreamHandler())
+        log.setLevel(logging.INFO)
+    predicted = plan.predicted
+    log.info("autoshard: %s on %d x %s: mesh %s, micro-batch %d, ZeRO-%d, recompute %s; predicted %.4g s/step, "
+             "%.3g GB/device, MFU %.1f%%", plan.model, plan.devices, plan.hardware, plan.mesh, plan.micro_batch,
+             plan.zero, plan.recompute.value, predicted.get("step_time_s", float("nan")),
+             predicted.get("memory_gb", float("nan")), 100 * predicted.get("mfu", float("nan")))
+
+
 def _resolve_plan(plan: Any, *, spec, world: int, seq_len: int, global_batch: int, hardware: str) -> Plan:
-    if plan is None:
-        solve = getattr(importlib.import_module("autoshard.passes.solve"), "solve", None) \
-            if importlib.util.find_spec("autoshard.passes.solve") else None
-        if solve is None:
-            raise InvalidConfigError("plan=None asks autoshard to solve for a plan, but no solver entry point "
-                                     "(autoshard.passes.solve.solve) is available; pass plan=dict(dp=..., tp=...), "
-                                     "a Plan, or a plan file from `autoshard plan --out plan.json`")
-        raise InvalidConfigError("plan=None: automatic solving is not wired into parallelize yet; pass "
-                                 "plan=dict(dp=..., tp=...) or a plan file from `autoshard plan --out plan.json`")
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, (str, Path)):
