@@ -1,6 +1,7 @@
 """Train a tiny HF LLaMA for a few steps under a hand-given plan.
 
     torchrun --nproc-per-node 4 examples/train_llama.py --plan dp=2,tp=2
+    torchrun --nproc-per-node 2 examples/train_llama.py --plan auto
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import autoshard
 from autoshard.models.presets import build_model, get_spec
 
 
-def parse_plan(text: str) -> dict:
-    """"dp=2,tp=2,recompute=full" -> {"dp": 2, "tp": 2, "recompute": "full"}."""
+def parse_plan(text: str) -> dict | None:
+    """"dp=2,tp=2,recompute=full" -> {"dp": 2, "tp": 2, "recompute": "full"}; "auto" -> None (solve)."""
+    if text.strip() == "auto":
+        return None
     plan = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
@@ -25,7 +28,8 @@ def parse_plan(text: str) -> dict:
 
 def main(preset: str = "llama-tiny") -> None:
     parser = argparse.ArgumentParser(description=f"train {preset} with autoshard on CPU (gloo)")
-    parser.add_argument("--plan", default="dp=1", help="mesh and options, e.g. dp=2,tp=2,zero=1,recompute=full")
+    parser.add_argument("--plan", default="dp=1", help="mesh and options, e.g. dp=2,tp=2,zero=1,recompute=full, or auto: rank 0 solves for the "
+                        "fastest plan on the cpu profile and broadcasts it")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=32)
