@@ -22,18 +22,23 @@ def _data(vocab: int):
     return [torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=gen) for _ in range(STEPS)]
 
 
-def _eager(spec, data):
-    model = build_model(spec, seed=0)
+def _train(model, loss_of, data):
+    """3 AdamW steps of `loss_of(ids)`; returns the gradients of the first step and every loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, first_grads = [], None
     for ids in data:
         opt.zero_grad()
-        loss = model(ids, labels=ids).loss
+        loss = loss_of(ids)
         loss.backward()
         first_grads = first_grads or {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         losses.append(loss.detach())
     return first_grads, losses
+
+
+def _eager(spec, data):
+    model = build_model(spec, seed=0)
+    return _train(model, lambda ids: model(ids, labels=ids).loss, data)
 
 
 def _compiled_run(rank: int, spec, plan: dict, data):
@@ -41,19 +46,14 @@ def _compiled_run(rank: int, spec, plan: dict, data):
     model = build_model(spec, seed=0)
     be = autoshard.backend(model, plan=plan, global_batch=GLOBAL_BATCH)
     compiled = torch.compile(model, backend=be)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    dp, dp_rank = be.plan.mesh.dp, coords_of(rank, be.plan.mesh).dp
-    rows = GLOBAL_BATCH // dp
-    losses, first_grads = [], None
-    for ids in data:
-        local = ids[dp_rank * rows:(dp_rank + 1) * rows]
-        opt.zero_grad()
-        loss = compiled(local, labels=local).loss
-        loss.backward()
-        first_grads = first_grads or {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.detach())
-    return first_grads, losses
+    rows = GLOBAL_BATCH // be.plan.mesh.dp
+    first = coords_of(rank, be.plan.mesh).dp * rows  # this rank passes its dp shard of the batch
+
+    def loss_of(ids):
+        local = ids[first:first + rows]
+        return compiled(local, labels=local).loss
+
+    return _train(model, loss_of, data)
 
 
 def _check_plans(rank: int, world: int, cases) -> None:
