@@ -24,6 +24,9 @@ Contract
 * `Captured.repeated` lists the repeated blocks found in the module tree (a `ModuleList` of
   identical children), e.g. `RepeatedBlock(prefix="model.layers", count=32)`.
 
+`mode="symbolic"` starts the input dims as dynamic SymInts; HF LLaMA specializes them while tracing
+(torch 2.13), so the graph holds for the traced shape only. passes/shapes uses "fake" traces.
+
 Failures to trace raise `CaptureError` naming the exception, the op or Python construct, and
 the module path that was running.
 """
@@ -104,7 +107,7 @@ def capture_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, m
     with fake_mode:
         fake_params = {k: _fake_like(v, requires_grad=joint) for k, v in params.items()}
         fake_buffers = {k: _fake_like(v, requires_grad=False) for k, v in buffers.items()}
-    fake_inputs = tuple(_fake_input(fake_mode, t, dynamic=mode == "symbolic") for t in inputs)
+    fake_inputs = tuple(_fake_input(fake_mode, t, dynamic=mode == "symbolic", index=i) for i, t in enumerate(inputs))
     if with_loss and len(fake_inputs) == 1:
         fake_inputs = (fake_inputs[0], fake_inputs[0])
 
@@ -202,7 +205,7 @@ def _fake_like(t: torch.Tensor, *, requires_grad: bool) -> torch.Tensor:
     return out.requires_grad_(requires_grad and t.dtype.is_floating_point)
 
 
-def _fake_input(fake_mode, t: torch.Tensor, *, dynamic: bool) -> torch.Tensor:
+def _fake_input(fake_mode, t: torch.Tensor, *, dynamic: bool, index: int) -> torch.Tensor:
     from torch._subclasses.fake_tensor import FakeTensor
 
     if isinstance(t, FakeTensor):
@@ -213,8 +216,10 @@ def _fake_input(fake_mode, t: torch.Tensor, *, dynamic: bool) -> torch.Tensor:
         return fake_mode.from_tensor(t)
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
+    from torch._dynamo.source import ConstantSource
+
     ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())
-    return fake_mode.from_tensor(t, symbolic_context=ctx)
+    return fake_mode.from_tensor(t, source=ConstantSource(f"input{index}"), symbolic_context=ctx)
 
 
 # -- where nodes come from ------------------------------------------------------------------------
@@ -234,7 +239,8 @@ class _SiteRecorder:
         from torch.nn.modules import module as module_mod
 
         self._handles = [module_mod.register_module_forward_pre_hook(self._pre),
-                         module_mod.register_module_forward_hook(self._post)]  # skipped on error: the stack keeps where it failed
+                         # no always_call: on an error the stack keeps the module that failed
+                         module_mod.register_module_forward_hook(self._post)]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -285,6 +291,7 @@ class _SiteRecorder:
             path_at[i] = current
         seq_path: dict[int, str] = {}
         out: dict[str, Site] = {}
+        index = {node: i for i, node in enumerate(nodes)}
         for i, node in enumerate(nodes):
             if node.op != "call_function":
                 continue
@@ -296,9 +303,18 @@ class _SiteRecorder:
                 phase = FWD
             else:
                 path = seq_path.get(seq, "") if seq is not None else ""
+                if not path:  # the engine's gradient accumulation runs outside any grad_fn: follow the data
+                    path = _latest_input_path(node, index, out)
                 phase = BWD
             out[node.name] = Site(module_path=path, block=block_of(path, self._repeated), phase=phase)
         return out
+
+
+def _latest_input_path(node: fx.Node, index: dict[fx.Node, int], sites: dict[str, Site]) -> str:
+    """The module path of the most recently computed input that has one ("" if none)."""
+    known = [(index[a], sites[a.name].module_path) for a in node.all_input_nodes
+             if a.name in sites and sites[a.name].module_path]
+    return max(known)[1] if known else ""
 
 
 def _capture_error(model: nn.Module, e: Exception, path: str) -> CaptureError:

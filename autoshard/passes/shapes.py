@@ -87,7 +87,15 @@ class _Measure:
 def build_cost_table(spec: ModelSpec, *, training: bool = True, dtype: torch.dtype = torch.bfloat16,
                      model: nn.Module | None = None) -> CostTable:
     """The symbolic per-block cost table of one training step of `spec`; see the module docstring."""
-    return _build_cached(spec, training, dtype, model)
+    return _build_for_layers(spec, training, dtype, model)
+
+
+@functools.lru_cache(maxsize=64)
+def _build_for_layers(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> CostTable:
+    """The table of the 1-layer copy (shared by every layer count), with the layer count of `spec`."""
+    one = _build_cached(replace(spec, layers=1), training, dtype, model)
+    blocks = tuple(replace(blk, count=spec.layers) if blk.kind is BlockKind.LAYER else blk for blk in one.blocks)
+    return replace(one, blocks=blocks)
 
 
 @functools.lru_cache(maxsize=64)
