@@ -22,6 +22,9 @@ and driven by `ScheduleGPipe` or `Schedule1F1B`; no scheduler of our own.
 * Context parallelism (`cp`, a `runtime.context_parallel.CPRuntime`): `step` and `forward`
   take this rank's slice of the sequence (labels shifted over the whole sequence first), LLaMA
   stages use the slice's real positions, and `forward` returns the local slice of the logits.
+* Memory: by default (`PipelineOptions.free_other_stages`) the parameters of the other ranks'
+  stages are replaced in `model` by meta tensors once the stage is cut, so a rank keeps only
+  its stage's weights; names and shapes of `model.named_parameters()` stay as they were.
 * `gather(tensors)` turns {original name: tensor of this stage} into the same dict for the
   whole model on every rank of the pp group (checks and `full_grads`, not the fast path).
 """
@@ -56,6 +59,7 @@ _SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B}
 class PipelineOptions:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     micro_batch: int = 1
+    free_other_stages: bool = True  # replace the parameters of other ranks' stages by meta tensors
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, Schedule):
@@ -96,6 +100,8 @@ class PipelineRunner:
         self._tied = _tied_parameter(model, spec) if pp > 1 else None
         self._tied_group = _tied_pair_group(pp_group) if self._tied is not None else None
         self._cache: dict[tuple, object] = {}
+        if options.free_other_stages:
+            _free_parameters(model, keep={id(p) for p in self.module.parameters()})
 
     # -- training ---------------------------------------------------------------------------
     def parameters(self):
@@ -208,6 +214,23 @@ def _tied_parameter(model: nn.Module, spec: ModelSpec) -> nn.Parameter | None:
     if embed is not None and head_weight is not None and head_weight is getattr(embed, "weight", None):
         return head_weight
     return None
+
+
+def _free_parameters(model: nn.Module, *, keep: set[int]) -> None:
+    """Replace every parameter of `model` not in `keep` (by id) with a meta tensor of its shape.
+
+    Each rank then holds only its stage's weights; a parameter shared by two modules (tied
+    embeddings) stays shared. Names and shapes in `model.named_parameters()` are unchanged.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) in keep or param.device.type == "meta":
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                                   requires_grad=param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
 
 
 def _tied_pair_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup | None:

@@ -124,6 +124,8 @@ def _check_config(spec, stages, schedule, micro_batch, reference):
     runner = PipelineRunner(model, spec, stages, pp_group=dist.group.WORLD, device="cpu",
                             options=PipelineOptions(schedule=schedule, micro_batch=micro_batch))
     ids, labels = _batch(spec.vocab)
+    held = {n for n, p in model.named_parameters() if p.device.type != "meta"}
+    assert held == set(runner.names.values())  # other stages' weights were freed
     torch.testing.assert_close(runner.forward(ids), ref_logits, **TOL)
     if micro_batch > 1:  # raised on every rank before any collective: nothing hangs
         with pytest.raises(InvalidConfigError, match=rf"batch \(3\) is not divisible by micro_batch \({micro_batch}\)"):
