@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -28,13 +29,19 @@ capture_model(build_model(get_spec(sys.argv[1]), device="meta", dtype=torch.bflo
 """
 
 
-def _timed(argv: list[str]) -> tuple[float, str]:
-    start = time.perf_counter()
+def _cpu_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(argv: list[str]) -> tuple[float, float, str]:
+    """(wall seconds, CPU seconds of the child, its stdout); CPU time is the steadier figure on a shared machine."""
+    start, cpu = time.perf_counter(), _cpu_children()
     done = subprocess.run(argv, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, _cpu_children() - cpu
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
-    return elapsed, done.stdout
+    return elapsed, cpu, done.stdout
 
 
 def main() -> None:
@@ -47,20 +54,24 @@ def main() -> None:
     parser.add_argument("--full-trace", metavar="NAME", help="also time capturing all layers of NAME")
     args = parser.parse_args()
 
-    startup = statistics.median(_timed([sys.executable, "-c", STARTUP])[0] for _ in range(args.repeat))
-    print(f"startup (imports only): {startup:.2f} s")
-    print(f"{'preset':<12} {'inspect s':>9} {'x startup':>9} {'params':>16} {'TFLOP/token':>11} {'vs model':>8}")
+    starts = [_timed([sys.executable, "-c", STARTUP]) for _ in range(args.repeat)]
+    startup = statistics.median(t for t, _, _ in starts)
+    startup_cpu = statistics.median(c for _, c, _ in starts)
+    print(f"startup (imports only): {startup:.2f} s wall, {startup_cpu:.2f} s CPU")
+    print(f"{'preset':<12} {'wall s':>7} {'CPU s':>7} {'CPU/startup':>11} {'params':>16} {'TFLOP/token':>11} "
+          f"{'/model':>7}")
     for name in args.presets:
         runs = [_timed([sys.executable, "-m", "autoshard.cli", "inspect", "--model", name,
                         "--seq-len", str(args.seq_len), "--json"]) for _ in range(args.repeat)]
-        elapsed = statistics.median(t for t, _ in runs)
-        data = json.loads(runs[-1][1])
-        print(f"{name:<12} {elapsed:>9.2f} {elapsed / startup:>9.2f} {data['params']:>16,} "
-              f"{data['flops_per_token'] / 1e12:>11.4f} {data['flops_per_token'] / data['model_flops_per_token']:>8.3f}")
+        elapsed = statistics.median(t for t, _, _ in runs)
+        cpu = statistics.median(c for _, c, _ in runs)
+        data = json.loads(runs[-1][2])
+        print(f"{name:<12} {elapsed:>7.2f} {cpu:>7.2f} {cpu / startup_cpu:>11.2f} {data['params']:>16,} "
+              f"{data['flops_per_token'] / 1e12:>11.4f} {data['flops_per_token'] / data['model_flops_per_token']:>7.3f}")
     if args.full_trace:
-        elapsed, _ = _timed([sys.executable, "-c", FULL_TRACE, args.full_trace])
-        print(f"full trace of {args.full_trace} (all layers, seq {args.seq_len}): {elapsed:.2f} s "
-              f"= {elapsed / startup:.2f} x startup")
+        elapsed, cpu, _ = _timed([sys.executable, "-c", FULL_TRACE, args.full_trace])
+        print(f"full trace of {args.full_trace} (all layers, seq {args.seq_len}): {elapsed:.2f} s wall, "
+              f"{cpu:.2f} s CPU = {cpu / startup_cpu:.2f} x startup CPU")
 
 
 if __name__ == "__main__":

@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import sympy
 import torch
@@ -286,19 +287,12 @@ def _saved_bytes(cap: Captured) -> dict[str, int]:
 
 
 def _storage_owner(node: fx.Node, cap: Captured) -> fx.Node | None:
-    while node.op == "call_function" and node.target is not _getitem() and _is_view(node) and node.args \
+    while node.op == "call_function" and node.target is not operator.getitem and _is_view(node) and node.args \
             and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     if node.op != "call_function" or cap.site(node).phase != FWD:
         return None  # parameters and inputs are not activations
     return node
-
-
-@functools.cache
-def _getitem():
-    import operator
-
-    return operator.getitem
 
 
 def _measure_graph(cap: Captured) -> dict[str, _Measure]:
