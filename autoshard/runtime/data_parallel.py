@@ -7,7 +7,8 @@ Contract:
   whose gradients are all ready is flattened and its reduction launched asynchronously
   (buckets launch strictly in order, so every dp rank issues the same collectives in the same
   order) while backward continues. `finish()` launches what is left and waits.
-  Without ZeRO the reduction is an all-reduce (sum) and `p.grad` holds the reduced gradient.
+  Without ZeRO the reduction is an all-reduce (sum) and `p.grad` holds the reduced gradient
+  (a group of one flattens and copies nothing: the gradients stay in `p.grad`).
   With ZeRO-1 it is a reduce-scatter: dp rank i receives slice i of every (padded) bucket.
 * Gradients are summed, not averaged: the loss is already divided by the global token count
   (`runtime/loss.py`), so the sum over dp ranks is the gradient of the global mean.
@@ -104,6 +105,8 @@ class GradSync:
     def _launch(self, bucket: _Bucket) -> None:
         if self.prepare is not None:
             self.prepare(bucket.params)
+        if self.world == 1 and not self.zero:  # nothing to reduce: `p.grad` already holds the result
+            return
         bucket.flat = bucket.flatten_grads()
         if self.world == 1:
             bucket.out = bucket.flat
@@ -123,7 +126,7 @@ class GradSync:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-            if not self.zero:
+            if not self.zero and bucket.out is not None:
                 bucket.scatter_back(bucket.out, into_grad=True)
 
     def shard_grads(self) -> list[Tensor]:
