@@ -190,12 +190,17 @@ class PipelineRunner:
             if batch % micro:
                 raise InvalidConfigError(f"the pipeline's batch ({batch}) is not divisible by micro_batch ({micro}); "
                                          f"choose a micro_batch that divides {batch}")
-            stage = PipelineStage(self.module, self.stage_index, len(self.stages), self.device, group=self.pp_group)
+            pp, chunks = len(self.stages), batch // micro
+            if train and self.options.schedule is Schedule.ONE_F_ONE_B and chunks < pp:
+                raise InvalidConfigError(f"1f1b needs at least as many micro-batches as stages: batch {batch} / "
+                                         f"micro_batch {micro} = {chunks} < pp {pp}; use a smaller micro_batch, a "
+                                         "larger global batch, or schedule='gpipe'")
+            stage = PipelineStage(self.module, self.stage_index, pp, self.device, group=self.pp_group)
             if train:
                 self._cache[key] = _SCHEDULES[self.options.schedule](
-                    stage, batch // micro, loss_fn=self._loss, scale_grads=False)
+                    stage, chunks, loss_fn=self._loss, scale_grads=False)
             else:
-                self._cache[key] = ScheduleGPipe(stage, batch // micro)
+                self._cache[key] = ScheduleGPipe(stage, chunks)
         return self._cache[key]
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_tokens) -> torch.Tensor:

@@ -127,6 +127,9 @@ def _check_config(spec, stages, schedule, micro_batch, reference):
     held = {n for n, p in model.named_parameters() if p.device.type != "meta"}
     assert held == set(runner.names.values())  # other stages' weights were freed
     torch.testing.assert_close(runner.forward(ids), ref_logits, **TOL)
+    if schedule is Schedule.ONE_F_ONE_B and len(stages) > 2:  # fewer micro-batches than stages
+        with pytest.raises(InvalidConfigError, match=r"1f1b needs .* = 2 < pp 4"):
+            runner.step(ids[:2], labels[:2])
     if micro_batch > 1:  # raised on every rank before any collective: nothing hangs
         with pytest.raises(InvalidConfigError, match=rf"batch \(3\) is not divisible by micro_batch \({micro_batch}\)"):
             runner.step(ids[:3], labels[:3])
