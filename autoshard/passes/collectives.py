@@ -30,6 +30,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
+
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 
@@ -113,8 +115,10 @@ def collective_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: i
 
 
 def best_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: int, stride: int = 1) -> float:
-    """The faster of ring and tree (what NCCL / HCCL pick by message size)."""
-    return min(collective_time(hw, op, nbytes, size=size, stride=stride, algo=a) for a in Algorithm)
+    """The faster of ring and tree (what NCCL / HCCL pick by message size). `nbytes` may be a
+    numpy array: the result is then elementwise (the planner prices every stage size at once)."""
+    ring, tree = (collective_time(hw, op, nbytes, size=size, stride=stride, algo=a) for a in Algorithm)
+    return np.minimum(ring, tree) if isinstance(ring, np.ndarray) else min(ring, tree)
 
 
 def _check_size(size: int) -> None:

@@ -28,6 +28,7 @@ Component functions (public, stable names; the CP-SAT planner builds its model f
   dp_sync_time(hw, params, layout) -> float            gradient sync of one stage (not overlapped)
   optimizer_time(hw, params, layout) -> float          Adam step on this device's shard
   logits_bytes(ct, layout, *, seq_len) -> float        fp32 logits peak of the head stage
+  buffer_bytes(ct, layout, *, seq_len) -> float        communication staging buffers of a stage
   pipeline_time(stage_times, microbatches) -> float    1F1B makespan (arXiv 2602.09109 sec. 4.3)
   model_flops_per_token(ct, seq_len) -> float          paper's MFU convention
 
@@ -589,7 +590,7 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
         in_flight = min(mesh.pp - i, m)
         acts = sum(act[k] * c for k, c in counts.items()) * in_flight
         mem = state_bytes(params, layout)
-        buffers = _buffers(ct, layout, seq_len, params)
+        buffers = buffer_bytes(ct, layout, seq_len=seq_len)
         logit = logits_bytes(ct, layout, seq_len=seq_len) if st.head else 0.0
         peaks.append(MemoryBreakdown(weights=mem.weights, grads=mem.grads, optimizer=mem.optimizer,
                                      activations=acts, logits=logit, buffers=buffers))
@@ -617,7 +618,7 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
                     time=breakdown, microbatches=m, stages=stages, stage_times_s=tuple(times))
 
 
-def _buffers(ct: CompiledTable, layout: Layout, seq_len: int, params: float) -> float:
+def buffer_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int) -> float:
     """Communication staging: two activation-sized TP/p2p buffers, and the gathered weights of
     one layer in flight (twice, prefetch) under ZeRO-3."""
     act = _tokens(layout, seq_len) * ct.spec.hidden * ACT_BYTES
