@@ -28,3 +28,13 @@ def fingerprint_spec(spec) -> str:
     from autoshard.models.presets import build_model
 
     return fingerprint_module(build_model(spec, device="meta"))
+
+
+def check_plan_matches(plan, *, fingerprint: str, devices: int) -> None:
+    """Refuse a plan made for another model or world size (PlanFileError naming both sides)."""
+    from autoshard.errors import PlanFileError
+
+    if plan.fingerprint != fingerprint or plan.devices != devices:
+        raise PlanFileError(
+            f"plan.json was made for {plan.model} (fingerprint {plan.fingerprint}) on {plan.devices} devices; "
+            f"this run has fingerprint {fingerprint} on {devices} devices; make a new plan with `autoshard plan`")

@@ -96,3 +96,19 @@ def valid_meshes(spec: ModelSpec, devices: int, *, global_batch: int, seq_len: i
         f"(global batch {global_batch}, seq {seq_len}, micro-batch {micro_batch}); ep>1 ruled out everywhere "
         f"(no experts); " + "; ".join(shown[:12]) + more + ". Change the device count, global batch or sequence length"
     )
+
+
+def mesh_micro_batches(spec: ModelSpec, devices: int, *, global_batch: int, seq_len: int,
+                       micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[tuple[Mesh, int], ...]:
+    """Every (valid mesh, micro-batch) pair the planner searches: for each mesh of
+    `factorizations` with ep == 1 and each micro-batch in `micro_batches`, the pair when
+    `mesh_violation` finds no broken rule (so dp x micro-batch divides the global batch).
+    Empty when no pair is valid (the caller words the error)."""
+    out = []
+    for mesh in factorizations(devices):
+        if mesh.ep != 1:
+            continue
+        for mb in micro_batches:
+            if mesh_violation(spec, mesh, global_batch=global_batch, seq_len=seq_len, micro_batch=mb) is None:
+                out.append((mesh, mb))
+    return tuple(out)
