@@ -19,8 +19,9 @@ def add_parser(sub) -> None:
     p.add_argument("--devices", required=True, type=positive_int, help="number of devices (world size)")
     p.add_argument("--global-batch", required=True, type=positive_int, help="sequences per training step")
     p.add_argument("--seq-len", required=True, type=positive_int, help="tokens per sequence")
-    p.add_argument("--time-limit", type=float, default=30.0, metavar="SEC",
-                   help="wall-clock budget of the search in seconds (default 30)")
+    p.add_argument("--time-limit", type=float, default=10.0, metavar="SEC",
+                   help="CP-SAT work budget per layout in deterministic seconds (default 10); the result "
+                   "does not depend on the machine or its load, and the search over layouts always finishes")
     p.add_argument("--out", help="write the plan to this JSON file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a summary")
     p.set_defaults(run=run)

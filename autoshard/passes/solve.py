@@ -9,10 +9,13 @@ Contract
   LM head and loss; uneven splits allowed, a first / last stage may hold no layer) and the
   recomputation level of every stage, minimising the step time of `passes/cost.py` (read off
   its component functions through `solve_model.mesh_problem`) subject to peak memory per
-  device <= capacity on every stage. Layouts are visited by a lower bound on their step time
-  (perfect pipeline balance, no recomputation, no exposed sync) and skipped once the bound
-  reaches the best plan found. The op placements are the Megatron-LM ones the cost model
-  prices (`strategies.block_placements`).
+  device <= capacity on every stage. Layouts are ruled out by a memory bound before any table
+  is built, then visited by a lower bound on their step time (`lower_bounds`); each CP-SAT model
+  gets the value it must beat as a cutoff and is skipped when a table bound (slowest-stage floor,
+  smallest stage-time sum) already reaches it. The search stops once the bound reaches the
+  runner-up (the best plan on another mesh). No wall clock decides anything: CP-SAT runs one
+  worker with a deterministic-time limit, so the same inputs give the same plan on every run.
+  The op placements are the Megatron-LM ones the cost model prices (`strategies.block_placements`).
   Integers: seconds are converted once here to units of 1e-6 of the largest stage time.
   No layout fits -> `InfeasiblePlanError` naming the binding constraint (memory per device)
   and by how much the smallest plan misses.
@@ -25,13 +28,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 from autoshard.ir import Mesh, Plan, Recompute
 from autoshard.passes import cost
 from autoshard.passes.cost import CompiledTable, Layout
-from autoshard.passes.solve_model import Assignment, MeshProblem, evaluate, mesh_problem
+from autoshard.passes.layouts import mesh_micro_batches
+from autoshard.passes.solve_model import Assignment, MeshProblem, block_numbers, evaluate, mesh_problem
 
 _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
            cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
@@ -54,114 +59,211 @@ class MeshResult:
 
 
 def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assignment | None = None,
-               workers: int = 1) -> MeshResult:
-    """The fastest assignment of `problem` that fits (CP-SAT, optimal within the time limit)."""
+               cutoff_s: float = math.inf) -> MeshResult:
+    """The fastest assignment of `problem` that fits and beats `cutoff_s` (CP-SAT, one worker).
+
+    `time_limit_s` is CP-SAT's deterministic-time budget (its own work units, about a second
+    each on a laptop core, the same on every machine and run), so a cut-short search still gives
+    the same answer every time; it reports status "feasible" and the gap. Entries that cannot
+    fit, or whose stage alone makes the step slower than `cutoff_s` (m * t_i > cutoff), are
+    removed from the domains before the model is built; "cut" means nothing beats the cutoff."""
     p, L, R = problem.pp, problem.layers, len(problem.recomputes)
-    unit = max(max(max(row) for row in rows) for rows in problem.time_s) * 1e-6 or 1.0
-    m = cp_model.CpModel()
-    n = [m.NewIntVar(problem.min_layers(i), L, f"n{i}") for i in range(p)]
-    m.Add(sum(n) == L)
-    times, tails = [], []
+    m_mb = problem.microbatches
+    ok = problem.mem_bytes <= problem.capacity_bytes
+    if math.isfinite(cutoff_s):
+        ok &= problem.time_s * m_mb <= cutoff_s * (1 + 1e-12)
+    domains = []
     for i in range(p):
-        allowed = [r * (L + 1) + k for r in range(R) for k in range(problem.min_layers(i), L + 1)
-                   if problem.mem_bytes[i][r][k] <= problem.capacity_bytes]
+        lo = problem.min_layers(i)
+        hi = L - sum(problem.min_layers(j) for j in range(p) if j != i)
+        allowed = [r * (L + 1) + k for r in range(R) for k in range(lo, hi + 1) if ok[i, r, k]]
         if not allowed:
-            return MeshResult(status="infeasible", assignment=None, step_s=math.inf, bound_s=math.inf, wall_s=0.0)
+            status = "infeasible" if not ok.any(axis=(1, 2))[i] or not math.isfinite(cutoff_s) else "cut"
+            return MeshResult(status=status, assignment=None, step_s=math.inf, bound_s=math.inf, wall_s=0.0)
+        domains.append(allowed)
+    floor, hint_b = _bottleneck(problem, ok)
+    if floor is None:
+        return MeshResult(status="cut" if math.isfinite(cutoff_s) else "infeasible", assignment=None,
+                          step_s=math.inf, bound_s=math.inf, wall_s=0.0)
+    hint = hint_b or hint
+    lower = (m_mb - 1) * floor + _min_total(problem, ok) + _min_tail(problem, ok)
+    if lower >= cutoff_s * (1 - 1e-12):  # no assignment can beat the cutoff: skip CP-SAT
+        return MeshResult(status="cut", assignment=None, step_s=math.inf, bound_s=lower, wall_s=0.0)
+    unit = float(problem.time_s.max()) * 1e-6 or 1.0
+    time_int = np.rint(problem.time_s / unit).astype(np.int64)
+    tail_int = np.rint(problem.tail_s / unit).astype(np.int64)
+    m = cp_model.CpModel()
+    n, times, tails, recs = [], [], [], []
+    for i, allowed in enumerate(domains):
         idx = m.NewIntVarFromDomain(cp_model.Domain.FromValues(allowed), f"idx{i}")
-        r = m.NewIntVar(0, R - 1, f"r{i}")
-        m.Add(idx == r * (L + 1) + n[i])
-        table = [round(t / unit) for row in problem.time_s[i] for t in row]
-        t = m.NewIntVar(0, max(table), f"t{i}")
+        ks = sorted({v % (L + 1) for v in allowed})
+        n_i = m.NewIntVarFromDomain(cp_model.Domain.FromValues(ks), f"n{i}")
+        r_i = m.NewIntVar(0, R - 1, f"r{i}")
+        m.Add(idx == r_i * (L + 1) + n_i)
+        table = time_int[i].reshape(-1).tolist()
+        t = m.NewIntVar(0, max(table[v] for v in allowed), f"t{i}")
         m.AddElement(idx, table, t)
-        tail_table = [round(x / unit) for x in problem.tail_s[i]]
-        tail = m.NewIntVar(0, max(tail_table), f"tail{i}")
-        m.AddElement(n[i], tail_table, tail)
-        times.append((t, r))
-        tails.append(tail)
-    t_max = m.NewIntVar(0, max(round(max(max(row) for row in rows) / unit) for rows in problem.time_s), "t_max")
-    m.AddMaxEquality(t_max, [t for t, _ in times])
-    tail_max = m.NewIntVar(0, max(max(round(x / unit) for x in row) for row in problem.tail_s), "tail_max")
+        tail_table = tail_int[i].tolist()
+        tail = m.NewIntVar(0, max(tail_table[k] for k in ks), f"tail{i}")
+        m.AddElement(n_i, tail_table, tail)
+        n.append(n_i), times.append(t), tails.append(tail), recs.append(r_i)
+    m.Add(sum(n) == L)
+    t_max = m.NewIntVar(max(0, int(floor / unit) - 1), int(time_int.max()), "t_max")
+    m.AddMaxEquality(t_max, times)
+    tail_max = m.NewIntVar(0, int(tail_int.max()), "tail_max")
     m.AddMaxEquality(tail_max, tails)
-    m.Minimize((problem.microbatches - 1) * t_max + sum(t for t, _ in times) + tail_max)
+    objective = (m_mb - 1) * t_max + sum(times) + tail_max
+    if math.isfinite(cutoff_s):  # rounding moves the integer objective by at most (m + p + 1) / 2 units
+        m.Add(objective <= math.floor(cutoff_s / unit) + m_mb + p + 1)
+    m.Minimize(objective)
     if hint is not None:
         for i in range(p):
             m.AddHint(n[i], hint.layers[i])
-            m.AddHint(times[i][1], problem.recomputes.index(hint.recompute[i]))
+            m.AddHint(recs[i], problem.recomputes.index(hint.recompute[i]))
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, float(time_limit_s))
-    solver.parameters.num_workers = max(1, workers)
+    solver.parameters.max_deterministic_time = max(0.01, float(time_limit_s))
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
     status = solver.Solve(m)
     name = _STATUS.get(status, "unknown")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        name = "cut" if status == cp_model.INFEASIBLE and math.isfinite(cutoff_s) else name
         return MeshResult(status=name, assignment=None, step_s=math.inf, bound_s=math.inf, wall_s=solver.WallTime())
     a = Assignment(layers=tuple(solver.Value(v) for v in n),
-                   recompute=tuple(problem.recomputes[solver.Value(r)] for _, r in times))
+                   recompute=tuple(problem.recomputes[solver.Value(r)] for r in recs))
     step = evaluate(problem, a).step_s
     bound = min(step, solver.BestObjectiveBound() * unit)
     return MeshResult(status=name, assignment=a, step_s=step, bound_s=bound, wall_s=solver.WallTime())
 
 
+def _bottleneck(problem: MeshProblem, ok: np.ndarray) -> tuple[float | None, Assignment | None]:
+    """The smallest slowest-stage time T any assignment can have (binary search over the table's
+    times: with every entry slower than T or not fitting removed, can the layers still be spread
+    over the stages?), and an assignment reaching it (each stage at its fewest layers, the rest
+    handed out in stage order, every stage at its fastest fitting recompute level), or None when
+    the stages' feasible layer counts have holes. CP-SAT gets T as a bound on its max and the
+    assignment as a hint: 1F1B's (m - 1) * max t dominates, so both are close to the optimum."""
+    p, L = problem.pp, problem.layers
+    t = np.where(ok, problem.time_s, np.inf)
+    fastest = t.min(axis=1)  # [i, n]
+    mins = [problem.min_layers(i) for i in range(p)]
+
+    def spread(cap: float):
+        lo, hi = [], []
+        for i in range(p):
+            ks = np.nonzero(fastest[i, mins[i]:] <= cap)[0]
+            if not len(ks):
+                return None
+            lo.append(mins[i] + int(ks[0])), hi.append(mins[i] + int(ks[-1]))
+        return (lo, hi) if sum(lo) <= L <= sum(hi) else None
+
+    values = np.unique(fastest[np.isfinite(fastest)])
+    if not len(values) or spread(values[-1]) is None:
+        return None, None
+    left, right = 0, len(values) - 1
+    while left < right:
+        mid = (left + right) // 2
+        left, right = (left, mid) if spread(values[mid]) is not None else (mid + 1, right)
+    cap = float(values[left])
+    lo, hi = spread(cap)
+    layers, extra = list(lo), L - sum(lo)
+    for i in range(p):
+        take = min(extra, hi[i] - lo[i])
+        layers[i] += take
+        extra -= take
+    if any(fastest[i, k] > cap for i, k in enumerate(layers)):
+        return cap, None
+    rec = tuple(problem.recomputes[int(np.argmin(t[i, :, k]))] for i, k in enumerate(layers))
+    return cap, Assignment(layers=tuple(layers), recompute=rec)
+
+
+def _min_total(problem: MeshProblem, ok: np.ndarray) -> float:
+    """The smallest sum of stage times over every split of the layers (each stage at its fastest
+    allowed entry; min-plus convolution over the stages): a lower bound on sum t_i."""
+    L = problem.layers
+    fastest = np.where(ok, problem.time_s, np.inf).min(axis=1)  # [i, n]
+    best = np.full(L + 1, np.inf)
+    best[0] = 0.0
+    for i in range(problem.pp):
+        # new[k] = min_n best[k - n] + fastest[i, n]
+        grid = best[None, :] + np.full((L + 1, L + 1), np.inf)
+        for n in range(L + 1):
+            if np.isfinite(fastest[i, n]):
+                grid[n, n:] = best[:L + 1 - n] + fastest[i, n]
+        best = grid.min(axis=0)
+    return float(best[L])
+
+
+def _min_tail(problem: MeshProblem, ok: np.ndarray) -> float:
+    """max over stages of the smallest tail a stage can have: a lower bound on max tail_i."""
+    fits = ok.any(axis=1)  # [i, n]
+    return float(max(problem.tail_s[i][fits[i]].min() for i in range(problem.pp)))
+
+
 def min_peak_bytes(problem: MeshProblem) -> float:
     """The smallest peak memory per device over every assignment (binary search on the cap)."""
     p, L = problem.pp, problem.layers
+    stage_min = problem.mem_bytes.min(axis=1)  # [i, n]: the best recompute level per layer count
 
     def fits(cap: float) -> bool:
         # stages are independent given their layer counts: can the layers be spread so each fits?
-        lo = [min((k for k in range(problem.min_layers(i), L + 1)
-                   if any(row[k] <= cap for row in problem.mem_bytes[i])), default=None) for i in range(p)]
-        hi = [max((k for k in range(problem.min_layers(i), L + 1)
-                   if any(row[k] <= cap for row in problem.mem_bytes[i])), default=None) for i in range(p)]
-        return None not in lo and sum(lo) <= L <= sum(hi)
+        lo, hi = [], []
+        for i in range(p):
+            ks = [k for k in range(problem.min_layers(i), L + 1) if stage_min[i, k] <= cap]
+            if not ks:
+                return False
+            lo.append(ks[0]), hi.append(ks[-1])
+        return sum(lo) <= L <= sum(hi)
 
-    values = sorted({v for rows in problem.mem_bytes for row in rows for v in row})
+    values = np.unique(stage_min)
     left, right = 0, len(values) - 1
     while left < right:
         mid = (left + right) // 2
         left, right = (left, mid) if fits(values[mid]) else (mid + 1, right)
-    return values[left]
+    return float(values[left])
 
 
 # -- the search over layouts -------------------------------------------------------------------
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
-                      zeros: tuple[int, ...] = (0, 1, 2, 3), micro_batches: tuple[int, ...] = (1, 2, 4, 8)):
-    """Every (mesh, micro-batch, ZeRO) the runtime can run: tp divides the heads (and Mamba-2's
-    groups), cp gives each rank two equal causal chunks, pp <= layers, dp x micro-batch divides
-    the global batch. EP stays 1 (dense models)."""
-    out = []
-    for tp in _divisors(devices):
-        if spec.heads % tp or (spec.groups and spec.groups % tp):
-            continue
-        for cp in _divisors(devices // tp):
-            if seq_len % (2 * cp) and cp > 1:
-                continue
-            for pp in _divisors(devices // (tp * cp)):
-                dp = devices // (tp * cp * pp)
-                if pp > spec.layers or global_batch % dp:
-                    continue
-                for mb in micro_batches:
-                    if global_batch % (dp * mb):
-                        continue
-                    for z in zeros:
-                        out.append(Layout(mesh=Mesh(dp=dp, pp=pp, tp=tp, cp=cp), micro_batch=mb, zero=z))
-    return out
+                      zeros: tuple[int, ...] = (0, 1, 2, 3), micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+                      ) -> list[Layout]:
+    """Every (mesh, micro-batch, ZeRO) the planner searches: the valid (mesh, micro-batch) pairs
+    of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses) times the ZeRO levels."""
+    pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
+                               micro_batches=micro_batches)
+    return [Layout(mesh=mesh, micro_batch=mb, zero=z) for mesh, mb in pairs for z in zeros]
 
 
-def lower_bound(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, seq_len: int) -> float:
-    """A step time no plan of `layout` beats: all work W (no recompute) perfectly balanced,
-    W + (m - 1) * max(W / pp, heaviest single block)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bounds:
+    """What no plan of a layout beats, computed before any table: step time (all work without
+    recompute perfectly balanced, the 1F1B fill, the optimizer step of an average stage) and
+    peak memory (the weights, gradients and optimizer state of an average stage, the buffers)."""
+
+    step_s: float
+    peak_bytes: float
+
+
+def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, seq_len: int,
+                 block_s: dict | None = None) -> Bounds:
+    """`Bounds` of `layout`. `block_s`: {kind: BlockTime without recompute} when already known
+    (they depend on the mesh and micro-batch only)."""
     kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
-    bt = {k: cost.block_time(ct, hw, replace(layout, recompute=Recompute.NONE), k, seq_len=seq_len) for k in kinds}
-    mesh = layout.mesh
+    base = replace(layout, recompute=Recompute.NONE)
+    bt = block_s or {k: cost.block_time(ct, hw, base, k, seq_len=seq_len).total_s for k in kinds}
+    mesh, spec = layout.mesh, ct.spec
     p2p = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
-    work = sum(bt[k].total_s for k in kinds) + (ct.spec.layers - 1) * bt[cost.BlockKind.LAYER].total_s
-    work += mesh.pp * p2p
+    work = sum(bt.values()) + (spec.layers - 1) * bt[cost.BlockKind.LAYER] + mesh.pp * p2p
     m = global_batch // (mesh.dp * layout.micro_batch)
-    heaviest = max(bt[k].total_s for k in kinds) + p2p
-    return work + (m - 1) * max(work / mesh.pp, heaviest)
+    heaviest = max(bt.values()) + p2p
+    params = sum(cost.block_params(ct, layout, k) for k in kinds) + \
+        (spec.layers - 1) * cost.block_params(ct, layout, cost.BlockKind.LAYER)
+    if spec.tied and mesh.pp > 1:
+        params += cost.block_params(ct, layout, cost.BlockKind.EMBED)  # the head's copy
+    avg = params / mesh.pp  # the stage with the most parameters holds at least the average
+    step = work + (m - 1) * max(work / mesh.pp, heaviest) + cost.optimizer_time(hw, avg, layout)
+    peak = cost.state_bytes(avg, layout).total + cost.buffer_bytes(ct, layout, seq_len=seq_len)
+    return Bounds(step_s=step, peak_bytes=peak)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,35 +272,62 @@ class Candidate:
     result: MeshResult
 
 
-def search(ct: CompiledTable, hw, *, devices: int, global_batch: int, seq_len: int, time_limit_s: float = 30.0,
-           progress: Progress | None = None, layouts: list[Layout] | None = None) -> list[Candidate]:
-    """Solve layouts in order of their lower bound until the bound passes the best plan;
-    returns every solved layout's result, best first."""
-    spec = ct.spec
-    layouts = layouts if layouts is not None else candidate_layouts(
-        spec, devices=devices, global_batch=global_batch, seq_len=seq_len)
-    memo: dict = {}  # the bound ignores ZeRO: one per (mesh, micro-batch)
-    for lay in layouts:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchResult:
+    found: tuple[Candidate, ...]  # best first; the best of every mesh that could be runner-up
+    visited: int  # layouts whose tables were built and solved
+    pruned_memory: int  # layouts ruled out by the memory bound before any table
+    layouts: int
+
+
+def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: list[Layout],
+           time_limit_s: float = 10.0, progress: Progress | None = None) -> SearchResult:
+    """Solve layouts in order of their step-time bound until the bound reaches the runner-up
+    (the best plan on a mesh other than the best one), each with the best value it must beat
+    as a cutoff. Deterministic: no wall clock decides anything."""
+    kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
+    block_s: dict = {}  # (mesh, micro-batch) -> {kind: seconds}: shared by the ZeRO levels
+    order, pruned = [], 0
+    for k, lay in enumerate(layouts):
         key = (lay.mesh, lay.micro_batch)
-        if key not in memo:
-            memo[key] = lower_bound(ct, hw, lay, global_batch=global_batch, seq_len=seq_len)
-    bounds = sorted(((memo[(lay.mesh, lay.micro_batch)], k, lay) for k, lay in enumerate(layouts)),
-                    key=lambda x: (x[0], x[1]))
-    start, best, found = time.perf_counter(), math.inf, []
-    for visited, (bound, _, layout) in enumerate(bounds):
-        if bound >= best * (1 - 1e-9):
+        if key not in block_s:
+            base = replace(lay, recompute=Recompute.NONE)
+            block_s[key] = {kd: cost.block_time(ct, hw, base, kd, seq_len=seq_len).total_s for kd in kinds}
+        b = lower_bounds(ct, hw, lay, global_batch=global_batch, seq_len=seq_len, block_s=block_s[key])
+        if b.peak_bytes > hw.memory_bytes:
+            pruned += 1
+            continue
+        order.append((b.step_s, k, lay))
+    order.sort(key=lambda x: (x[0], x[1]))
+    numbers: dict = {}
+    best: dict = {}  # mesh -> best Candidate on it
+    visited = 0
+
+    def top2() -> tuple[Candidate | None, float]:
+        ranked = sorted(best.values(), key=lambda c: c.result.step_s)
+        return (ranked[0] if ranked else None), (ranked[1].result.step_s if len(ranked) > 1 else math.inf)
+
+    for done, (bound, _, layout) in enumerate(order):
+        first, second = top2()
+        if bound >= second * (1 - 1e-9):
             break
-        left = time_limit_s - (time.perf_counter() - start)
-        if left <= 0 and found:
-            break
-        problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len)
-        result = solve_mesh(problem, time_limit_s=max(0.2, min(left, time_limit_s / 4)), hint=_even(problem))
+        cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
+        if bound >= cutoff * (1 - 1e-9):
+            continue
+        key = (layout.mesh, layout.micro_batch)
+        if key not in numbers:
+            numbers[key] = block_numbers(ct, hw, layout, seq_len=seq_len)
+        problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key])
+        result = solve_mesh(problem, time_limit_s=time_limit_s, hint=_even(problem), cutoff_s=cutoff)
+        visited += 1
         if result.assignment is not None:
-            found.append(Candidate(layout=layout, result=result))
-            best = min(best, result.step_s)
+            mine = best.get(layout.mesh)
+            if mine is None or result.step_s < mine.result.step_s:
+                best[layout.mesh] = Candidate(layout=layout, result=result)
         if progress is not None:
-            progress(visited + 1, len(bounds), best)
-    return sorted(found, key=lambda c: c.result.step_s)
+            progress(done + 1, len(order), top2()[0].result.step_s if best else math.inf)
+    found = tuple(sorted(best.values(), key=lambda c: (c.result.step_s, str(c.layout))))
+    return SearchResult(found=found, visited=visited, pruned_memory=pruned, layouts=len(layouts))
 
 
 def _even(problem: MeshProblem) -> Assignment:
@@ -207,10 +336,12 @@ def _even(problem: MeshProblem) -> Assignment:
     return Assignment(layers=layers, recompute=(problem.recomputes[0],) * problem.pp)
 
 
-def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit_s: float = 30.0,
-          progress: Progress | None = None, table=None) -> Plan:
+def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit_s: float = 10.0,
+          progress: Progress | None = None, table=None, fingerprint: str | None = None) -> Plan:
     """The fastest plan that fits (see the module docstring). `hw`: a profile or its name;
-    `table`: a CostTable / CompiledTable already built for `spec` (built here when None)."""
+    `table`: a CostTable / CompiledTable already built for `spec` (built here when None);
+    `time_limit_s`: CP-SAT's deterministic-time budget per layout (`solve_mesh`);
+    `fingerprint`: the model's, when the caller has it (else built from `spec` on meta)."""
     from autoshard.hardware import load_hardware
     from autoshard.passes.shapes import build_cost_table
 
@@ -226,26 +357,12 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
             f"no valid layout of {devices} devices for {spec.name}: tp must divide the heads ({spec.heads}), "
             f"pp <= layers ({spec.layers}), dp x micro-batch must divide the global batch ({global_batch}); "
             "change the device count or the global batch")
-    found = search(ct, hw, devices=devices, global_batch=global_batch, seq_len=seq_len,
-                   time_limit_s=time_limit_s, progress=progress, layouts=layouts)
-    if found and not any(c.layout.mesh != found[0].layout.mesh for c in found):
-        found += _runner_up(ct, hw, found[0].layout.mesh, layouts, global_batch=global_batch, seq_len=seq_len)
-    if not found:
+    result = search(ct, hw, global_batch=global_batch, seq_len=seq_len, layouts=layouts,
+                    time_limit_s=time_limit_s, progress=progress)
+    if not result.found:
         raise _infeasible(ct, hw, spec, layouts, devices=devices, global_batch=global_batch, seq_len=seq_len)
-    return _plan(ct, hw, spec, found, devices=devices, global_batch=global_batch, seq_len=seq_len,
-                 solve_s=time.perf_counter() - t0, layouts=len(layouts))
-
-
-def _runner_up(ct, hw, mesh: Mesh, layouts, *, global_batch: int, seq_len: int) -> list[Candidate]:
-    """The best plan on another mesh (for `show`'s "why this mesh"): next layouts by bound."""
-    rest = [lay for lay in layouts if lay.mesh != mesh]
-    rest.sort(key=lambda lay: lower_bound(ct, hw, lay, global_batch=global_batch, seq_len=seq_len))
-    for lay in rest[:8]:
-        found = search(ct, hw, devices=mesh.size, global_batch=global_batch, seq_len=seq_len, time_limit_s=2.0,
-                       layouts=[x for x in rest if x.mesh == lay.mesh])
-        if found:
-            return found[:1]
-    return []
+    return _plan(ct, hw, spec, result, devices=devices, global_batch=global_batch, seq_len=seq_len,
+                 solve_s=time.perf_counter() - t0, fingerprint=fingerprint)
 
 
 def _infeasible(ct, hw, spec, layouts, *, devices, global_batch, seq_len) -> InfeasiblePlanError:
@@ -293,23 +410,25 @@ def _why(win: dict, other: dict) -> str:
     return f"{k.replace('_', ' ')} costs {diffs[k]:.3g} s more per step on the runner-up"
 
 
-def _plan(ct, hw, spec, found: list[Candidate], *, devices, global_batch, seq_len, solve_s, layouts) -> Plan:
+def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len, solve_s, fingerprint) -> Plan:
     from autoshard.fingerprint import fingerprint_spec
     from autoshard.passes.strategies import block_placements
 
+    found = result.found
     best = found[0]
     pred = _predict(ct, hw, spec, best, global_batch=global_batch, seq_len=seq_len)
     a, layout = best.result.assignment, best.layout
     others = [c for c in found[1:] if c.layout.mesh != layout.mesh]
     solver = {"status": best.result.status, "gap": best.result.gap, "solve_time_s": solve_s,
-              "layouts": layouts, "layouts_solved": len(found), "objective_s": best.result.step_s}
+              "layouts": result.layouts, "layouts_solved": result.visited,
+              "layouts_pruned_by_memory": result.pruned_memory, "objective_s": best.result.step_s}
     if others:
         ru = _predict(ct, hw, spec, others[0], global_batch=global_batch, seq_len=seq_len)
         solver["runner_up"] = {"mesh": others[0].layout.mesh.as_dict(), "zero": others[0].layout.zero,
                                "micro_batch": others[0].layout.micro_batch, "step_time_s": ru["step_time_s"],
                                "why": _why(pred, ru)}
     rec = a.recompute[0] if len(set(a.recompute)) == 1 else max(a.recompute, key=list(Recompute).index)
-    return Plan(model=spec.name, fingerprint=fingerprint_spec(spec), hardware=hw.name, devices=devices,
+    return Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
                 global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,
                 zero=layout.zero, recompute=rec, stages=a.stages(),
                 placements=block_placements(spec, tp=layout.mesh.tp), predicted=pred, solver=solver)

@@ -1,15 +1,19 @@
 """The numbers one CP-SAT model is built from, read off the cost model, and their evaluation.
 
 Contract
-  `mesh_problem(ct, spec, hw, layout, *, global_batch, seq_len, recomputes)` tabulates, for one
+  `mesh_problem(ct, hw, layout, *, global_batch, seq_len, recomputes, blocks)` tabulates, for one
   layout (mesh, micro-batch, ZeRO level), what every possible pipeline stage costs: for stage
   i (0-based, fixing its activations in flight and whether it holds the embedding / head),
   every layer count n and recompute level r, its time per micro-batch, its peak memory and
   its tail (exposed gradient sync + optimizer step). The entries are compositions of
   `passes/cost.py`'s public component functions (block_time, block_activation_bytes,
   block_params, state_bytes, zero3_time, dp_sync_time, optimizer_time, p2p_time, logits_bytes,
-  pipeline_time), composed the way `cost.estimate` composes them, so with one recompute level
-  for every stage `evaluate` equals `estimate(..., stages=)` (tested).
+  buffer_bytes, pipeline_time), composed the way `cost.estimate` composes them, so with one
+  recompute level for every stage `evaluate` equals `estimate(..., stages=)` (tested).
+  The tables are numpy arrays built column-wise: a stage's cost depends only on whether it holds
+  the embedding / head (first, middle, last) and, for memory, on its micro-batches in flight,
+  so the per-(kind, n) terms are evaluated once for all n = 0..layers (the collective model
+  takes arrays). `block_numbers` (per mesh and micro-batch) is shared by the four ZeRO levels.
 
   `evaluate(problem, assignment)` prices one assignment (layers and recompute per stage):
       step = pipeline_time(t_i, m) + max_i tail_i     (1F1B: sum t_i + (m - 1) max t_i)
@@ -23,25 +27,28 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Iterator
 
+import numpy as np
+
 from autoshard.ir import BlockKind, Recompute, Stage
 from autoshard.passes import cost
-from autoshard.passes.cost import CompiledTable, Layout, MemoryBreakdown
+from autoshard.passes.cost import CompiledTable, Layout
 
 KINDS = (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeshProblem:
-    """Cost tables of every possible stage of one layout; index [i][r][n] (tail: [i][n])."""
+    """Cost tables of every possible stage of one layout: numpy arrays indexed [i, r, n]
+    (tail: [i, n]); read-only."""
 
     layout: Layout
     layers: int
     microbatches: int
     capacity_bytes: float
     recomputes: tuple[Recompute, ...]
-    time_s: tuple[tuple[tuple[float, ...], ...], ...]
-    mem_bytes: tuple[tuple[tuple[float, ...], ...], ...]
-    tail_s: tuple[tuple[float, ...], ...]
+    time_s: np.ndarray  # (pp, R, layers + 1) seconds per micro-batch
+    mem_bytes: np.ndarray  # (pp, R, layers + 1) peak bytes per device
+    tail_s: np.ndarray  # (pp, layers + 1) exposed DP sync + optimizer step
 
     @property
     def pp(self) -> int:
@@ -78,71 +85,89 @@ class Evaluation:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class _Blocks:
-    """Per-instance numbers of the three blocks under one recompute level."""
+class BlockNumbers:
+    """Per-instance numbers of the three blocks for one (mesh, micro-batch), every recompute
+    level: they do not depend on the ZeRO level, so the planner computes them once for all four.
+    Arrays are indexed [r, kind] with kinds in KINDS order."""
 
-    time: dict  # kind -> cost.BlockTime
-    act: dict  # kind -> bytes per micro-batch
-    params: dict  # kind -> parameters on one device
+    recomputes: tuple[Recompute, ...]
+    compute_s: np.ndarray  # forward + backward
+    other_s: np.ndarray  # recompute + TP + CP communication
+    bwd_s: np.ndarray
+    act_bytes: np.ndarray
+    params: np.ndarray  # [kind] parameters on one device (TP-sharded, before ZeRO)
+    p2p_s: float
+    logits_bytes: float
 
 
-def _blocks(ct: CompiledTable, hw, layout: Layout, seq_len: int) -> _Blocks:
-    return _Blocks(time={k: cost.block_time(ct, hw, layout, k, seq_len=seq_len) for k in KINDS},
-                   act={k: cost.block_activation_bytes(ct, layout, k, seq_len=seq_len) for k in KINDS},
-                   params={k: cost.block_params(ct, layout, k) for k in KINDS})
+def block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
+                  recomputes: tuple[Recompute, ...] = tuple(Recompute)) -> BlockNumbers:
+    """The block numbers of `layout`'s mesh and micro-batch (its ZeRO / recompute are ignored)."""
+    comp, other, bwd, act = (np.zeros((len(recomputes), len(KINDS))) for _ in range(4))
+    for ri, r in enumerate(recomputes):
+        lay = replace(layout, recompute=r)
+        for ki, k in enumerate(KINDS):
+            bt = cost.block_time(ct, hw, lay, k, seq_len=seq_len)
+            comp[ri, ki], bwd[ri, ki] = bt.compute_s, bt.bwd_s
+            other[ri, ki] = bt.recompute_s + bt.tp_comm_s + bt.cp_comm_s
+            act[ri, ki] = cost.block_activation_bytes(ct, lay, k, seq_len=seq_len)
+    return BlockNumbers(recomputes=tuple(recomputes), compute_s=comp, other_s=other, bwd_s=bwd, act_bytes=act,
+                        params=np.array([cost.block_params(ct, layout, k) for k in KINDS]),
+                        p2p_s=cost.p2p_time(ct, hw, layout, seq_len=seq_len),
+                        logits_bytes=cost.logits_bytes(ct, layout, seq_len=seq_len))
 
 
-def stage_cost(ct: CompiledTable, hw, layout: Layout, blocks: _Blocks, *, n: int, embed: bool, head: bool,
-               inflight: int, p2p: float, seq_len: int) -> tuple[float, MemoryBreakdown, float]:
-    """(time per micro-batch, memory, tail) of one stage holding n layers (cost.estimate's terms)."""
-    counts = {BlockKind.EMBED: int(embed), BlockKind.LAYER: n, BlockKind.HEAD: int(head)}
-    tied = blocks.params[BlockKind.EMBED] if head and ct.spec.tied and not embed else 0.0
-    params = sum(blocks.params[k] * c for k, c in counts.items()) + tied
-    comp = sum(blocks.time[k].compute_s * c for k, c in counts.items())
-    rest = sum((blocks.time[k].recompute_s + blocks.time[k].tp_comm_s + blocks.time[k].cp_comm_s) * c
-               for k, c in counts.items())
-    time = comp + rest + p2p + max(0.0, cost.zero3_time(hw, params, layout) - comp)
-    bwd_last = sum(blocks.time[k].bwd_s * c for k, c in counts.items())
+def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, *, embed: bool, head: bool,
+                   seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(time [r, n], activations per micro-batch [r, n], other memory [n], tail [n], params [n]) of
+    a stage holding n = 0..layers layers, with or without the embedding / head: cost.estimate's
+    per-stage terms, evaluated for every n at once."""
+    n = np.arange(ct.spec.layers + 1, dtype=float)
+    counts = np.stack([np.full_like(n, float(embed)), n, np.full_like(n, float(head))])  # [kind, n]
+    tied = blocks.params[0] if head and ct.spec.tied and not embed else 0.0
+    params = blocks.params @ counts + tied
+    comp = blocks.compute_s @ counts  # [r, n]
+    z3 = cost.zero3_time(hw, params, layout)
+    time = comp + blocks.other_s @ counts + blocks.p2p_s + np.maximum(0.0, z3 - comp)
     state = cost.state_bytes(params, layout)
-    mem = replace(state, activations=sum(blocks.act[k] * c for k, c in counts.items()) * inflight,
-                  logits=cost.logits_bytes(ct, layout, seq_len=seq_len) if head else 0.0,
-                  buffers=cost._buffers(ct, layout, seq_len, params))
-    tail = max(0.0, cost.dp_sync_time(hw, params, layout) - bwd_last) + cost.optimizer_time(hw, params, layout)
-    return time, mem, tail
+    other_mem = (state.weights + state.grads + state.optimizer + (blocks.logits_bytes if head else 0.0)
+                 + cost.buffer_bytes(ct, layout, seq_len=seq_len))
+    bwd_last = blocks.bwd_s[0] @ counts  # backward time does not depend on the recompute level
+    tail = np.maximum(0.0, cost.dp_sync_time(hw, params, layout) - bwd_last) + cost.optimizer_time(hw, params, layout)
+    return time, blocks.act_bytes @ counts, np.broadcast_to(other_mem, n.shape), np.broadcast_to(tail, n.shape), params
 
 
 def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, seq_len: int,
-                 recomputes: tuple[Recompute, ...] = tuple(Recompute)) -> MeshProblem:
-    """Tabulate every stage's cost for `layout` (see the module docstring)."""
+                 recomputes: tuple[Recompute, ...] = tuple(Recompute), blocks: BlockNumbers | None = None
+                 ) -> MeshProblem:
+    """Tabulate every stage's cost for `layout` (see the module docstring). `blocks`: the
+    layout's `block_numbers`, when the caller already has them (they are shared by ZeRO levels)."""
     mesh, layers = layout.mesh, ct.spec.layers
     m = global_batch // (mesh.dp * layout.micro_batch)
-    p2p = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
-    per_r = {r: _blocks(ct, hw, replace(layout, recompute=r), seq_len) for r in recomputes}
+    blocks = blocks if blocks is not None else block_numbers(ct, hw, layout, seq_len=seq_len, recomputes=recomputes)
+    if blocks.recomputes != tuple(recomputes):
+        raise ValueError(f"block numbers for {blocks.recomputes}, tables asked for {tuple(recomputes)}")
+    kinds = {(i == 0, i == mesh.pp - 1) for i in range(mesh.pp)}  # first, middle, last: at most three
+    cols = {k: _stage_columns(ct, hw, layout, blocks, embed=k[0], head=k[1], seq_len=seq_len) for k in kinds}
     times, mems, tails = [], [], []
     for i in range(mesh.pp):
-        inflight, embed, head = min(mesh.pp - i, m), i == 0, i == mesh.pp - 1
-        t_i, m_i, tail_i = [], [], []
-        for r in recomputes:
-            lay = replace(layout, recompute=r)
-            row = [stage_cost(ct, hw, lay, per_r[r], n=n, embed=embed, head=head, inflight=inflight, p2p=p2p,
-                              seq_len=seq_len) for n in range(layers + 1)]
-            t_i.append(tuple(x[0] for x in row))
-            m_i.append(tuple(x[1].total for x in row))
-            tail_i = [x[2] for x in row]
-        times.append(tuple(t_i))
-        mems.append(tuple(m_i))
-        tails.append(tuple(tail_i))
+        time, act, other, tail, _ = cols[(i == 0, i == mesh.pp - 1)]
+        times.append(time)
+        mems.append(act * min(mesh.pp - i, m) + other)  # activations of the micro-batches in flight (1F1B)
+        tails.append(tail)
+    arrays = [np.array(x, dtype=float) for x in (times, mems, tails)]
+    for a in arrays:
+        a.flags.writeable = False
     return MeshProblem(layout=layout, layers=layers, microbatches=m, capacity_bytes=hw.memory_bytes,
-                       recomputes=tuple(recomputes), time_s=tuple(times), mem_bytes=tuple(mems),
-                       tail_s=tuple(tails))
+                       recomputes=tuple(recomputes), time_s=arrays[0], mem_bytes=arrays[1], tail_s=arrays[2])
 
 
 def evaluate(problem: MeshProblem, a: Assignment) -> Evaluation:
     """Step time and per-stage memory of one assignment, from the tables."""
     idx = {r: k for k, r in enumerate(problem.recomputes)}
-    times = tuple(problem.time_s[i][idx[r]][n] for i, (n, r) in enumerate(zip(a.layers, a.recompute)))
-    mems = tuple(problem.mem_bytes[i][idx[r]][n] for i, (n, r) in enumerate(zip(a.layers, a.recompute)))
-    tail = max(problem.tail_s[i][n] for i, n in enumerate(a.layers))
+    times = tuple(float(problem.time_s[i, idx[r], n]) for i, (n, r) in enumerate(zip(a.layers, a.recompute)))
+    mems = tuple(float(problem.mem_bytes[i, idx[r], n]) for i, (n, r) in enumerate(zip(a.layers, a.recompute)))
+    tail = max(float(problem.tail_s[i, n]) for i, n in enumerate(a.layers))
     step = cost.pipeline_time(times, problem.microbatches) + tail
     return Evaluation(step_s=step, stage_s=times, stage_bytes=mems, tail_s=tail)
 

@@ -78,15 +78,31 @@ def test_infeasible_says_by_how_much(tiny):
         solve(spec, hw, devices=2, global_batch=4, seq_len=64, time_limit_s=5, table=ct)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama-7b", "mamba2-7b"])
 def test_reference_setup_beats_the_best_sweep_row(name):
+    """8 x ascend-910b, global batch 1024, seq 4096: the plan is never worse than the best row of
+    `autoshard sweep` over every micro-batch, ZeRO level and recompute level."""
+    from autoshard.commands.sweep import sweep
+
     spec = get_spec(name)
     ct = cost.compile_table(build_cost_table(spec), spec)
     hw = load_hardware("ascend-910b")
-    plan = solve(spec, hw, devices=8, global_batch=1024, seq_len=4096, time_limit_s=20, table=ct)
-    rows = [cost.estimate(ct, spec, hw, replace(lay, recompute=r), global_batch=1024, seq_len=4096)
-            for lay in candidate_layouts(spec, devices=8, global_batch=1024, seq_len=4096) for r in Recompute]
+    plan = solve(spec, hw, devices=8, global_batch=1024, seq_len=4096, table=ct, fingerprint="0" * 16)
+    rows = [e for mb in (1, 2, 4, 8) for e in sweep(spec, ct, hw, devices=8, global_batch=1024, seq_len=4096,
+                                                    micro_batch=mb, zeros=(0, 1, 2, 3), recomputes=tuple(Recompute))]
     best = min(e.step_time_s for e in rows if e.fits)
     assert plan.predicted["fits"]
     assert plan.predicted["step_time_s"] <= best * (1 + 1e-6)
+
+def test_check_plan_matches_names_the_mismatch(tiny):
+    from autoshard.errors import PlanFileError
+    from autoshard.fingerprint import check_plan_matches
+
+    spec, ct = tiny
+    plan = solve(spec, load_hardware("cpu"), devices=2, global_batch=4, seq_len=64, table=ct, fingerprint="f" * 16)
+    check_plan_matches(plan, fingerprint="f" * 16, devices=2)
+    with pytest.raises(PlanFileError, match=rf"made for {spec.name} \(fingerprint f+\) on 2 devices; this run has "
+                                            r"fingerprint 0+ on 2"):
+        check_plan_matches(plan, fingerprint="0" * 16, devices=2)
+    with pytest.raises(PlanFileError, match="on 2 devices; this run has .* on 4 devices"):
+        check_plan_matches(plan, fingerprint="f" * 16, devices=4)
