@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from autoshard import errors
 from autoshard.errors import AutoshardError, InvalidConfigError
+from autoshard.fingerprint import check_plan_matches, fingerprint_module
 from autoshard.ir import AXES, Mesh, Plan, Recompute
 from autoshard.models.presets import spec_from_hf_config
 from autoshard.passes.rewrite import check_plan, shard_program
@@ -65,8 +66,12 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         plan = _solve_on_rank0(spec, world=world, seq_len=ids.shape[1], global_batch=global_batch or ids.shape[0],
                                hardware=_hardware_name(hardware, device), device=device)
     else:
+        source = f"plan file {plan}" if isinstance(plan, (str, Path)) else "the plan"
+        given_dict = isinstance(plan, Mapping)
         plan = _resolve_plan(plan, spec=spec, world=world, seq_len=ids.shape[1],
                              global_batch=global_batch or ids.shape[0], hardware=hardware)
+        if not given_dict:  # a Plan or a file: made for this model and world size?
+            check_plan_matches(plan, fingerprint=fingerprint_module(model), devices=world, source=source)
     check_plan(plan, spec, world_size=world)  # every rank, before any collective
     init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
     groups = build_groups(plan.mesh, device=device, backend=backend_for(device))

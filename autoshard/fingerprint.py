@@ -30,11 +30,16 @@ def fingerprint_spec(spec) -> str:
     return fingerprint_module(build_model(spec, device="meta"))
 
 
-def check_plan_matches(plan, *, fingerprint: str, devices: int) -> None:
+def check_plan_matches(plan, *, fingerprint: str, devices: int, source: str = "the plan") -> None:
     """Refuse a plan made for another model or world size (PlanFileError naming both sides)."""
     from autoshard.errors import PlanFileError
 
-    if plan.fingerprint != fingerprint or plan.devices != devices:
-        raise PlanFileError(
-            f"plan.json was made for {plan.model} (fingerprint {plan.fingerprint}) on {plan.devices} devices; "
-            f"this run has fingerprint {fingerprint} on {devices} devices; make a new plan with `autoshard plan`")
+    problems = []
+    if plan.fingerprint and plan.fingerprint != fingerprint:
+        problems.append(f"it was made for another model ({plan.model}, fingerprint {plan.fingerprint}; this "
+                        f"model's is {fingerprint})")
+    if plan.devices != devices:
+        problems.append(f"it was made for {plan.devices} devices, this run has {devices}")
+    if problems:
+        raise PlanFileError(f"{source} does not fit this run: {'; '.join(problems)}; make a new plan with "
+                            "`autoshard plan` for this model and device count")

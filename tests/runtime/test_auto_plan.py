@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
+import autoshard
+from autoshard.errors import PlanFileError
+
 from autoshard.api import _hardware_name
 from autoshard.hardware import load_hardware
-from autoshard.models.presets import get_spec
+from autoshard.models.presets import build_model, get_spec
 from autoshard.passes.solve import solve
 from tests.runtime.dist_harness import run_ranks
 from tests.runtime.equivalence import check_plan
@@ -19,6 +23,9 @@ def _auto_and_offline(rank: int, world: int, plan_path: str) -> None:
         solve(get_spec("mamba2-tiny"), load_hardware("cpu"), devices=world, global_batch=8, seq_len=16).save(plan_path)
     dist.barrier()
     check_plan("mamba2-tiny", plan_path)
+    llama = build_model(get_spec("llama-tiny"))
+    with pytest.raises(PlanFileError, match="another model"):  # on every rank, before any collective
+        autoshard.parallelize(llama, torch.zeros(8, 16, dtype=torch.long), plan=plan_path)
 
 
 def test_auto_plan_and_offline_plan_match_one_process(tmp_path):
