@@ -354,7 +354,7 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     act = _tokens(layout, seq_len) * ct.spec.hidden * ACT_BYTES
     ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=1)
     if kind is BlockKind.LAYER:
-        n = 2 if ct.spec.family is Family.LLAMA else 1  # attention + MLP, or the mixer
+        n = _tp_layer_all_reduces(ct.spec)
         return n * ar, n * ar
     if kind is BlockKind.EMBED:
         return ar, 0.0  # vocab-parallel lookup: partial sums all-reduced in forward
@@ -362,15 +362,16 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     return small, ar  # vocab-parallel CE (max, sum, target) forward; LM-head input grad backward
 
 
-def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> float:
-    """Seconds of CP communication of one block instance, one micro-batch, forward + backward,
-    not overlapped. LLaMA: all-gather K/V in forward, reduce-scatter dK/dV in backward.
-    Mamba-2: all-gather the chunk-final SSM states (fp32, O(d * d_state * CP), arXiv 2602.09109)
-    and the conv1d halo (d_conv - 1 tokens of every rank) forward, reduce-scatter both backward."""
+def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> tuple:
+    """(forward, backward) seconds of CP communication of one block instance, one micro-batch, not
+    overlapped. LLaMA (runtime/cp_attention.py): all-gather K/V in forward, reduce-scatter dK/dV in
+    backward. Mamba-2 (runtime/cp_mamba.py): all-gather the chunk-final SSM states (fp32,
+    O(d * d_state * CP), arXiv 2602.09109) and the conv1d halo (d_conv - 1 tokens of every rank)
+    forward, reduce-scatter both backward. All of it runs inside the attention module / mixer."""
     mesh, spec = layout.mesh, ct.spec
     cp, tp = mesh.cp, mesh.tp
     if cp == 1 or kind is not BlockKind.LAYER:
-        return 0.0
+        return 0.0, 0.0
     b = layout.micro_batch
     if spec.family is Family.LLAMA:
         head_dim = spec.hidden // spec.heads
@@ -378,15 +379,38 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
         kv_full = 2 * b * seq_len * kv_local * head_dim * ACT_BYTES
         ag = best_time(hw, Collective.ALL_GATHER, kv_full, size=cp, stride=tp)
         rs = best_time(hw, Collective.REDUCE_SCATTER, kv_full, size=cp, stride=tp)
-        return ag + rs
+        return ag, rs
     # as runtime/cp_mamba.py runs it: each rank contributes its fp32 final state and log-decay per
     # head, and its last d_conv - 1 pre-conv tokens (both all-gathered; backward reduce-scatters)
     heads_local = spec.heads / tp
     state = b * heads_local * (spec.head_dim * spec.state + 1) * 4.0
     conv_dim = (spec.intermediate + 2 * spec.groups * spec.state) / tp
     halo = b * (spec.conv - 1) * conv_dim * ACT_BYTES
-    return sum(best_time(hw, op, nbytes * cp, size=cp, stride=tp)
-               for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER) for nbytes in (state, halo))
+    fwd, bwd = (sum(best_time(hw, op, nbytes * cp, size=cp, stride=tp) for nbytes in (state, halo))
+                for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER))
+    return fwd, bwd
+
+
+def _recompute_time(ct: CompiledTable, layout: Layout, kind: BlockKind, t: np.ndarray, tp_f: float,
+                    cp_f: float) -> float:
+    """Seconds of forward rerun in backward, as the runtime checkpoints (passes/rewrite.py
+    `_checkpointed`, runtime/tensor_parallel.py `_checkpoint_forward`, runtime/stages.py): full
+    reruns the whole layer, its TP all-reduces (RowParallelLinear o_proj and down_proj / out_proj)
+    and its CP collectives included; selective reruns the attention module / Mamba-2 mixer, whose
+    forward holds one TP all-reduce (o_proj / out_proj) and all the CP collectives (the K/V
+    all-gather of cp_attention.py, the halo and state all-gathers of cp_mamba.py)."""
+    blk = ct.block(kind)
+    if kind is not BlockKind.LAYER or layout.recompute is Recompute.NONE:
+        return 0.0
+    fwd = blk.fwd if len(t) else np.zeros(0, dtype=bool)
+    if layout.recompute is Recompute.FULL:
+        return float(t[fwd].sum()) + tp_f + cp_f
+    return float(t[fwd & blk.core].sum()) + tp_f / _tp_layer_all_reduces(ct.spec) + cp_f
+
+
+def _tp_layer_all_reduces(spec: ModelSpec) -> int:
+    """Forward TP all-reduces of one layer: attention + MLP (LLaMA) or the mixer (Mamba-2)."""
+    return 2 if spec.family is Family.LLAMA else 1
 
 
 def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, *,
@@ -397,13 +421,9 @@ def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Block
     fwd = float(t[blk.fwd].sum()) if len(t) else 0.0
     bwd = float(t[~blk.fwd].sum()) if len(t) else 0.0
     tp_f, tp_b = _tp_comm(ct, hw, layout, kind, seq_len)
-    recompute = 0.0
-    if kind is BlockKind.LAYER and layout.recompute is Recompute.FULL:
-        recompute = fwd + tp_f  # rerun the whole forward, its TP all-reduces included
-    elif kind is BlockKind.LAYER and layout.recompute is Recompute.SELECTIVE:
-        recompute = float(t[blk.fwd & blk.core].sum())
-    return BlockTime(fwd_s=fwd, bwd_s=bwd, recompute_s=recompute, tp_comm_s=tp_f + tp_b,
-                     cp_comm_s=_cp_comm(ct, hw, layout, kind, seq_len))
+    cp_f, cp_b = _cp_comm(ct, hw, layout, kind, seq_len)
+    return BlockTime(fwd_s=fwd, bwd_s=bwd, recompute_s=_recompute_time(ct, layout, kind, t, tp_f, cp_f),
+                     tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b)
 
 
 def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *, seq_len: int) -> float:

@@ -93,6 +93,39 @@ def test_activation_memory_from_saved_bytes_and_recompute():
     assert bt.recompute_s == pytest.approx(bt.fwd_s)
 
 
+def _collective(op, nbytes, size, stride):
+    from autoshard.passes.collectives import best_time
+    return best_time(HW, op, nbytes, size=size, stride=stride)
+
+
+@pytest.mark.parametrize("spec_name", ["llama-tiny", "mamba2-tiny"])
+def test_recompute_reruns_the_forward_collectives_inside_the_checkpoint(spec_name):
+    """Full recompute reruns the layer's forward TP all-reduces and CP all-gathers; selective
+    reruns the attention module / mixer: one TP all-reduce (o_proj / out_proj) and every CP
+    all-gather (runtime/cp_attention.py, runtime/cp_mamba.py)."""
+    from autoshard.passes.collectives import Collective
+    spec = get_spec(spec_name)
+    ct = compile_table(toy_table(), spec)
+    b, tp, cp = 1, 2, 2
+    ar = _collective(Collective.ALL_REDUCE, T // cp * spec.hidden * 2, tp, 1)
+    if spec_name == "llama-tiny":
+        hd = spec.hidden // spec.heads
+        cp_f = _collective(Collective.ALL_GATHER, 2 * b * T * (spec.kv_heads / tp) * hd * 2, cp, tp)
+        tp_f = 2 * ar
+    else:
+        state = b * spec.heads / tp * (spec.head_dim * spec.state + 1) * 4 * cp
+        halo = b * (spec.conv - 1) * (spec.intermediate + 2 * spec.groups * spec.state) / tp * 2 * cp
+        cp_f = sum(_collective(Collective.ALL_GATHER, n, cp, tp) for n in (state, halo))
+        tp_f = ar
+    base = cost.block_time(ct, HW, lay(tp=tp, cp=cp), BlockKind.LAYER, seq_len=SEQ)
+    full = cost.block_time(ct, HW, lay(tp=tp, cp=cp, recompute=Recompute.FULL), BlockKind.LAYER, seq_len=SEQ)
+    sel = cost.block_time(ct, HW, lay(tp=tp, cp=cp, recompute=Recompute.SELECTIVE), BlockKind.LAYER, seq_len=SEQ)
+    assert cp_f > 0 and base.recompute_s == 0
+    assert full.recompute_s == pytest.approx(base.fwd_s + tp_f + cp_f)
+    assert sel.recompute_s == pytest.approx(ar + cp_f)  # the toy layer has no attention core node
+    assert full.cp_comm_s == sel.cp_comm_s == base.cp_comm_s > cp_f  # forward + backward, not changed
+
+
 def test_state_bytes_under_zero():
     p = 1000.0
     assert cost.state_bytes(p, lay(dp=4)).total == 18 * p  # 2 + 4 + 12 bytes per parameter
