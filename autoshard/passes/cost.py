@@ -193,6 +193,7 @@ class CompiledBlock:
     is_gemm: np.ndarray  # bool: priced by GEMM throughput
     tp_dim: np.ndarray  # index into (batch, m, n, k) that TP divides, -1 none
     cp_dim: np.ndarray  # index into (batch, m, n, k) that CP divides, -1 none
+    quadratic: np.ndarray  # bool: FLOPs grow as S^2 (attention scores: the causal s x s work)
     fn: Any  # lambdified (b, s) -> list of 7 * n numbers
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -245,9 +246,18 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
     is_gemm = np.array([n.kind is OpKind.MATMUL and n.gemm is not None for n in nodes], dtype=bool)
     tp_dim = np.array([_tp_dim(n, spec) if c else -1 for n, c in zip(nodes, tp_class)], dtype=np.int8)
     cp_dim = np.array([_cp_dim(n) for n in nodes], dtype=np.int8)
+    quadratic = np.array([_degree_in_s(n.flops) >= 2 for n in nodes], dtype=bool)
     return CompiledBlock(kind=block.kind, count=block.count, params=block.params,
                          fwd=np.array([n.phase == "fwd" for n in nodes], dtype=bool), tp_class=tp_class,
-                         core=core, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, fn=fn)
+                         core=core, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, quadratic=quadratic, fn=fn)
+
+
+def _degree_in_s(expr) -> int:
+    """Degree of a node's FLOPs in the sequence length (0 when not a polynomial in S)."""
+    try:
+        return int(sympy.degree(sympy.expand(expr), S))
+    except (sympy.PolynomialError, TypeError, ValueError):
+        return 0
 
 
 def _parts(path: str) -> list[str]:
@@ -326,7 +336,7 @@ def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
     vals = blk.evaluate(layout.micro_batch, seq_len)
     tp, cp = layout.mesh.tp, layout.mesh.cp
     div = _tp_divisor(blk.tp_class, ct.spec, tp)
-    flops = vals[0] / div / cp
+    flops = vals[0] / div / cp * np.where(blk.quadratic, cp_attention_overwork(ct.spec, cp), 1.0)
     nbytes = vals[1] / div / cp
     mem_t = nbytes / (hw.hbm_bandwidth * hw.vector_efficiency)
     dims = vals[3:7].copy()
@@ -338,6 +348,19 @@ def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
     eff = gemm_efficiency(hw, dims[1], dims[2], dims[3])
     gemm_t = np.where(blk.is_gemm, flops / (hw.peak_flops * eff), 0.0)
     return np.maximum(gemm_t, mem_t)
+
+
+def cp_attention_overwork(spec: ModelSpec, cp: int) -> float:
+    """Factor on the ideal 1/cp share of the s x s attention work that a CP rank really does.
+    runtime/cp_attention.py `local_causal_attention`: the sequence is cut into 2cp chunks of c
+    tokens; rank i runs query chunks i and 2cp-1-i against their whole key prefixes, the diagonal
+    chunk pair computed in full under a boolean mask: (i+1) + (2cp-i) = 2cp+1 chunk pairs, where
+    an exact causal split is 2cp*2cp/2/cp = 2cp pairs. So (2cp+1)/(2cp) (1.25 at cp2, 1.125 at
+    cp4); the mask's slower kernel path (docs/context_parallel.md, measured) is not priced.
+    Mamba-2's scan is linear in S: no factor."""
+    if cp == 1 or spec.family is not Family.LLAMA:
+        return 1.0
+    return (2 * cp + 1) / (2 * cp)
 
 
 def _tokens(layout: Layout, seq_len: int) -> float:

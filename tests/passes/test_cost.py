@@ -126,6 +126,27 @@ def test_recompute_reruns_the_forward_collectives_inside_the_checkpoint(spec_nam
     assert full.cp_comm_s == sel.cp_comm_s == base.cp_comm_s > cp_f  # forward + backward, not changed
 
 
+def test_cp_attention_does_2cp_plus_1_chunk_pairs():
+    """runtime/cp_attention.py computes each rank's 2cp+1 chunk pairs in full (diagonal under a
+    mask): (2cp+1)/(2cp) of the ideal 1/cp share of the s x s work; linear work splits exactly."""
+    base = toy_table()
+    L = "model.layers.0."
+    hd = H // SPEC.heads
+    scores = node("sdpa", OpKind.MATMUL, "fwd", L + "self_attn", 4 * B * SPEC.heads * S * S * hd, 0,
+                  gemm=(B * SPEC.heads, S, S, hd))
+    blocks = tuple(dataclasses.replace(b, nodes=b.nodes + (scores,)) if b.kind is BlockKind.LAYER else b
+                   for b in base.blocks)
+    ct = compile_table(dataclasses.replace(base, blocks=blocks), SPEC)
+    linear = cost.block_time(CT, HW, lay(), BlockKind.LAYER, seq_len=SEQ).fwd_s
+    attn = 4 * SPEC.heads * T * T * hd / 1e12
+    assert cost.block_time(ct, HW, lay(), BlockKind.LAYER, seq_len=SEQ).fwd_s == pytest.approx(linear + attn)
+    for cp in (2, 4):
+        got = cost.block_time(ct, HW, lay(cp=cp), BlockKind.LAYER, seq_len=SEQ).fwd_s
+        assert got == pytest.approx(linear / cp + attn / cp * (2 * cp + 1) / (2 * cp))
+    mamba = get_spec("mamba2-tiny")
+    assert cost.cp_attention_overwork(mamba, 4) == 1.0 == cost.cp_attention_overwork(SPEC, 1)
+
+
 def test_state_bytes_under_zero():
     p = 1000.0
     assert cost.state_bytes(p, lay(dp=4)).total == 18 * p  # 2 + 4 + 12 bytes per parameter
