@@ -7,8 +7,10 @@ Contract
 * `table` is the symbolic `CostTable` of the model (passes/shapes) or the `CompiledTable` made
   from it once by `compile_table(table, spec)` (do that when pricing many layouts).
 * `layout` is a `Layout`: mesh (dp, pp, tp, cp, ep), micro-batch size, ZeRO level 0-3, recompute.
-* `stages` (optional) assigns layers to pipeline stages (ir.Stage); default: an even split,
-  the first stages taking the remainder, embedding on the first stage and head on the last.
+* `stages` (optional) assigns layers to pipeline stages (ir.Stage), each with its own recompute
+  level (`Stage.recompute`: the planner mixes levels per stage; `layout.recompute` is then only
+  the plan's label); default: an even split, the first stages taking the remainder, embedding on
+  the first stage and head on the last, every stage at `layout.recompute`.
 * Runtime convention: rank order (pp, dp, cp, tp), tp innermost. A tp group is contiguous
   ranks (stride 1), cp stride tp, dp stride cp*tp (the gradient group dp x cp has stride tp),
   pp stride dp*cp*tp.
@@ -48,7 +50,7 @@ the 12 B over dp x cp, ZeRO-2 also the gradients, ZeRO-3 also the weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -161,6 +163,7 @@ class Estimate:
     microbatches: int
     stages: tuple[Stage, ...]
     stage_times_s: tuple[float, ...]  # per micro-batch, fwd + bwd, per stage
+    stage_memory_gb: tuple[float, ...] = ()  # peak bytes / 1e9 of each stage's devices
 
     def to_json(self) -> dict[str, Any]:
         """One sweep row. `memory_gb` is the device average (the convention of published tables,
@@ -583,15 +586,17 @@ def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
 # Composition
 
 
-def default_stages(layers: int, pp: int) -> tuple[Stage, ...]:
-    """Even split of `layers` over `pp` stages; the first `layers % pp` stages take one more."""
+def default_stages(layers: int, pp: int, *, recompute: Recompute = Recompute.NONE) -> tuple[Stage, ...]:
+    """Even split of `layers` over `pp` stages; the first `layers % pp` stages take one more;
+    every stage at recompute level `recompute`."""
     if pp > layers:
         raise InvalidConfigError(f"pp ({pp}) must be <= layers ({layers}): every stage needs a layer")
     base, extra = divmod(layers, pp)
     out, start = [], 0
     for i in range(pp):
         n = base + (1 if i < extra else 0)
-        out.append(Stage(first_layer=start, end_layer=start + n, embed=i == 0, head=i == pp - 1))
+        out.append(Stage(first_layer=start, end_layer=start + n, embed=i == 0, head=i == pp - 1,
+                         recompute=recompute))
         start += n
     return tuple(out)
 
@@ -603,18 +608,22 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     mesh = layout.mesh
     _check(spec, layout, global_batch, seq_len)
     m = global_batch // (mesh.dp * layout.micro_batch)
-    stages = tuple(stages) if stages is not None else default_stages(spec.layers, mesh.pp)
+    if stages is None:
+        stages = default_stages(spec.layers, mesh.pp, recompute=layout.recompute)
+    stages = tuple(stages)
     if len(stages) != mesh.pp or sum(st.layers for st in stages) != spec.layers:
         raise InvalidConfigError(f"{len(stages)} stages with {sum(st.layers for st in stages)} layers given; "
                                  f"expected pp={mesh.pp} stages covering all {spec.layers} layers")
     kinds = (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD)
-    bt = {k: block_time(ct, hw, layout, k, seq_len=seq_len) for k in kinds}
-    act = {k: block_activation_bytes(ct, layout, k, seq_len=seq_len) for k in kinds}
+    levels = {st.recompute: replace(layout, recompute=st.recompute) for st in stages}  # each stage's own
+    bts = {r: {k: block_time(ct, hw, lay, k, seq_len=seq_len) for k in kinds} for r, lay in levels.items()}
+    acts = {r: {k: block_activation_bytes(ct, lay, k, seq_len=seq_len) for k in kinds} for r, lay in levels.items()}
     prm = {k: block_params(ct, layout, k) for k in kinds}
     p2p = p2p_time(ct, hw, layout, seq_len=seq_len)
 
     times, parts, peaks = [], [], []
     for i, st in enumerate(stages):
+        bt, act = bts[st.recompute], acts[st.recompute]
         counts = {BlockKind.EMBED: int(st.embed), BlockKind.LAYER: st.layers, BlockKind.HEAD: int(st.head)}
         if st.head and spec.tied and not st.embed:
             counts_params = prm[BlockKind.EMBED]  # tied LM head keeps a copy of the embedding
@@ -631,12 +640,12 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
         times.append(t)
         parts.append((comp, reco, tpc, cpc, p2p, params, bwd_last))
         in_flight = min(mesh.pp - i, m)
-        acts = sum(act[k] * c for k, c in counts.items()) * in_flight
+        stage_act = sum(act[k] * c for k, c in counts.items()) * in_flight
         mem = state_bytes(params, layout)
         buffers = buffer_bytes(ct, layout, seq_len=seq_len)
         logit = logits_bytes(ct, layout, seq_len=seq_len) if st.head else 0.0
         peaks.append(MemoryBreakdown(weights=mem.weights, grads=mem.grads, optimizer=mem.optimizer,
-                                     activations=acts, logits=logit, buffers=buffers))
+                                     activations=stage_act, logits=logit, buffers=buffers))
 
     slow = int(np.argmax(times))
     comp, reco, tpc, cpc, p2p_s, params, _ = parts[slow]
@@ -658,7 +667,8 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     return Estimate(layout=layout, step_time_s=step, tokens_per_s=tokens / step, mfu=mfu,
                     memory_gb=peak.total / 1e9, mean_memory_gb=sum(mb.total for mb in peaks) / len(peaks) / 1e9,
                     memory=peak, fits=peak.total <= hw.memory_bytes,
-                    time=breakdown, microbatches=m, stages=stages, stage_times_s=tuple(times))
+                    time=breakdown, microbatches=m, stages=stages, stage_times_s=tuple(times),
+                    stage_memory_gb=tuple(mb.total / 1e9 for mb in peaks))
 
 
 def buffer_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int) -> float:

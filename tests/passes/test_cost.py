@@ -188,6 +188,35 @@ def test_estimate_is_the_composition_of_the_components():
     assert e.mfu == pytest.approx(cost.model_flops_per_token(CT, SEQ) * tokens / (e.step_time_s * 4 * 1e12))
 
 
+@pytest.mark.parametrize("levels", [(Recompute.FULL, Recompute.NONE), (Recompute.NONE, Recompute.SELECTIVE),
+                                    (Recompute.SELECTIVE, Recompute.FULL)])
+def test_stages_are_priced_at_their_own_recompute_level(levels):
+    """A plan mixing recompute levels per stage: each stage's time and memory equal those of the
+    same stage in a plan where every stage runs at that stage's level (layout.recompute unused)."""
+    from autoshard.ir import Stage
+    kw = dict(global_batch=GB, seq_len=SEQ)
+    layout = lay(dp=2, pp=2, tp=2, cp=2, zero=1)
+
+    def split(r0, r1):
+        return (Stage(first_layer=0, end_layer=2, embed=True, head=False, recompute=r0),
+                Stage(first_layer=2, end_layer=4, embed=False, head=True, recompute=r1))
+
+    mixed = estimate(CT, SPEC, HW, layout, stages=split(*levels), **kw)
+    uniform = [estimate(CT, SPEC, HW, dataclasses.replace(layout, recompute=r), stages=split(r, r), **kw)
+               for r in levels]
+    for i in range(2):
+        assert mixed.stage_times_s[i] == pytest.approx(uniform[i].stage_times_s[i])
+        assert mixed.stage_memory_gb[i] == pytest.approx(uniform[i].stage_memory_gb[i])
+    assert uniform[0].stage_times_s != uniform[1].stage_times_s  # the levels do differ here
+    assert mixed.memory_gb == pytest.approx(max(mixed.stage_memory_gb))
+    assert mixed.step_time_s == pytest.approx(cost.pipeline_time(mixed.stage_times_s, mixed.microbatches)
+                                              + mixed.time.dp_comm_exposed + mixed.time.optimizer)
+    # no stages given: every stage at layout.recompute
+    full = dataclasses.replace(layout, recompute=Recompute.FULL)
+    assert estimate(CT, SPEC, HW, full, **kw).stage_times_s == pytest.approx(
+        estimate(CT, SPEC, HW, full, stages=split(Recompute.FULL, Recompute.FULL), **kw).stage_times_s)
+
+
 def test_more_devices_of_the_same_kind_run_faster_and_dp_sync_overlaps():
     e1 = estimate(CT, SPEC, HW, lay(), global_batch=GB, seq_len=SEQ)
     e4 = estimate(CT, SPEC, HW, lay(dp=4), global_batch=GB, seq_len=SEQ)
