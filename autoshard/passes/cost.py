@@ -41,7 +41,9 @@ Mamba-2 mixer (`mixer`: in_proj by heads and groups, conv1d by channel, gated no
 out_proj row-parallel), the embedding (vocab-parallel), the LM head and the loss (vocab-parallel
 cross-entropy, root module path ""). Not split: RMSNorms outside the mixer and residual adds, run
 replicated on every TP rank. CP splits every token-proportional cost by cp (load-balanced causal
-split, so attention's s x s work also divides by cp).
+split); LLaMA attention's s x s work divides by cp times (2cp+1)/(2cp), the full diagonal chunk
+pairs of runtime/cp_attention.py (`cp_attention_overwork`). Recompute reruns the forward of what
+the runtime checkpoints, the TP and CP collectives inside it included (`_recompute_time`).
 
 Precision (Megatron-LM / MindSpeed mixed precision, arXiv 1910.02054 table 1): bf16 weights
 (2 B/param), fp32 main gradients (4 B), fp32 master weights + Adam m + v (12 B). ZeRO-1 shards
