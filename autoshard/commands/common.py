@@ -13,3 +13,16 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def status(message: str, *, enabled: bool = True):
+    """A spinner on stderr while a slow step runs (silent when stderr is not a terminal)."""
+    import contextlib
+    import sys
+
+    from rich.console import Console
+
+    console = Console(file=sys.stderr)
+    if not enabled or not console.is_terminal:
+        return contextlib.nullcontext()
+    return console.status(message)

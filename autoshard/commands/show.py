@@ -11,13 +11,20 @@ def add_parser(sub) -> None:
                        "pipeline stage, the op placements grouped by kind, the predicted step time / memory / MFU "
                        "with their breakdown, and why this mesh beat the runner-up.")
     p.add_argument("plan", help="plan JSON file")
+    p.add_argument("--json", action="store_true", help="print the validated plan as JSON instead of the summary")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    import json
+
     from autoshard.ir import Plan
 
-    render(Plan.load(args.plan))
+    plan = Plan.load(args.plan)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        render(plan)
     return 0
 
 
