@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from autoshard.commands.plan import fingerprint
 from autoshard.hardware import load_hardware
 from autoshard.models.presets import get_spec
 from autoshard.passes import cost
@@ -18,10 +19,13 @@ from autoshard.passes.solve import solve
 
 
 def plan_time(spec, hw, devices: int, *, time_limit_s: float = 10.0) -> tuple[float, float, object]:
+    """(capture + cost table + fingerprint seconds, solve seconds, plan), as `autoshard plan` runs them."""
     t0 = time.perf_counter()
     ct = cost.compile_table(build_cost_table(spec), spec)
+    fp = fingerprint(spec)
     t1 = time.perf_counter()
-    plan = solve(spec, hw, devices=devices, global_batch=1024, seq_len=4096, time_limit_s=time_limit_s, table=ct)
+    plan = solve(spec, hw, devices=devices, global_batch=1024, seq_len=4096, time_limit_s=time_limit_s, table=ct,
+                 fingerprint=fp)
     return t1 - t0, time.perf_counter() - t1, plan
 
 
@@ -31,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     hw = load_hardware("h100")
     table_s, solve_s, plan = plan_time(get_spec("llama-70b"), hw, 1024)
-    print(f"llama-70b on 1024 x h100: cost table {table_s:.1f} s + solve {solve_s:.1f} s = "
+    print(f"llama-70b on 1024 x h100: cost table + fingerprint {table_s:.1f} s + solve {solve_s:.1f} s = "
           f"{table_s + solve_s:.1f} s; plan {plan.mesh} mb{plan.micro_batch} ZeRO-{plan.zero} "
           f"step {plan.predicted['step_time_s']:.3f} s, {plan.solver['layouts_solved']} of "
           f"{plan.solver['layouts']} layouts solved")

@@ -39,3 +39,16 @@ def test_plan_nonpositive_devices(capsys):
         main(["plan", "--model", "llama-tiny", "--hardware", "cpu", "--devices", "0", "--global-batch", "4",
               "--seq-len", "64"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("name, layers", [("llama-tiny", 5), ("mamba2-tiny", 3), ("llama-7b", 4)])
+def test_cheap_fingerprint_equals_the_full_model_one(name, layers):
+    """`plan` fingerprints the one-layer model with its layer repeated: the same hash as the full model."""
+    from dataclasses import replace
+
+    from autoshard.commands.plan import fingerprint
+    from autoshard.fingerprint import fingerprint_spec
+    from autoshard.models.presets import get_spec
+
+    spec = replace(get_spec(name), layers=layers)
+    assert fingerprint(spec) == fingerprint_spec(spec)

@@ -10,11 +10,14 @@ Contract
   recomputation level of every stage, minimising the step time of `passes/cost.py` (read off
   its component functions through `solve_model.mesh_problem`) subject to peak memory per
   device <= capacity on every stage. Layouts are ruled out by a memory bound before any table
-  is built, then visited by a lower bound on their step time (`lower_bounds`); each CP-SAT model
-  gets the value it must beat as a cutoff and is skipped when a table bound (slowest-stage floor,
-  smallest stage-time sum) already reaches it. The search stops once the bound reaches the
-  runner-up (the best plan on another mesh). No wall clock decides anything: CP-SAT runs one
-  worker with a deterministic-time limit, so the same inputs give the same plan on every run.
+  is built, then visited by a lower bound on their step time (`lower_bounds`); each layout gets
+  the value it must beat as a cutoff. Per layout the exact split search
+  (`solve_model.split_search`: branch and bound over the slowest-stage time and the largest tail,
+  a min-plus DP over the stages for each) finds and proves the optimum in milliseconds; only when
+  it stops unproven (`max_steps`) does CP-SAT decide, with its assignment as the hint and its bound
+  as a cut. The search stops once the bound reaches the runner-up (the best plan on another
+  mesh). No wall clock decides anything: CP-SAT runs one worker with a deterministic-time limit
+  and the split search is plain numpy, so the same inputs give the same plan on every run.
   The op placements are the Megatron-LM ones the cost model prices (`strategies.block_placements`).
   Integers: seconds are converted once here to units of 1e-6 of the largest stage time.
   No layout fits -> `InfeasiblePlanError` naming the binding constraint (memory per device)
@@ -36,7 +39,8 @@ from autoshard.ir import Mesh, Plan, Recompute
 from autoshard.passes import cost
 from autoshard.passes.cost import CompiledTable, Layout
 from autoshard.passes.layouts import mesh_micro_batches
-from autoshard.passes.solve_model import Assignment, MeshProblem, block_numbers, evaluate, mesh_problem
+from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, block_numbers, evaluate,
+                                          mesh_problem, min_stage_sum, split_search)
 
 _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
            cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
@@ -59,14 +63,16 @@ class MeshResult:
 
 
 def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assignment | None = None,
-               cutoff_s: float = math.inf) -> MeshResult:
-    """The fastest assignment of `problem` that fits and beats `cutoff_s` (CP-SAT, one worker).
+               cutoff_s: float = math.inf, max_steps: int = 1000) -> MeshResult:
+    """The fastest assignment of `problem` that fits and beats `cutoff_s` (exact search, else CP-SAT).
 
     `time_limit_s` is CP-SAT's deterministic-time budget (its own work units, about a second
     each on a laptop core, the same on every machine and run), so a cut-short search still gives
     the same answer every time; it reports status "feasible" and the gap. Entries that cannot
     fit, or whose stage alone makes the step slower than `cutoff_s` (m * t_i > cutoff), are
-    removed from the domains before the model is built; "cut" means nothing beats the cutoff."""
+    removed from the domains before the model is built; "cut" means nothing beats the cutoff.
+    `max_steps`: min-plus passes the exact split search may run first (0: CP-SAT alone); when it
+    proves its assignment optimal CP-SAT is not called."""
     p, L, R = problem.pp, problem.layers, len(problem.recomputes)
     m_mb = problem.microbatches
     ok = problem.mem_bytes <= problem.capacity_bytes
@@ -85,10 +91,40 @@ def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assign
     if floor is None:
         return MeshResult(status="cut" if math.isfinite(cutoff_s) else "infeasible", assignment=None,
                           step_s=math.inf, bound_s=math.inf, wall_s=0.0)
-    hint = hint_b or hint
-    lower = (m_mb - 1) * floor + _min_total(problem, ok) + _min_tail(problem, ok)
+    exact = None
+    if max_steps > 0:
+        t0 = time.perf_counter()
+        exact = split_search(problem, ok, floor=floor, cutoff_s=cutoff_s, max_steps=max_steps)
+        if exact.proven:
+            status = "optimal" if exact.assignment is not None else ("cut" if math.isfinite(cutoff_s) else "infeasible")
+            return MeshResult(status=status, assignment=exact.assignment, step_s=exact.step_s,
+                              bound_s=exact.bound_s, wall_s=time.perf_counter() - t0)
+        hint = exact.assignment or hint_b or hint
+        lower = exact.bound_s
+    else:
+        hint = hint_b or hint
+        fastest = np.where(ok, problem.time_s, np.inf).min(axis=1)
+        lower = (m_mb - 1) * floor + min_stage_sum(fastest, L)[0] + _min_tail(problem, ok)
     if lower >= cutoff_s * (1 - 1e-12):  # no assignment can beat the cutoff: skip CP-SAT
         return MeshResult(status="cut", assignment=None, step_s=math.inf, bound_s=lower, wall_s=0.0)
+    return _merge(_cpsat(problem, domains, floor=floor, cutoff_s=cutoff_s, hint=hint, time_limit_s=time_limit_s),
+                  exact)
+
+
+def _merge(cp: MeshResult, exact: SplitSearch | None) -> MeshResult:
+    """CP-SAT's result, or the exact search's assignment when CP-SAT found nothing better."""
+    if exact is None or exact.assignment is None or (cp.assignment is not None and cp.step_s < exact.step_s):
+        return cp if exact is None else replace(cp, bound_s=min(cp.step_s, max(cp.bound_s, exact.bound_s)))
+    bound = min(exact.step_s, max(exact.bound_s, cp.bound_s if cp.assignment is not None else exact.bound_s))
+    status = "optimal" if cp.status == "optimal" or bound >= exact.step_s else "feasible"
+    return MeshResult(status=status, assignment=exact.assignment, step_s=exact.step_s, bound_s=bound, wall_s=cp.wall_s)
+
+
+def _cpsat(problem: MeshProblem, domains: list, *, floor: float, cutoff_s: float, hint: Assignment | None,
+           time_limit_s: float) -> MeshResult:
+    """The CP-SAT model of one layout over the allowed table entries `domains` (see `solve_mesh`)."""
+    p, L, R = problem.pp, problem.layers, len(problem.recomputes)
+    m_mb = problem.microbatches
     unit = float(problem.time_s.max()) * 1e-6 or 1.0
     time_int = np.rint(problem.time_s / unit).astype(np.int64)
     tail_int = np.rint(problem.tail_s / unit).astype(np.int64)
@@ -175,23 +211,6 @@ def _bottleneck(problem: MeshProblem, ok: np.ndarray) -> tuple[float | None, Ass
         return cap, None
     rec = tuple(problem.recomputes[int(np.argmin(t[i, :, k]))] for i, k in enumerate(layers))
     return cap, Assignment(layers=tuple(layers), recompute=rec)
-
-
-def _min_total(problem: MeshProblem, ok: np.ndarray) -> float:
-    """The smallest sum of stage times over every split of the layers (each stage at its fastest
-    allowed entry; min-plus convolution over the stages): a lower bound on sum t_i."""
-    L = problem.layers
-    fastest = np.where(ok, problem.time_s, np.inf).min(axis=1)  # [i, n]
-    best = np.full(L + 1, np.inf)
-    best[0] = 0.0
-    for i in range(problem.pp):
-        # new[k] = min_n best[k - n] + fastest[i, n]
-        grid = best[None, :] + np.full((L + 1, L + 1), np.inf)
-        for n in range(L + 1):
-            if np.isfinite(fastest[i, n]):
-                grid[n, n:] = best[:L + 1 - n] + fastest[i, n]
-        best = grid.min(axis=0)
-    return float(best[L])
 
 
 def _min_tail(problem: MeshProblem, ok: np.ndarray) -> float:

@@ -23,6 +23,7 @@ Terms: n = layers of a stage; r = its recompute level; m = micro-batches per ste
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from itertools import product
 from typing import Iterator
@@ -200,3 +201,104 @@ def brute_force(problem: MeshProblem) -> tuple[Assignment, Evaluation] | None:
             if ev.peak_bytes <= problem.capacity_bytes and (best is None or ev.step_s < best[1].step_s):
                 best = (a, ev)
     return best
+
+
+# -- the exact search over the slowest-stage time -------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SplitSearch:
+    """What `split_search` found: the best assignment beating the cutoff (None if none was found),
+    its step time, a lower bound on every assignment not better than it, and whether the bound
+    meets it (proven: nothing in the tables beats `step_s`, or nothing beats the cutoff)."""
+
+    assignment: Assignment | None
+    step_s: float
+    bound_s: float
+    proven: bool
+    steps: int  # min-plus passes run
+
+
+def min_stage_sum(fastest: np.ndarray, layers: int) -> tuple[float, tuple[int, ...] | None]:
+    """The smallest sum over stages of fastest[i, n_i] with sum n_i = layers (min-plus DP over the
+    stages, visiting only each stage's finite entries), and the layer counts reaching it (on ties
+    each stage keeps the smallest count, deciding from the last stage back), or (inf, None)."""
+    size = layers + 1
+    best = np.full(size, np.inf)
+    best[0] = 0.0
+    choices = []
+    for row in fastest:
+        new, arg = np.full(size, np.inf), np.zeros(size, dtype=np.int64)
+        for n in np.flatnonzero(np.isfinite(row)):
+            cand = best[:size - n] + row[n]
+            better = cand < new[n:]
+            new[n:][better], arg[n:][better] = cand[better], n
+        best = new
+        choices.append(arg)
+    if not np.isfinite(best[layers]):
+        return math.inf, None
+    out, k = [], layers
+    for arg in reversed(choices):
+        out.append(int(arg[k]))
+        k -= out[-1]
+    return float(best[layers]), tuple(reversed(out))
+
+
+def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s: float = math.inf,
+                 max_steps: int = 1000) -> SplitSearch:
+    """The fastest assignment, exactly, by branch and bound over the slowest-stage time T and the
+    largest tail U. `ok[i, r, n]`: the entries allowed (they fit, and are not too slow for the
+    cutoff); `floor`: the smallest T any assignment has (`solve._bottleneck`).
+
+    For caps (T, U), with every entry slower than T or whose tail exceeds U removed, each stage
+    takes its fastest allowed recompute level, and `min_stage_sum` gives the smallest sum S(T, U).
+    value(T, U) = (m - 1) T + S(T, U) + U is at least the step time of the assignment found, and at
+    an optimum's own (max t, max tail) at most the optimum, so min over (T, U) is the optimum.
+    T runs up the distinct table times from `floor`; it stops once (m - 1) T + S(inf, inf) +
+    min tail reaches the best step found (or the cutoff); for each T, U runs up the distinct
+    tails below the found assignment's max tail while (m - 1) T + S(T, inf) + U is below it.
+    After `max_steps` min-plus passes it stops unproven, with the bound (m - 1) T + S + min tail."""
+    m, L, p = problem.microbatches, problem.layers, problem.pp
+    short = np.arange(L + 1)[None, :] < np.array([problem.min_layers(i) for i in range(p)])[:, None]  # [i, n]
+    t = np.where(ok & ~short[:, None, :], problem.time_s, np.inf)
+    fastest, level = t.min(axis=1), t.argmin(axis=1)  # [i, n]
+    tail = np.where(np.isfinite(fastest), problem.tail_s, np.inf)
+    total, _ = min_stage_sum(fastest, L)
+    tail_lo = float(max(row[np.isfinite(row)].min(initial=math.inf) for row in tail))
+    best_a, best = None, math.inf
+    steps = 1
+
+    def found(layers) -> float:
+        nonlocal best_a, best
+        a = Assignment(layers=layers, recompute=tuple(problem.recomputes[level[i, n]] for i, n in enumerate(layers)))
+        step = evaluate(problem, a).step_s
+        if step < best and step < cutoff_s:
+            best_a, best = a, step
+        return max(float(problem.tail_s[i, n]) for i, n in enumerate(layers))
+
+    times = np.unique(fastest[np.isfinite(fastest) & (fastest >= floor)])
+    for cap in times:
+        goal = min(best, cutoff_s)
+        if (m - 1) * cap + total + tail_lo >= goal:
+            return SplitSearch(assignment=best_a, step_s=best, bound_s=min(goal, (m - 1) * cap + total + tail_lo),
+                               proven=True, steps=steps)
+        if steps >= max_steps:
+            return SplitSearch(assignment=best_a, step_s=best, bound_s=(m - 1) * cap + total + tail_lo,
+                               proven=False, steps=steps)
+        capped = np.where(fastest <= cap, fastest, np.inf)
+        s_t, layers = min_stage_sum(capped, L)
+        steps += 1
+        if layers is None:
+            continue
+        top = found(layers)
+        tails = np.unique(tail[np.isfinite(capped) & (tail < top)])
+        for u in tails[tails >= tail_lo]:
+            if (m - 1) * cap + s_t + u >= min(best, cutoff_s):
+                break
+            if steps >= max_steps:  # every (T', U) left has T' >= cap
+                return SplitSearch(assignment=best_a, step_s=best, bound_s=(m - 1) * cap + total + tail_lo,
+                                   proven=False, steps=steps)
+            s_u, layers = min_stage_sum(np.where(tail <= u, capped, np.inf), L)
+            steps += 1
+            if layers is not None:
+                found(layers)
+    goal = min(best, cutoff_s)
+    return SplitSearch(assignment=best_a, step_s=best, bound_s=goal, proven=True, steps=steps)

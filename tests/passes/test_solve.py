@@ -29,15 +29,18 @@ def _tight(hw, ct, layout, fraction):
     return replace(hw, memory_bytes=lo + fraction * (hi - lo))
 
 
+@pytest.mark.parametrize("max_steps", [0, 2, 64], ids=["cpsat-only", "exact-cut-short", "exact"])
 @pytest.mark.parametrize("pp, dp, tp, zero, fraction", [(2, 4, 1, 1, 0.3), (4, 2, 1, 0, 0.5), (3, 1, 2, 2, 0.2),
                                                          (4, 1, 2, 3, 0.05), (1, 8, 1, 1, 1.0)])
-def test_cpsat_finds_the_brute_force_optimum(tiny, pp, dp, tp, zero, fraction):
+def test_cpsat_finds_the_brute_force_optimum(tiny, pp, dp, tp, zero, fraction, max_steps):
+    """CP-SAT alone (max_steps=0), the exact split search alone, and the search cut short then
+    finished by CP-SAT all reach the brute-force optimum."""
     spec, ct = tiny
     layout = Layout(mesh=Mesh(dp=dp, pp=pp, tp=tp), micro_batch=1, zero=zero)
     hw = _tight(load_hardware("cpu"), ct, layout, fraction)
     problem = mesh_problem(ct, hw, layout, global_batch=16, seq_len=64)
     best = brute_force(problem)
-    got = solve_mesh(problem, time_limit_s=20)
+    got = solve_mesh(problem, time_limit_s=20, max_steps=max_steps)
     if best is None:
         assert got.assignment is None
         return
