@@ -63,8 +63,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if plan is None:  # rank 0 solves, every rank runs what it broadcasts
         init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
-        plan = _solve_on_rank0(spec, world=world, seq_len=ids.shape[1], global_batch=global_batch or ids.shape[0],
-                               hardware=_hardware_name(hardware, device), device=device)
+        plan = _solve_on_rank0(model, spec, world=world, seq_len=ids.shape[1],
+                               global_batch=global_batch or ids.shape[0], hardware=_hardware_name(hardware, device),
+                               device=device)
     else:
         source = f"plan file {plan}" if isinstance(plan, (str, Path)) else "the plan"
         given_dict = isinstance(plan, Mapping)
@@ -141,14 +142,18 @@ def _hardware_name(hardware: str, device: torch.device) -> str:
     return "cpu"
 
 
-def _solve_on_rank0(spec, *, world: int, seq_len: int, global_batch: int, hardware: str,
+def _solve_on_rank0(model: nn.Module, spec, *, world: int, seq_len: int, global_batch: int, hardware: str,
                     device: torch.device) -> Plan:
-    """Rank 0 solves; the plan (or the error) reaches every rank as JSON bytes, never pickle."""
+    """Rank 0 captures `model`'s class and config and solves; the plan (or the error, e.g. the construct
+    that stopped the trace) reaches every rank as JSON bytes, never pickle."""
     if dist.get_rank() == 0:
+        from autoshard.passes.shapes import build_cost_table
         from autoshard.passes.solve import solve
 
         try:
-            plan = solve(spec, hardware, devices=world, global_batch=global_batch, seq_len=seq_len)
+            table = build_cost_table(spec, model=model)
+            plan = solve(spec, hardware, devices=world, global_batch=global_batch, seq_len=seq_len, table=table,
+                         fingerprint=fingerprint_module(model))
             payload = {"plan": plan.to_json()}
         except AutoshardError as e:
             payload = {"error": str(e), "kind": type(e).__name__}

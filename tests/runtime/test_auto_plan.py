@@ -7,18 +7,21 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.errors import PlanFileError
+from autoshard.errors import CaptureError, PlanFileError
 
 from autoshard.api import _hardware_name
 from autoshard.hardware import load_hardware
 from autoshard.models.presets import build_model, get_spec
 from autoshard.passes.solve import solve
 from tests.runtime.dist_harness import run_ranks
+from tests.test_cli_inspect import untraceable_llama
 from tests.runtime.equivalence import check_plan
 
 
 def _auto_and_offline(rank: int, world: int, plan_path: str) -> None:
     check_plan("llama-tiny", None)  # solved on rank 0, broadcast as JSON, run on every rank
+    with pytest.raises(CaptureError, match=r"model\.layers\.0\.self_attn"):  # rank 0's trace error, on every rank
+        autoshard.parallelize(untraceable_llama(), torch.zeros(8, 16, dtype=torch.long))
     if rank == 0:
         solve(get_spec("mamba2-tiny"), load_hardware("cpu"), devices=world, global_batch=8, seq_len=16).save(plan_path)
     dist.barrier()
