@@ -3,6 +3,8 @@
 Public names only; see DESIGN.md for the contract.
 """
 
+from autoshard.api import parallelize
+from autoshard.compile_backend import backend
 from autoshard.errors import (
     AutoshardError,
     CaptureError,
@@ -12,10 +14,12 @@ from autoshard.errors import (
     UnsupportedOpError,
 )
 from autoshard.ir import Mesh, Plan, Recompute, Stage
+from autoshard.runtime.dist_model import DistributedModel
 
 __all__ = [
     "AutoshardError",
     "CaptureError",
+    "DistributedModel",
     "InfeasiblePlanError",
     "InvalidConfigError",
     "Mesh",
@@ -24,13 +28,7 @@ __all__ = [
     "Recompute",
     "Stage",
     "UnsupportedOpError",
+    "backend",
+    "parallelize",
 ]
 __version__ = "0.1.0"
-
-from autoshard.api import parallelize  # noqa: E402
-from autoshard.runtime.dist_model import DistributedModel  # noqa: E402
-
-__all__ += ["DistributedModel", "parallelize"]
-from autoshard.compile_backend import backend  # noqa: E402
-
-__all__ += ["backend"]
