@@ -3,8 +3,7 @@
 Public names only; see DESIGN.md for the contract.
 """
 
-from autoshard.api import parallelize
-from autoshard.compile_backend import backend
+from autoshard.api import backend, parallelize
 from autoshard.errors import (
     AutoshardError,
     CaptureError,
