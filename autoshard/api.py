@@ -95,6 +95,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         if not given_dict:  # a Plan or a file: made for this model and world size?
             check_plan_matches(plan, fingerprint=fingerprint_module(model), devices=world, source=source)
     check_plan(plan, spec, world_size=world)  # every rank, before any collective
+    if plan.zero == 2:
+        log.warning("zero=2 runs as ZeRO-1 here: gradients are reduce-scattered but each rank keeps its full "
+                    "gradient buffer, so memory per device is above the plan's ZeRO-2 figure")
     init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
     groups = build_groups(plan.mesh, device=device, backend=backend_for(device))
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -251,6 +254,9 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path, global_batch
                          hardware="auto")
     _check_backend_supported(plan, spec)
     check_plan(plan, spec, world_size=world)  # every rank, before any collective
+    if plan.zero == 2:
+        log.warning("zero=2 runs as ZeRO-1 here: gradients are reduce-scattered but each rank keeps its full "
+                    "gradient buffer, so memory per device is above the plan's ZeRO-2 figure")
     init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
     groups = build_groups(plan.mesh, device=device, backend=backend_for(device))
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
