@@ -94,14 +94,10 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                              global_batch=global_batch or ids.shape[0], hardware=hardware)
         if not given_dict:  # a Plan or a file: made for this model and world size?
             check_plan_matches(plan, fingerprint=fingerprint_module(model), devices=world, source=source)
-    check_plan(plan, spec, world_size=world)  # every rank, before any collective
     if plan.zero == 2:
         log.warning("zero=2 runs as ZeRO-1 here: gradients are reduce-scattered but each rank keeps its full "
                     "gradient buffer, so memory per device is above the plan's ZeRO-2 figure")
-    init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
-    groups = build_groups(plan.mesh, device=device, backend=backend_for(device))
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    program = shard_program(plan, spec, shapes, tp_rank=groups.coords.tp)
+    groups, program = _rank_program(model, spec, plan, world=world, device=device)
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
     cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
@@ -116,6 +112,15 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                                 tp_group=groups.tp if plan.mesh.tp > 1 else None, cp=cp)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp)
     return DistributedModel(setup, optimizer=optimizer)
+
+
+def _rank_program(model: nn.Module, spec, plan: Plan, *, world: int, device: torch.device):
+    """Check `plan` on every rank (before any collective), then this rank's groups and shard table."""
+    check_plan(plan, spec, world_size=world)
+    init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
+    groups = build_groups(plan.mesh, device=device, backend=backend_for(device))
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return groups, shard_program(plan, spec, shapes, tp_rank=groups.coords.tp)
 
 
 def _input_ids(example_inputs: Any) -> Tensor:
@@ -253,14 +258,7 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path, global_batch
     plan = _resolve_plan(plan, spec=spec, world=world, seq_len=1, global_batch=global_batch or world,
                          hardware="auto")
     _check_backend_supported(plan, spec)
-    check_plan(plan, spec, world_size=world)  # every rank, before any collective
-    if plan.zero == 2:
-        log.warning("zero=2 runs as ZeRO-1 here: gradients are reduce-scattered but each rank keeps its full "
-                    "gradient buffer, so memory per device is above the plan's ZeRO-2 figure")
-    init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
-    groups = build_groups(plan.mesh, device=device, backend=backend_for(device))
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    program = shard_program(plan, spec, shapes, tp_rank=groups.coords.tp)
+    groups, program = _rank_program(model, spec, plan, world=world, device=device)
     # embedding and LM head stay whole under the backend (the loss is HF's own, on full logits)
     vocab = {program.vocab_embed and f"{program.vocab_embed}.weight", program.vocab_head and f"{program.vocab_head}.weight"}
     program = _replace_placements(program, {name: Replicate() for name in vocab if name})
