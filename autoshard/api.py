@@ -241,12 +241,13 @@ def _resolve_plan(plan: Any, *, spec, world: int, seq_len: int, global_batch: in
 
 # -- torch.compile backend -------------------------------------------------------------------
 
-def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path, global_batch: int | None = None,
+def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None, global_batch: int | None = None,
             device: str | torch.device = "cpu") -> Callable:
     """A torch.compile backend running `model`'s graph as this rank's part of `plan` (dp x tp).
 
-    Collective: every rank calls it (it creates the process groups). `global_batch` only feeds
-    the plan's divisibility checks (default: dp).
+    plan=None runs plain data parallelism over the whole world (dp = world size). Collective:
+    every rank calls it (it creates the process groups). `global_batch` only feeds the plan's
+    divisibility checks (default: dp).
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -255,8 +256,8 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path, global_batch
     spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
     device = torch.device(device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    plan = _resolve_plan(plan, spec=spec, world=world, seq_len=1, global_batch=global_batch or world,
-                         hardware="auto")
+    plan = _resolve_plan({"dp": world} if plan is None else plan, spec=spec, world=world, seq_len=1,
+                         global_batch=global_batch or world, hardware="auto")
     _check_backend_supported(plan, spec)
     groups, program = _rank_program(model, spec, plan, world=world, device=device)
     # embedding and LM head stay whole under the backend (the loss is HF's own, on full logits)

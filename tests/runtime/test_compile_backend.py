@@ -84,3 +84,10 @@ def test_backend_refuses_what_it_cannot_shard(monkeypatch):
         autoshard.backend(model, plan=dict(tp=2))
     with pytest.raises(InvalidConfigError, match="pipeline"):
         autoshard.backend(model, plan=dict(pp=2))
+
+
+def test_backend_without_a_plan_is_data_parallel_over_the_world(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = build_model(get_spec("mamba2-tiny"), device="meta")
+    with pytest.raises(InvalidConfigError, match="global batch 1 is not divisible by dp \\(2\\)"):
+        autoshard.backend(model, global_batch=1)  # the default plan is dp = world size
