@@ -130,6 +130,23 @@ class Stage:
         return self.end_layer - self.first_layer
 
 
+def even_stages(layers: int, pp: int, *, recompute: Recompute = Recompute.NONE) -> tuple[Stage, ...]:
+    """The default split: `layers` over `pp` stages, the first `layers % pp` one layer longer,
+    every stage at recompute level `recompute`."""
+    if pp < 1:
+        raise InvalidConfigError(f"pp must be a positive integer, got {pp}")
+    if pp > layers:
+        raise InvalidConfigError(f"pp ({pp}) is larger than the number of layers ({layers}); "
+                                 f"use pp <= {layers} so every stage holds at least one layer")
+    base, extra = divmod(layers, pp)
+    stages, first = [], 0
+    for i in range(pp):
+        end = first + base + (1 if i < extra else 0)
+        stages.append(Stage(first_layer=first, end_layer=end, embed=i == 0, head=i == pp - 1, recompute=recompute))
+        first = end
+    return tuple(stages)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """A parallel layout for one model on one cluster, and what it is predicted to cost.

@@ -60,7 +60,7 @@ import sympy
 
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
-from autoshard.ir import B, S, BlockKind, CostTable, Mesh, OpKind, Recompute, Stage
+from autoshard.ir import B, S, BlockKind, CostTable, Mesh, OpKind, Recompute, Stage, even_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.collectives import Collective, best_time, collective_time
 
@@ -588,21 +588,6 @@ def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
 # Composition
 
 
-def default_stages(layers: int, pp: int, *, recompute: Recompute = Recompute.NONE) -> tuple[Stage, ...]:
-    """Even split of `layers` over `pp` stages; the first `layers % pp` stages take one more;
-    every stage at recompute level `recompute`."""
-    if pp > layers:
-        raise InvalidConfigError(f"pp ({pp}) must be <= layers ({layers}): every stage needs a layer")
-    base, extra = divmod(layers, pp)
-    out, start = [], 0
-    for i in range(pp):
-        n = base + (1 if i < extra else 0)
-        out.append(Stage(first_layer=start, end_layer=start + n, embed=i == 0, head=i == pp - 1,
-                         recompute=recompute))
-        start += n
-    return tuple(out)
-
-
 def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfile, layout: Layout, *,
              global_batch: int, seq_len: int, stages: Sequence[Stage] | None = None) -> Estimate:
     """Predicted step time, throughput, MFU and peak memory of one layout (see module docstring)."""
@@ -611,7 +596,7 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     _check(spec, layout, global_batch, seq_len)
     m = global_batch // (mesh.dp * layout.micro_batch)
     if stages is None:
-        stages = default_stages(spec.layers, mesh.pp, recompute=layout.recompute)
+        stages = even_stages(spec.layers, mesh.pp, recompute=layout.recompute)
     stages = tuple(stages)
     if len(stages) != mesh.pp or sum(st.layers for st in stages) != spec.layers:
         raise InvalidConfigError(f"{len(stages)} stages with {sum(st.layers for st in stages)} layers given; "

@@ -35,7 +35,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
-from autoshard.ir import Mesh, Plan, Recompute
+from autoshard.ir import Mesh, Plan, Recompute, even_stages
 from autoshard.passes import cost
 from autoshard.passes.cost import CompiledTable, Layout
 from autoshard.passes.layouts import mesh_micro_batches
@@ -350,7 +350,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
 
 
 def _even(problem: MeshProblem) -> Assignment:
-    stages = cost.default_stages(problem.layers, problem.pp) if problem.pp <= problem.layers else ()
+    stages = even_stages(problem.layers, problem.pp) if problem.pp <= problem.layers else ()
     layers = tuple(st.layers for st in stages) or (problem.layers,) + (0,) * (problem.pp - 1)
     return Assignment(layers=layers, recompute=(problem.recomputes[0],) * problem.pp)
 

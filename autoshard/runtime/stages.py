@@ -36,24 +36,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Recompute, Stage
+from autoshard.ir import Recompute, Stage, even_stages  # noqa: F401  (even_stages: the default split, re-exported)
 from autoshard.models.presets import Family, ModelSpec
-
-
-def even_stages(num_layers: int, pp: int) -> tuple[Stage, ...]:
-    """The default split: `num_layers` over `pp` stages, the first `num_layers % pp` one layer longer."""
-    if pp < 1:
-        raise InvalidConfigError(f"pp must be a positive integer, got {pp}")
-    if pp > num_layers:
-        raise InvalidConfigError(f"pp ({pp}) is larger than the number of layers ({num_layers}); "
-                                 f"use pp <= {num_layers} so every stage holds at least one layer")
-    base, extra = divmod(num_layers, pp)
-    stages, first = [], 0
-    for i in range(pp):
-        end = first + base + (1 if i < extra else 0)
-        stages.append(Stage(first_layer=first, end_layer=end, embed=i == 0, head=i == pp - 1))
-        first = end
-    return tuple(stages)
 
 
 def check_stages(stages: Sequence[Stage], *, num_layers: int, pp: int) -> tuple[Stage, ...]:
