@@ -1,4 +1,4 @@
-"""`autoshard` command line: inspect, sweep, plan, show.
+"""`autoshard` command line: inspect, sweep, plan, show, cache.
 
 Each command lives in `autoshard/commands/<name>.py` with `add_parser(subparsers)` and
 `run(args) -> int`. User errors (`AutoshardError`) print one line and exit 2, no traceback.
@@ -7,11 +7,12 @@ Each command lives in `autoshard/commands/<name>.py` with `add_parser(subparsers
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from autoshard.errors import AutoshardError
 
-COMMANDS = ("inspect", "sweep", "plan", "show")
+COMMANDS = ("inspect", "sweep", "plan", "show", "cache")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # HF's notes (e.g. "falling back to the reference implementation") are not the user's concern here;
+    # set before transformers is imported, so a command that needs no model never imports it
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

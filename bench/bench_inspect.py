@@ -1,7 +1,10 @@
 """Time `autoshard inspect --model P --seq-len 4096 --json` for every preset, each in a fresh process.
 
+Each preset runs twice against a fresh, empty cost-table cache: `cold` traces the model (the first run
+on a machine), `warm` reads the stored table (every later run; see autoshard/passes/table_cache.py).
 Baselines measured in the same run, so the figures are ratios on whatever machine runs this:
-* `startup`: a fresh process that only imports autoshard's CLI, torch and transformers (the floor);
+* `startup`: a fresh process that only imports autoshard's CLI, torch and transformers (the floor of
+  a cold run, which must import transformers to build the model);
 * `full trace` (with --full-trace NAME): capture_model of the whole model NAME, every layer traced,
   which is what block deduplication avoids (inspect traces a 1-layer copy at 6 shapes instead).
 
@@ -15,8 +18,10 @@ import argparse
 import json
 import resource
 import statistics
+import os
 import subprocess
 import sys
+import tempfile
 import time
 
 STARTUP = "import autoshard.cli, torch, transformers; from transformers import LlamaForCausalLM, Mamba2ForCausalLM"
@@ -34,10 +39,10 @@ def _cpu_children() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _timed(argv: list[str]) -> tuple[float, float, str]:
+def _timed(argv: list[str], cache: str = "off") -> tuple[float, float, str]:
     """(wall seconds, CPU seconds of the child, its stdout); CPU time is the steadier figure on a shared machine."""
     start, cpu = time.perf_counter(), _cpu_children()
-    done = subprocess.run(argv, capture_output=True, text=True)
+    done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "AUTOSHARD_CACHE_DIR": cache})
     elapsed, cpu = time.perf_counter() - start, _cpu_children() - cpu
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
@@ -58,16 +63,23 @@ def main() -> None:
     startup = statistics.median(t for t, _, _ in starts)
     startup_cpu = statistics.median(c for _, c, _ in starts)
     print(f"startup (imports only): {startup:.2f} s wall, {startup_cpu:.2f} s CPU")
-    print(f"{'preset':<12} {'wall s':>7} {'CPU s':>7} {'CPU/startup':>11} {'params':>16} {'TFLOP/token':>11} "
-          f"{'/model':>7}")
+    print(f"{'preset':<12} {'cold s':>7} {'warm s':>7} {'cold CPU':>8} {'/startup':>8} {'params':>16} "
+          f"{'TFLOP/token':>11} {'/model':>7}")
     for name in args.presets:
-        runs = [_timed([sys.executable, "-m", "autoshard.cli", "inspect", "--model", name,
-                        "--seq-len", str(args.seq_len), "--json"]) for _ in range(args.repeat)]
-        elapsed = statistics.median(t for t, _, _ in runs)
-        cpu = statistics.median(c for _, c, _ in runs)
-        data = json.loads(runs[-1][2])
-        print(f"{name:<12} {elapsed:>7.2f} {cpu:>7.2f} {cpu / startup_cpu:>11.2f} {data['params']:>16,} "
-              f"{data['flops_per_token'] / 1e12:>11.4f} {data['flops_per_token'] / data['model_flops_per_token']:>7.3f}")
+        argv = [sys.executable, "-m", "autoshard.cli", "inspect", "--model", name, "--seq-len", str(args.seq_len),
+                "--json"]
+        cold, warm = [], []
+        for _ in range(args.repeat):
+            with tempfile.TemporaryDirectory(prefix="autoshard-bench-") as cache:
+                cold.append(_timed(argv, cache))
+                warm.append(_timed(argv, cache))
+        elapsed = statistics.median(t for t, _, _ in cold)
+        cpu = statistics.median(c for _, c, _ in cold)
+        data = json.loads(cold[-1][2])
+        assert json.loads(warm[-1][2]) == data, f"{name}: the cached table gives other numbers"
+        print(f"{name:<12} {elapsed:>7.2f} {statistics.median(t for t, _, _ in warm):>7.2f} {cpu:>8.2f} "
+              f"{cpu / startup_cpu:>8.2f} {data['params']:>16,} {data['flops_per_token'] / 1e12:>11.4f} "
+              f"{data['flops_per_token'] / data['model_flops_per_token']:>7.3f}")
     if args.full_trace:
         elapsed, cpu, _ = _timed([sys.executable, "-c", FULL_TRACE, args.full_trace])
         print(f"full trace of {args.full_trace} (all layers, seq {args.seq_len}): {elapsed:.2f} s wall, "

@@ -26,3 +26,16 @@ def status(message: str, *, enabled: bool = True):
     if not enabled or not console.is_terminal:
         return contextlib.nullcontext()
     return console.status(message)
+
+
+def cost_table_for(model: str):
+    """Preset name or package.module:factory -> (ModelSpec, CostTable). A preset is traced without
+    building the whole model (and not at all when its table is in the on-disk cache)."""
+    from autoshard.models.presets import get_spec, resolve_model
+    from autoshard.passes.shapes import build_cost_table
+
+    if ":" not in model:
+        spec = get_spec(model)
+        return spec, build_cost_table(spec)
+    spec, module = resolve_model(model, device="meta")
+    return spec, build_cost_table(spec, model=module)

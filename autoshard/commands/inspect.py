@@ -12,7 +12,7 @@ from typing import Any
 
 import sympy
 
-from autoshard.commands.common import status
+from autoshard.commands.common import cost_table_for, status
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import B, S, BlockCost, CostTable, OpKind
 from autoshard.models.presets import Family, ModelSpec
@@ -48,21 +48,6 @@ def run(args) -> int:
     else:
         render(summary)
     return 0
-
-
-def cost_table_for(model: str) -> tuple[ModelSpec, CostTable]:
-    """Preset name or package.module:factory -> (spec, cost table)."""
-    from transformers.utils import logging as hf_logging
-
-    from autoshard.models.presets import get_spec, resolve_model
-    from autoshard.passes.shapes import build_cost_table
-
-    hf_logging.set_verbosity_error()  # HF's "falling back to the reference implementation" notes
-    if ":" not in model:
-        spec = get_spec(model)
-        return spec, build_cost_table(spec)
-    spec, module = resolve_model(model, device="meta")
-    return spec, build_cost_table(spec, model=module)
 
 
 def _at(expr: sympy.Expr, b: int, s: int) -> float:

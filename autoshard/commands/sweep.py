@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Sequence
 
-from autoshard.commands.common import positive_int, status
+from autoshard.commands.common import cost_table_for, positive_int, status
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute
 
@@ -64,13 +64,10 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
 
 def run(args) -> int:
     from autoshard.hardware import load_hardware
-    from autoshard.models.presets import resolve_model
-    from autoshard.passes.shapes import build_cost_table
 
     hw = load_hardware(args.hardware)
     with status(f"capturing {args.model} and building its cost table ...", enabled=not args.json):
-        spec, model = resolve_model(args.model, device="meta")
-        table = build_cost_table(spec, model=None if ":" not in args.model else model)
+        spec, table = cost_table_for(args.model)
     zeros = (0, 1, 2, 3) if args.zero == "auto" else (int(args.zero),)
     recomputes = tuple(Recompute) if args.recompute == "auto" else (Recompute(args.recompute),)
     results = sweep(spec, table, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,

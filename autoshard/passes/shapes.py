@@ -37,10 +37,15 @@ The table is cached per (spec, options): the cost model and the solver may call 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import hashlib
+import inspect
 import operator
 from dataclasses import dataclass, replace
+from enum import Enum
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Sequence
 
 import sympy
@@ -50,6 +55,7 @@ from torch import fx, nn
 from autoshard.errors import CaptureError
 from autoshard.ir import B, S, BlockCost, BlockKind, CostTable, NodeCost, OpKind
 from autoshard.models.presets import Family, ModelSpec, build_model
+from autoshard.passes import table_cache
 from autoshard.passes.capture import BWD, FWD, Captured, capture_model
 
 B_SAMPLES = (2, 3)
@@ -101,6 +107,38 @@ def _build_for_layers(spec: ModelSpec, training: bool, dtype: torch.dtype, model
 
 @functools.lru_cache(maxsize=64)
 def _build_cached(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> CostTable:
+    key = _cache_key(spec, training, dtype, model)
+    build = functools.partial(_build, spec, training, dtype, model)
+    return build() if key is None else table_cache.cached_table(key, build)
+
+
+def _cache_key(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> dict | None:
+    """Everything the table of the 1-layer copy depends on (None: a model the cache cannot name)."""
+    from importlib import metadata
+
+    key = {"spec": {f.name: _jsonable(getattr(spec, f.name)) for f in dataclasses.fields(spec)},
+           "training": training, "dtype": str(dtype), "torch": torch.__version__,
+           "transformers": metadata.version("transformers"), "autoshard": table_cache.source_digest()}
+    if model is None:
+        return key
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return None
+    cls = type(model)
+    try:
+        source = hashlib.sha256(Path(inspect.getsourcefile(cls) or "").read_bytes()).hexdigest()
+    except (OSError, TypeError):
+        return None
+    return {**key, "class": f"{cls.__module__}.{cls.__qualname__}", "class_source": source,
+            "config": config.to_json_string(use_diff=False)}
+
+
+def _jsonable(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+def _build(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> CostTable:
+    """Trace the 1-layer copy at the sample shapes and interpolate (the work the cache saves)."""
     truncated = _truncated(spec, dtype, model)
     chunk = spec.chunk if spec.family is Family.MAMBA2 else 0
     s_samples = tuple(chunk * k for k in (2, 3, 4)) if chunk else (64, 128, 192)

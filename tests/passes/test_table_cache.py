@@ -1,0 +1,123 @@
+"""The on-disk cost-table cache: exact round trip, hits skip the trace, bad files and the off switch."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from autoshard.cli import main
+from autoshard.models import get_spec
+from autoshard.passes import shapes, table_cache
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(table_cache.ENV, str(tmp_path))
+    shapes._build_cached.cache_clear()
+    shapes._build_for_layers.cache_clear()
+    yield tmp_path / "tables"
+    shapes._build_cached.cache_clear()
+    shapes._build_for_layers.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def tiny_table():
+    return shapes._build(get_spec("llama-tiny", layers=1), True, torch.bfloat16, None)
+
+
+@pytest.fixture
+def count_builds(monkeypatch, tiny_table):
+    """Stands in for the trace (these tests are about the cache): counts calls, returns a real table."""
+    calls = []
+
+    def counted(spec, *args):
+        calls.append(spec.name)
+        return replace(tiny_table, model=spec.name)
+
+    monkeypatch.setattr(shapes, "_build", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "mamba2-tiny"])
+def test_json_round_trip_is_exact(name):
+    # mamba2 carries ceiling(s/l) terms (the padded length) and rational coefficients
+    table = shapes.build_cost_table(get_spec(name))
+    back = table_cache.table_from_json(json.loads(json.dumps(table_cache.table_to_json(table))))
+    assert back == table
+
+
+def test_second_build_reads_the_file_and_does_not_trace(cache, count_builds):
+    spec = get_spec("llama-tiny")
+    first = shapes.build_cost_table(spec)
+    assert count_builds == ["llama-tiny"] and len(list(cache.glob("*.json"))) == 1
+    shapes._build_cached.cache_clear()
+    shapes._build_for_layers.cache_clear()
+    second = shapes.build_cost_table(spec)
+    assert count_builds == ["llama-tiny"]  # no second trace
+    assert second == first
+    # another layer count shares the 1-layer table; another width does not
+    shapes.build_cost_table(replace(spec, layers=7))
+    assert count_builds == ["llama-tiny"]
+    shapes.build_cost_table(replace(spec, hidden=96))
+    assert count_builds == ["llama-tiny", "llama-tiny"] and len(list(cache.glob("*.json"))) == 2
+
+
+def test_corrupt_or_foreign_file_is_rebuilt(cache, count_builds):
+    spec = get_spec("llama-tiny")
+    good = shapes.build_cost_table(spec)
+    (path,) = cache.glob("*.json")
+    for damage in ("{ not json", json.dumps({"format": table_cache.FORMAT, "key": {"other": 1}, "table": {}}),
+                   json.dumps({"format": table_cache.FORMAT, "key": json.loads(path.read_text())["key"],
+                               "table": {"model": "x"}})):
+        path.write_text(damage)
+        shapes._build_cached.cache_clear()
+        shapes._build_for_layers.cache_clear()
+        assert shapes.build_cost_table(spec) == good
+        assert json.loads(path.read_text())["table"]["model"] == "llama-tiny"  # replaced by a good file
+    assert len(count_builds) == 4
+
+
+def test_off_switch_and_unwritable_dir(tmp_path, monkeypatch, count_builds):
+    spec = get_spec("llama-tiny")
+    for setting in ("off", str(tmp_path / "file-not-dir")):
+        (tmp_path / "file-not-dir").write_text("")
+        monkeypatch.setenv(table_cache.ENV, setting)
+        shapes._build_cached.cache_clear()
+        shapes._build_for_layers.cache_clear()
+        assert shapes.build_cost_table(spec).model == "llama-tiny"
+    assert len(count_builds) == 2
+    assert table_cache.cache_dir() == tmp_path / "file-not-dir"
+    shapes._build_cached.cache_clear()
+    shapes._build_for_layers.cache_clear()
+
+
+def test_key_names_versions_and_source(cache):
+    key = shapes._cache_key(get_spec("llama-tiny"), True, torch.bfloat16, None)
+    assert key["torch"] == torch.__version__ and key["transformers"] and len(key["autoshard"]) == 64
+    assert key["spec"]["family"] == "llama" and key["dtype"] == "torch.bfloat16"
+    assert table_cache.digest(key) != table_cache.digest({**key, "autoshard": "0" * 64})
+
+
+def test_user_model_is_keyed_by_class_and_config(cache, count_builds):
+    from autoshard.models import build_model
+
+    spec = get_spec("llama-tiny")
+    model = build_model(spec, device="meta")
+    key = shapes._cache_key(spec, True, model.dtype, model)
+    assert key["class"].endswith("LlamaForCausalLM") and '"hidden_size": 64' in key["config"]
+    shapes.build_cost_table(spec, model=model)
+    shapes._build_cached.cache_clear()
+    shapes._build_for_layers.cache_clear()
+    shapes.build_cost_table(spec, model=build_model(spec, device="meta"))  # another instance, same config
+    assert len(count_builds) == 1
+
+
+def test_cli_cache_shows_and_clears(cache, count_builds, capsys):
+    shapes.build_cost_table(get_spec("llama-tiny"))
+    assert main(["cache", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["tables"] == 1 and info["bytes"] > 0 and info["dir"] == str(cache.parent)
+    assert main(["cache", "--clear"]) == 0
+    assert "removed 1 table" in capsys.readouterr().out
+    assert not list(cache.glob("*.json"))
