@@ -94,9 +94,6 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                              global_batch=global_batch or ids.shape[0], hardware=hardware)
         if not given_dict:  # a Plan or a file: made for this model and world size?
             check_plan_matches(plan, fingerprint=fingerprint_module(model), devices=world, source=source)
-    if plan.zero == 2:
-        log.warning("zero=2 runs as ZeRO-1 here: gradients are reduce-scattered but each rank keeps its full "
-                    "gradient buffer, so memory per device is above the plan's ZeRO-2 figure")
     groups, program = _rank_program(model, spec, plan, world=world, device=device)
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
@@ -284,7 +281,7 @@ def _check_backend_supported(plan: Plan, spec) -> None:
                                      "and context parallelism")
     if plan.zero:
         raise InvalidConfigError(f"zero={plan.zero}: the torch.compile backend keeps optimizer state whole; use "
-                                 "zero=0 here or autoshard.parallelize for ZeRO-1")
+                                 "zero=0 here or autoshard.parallelize for ZeRO-1/2")
     if mesh.tp > 1 and spec.family is not Family.LLAMA:
         raise InvalidConfigError(f"tp={mesh.tp} for {spec.family.value}: Dynamo bakes the Mamba-2 mixer's head "
                                  "counts into the graph, so the backend cannot shard it; use "

@@ -27,7 +27,7 @@ SCHEMA_VERSION = 1
 
 class Recompute(str, Enum):
     NONE = "none"
-    SELECTIVE = "selective"  # recompute the attention core / SSD scan, keep the GEMM outputs
+    SELECTIVE = "selective"  # rerun the attention module / Mamba-2 mixer (projections included) in backward
     FULL = "full"  # keep only each block's input; rerun the block's forward in backward
 
 

@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", required=True, type=positive_int, help="tokens per sequence")
     p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch (default 1)")
     p.add_argument("--zero", choices=ZERO_CHOICES, default="auto",
-                   help="ZeRO level, or auto: the fastest that fits per layout (default auto)")
+                   help="ZeRO level (2 and 3 need pp = 1), or auto: the fastest that fits per layout (default auto)")
     p.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="auto",
                    help="activation recomputation, or auto: the fastest that fits per layout (default auto)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per layout, best first")
@@ -46,19 +46,25 @@ def add_parser(sub) -> None:
 
 def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, micro_batch: int = 1,
           zeros: Sequence[int] = (1,), recomputes: Sequence[Recompute] = (Recompute.NONE,)) -> list:
-    """Every valid mesh priced; per mesh the best (fits first, then step time) of the options.
-    Returns `Estimate`s, best first."""
+    """Every valid mesh priced; per mesh the best (fits first, then step time) of the options (the
+    ZeRO levels that go with the mesh: ZeRO-2/3 need pp = 1). Returns `Estimate`s, best first."""
+    from autoshard.errors import InvalidConfigError
     from autoshard.passes.cost import Layout, compile_table, estimate
-    from autoshard.passes.layouts import valid_meshes
+    from autoshard.passes.layouts import valid_meshes, zero_violation
 
     meshes = valid_meshes(spec, devices, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
     ct = compile_table(table, spec)
     out = []
     for mesh in meshes:
         options = [estimate(ct, spec, hw, Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r),
-                            global_batch=global_batch, seq_len=seq_len) for z in zeros for r in recomputes]
+                            global_batch=global_batch, seq_len=seq_len)
+                   for z in zeros if zero_violation(mesh, z) is None for r in recomputes]
+        if not options:
+            continue
         fitting = [e for e in options if e.fits]
         out.append(min(fitting, key=lambda e: e.step_time_s) if fitting else min(options, key=lambda e: e.memory_gb))
+    if not out:
+        raise InvalidConfigError(f"every valid mesh has pp > 1, and {zero_violation(meshes[0], max(zeros))}")
     return sorted(out, key=lambda e: (not e.fits, e.step_time_s))
 
 

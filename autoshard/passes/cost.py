@@ -63,6 +63,7 @@ from autoshard.hardware import DeviceProfile
 from autoshard.ir import B, S, BlockKind, CostTable, Mesh, OpKind, Recompute, Stage, even_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.collectives import Collective, best_time, collective_time
+from autoshard.passes.layouts import zero_violation
 
 PARAM_BYTES = 2.0  # bf16 weights
 GRAD_BYTES = 4.0  # fp32 main gradients (Megatron-LM / MindSpeed accumulate in fp32)
@@ -194,7 +195,7 @@ class CompiledBlock:
     params: int
     fwd: np.ndarray  # bool per node
     tp_class: np.ndarray  # _REPLICATED / _SHARDED / _KV per node
-    core: np.ndarray  # bool: attention core / SSD scan (what selective recompute drops)
+    rerun: np.ndarray  # bool: in the attention module / Mamba-2 mixer (what selective recompute reruns)
     is_gemm: np.ndarray  # bool: priced by GEMM throughput
     tp_dim: np.ndarray  # index into (batch, m, n, k) that TP divides, -1 none
     cp_dim: np.ndarray  # index into (batch, m, n, k) that CP divides, -1 none
@@ -247,14 +248,14 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
         exprs.extend((n.gemm[i] if n.gemm is not None else sympy.Integer(0)) for n in nodes)
     fn = sympy.lambdify((B, S), exprs, modules="numpy") if nodes else None
     tp_class = np.array([_tp_class(n.module_path, block.kind) for n in nodes], dtype=np.int8)
-    core = np.array([_is_core(n.module_path) for n in nodes], dtype=bool)
+    rerun = np.array([_in_selective_module(n.module_path) for n in nodes], dtype=bool)
     is_gemm = np.array([n.kind is OpKind.MATMUL and n.gemm is not None for n in nodes], dtype=bool)
     tp_dim = np.array([_tp_dim(n, spec) if c else -1 for n, c in zip(nodes, tp_class)], dtype=np.int8)
     cp_dim = np.array([_cp_dim(n) for n in nodes], dtype=np.int8)
     quadratic = np.array([_degree_in_s(n.flops) >= 2 for n in nodes], dtype=bool)
     return CompiledBlock(kind=block.kind, count=block.count, params=block.params,
                          fwd=np.array([n.phase == "fwd" for n in nodes], dtype=bool), tp_class=tp_class,
-                         core=core, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, quadratic=quadratic, fn=fn)
+                         rerun=rerun, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, quadratic=quadratic, fn=fn)
 
 
 def _degree_in_s(expr) -> int:
@@ -280,9 +281,20 @@ def _tp_class(path: str, kind: BlockKind) -> int:
     return _REPLICATED
 
 
+_SELECTIVE_MODULES = ("self_attn", "mixer")
+
+
 def _is_core(path: str) -> bool:
+    """An op of the attention module / Mamba-2 mixer itself (not of its projections)."""
     parts = _parts(path)
-    return bool(parts) and parts[-1] in ("self_attn", "mixer")
+    return bool(parts) and parts[-1] in _SELECTIVE_MODULES
+
+
+def _in_selective_module(path: str) -> bool:
+    """An op selective recompute reruns: anywhere inside the attention module / Mamba-2 mixer,
+    projections included (the module passes/rewrite.py `_checkpointed` wraps)."""
+    return any(p in _SELECTIVE_MODULES for p in _parts(path))
+
 
 
 def _symbols(expr) -> set:
@@ -433,7 +445,7 @@ def _recompute_time(ct: CompiledTable, layout: Layout, kind: BlockKind, t: np.nd
     fwd = blk.fwd if len(t) else np.zeros(0, dtype=bool)
     if layout.recompute is Recompute.FULL:
         return float(t[fwd].sum()) + tp_f + cp_f
-    return float(t[fwd & blk.core].sum()) + tp_f / _tp_layer_all_reduces(ct.spec) + cp_f
+    return float(t[fwd & blk.rerun].sum()) + tp_f / _tp_layer_all_reduces(ct.spec) + cp_f
 
 
 def _tp_layer_all_reduces(spec: ModelSpec) -> int:
@@ -467,7 +479,7 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
     saved = vals[2] / _tp_divisor(blk.tp_class, spec, mesh.tp) / mesh.cp
     keep = blk.fwd.copy()
     if kind is BlockKind.LAYER and layout.recompute is Recompute.SELECTIVE:
-        keep &= ~blk.core
+        keep &= ~blk.rerun  # the checkpoint keeps the module's input: the norm's output, kept anyway
     total = float(saved[keep].sum())
     if kind is BlockKind.LAYER and mesh.cp > 1 and spec.family is Family.LLAMA:
         # the gathered K/V of the other CP ranks stay alive for the attention backward
@@ -519,17 +531,30 @@ def state_bytes(params: float, layout: Layout) -> MemoryBreakdown:
 def dp_sync_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
     """Seconds of the per-step gradient sync of `params` parameters over dp x cp (stride tp):
     all-reduce of fp32 gradients (ZeRO-0) or reduce-scatter of gradients plus all-gather of the
-    updated bf16 weights (ZeRO-1/2, Megatron's distributed optimizer). ZeRO-3 syncs per
-    micro-batch instead (see `zero3_time`)."""
+    updated bf16 weights (ZeRO-1, Megatron's distributed optimizer). ZeRO-2 reduce-scatters per
+    micro-batch (`zero2_time`) and only all-gathers here; ZeRO-3 syncs per micro-batch
+    (`zero3_time`)."""
     n, tp = _dp_group(layout), layout.mesh.tp
     if n == 1:
         return 0.0
     if layout.zero == 0:
         return best_time(hw, Collective.ALL_REDUCE, params * GRAD_BYTES, size=n, stride=tp)
-    rs = best_time(hw, Collective.REDUCE_SCATTER, params * GRAD_BYTES, size=n, stride=tp)
     if layout.zero == 3:
         return 0.0
-    return rs + best_time(hw, Collective.ALL_GATHER, params * PARAM_BYTES, size=n, stride=tp)
+    ag = best_time(hw, Collective.ALL_GATHER, params * PARAM_BYTES, size=n, stride=tp)
+    if layout.zero == 2:  # the reduce-scatters ran with every micro-batch (`zero2_time`)
+        return ag
+    return best_time(hw, Collective.REDUCE_SCATTER, params * GRAD_BYTES, size=n, stride=tp) + ag
+
+
+def zero2_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
+    """ZeRO-2 communication of one micro-batch of one stage: the reduce-scatter of its gradients
+    (runtime/data_parallel.py drops the full gradient after each micro-batch, DeepSpeed stage 2);
+    it overlaps that micro-batch's backward."""
+    n, tp = _dp_group(layout), layout.mesh.tp
+    if layout.zero != 2 or n == 1:
+        return 0.0
+    return best_time(hw, Collective.REDUCE_SCATTER, params * GRAD_BYTES, size=n, stride=tp)
 
 
 def zero3_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
@@ -540,6 +565,14 @@ def zero3_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
         return 0.0
     ag = best_time(hw, Collective.ALL_GATHER, params * PARAM_BYTES, size=n, stride=tp)
     return 2 * ag + best_time(hw, Collective.REDUCE_SCATTER, params * GRAD_BYTES, size=n, stride=tp)
+
+
+def zero_exposed_time(hw: DeviceProfile, params, layout: Layout, *, compute_s, backward_s):
+    """ZeRO traffic of one micro-batch of one stage that its own work does not hide: ZeRO-3's
+    weight gathers and gradient reduce-scatter behind its compute, ZeRO-2's gradient
+    reduce-scatter behind its backward (numbers or numpy arrays)."""
+    return (np.maximum(0.0, zero3_time(hw, params, layout) - compute_s)
+            + np.maximum(0.0, zero2_time(hw, params, layout) - backward_s))
 
 
 def optimizer_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
@@ -617,15 +650,15 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
         else:
             counts_params = 0.0
         params = sum(prm[k] * c for k, c in counts.items()) + counts_params
-        z3 = zero3_time(hw, params, layout)
         comp = sum((bt[k].compute_s) * c for k, c in counts.items())
         reco = sum(bt[k].recompute_s * c for k, c in counts.items())
         tpc = sum(bt[k].tp_comm_s * c for k, c in counts.items())
         cpc = sum(bt[k].cp_comm_s * c for k, c in counts.items())
         bwd_last = sum(bt[k].bwd_s * c for k, c in counts.items())
-        t = comp + reco + tpc + cpc + p2p + max(0.0, z3 - comp)
+        zexp = float(zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last))
+        t = comp + reco + tpc + cpc + p2p + zexp
         times.append(t)
-        parts.append((comp, reco, tpc, cpc, p2p, params, bwd_last))
+        parts.append((comp, reco, tpc, cpc, p2p, zexp, params, bwd_last))
         in_flight = min(mesh.pp - i, m)
         stage_act = sum(act[k] * c for k, c in counts.items()) * in_flight
         mem = state_bytes(params, layout)
@@ -635,19 +668,19 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
                                      activations=stage_act, logits=logit, buffers=buffers))
 
     slow = int(np.argmax(times))
-    comp, reco, tpc, cpc, p2p_s, params, _ = parts[slow]
+    comp, reco, tpc, cpc, p2p_s, zexp, params, _ = parts[slow]
     pipe = pipeline_time(times, m)
     # DP sync and the optimizer step are per stage and run in parallel across stages: take the
     # stage where they end last. The gradient reduce overlaps the last micro-batch's backward.
     tail = []
-    for (_, _, _, _, _, prm_i, bwd_last) in parts:
+    for (_, _, _, _, _, _, prm_i, bwd_last) in parts:
         sync = dp_sync_time(hw, prm_i, layout)
         tail.append((max(0.0, sync - bwd_last), optimizer_time(hw, prm_i, layout)))
     dp_exposed, opt = max(tail, key=lambda x: x[0] + x[1])
     step = pipe + dp_exposed + opt
     breakdown = TimeBreakdown(compute=comp * m, recompute=reco * m, tp_comm=tpc * m, cp_comm=cpc * m,
-                              p2p=p2p_s * m, pp_bubble=pipe - m * (comp + reco + tpc + cpc + p2p_s),
-                              dp_comm_exposed=dp_exposed, optimizer=opt)
+                              p2p=p2p_s * m, pp_bubble=pipe - m * (comp + reco + tpc + cpc + p2p_s + zexp),
+                              dp_comm_exposed=dp_exposed + zexp * m, optimizer=opt)
     peak = max(peaks, key=lambda mb: mb.total)
     tokens = global_batch * seq_len
     mfu = model_flops_per_token(ct, seq_len) * tokens / (step * mesh.size * hw.peak_flops)
@@ -677,3 +710,6 @@ def _check(spec: ModelSpec, layout: Layout, global_batch: int, seq_len: int) -> 
                                  f"batch ({global_batch}); pick a micro-batch or dp that divides it")
     if mesh.ep != 1:
         raise InvalidConfigError(f"ep must be 1: {spec.name} has no experts (got ep={mesh.ep})")
+    why = zero_violation(mesh, layout.zero)
+    if why:
+        raise InvalidConfigError(why)

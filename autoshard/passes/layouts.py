@@ -15,6 +15,10 @@ Rules (the runtime's, see DESIGN.md):
   dp    dp x micro_batch divides the global batch.
   cp    LLaMA: 2*cp divides the sequence (load-balanced causal split, chunks i and 2cp-1-i).
         Mamba-2: cp divides the sequence (state passing needs no balancing).
+  ZeRO  levels 2 and 3 need pp = 1 (`zero_violation`): they reduce gradients after every
+        micro-batch, which a pipeline schedule's accumulation does not allow (DeepSpeed's rule too).
+        The runtime runs levels 0-2 (`RUNTIME_ZERO`, what the planner searches); `sweep` also
+        prices ZeRO-3.
 """
 
 from __future__ import annotations
@@ -70,6 +74,17 @@ def mesh_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: i
             return f"2*cp={2 * mesh.cp} does not divide the sequence length {seq_len} (load-balanced causal split)"
         if spec.family is Family.MAMBA2 and seq_len % mesh.cp:
             return f"cp={mesh.cp} does not divide the sequence length {seq_len}"
+    return None
+
+
+RUNTIME_ZERO = (0, 1, 2)  # the ZeRO levels runtime/data_parallel.py runs
+
+
+def zero_violation(mesh: Mesh, zero: int) -> str | None:
+    """Why ZeRO level `zero` cannot go with `mesh` (see the module docstring), or None."""
+    if zero >= 2 and mesh.pp > 1:
+        return (f"ZeRO-{zero} with pp={mesh.pp}: gradients are reduce-scattered after every micro-batch, which "
+                "a pipeline schedule does not allow; use ZeRO-1 with pp > 1")
     return None
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Plan, Recompute
 from autoshard.models.presets import Family, ModelSpec
+from autoshard.passes.layouts import zero_violation
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,7 +94,10 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int) -> None:
         raise InvalidConfigError(f"ep={mesh.ep}: {spec.name} has no experts; use ep=1")
     if plan.zero > 2:
         raise InvalidConfigError(f"zero={plan.zero} (parameter sharding) is not supported by the runtime yet; "
-                                 "use zero=1 (optimizer state sharded over dp) or 0")
+                                 "use zero=2 (gradients and optimizer state sharded over dp), 1 or 0")
+    why = zero_violation(mesh, plan.zero)
+    if why:
+        raise InvalidConfigError(why)
     if mesh.pp > spec.layers:
         raise InvalidConfigError(f"pp ({mesh.pp}) is larger than the number of blocks of {spec.name} "
                                  f"({spec.layers}); use pp <= {spec.layers}")

@@ -38,7 +38,7 @@ from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 from autoshard.ir import Mesh, Plan, Recompute, even_stages
 from autoshard.passes import cost
 from autoshard.passes.cost import CompiledTable, Layout
-from autoshard.passes.layouts import mesh_micro_batches
+from autoshard.passes.layouts import RUNTIME_ZERO, mesh_micro_batches, zero_violation
 from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, block_numbers, evaluate,
                                           mesh_problem, min_stage_sum, split_search)
 
@@ -244,13 +244,15 @@ def min_peak_bytes(problem: MeshProblem) -> float:
 
 # -- the search over layouts -------------------------------------------------------------------
 def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
-                      zeros: tuple[int, ...] = (0, 1, 2, 3), micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+                      zeros: tuple[int, ...] = RUNTIME_ZERO, micro_batches: tuple[int, ...] = (1, 2, 4, 8)
                       ) -> list[Layout]:
     """Every (mesh, micro-batch, ZeRO) the planner searches: the valid (mesh, micro-batch) pairs
-    of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses) times the ZeRO levels."""
+    of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses) times the ZeRO levels
+    the runtime runs that go with the mesh (`layouts.zero_violation`)."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
-    return [Layout(mesh=mesh, micro_batch=mb, zero=z) for mesh, mb in pairs for z in zeros]
+    return [Layout(mesh=mesh, micro_batch=mb, zero=z) for mesh, mb in pairs for z in zeros
+            if zero_violation(mesh, z) is None]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,13 +7,13 @@ Contract
   every layer count n and recompute level r, its time per micro-batch, its peak memory and
   its tail (exposed gradient sync + optimizer step). The entries are compositions of
   `passes/cost.py`'s public component functions (block_time, block_activation_bytes,
-  block_params, state_bytes, zero3_time, dp_sync_time, optimizer_time, p2p_time, logits_bytes,
+  block_params, state_bytes, zero_exposed_time, dp_sync_time, optimizer_time, p2p_time, logits_bytes,
   buffer_bytes, pipeline_time), composed the way `cost.estimate` composes them, so with one
   recompute level for every stage `evaluate` equals `estimate(..., stages=)` (tested).
   The tables are numpy arrays built column-wise: a stage's cost depends only on whether it holds
   the embedding / head (first, middle, last) and, for memory, on its micro-batches in flight,
   so the per-(kind, n) terms are evaluated once for all n = 0..layers (the collective model
-  takes arrays). `block_numbers` (per mesh and micro-batch) is shared by the four ZeRO levels.
+  takes arrays). `block_numbers` (per mesh and micro-batch) is shared by its ZeRO levels.
 
   `evaluate(problem, assignment)` prices one assignment (layers and recompute per stage):
       step = pipeline_time(t_i, m) + max_i tail_i     (1F1B: sum t_i + (m - 1) max t_i)
@@ -128,12 +128,12 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     tied = blocks.params[0] if head and ct.spec.tied and not embed else 0.0
     params = blocks.params @ counts + tied
     comp = blocks.compute_s @ counts  # [r, n]
-    z3 = cost.zero3_time(hw, params, layout)
-    time = comp + blocks.other_s @ counts + blocks.p2p_s + np.maximum(0.0, z3 - comp)
+    bwd_last = blocks.bwd_s[0] @ counts  # backward time does not depend on the recompute level
+    time = comp + blocks.other_s @ counts + blocks.p2p_s + cost.zero_exposed_time(
+        hw, params, layout, compute_s=comp, backward_s=bwd_last)
     state = cost.state_bytes(params, layout)
     other_mem = (state.weights + state.grads + state.optimizer + (blocks.logits_bytes if head else 0.0)
                  + cost.buffer_bytes(ct, layout, seq_len=seq_len))
-    bwd_last = blocks.bwd_s[0] @ counts  # backward time does not depend on the recompute level
     tail = np.maximum(0.0, cost.dp_sync_time(hw, params, layout) - bwd_last) + cost.optimizer_time(hw, params, layout)
     return time, blocks.act_bytes @ counts, np.broadcast_to(other_mem, n.shape), np.broadcast_to(tail, n.shape), params
 

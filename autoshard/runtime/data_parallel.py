@@ -1,22 +1,29 @@
-"""Data parallelism: bucketed gradient reduction overlapped with backward, and ZeRO-1.
+"""Data parallelism: bucketed gradient reduction overlapped with backward, and ZeRO-1/2.
 
 Contract:
-* `GradSync(params, group, zero=...)` groups the parameters (in reverse order, the order
-  backward produces their gradients) into buckets of about `bucket_bytes`. Between `begin(sync=True)`
+* `GradSync(params, group, zero=0|1|2)` groups the parameters (in reverse order, the order
+  backward produces their gradients) into buckets of about `bucket_bytes`. Between `begin(...)`
   and `finish()`, a post-accumulate-grad hook counts each parameter's gradient as ready; a bucket
   whose gradients are all ready is flattened and its reduction launched asynchronously
   (buckets launch strictly in order, so every dp rank issues the same collectives in the same
   order) while backward continues. `finish()` launches what is left and waits.
-  Without ZeRO the reduction is an all-reduce (sum) and `p.grad` holds the reduced gradient
-  (a group of one flattens and copies nothing: the gradients stay in `p.grad`).
-  With ZeRO-1 it is a reduce-scatter: dp rank i receives slice i of every (padded) bucket.
+  * zero=0: an all-reduce (sum) on the last micro-batch; `p.grad` holds the reduced gradient
+    (a group of one flattens and copies nothing: the gradients stay in `p.grad`).
+  * zero=1: a reduce-scatter on the last micro-batch: dp rank i receives slice i of every (padded)
+    bucket; `p.grad` keeps the local (unreduced) gradient, as in Megatron's distributed optimizer.
+  * zero=2 (DeepSpeed stage 2): a reduce-scatter on EVERY micro-batch, summed into this rank's
+    slices; `p.grad` is dropped as soon as its bucket is flattened, so a full gradient lives only
+    while its bucket is in flight. The price is one reduce-scatter per micro-batch (the cost model
+    charges it, passes/cost.py). Needs pp = 1 (passes/layouts.py; DeepSpeed has the same rule):
+    a pipeline schedule accumulates gradients over micro-batches inside its own loop.
 * Gradients are summed, not averaged: the loss is already divided by the global token count
   (`runtime/loss.py`), so the sum over dp ranks is the gradient of the global mean.
-* `ShardedOptimizer` (ZeRO-1): the optimizer is built over this rank's slices of the flat
+* `ShardedOptimizer` (ZeRO-1/2): the optimizer is built over this rank's slices of the flat
   buckets; `step()` steps them and all-gathers the updated parameters. Element-wise optimizers
   (SGD, Adam, AdamW) then give the same weights as one process stepping everything.
 
-`begin(sync=False)` (gradient accumulation over micro-batches) lets the hooks do nothing.
+`begin(last=False)` (an earlier micro-batch of gradient accumulation) lets the hooks do nothing
+except under zero=2.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class _Bucket:
         self.flat: Tensor | None = None  # the buffer being reduced
         self.out: Tensor | None = None  # all-reduce: == flat; reduce-scatter: this rank's slice
         self.work = None
+        self.acc: Tensor | None = None  # zero=2: this rank's slice summed over finished micro-batches
 
     def flatten_grads(self) -> Tensor:
         grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in self.params]
@@ -64,14 +72,17 @@ class _Bucket:
 class GradSync:
     """Bucketed, overlapped gradient all-reduce (or ZeRO reduce-scatter) over the dp group."""
 
-    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, *, zero: bool,
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, *, zero: int,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  prepare: Callable[[Sequence[nn.Parameter]], None] | None = None):
         self.group = group
         self.prepare = prepare  # called on a bucket's parameters just before it is reduced
         self.world = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
-        self.zero = zero
+        if zero not in (0, 1, 2):
+            raise ValueError(f"GradSync runs ZeRO levels 0, 1 and 2, got {zero!r}")
+        self.zero = zero > 0  # gradients end as this rank's slices (reduce-scatter)
+        self.every_micro_batch = zero == 2
         self.enabled = False
         self.buckets: list[_Bucket] = []
         current, size = [], 0
@@ -87,11 +98,19 @@ class GradSync:
         self._next = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
 
-    def begin(self, *, sync: bool) -> None:
-        """Start a backward pass; with `sync` the reductions launch as gradients become ready."""
-        self.enabled = sync
+    def begin(self, *, last: bool, first: bool = True) -> None:
+        """Start the backward of a micro-batch (`first`/`last` of the step): the reductions launch as
+        gradients become ready on the last one, or on every one under zero=2. Under zero=2 this also
+        completes the previous micro-batch (launches the buckets it left, e.g. of unused parameters)."""
+        if self.enabled and self.every_micro_batch:
+            for bucket in self.buckets[self._next:]:
+                self._launch(bucket)
+        self._drain()
+        self.enabled = last or self.every_micro_batch
         self._next = 0
         for b in self.buckets:
+            if first:
+                b.acc = None
             b.ready, b.flat, b.out, b.work = 0, None, None, None
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -108,6 +127,9 @@ class GradSync:
         if self.world == 1 and not self.zero:  # nothing to reduce: `p.grad` already holds the result
             return
         bucket.flat = bucket.flatten_grads()
+        if self.every_micro_batch:  # the flat copy is all that is kept of the full gradient
+            for p in bucket.params:
+                p.grad = None
         if self.world == 1:
             bucket.out = bucket.flat
         elif self.zero:
@@ -123,26 +145,37 @@ class GradSync:
             self._launch(bucket)
         self._next = len(self.buckets)
         self.enabled = False
+        self._drain()
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
             if not self.zero and bucket.out is not None:
                 bucket.scatter_back(bucket.out, into_grad=True)
 
+    def _drain(self) -> None:
+        """Wait for the reductions in flight; under zero=2 add them to the slices summed so far."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            if self.every_micro_batch and bucket.out is not None:
+                bucket.acc = bucket.out if bucket.acc is None else bucket.acc.add_(bucket.out)
+                bucket.flat = bucket.out = None
+
     def shard_grads(self) -> list[Tensor]:
         """ZeRO: this rank's slice of every bucket's reduced gradient (after `finish`)."""
+        if self.every_micro_batch:
+            return [b.acc for b in self.buckets]
         return [b.out if self.world > 1 else b.flat for b in self.buckets]
 
     def reduced_grads(self) -> dict[int, Tensor]:
         """id(param) -> its dp-reduced gradient (collective over dp under ZeRO)."""
         out = {}
-        for bucket in self.buckets:
-            if bucket.out is None:
+        for bucket, shard in zip(self.buckets, self.shard_grads() if self.zero else [b.out for b in self.buckets]):
+            if shard is None:
                 continue
-            flat = bucket.out
+            flat = shard
             if self.zero and self.world > 1:
-                flat = bucket.out.new_empty(bucket.padded)
-                dist.all_gather_into_tensor(flat, bucket.out, group=self.group)
+                flat = shard.new_empty(bucket.padded)
+                dist.all_gather_into_tensor(flat, shard, group=self.group)
             offset = 0
             for p in bucket.params:
                 out[id(p)] = flat[offset:offset + p.numel()].view_as(p)

@@ -4,8 +4,9 @@ Contract (DESIGN.md, "Entry points"): built by `autoshard.parallelize` on every 
 * `train_step(input_ids, labels)`: the *global* batch on every rank. This rank takes its dp
   slice, runs forward and backward over its micro-batches (pp > 1: under the pipeline schedule
   of `runtime/pipeline.py`), reduces gradients over dp (bucketed, overlapped with the last
-  backward), steps the optimizer if one was given (ZeRO-1: sharded over dp), and returns the
-  global mean loss over valid tokens, the same 0-d tensor on every rank.
+  backward; ZeRO-2: with every backward), steps the optimizer if one was given (ZeRO-1/2:
+  sharded over dp), and returns the global mean loss over valid tokens, the same 0-d tensor on
+  every rank.
 * `full_grads()` / `full_state_dict()`: {original HF parameter name: full tensor} on every rank
   (collectives over tp, pp and, under ZeRO, dp; for checks, not the fast path).
 * `__call__(input_ids)`: full logits (b, s, V) on every rank, no gradient.
@@ -64,7 +65,7 @@ class DistributedModel:
         self._params = list(dict.fromkeys(params))
         self._names = {id(p): n for n, p in self.model.named_parameters()}
         zero = setup.plan.zero >= 1
-        self._sync = GradSync(self._params, self._grad_group, zero=zero,
+        self._sync = GradSync(self._params, self._grad_group, zero=setup.plan.zero,
                               prepare=partial_grad_reducer(self.model, setup.program, self._tp_group))
         self._optimizer = None
         if optimizer is not None:
@@ -86,7 +87,7 @@ class DistributedModel:
         for p in self._params:
             p.grad = None
         if self._runner is not None:
-            self._sync.begin(sync=False)
+            self._sync.begin(last=False)  # the schedule runs every micro-batch; finish() reduces
             loss = self._runner.step(ids, lbl, num_tokens=num_tokens)
         else:
             loss = self._local_step(ids, lbl, num_tokens)
@@ -103,7 +104,7 @@ class DistributedModel:
         total = torch.zeros((), device=ids.device)
         for i in range(chunks):
             rows = slice(i * micro, (i + 1) * micro)
-            self._sync.begin(sync=i == chunks - 1)
+            self._sync.begin(last=i == chunks - 1, first=i == 0)
             mb_ids, mb_labels, kwargs = ids[rows], labels[rows], {}
             if self._cp is not None:  # this rank's slice of the sequence, shifted targets
                 mb_ids, positions, mb_labels = self._cp.local_inputs(mb_ids, mb_labels)

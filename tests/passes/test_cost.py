@@ -275,3 +275,70 @@ def test_no_valid_factorisation_says_why():
         valid_meshes(get_spec("llama-tiny"), 0, global_batch=4, seq_len=8)
     with pytest.raises(InvalidConfigError, match="micro-batch"):
         valid_meshes(get_spec("llama-tiny"), 2, global_batch=5, seq_len=8, micro_batch=2)
+
+
+def test_zero2_reduce_scatters_with_every_micro_batch():
+    # runtime/data_parallel.py (DeepSpeed stage 2): each micro-batch's gradients are reduce-scattered
+    # behind its own backward and then dropped; ZeRO-1 reduces once per step, behind the last backward
+    from autoshard.passes.collectives import Collective, best_time
+
+    slow = dataclasses.replace(HW, intra_bandwidth=HW.intra_bandwidth / 1000)  # the reduce-scatter outlasts a backward
+    l1, l2 = lay(dp=4, zero=1), lay(dp=4, zero=2)
+    kinds = {BlockKind.EMBED: 1, BlockKind.LAYER: 4, BlockKind.HEAD: 1}
+    params = sum(cost.block_params(CT, l2, k) * c for k, c in kinds.items())
+    bwd = sum(cost.block_time(CT, slow, l2, k, seq_len=SEQ).bwd_s * c for k, c in kinds.items())
+    rs = best_time(slow, Collective.REDUCE_SCATTER, params * cost.GRAD_BYTES, size=4, stride=1)
+    ag = best_time(slow, Collective.ALL_GATHER, params * cost.PARAM_BYTES, size=4, stride=1)
+    assert cost.zero2_time(slow, params, l2) == rs > bwd
+    assert cost.zero2_time(slow, params, l1) == 0.0 == cost.zero2_time(slow, params, lay(zero=2))
+    e1, e2 = (estimate(CT, SPEC, slow, lt, global_batch=GB, seq_len=SEQ) for lt in (l1, l2))
+    m = GB // 4
+    assert e2.time.dp_comm_exposed == pytest.approx(m * (rs - bwd) + max(0.0, ag - bwd))
+    assert e1.time.dp_comm_exposed == pytest.approx(rs + ag - bwd)
+    assert e2.step_time_s > e1.step_time_s and e2.memory.grads == pytest.approx(e1.memory.grads / 4)
+    assert e2.time.pp_bubble == pytest.approx(0.0, abs=1e-12)
+
+
+def test_zero2_and_3_need_pp_1():
+    with pytest.raises(InvalidConfigError, match="ZeRO-2 with pp=2"):
+        estimate(CT, SPEC, HW, lay(dp=2, pp=2, zero=2), global_batch=GB, seq_len=SEQ)
+    with pytest.raises(InvalidConfigError, match="ZeRO-3 with pp=2"):
+        estimate(CT, SPEC, HW, lay(pp=2, zero=3), global_batch=GB, seq_len=SEQ)
+    from autoshard.passes.solve import candidate_layouts
+
+    found = candidate_layouts(SPEC, devices=4, global_batch=GB, seq_len=SEQ)
+    assert {lt.zero for lt in found} == {0, 1, 2}  # what the runtime runs
+    assert all(lt.zero < 2 for lt in found if lt.mesh.pp > 1)
+
+
+@pytest.mark.parametrize("spec_name", ["llama-tiny", "mamba2-tiny"])
+def test_selective_prices_the_module_the_runtime_checkpoints(spec_name):
+    """Selective recompute reruns, and stops saving, every forward node inside the module that
+    passes/rewrite.py `_checkpointed` wraps (LLaMA: self_attn with q/k/v/o; Mamba-2: the mixer)."""
+    from autoshard.passes.rewrite import _checkpointed
+    from autoshard.passes.shapes import build_cost_table
+
+    spec = get_spec(spec_name)
+    table = build_cost_table(spec)
+    ct = compile_table(table, spec)
+    prefix = ("model" if spec_name.startswith("llama") else "backbone") + ".layers.0"
+    (module,) = _checkpointed(spec, [prefix], Recompute.SELECTIVE)
+    nodes = [n for n in table.block(BlockKind.LAYER).nodes if n.kind is not OpKind.VIEW]
+    blk = ct.block(BlockKind.LAYER)
+    inside = [n.module_path == module or n.module_path.startswith(module + ".") for n in nodes]
+    assert list(blk.rerun) == inside and any(inside) and not all(inside)
+    b, s = 2, 64
+    rerun_flops = sum(int(n.flops.subs({B: b, S: s})) for n, r in zip(nodes, blk.rerun)
+                      if r and n.phase == "fwd" and n.kind is OpKind.MATMUL)
+    if spec_name == "llama-tiny":  # q, k, v, o projections and the attention's s x s matmuls
+        hd, t = spec.hidden // spec.heads, b * s
+        proj = 2 * t * spec.hidden * (2 * spec.hidden + 2 * spec.kv_heads * hd)
+        assert rerun_flops == proj + 4 * b * spec.heads * s * s * hd
+    seq = 64
+    none, sel = (cost.block_activation_bytes(ct, lay(recompute=r), BlockKind.LAYER, seq_len=seq)
+                 for r in (Recompute.NONE, Recompute.SELECTIVE))
+    vals = blk.evaluate(1, seq)
+    assert none - sel == pytest.approx(float(vals[2][blk.fwd & blk.rerun].sum())) and sel < none
+    t_none, t_sel = (cost.block_time(ct, HW, lay(recompute=r), BlockKind.LAYER, seq_len=seq)
+                     for r in (Recompute.NONE, Recompute.SELECTIVE))
+    assert t_sel.recompute_s > 0 and t_none.recompute_s == 0

@@ -17,6 +17,7 @@ WORLD2 = (
     ("mamba2-tiny", dict(tp=2), True),
     ("llama-tiny", dict(pp=2, micro_batch=2), True),
     ("mamba2-tiny", dict(pp=2, micro_batch=2), False),
+    ("llama-tiny", dict(dp=2, zero=2, micro_batch=2), False),  # 2 micro-batches: one reduce-scatter each
 )
 WORLD4 = (
     ("llama-tiny", dict(dp=2, tp=2, micro_batch=2), True),
@@ -27,6 +28,8 @@ WORLD4 = (
     ("llama-tiny", dict(tp=4), False),  # 2 KV heads, tp 4: each rank keeps one KV head
     ("llama-tiny", dict(dp=2, pp=2, micro_batch=2), False),
     ("mamba2-tiny", dict(pp=2, tp=2, micro_batch=2), True),
+    ("mamba2-tiny", dict(dp=2, tp=2, zero=2), False),
+    ("llama-tiny", dict(dp=2, cp=2, zero=2, micro_batch=2), False),  # shards over dp x cp
 )
 WORLD8 = (
     ("llama-tiny", dict(dp=2, pp=2, tp=2, micro_batch=2), True),

@@ -19,6 +19,18 @@ def _plan(world, global_batch=8, micro_batch=1, **mesh):
                 mesh=Mesh(**mesh), micro_batch=micro_batch)
 
 
+def test_zero_levels_the_runtime_runs():
+    import dataclasses
+
+    spec = get_spec("llama-tiny")
+    with pytest.raises(InvalidConfigError, match="ZeRO-2 with pp=2"):
+        check_plan(dataclasses.replace(_plan(4, dp=2, pp=2), zero=2), spec, world_size=4)
+    with pytest.raises(InvalidConfigError, match="zero=3 .* not supported by the runtime"):
+        check_plan(dataclasses.replace(_plan(2, dp=2), zero=3), spec, world_size=2)
+    check_plan(dataclasses.replace(_plan(2, dp=2), zero=2), spec, world_size=2)
+    check_plan(dataclasses.replace(_plan(4, dp=2, pp=2), zero=1), spec, world_size=4)
+
+
 @pytest.mark.parametrize("preset, world, kwargs, needle", [
     ("llama-tiny", 4, dict(dp=2), "multiplies to 2, but the world size is 4"),
     ("llama-tiny", 3, dict(tp=3), "tp (3) does not divide the vocabulary size"),
