@@ -35,7 +35,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
-from autoshard.ir import Mesh, Plan, Recompute, even_stages
+from autoshard.ir import Plan, Recompute, even_stages
 from autoshard.passes import cost
 from autoshard.passes.cost import CompiledTable, Layout
 from autoshard.passes.layouts import RUNTIME_ZERO, mesh_micro_batches, zero_violation

@@ -35,6 +35,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+# flat-tensor collectives: the *_single names from torch 2.13 on (the old ones warn there), same signatures
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Bucket:
@@ -134,7 +137,7 @@ class GradSync:
             bucket.out = bucket.flat
         elif self.zero:
             bucket.out = bucket.flat.new_empty(bucket.padded // self.world)
-            bucket.work = dist.reduce_scatter_tensor(bucket.out, bucket.flat, group=self.group, async_op=True)
+            bucket.work = _reduce_scatter(bucket.out, bucket.flat, group=self.group, async_op=True)
         else:
             bucket.out = bucket.flat
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
@@ -175,7 +178,7 @@ class GradSync:
             flat = shard
             if self.zero and self.world > 1:
                 flat = shard.new_empty(bucket.padded)
-                dist.all_gather_into_tensor(flat, shard, group=self.group)
+                _all_gather(flat, shard, group=self.group)
             offset = 0
             for p in bucket.params:
                 out[id(p)] = flat[offset:offset + p.numel()].view_as(p)
@@ -204,7 +207,7 @@ class ShardedOptimizer:
             full = shard.detach()
             if self.sync.world > 1:
                 full = shard.new_empty(bucket.padded)
-                dist.all_gather_into_tensor(full, shard.detach(), group=self.sync.group)
+                _all_gather(full, shard.detach(), group=self.sync.group)
             bucket.scatter_back(full, into_grad=False)
 
     def zero_grad(self) -> None:

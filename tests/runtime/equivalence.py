@@ -52,7 +52,7 @@ def check_plan(preset: str, plan: dict, *, global_batch: int = 8, seq: int = 16,
                                optimizer=functools.partial(torch.optim.AdamW, **ADAM))
     for (ids, labels), expected in zip(data, ref_losses):
         assert_close(dm.train_step(ids, labels), expected, **TOL, msg=lambda m: f"{preset} {plan} loss: {m}")
-    if plan.get("zero") == 2:  # ZeRO-2 keeps no full gradient once a step is done, only this rank's slices
+    if dm.plan.zero == 2:  # ZeRO-2 keeps no full gradient once a step is done, only this rank's slices
         assert all(p.grad is None for p in dm.model.parameters()), f"{preset} {plan}: a full gradient was kept"
     grads = dm.full_grads()
     assert grads.keys() == ref_grads.keys()

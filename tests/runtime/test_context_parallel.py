@@ -5,13 +5,9 @@ Each world size is spawned once; every case runs inside the same processes.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from autoshard.errors import InvalidConfigError, UnsupportedOpError
@@ -22,6 +18,7 @@ from autoshard.runtime.context_parallel import (
 )
 from autoshard.runtime.cp_attention import balanced_causal_attention
 from autoshard.runtime.cp_mamba import cp_mixer_forward, ssd_chunk_scan
+from tests.runtime.dist_harness import run_ranks
 from tests.runtime.equivalence import check_plan
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -88,31 +85,18 @@ def test_ssd_scan_matches_hf_reference():
 
 # -- distributed ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.pop("WORLD_SIZE", None)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        if world <= 4:  # the CP functions alone, the whole world as one CP group
-            ctx = CPContext.from_group(dist.group.WORLD)
-            _case_attention(ctx, seq=8 * world, heads=4, kv_heads=2, batch=2)
-            _case_attention(ctx, seq=2 * world, heads=2, kv_heads=2, batch=1)  # one token per chunk, no GQA
-            for name, seq in (("llama-tiny", 4 * world), ("llama-tiny", 24 * world), ("mamba2-tiny", 12 * world),
-                              ("mamba2-tiny", 40 * world)):  # 40: local slices that are not whole SSD chunks
-                _case_model(ctx, name, seq)
-            _case_mixer_with_mask(ctx, seq=6 * world)
-        for preset in ("llama-tiny", "mamba2-tiny"):  # the runtime: two AdamW steps against one process
-            for plan in _PLANS[world]:
-                check_plan(preset, plan, logits=plan is _PLANS[world][0] or "pp" in plan)
-    finally:
-        dist.destroy_process_group()
+def _run_all(rank: int, world: int) -> None:
+    if world <= 4:  # the CP functions alone, the whole world as one CP group
+        ctx = CPContext.from_group(dist.group.WORLD)
+        _case_attention(ctx, seq=8 * world, heads=4, kv_heads=2, batch=2)
+        _case_attention(ctx, seq=2 * world, heads=2, kv_heads=2, batch=1)  # one token per chunk, no GQA
+        for name, seq in (("llama-tiny", 4 * world), ("llama-tiny", 24 * world), ("mamba2-tiny", 12 * world),
+                          ("mamba2-tiny", 40 * world)):  # 40: local slices that are not whole SSD chunks
+            _case_model(ctx, name, seq)
+        _case_mixer_with_mask(ctx, seq=6 * world)
+    for preset in ("llama-tiny", "mamba2-tiny"):  # the runtime: two AdamW steps against one process
+        for plan in _PLANS[world]:
+            check_plan(preset, plan, logits=plan is _PLANS[world][0] or "pp" in plan)
 
 
 def _case_attention(ctx: CPContext, *, seq: int, heads: int, kv_heads: int, batch: int) -> None:
@@ -189,9 +173,9 @@ def _case_mixer_with_mask(ctx: CPContext, *, seq: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_matches_full_sequence(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    run_ranks(world, _run_all)
 
 
 @pytest.mark.slow
 def test_dp_tp_cp_on_eight_ranks():
-    mp.spawn(_worker, args=(8, _free_port()), nprocs=8, join=True)
+    run_ranks(8, _run_all)

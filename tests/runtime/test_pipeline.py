@@ -8,14 +8,11 @@ the single-process run of the same tiny HF model: loss of two AdamW steps, every
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import autoshard
 from autoshard.errors import InvalidConfigError
@@ -23,6 +20,7 @@ from autoshard.ir import Recompute, Stage
 from autoshard.models.presets import build_model, get_spec
 from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner, Schedule
 from autoshard.runtime.stages import build_stage_module, check_stages, even_stages, original_names
+from tests.runtime.dist_harness import run_ranks
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 ADAM = dict(lr=1e-3, eps=1e-6)  # eps: see tests/runtime/equivalence.py (sign noise of ~1e-9 gradients)
@@ -192,28 +190,22 @@ def _spec(name: str, tied: bool):
     return replace(get_spec(name), tied=tied)
 
 
-def _worker(rank: int, world: int, init_file: str, references: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        for name, stages, schedule, micro_batch, tied in CONFIGS[world]:
-            try:
-                _check_config(_spec(name, tied), stages, schedule, micro_batch, references[name, tied])
-            except AssertionError as e:
-                raise AssertionError(f"rank {rank}, {name} tied={tied} stages {stages} {schedule.value} "
-                                     f"micro_batch {micro_batch}: {e}") from None
-        for name, plan, schedule, tied in PLANS[world]:
-            try:
-                _check_parallelize(_spec(name, tied), plan, schedule, references[name, tied])
-            except AssertionError as e:
-                raise AssertionError(f"rank {rank}, {name} tied={tied} plan {plan} {schedule.value}: {e}") from None
-    finally:
-        dist.destroy_process_group()
+def _run_all(rank: int, world: int, references: dict) -> None:
+    for name, stages, schedule, micro_batch, tied in CONFIGS[world]:
+        try:
+            _check_config(_spec(name, tied), stages, schedule, micro_batch, references[name, tied])
+        except AssertionError as e:
+            raise AssertionError(f"rank {rank}, {name} tied={tied} stages {stages} {schedule.value} "
+                                 f"micro_batch {micro_batch}: {e}") from None
+    for name, plan, schedule, tied in PLANS[world]:
+        try:
+            _check_parallelize(_spec(name, tied), plan, schedule, references[name, tied])
+        except AssertionError as e:
+            raise AssertionError(f"rank {rank}, {name} tied={tied} plan {plan} {schedule.value}: {e}") from None
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_matches_single_process(world):
     keys = {(name, tied) for name, *_, tied in CONFIGS[world] + PLANS[world]}
     references = {key: _reference(_spec(*key)) for key in sorted(keys)}  # computed once, not per rank
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), references), nprocs=world, join=True)
+    run_ranks(world, _run_all, references)
