@@ -28,7 +28,7 @@ mamba mixer (in_proj by heads and groups, conv1d by channel, gated norm by group
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autoshard.errors import InvalidConfigError
@@ -163,7 +163,7 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
     layers = [f"{_base(spec)}.layers.{i}" for i in range(spec.layers)]
     return ShardProgram(
         tp=tp, tp_rank=tp_rank, placements=tuple(placements), partial_grads=tuple(partial),
-        checkpoint=_checkpointed(spec, layers, plan.recompute),
+        checkpoint=_checkpointed(spec, layers, layer_recompute(plan, spec)),
         **(_tp_modules(spec, layers, tp) if tp > 1 else {}),
     )
 
@@ -226,12 +226,25 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int) -> dict:
                 vocab_embed="backbone.embeddings", vocab_head="lm_head", attrs=tuple(attrs))
 
 
-def _checkpointed(spec: ModelSpec, layers: list[str], recompute: Recompute) -> tuple[str, ...]:
-    """Modules whose forward reruns in backward: whole blocks (full) or the attention / SSD mixer
-    (selective)."""
-    if recompute is Recompute.FULL:
-        return tuple(layers)
-    if recompute is Recompute.SELECTIVE:
-        core = "self_attn" if spec.family is Family.LLAMA else "mixer"
-        return tuple(f"{p}.{core}" for p in layers)
-    return ()
+def layer_recompute(plan: Plan, spec: ModelSpec) -> tuple[Recompute, ...]:
+    """The recompute level of every layer: its stage's (`plan.stages`, as the planner chose them per
+    stage), or `plan.recompute` for all layers when the plan names no stages."""
+    if not plan.stages:
+        return (plan.recompute,) * spec.layers
+    out = [plan.recompute] * spec.layers
+    for stage in plan.stages:
+        out[stage.first_layer:stage.end_layer] = [stage.recompute] * stage.layers
+    return tuple(out)
+
+
+def _checkpointed(spec: ModelSpec, layers: Sequence[str], recompute: Sequence[Recompute]) -> tuple[str, ...]:
+    """Modules whose forward reruns in backward, per layer: the whole block (full) or the attention
+    module / Mamba-2 mixer (selective)."""
+    core = "self_attn" if spec.family is Family.LLAMA else "mixer"
+    out = []
+    for path, level in zip(layers, recompute, strict=True):
+        if level is Recompute.FULL:
+            out.append(path)
+        elif level is Recompute.SELECTIVE:
+            out.append(f"{path}.{core}")
+    return tuple(out)

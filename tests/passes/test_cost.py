@@ -322,7 +322,7 @@ def test_selective_prices_the_module_the_runtime_checkpoints(spec_name):
     table = build_cost_table(spec)
     ct = compile_table(table, spec)
     prefix = ("model" if spec_name.startswith("llama") else "backbone") + ".layers.0"
-    (module,) = _checkpointed(spec, [prefix], Recompute.SELECTIVE)
+    (module,) = _checkpointed(spec, [prefix], [Recompute.SELECTIVE])
     nodes = [n for n in table.block(BlockKind.LAYER).nodes if n.kind is not OpKind.VIEW]
     blk = ct.block(BlockKind.LAYER)
     inside = [n.module_path == module or n.module_path.startswith(module + ".") for n in nodes]

@@ -90,3 +90,23 @@ def test_mamba_in_proj_slices_every_piece():
     assert slices[0].shape == (full.shape[0] // 2, 3)
     assert torch.equal(unshard(slices, placement), full)
     assert ("backbone.layers.0.mixer", "n_groups", 1) in tables[0].attrs
+
+
+def test_recompute_is_applied_per_stage():
+    """The planner picks recompute per pipeline stage; the rewrite checkpoints each layer at its
+    stage's level (the plan-wide `recompute` only when the plan names no stages)."""
+    import dataclasses
+
+    from autoshard.ir import Recompute, Stage
+
+    spec = get_spec("llama-tiny")  # 4 layers
+    shapes = {n: tuple(p.shape) for n, p in build_model(spec, device="meta").named_parameters()}
+    stages = (Stage(first_layer=0, end_layer=1, embed=True, head=False, recompute=Recompute.FULL),
+              Stage(first_layer=1, end_layer=3, embed=False, head=False, recompute=Recompute.SELECTIVE),
+              Stage(first_layer=3, end_layer=4, embed=False, head=True, recompute=Recompute.NONE))
+    plan = dataclasses.replace(_plan(3, pp=3), recompute=Recompute.FULL, stages=stages)
+    assert shard_program(plan, spec, shapes, tp_rank=0).checkpoint == (
+        "model.layers.0", "model.layers.1.self_attn", "model.layers.2.self_attn")
+    whole = dataclasses.replace(_plan(1), recompute=Recompute.SELECTIVE)
+    assert shard_program(whole, spec, shapes, tp_rank=0).checkpoint == tuple(
+        f"model.layers.{i}.self_attn" for i in range(4))
