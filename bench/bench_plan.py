@@ -11,6 +11,7 @@ import argparse
 import time
 
 from autoshard.commands.plan import fingerprint
+from autoshard.errors import InfeasiblePlanError
 from autoshard.hardware import load_hardware
 from autoshard.models.presets import get_spec
 from autoshard.passes import cost
@@ -43,7 +44,13 @@ def main() -> None:
         return
     print("layers  devices  table_s  solve_s  layouts solved/total  (llama-70b config on h100)")
     for layers, devices in [(n, 64) for n in (2, 8, 20, 40, 80)] + [(80, d) for d in (8, 64, 512, 1024, 4096)]:
-        t, s, plan = plan_time(get_spec("llama-70b", layers=layers), hw, devices)
+        start = time.perf_counter()
+        try:
+            t, s, plan = plan_time(get_spec("llama-70b", layers=layers), hw, devices)
+        except InfeasiblePlanError as e:  # e.g. 70B with Adam state on 8 devices: the answer is "no plan"
+            print(f"{layers:6d}  {devices:7d}  no plan fits, proven in {time.perf_counter() - start:.2f} s: "
+                  f"{str(e).split(': ', 1)[-1][:90]}")
+            continue
         print(f"{layers:6d}  {devices:7d}  {t:7.2f}  {s:7.2f}  {plan.solver['layouts_solved']}/{plan.solver['layouts']}")
 
 

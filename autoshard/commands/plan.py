@@ -58,7 +58,14 @@ _LAYER0 = re.compile(r"((?:^|\.)layers\.)0(?=\.|$)")
 def fingerprint(spec) -> str:
     """`fingerprint_spec(spec)` without building every layer (seconds for llama-70b on meta): the
     one-layer model on meta, its `layers.0` entries repeated for every layer, in the order
-    `named_modules` / `named_parameters` give them (layer by layer, each contiguous)."""
+    `named_modules` / `named_parameters` give them (layer by layer, each contiguous). Kept in the
+    on-disk cache (passes/table_cache.py) with the spec's cost table, so a cached run builds no model."""
+    from autoshard.passes import table_cache
+
+    return table_cache.cached_value("fingerprints", table_cache.spec_key(spec), lambda: _fingerprint(spec))
+
+
+def _fingerprint(spec) -> str:
     from autoshard.fingerprint import fingerprint_module
     from autoshard.models.presets import build_model
 

@@ -37,13 +37,11 @@ The table is cached per (spec, options): the cost model and the solver may call 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import hashlib
 import inspect
 import operator
 from dataclasses import dataclass, replace
-from enum import Enum
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
@@ -114,11 +112,7 @@ def _build_cached(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn
 
 def _cache_key(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> dict | None:
     """Everything the table of the 1-layer copy depends on (None: a model the cache cannot name)."""
-    from importlib import metadata
-
-    key = {"spec": {f.name: _jsonable(getattr(spec, f.name)) for f in dataclasses.fields(spec)},
-           "training": training, "dtype": str(dtype), "torch": torch.__version__,
-           "transformers": metadata.version("transformers"), "autoshard": table_cache.source_digest()}
+    key = {**table_cache.spec_key(spec), "training": training, "dtype": str(dtype)}
     if model is None:
         return key
     config = getattr(model, "config", None)
@@ -131,10 +125,6 @@ def _cache_key(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Mo
         return None
     return {**key, "class": f"{cls.__module__}.{cls.__qualname__}", "class_source": source,
             "config": config.to_json_string(use_diff=False)}
-
-
-def _jsonable(value: Any) -> Any:
-    return value.value if isinstance(value, Enum) else value
 
 
 def _build(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> CostTable:

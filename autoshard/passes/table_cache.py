@@ -4,12 +4,15 @@ Contract
 --------
 `cached_table(key_parts, build) -> CostTable`: the table stored under the digest of `key_parts`
 (a JSON-able dict that names everything the table depends on), or `build()`'s result, which is
-then stored. `key_parts` is made by `passes/shapes`; besides the model it carries the versions of
-torch and transformers and a digest of autoshard's own source, so a new release or a local edit
-never reads a stale table.
+then stored. `key_parts` starts from `spec_key(spec)`: every field of the model spec, the versions
+of torch and transformers and a digest of autoshard's own source, so a new release or a local
+edit never reads a stale table; `passes/shapes` adds the trace options (and, for a user model,
+its class and config). `cached_value(kind, key_parts, build)` does the same for any JSON value
+(`autoshard plan` keeps a preset's fingerprint there, so a cached plan run needs no model).
 
 * Where: `$AUTOSHARD_CACHE_DIR`, else `$XDG_CACHE_HOME/autoshard`, else `~/.cache/autoshard`;
-  tables are `tables/<digest>.json`. `AUTOSHARD_CACHE_DIR=off` turns the cache off.
+  entries are `<kind>/<digest>.json` (`tables/`, `fingerprints/`). `AUTOSHARD_CACHE_DIR=off`
+  turns the cache off.
   `autoshard cache` prints where it is and how big; `autoshard cache --clear` empties it.
 * Format: JSON (never pickle), one file per table, written atomically (temporary file, then
   rename). Each expression is stored as the terms of a polynomial in `B`, `S` and
@@ -65,42 +68,63 @@ def digest(key_parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:40]
 
 
+def spec_key(spec: Any) -> dict[str, Any]:
+    """The key parts every entry about a model spec starts from (see the module docstring)."""
+    import dataclasses
+    from enum import Enum
+    from importlib import metadata
+
+    import torch
+
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    return {"spec": {k: v.value if isinstance(v, Enum) else v for k, v in fields.items()},
+            "torch": torch.__version__, "transformers": metadata.version("transformers"),
+            "autoshard": source_digest()}
+
+
 def cached_table(key_parts: dict[str, Any], build: Callable[[], CostTable]) -> CostTable:
     """The stored table for `key_parts`, or `build()` (stored for next time)."""
+    return cached_value("tables", key_parts, build, encode=table_to_json, decode=table_from_json)
+
+
+def cached_value(kind: str, key_parts: dict[str, Any], build: Callable[[], Any], *,
+                 encode: Callable[[Any], Any] = lambda v: v, decode: Callable[[Any], Any] = lambda v: v) -> Any:
+    """The value stored under `kind/` for `key_parts`, or `build()` (stored for next time);
+    `encode` / `decode` map the value to and from JSON."""
     root = cache_dir()
     if root is None:
         return build()
-    path = root / "tables" / f"{digest(key_parts)}.json"
-    table = _read(path, key_parts)
-    if table is not None:
-        return table
-    table = build()
-    _write(path, key_parts, table)
-    return table
+    path = root / kind / f"{digest(key_parts)}.json"
+    value = _read(path, key_parts, decode)
+    if value is not None:
+        return value
+    value = build()
+    _write(path, key_parts, value, encode)
+    return value
 
 
-def _read(path: Path, key_parts: dict[str, Any]) -> CostTable | None:
+def _read(path: Path, key_parts: dict[str, Any], decode: Callable[[Any], Any]) -> Any:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        _log.debug("cost-table cache: unreadable %s (%s); rebuilding", path, e)
+        _log.debug("autoshard cache: unreadable %s (%s); rebuilding", path, e)
         return None
     try:
         if data.get("format") != FORMAT or data.get("key") != key_parts:
             return None
-        return table_from_json(data["table"])
+        return decode(data["value"])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        _log.debug("cost-table cache: malformed %s (%s); rebuilding", path, e)
+        _log.debug("autoshard cache: malformed %s (%s); rebuilding", path, e)
         return None
 
 
-def _write(path: Path, key_parts: dict[str, Any], table: CostTable) -> None:
+def _write(path: Path, key_parts: dict[str, Any], value: Any, encode: Callable[[Any], Any]) -> None:
     try:
-        payload = json.dumps({"format": FORMAT, "key": key_parts, "table": table_to_json(table)})
-    except ValueError as e:  # an expression outside the polynomial form: not cached, still correct
-        _log.debug("cost-table cache: not storing %s (%s)", table.model, e)
+        payload = json.dumps({"format": FORMAT, "key": key_parts, "value": encode(value)})
+    except ValueError as e:  # e.g. an expression outside the polynomial form: not cached, still correct
+        _log.debug("autoshard cache: not storing %s (%s)", path.name, e)
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,13 +133,17 @@ def _write(path: Path, key_parts: dict[str, Any], table: CostTable) -> None:
             f.write(payload)
         os.replace(tmp, path)
     except OSError as e:
-        _log.debug("cost-table cache: cannot write %s (%s)", path, e)
+        _log.debug("autoshard cache: cannot write %s (%s)", path, e)
+
+
+def _entries() -> list[Path]:
+    root = cache_dir()
+    return sorted(root.glob("*/*.json")) if root is not None and root.is_dir() else []
 
 
 def clear() -> tuple[int, int]:
-    """Delete every stored table: (files removed, bytes freed)."""
-    root = cache_dir()
-    files = sorted((root / "tables").glob("*.json")) if root is not None else []
+    """Delete every stored entry: (files removed, bytes freed)."""
+    files = _entries()
     freed = 0
     for f in files:
         freed += f.stat().st_size
@@ -124,9 +152,8 @@ def clear() -> tuple[int, int]:
 
 
 def usage() -> tuple[int, int]:
-    """(stored tables, bytes) in the cache directory."""
-    root = cache_dir()
-    files = list((root / "tables").glob("*.json")) if root is not None else []
+    """(stored entries, bytes) in the cache directory."""
+    files = _entries()
     return len(files), sum(f.stat().st_size for f in files)
 
 

@@ -67,14 +67,14 @@ def test_corrupt_or_foreign_file_is_rebuilt(cache, count_builds):
     spec = get_spec("llama-tiny")
     good = shapes.build_cost_table(spec)
     (path,) = cache.glob("*.json")
-    for damage in ("{ not json", json.dumps({"format": table_cache.FORMAT, "key": {"other": 1}, "table": {}}),
+    for damage in ("{ not json", json.dumps({"format": table_cache.FORMAT, "key": {"other": 1}, "value": {}}),
                    json.dumps({"format": table_cache.FORMAT, "key": json.loads(path.read_text())["key"],
-                               "table": {"model": "x"}})):
+                               "value": {"model": "x"}})):
         path.write_text(damage)
         shapes._build_cached.cache_clear()
         shapes._build_for_layers.cache_clear()
         assert shapes.build_cost_table(spec) == good
-        assert json.loads(path.read_text())["table"]["model"] == "llama-tiny"  # replaced by a good file
+        assert json.loads(path.read_text())["value"]["model"] == "llama-tiny"  # replaced by a good file
     assert len(count_builds) == 4
 
 
@@ -117,7 +117,18 @@ def test_cli_cache_shows_and_clears(cache, count_builds, capsys):
     shapes.build_cost_table(get_spec("llama-tiny"))
     assert main(["cache", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["tables"] == 1 and info["bytes"] > 0 and info["dir"] == str(cache.parent)
+    assert info["entries"] == 1 and info["bytes"] > 0 and info["dir"] == str(cache.parent)
     assert main(["cache", "--clear"]) == 0
-    assert "removed 1 table" in capsys.readouterr().out
+    assert "removed 1 entry," in capsys.readouterr().out
     assert not list(cache.glob("*.json"))
+
+
+def test_plan_fingerprint_is_cached_and_exact(cache, monkeypatch):
+    from autoshard.commands import plan
+    from autoshard.fingerprint import fingerprint_spec
+
+    spec = get_spec("llama-tiny", layers=3)
+    assert plan.fingerprint(spec) == fingerprint_spec(spec)
+    assert len(list(cache.parent.glob("fingerprints/*.json"))) == 1
+    monkeypatch.setattr(plan, "_fingerprint", lambda spec: pytest.fail("built a model on a cache hit"))
+    assert plan.fingerprint(spec) == fingerprint_spec(spec)
