@@ -32,6 +32,15 @@ def test_json_lists_every_valid_layout_best_first(capsys):
     assert 0 < best["mfu"] < 1
 
 
+def test_zero2_and_3_only_without_pipeline(capsys):
+    # ZeRO-2/3 reduce-scatter gradients every micro-batch: no pipeline schedule (layouts.zero_violation)
+    for zero in ("2", "3"):
+        rows = run_json(capsys, BASE + ["--zero", zero, "--recompute", "none"])
+        assert rows and all(r["pp"] == 1 and r["zero"] == int(zero) for r in rows)
+    auto = run_json(capsys, BASE + ["--recompute", "none"])
+    assert any(r["pp"] > 1 for r in auto) and all(r["zero"] < 2 for r in auto if r["pp"] > 1)
+
+
 def test_auto_options_and_non_fitting_layouts(capsys, tmp_path):
     hw = tmp_path / "small.json"
     from autoshard.hardware import load_hardware
