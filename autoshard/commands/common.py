@@ -28,14 +28,17 @@ def status(message: str, *, enabled: bool = True):
     return console.status(message)
 
 
-def cost_table_for(model: str):
+def cost_table_for(model: str, *, spinner: bool = True):
     """Preset name or package.module:factory -> (ModelSpec, CostTable). A preset is traced without
-    building the whole model (and not at all when its table is in the on-disk cache)."""
+    building the whole model (and not at all when its table is in the on-disk cache). `spinner`:
+    say so on stderr while it runs (a terminal only)."""
     from autoshard.models.presets import get_spec, resolve_model
     from autoshard.passes.shapes import build_cost_table
 
-    if ":" not in model:
-        spec = get_spec(model)
-        return spec, build_cost_table(spec)
-    spec, module = resolve_model(model, device="meta")
-    return spec, build_cost_table(spec, model=module)
+    with status(f"capturing {model} and building its cost table (once per machine, then cached) ...",
+                enabled=spinner):
+        if ":" not in model:
+            spec = get_spec(model)
+            return spec, build_cost_table(spec)
+        spec, module = resolve_model(model, device="meta")
+        return spec, build_cost_table(spec, model=module)

@@ -12,7 +12,7 @@ from typing import Any
 
 import sympy
 
-from autoshard.commands.common import cost_table_for, status
+from autoshard.commands.common import cost_table_for
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import B, S, BlockCost, CostTable, OpKind
 from autoshard.models.presets import Family, ModelSpec
@@ -40,8 +40,7 @@ def run(args) -> int:
     for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
         if value <= 0:
             raise InvalidConfigError(f"{flag} must be a positive integer, got {value}")
-    with status(f"capturing {args.model} and building its cost table ...", enabled=not args.json):
-        spec, table = cost_table_for(args.model)
+    spec, table = cost_table_for(args.model, spinner=not args.json)
     summary = summarize(spec, table, seq_len=args.seq_len, micro_batch=args.micro_batch)
     if args.json:
         print(json.dumps(summary, indent=2))

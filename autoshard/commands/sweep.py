@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Sequence
 
-from autoshard.commands.common import cost_table_for, positive_int, status
+from autoshard.commands.common import cost_table_for, positive_int
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute
 
@@ -72,8 +72,7 @@ def run(args) -> int:
     from autoshard.hardware import load_hardware
 
     hw = load_hardware(args.hardware)
-    with status(f"capturing {args.model} and building its cost table ...", enabled=not args.json):
-        spec, table = cost_table_for(args.model)
+    spec, table = cost_table_for(args.model, spinner=not args.json)
     zeros = (0, 1, 2, 3) if args.zero == "auto" else (int(args.zero),)
     recomputes = tuple(Recompute) if args.recompute == "auto" else (Recompute(args.recompute),)
     results = sweep(spec, table, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
