@@ -119,12 +119,12 @@ def _cache_key(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Mo
     if config is None or not hasattr(config, "to_json_string"):
         return None
     cls = type(model)
-    try:
+    try:  # a class without a source file, or a config with values JSON cannot hold: not cached
         source = hashlib.sha256(Path(inspect.getsourcefile(cls) or "").read_bytes()).hexdigest()
-    except (OSError, TypeError):
+        config_json = config.to_json_string(use_diff=False)
+    except (OSError, TypeError, ValueError):
         return None
-    return {**key, "class": f"{cls.__module__}.{cls.__qualname__}", "class_source": source,
-            "config": config.to_json_string(use_diff=False)}
+    return {**key, "class": f"{cls.__module__}.{cls.__qualname__}", "class_source": source, "config": config_json}
 
 
 def _build(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> CostTable:

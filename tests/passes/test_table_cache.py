@@ -111,6 +111,9 @@ def test_user_model_is_keyed_by_class_and_config(cache, count_builds):
     shapes._build_for_layers.cache_clear()
     shapes.build_cost_table(spec, model=build_model(spec, device="meta"))  # another instance, same config
     assert len(count_builds) == 1
+    odd = build_model(spec, device="meta")
+    odd.config.note = object()  # a value JSON cannot hold: traced, not cached, no error
+    assert shapes._cache_key(spec, True, odd.dtype, odd) is None
 
 
 def test_cli_cache_shows_and_clears(cache, count_builds, capsys):
