@@ -387,7 +387,10 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
 
 
 def _infeasible(ct, hw, spec, layouts, *, devices, global_batch, seq_len) -> InfeasiblePlanError:
-    small = [lay for lay in layouts if lay.zero == max(x.zero for x in layouts) and lay.micro_batch == 1]
+    top = {}  # mesh -> the highest ZeRO level searched with it (ZeRO-2 only where pp = 1): its least memory
+    for lay in layouts:
+        top[lay.mesh] = max(top.get(lay.mesh, 0), lay.zero)
+    small = [lay for lay in layouts if lay.zero == top[lay.mesh] and lay.micro_batch == 1]
     best, where = math.inf, None
     for lay in small:
         need = min_peak_bytes(mesh_problem(ct, hw, lay, global_batch=global_batch, seq_len=seq_len))

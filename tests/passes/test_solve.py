@@ -11,7 +11,7 @@ from autoshard.models.presets import get_spec
 from autoshard.passes import cost
 from autoshard.passes.cost import Layout
 from autoshard.passes.shapes import build_cost_table
-from autoshard.passes.solve import candidate_layouts, solve, solve_mesh
+from autoshard.passes.solve import candidate_layouts, min_peak_bytes, solve, solve_mesh
 from autoshard.passes.solve_model import Assignment, brute_force, evaluate, mesh_problem
 
 
@@ -79,6 +79,21 @@ def test_infeasible_says_by_how_much(tiny):
     hw = replace(load_hardware("cpu"), memory_bytes=1e5)
     with pytest.raises(InfeasiblePlanError, match=r"memory per device.*needs .* GB.*%\) too much"):
         solve(spec, hw, devices=2, global_batch=4, seq_len=64, time_limit_s=5, table=ct)
+
+
+def test_infeasible_names_the_smallest_plan_over_every_mesh():
+    """The smallest plan is looked for on every mesh at its own highest ZeRO level: on 4 devices
+    llama-tiny's is pp2 tp2 with ZeRO-1 (ZeRO-2 needs pp = 1), below every ZeRO-2 layout."""
+    spec = get_spec("llama-tiny")
+    ct = cost.compile_table(build_cost_table(spec), spec)
+    hw = replace(load_hardware("cpu"), memory_bytes=1e6)
+    layouts = [lay for lay in candidate_layouts(spec, devices=4, global_batch=8, seq_len=64) if lay.micro_batch == 1]
+    need = {lay: min_peak_bytes(mesh_problem(ct, hw, lay, global_batch=8, seq_len=64)) for lay in layouts}
+    smallest = min(need, key=need.get)
+    assert smallest.mesh.pp > 1 and min(v for lay, v in need.items() if lay.zero == 2) > need[smallest] > 1e6
+    with pytest.raises(InfeasiblePlanError, match=rf"smallest plan \({smallest.mesh}, ZeRO-1, .*needs "
+                                                  rf"{need[smallest] / 1e9:.3g} GB"):
+        solve(spec, hw, devices=4, global_batch=8, seq_len=64, time_limit_s=5, table=ct)
 
 
 @pytest.mark.parametrize("name", ["llama-7b", "mamba2-7b"])
