@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from autoshard.commands.plan import fingerprint
 from autoshard.errors import InfeasiblePlanError
+from autoshard.fingerprint import fingerprint_spec
 from autoshard.hardware import load_hardware
 from autoshard.models.presets import get_spec
 from autoshard.passes import cost
@@ -23,7 +23,7 @@ def plan_time(spec, hw, devices: int, *, time_limit_s: float = 10.0) -> tuple[fl
     """(capture + cost table + fingerprint seconds, solve seconds, plan), as `autoshard plan` runs them."""
     t0 = time.perf_counter()
     ct = cost.compile_table(build_cost_table(spec), spec)
-    fp = fingerprint(spec)
+    fp = fingerprint_spec(spec)
     t1 = time.perf_counter()
     plan = solve(spec, hw, devices=devices, global_batch=1024, seq_len=4096, time_limit_s=time_limit_s, table=ct,
                  fingerprint=fp)

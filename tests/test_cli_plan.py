@@ -42,13 +42,12 @@ def test_plan_nonpositive_devices(capsys):
 
 
 @pytest.mark.parametrize("name, layers", [("llama-tiny", 5), ("mamba2-tiny", 3), ("llama-7b", 4)])
-def test_cheap_fingerprint_equals_the_full_model_one(name, layers):
-    """`plan` fingerprints the one-layer model with its layer repeated: the same hash as the full model."""
+def test_fingerprint_spec_equals_the_full_model_one(name, layers):
+    """`fingerprint_spec` (cached) gives the hash of the full model."""
     from dataclasses import replace
 
-    from autoshard.commands.plan import fingerprint
-    from autoshard.fingerprint import fingerprint_spec
-    from autoshard.models.presets import get_spec
+    from autoshard.fingerprint import fingerprint_module, fingerprint_spec
+    from autoshard.models.presets import build_model, get_spec
 
     spec = replace(get_spec(name), layers=layers)
-    assert fingerprint(spec) == fingerprint_spec(spec)
+    assert fingerprint_spec(spec) == fingerprint_module(build_model(spec, device="meta"))

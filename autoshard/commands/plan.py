@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
-from dataclasses import replace
 
 from autoshard.commands.common import positive_int
 
@@ -38,7 +36,7 @@ def run(args) -> int:
     hw = load_hardware(args.hardware)
     with _progress(enabled=not args.json) as progress:
         plan = solve(spec, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
-                     time_limit_s=args.time_limit, progress=progress, fingerprint=fingerprint(spec))
+                     time_limit_s=args.time_limit, progress=progress)
     if args.out:
         plan.save(args.out)
     if args.json:
@@ -50,44 +48,6 @@ def run(args) -> int:
         if args.out:
             print(f"plan written to {args.out}")
     return 0
-
-
-_LAYER0 = re.compile(r"((?:^|\.)layers\.)0(?=\.|$)")
-
-
-def fingerprint(spec) -> str:
-    """`fingerprint_spec(spec)` without building every layer (seconds for llama-70b on meta): the
-    one-layer model on meta, its `layers.0` entries repeated for every layer, in the order
-    `named_modules` / `named_parameters` give them (layer by layer, each contiguous). Kept in the
-    on-disk cache (passes/table_cache.py) with the spec's cost table, so a cached run builds no model."""
-    from autoshard.passes import table_cache
-
-    return table_cache.cached_value("fingerprints", table_cache.spec_key(spec), lambda: _fingerprint(spec))
-
-
-def _fingerprint(spec) -> str:
-    from autoshard.fingerprint import fingerprint_module
-    from autoshard.models.presets import build_model
-
-    one = build_model(replace(spec, layers=1), device="meta")
-
-    class Repeated:
-        def named_modules(self):
-            return _repeat(list(one.named_modules()), spec.layers)
-
-        def named_parameters(self):
-            return _repeat(list(one.named_parameters()), spec.layers)
-
-    return fingerprint_module(Repeated())
-
-
-def _repeat(items: list, layers: int) -> list:
-    where = [k for k, (name, _) in enumerate(items) if _LAYER0.search(name)]
-    if not where:
-        return items
-    start, end = where[0], where[-1] + 1
-    body = [(_LAYER0.sub(rf"\g<1>{i}", name), v) for i in range(layers) for name, v in items[start:end]]
-    return items[:start] + body + items[end:]
 
 
 class _progress:

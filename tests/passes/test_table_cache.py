@@ -127,11 +127,13 @@ def test_cli_cache_shows_and_clears(cache, count_builds, capsys):
 
 
 def test_plan_fingerprint_is_cached_and_exact(cache, monkeypatch):
-    from autoshard.commands import plan
-    from autoshard.fingerprint import fingerprint_spec
+    from autoshard import fingerprint
+    from autoshard.models import build_model
 
     spec = get_spec("llama-tiny", layers=3)
-    assert plan.fingerprint(spec) == fingerprint_spec(spec)
+    full = fingerprint.fingerprint_module(build_model(spec, device="meta"))
+    assert fingerprint.fingerprint_spec(spec) == full
     assert len(list(cache.parent.glob("fingerprints/*.json"))) == 1
-    monkeypatch.setattr(plan, "_fingerprint", lambda spec: pytest.fail("built a model on a cache hit"))
-    assert plan.fingerprint(spec) == fingerprint_spec(spec)
+    monkeypatch.setattr(fingerprint, "fingerprint_module", lambda model: pytest.fail("fingerprinted a model on a hit"))
+    assert fingerprint.fingerprint_spec(spec) == full
+
