@@ -24,6 +24,7 @@ its class and config). `cached_value(kind, key_parts, build)` does the same for 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -31,10 +32,13 @@ import logging
 import os
 import tempfile
 from dataclasses import replace
+from enum import Enum
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
 import sympy
+import torch
 
 from autoshard.ir import B, S, BlockCost, BlockKind, CostTable, NodeCost, OpKind
 
@@ -70,12 +74,6 @@ def digest(key_parts: dict[str, Any]) -> str:
 
 def spec_key(spec: Any) -> dict[str, Any]:
     """The key parts every entry about a model spec starts from (see the module docstring)."""
-    import dataclasses
-    from enum import Enum
-    from importlib import metadata
-
-    import torch
-
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     return {"spec": {k: v.value if isinstance(v, Enum) else v for k, v in fields.items()},
             "torch": torch.__version__, "transformers": metadata.version("transformers"),
@@ -211,7 +209,10 @@ def _encode(expr: sympy.Expr) -> int | list:
     unknown = expr.free_symbols - {B, S}
     if unknown:
         raise ValueError(f"unexpected symbols {sorted(map(str, unknown))} in {expr}")
-    poly = sympy.Poly(expr, B, S, *ceilings)
+    try:
+        poly = sympy.Poly(expr, B, S, *ceilings)
+    except sympy.PolynomialError as e:  # e.g. floor(s/l) or sqrt(s): not this form, so not cached
+        raise ValueError(f"{expr} is not a polynomial in b, s and ceiling(s/l): {e}") from None
     terms = []
     for monom, coeff in poly.terms():
         if not coeff.is_Rational:

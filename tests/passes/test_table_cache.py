@@ -137,3 +137,17 @@ def test_plan_fingerprint_is_cached_and_exact(cache, monkeypatch):
     monkeypatch.setattr(fingerprint, "fingerprint_module", lambda model: pytest.fail("fingerprinted a model on a hit"))
     assert fingerprint.fingerprint_spec(spec) == full
 
+
+def test_an_expression_outside_the_stored_form_is_not_cached(cache, tiny_table):
+    import sympy
+
+    from autoshard.ir import S
+
+    odd = sympy.floor(S / 3) * 2  # not a polynomial in b, s and ceiling(s/l)
+    with pytest.raises(ValueError, match="not a polynomial"):
+        table_cache._encode(odd)
+    first = tiny_table.blocks[0]
+    weird = replace(tiny_table, blocks=(replace(first, nodes=(replace(first.nodes[0], flops=odd),)),
+                                        *tiny_table.blocks[1:]))
+    assert table_cache.cached_table({"k": 1}, lambda: weird) is weird  # built and returned, not stored
+    assert not (cache / f"{table_cache.digest({'k': 1})}.json").exists()
