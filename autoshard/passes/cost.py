@@ -64,6 +64,7 @@ from autoshard.ir import B, S, BlockKind, CostTable, Mesh, OpKind, Recompute, St
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.collectives import Collective, best_time, collective_time
 from autoshard.passes.layouts import zero_violation
+from autoshard.passes.rewrite import selective_module
 
 PARAM_BYTES = 2.0  # bf16 weights
 GRAD_BYTES = 4.0  # fp32 main gradients (Megatron-LM / MindSpeed accumulate in fp32)
@@ -248,7 +249,7 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
         exprs.extend((n.gemm[i] if n.gemm is not None else sympy.Integer(0)) for n in nodes)
     fn = sympy.lambdify((B, S), exprs, modules="numpy") if nodes else None
     tp_class = np.array([_tp_class(n.module_path, block.kind) for n in nodes], dtype=np.int8)
-    rerun = np.array([_in_selective_module(n.module_path) for n in nodes], dtype=bool)
+    rerun = np.array([_in_selective_module(n.module_path, spec) for n in nodes], dtype=bool)
     is_gemm = np.array([n.kind is OpKind.MATMUL and n.gemm is not None for n in nodes], dtype=bool)
     tp_dim = np.array([_tp_dim(n, spec) if c else -1 for n, c in zip(nodes, tp_class)], dtype=np.int8)
     cp_dim = np.array([_cp_dim(n) for n in nodes], dtype=np.int8)
@@ -281,21 +282,16 @@ def _tp_class(path: str, kind: BlockKind) -> int:
     return _REPLICATED
 
 
-_SELECTIVE_MODULES = ("self_attn", "mixer")
-
-
-def _is_core(path: str) -> bool:
+def _is_core(path: str, spec: ModelSpec) -> bool:
     """An op of the attention module / Mamba-2 mixer itself (not of its projections)."""
     parts = _parts(path)
-    return bool(parts) and parts[-1] in _SELECTIVE_MODULES
+    return bool(parts) and parts[-1] == selective_module(spec)
 
 
-def _in_selective_module(path: str) -> bool:
+def _in_selective_module(path: str, spec: ModelSpec) -> bool:
     """An op selective recompute reruns: anywhere inside the attention module / Mamba-2 mixer,
     projections included (the module passes/rewrite.py `_checkpointed` wraps)."""
-    return any(p in _SELECTIVE_MODULES for p in _parts(path))
-
-
+    return selective_module(spec) in _parts(path)
 
 def _symbols(expr) -> set:
     return getattr(expr, "free_symbols", set())
@@ -304,7 +300,7 @@ def _symbols(expr) -> set:
 def _tp_dim(node, spec: ModelSpec) -> int:
     if node.gemm is None:
         return -1
-    if _is_core(node.module_path) and node.gemm[0] != 1:
+    if _is_core(node.module_path, spec) and node.gemm[0] != 1:
         return 0  # batched attention / SSD matmuls: heads live in the batch dim
     weight_dims = [i for i in (1, 2, 3) if not _symbols(node.gemm[i])]
     if not weight_dims:

@@ -237,10 +237,16 @@ def layer_recompute(plan: Plan, spec: ModelSpec) -> tuple[Recompute, ...]:
     return tuple(out)
 
 
+def selective_module(spec: ModelSpec) -> str:
+    """The submodule of a layer that selective recompute checkpoints: the attention module / the
+    Mamba-2 mixer (the cost model prices the same module, passes/cost.py)."""
+    return "self_attn" if spec.family is Family.LLAMA else "mixer"
+
+
 def _checkpointed(spec: ModelSpec, layers: Sequence[str], recompute: Sequence[Recompute]) -> tuple[str, ...]:
     """Modules whose forward reruns in backward, per layer: the whole block (full) or the attention
     module / Mamba-2 mixer (selective)."""
-    core = "self_attn" if spec.family is Family.LLAMA else "mixer"
+    core = selective_module(spec)
     out = []
     for path, level in zip(layers, recompute, strict=True):
         if level is Recompute.FULL:
