@@ -48,7 +48,6 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
           zeros: Sequence[int] = (1,), recomputes: Sequence[Recompute] = (Recompute.NONE,)) -> list:
     """Every valid mesh priced; per mesh the best (fits first, then step time) of the options (the
     ZeRO levels that go with the mesh: ZeRO-2/3 need pp = 1). Returns `Estimate`s, best first."""
-    from autoshard.errors import InvalidConfigError
     from autoshard.passes.cost import Layout, compile_table, estimate
     from autoshard.passes.layouts import valid_meshes, zero_violation
 

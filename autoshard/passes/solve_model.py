@@ -88,7 +88,7 @@ class Evaluation:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockNumbers:
     """Per-instance numbers of the three blocks for one (mesh, micro-batch), every recompute
-    level: they do not depend on the ZeRO level, so the planner computes them once for all four.
+    level: they do not depend on the ZeRO level, so the planner computes them once for all levels.
     Arrays are indexed [r, kind] with kinds in KINDS order."""
 
     recomputes: tuple[Recompute, ...]
