@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from autoshard import errors
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.fingerprint import check_plan_matches, fingerprint_module
-from autoshard.ir import AXES, Mesh, Plan, Recompute
+from autoshard.ir import AXES, Mesh, Plan, Precision
 from autoshard.models.presets import Family, spec_from_hf_config
 from autoshard.passes.rewrite import Replicate, check_plan, shard_program
 from autoshard.passes.shard_graph import shard_graph
@@ -59,20 +59,21 @@ from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger("autoshard")
 
-PLAN_KEYS = (*AXES, "micro_batch", "zero", "recompute")
+PLAN_KEYS = (*AXES, "micro_batch", "zero", "recompute", "precision", "schedule", "virtual_stages")
 
 
 def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping | str | Path | None = None,
                 global_batch: int | None = None,
                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                 hardware: str = "auto", device: str | torch.device | None = None, seed: int = 0,
-                schedule: str = "1f1b") -> DistributedModel:
+                schedule: str | None = None) -> DistributedModel:
     """This rank's `DistributedModel` for `model` under `plan` (see the module docstring).
 
     example_inputs: input_ids (b, s), a tuple starting with them, or a dict with "input_ids";
     its sequence length is the plan's, its batch the default global batch.
     optimizer: params -> torch.optim.Optimizer (e.g. functools.partial(torch.optim.AdamW, lr=1e-3)).
     seed: initialisation seed for a model built on the meta device (the same on every rank).
+    schedule: the pipeline schedule, overriding the plan's (the plan key `schedule` says the same).
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -94,6 +95,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                              global_batch=global_batch or ids.shape[0], hardware=hardware)
         if not given_dict:  # a Plan or a file: made for this model and world size?
             check_plan_matches(plan, fingerprint=fingerprint_module(model), devices=world, source=source)
+    if schedule is not None:
+        plan = dataclasses.replace(plan, schedule=schedule)
+    if plan.precision.resolve(device.type) is not Precision.FP32:
+        raise InvalidConfigError(f"precision {plan.precision.value!r} on {device.type} is bf16-mixed, which this "
+                                 "runtime does not run yet; pass plan key precision='fp32'")
     groups, program = _rank_program(model, spec, plan, world=world, device=device)
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
@@ -105,7 +111,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
 
         stages = plan.stages or even_stages(spec.layers, plan.mesh.pp)
         runner = PipelineRunner(model, spec, stages, pp_group=groups.pp, device=device,
-                                options=PipelineOptions(schedule=schedule, micro_batch=plan.micro_batch),
+                                options=PipelineOptions(schedule=plan.schedule, micro_batch=plan.micro_batch),
                                 tp_group=groups.tp if plan.mesh.tp > 1 else None, cp=cp)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp)
     return DistributedModel(setup, optimizer=optimizer)
@@ -207,9 +213,10 @@ def _announce(plan: Plan) -> None:
         log.addHandler(logging.StreamHandler())
         log.setLevel(logging.INFO)
     predicted = plan.predicted
-    log.info("autoshard: %s on %d x %s: mesh %s, micro-batch %d, ZeRO-%d, recompute %s; predicted %.4g s/step, "
-             "%.3g GB/device, MFU %.1f%%", plan.model, plan.devices, plan.hardware, plan.mesh, plan.micro_batch,
-             plan.zero, plan.recompute.value, predicted.get("step_time_s", float("nan")),
+    log.info("autoshard: %s on %d x %s: mesh %s, micro-batch %d, ZeRO-%d, recompute %s, precision %s, schedule %s "
+             "x%d; predicted %.4g s/step, %.3g GB/device, MFU %.1f%%", plan.model, plan.devices, plan.hardware,
+             plan.mesh, plan.micro_batch, plan.zero, plan.recompute.value, plan.precision.value, plan.schedule.value,
+             plan.virtual_stages, predicted.get("step_time_s", float("nan")),
              predicted.get("memory_gb", float("nan")), 100 * predicted.get("mfu", float("nan")))
 
 
@@ -227,13 +234,10 @@ def _resolve_plan(plan: Any, *, spec, world: int, seq_len: int, global_batch: in
     if mesh.size != world:
         raise InvalidConfigError(f"the plan's mesh {mesh.as_dict()} multiplies to {mesh.size}, but the world "
                                  f"size is {world}; choose dp*pp*tp*cp*ep = {world}")
-    try:
-        recompute = Recompute(plan.get("recompute") or "none")
-    except ValueError:
-        raise InvalidConfigError(f"recompute must be one of none, selective, full; got {plan['recompute']!r}") from None
+    options = {key: plan[key] for key in ("precision", "schedule", "virtual_stages") if plan.get(key) is not None}
     return Plan(model=spec.name, fingerprint="", hardware=hardware, devices=world, global_batch=global_batch,
                 seq_len=seq_len, mesh=mesh, micro_batch=int(plan.get("micro_batch", 1)),
-                zero=int(plan.get("zero", 0) or 0), recompute=recompute)
+                zero=int(plan.get("zero", 0) or 0), recompute=plan.get("recompute") or "none", **options)
 
 
 # -- torch.compile backend -------------------------------------------------------------------

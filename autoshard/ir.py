@@ -22,13 +22,49 @@ from autoshard.errors import InvalidConfigError, PlanFileError
 B, S = sympy.symbols("b s", positive=True, integer=True)
 
 AXES = ("dp", "pp", "tp", "cp", "ep")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: precision, schedule, virtual_stages (a version-1 file loads with their defaults)
 
 
 class Recompute(str, Enum):
     NONE = "none"
     SELECTIVE = "selective"  # rerun the attention module / Mamba-2 mixer (projections included) in backward
     FULL = "full"  # keep only each block's input; rerun the block's forward in backward
+
+
+class Precision(str, Enum):
+    """Numerics of a training step (Lightning's names). AUTO is the default of the device the plan runs on:
+    bf16-mixed on an accelerator (cuda, npu), fp32 on CPU; `resolve(device_type)` says which."""
+
+    AUTO = "auto"
+    BF16_MIXED = "bf16-mixed"  # bf16 weights/compute/activations; fp32 master weights, main gradients, optimizer
+    FP32 = "fp32"  # everything fp32: the exact equivalence tests
+
+    def resolve(self, device_type: str) -> Precision:
+        """The concrete precision on a device of kind `device_type` ("cpu", "cuda", "npu"; a cost
+        model passes its hardware profile's kind: "cpu" for the cpu profile, else an accelerator)."""
+        if self is not Precision.AUTO:
+            return self
+        return Precision.FP32 if device_type == "cpu" else Precision.BF16_MIXED
+
+
+class Schedule(str, Enum):
+    """Pipeline schedule (torch.distributed.pipelining). Stage placement over pp ranks: `stage_rank`."""
+
+    ONE_F_ONE_B = "1f1b"  # Schedule1F1B: at most pp micro-batches in flight, bubble (p-1)/(m+p-1)
+    GPIPE = "gpipe"  # ScheduleGPipe: every forward, then every backward: all micro-batches in flight
+    INTERLEAVED_1F1B = "interleaved-1f1b"  # ScheduleInterleaved1F1B: virtual_stages chunks per rank, loop placement
+    ZERO_BUBBLE = "zero-bubble"  # backward split in input-grad (B) and weight-grad (W) passes; see runtime/pipeline.py
+
+
+def _enum_field(enum: type[Enum], value: Any, field_name: str) -> Enum:
+    """`value` as a member of `enum`, or an InvalidConfigError listing the known values."""
+    if isinstance(value, enum):
+        return value
+    try:
+        return enum(str(value).lower() if isinstance(value, str) else value)
+    except ValueError:
+        known = ", ".join(repr(m.value) for m in enum)
+        raise InvalidConfigError(f"{field_name} must be one of {known}; got {value!r}") from None
 
 
 class OpKind(str, Enum):
@@ -130,6 +166,34 @@ class Stage:
         return self.end_layer - self.first_layer
 
 
+def stage_rank(index: int, *, pp: int, virtual_stages: int, schedule: Schedule) -> int:
+    """The pp rank that runs model chunk `index` of the pp * virtual_stages chunks (model order).
+
+    Loop placement (torch's interleaved schedules): chunk i on rank i % pp, so rank r holds chunks
+    r, r + pp, ...; with virtual_stages = 2 the zero-bubble schedule uses the V placement of
+    ScheduleZBVZeroBubble instead: rank r holds chunks r and 2 pp - 1 - r (the last chunk, with the
+    LM head, sits on rank 0 next to the embedding)."""
+    if schedule is Schedule.ZERO_BUBBLE and virtual_stages == 2:
+        return index if index < pp else 2 * pp - 1 - index
+    return index % pp
+
+
+def check_schedule(schedule: Schedule, virtual_stages: Any, *, pp: int) -> None:
+    """InvalidConfigError unless `virtual_stages` chunks per rank suit `schedule` at this pp."""
+    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
+        raise InvalidConfigError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    if virtual_stages > 1 and pp == 1:
+        raise InvalidConfigError(f"virtual_stages={virtual_stages} needs a pipeline (pp > 1); use virtual_stages=1 "
+                                 "with pp=1")
+    if virtual_stages > 1 and schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE):
+        raise InvalidConfigError(f"schedule {schedule.value!r} runs one stage per rank, got virtual_stages="
+                                 f"{virtual_stages}; use schedule='interleaved-1f1b' or 'zero-bubble' for model "
+                                 "chunks, or virtual_stages=1")
+    if schedule is Schedule.INTERLEAVED_1F1B and pp > 1 and virtual_stages < 2:
+        raise InvalidConfigError("schedule 'interleaved-1f1b' needs virtual_stages >= 2 (model chunks per pipeline "
+                                 "rank); with one chunk per rank use schedule='1f1b'")
+
+
 def even_stages(layers: int, pp: int, *, recompute: Recompute = Recompute.NONE) -> tuple[Stage, ...]:
     """The default split: `layers` over `pp` stages, the first `layers % pp` one layer longer,
     every stage at recompute level `recompute`."""
@@ -166,7 +230,10 @@ class Plan:
     micro_batch: int = 1
     zero: int = 0
     recompute: Recompute = Recompute.NONE
-    stages: tuple[Stage, ...] = ()
+    precision: Precision = Precision.AUTO
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved / zero-bubble schedules)
+    stages: tuple[Stage, ...] = ()  # pp * virtual_stages chunks in model order (none: an even split)
     placements: tuple[tuple[str, str], ...] = ()
     predicted: Mapping[str, Any] = field(default_factory=dict)
     solver: Mapping[str, Any] = field(default_factory=dict)
@@ -181,6 +248,20 @@ class Plan:
             raise InvalidConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.micro_batch < 1:
             raise InvalidConfigError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        object.__setattr__(self, "recompute", _enum_field(Recompute, self.recompute, "recompute"))
+        object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
+        object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
+        check_schedule(self.schedule, self.virtual_stages, pp=self.mesh.pp)
+        if self.stages and len(self.stages) != self.mesh.pp * self.virtual_stages:
+            raise InvalidConfigError(
+                f"the plan has {len(self.stages)} stages but pp ({self.mesh.pp}) x virtual_stages "
+                f"({self.virtual_stages}) = {self.mesh.pp * self.virtual_stages}; give one Stage per model chunk "
+                "(or none for an even split)")
+
+    @property
+    def chunks(self) -> int:
+        """Pipeline stages (model chunks) in all: pp * virtual_stages."""
+        return self.mesh.pp * self.virtual_stages
 
     # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -196,6 +277,9 @@ class Plan:
             "micro_batch": self.micro_batch,
             "zero": self.zero,
             "recompute": self.recompute.value,
+            "precision": self.precision.value,
+            "schedule": self.schedule.value,
+            "virtual_stages": self.virtual_stages,
             "stages": [
                 {**dataclasses.asdict(st), "recompute": st.recompute.value} for st in self.stages
             ],
@@ -276,8 +360,11 @@ def _plan_from_json(data: Any, *, source: str) -> Plan:
             devices=data["devices"], global_batch=data["global_batch"], seq_len=data["seq_len"], mesh=mesh,
             micro_batch=int(data.get("micro_batch", 1)), zero=int(data.get("zero", 0)),
             recompute=Recompute(data.get("recompute", "none")), stages=stages,
+            # schema 1 has none of these three: such a plan runs at its device's default precision, 1f1b, one chunk
+            precision=data.get("precision", Precision.AUTO.value), schedule=data.get("schedule", "1f1b"),
+            virtual_stages=data.get("virtual_stages", 1),
             placements=tuple((str(k), str(v)) for k, v in placements.items()),
-            predicted=data.get("predicted", {}), solver=data.get("solver", {}), schema_version=version,
+            predicted=data.get("predicted", {}), solver=data.get("solver", {}), schema_version=SCHEMA_VERSION,
         )
     except PlanFileError:
         raise

@@ -12,7 +12,7 @@ def test_plan_then_show(tmp_path, capsys):
     assert main(["plan", "--model", "llama-tiny", "--hardware", "cpu", "--devices", "4", "--global-batch", "8",
                  "--seq-len", "64", "--time-limit", "10", "--out", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["mesh"].keys() == {"dp", "pp", "tp", "cp", "ep"} and data["schema_version"] == 1
+    assert data["mesh"].keys() == {"dp", "pp", "tp", "cp", "ep"} and data["schema_version"] == 2
     assert json.loads(out.read_text())["fingerprint"] == data["fingerprint"]
     assert main(["show", str(out)]) == 0
     shown = capsys.readouterr().out

@@ -38,6 +38,10 @@ def render(plan) -> None:
               f"seq {plan.seq_len}  (fingerprint {plan.fingerprint})")
     con.print(f"mesh: {plan.mesh}  ({', '.join(f'{k}={v}' for k, v in plan.mesh.as_dict().items())}), "
               f"micro-batch {plan.micro_batch}, ZeRO-{plan.zero}")
+    precision = plan.precision.value + (" (bf16-mixed on an accelerator, fp32 on CPU)"
+                                        if plan.precision.value == "auto" else "")
+    con.print(f"precision: {precision}; pipeline schedule: {plan.schedule.value}, "
+              f"{plan.virtual_stages} virtual stage(s) per rank")
     stages = Table(title="pipeline stages")
     for col in ("stage", "layers", "holds", "recompute", "time/micro-batch s", "memory GB"):
         stages.add_column(col)

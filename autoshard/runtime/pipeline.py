@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -41,15 +40,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Stage
+from autoshard.ir import Schedule, Stage
 from autoshard.models.presets import ModelSpec
 from autoshard.runtime.loss import causal_lm_loss
 from autoshard.runtime.stages import build_stage_module, check_stages, original_names
-
-
-class Schedule(str, Enum):
-    GPIPE = "gpipe"  # all forwards, then all backwards: activations of every micro-batch live at once
-    ONE_F_ONE_B = "1f1b"  # at most pp micro-batches in flight; same bubble (p-1)/(m+p-1)
 
 
 _SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B}
@@ -64,6 +58,9 @@ class PipelineOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, Schedule):
             object.__setattr__(self, "schedule", _parse_schedule(self.schedule))
+        if self.schedule not in _SCHEDULES:
+            raise InvalidConfigError(f"schedule {self.schedule.value!r} is not run by this runtime yet; use "
+                                     f"{' or '.join(repr(s.value) for s in _SCHEDULES)}")
         if self.micro_batch < 1:
             raise InvalidConfigError(f"micro_batch must be >= 1, got {self.micro_batch}")
 

@@ -1,0 +1,86 @@
+"""Plan fields precision / schedule / virtual_stages: defaults, JSON round trip, schema-1 files, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from autoshard.api import _resolve_plan
+from autoshard.cli import main
+from autoshard.errors import InvalidConfigError, PlanFileError
+from autoshard.ir import Mesh, Plan, Precision, Schedule, even_stages, stage_rank
+from autoshard.models.presets import get_spec
+
+
+def _plan(**kw) -> Plan:
+    mesh = kw.pop("mesh", Mesh(pp=2))
+    return Plan(model="llama-tiny", fingerprint="0" * 16, hardware="cpu", devices=mesh.size, global_batch=8,
+                seq_len=16, mesh=mesh, **kw)
+
+
+def test_defaults_and_resolution():
+    plan = _plan()
+    assert (plan.precision, plan.schedule, plan.virtual_stages) == (Precision.AUTO, Schedule.ONE_F_ONE_B, 1)
+    assert Precision.AUTO.resolve("cpu") is Precision.FP32
+    assert Precision.AUTO.resolve("cuda") is Precision.BF16_MIXED and Precision.AUTO.resolve("npu") is Precision.BF16_MIXED
+    assert Precision.FP32.resolve("cuda") is Precision.FP32
+
+
+def test_json_round_trip_and_schema_1():
+    plan = _plan(precision="bf16-mixed", schedule="interleaved-1f1b", virtual_stages=2,
+                 stages=even_stages(4, 4))
+    data = plan.to_json()
+    assert (data["precision"], data["schedule"], data["virtual_stages"]) == ("bf16-mixed", "interleaved-1f1b", 2)
+    assert Plan.from_json(json.loads(json.dumps(data))) == plan
+    old = {k: v for k, v in data.items() if k not in ("precision", "schedule", "virtual_stages")}
+    old["schema_version"], old["stages"] = 1, data["stages"][:2]
+    loaded = Plan.from_json(old)
+    assert (loaded.precision, loaded.schedule, loaded.virtual_stages, loaded.schema_version) == \
+        (Precision.AUTO, Schedule.ONE_F_ONE_B, 1, 2)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(precision="fp16"), r"precision must be one of 'auto', 'bf16-mixed', 'fp32'; got 'fp16'"),
+    (dict(schedule="zb"), r"schedule must be one of .*'zero-bubble'; got 'zb'"),
+    (dict(virtual_stages=0), "virtual_stages must be a positive integer"),
+    (dict(schedule="1f1b", virtual_stages=2), "use schedule='interleaved-1f1b' or 'zero-bubble'"),
+    (dict(schedule="interleaved-1f1b"), "needs virtual_stages >= 2"),
+    (dict(schedule="zero-bubble", virtual_stages=2, mesh=Mesh(dp=2)), r"needs a pipeline \(pp > 1\)"),
+    (dict(schedule="zero-bubble", virtual_stages=2, stages=even_stages(4, 2)), r"pp \(2\) x virtual_stages \(2\) = 4"),
+])
+def test_bad_values(kw, match):
+    with pytest.raises(InvalidConfigError, match=match):
+        _plan(**kw)
+
+
+def test_bad_value_in_file(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**_plan().to_json(), "schedule": "pipedream"}))
+    with pytest.raises(PlanFileError, match="schedule must be one of"):
+        Plan.load(path)
+    assert main(["show", str(path)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_hand_written_plan_keys():
+    spec = get_spec("llama-tiny")
+    plan = _resolve_plan(dict(pp=2, precision="bf16-mixed", schedule="zero-bubble", virtual_stages=2), spec=spec,
+                         world=2, seq_len=16, global_batch=8, hardware="cpu")
+    assert (plan.precision, plan.schedule, plan.virtual_stages) == (Precision.BF16_MIXED, Schedule.ZERO_BUBBLE, 2)
+    with pytest.raises(InvalidConfigError, match="unknown plan keys \\['schedul'\\]"):
+        _resolve_plan(dict(pp=2, schedul="gpipe"), spec=spec, world=2, seq_len=16, global_batch=8, hardware="cpu")
+
+
+def test_stage_rank_placements():
+    loop = [stage_rank(i, pp=2, virtual_stages=2, schedule=Schedule.INTERLEAVED_1F1B) for i in range(4)]
+    vee = [stage_rank(i, pp=2, virtual_stages=2, schedule=Schedule.ZERO_BUBBLE) for i in range(4)]
+    assert loop == [0, 1, 0, 1] and vee == [0, 1, 1, 0]
+
+
+def test_show_prints_them(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    dataclasses.replace(_plan(), precision="fp32", schedule="gpipe").save(path)
+    assert main(["show", str(path)]) == 0
+    assert "precision: fp32; pipeline schedule: gpipe, 1 virtual stage(s) per rank" in capsys.readouterr().out
