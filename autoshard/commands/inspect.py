@@ -2,6 +2,12 @@
 
 The numbers are read off the captured joint graph (passes/capture + passes/shapes), evaluated at
 the given micro-batch and sequence length. `--json` prints one object (see `summarize`).
+
+Mixture of experts (Mixtral, Qwen2-MoE): the FLOPs are those executed, each token through its
+top-k experts (the graph's `_grouped_mm` rows), not through all of them; the parameters are shown
+as expert (the routed experts, sharded over ep) and dense (everything else: attention, router,
+shared expert, embedding, head; replicated over ep), with the parameters active per token
+(dense + top_k / experts of the expert parameters), on which the model-FLOPs formula 6*N is taken.
 """
 
 from __future__ import annotations
@@ -86,16 +92,20 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
     """The numbers `inspect` prints, as one JSON-able dict."""
     blocks = [_block_summary(block, micro_batch, seq_len) for block in table.blocks]
     params = sum(blk["params_total"] for blk in blocks)
+    moe = moe_params(spec, params)
     if spec.family is Family.MAMBA2:
         model_flops = 6 * params + ssd_flops_per_token(spec, seq_len)
         formula = "6*N + SSD (arXiv 2405.21060 sec. 8.3, training = 3x forward)"
+    elif moe:
+        model_flops = 6 * moe["active_params"] + 12 * spec.layers * spec.hidden * seq_len
+        formula = "6*N_active + 12*L*d*s (N_active: dense + top_k/experts of the expert parameters)"
     else:
         model_flops = 6 * params + 12 * spec.layers * spec.hidden * seq_len
         formula = "6*N + 12*L*d*s"
     flops = sum(blk["flops_per_token"] for blk in blocks)
     matmul = sum(blk["matmul_flops_per_token"] for blk in blocks)
     return {
-        "model": table.model, "seq_len": seq_len, "micro_batch": micro_batch, "params": int(params),
+        "model": table.model, "seq_len": seq_len, "micro_batch": micro_batch, "params": int(params), **moe,
         "flops_per_token": flops, "matmul_flops_per_token": matmul, "vector_flops_per_token": flops - matmul,
         "matmul_share": matmul / flops if flops else 0.0,
         "model_flops_per_token": float(model_flops), "model_flops_formula": formula,
@@ -103,6 +113,16 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
         "bytes_moved_per_token": sum(blk["bytes_moved_per_token"] for blk in blocks),
         "blocks": blocks,
     }
+
+
+def moe_params(spec: ModelSpec, params: float) -> dict[str, Any]:
+    """Expert / dense / active-per-token parameters of a MoE model (an empty dict for a dense one)."""
+    if not spec.is_moe:
+        return {}
+    expert = spec.expert_params * spec.layers
+    dense = int(params) - expert
+    return {"experts": spec.experts, "top_k": spec.top_k, "expert_params": expert, "dense_params": dense,
+            "active_params": dense + expert * spec.top_k // spec.experts}
 
 
 def _si(x: float) -> str:
@@ -138,6 +158,10 @@ def render(summary: dict[str, Any], *, file=None) -> None:
     out = file or sys.stdout
     console = Console(file=out, width=None if out.isatty() else 110)
     console.print(table)
+    if "expert_params" in summary:
+        console.print(f"mixture of experts: {summary['experts']} experts, top-{summary['top_k']}; parameters: "
+                      f"expert {summary['expert_params']:,} (sharded over ep), dense {summary['dense_params']:,}, "
+                      f"active per token {summary['active_params']:,}; FLOPs are those executed (top-k experts).")
     console.print(f"params: one instance of each block; total: all. Model FLOPs per token "
                   f"({summary['model_flops_formula']}): {_si(summary['model_flops_per_token'])}; "
                   f"counted from the graph: {_si(summary['flops_per_token'])}.")

@@ -1,7 +1,17 @@
-"""Preset models: the HF configs of the paper's LLaMA and Mamba-2 sizes, plus tiny debug sizes.
+"""Preset models: the HF configs of the paper's LLaMA and Mamba-2 sizes, the MoE models Mixtral-8x7B
+and Qwen1.5-MoE-A2.7B, plus tiny debug sizes.
 
-A preset is a `ModelSpec` (frozen numbers) that builds an unmodified HF `LlamaForCausalLM` or
-`Mamba2ForCausalLM`. `build_model(spec, device="meta")` allocates no weights: planning a 70B
+A preset is a `ModelSpec` (frozen numbers) that builds an unmodified HF `LlamaForCausalLM`,
+`Mamba2ForCausalLM`, `MixtralForCausalLM` or `Qwen2MoeForCausalLM`.
+
+Mixture of experts: Mixtral and Qwen2-MoE are LLaMA-family decoders (`family` LLAMA: the same
+attention, norms, embedding and head, the same tensor- and context-parallel rules) whose MLP is a
+routed mixture of `experts` expert MLPs of width `ffn`, `top_k` per token (`moe` names the HF
+architecture; Qwen2-MoE adds a shared expert of width `shared_ffn`). Their experts run HF's
+`grouped_mm` experts implementation (sort by expert, `histc` counts, `cumsum` offsets,
+`torch._grouped_mm`: every shape fixed by the token count), which `hf_config` sets explicitly:
+HF's `eager` implementation loops over `nonzero()` of the routing mask, whose shapes depend on
+the data and cannot be traced on fake tensors. `build_model(spec, device="meta")` allocates no weights: planning a 70B
 model needs none. `resolve_model` also accepts `package.module:factory`, a callable returning
 an `nn.Module` (its spec is read off the HF config it carries).
 """
@@ -33,7 +43,7 @@ class ModelSpec:
     hidden: int
     layers: int
     tied: bool
-    # LLaMA
+    # LLaMA (ffn: the MLP width; for a MoE model, each routed expert's)
     ffn: int = 0
     heads: int = 0
     kv_heads: int = 0
@@ -44,6 +54,21 @@ class ModelSpec:
     groups: int = 0
     conv: int = 0
     chunk: int = 0
+    # mixture of experts (LLaMA family): the HF architecture ("mixtral" / "qwen2_moe"), routed experts,
+    # experts per token, and the shared expert's MLP width (Qwen2-MoE; 0 for none)
+    moe: str = ""
+    experts: int = 0
+    top_k: int = 0
+    shared_ffn: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of the routed experts of ONE layer (gate, up and down of each expert)."""
+        return self.experts * 3 * self.hidden * self.ffn
 
     @property
     def intermediate(self) -> int:
@@ -52,6 +77,8 @@ class ModelSpec:
 
     def hf_config(self):
         """The Hugging Face config this spec describes."""
+        if self.is_moe:
+            return _moe_config(self)
         if self.family is Family.LLAMA:
             from transformers import LlamaConfig
 
@@ -83,6 +110,34 @@ class ModelSpec:
         )
 
 
+MOE_ARCHS = ("mixtral", "qwen2_moe")
+EXPERTS_IMPLEMENTATION = "grouped_mm"  # fixed shapes: traces on fake tensors (module docstring)
+
+
+def _moe_config(spec: ModelSpec):
+    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                  num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                  num_experts_per_tok=spec.top_k, tie_word_embeddings=spec.tied,
+                  max_position_embeddings=max(4096, 2 * 65536), attn_implementation="sdpa",
+                  experts_implementation=EXPERTS_IMPLEMENTATION)
+    if spec.moe == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(intermediate_size=spec.ffn, num_local_experts=spec.experts, sliding_window=None,
+                             **common)
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(moe_intermediate_size=spec.ffn, intermediate_size=spec.shared_ffn,
+                          shared_expert_intermediate_size=spec.shared_ffn, num_experts=spec.experts,
+                          decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, **common)
+
+
+def _moe(name, moe, vocab, hidden, layers, heads, kv_heads, experts, top_k, ffn, shared_ffn=0) -> ModelSpec:
+    return ModelSpec(name=name, family=Family.LLAMA, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
+                     heads=heads, kv_heads=kv_heads, tied=False, moe=moe, experts=experts, top_k=top_k,
+                     shared_ffn=shared_ffn)
+
+
 def _llama(name, vocab, hidden, ffn, layers, heads, kv_heads, tied=False) -> ModelSpec:
     return ModelSpec(name=name, family=Family.LLAMA, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
                      heads=heads, kv_heads=kv_heads, tied=tied)
@@ -104,6 +159,11 @@ PRESETS: dict[str, ModelSpec] = {
         _mamba2("mamba2-1b", 50288, 2048, 48, 64, 1, tied=True),
         _mamba2("mamba2-7b", 32768, 4096, 64, 128, 8, tied=False),
         _mamba2("mamba2-tiny", 256, 64, 4, 8, 2, tied=False, state=16, head_dim=16, chunk=16),
+        # Mixtral-8x7B (arXiv 2401.04088 table 1); Qwen1.5-MoE-A2.7B (its HF config.json)
+        _moe("mixtral-8x7b", "mixtral", 32000, 4096, 32, 32, 8, experts=8, top_k=2, ffn=14336),
+        _moe("qwen2-moe", "qwen2_moe", 151936, 2048, 24, 16, 16, experts=60, top_k=4, ffn=1408, shared_ffn=5632),
+        _moe("mixtral-tiny", "mixtral", 256, 64, 4, 4, 2, experts=4, top_k=2, ffn=96),
+        _moe("qwen2-moe-tiny", "qwen2_moe", 256, 64, 4, 4, 4, experts=8, top_k=4, ffn=32, shared_ffn=128),
     )
 }
 
@@ -141,9 +201,11 @@ def build_model(spec: ModelSpec, *, device: str | torch.device = "cpu", dtype: t
 
 
 def spec_from_hf_config(config, *, name: str) -> ModelSpec:
-    """Read a `ModelSpec` off a HF LLaMA or Mamba-2 config (for user-built models)."""
+    """Read a `ModelSpec` off a HF LLaMA, Mamba-2, Mixtral or Qwen2-MoE config (for user-built models)."""
     model_type = getattr(config, "model_type", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    if model_type in MOE_ARCHS:
+        return _moe_spec(config, name=name, tied=tied)
     if model_type == "llama":
         return ModelSpec(name=name, family=Family.LLAMA, vocab=config.vocab_size, hidden=config.hidden_size,
                          ffn=config.intermediate_size, layers=config.num_hidden_layers,
@@ -154,9 +216,27 @@ def spec_from_hf_config(config, *, name: str) -> ModelSpec:
                          head_dim=config.head_dim, heads=config.num_heads, groups=config.n_groups,
                          conv=config.conv_kernel, chunk=config.chunk_size, tied=tied)
     raise InvalidConfigError(
-        f"model type {model_type!r} is not supported yet; autoshard knows 'llama' and 'mamba2' "
-        "(LlamaForCausalLM, Mamba2ForCausalLM)"
+        f"model type {model_type!r} is not supported yet; autoshard knows 'llama', 'mamba2', 'mixtral' and "
+        "'qwen2_moe' (LlamaForCausalLM, Mamba2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM)"
     )
+
+
+def _moe_spec(config, *, name: str, tied: bool) -> ModelSpec:
+    """Mixtral / Qwen2-MoE: every layer must be a MoE layer (Qwen2-MoE's decoder_sparse_step 1, no
+    mlp_only_layers), the repeated block autoshard costs once."""
+    if config.model_type == "qwen2_moe":
+        if getattr(config, "decoder_sparse_step", 1) != 1 or getattr(config, "mlp_only_layers", []):
+            raise InvalidConfigError(
+                f"{name}: Qwen2-MoE with dense layers (decoder_sparse_step={config.decoder_sparse_step}, "
+                f"mlp_only_layers={config.mlp_only_layers}) is not supported: autoshard costs one repeated layer; "
+                "use decoder_sparse_step=1 and mlp_only_layers=[]")
+        experts, ffn, shared = config.num_experts, config.moe_intermediate_size, config.shared_expert_intermediate_size
+    else:
+        experts, ffn, shared = config.num_local_experts, config.intermediate_size, 0
+    return ModelSpec(name=name, family=Family.LLAMA, vocab=config.vocab_size, hidden=config.hidden_size, ffn=ffn,
+                     layers=config.num_hidden_layers, heads=config.num_attention_heads,
+                     kv_heads=config.num_key_value_heads, tied=tied, moe=config.model_type, experts=experts,
+                     top_k=config.num_experts_per_tok, shared_ffn=shared)
 
 
 def resolve_model(name_or_factory: str, *, device: str = "meta") -> tuple[ModelSpec, nn.Module]:

@@ -28,7 +28,10 @@ Contract
 (torch 2.13), so the graph holds for the traced shape only. passes/shapes uses "fake" traces.
 
 Failures to trace raise `CaptureError` naming the exception, the op or Python construct, and
-the module path that was running.
+the module path that was running. Mixture-of-experts models (Mixtral, Qwen2-MoE) trace through HF's
+`grouped_mm` experts implementation (sort, histc, cumsum, `_grouped_mm`: fixed shapes, bf16 on fake
+tensors as the meta kernel requires); HF's `eager` experts loop over `nonzero()` of the routing
+mask, a data-dependent shape: that raises a `CaptureError` saying to switch to `grouped_mm`.
 """
 
 from __future__ import annotations
@@ -318,6 +321,14 @@ def _latest_input_path(node: fx.Node, index: dict[fx.Node, int], sites: dict[str
 
 
 def _capture_error(model: nn.Module, e: Exception, path: str) -> CaptureError:
+    if "nonzero" in str(getattr(e, "func", "")) + str(e) and path.split(".")[-1] == "experts":
+        impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
+        return CaptureError(
+            f"cannot trace {type(model).__name__}: the mixture-of-experts routing at {path!r} "
+            f"(experts implementation {impl!r}) selects tokens with nonzero(), whose shape depends on the "
+            "routing data and cannot be traced on fake tensors; use HF's fixed-shape 'grouped_mm' experts: "
+            "build the config with experts_implementation='grouped_mm' (or set "
+            "model.config._experts_implementation = 'grouped_mm')")
     where = f"module {path!r} ({type(_get_submodule(model, path)).__name__})" if path else \
         f"the top level of {type(model).__name__}.forward"
     first = (str(e).strip().splitlines() or [""])[0][:300]

@@ -30,6 +30,11 @@ Contract
   operand); copies, casts, concats,
   padding and lookups count none. Views cost nothing. Bytes are what each op reads and writes
   (a broadcast or sliced operand is charged at most its storage size).
+* Mixture of experts: `aten._grouped_mm` (HF's `grouped_mm` experts) multiplies each row of the
+  (token, expert) pairs by its own expert only, so it counts 2*rows*k*n FLOPs (top-k experts per
+  token, not all of them); its GEMM shape is (experts, rows / experts, n, k): the tokens each expert
+  receives under uniform routing (the cost model scales the busiest expert by --moe-imbalance).
+  The weight-gradient form ((k, rows) x (rows, n) -> (experts, k, n)) counts 2*k*rows*n alike.
 * `training=False` traces the forward only (no loss, no backward; `saved_bytes` are 0).
 The table is cached per (spec, options): the cost model and the solver may call this freely.
 """
@@ -254,6 +259,24 @@ def _matmul(name: str, args: list, out: torch.Tensor) -> tuple[int, tuple[int, i
     return 2 * batch * m * n * kk, (batch, m, n, kk)
 
 
+def _grouped_matmul(args: list, out: torch.Tensor) -> tuple[int, tuple[int, int, int, int]]:
+    """`_grouped_mm(a, b, offs)`: every row (or, for a weight gradient, every reduction index) of the
+    sorted (token, expert) pairs meets one expert; GEMM shape per expert at an even split."""
+    a, b = args[0], args[1]
+    groups = args[2].shape[0] if len(args) > 2 and isinstance(args[2], torch.Tensor) else 1
+    if a.dim() == 2 and b.dim() == 3:  # (rows, k) x (E, k, n) -> (rows, n)
+        rows, kk = a.shape
+        n = b.shape[-1]
+        return 2 * rows * kk * n, (groups, rows // groups, n, kk)
+    if a.dim() == 2 and b.dim() == 2:  # (m, rows) x (rows, n) -> (E, m, n): per-expert weight gradients
+        m, rows = a.shape
+        n = b.shape[-1]
+        return 2 * m * rows * n, (groups, m, n, rows // groups)
+    batch, m, kk = a.shape if a.dim() == 3 else (1, *a.shape)
+    n = b.shape[-1]
+    return 2 * batch * m * kk * n, (batch, m, n, kk)
+
+
 def _conv(name: str, args: list, out: Any) -> tuple[int, bool]:
     """Convolution FLOPs (torch.utils.flop_counter.conv_flop_count, which is exact for grouped and
     depthwise convolutions through the weight shape); backward counts one forward-sized convolution
@@ -288,6 +311,9 @@ def _measure_node(node: fx.Node) -> _Measure:
         kind = OpKind.MATMUL
     elif name in _MATMUL_OPS:
         flops, gemm = _matmul(name, args, out)
+        kind = OpKind.MATMUL
+    elif name == "_grouped_mm":
+        flops, gemm = _grouped_matmul(args, out)
         kind = OpKind.MATMUL
     elif name in ("convolution", "convolution_backward"):
         flops, dense = _conv(name, args, out)

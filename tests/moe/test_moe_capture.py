@@ -1,0 +1,58 @@
+"""Mixtral / Qwen2-MoE: presets, capture on fake tensors, executed FLOPs and inspect's expert/dense split."""
+
+import json
+
+import pytest
+import torch
+
+from autoshard.cli import main
+from autoshard.errors import CaptureError
+from autoshard.models import build_model, get_spec
+from autoshard.models.presets import spec_from_hf_config
+from autoshard.passes.capture import capture_model
+
+
+def test_moe_presets_have_the_published_shapes():
+    m = get_spec("mixtral-8x7b")
+    assert (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.experts, m.top_k, m.vocab) == \
+        (32, 4096, 32, 8, 14336, 8, 2, 32000)
+    # Mixtral-8x7B has 46.7B parameters (arXiv 2401.04088), 12.9B active per token
+    assert build_model(m, device="meta").num_parameters() == 46_702_792_704
+    q = get_spec("qwen2-moe")
+    assert (q.layers, q.hidden, q.heads, q.experts, q.top_k, q.ffn, q.shared_ffn, q.vocab) == \
+        (24, 2048, 16, 60, 4, 1408, 5632, 151936)
+    for name in ("mixtral-8x7b", "qwen2-moe", "mixtral-tiny", "qwen2-moe-tiny"):
+        spec = get_spec(name)
+        config = spec.hf_config()
+        assert config._experts_implementation == "grouped_mm"
+        assert spec_from_hf_config(config, name=name) == spec
+
+
+def test_eager_experts_routing_is_a_clear_capture_error():
+    model = build_model(get_spec("mixtral-tiny").__class__(**{**_fields(get_spec("mixtral-tiny")), "layers": 1}),
+                        device="meta", dtype=torch.bfloat16)
+    model.config._experts_implementation = "eager"
+    with pytest.raises(CaptureError, match=r"nonzero.*grouped_mm"):
+        capture_model(model, (torch.zeros(1, 8, dtype=torch.long),))
+
+
+def _fields(spec):
+    return {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny"])
+def test_inspect_splits_expert_and_dense_params_and_counts_top_k_flops(capsys, name):
+    assert main(["inspect", "--model", name, "--seq-len", "128", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    spec = get_spec(name)
+    n = build_model(spec, device="meta").num_parameters()
+    expert = spec.layers * spec.experts * 3 * spec.hidden * spec.ffn
+    assert (data["params"], data["expert_params"], data["dense_params"]) == (n, expert, n - expert)
+    active = n - expert + expert * spec.top_k // spec.experts
+    assert data["active_params"] == active
+    # executed FLOPs: 6 x active parameters (less the embedding lookup) + attention, not 6 x all experts
+    expected = 6 * (active - spec.vocab * spec.hidden) + 12 * spec.layers * spec.hidden * 128
+    assert data["flops_per_token"] == pytest.approx(expected, rel=0.05)
+    assert data["flops_per_token"] < 6 * (n - spec.vocab * spec.hidden)
+    assert main(["inspect", "--model", name, "--seq-len", "128"]) == 0
+    assert "expert" in capsys.readouterr().out
