@@ -10,6 +10,9 @@ Contract (DESIGN.md, "Entry points"): built by `autoshard.parallelize` on every 
 * `full_grads()` / `full_state_dict()`: {original HF parameter name: full tensor} on every rank
   (collectives over tp, pp and, under ZeRO, dp; for checks, not the fast path).
 * `__call__(input_ids)`: full logits (b, s, V) on every rank, no gradient.
+* `generate(input_ids, max_new_tokens=N)`: greedy generation on a plan with dp = cp = 1 (tp and
+  pp any), prompt + new tokens on every rank, equal to HF's single-process greedy `generate`;
+  the KV cache / Mamba-2 state stays sharded as the weights are (see `runtime/generate.py`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class DistributedModel:
         self._sync = GradSync(self._params, self._grad_group, zero=setup.plan.zero,
                               prepare=partial_grad_reducer(self.model, setup.program, self._tp_group))
         self._optimizer = None
+        self._generator = None  # runtime.generate.Generator, built on the first generate()
         if optimizer is not None:
             self._optimizer = ShardedOptimizer(self._sync, optimizer) if zero else optimizer(self._params)
 
@@ -136,6 +140,25 @@ class DistributedModel:
                 local = self._logits(ids)
             full = gather_last_dim(local, self._tp_group)
             return self._cp.full_sequence(full) if self._cp is not None else full
+
+    def generate(self, input_ids: Tensor, *, max_new_tokens: int) -> Tensor:
+        """Prompt + greedy new tokens (b, s + n), n <= max_new_tokens, on every rank (collective)."""
+        mesh = self.plan.mesh
+        if mesh.dp != 1 or mesh.cp != 1 or mesh.ep != 1:
+            raise InvalidConfigError(f"generate runs one model replica: the plan has dp={mesh.dp}, cp={mesh.cp}, "
+                                     f"ep={mesh.ep}; use a plan with dp = cp = ep = 1 (tp and pp as you like) and "
+                                     "start one such world per replica")
+        if self._generator is None:
+            from autoshard.ir import Stage
+            from autoshard.runtime.generate import Generator
+            from autoshard.runtime.stages import build_stage_module
+
+            spec = self._setup.spec
+            stage = self._runner.module if self._runner is not None else build_stage_module(
+                self.model, spec, Stage(first_layer=0, end_layer=spec.layers, embed=True, head=True))
+            self._generator = Generator(self.model, spec, stage, tp_group=self._tp_group,
+                                        pp_group=self._groups.pp if mesh.pp > 1 else None, device=self._groups.device)
+        return self._generator.generate(input_ids, max_new_tokens=max_new_tokens)
 
     def full_grads(self) -> dict[str, Tensor]:
         """{original name: full gradient of the last train_step} on every rank (collective)."""
