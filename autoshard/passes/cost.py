@@ -709,3 +709,9 @@ def _check(spec: ModelSpec, layout: Layout, global_batch: int, seq_len: int) -> 
     why = zero_violation(mesh, layout.zero)
     if why:
         raise InvalidConfigError(why)
+
+
+# Pieces the inference cost model (passes/inference_cost.py) prices forward passes with.
+node_times = _node_times
+tp_comm_times = _tp_comm
+tp_divisor = _tp_divisor

@@ -64,6 +64,7 @@ class Generator:
         self.pp = dist.get_world_size(pp_group) if pp_group is not None else 1
         self.index = dist.get_rank(pp_group) if pp_group is not None else 0
         self.eos, self.pad = stop_tokens(model)
+        self.cache_bytes = 0  # bytes this rank's cache held at the end of the last generate (checks)
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, *, max_new_tokens: int) -> Tensor:
@@ -88,6 +89,7 @@ class Generator:
             step_input = token[:, None]
             if self.eos and not bool(unfinished.any()):
                 break
+        self.cache_bytes = _cache_bytes(cache)
         return ids
 
     def _step(self, ids: Tensor, cache, *, past: int, hidden_dtype: torch.dtype | None):
@@ -139,3 +141,13 @@ class Generator:
                                   position_ids=position_ids, layer_idx=self.stage.stage.first_layer)
         return {"attention_mask": mask, "position_ids": position_ids, "cache": cache, "use_cache": True,
                 "position_embeddings": self.stage.rotary_emb(hidden, position_ids=position_ids)}
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of every tensor a HF cache holds (K/V, conv and SSM states of the layers it filled)."""
+    total = 0
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            tensors = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else (value,)
+            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+    return total

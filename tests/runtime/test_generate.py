@@ -11,7 +11,9 @@ import torch
 
 import autoshard
 from autoshard.errors import InvalidConfigError
+from autoshard.ir import even_stages
 from autoshard.models.presets import build_model, get_spec
+from autoshard.passes.inference_cost import cache_bytes_per_layer
 from tests.runtime.dist_harness import run_ranks
 
 NEW_TOKENS = 6
@@ -36,6 +38,12 @@ def _check(preset: str, plan: dict, *, eos_first: bool = False) -> None:
     dm = autoshard.parallelize(model, ids, plan=plan, global_batch=ids.shape[0])
     got = dm.generate(ids, max_new_tokens=NEW_TOKENS)
     assert torch.equal(got, expected), f"{preset} {plan}:\n got {got.tolist()}\nwant {expected.tolist()}"
+    if not eos_first:  # the cache holds this rank's heads of its stage's layers, as the cost model prices it
+        tp, pp = plan.get("tp", 1), plan.get("pp", 1)
+        layers = even_stages(spec.layers, pp)[dm._groups.coords.pp].layers
+        per_layer = cache_bytes_per_layer(spec, batch=ids.shape[0], tokens=ids.shape[1] + NEW_TOKENS - 1, tp=tp,
+                                          dtype_bytes=4)  # the test models are float32
+        assert dm._generator.cache_bytes == layers * per_layer, f"{preset} {plan}: cache bytes"
     assert torch.equal(dm.generate(ids, max_new_tokens=0), ids)
 
 

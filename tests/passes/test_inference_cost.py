@@ -1,0 +1,140 @@
+"""Inference cost model on hand-built tables whose numbers are checked by hand."""
+
+import dataclasses
+
+import pytest
+import sympy
+
+from autoshard.errors import InvalidConfigError
+from autoshard.hardware import load_hardware
+from autoshard.ir import B, S, BlockCost, BlockKind, CostTable, NodeCost, OpKind
+from autoshard.models.presets import get_spec
+from autoshard.passes import inference_cost as ic
+from autoshard.passes.inference_cost import ServeLayout, compile_inference_table, estimate_serving
+
+LLAMA = get_spec("llama-tiny")  # hidden 64, 4 heads (head_dim 16), 2 KV heads, 4 layers, vocab 256
+MAMBA = get_spec("mamba2-tiny")  # hidden 64, 8 heads of 16, 2 groups, state 16, conv 4, 4 layers
+H = 64
+# round numbers, no shape penalty: GEMM time = flops / 1e12, vector time = bytes / 1e11
+HW = dataclasses.replace(load_hardware("h100"), name="toy", peak_flops=1e12, gemm_efficiency=1.0,
+                         gemm_half_dim=1e-9, hbm_bandwidth=1e11, vector_efficiency=1.0, memory_bytes=1e9)
+W_UP = 2 * H * 256  # bf16 weight bytes of the up projection
+
+
+def node(name, kind, phase, path, flops, nbytes, gemm=None):
+    return NodeCost(name=name, target="aten." + name, kind=kind, phase=phase, module_path=path, block=0,
+                    flops=sympy.sympify(flops), bytes_read=sympy.sympify(nbytes), bytes_written=sympy.Integer(0),
+                    saved_bytes=sympy.Integer(0), gemm=None if gemm is None else tuple(map(sympy.sympify, gemm)))
+
+
+def toy_table(core_path: str, core_flops, core_bytes, core_gemm=None):
+    t = B * S
+    L = "layers.0."
+    layer = (
+        node("norm", OpKind.VECTOR, "fwd", L + "norm", 0, 4 * t * H),
+        node("core", OpKind.MATMUL if core_gemm else OpKind.VECTOR, "fwd", L + core_path, core_flops, core_bytes,
+             gemm=core_gemm),
+        node("up", OpKind.MATMUL, "fwd", L + "mlp.up_proj", 2 * t * H * 256, 2 * t * H + W_UP, gemm=(1, t, 256, H)),
+        node("up_bwd", OpKind.MATMUL, "bwd", L + "mlp.up_proj", 4 * t * H * 256, 0, gemm=(1, t, H, 256)),
+    )
+    embed = (node("emb", OpKind.VECTOR, "fwd", "model.embed_tokens", 0, 2 * t * H),)
+    head = (node("lm", OpKind.MATMUL, "fwd", "lm_head", 2 * t * H * 256, 0, gemm=(1, t, 256, H)),
+            node("loss", OpKind.VECTOR, "fwd", "", 0, 1e9 * t))  # the training loss: inference does not run it
+    return CostTable(model="toy", blocks=(
+        BlockCost(name="embed", kind=BlockKind.EMBED, count=1, params=256 * H, nodes=embed),
+        BlockCost(name="layer", kind=BlockKind.LAYER, count=4, params=1000, nodes=layer),
+        BlockCost(name="head", kind=BlockKind.HEAD, count=1, params=256 * H, nodes=head),
+    ))
+
+
+# attention's full s x s score and value matmuls (PaLM counting): 4 * b * s^2 * heads * head_dim
+LLAMA_TABLE = toy_table("self_attn", 4 * B * S ** 2 * H, 8 * B * S * H, core_gemm=(4 * B, S, S, 16))
+MAMBA_TABLE = toy_table("mixer", 100 * B * S, 1000 * B * S)
+P, O, BATCH = 64, 16, 2
+
+
+def _layer_fwd(b, s, *, with_core_flops=0.0, with_core_bytes=0.0):
+    """Hand roofline of the toy layer's forward nodes."""
+    t = b * s
+    return 4 * t * H / 1e11 + max(with_core_flops / 1e12, with_core_bytes / 1e11) + \
+        max(2 * t * H * 256 / 1e12, (2 * t * H + W_UP) / 1e11)
+
+
+def test_prefill_is_the_forward_of_the_tables_at_batch_and_prompt_length():
+    est = estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(batch=BATCH), prompt_len=P, output_len=O)
+    t = BATCH * P
+    layer = _layer_fwd(BATCH, P, with_core_flops=4 * BATCH * P ** 2 * H, with_core_bytes=8 * t * H)
+    head = 2 * BATCH * 1 * H * 256 / 1e12  # last position only; the loss node is not run
+    assert est.prefill.compute == pytest.approx(4 * layer + 2 * t * H / 1e11 + head)
+    assert est.prefill.core == 0 and est.prefill.tp_comm == 0 and est.prefill.pp_comm == 0
+    assert est.ttft_s == pytest.approx(est.prefill.total)
+
+
+def test_llama_decode_reads_weights_and_the_kv_cache_once_per_token():
+    est = estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(batch=BATCH), prompt_len=P, output_len=O)
+    c = P + O / 2  # mean context of the decode steps
+    layer = _layer_fwd(BATCH, 1)  # the s x s node is replaced by the cache read
+    assert est.decode.compute == pytest.approx(4 * layer + 2 * BATCH * H / 1e11 + 2 * BATCH * H * 256 / 1e12)
+    flops = 4 * BATCH * H * c  # one query against c keys
+    kv = 2 * BATCH * c * LLAMA.kv_heads * 16 * 2  # K and V, GQA heads, bf16
+    assert est.decode.core == pytest.approx(4 * max(flops / 1e12, (kv + 2 * BATCH * H * 2) / 1e11))
+    assert est.tpot_s == pytest.approx(est.decode.total)
+    cycle = est.ttft_s + (O - 1) * est.tpot_s
+    assert est.throughput_tokens_per_s == pytest.approx(BATCH * O / cycle)
+
+
+def test_decode_grows_with_the_context_for_llama_not_for_mamba2():
+    llama = compile_inference_table(LLAMA_TABLE, LLAMA)
+    mamba = compile_inference_table(MAMBA_TABLE, MAMBA)
+    short, long = (ic.decode_core_seconds(llama, HW, 1, batch=8, context=c) for c in (1000, 4000))
+    assert long == pytest.approx(4 * short, rel=0.01)
+    assert ic.decode_core_seconds(mamba, HW, 1, batch=8, context=1000) == \
+        ic.decode_core_seconds(mamba, HW, 1, batch=8, context=1e6)
+    # Mamba-2's step reads and writes the fp32 SSM state and the bf16 conv state once
+    state = 8 * MAMBA.heads * MAMBA.head_dim * MAMBA.state
+    conv = 8 * (MAMBA.intermediate + 2 * MAMBA.groups * MAMBA.state) * MAMBA.conv
+    assert ic.decode_core_seconds(mamba, HW, 2, batch=8, context=1) == pytest.approx(
+        2 * (state * 4 + conv * 2) / 2 / 1e11)
+
+
+def test_tp_shards_cache_and_adds_latency_bound_all_reduces():
+    one, two = (estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(tp=tp, batch=BATCH), prompt_len=P,
+                                 output_len=O) for tp in (1, 2))
+    assert two.memory.cache == pytest.approx(one.memory.cache / 2)  # 2 KV heads over tp 2
+    assert two.decode.tp_comm > 0 and one.decode.tp_comm == 0
+    # one decode step's all-reduces carry (batch, 1, hidden): the latency term dominates
+    latency = 2 * LLAMA.layers * HW.intra_latency
+    assert two.decode.tp_comm > latency
+    four = estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(tp=4, batch=BATCH), prompt_len=P, output_len=O)
+    assert four.memory.cache == pytest.approx(two.memory.cache)  # 2 KV heads: each of 4 ranks keeps one
+
+
+def test_memory_is_weights_cache_at_prompt_plus_output_and_prefill_activations():
+    est = estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(batch=BATCH), prompt_len=P, output_len=O)
+    assert est.memory.weights == pytest.approx((256 * H * 2 + 4 * 1000) * 2)
+    assert est.memory.cache == pytest.approx(4 * 2 * BATCH * (P + O) * LLAMA.kv_heads * 16 * 2)
+    residual = 2 * BATCH * P * H * 2
+    largest = 8 * BATCH * P * H  # the attention node's inputs and output
+    assert est.memory.activations == pytest.approx(residual + largest + BATCH * 256 * 4)
+    mamba = estimate_serving(MAMBA_TABLE, MAMBA, HW, ServeLayout(batch=BATCH), prompt_len=P, output_len=O)
+    longer = estimate_serving(MAMBA_TABLE, MAMBA, HW, ServeLayout(batch=BATCH), prompt_len=P, output_len=10 * O)
+    assert mamba.memory.cache == longer.memory.cache  # constant state
+
+
+def test_pipeline_adds_hops_and_splits_weights():
+    one, two = (estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(pp=pp, batch=BATCH), prompt_len=P,
+                                 output_len=O) for pp in (1, 2))
+    assert two.decode.pp_comm > HW.intra_latency and one.decode.pp_comm == 0
+    assert two.decode.compute == pytest.approx(one.decode.compute)  # stages run one after the other
+    assert two.memory.weights < one.memory.weights
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(InvalidConfigError, match="pp"):
+        estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(pp=8), prompt_len=P, output_len=O)
+    with pytest.raises(InvalidConfigError, match="positive"):
+        estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(), prompt_len=0, output_len=O)
+    with pytest.raises(InvalidConfigError, match="batch"):
+        ServeLayout(batch=0)
+    with pytest.raises(InvalidConfigError, match="mixture-of-experts"):
+        compile_inference_table(LLAMA_TABLE, get_spec("mixtral-tiny"))
