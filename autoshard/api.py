@@ -3,10 +3,13 @@
 `parallelize(model, example_inputs, plan=..., global_batch=..., optimizer=...)` turns an
 unmodified HF `LlamaForCausalLM` / `Mamba2ForCausalLM` into this rank's `DistributedModel`:
 
-1. read the plan (dict / `Plan` / path) and check it against the model and the world size:
-   every rank raises the same `InvalidConfigError` *before* any collective, so nothing hangs;
+1. read the plan (dict / `Plan` / path) and check it against the model and the world size,
+   with no communication;
 2. create the default process group from the torchrun environment if none exists (a plain
-   `python` run is a world of one), then the groups of every mesh axis;
+   `python` run is a world of one: a bad plan is raised there without one); every rank compares
+   its plan, model fingerprint and settings (or the error step 1 raised) with the others' in one
+   small all-gather (`runtime/agreement.py`), so every rank raises the same error and nothing
+   hangs; then the groups of every mesh axis;
 3. `passes.rewrite.shard_program` decides this rank's slices and collectives,
    `runtime.tensor_parallel` carries them out on the model in place (a meta model is
    materialised here module by module), and pp > 1 wraps the rank's stage in the pipeline runner.
@@ -52,6 +55,7 @@ from autoshard.ir import AXES, Mesh, Plan, Precision
 from autoshard.models.presets import Family, spec_from_hf_config
 from autoshard.passes.rewrite import Replicate, check_plan, shard_program
 from autoshard.passes.shard_graph import shard_graph
+from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
 from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup
 from autoshard.runtime.mesh import backend_for, build_groups, init_default_group
@@ -83,24 +87,36 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     ids = _input_ids(example_inputs)
     device = _device(model, device, hardware)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    fingerprint = fingerprint_module(model)
     if plan is None:  # rank 0 solves, every rank runs what it broadcasts
         init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
-        plan = _solve_on_rank0(model, spec, world=world, seq_len=ids.shape[1],
-                               global_batch=global_batch or ids.shape[0], hardware=_hardware_name(hardware, device),
-                               device=device)
+        solved = _solve_on_rank0(model, spec, world=world, seq_len=ids.shape[1],
+                                 global_batch=global_batch or ids.shape[0], hardware=_hardware_name(hardware, device),
+                                 device=device)
+        given = lambda: solved  # noqa: E731
     else:
-        source = f"plan file {plan}" if isinstance(plan, (str, Path)) else "the plan"
-        given_dict = isinstance(plan, Mapping)
-        plan = _resolve_plan(plan, spec=spec, world=world, seq_len=ids.shape[1],
-                             global_batch=global_batch or ids.shape[0], hardware=hardware)
-        if not given_dict:  # a Plan or a file: made for this model and world size?
-            check_plan_matches(plan, fingerprint=fingerprint_module(model), devices=world, source=source)
-    if schedule is not None:
-        plan = dataclasses.replace(plan, schedule=schedule)
-    if plan.precision.resolve(device.type) is not Precision.FP32:
-        raise InvalidConfigError(f"precision {plan.precision.value!r} on {device.type} is bf16-mixed, which this "
-                                 "runtime does not run yet; pass plan key precision='fp32'")
-    groups, program = _rank_program(model, spec, plan, world=world, device=device)
+        requested = plan
+
+        def given() -> Plan:
+            out = _resolve_plan(requested, spec=spec, world=world, seq_len=ids.shape[1],
+                                global_batch=global_batch or ids.shape[0], hardware=hardware)
+            if not isinstance(requested, Mapping):  # a Plan or a file: made for this model and world size?
+                source = f"plan file {requested}" if isinstance(requested, (str, Path)) else "the plan"
+                check_plan_matches(out, fingerprint=fingerprint, devices=world, source=source)
+            return out
+
+    def resolve() -> Plan:
+        out = given()
+        if schedule is not None:
+            out = dataclasses.replace(out, schedule=schedule)
+        if out.precision.resolve(device.type) is not Precision.FP32:
+            raise InvalidConfigError(f"precision {out.precision.value!r} on {device.type} is bf16-mixed, which this "
+                                     "runtime does not run yet; pass plan key precision='fp32'")
+        return out
+
+    settings = dict(seed=seed, device_type=device.type, optimizer=optimizer is not None)
+    plan, groups, program = _rank_program(model, spec, resolve, world=world, device=device,
+                                          fingerprint=fingerprint, settings=settings)
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
     cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
@@ -117,13 +133,26 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     return DistributedModel(setup, optimizer=optimizer)
 
 
-def _rank_program(model: nn.Module, spec, plan: Plan, *, world: int, device: torch.device):
-    """Check `plan` on every rank (before any collective), then this rank's groups and shard table."""
-    check_plan(plan, spec, world_size=world)
+def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world: int, device: torch.device,
+                  fingerprint: str, settings: Mapping[str, Any]):
+    """The plan `resolve()` gives, checked on this rank with no communication; then every rank compares
+    its plan (or the error its checks raised) with the others' in one small all-gather, so a rank given
+    another plan or a bad one ends every rank with the same error instead of a hang
+    (runtime/agreement.py); then this rank's groups and shard table: (plan, groups, program)."""
+    try:
+        plan, error = resolve(), None
+        check_plan(plan, spec, world_size=world)
+    except AutoshardError as e:
+        if world == 1 and not dist.is_initialized():
+            raise  # nobody to tell: no process group is made just to report it
+        plan, error = None, e
     init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
+    facts = None if error is not None else plan_facts(plan, fingerprint=fingerprint, settings=settings)
+    agree("plan", PLAN_FIELDS, facts, error=error, device=device,
+          hint="give every rank the same plan, model and settings of autoshard.parallelize")
     groups = build_groups(plan.mesh, device=device, backend=backend_for(device))
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    return groups, shard_program(plan, spec, shapes, tp_rank=groups.coords.tp)
+    return plan, groups, shard_program(plan, spec, shapes, tp_rank=groups.coords.tp)
 
 
 def _input_ids(example_inputs: Any) -> Tensor:
@@ -234,10 +263,14 @@ def _resolve_plan(plan: Any, *, spec, world: int, seq_len: int, global_batch: in
     if mesh.size != world:
         raise InvalidConfigError(f"the plan's mesh {mesh.as_dict()} multiplies to {mesh.size}, but the world "
                                  f"size is {world}; choose dp*pp*tp*cp*ep = {world}")
+    for key, default in (("micro_batch", 1), ("zero", 0)):
+        value = plan.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidConfigError(f"plan key {key!r} must be an integer, got {value!r}")
     options = {key: plan[key] for key in ("precision", "schedule", "virtual_stages") if plan.get(key) is not None}
     return Plan(model=spec.name, fingerprint="", hardware=hardware, devices=world, global_batch=global_batch,
-                seq_len=seq_len, mesh=mesh, micro_batch=int(plan.get("micro_batch", 1)),
-                zero=int(plan.get("zero", 0) or 0), recompute=plan.get("recompute") or "none", **options)
+                seq_len=seq_len, mesh=mesh, micro_batch=plan.get("micro_batch", 1), zero=plan.get("zero", 0),
+                recompute=plan.get("recompute") or "none", **options)
 
 
 # -- torch.compile backend -------------------------------------------------------------------
@@ -257,10 +290,16 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
     spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
     device = torch.device(device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    plan = _resolve_plan({"dp": world} if plan is None else plan, spec=spec, world=world, seq_len=1,
-                         global_batch=global_batch or world, hardware="auto")
-    _check_backend_supported(plan, spec)
-    groups, program = _rank_program(model, spec, plan, world=world, device=device)
+    requested = {"dp": world} if plan is None else plan
+
+    def resolve() -> Plan:
+        given = _resolve_plan(requested, spec=spec, world=world, seq_len=1,
+                              global_batch=global_batch or world, hardware="auto")
+        _check_backend_supported(given, spec)
+        return given
+
+    plan, groups, program = _rank_program(model, spec, resolve, world=world, device=device,
+                                          fingerprint=fingerprint_module(model), settings={"device_type": device.type})
     # embedding and LM head stay whole under the backend (the loss is HF's own, on full logits)
     vocab = {program.vocab_embed and f"{program.vocab_embed}.weight", program.vocab_head and f"{program.vocab_head}.weight"}
     program = _replace_placements(program, {name: Replicate() for name in vocab if name})

@@ -15,10 +15,17 @@ from autoshard.errors import AutoshardError
 COMMANDS = ("inspect", "sweep", "plan", "show", "cache")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors on one line (exit 2) like autoshard's own."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="autoshard",
         description="Automatic parallelization for PyTorch training: capture a model, price every "
         "(DP, PP, TP, CP, EP) layout on a cluster, solve for the fastest plan, and run it.",

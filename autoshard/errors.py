@@ -34,5 +34,5 @@ class InfeasiblePlanError(AutoshardError):
     """No configuration fits; the message names the binding constraint and by how much."""
 
 
-class PlanFileError(AutoshardError):
+class PlanFileError(InvalidConfigError):
     """A plan file that is malformed, from a newer schema, or for another model or world size."""

@@ -38,8 +38,12 @@ def check_plan_matches(plan, *, fingerprint: str, devices: int, source: str = "t
     """Refuse a plan made for another model or world size (PlanFileError naming both sides)."""
     from autoshard.errors import PlanFileError
 
+    if not plan.fingerprint.strip():
+        raise PlanFileError(f"{source} has a blank fingerprint, so nothing tells which model it was made for "
+                            f"(it names {plan.model!r}); re-export it with `autoshard plan ... --out`, or pass "
+                            "plan=dict(dp=..., tp=..., ...) to run a layout without a plan file")
     problems = []
-    if plan.fingerprint and plan.fingerprint != fingerprint:
+    if plan.fingerprint != fingerprint:
         problems.append(f"it was made for another model ({plan.model}, fingerprint {plan.fingerprint}; this "
                         f"model's is {fingerprint})")
     if plan.devices != devices:

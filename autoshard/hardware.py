@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -47,9 +48,9 @@ class DeviceProfile:
     def __post_init__(self) -> None:
         for f in _NUMERIC_FIELDS:
             value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a positive number, "
-                                         f"got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a positive finite "
+                                         f"number, got {value!r}")
         if not isinstance(self.devices_per_node, int):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'devices_per_node' must be an "
                                      f"integer, got {self.devices_per_node!r}")

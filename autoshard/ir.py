@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -161,6 +162,14 @@ class Stage:
     head: bool
     recompute: Recompute = Recompute.NONE
 
+    def __post_init__(self) -> None:
+        for name in ("first_layer", "end_layer"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise InvalidConfigError(f"stage {name} must be a non-negative integer, got {getattr(self, name)!r}")
+        if self.first_layer > self.end_layer:
+            raise InvalidConfigError(f"stage layers [{self.first_layer}, {self.end_layer}): the first layer is after "
+                                     "the end; a stage holds layers first_layer <= i < end_layer")
+
     @property
     def layers(self) -> int:
         return self.end_layer - self.first_layer
@@ -211,6 +220,34 @@ def even_stages(layers: int, pp: int, *, recompute: Recompute = Recompute.NONE) 
     return tuple(stages)
 
 
+def check_stages(stages: tuple[Stage, ...], *, num_layers: int, pp: int) -> tuple[Stage, ...]:
+    """`stages` if they are a valid split of `num_layers` layers over `pp` stages, else InvalidConfigError."""
+    stages = tuple(stages)
+    if len(stages) != pp:
+        raise InvalidConfigError(f"the plan has {len(stages)} pipeline stages but pp is {pp}; "
+                                 "give one Stage per pp rank (or none for an even split)")
+    expected_first = 0
+    for i, st in enumerate(stages):
+        where = f"stage {i} (layers [{st.first_layer}, {st.end_layer}))"
+        if st.first_layer != expected_first or st.end_layer < st.first_layer:
+            raise InvalidConfigError(f"{where} does not follow the previous stage; stages must cover layers "
+                                     f"0..{num_layers} in order, this one should start at layer {expected_first}")
+        if st.embed != (i == 0) or st.head != (i == pp - 1):
+            raise InvalidConfigError(f"{where}: the embedding belongs to the first stage and the LM head to "
+                                     f"the last, found embed={st.embed}, head={st.head}")
+        if st.layers == 0 and not (st.embed or st.head):
+            raise InvalidConfigError(f"{where} holds nothing; give every middle stage at least one layer")
+        expected_first = st.end_layer
+    if expected_first != num_layers:
+        raise InvalidConfigError(f"the stages cover layers 0..{expected_first} but the model has {num_layers} "
+                                 f"layers; the last stage must end at layer {num_layers}")
+    return stages
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """A parallel layout for one model on one cluster, and what it is predicted to cost.
@@ -240,14 +277,16 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        for name in ("devices", "global_batch", "seq_len", "micro_batch", "schema_version"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.mesh.size != self.devices:
             raise InvalidConfigError(
                 f"mesh {self.mesh.as_dict()} multiplies to {self.mesh.size}, but devices is {self.devices}"
             )
-        if self.zero not in (0, 1, 2, 3):
+        if not _is_int(self.zero) or self.zero not in (0, 1, 2, 3):
             raise InvalidConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.micro_batch < 1:
-            raise InvalidConfigError(f"micro_batch must be >= 1, got {self.micro_batch}")
         object.__setattr__(self, "recompute", _enum_field(Recompute, self.recompute, "recompute"))
         object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
         object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
@@ -257,6 +296,8 @@ class Plan:
                 f"the plan has {len(self.stages)} stages but pp ({self.mesh.pp}) x virtual_stages "
                 f"({self.virtual_stages}) = {self.mesh.pp * self.virtual_stages}; give one Stage per model chunk "
                 "(or none for an even split)")
+        if self.stages:  # the split itself; its layer count is checked against the model (passes/rewrite.check_plan)
+            check_stages(self.stages, num_layers=self.stages[-1].end_layer, pp=self.chunks)
 
     @property
     def chunks(self) -> int:
@@ -289,7 +330,10 @@ class Plan:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        try:
+            Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        except OSError as e:
+            raise PlanFileError(f"cannot write plan file {path}: {e.strerror}") from None
 
     @classmethod
     def from_json(cls, data: Any, *, source: str = "plan") -> Plan:
@@ -331,42 +375,115 @@ def _plan_from_json(data: Any, *, source: str) -> Plan:
     if not isinstance(data, dict):
         raise bad(f"expected a JSON object at the top level, found {type(data).__name__}")
     version = data.get("schema_version")
-    if not isinstance(version, int):
-        raise bad("missing integer field 'schema_version'; is this an autoshard plan file?")
+    if not _is_int(version) or version < 1:
+        raise bad(f"field 'schema_version' must be a positive integer, found {version!r}; is this an autoshard "
+                  "plan file?")
     if version > SCHEMA_VERSION:
         raise bad(f"schema_version {version} is newer than this autoshard understands ({SCHEMA_VERSION}); "
                   "upgrade autoshard or re-export the plan with this version")
     required = {"model": str, "fingerprint": str, "hardware": str, "devices": int, "global_batch": int,
                 "seq_len": int, "mesh": dict}
     for key, typ in required.items():
-        if not isinstance(data.get(key), typ):
-            raise bad(f"field {key!r} must be a {typ.__name__}, found {data.get(key)!r}")
+        value = data.get(key)
+        if not isinstance(value, typ) or isinstance(value, bool):
+            raise bad(f"field {key!r} must be a {typ.__name__}, found {value!r}")
+    for key in ("micro_batch", "zero", "virtual_stages"):
+        if key in data and not _is_int(data[key]):
+            raise bad(f"field {key!r} must be an integer, found {data[key]!r}")
     mesh_data = data["mesh"]
     unknown = set(mesh_data) - set(AXES)
     if unknown:
         raise bad(f"mesh has unknown axes {sorted(unknown)}; known axes are {', '.join(AXES)}")
+    placements = data.get("placements", {})
+    if not isinstance(placements, dict) or not all(isinstance(v, str) for v in placements.values()):
+        raise bad("field 'placements' must be an object {op group: placement name}")
+    stages = data.get("stages", [])
+    if not isinstance(stages, list):
+        raise bad(f"field 'stages' must be a list of stage objects, found {type(stages).__name__}")
+    for key, schema in (("predicted", PREDICTED_FIELDS), ("solver", SOLVER_FIELDS)):
+        why = _section_violation(data.get(key, {}), schema, key)
+        if why:
+            raise bad(f"{why}; re-export the plan with `autoshard plan --out`")
     try:
-        mesh = Mesh(**{axis: mesh_data.get(axis, 1) for axis in AXES})
-        stages = tuple(
-            Stage(first_layer=int(st["first_layer"]), end_layer=int(st["end_layer"]), embed=bool(st["embed"]),
-                  head=bool(st["head"]), recompute=Recompute(st.get("recompute", "none")))
-            for st in data.get("stages", [])
-        )
-        placements = data.get("placements", {})
-        if not isinstance(placements, dict):
-            raise bad("field 'placements' must be an object {op group: placement}")
         return Plan(
             model=data["model"], fingerprint=data["fingerprint"], hardware=data["hardware"],
-            devices=data["devices"], global_batch=data["global_batch"], seq_len=data["seq_len"], mesh=mesh,
-            micro_batch=int(data.get("micro_batch", 1)), zero=int(data.get("zero", 0)),
-            recompute=Recompute(data.get("recompute", "none")), stages=stages,
+            devices=data["devices"], global_batch=data["global_batch"], seq_len=data["seq_len"],
+            mesh=Mesh(**{axis: mesh_data.get(axis, 1) for axis in AXES}),
+            micro_batch=data.get("micro_batch", 1), zero=data.get("zero", 0),
+            recompute=_enum_field(Recompute, data.get("recompute", "none"), "recompute"),
+            stages=tuple(_stage_from_json(st, i) for i, st in enumerate(stages)),
             # schema 1 has none of these three: such a plan runs at its device's default precision, 1f1b, one chunk
             precision=data.get("precision", Precision.AUTO.value), schedule=data.get("schedule", "1f1b"),
             virtual_stages=data.get("virtual_stages", 1),
-            placements=tuple((str(k), str(v)) for k, v in placements.items()),
+            placements=tuple((str(k), v) for k, v in placements.items()),
             predicted=data.get("predicted", {}), solver=data.get("solver", {}), schema_version=SCHEMA_VERSION,
         )
-    except PlanFileError:
-        raise
-    except (InvalidConfigError, KeyError, TypeError, ValueError) as e:
+    except InvalidConfigError as e:
         raise bad(f"invalid plan: {e}") from None
+
+
+def _stage_from_json(st: Any, i: int) -> Stage:
+    fields = {"first_layer": _is_int, "end_layer": _is_int, "embed": lambda v: isinstance(v, bool),
+              "head": lambda v: isinstance(v, bool)}
+    if not isinstance(st, dict) or not all(k in st and ok(st[k]) for k, ok in fields.items()):
+        raise InvalidConfigError(f"stage {i} must be an object with integer first_layer, end_layer and boolean "
+                                 f"embed, head; found {st!r}")
+    return Stage(first_layer=st["first_layer"], end_layer=st["end_layer"], embed=st["embed"], head=st["head"],
+                 recompute=_enum_field(Recompute, st.get("recompute", "none"), f"stage {i} recompute"))
+
+
+# -- the informational sections: what `show` reads, and the type each field must have -------------------------
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+_KINDS = {
+    "a finite number": _is_number,
+    "an integer": _is_int,
+    "a string": lambda v: isinstance(v, str),
+    "a boolean": lambda v: isinstance(v, bool),
+    "a list of finite numbers": lambda v: isinstance(v, list) and all(map(_is_number, v)),
+    "an object of finite numbers": lambda v: isinstance(v, dict) and all(map(_is_number, v.values())),
+    "an object {axis: positive integer}": lambda v: isinstance(v, dict) and set(v) <= set(AXES) and all(
+        _is_int(x) and x >= 1 for x in v.values()),
+}
+PREDICTED_FIELDS: dict[str, Any] = {
+    "step_time_s": "a finite number", "tokens_per_s": "a finite number", "mfu": "a finite number",
+    "memory_gb": "a finite number", "stage_time_s": "a list of finite numbers",
+    "stage_memory_gb": "a list of finite numbers", "microbatches": "an integer", "fits": "a boolean",
+    "time_breakdown_s": "an object of finite numbers", "memory_breakdown_gb": "an object of finite numbers",
+}
+RUNNER_UP_FIELDS: dict[str, Any] = {
+    "mesh": "an object {axis: positive integer}", "zero": "an integer", "micro_batch": "an integer",
+    "step_time_s": "a finite number", "why": "a string",
+}
+SOLVER_FIELDS: dict[str, Any] = {
+    "status": "a string", "gap": "a finite number", "solve_time_s": "a finite number", "layouts": "an integer",
+    "layouts_solved": "an integer", "layouts_pruned_by_memory": "an integer", "objective_s": "a finite number",
+    "runner_up": RUNNER_UP_FIELDS,
+}
+_RUNNER_UP_REQUIRED = ("mesh", "step_time_s", "why")
+
+
+def _section_violation(section: Any, schema: Mapping[str, Any], where: str) -> str | None:
+    """Why `section` (an informational part of a plan file) does not match `schema`, or None; fields the
+    schema does not name are kept as they are."""
+    if not isinstance(section, dict):
+        return f"field {where!r} must be an object, found {section!r}"
+    for key, kind in schema.items():
+        if key not in section:
+            continue
+        value = section[key]
+        if isinstance(kind, Mapping):  # a nested object (the runner-up), or null
+            if value is None:
+                continue
+            missing = [k for k in _RUNNER_UP_REQUIRED if not isinstance(value, dict) or k not in value]
+            if missing:
+                return f"'{where}.{key}' must be an object with {', '.join(_RUNNER_UP_REQUIRED)}, found {value!r}"
+            why = _section_violation(value, kind, f"{where}.{key}")
+            if why:
+                return why
+        elif not _KINDS[kind](value):
+            return f"'{where}.{key}' must be {kind}, found {value!r}"
+    return None

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
+
+from autoshard.errors import InvalidConfigError
 
 
 def positive_int(text: str) -> int:
@@ -13,6 +17,25 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def check_output_path(path: str, flag: str) -> None:
+    """Refuse an output file whose directory does not exist, before any slow work is done."""
+    parent = Path(path).expanduser().parent
+    if not parent.is_dir():
+        raise InvalidConfigError(f"{flag} {path}: directory {parent} does not exist; create it or write elsewhere")
+    if Path(path).is_dir():
+        raise InvalidConfigError(f"{flag} {path} is a directory; give a file name, e.g. {Path(path) / 'plan.json'}")
 
 
 def status(message: str, *, enabled: bool = True):
@@ -28,17 +51,24 @@ def status(message: str, *, enabled: bool = True):
     return console.status(message)
 
 
-def cost_table_for(model: str, *, spinner: bool = True):
-    """Preset name or package.module:factory -> (ModelSpec, CostTable). A preset is traced without
-    building the whole model (and not at all when its table is in the on-disk cache). `spinner`:
-    say so on stderr while it runs (a terminal only)."""
+def model_for(model: str):
+    """Preset name or package.module:factory -> (ModelSpec, the factory's module on meta, or None for
+    a preset: a preset is traced without building the whole model)."""
     from autoshard.models.presets import get_spec, resolve_model
+
+    if ":" not in model:
+        return get_spec(model), None
+    return resolve_model(model, device="meta")
+
+
+def cost_table_for(model: str, *, spinner: bool = True, spec=None, module=None):
+    """Preset name or package.module:factory -> (ModelSpec, CostTable), built once per machine (not at
+    all when the table is in the on-disk cache); `spec`/`module`: `model_for(model)` when the caller
+    has it already. `spinner`: say so on stderr while it runs (a terminal only)."""
     from autoshard.passes.shapes import build_cost_table
 
+    if spec is None:
+        spec, module = model_for(model)
     with status(f"capturing {model} and building its cost table (once per machine, then cached) ...",
                 enabled=spinner):
-        if ":" not in model:
-            spec = get_spec(model)
-            return spec, build_cost_table(spec)
-        spec, module = resolve_model(model, device="meta")
         return spec, build_cost_table(spec, model=module)

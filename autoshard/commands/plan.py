@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from autoshard.commands.common import positive_int
+from autoshard.commands.common import check_output_path, cost_table_for, model_for, positive_float, positive_int
 
 
 def add_parser(sub) -> None:
@@ -14,12 +14,13 @@ def add_parser(sub) -> None:
                        description="Capture the model, build its cost table, and solve (per candidate mesh, one "
                        "CP-SAT model over pipeline stage boundaries, per-stage recomputation, ZeRO level and "
                        "micro-batch size) for the fastest training step that fits in device memory.")
-    p.add_argument("--model", required=True, help="preset name (e.g. llama-7b, mamba2-tiny)")
+    p.add_argument("--model", required=True,
+                   help="preset name (e.g. llama-7b, mamba2-tiny) or package.module:factory returning the model")
     p.add_argument("--hardware", required=True, help="device profile name (e.g. ascend-910b, h100) or a JSON file")
     p.add_argument("--devices", required=True, type=positive_int, help="number of devices (world size)")
     p.add_argument("--global-batch", required=True, type=positive_int, help="sequences per training step")
     p.add_argument("--seq-len", required=True, type=positive_int, help="tokens per sequence")
-    p.add_argument("--time-limit", type=float, default=10.0, metavar="SEC",
+    p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="SEC",
                    help="CP-SAT work budget per layout in deterministic seconds (default 10); the result "
                    "does not depend on the machine or its load, and the search over layouts always finishes")
     p.add_argument("--out", help="write the plan to this JSON file")
@@ -29,14 +30,21 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from autoshard.hardware import load_hardware
-    from autoshard.models.presets import get_spec
     from autoshard.passes.solve import solve
 
-    spec = get_spec(args.model)
+    if args.out:
+        check_output_path(args.out, "--out")
     hw = load_hardware(args.hardware)
+    spec, module = model_for(args.model)
+    table = fingerprint = None  # a preset: solve builds (or reads) the table once the layouts are known valid
+    if module is not None:
+        from autoshard.fingerprint import fingerprint_module
+
+        _, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module)
+        fingerprint = fingerprint_module(module)
     with _progress(enabled=not args.json) as progress:
         plan = solve(spec, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
-                     time_limit_s=args.time_limit, progress=progress)
+                     time_limit_s=args.time_limit, progress=progress, table=table, fingerprint=fingerprint)
     if args.out:
         plan.save(args.out)
     if args.json:

@@ -71,8 +71,10 @@ def render(plan) -> None:
         ru = solver.get("runner_up")
         if ru:
             mesh = " ".join(f"{k}{v}" for k, v in ru["mesh"].items() if v > 1) or "single"
-            con.print(f"runner-up: {mesh} ZeRO-{ru.get('zero')} at {ru['step_time_s']:.4g} s/step "
-                      f"({100 * (ru['step_time_s'] / pred['step_time_s'] - 1):.1f}% slower): {ru['why']}")
+            best = pred.get("step_time_s", 0)
+            slower = f" ({100 * (ru['step_time_s'] / best - 1):.1f}% slower)" if best > 0 else ""
+            con.print(f"runner-up: {mesh} ZeRO-{ru.get('zero')} at {ru['step_time_s']:.4g} s/step{slower}: "
+                      f"{ru['why']}")
 
 
 def _num(values, i: int) -> str:

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Sequence
 
-from autoshard.commands.common import cost_table_for, positive_int
+from autoshard.commands.common import check_output_path, cost_table_for, model_for, positive_int
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute
 
@@ -70,8 +70,15 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
 def run(args) -> int:
     from autoshard.hardware import load_hardware
 
+    if args.plot:
+        check_output_path(args.plot, "--plot")
+    from autoshard.passes.layouts import valid_meshes
+
     hw = load_hardware(args.hardware)
-    spec, table = cost_table_for(args.model, spinner=not args.json)
+    spec, module = model_for(args.model)
+    valid_meshes(spec, args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
+                 micro_batch=args.micro_batch)  # no valid layout: say so before tracing the model
+    _, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module)
     zeros = (0, 1, 2, 3) if args.zero == "auto" else (int(args.zero),)
     recomputes = tuple(Recompute) if args.recompute == "auto" else (Recompute(args.recompute),)
     results = sweep(spec, table, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,

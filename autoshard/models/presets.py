@@ -245,12 +245,23 @@ def resolve_model(name_or_factory: str, *, device: str = "meta") -> tuple[ModelS
         spec = get_spec(name_or_factory)
         return spec, build_model(spec, device=device)
     module_name, _, attr = name_or_factory.partition(":")
+    if not module_name or not attr:
+        raise InvalidConfigError(f"model {name_or_factory!r}: expected package.module:factory with both parts "
+                                 "given (e.g. mypkg.models:build), or a preset name")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise UnknownNameError(f"cannot load model factory {name_or_factory!r}: {e}") from None
-    with torch.device(device):
-        model = factory()
+    except Exception as e:  # ImportError, AttributeError, or whatever the module raised on import
+        raise UnknownNameError(f"cannot load model factory {name_or_factory!r}: {type(e).__name__}: {e}") from None
+    if not callable(factory):
+        raise InvalidConfigError(f"{name_or_factory} is a {type(factory).__name__}, not a callable returning "
+                                 "an nn.Module")
+    try:
+        with torch.device(device):
+            model = factory()
+    except (Exception, SystemExit) as e:  # sys:exit raises SystemExit: a failed factory, not a finished run
+        raise InvalidConfigError(f"calling the model factory {name_or_factory}() failed with "
+                                 f"{type(e).__name__}: {e}; it must take no arguments and return an nn.Module "
+                                 "(a HF LlamaForCausalLM or Mamba2ForCausalLM)") from None
     if not isinstance(model, nn.Module):
         raise InvalidConfigError(f"{name_or_factory} returned {type(model).__name__}, expected an nn.Module")
     config = getattr(model, "config", None)

@@ -23,57 +23,147 @@ Rules (the runtime's, see DESIGN.md):
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Callable, Iterator
+
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh
 from autoshard.models.presets import Family, ModelSpec
 
 
+def prime_factors(n: int) -> dict[int, int]:
+    """{prime: exponent} of n >= 1: trial division by small primes, then Pollard's rho with a
+    Miller-Rabin test, so any device count factors in milliseconds (a linear scan of 1e9 does not)."""
+    out: dict[int, int] = {}
+    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        while n % p == 0:
+            out[p] = out.get(p, 0) + 1
+            n //= p
+    stack = [n] if n > 1 else []
+    while stack:
+        m = stack.pop()
+        if _is_prime(m):
+            out[m] = out.get(m, 0) + 1
+        else:
+            d = _pollard_rho(m)
+            stack += [d, m // d]
+    return dict(sorted(out.items()))
+
+
+def _is_prime(n: int) -> bool:
+    """Miller-Rabin; deterministic below 3.3e24 with these bases (Sorenson and Webster 2015)."""
+    if n < 2:
+        return False
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    if n in bases:
+        return True
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in bases:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _pollard_rho(n: int) -> int:
+    """A non-trivial factor of the odd composite n (no factor below 41)."""
+    c = 1
+    while True:
+        x = y = 2
+        d = 1
+        while d == 1:
+            x = (x * x + c) % n
+            y = (y * y + c) % n
+            y = (y * y + c) % n
+            d = math.gcd(abs(x - y), n)
+        if d != n:
+            return d
+        c += 1
+
+
 def divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
+    """The divisors of n, ascending (from its prime factors)."""
+    out = [1]
+    for p, e in prime_factors(n).items():
+        out = [d * p ** k for d in out for k in range(e + 1)]
+    return tuple(sorted(out))
+
+
+def _meshes(devices: int, allowed: Callable[[str, int], bool] = lambda axis, size: True) -> Iterator[Mesh]:
+    """Meshes with product `devices`, dp descending then pp, tp, cp, whose every axis size passes
+    `allowed` (pruned axis by axis, so a huge device count costs what its few valid sizes cost)."""
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices <= 0:
+        raise InvalidConfigError(f"devices must be a positive integer, got {devices!r}")
+    divs = divisors(devices)
+    ok = {axis: [d for d in divs if allowed(axis, d)] for axis in ("dp", "pp", "tp", "cp", "ep")}
+    ep_ok = set(ok["ep"])
+    for dp in reversed(ok["dp"]):
+        for pp in (d for d in ok["pp"] if (devices // dp) % d == 0):
+            for tp in (d for d in ok["tp"] if (devices // dp // pp) % d == 0):
+                for cp in (d for d in ok["cp"] if (devices // dp // pp // tp) % d == 0):
+                    ep = devices // dp // pp // tp // cp
+                    if ep in ep_ok:
+                        yield Mesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep)
 
 
 def factorizations(devices: int) -> tuple[Mesh, ...]:
     """Every (dp, pp, tp, cp, ep) with product `devices`, dp descending then pp, tp, cp."""
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices <= 0:
-        raise InvalidConfigError(f"devices must be a positive integer, got {devices!r}")
-    out = []
-    for dp in reversed(divisors(devices)):
-        r1 = devices // dp
-        for pp in divisors(r1):
-            r2 = r1 // pp
-            for tp in divisors(r2):
-                r3 = r2 // tp
-                for cp in divisors(r3):
-                    out.append(Mesh(dp=dp, pp=pp, tp=tp, cp=cp, ep=r3 // cp))
-    return tuple(out)
+    return tuple(_meshes(devices))
+
+
+def axis_violation(spec: ModelSpec, axis: str, size: int, *, global_batch: int, seq_len: int,
+                   micro_batch: int = 1) -> str | None:
+    """The rule of the module docstring that `size` on mesh axis `axis` alone breaks, or None."""
+    if axis == "ep":
+        return f"ep={size}: {spec.name} has no experts, so ep must be 1" if size != 1 else None
+    if axis == "tp":
+        tp = size
+        if spec.family is Family.LLAMA:
+            if spec.heads % tp:
+                return f"tp={tp} does not divide the {spec.heads} attention heads"
+            if spec.kv_heads % tp and tp % spec.kv_heads:
+                return (f"tp={tp} neither divides the {spec.kv_heads} KV heads nor is a multiple of them "
+                        "(KV heads are split or replicated)")
+        else:
+            if spec.heads % tp:
+                return f"tp={tp} does not divide the {spec.heads} Mamba-2 heads"
+            if spec.groups % tp:
+                return f"tp={tp} does not divide the {spec.groups} Mamba-2 groups (n_groups)"
+        return None
+    if axis == "pp":
+        return f"pp={size} exceeds the {spec.layers} layers (each stage needs a layer)" if size > spec.layers else None
+    if axis == "dp":
+        if global_batch % (size * micro_batch):
+            return f"dp={size} x micro_batch={micro_batch} does not divide the global batch {global_batch}"
+        return None
+    if size > 1:  # cp
+        if spec.family is Family.LLAMA and seq_len % (2 * size):
+            return f"2*cp={2 * size} does not divide the sequence length {seq_len} (load-balanced causal split)"
+        if spec.family is Family.MAMBA2 and seq_len % size:
+            return f"cp={size} does not divide the sequence length {seq_len}"
+    return None
+
+
+_RULE_ORDER = ("ep", "tp", "pp", "dp", "cp")  # the order mesh_violation reports broken rules in
 
 
 def mesh_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: int,
                    micro_batch: int = 1) -> str | None:
     """The first divisibility rule `mesh` breaks for this model and batch, or None."""
-    if mesh.ep != 1:
-        return f"ep={mesh.ep}: {spec.name} has no experts, so ep must be 1"
-    tp = mesh.tp
-    if spec.family is Family.LLAMA:
-        if spec.heads % tp:
-            return f"tp={tp} does not divide the {spec.heads} attention heads"
-        if spec.kv_heads % tp and tp % spec.kv_heads:
-            return (f"tp={tp} neither divides the {spec.kv_heads} KV heads nor is a multiple of them "
-                    "(KV heads are split or replicated)")
-    else:
-        if spec.heads % tp:
-            return f"tp={tp} does not divide the {spec.heads} Mamba-2 heads"
-        if spec.groups % tp:
-            return f"tp={tp} does not divide the {spec.groups} Mamba-2 groups (n_groups)"
-    if mesh.pp > spec.layers:
-        return f"pp={mesh.pp} exceeds the {spec.layers} layers (each stage needs a layer)"
-    if global_batch % (mesh.dp * micro_batch):
-        return f"dp={mesh.dp} x micro_batch={micro_batch} does not divide the global batch {global_batch}"
-    if mesh.cp > 1:
-        if spec.family is Family.LLAMA and seq_len % (2 * mesh.cp):
-            return f"2*cp={2 * mesh.cp} does not divide the sequence length {seq_len} (load-balanced causal split)"
-        if spec.family is Family.MAMBA2 and seq_len % mesh.cp:
-            return f"cp={mesh.cp} does not divide the sequence length {seq_len}"
+    for axis in _RULE_ORDER:
+        why = axis_violation(spec, axis, getattr(mesh, axis), global_batch=global_batch, seq_len=seq_len,
+                             micro_batch=micro_batch)
+        if why:
+            return why
     return None
 
 
@@ -97,20 +187,25 @@ def valid_meshes(spec: ModelSpec, devices: int, *, global_batch: int, seq_len: i
     if global_batch % micro_batch:
         raise InvalidConfigError(f"micro-batch {micro_batch} does not divide the global batch {global_batch}; "
                                  "no dp x micro-batch can divide it: pick a micro-batch that divides it")
-    candidates = factorizations(devices)
-    good, bad = [], []
-    for mesh in candidates:
-        why = mesh_violation(spec, mesh, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
-        (bad if why else good).append((mesh, why))
+    rules = dict(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
+    good = tuple(_meshes(devices, lambda axis, size: axis_violation(spec, axis, size, **rules) is None))
     if good:
-        return tuple(m for m, _ in good)
-    shown = [f"({m.dp},{m.pp},{m.tp},{m.cp},{m.ep}): {why}" for m, why in bad if m.ep == 1]
-    more = "" if len(shown) <= 12 else f"; ... and {len(shown) - 12} more"
+        return good
+    dense = (m for m in _meshes(devices) if m.ep == 1)  # lazily: a huge device count has very many
+    shown = [f"({m.dp},{m.pp},{m.tp},{m.cp},{m.ep}): {mesh_violation(spec, m, **rules)}"
+             for m in itertools.islice(dense, 12)]
+    more = _dense_count(devices) - len(shown)
     raise InvalidConfigError(
         f"no valid (dp,pp,tp,cp,ep) factorisation of {devices} devices for {spec.name} "
         f"(global batch {global_batch}, seq {seq_len}, micro-batch {micro_batch}); ep>1 ruled out everywhere "
-        f"(no experts); " + "; ".join(shown[:12]) + more + ". Change the device count, global batch or sequence length"
+        f"(no experts); " + "; ".join(shown) + (f"; ... and {more} more" if more else "")
+        + ". Change the device count, global batch or sequence length"
     )
+
+
+def _dense_count(devices: int) -> int:
+    """How many (dp, pp, tp, cp) multiply to `devices`: per prime p^e, C(e + 3, 3) ways to spread it."""
+    return math.prod(math.comb(e + 3, 3) for e in prime_factors(devices).values())
 
 
 def mesh_micro_batches(spec: ModelSpec, devices: int, *, global_batch: int, seq_len: int,
@@ -119,11 +214,10 @@ def mesh_micro_batches(spec: ModelSpec, devices: int, *, global_batch: int, seq_
     `factorizations` with ep == 1 and each micro-batch in `micro_batches`, the pair when
     `mesh_violation` finds no broken rule (so dp x micro-batch divides the global batch).
     Empty when no pair is valid (the caller words the error)."""
+    rules = dict(global_batch=global_batch, seq_len=seq_len)
     out = []
-    for mesh in factorizations(devices):
-        if mesh.ep != 1:
-            continue
+    for mesh in _meshes(devices, lambda axis, size: axis_violation(spec, axis, size, **rules) is None):
         for mb in micro_batches:
-            if mesh_violation(spec, mesh, global_batch=global_batch, seq_len=seq_len, micro_batch=mb) is None:
+            if mesh_violation(spec, mesh, **rules, micro_batch=mb) is None:
                 out.append((mesh, mb))
     return tuple(out)

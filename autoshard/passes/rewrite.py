@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Plan, Recompute
+from autoshard.ir import Plan, Recompute, check_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.layouts import zero_violation
 
@@ -101,6 +101,8 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int) -> None:
     if mesh.pp > spec.layers:
         raise InvalidConfigError(f"pp ({mesh.pp}) is larger than the number of blocks of {spec.name} "
                                  f"({spec.layers}); use pp <= {spec.layers}")
+    if plan.stages:
+        check_stages(plan.stages, num_layers=spec.layers, pp=plan.chunks)
     per_step = mesh.dp * plan.micro_batch
     if plan.global_batch % per_step:
         raise InvalidConfigError(f"global batch {plan.global_batch} is not divisible by dp ({mesh.dp}) x "

@@ -371,13 +371,13 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
             raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
     hw = load_hardware(hw)
     t0 = time.perf_counter()
-    ct = cost.compile_table(table if table is not None else build_cost_table(spec), spec)
     layouts = candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len)
     if not layouts:
         raise InvalidConfigError(
             f"no valid layout of {devices} devices for {spec.name}: tp must divide the heads ({spec.heads}), "
             f"pp <= layers ({spec.layers}), dp x micro-batch must divide the global batch ({global_batch}); "
             "change the device count or the global batch")
+    ct = cost.compile_table(table if table is not None else build_cost_table(spec), spec)
     result = search(ct, hw, global_batch=global_batch, seq_len=seq_len, layouts=layouts,
                     time_limit_s=time_limit_s, progress=progress)
     if not result.found:

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import sympy
 import torch
 
+from autoshard.errors import InvalidConfigError
 from autoshard.ir import B, S, BlockCost, BlockKind, CostTable, NodeCost, OpKind
 
 FORMAT = 1
@@ -141,18 +142,33 @@ def _entries() -> list[Path]:
 
 def clear() -> tuple[int, int]:
     """Delete every stored entry: (files removed, bytes freed)."""
-    files = _entries()
-    freed = 0
-    for f in files:
-        freed += f.stat().st_size
-        f.unlink()
-    return len(files), freed
+    root = cache_dir()
+    if root is not None and root.is_dir() and not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+        raise InvalidConfigError(f"cannot clear the cache: no permission to change {root}; fix its permissions or "
+                                 f"point {ENV} at a directory you own")
+    removed = freed = 0
+    for f in _entries():
+        try:
+            size = f.stat().st_size
+            f.unlink()
+        except FileNotFoundError:  # another `cache --clear` removed it first
+            continue
+        except PermissionError as e:
+            raise InvalidConfigError(f"cannot clear the cache: {e.strerror} deleting {f}; fix the permissions of "
+                                     f"{f.parent} or point {ENV} at a directory you own") from None
+        removed, freed = removed + 1, freed + size
+    return removed, freed
 
 
 def usage() -> tuple[int, int]:
     """(stored entries, bytes) in the cache directory."""
-    files = _entries()
-    return len(files), sum(f.stat().st_size for f in files)
+    sizes = []
+    for f in _entries():
+        try:
+            sizes.append(f.stat().st_size)
+        except FileNotFoundError:  # removed by a concurrent `cache --clear`
+            continue
+    return len(sizes), sum(sizes)
 
 
 # -- JSON form of a CostTable ------------------------------------------------------------------------

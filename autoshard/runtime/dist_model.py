@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autoshard.errors import InvalidConfigError
+from autoshard.errors import AutoshardError
 from autoshard.ir import Plan
 from autoshard.models.presets import ModelSpec
 from autoshard.passes.rewrite import Replicate, ShardProgram
+from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
 from autoshard.runtime.comm import gather_last_dim
 from autoshard.runtime.context_parallel import CPRuntime
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
@@ -77,12 +78,23 @@ class DistributedModel:
 
     # -- training -----------------------------------------------------------------------------
     def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
-        """One training step on the global batch; the global mean loss on every rank."""
+        """One training step on the global batch; the global mean loss on every rank. The batch is checked
+        first, on every rank alike (runtime/agreement.py): shape, vocabulary, and that all ranks hold it."""
+        self._check_batch(input_ids, labels, global_batch=self.plan.global_batch)
+        return self._step(input_ids, labels)
+
+    def _check_batch(self, input_ids: Tensor, labels: Tensor | None, *, global_batch: int | None) -> None:
+        try:
+            facts = batch_facts(input_ids, labels, vocab=self._setup.spec.vocab, global_batch=global_batch)
+            error = None
+        except AutoshardError as e:
+            facts, error = None, e
+        agree("global batch", BATCH_FIELDS, facts, error=error, device=self._groups.device,
+              hint="give every rank the same global batch (each rank takes its own slice of it)")
+
+    def _step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """`train_step` without the checks (bench/bench_agreement.py times the difference)."""
         plan, groups = self.plan, self._groups
-        if input_ids.shape != labels.shape or input_ids.dim() != 2 or input_ids.shape[0] != plan.global_batch:
-            raise InvalidConfigError(f"train_step expects input_ids and labels of shape (global_batch={plan.global_batch}, "
-                                     f"seq), got {tuple(input_ids.shape)} and {tuple(labels.shape)}; give the "
-                                     "whole global batch on every rank")
         num_tokens = count_tokens(labels)
         rows = plan.global_batch // plan.mesh.dp
         start = groups.coords.dp * rows
@@ -129,6 +141,7 @@ class DistributedModel:
     # -- checks and evaluation ------------------------------------------------------------------
     def __call__(self, input_ids: Tensor) -> Tensor:
         """Full logits (b, s, V) of `input_ids` on every rank (no gradient)."""
+        self._check_batch(input_ids, None, global_batch=None)
         ids = input_ids.to(self._groups.device)
         with torch.no_grad():
             if self._runner is not None:  # (with cp: the runner takes this rank's slice of the sequence)

@@ -36,32 +36,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Recompute, Stage, even_stages  # noqa: F401  (even_stages: the default split, re-exported)
+from autoshard.ir import Recompute, Stage, check_stages, even_stages  # noqa: F401  (re-exported)
 from autoshard.models.presets import Family, ModelSpec
-
-
-def check_stages(stages: Sequence[Stage], *, num_layers: int, pp: int) -> tuple[Stage, ...]:
-    """`stages` if they are a valid split of `num_layers` layers over `pp` stages, else InvalidConfigError."""
-    stages = tuple(stages)
-    if len(stages) != pp:
-        raise InvalidConfigError(f"the plan has {len(stages)} pipeline stages but pp is {pp}; "
-                                 "give one Stage per pp rank (or none for an even split)")
-    expected_first = 0
-    for i, st in enumerate(stages):
-        where = f"stage {i} (layers [{st.first_layer}, {st.end_layer}))"
-        if st.first_layer != expected_first or st.end_layer < st.first_layer:
-            raise InvalidConfigError(f"{where} does not follow the previous stage; stages must cover layers "
-                                     f"0..{num_layers} in order, this one should start at layer {expected_first}")
-        if st.embed != (i == 0) or st.head != (i == pp - 1):
-            raise InvalidConfigError(f"{where}: the embedding belongs to the first stage and the LM head to "
-                                     f"the last, found embed={st.embed}, head={st.head}")
-        if st.layers == 0 and not (st.embed or st.head):
-            raise InvalidConfigError(f"{where} holds nothing; give every middle stage at least one layer")
-        expected_first = st.end_layer
-    if expected_first != num_layers:
-        raise InvalidConfigError(f"the stages cover layers 0..{expected_first} but the model has {num_layers}; "
-                                 "the last stage must end at the last layer")
-    return stages
 
 
 class StageModule(nn.Module):

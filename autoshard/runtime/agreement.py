@@ -1,0 +1,170 @@
+"""Ranks that disagree: every rank checks that it holds what the others hold, with one small collective.
+
+Every rank runs the same program on what it was given (a plan, a global batch). When one rank is
+given something else, the collectives pair up wrongly: a silently wrong loss, an error on one
+rank and "connection closed" on the others, or a hang until the process group's timeout. So
+before the first collective that depends on them, the ranks compare:
+
+* the plan (`plan_facts`): a hash of its JSON, its mesh and batch numbers, the model's
+  fingerprint and the run settings, once in `autoshard.parallelize`;
+* the global batch (`batch_facts`): its shape and two checksums each of input_ids and labels,
+  at every `train_step` (and `DistributedModel.__call__`), with the out-of-vocabulary check.
+
+Contract: `agree(what, names, values, error=..., device=...)` ("plan", "global batch") is collective over the default group,
+and every rank calls it with the same `what` and `names`. `values` is this rank's {name: int}
+(None when its own checks failed), `error` the `AutoshardError` those checks raised (or None).
+It costs one all_gather of len(names) + 2 int64 per rank; then on every rank:
+
+* some rank failed its own checks: every rank raises the same error (the class and text of
+  the lowest failing rank, naming which ranks failed; a second exchange carries the text, only
+  then). When every rank failed the same way, that error is raised unchanged;
+* the values differ: every rank raises the same `InvalidConfigError` naming each differing
+  field and which ranks hold which value;
+* else it returns.
+
+Checksums: sum(x) and sum(x * (2i + 1)) over the flattened tensor (int64). A change of one
+element by d changes the weighted sum by d * (2i + 1), an odd multiple, never 0 mod 2^64; a swap
+of two different elements changes it too. Nothing here reads beyond the batch every rank holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from autoshard import errors
+from autoshard.errors import AutoshardError, InvalidConfigError
+
+IGNORE_INDEX = -100  # the label HF's loss skips (runtime/loss.py)
+
+PLAN_FIELDS = ("plan", "model", "settings", "dp", "pp", "tp", "cp", "ep", "micro_batch", "zero", "global_batch",
+               "seq_len")
+BATCH_FIELDS = ("rows", "columns", "input_ids sum", "input_ids weighted sum", "labels sum", "labels weighted sum")
+
+
+def stable_hash(text: str) -> int:
+    """A signed 64-bit integer from sha256 of `text` (the same on every machine, unlike hash())."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big", signed=True)
+
+
+def plan_facts(plan, *, fingerprint: str, settings: Mapping[str, object]) -> dict[str, int]:
+    """What every rank must hold the same of a run: the plan (hash of its JSON, and the numbers that
+    make a readable message), the model's fingerprint, the other settings of `parallelize`."""
+    return {"plan": stable_hash(json.dumps(plan.to_json(), sort_keys=True)), "model": stable_hash(fingerprint),
+            "settings": stable_hash(json.dumps(dict(settings), sort_keys=True, default=str)),
+            **plan.mesh.as_dict(), "micro_batch": plan.micro_batch, "zero": plan.zero,
+            "global_batch": plan.global_batch, "seq_len": plan.seq_len}
+
+
+def batch_facts(input_ids: Tensor, labels: Tensor | None, *, vocab: int, global_batch: int | None) -> dict[str, int]:
+    """The shape and checksums of a global batch, after checking it: InvalidConfigError for a shape that is
+    not (global_batch, seq), a non-integer dtype, or a token id / label outside the vocabulary (labels
+    may also be -100). One host sync."""
+    if labels is None:
+        tensors = {"input_ids": input_ids}
+    else:
+        tensors = {"input_ids": input_ids, "labels": labels}
+        if input_ids.shape != labels.shape:
+            raise InvalidConfigError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in "
+                                     "shape; give both as (global_batch, seq)")
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype.is_floating_point or t.dtype.is_complex \
+                or t.dtype == torch.bool:
+            what = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise InvalidConfigError(f"{name} must be an integer tensor of shape (batch, seq), got {what}")
+    if input_ids.numel() == 0:
+        raise InvalidConfigError(f"input_ids of shape {tuple(input_ids.shape)} hold no tokens")
+    if global_batch is not None and input_ids.shape[0] != global_batch:
+        raise InvalidConfigError(f"train_step expects input_ids and labels of shape (global_batch={global_batch}, "
+                                 f"seq), got {tuple(input_ids.shape)}; give the whole global batch on every rank")
+    weights = torch.arange(input_ids.numel(), device=input_ids.device, dtype=torch.int64) * 2 + 1
+    stats = []
+    for name, t in tensors.items():
+        flat = t.reshape(-1).to(torch.int64)
+        valid = flat if name == "input_ids" else torch.where(flat == IGNORE_INDEX, 0, flat)
+        stats += [flat.sum(), (flat * weights).sum(), valid.min(), valid.max()]
+    values = torch.stack(stats).tolist()  # the one host sync
+    for i, (name, t) in enumerate(tensors.items()):
+        low, high = values[4 * i + 2], values[4 * i + 3]
+        if low < 0 or high >= vocab:
+            raise InvalidConfigError(_out_of_vocabulary(name, t, vocab))
+    facts = {"rows": input_ids.shape[0], "columns": input_ids.shape[1],
+             "input_ids sum": values[0], "input_ids weighted sum": values[1]}
+    if labels is not None:
+        facts |= {"labels sum": values[4], "labels weighted sum": values[5]}
+    return facts
+
+
+def _out_of_vocabulary(name: str, t: Tensor, vocab: int) -> str:
+    ignored = t == IGNORE_INDEX if name == "labels" else torch.zeros_like(t, dtype=torch.bool)
+    bad = ((t < 0) | (t >= vocab)) & ~ignored
+    where = bad.nonzero()
+    row, col = (int(x) for x in where[0])
+    allowed = f"[0, {vocab})" + (" or -100 (ignored)" if name == "labels" else "")
+    return (f"{name}[{row}, {col}] = {int(t[row, col])} is outside the vocabulary: expected {allowed}; "
+            f"{len(where)} such entr{'y' if len(where) == 1 else 'ies'} in the batch. Fix the tokenizer/data "
+            f"pipeline or the model's vocab_size ({vocab})")
+
+
+def agree(what: str, names: Sequence[str], values: Mapping[str, int] | None, *, error: AutoshardError | None,
+          device: torch.device, hint: str = "") -> None:
+    """See the module docstring. Collective over the default process group."""
+    world = dist.get_world_size()
+    if (error is None) == (values is None):
+        raise ValueError("agree: give values, or the error this rank's checks raised, not both")
+    text = b"" if error is None else f"{type(error).__name__}\0{error}".encode()
+    mine = torch.tensor([int(error is not None), len(text), *(0 if values is None else values.get(n, 0)
+                                                                for n in names)], dtype=torch.int64)
+    gathered = [torch.empty_like(mine, device=device) for _ in range(world)]
+    dist.all_gather(gathered, mine.to(device))
+    rows = [g.tolist() for g in gathered]
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        _raise_failure(failed, rows, text, world=world, device=device, what=what)
+    differing = [(i, n) for i, n in enumerate(names) if len({row[2 + i] for row in rows}) > 1]
+    if not differing:
+        return
+    parts = []
+    for i, name in differing:
+        holders: dict[int, list[int]] = {}
+        for r, row in enumerate(rows):
+            holders.setdefault(row[2 + i], []).append(r)
+        parts.append(f"{name}: " + ", ".join(f"{_ranks(rs)} {v}" for v, rs in holders.items()))
+    raise InvalidConfigError(f"ranks disagree on the {what} ({'; '.join(parts)}); "
+                             f"{hint or f'give every rank the same {what}'}")
+
+
+def _raise_failure(failed: list[int], rows: list[list[int]], text: bytes, *, world: int, device: torch.device,
+                   what: str) -> None:
+    """Every rank raises the same error: the texts of the failing ranks travel in one more all_gather."""
+    size = max(row[1] for row in rows)
+    buf = torch.zeros(size, dtype=torch.uint8)
+    if text:
+        buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    gathered = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(gathered, buf.to(device))
+    texts = {r: bytes(gathered[r][:rows[r][1]].cpu().tolist()).decode() for r in failed}
+    kind, _, message = texts[failed[0]].partition("\0")
+    error = getattr(errors, kind, AutoshardError)
+    if not (isinstance(error, type) and issubclass(error, AutoshardError)):
+        error = AutoshardError
+    if len(failed) == world and len(set(texts.values())) == 1:
+        raise error(message)  # every rank found the same problem: the error each would raise alone
+    others = [r for r in failed[1:] if texts[r] != texts[failed[0]]]
+    same = [r for r in failed if r not in others]
+    ok = [r for r in range(world) if r not in failed]
+    note = f"{_ranks(same)} of {world}"
+    if others:
+        note += f"; {_ranks(others)} found other problems"
+    if ok:
+        note += f"; {_ranks(ok)} found none: the ranks were not given the same {what}"
+    raise error(f"{message} ({note})")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

@@ -1,0 +1,233 @@
+"""Every bad-input probe of issue 16 against the CLI, in-process: one line on stderr, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from autoshard.cli import main
+from autoshard.passes import table_cache
+
+PLAN = ["--hardware", "cpu", "--global-batch", "8", "--seq-len", "64"]
+
+
+def _fails(capsys, argv, *needles: str) -> str:
+    """Run `autoshard argv`; assert exit 2 with one line naming every needle; return the line."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2, f"{argv}: exit {code}, stderr {err!r}"
+    assert err.count("\n") == 1 and "Traceback" not in err, f"{argv}: {err!r}"
+    for needle in needles:
+        assert needle in err, f"{argv}: {needle!r} not in {err!r}"
+    return err
+
+
+def raising_factory():
+    raise RuntimeError("weights server unreachable")
+
+
+def tiny_llama():
+    from autoshard.models.presets import build_model, get_spec
+
+    return build_model(get_spec("llama-tiny"), device="meta")
+
+
+NOT_A_MODULE = 42
+
+
+@pytest.mark.parametrize("command", ["sweep", "plan"])
+def test_a_billion_devices_is_refused_at_once(capsys, command):
+    # factor-based divisor search: the answer (no valid layout) comes in milliseconds (bench/bench_sweep.py)
+    _fails(capsys, [command, "--model", "llama-tiny", "--devices", "1000000000", *PLAN],
+           "no valid", "1000000000")
+
+
+def test_plan_out_to_a_missing_directory_fails_before_solving(tmp_path, capsys):
+    _fails(capsys, ["plan", "--model", "llama-tiny", "--devices", "2", *PLAN, "--out",
+                    str(tmp_path / "missing" / "plan.json")], "does not exist")
+    _fails(capsys, ["plan", "--model", "llama-tiny", "--devices", "2", *PLAN, "--out", str(tmp_path)],
+           "is a directory")
+    _fails(capsys, ["sweep", "--model", "llama-tiny", "--devices", "2", *PLAN, "--plot",
+                    str(tmp_path / "missing" / "f.png")], "does not exist")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--time-limit", "-1"], "--time-limit"),
+    (["--time-limit", "inf"], "--time-limit"),
+    (["--time-limit", "soon"], "--time-limit"),
+])
+def test_plan_time_limit_must_be_positive(capsys, argv, needle):
+    _fails(capsys, ["plan", "--model", "llama-tiny", "--devices", "2", *PLAN, *argv], needle)
+
+
+def _good_plan() -> dict:
+    return {
+        "schema_version": 1, "model": "llama-tiny", "fingerprint": "caf040d3ceb36fe0", "hardware": "cpu",
+        "devices": 2, "global_batch": 4, "seq_len": 16, "mesh": {"dp": 1, "pp": 2}, "micro_batch": 1, "zero": 1,
+        "recompute": "none",
+        "stages": [{"first_layer": 0, "end_layer": 2, "embed": True, "head": False},
+                   {"first_layer": 2, "end_layer": 4, "embed": False, "head": True}],
+        "placements": {"all": "replicate"},
+        "predicted": {"step_time_s": 0.5, "tokens_per_s": 100.0, "mfu": 0.3, "memory_gb": 1.0,
+                      "stage_time_s": [0.2, 0.2], "time_breakdown_s": {"compute": 0.4}},
+        "solver": {"status": "optimal", "gap": 0.0, "solve_time_s": 1.0, "layouts": 3, "layouts_solved": 2,
+                   "runner_up": {"mesh": {"dp": 2}, "zero": 1, "step_time_s": 0.6, "why": "dp comm"}},
+    }
+
+
+def _with(path: str, value):
+    data = _good_plan()
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return data
+
+
+SHOW_CASES = [
+    ("predicted", 5, "'predicted' must be an object"),
+    ("predicted", [], "'predicted' must be an object"),
+    ("predicted.step_time_s", "fast", "'predicted.step_time_s' must be a finite number"),
+    ("predicted.stage_time_s", [0.1, None], "'predicted.stage_time_s'"),
+    ("predicted.time_breakdown_s", {"compute": "x"}, "'predicted.time_breakdown_s'"),
+    ("solver", "optimal", "'solver' must be an object"),
+    ("solver.gap", {}, "'solver.gap'"),
+    ("solver.runner_up", {"mesh": {"dp": 2}}, "'solver.runner_up' must be an object with mesh, step_time_s, why"),
+    ("solver.runner_up.mesh", {"dp": "two"}, "'solver.runner_up.mesh'"),
+    ("solver.runner_up.step_time_s", None, "'solver.runner_up.step_time_s'"),
+    ("seq_len", -16, "seq_len must be a positive integer, got -16"),
+    ("global_batch", -4, "global_batch must be a positive integer, got -4"),
+    ("global_batch", 0, "global_batch must be a positive integer, got 0"),
+    ("devices", True, "field 'devices' must be a int"),
+    ("micro_batch", "2", "field 'micro_batch' must be an integer"),
+    ("zero", True, "field 'zero' must be an integer"),
+    ("stages.1.first_layer", 5, "first layer is after the end"),
+    ("stages.0.first_layer", -1, "non-negative"),
+    ("stages.0.end_layer", 3, "does not follow the previous stage"),
+    ("stages.0.embed", "yes", "stage 0 must be an object"),
+    ("stages", {"first_layer": 0}, "'stages' must be a list"),
+    ("placements.all", 7, "'placements' must be an object"),
+    ("recompute", "sometimes", "recompute must be one of none, selective, full"),
+    ("schema_version", True, "'schema_version' must be a positive integer, found True"),
+    ("schema_version", -1, "'schema_version' must be a positive integer, found -1"),
+    ("schema_version", 1.0, "'schema_version' must be a positive integer"),
+]
+
+
+def test_show_refuses_every_malformed_field(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_good_plan()))
+    assert main(["show", str(good)]) == 0
+    assert "runner-up" in capsys.readouterr().out
+    for i, (path, value, needle) in enumerate(SHOW_CASES):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(json.dumps(_with(path, value)))
+        _fails(capsys, ["show", str(bad)], str(bad), needle)
+    nonfinite = tmp_path / "inf.json"  # Python's json reads Infinity and NaN; a plan may not hold them
+    nonfinite.write_text(json.dumps(_good_plan()).replace("0.5", "Infinity"))
+    _fails(capsys, ["show", str(nonfinite)], "'predicted.step_time_s' must be a finite number")
+
+
+def test_show_with_a_zero_predicted_step_time(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_with("predicted.step_time_s", 0)))
+    assert main(["show", str(path)]) == 0
+    assert "runner-up: dp2" in capsys.readouterr().out
+
+
+MODEL_CASES = [
+    ("os:system", "os:system() failed with TypeError"),
+    ("torch.nn:Linear", "torch.nn:Linear() failed with TypeError"),
+    (":foo", "expected package.module:factory"),
+    ("os:", "expected package.module:factory"),
+    ("no_such_pkg_xyz:build", "cannot load model factory"),
+    ("tests.test_cli_bad_input:nope", "cannot load model factory"),
+    ("tests.test_cli_bad_input:NOT_A_MODULE", "not a callable"),
+    ("tests.test_cli_bad_input:raising_factory", "RuntimeError: weights server unreachable"),
+    ("sys:exit", "failed with SystemExit"),
+    ("os:getcwd", "returned str, expected an nn.Module"),
+]
+
+
+@pytest.mark.parametrize("command", ["inspect", "sweep", "plan"])
+def test_bad_model_factories(capsys, command):
+    extra = {"inspect": [], "sweep": ["--devices", "2", *PLAN], "plan": ["--devices", "2", *PLAN]}[command]
+    for model, needle in MODEL_CASES:
+        err = _fails(capsys, [command, "--model", model, *extra], needle)
+        assert "unknown model preset" not in err
+
+
+def test_plan_takes_a_factory(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "tests.test_cli_bad_input:tiny_llama", "--devices", "1", *PLAN,
+                 "--time-limit", "1", "--out", str(out), "--json"]) == 0
+    from autoshard.fingerprint import fingerprint_module
+
+    assert json.loads(out.read_text())["fingerprint"] == fingerprint_module(tiny_llama())
+    _fails(capsys, ["plan", "--model", "llama-nope", "--devices", "2", *PLAN], "unknown model preset 'llama-nope'")
+
+
+def test_hardware_file_with_infinity(tmp_path, capsys):
+    from autoshard.hardware import load_hardware
+
+    data = load_hardware("cpu").to_json()
+    for field, value in (("hbm_bandwidth", "Infinity"), ("peak_flops", "NaN"), ("inter_latency", "-Infinity")):
+        path = tmp_path / f"{field}.json"
+        path.write_text(json.dumps(data).replace(json.dumps(data[field]), value, 1))
+        _fails(capsys, ["sweep", "--model", "llama-tiny", "--hardware", str(path), "--devices", "2",
+                        "--global-batch", "8", "--seq-len", "64"], field, "positive finite number")
+
+
+def _fill_cache(root, n: int) -> None:
+    (root / "tables").mkdir(parents=True)
+    for i in range(n):
+        (root / "tables" / f"{i}.json").write_text("{}")
+
+
+def test_concurrent_cache_clears(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(table_cache.ENV, str(tmp_path))
+    _fill_cache(tmp_path, 300)
+    results, errors = [], []
+
+    def clear():
+        try:
+            results.append(table_cache.clear()[0])
+        except Exception as e:  # noqa: BLE001  (the test reports it)
+            errors.append(e)
+
+    threads = [threading.Thread(target=clear) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sum(results) == 300
+    # a file another clear removed between the listing and the unlink is skipped, not a traceback
+    _fill_cache(tmp_path / "again", 2)
+    monkeypatch.setenv(table_cache.ENV, str(tmp_path / "again"))
+    listed = table_cache._entries()
+    listed[0].unlink()
+    monkeypatch.setattr(table_cache, "_entries", lambda: listed)
+    assert main(["cache", "--clear", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == 1
+
+
+def test_cache_clear_without_permission(tmp_path, monkeypatch, capsys):
+    import pathlib
+
+    monkeypatch.setenv(table_cache.ENV, str(tmp_path))
+    _fill_cache(tmp_path, 2)
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "unlink", refuse)  # as a user who does not own the directory
+    _fails(capsys, ["cache", "--clear"], "cannot clear the cache: Permission denied", table_cache.ENV)
