@@ -116,7 +116,7 @@ SHOW_CASES = [
     ("stages.0.embed", "yes", "stage 0 must be an object"),
     ("stages", {"first_layer": 0}, "'stages' must be a list"),
     ("placements.all", 7, "'placements' must be an object"),
-    ("recompute", "sometimes", "recompute must be one of none, selective, full"),
+    ("recompute", "sometimes", "recompute must be one of 'none', 'selective', 'full'; got 'sometimes'"),
     ("schema_version", True, "'schema_version' must be a positive integer, found True"),
     ("schema_version", -1, "'schema_version' must be a positive integer, found -1"),
     ("schema_version", 1.0, "'schema_version' must be a positive integer"),

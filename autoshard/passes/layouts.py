@@ -6,6 +6,12 @@ lists every mesh with dp*pp*tp*cp*ep == devices that passes the rules below, in 
 rule ruled each candidate out. `mesh_violation(spec, mesh, ...)` gives the first rule one mesh
 breaks (None if valid), so the planner and the runtime can check a single mesh the same way.
 
+Every rule below concerns one axis (`axis_violation`), so the search prunes axis by axis: the
+sizes each axis may take are the device count's divisors (from its prime factors, Pollard's rho:
+milliseconds for any count) that pass that axis's rules, and only their products are built. A
+billion devices cost what their few valid sizes cost, not a scan of every divisor product. A
+rule that ties two axes together belongs in `mesh_violation`, after the per-axis ones.
+
 Rules (the runtime's, see DESIGN.md):
   ep    must be 1: the supported models (LLaMA, Mamba-2) have no experts.
   tp    LLaMA: divides the attention heads, and either divides the KV heads (KV heads split) or

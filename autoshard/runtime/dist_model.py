@@ -6,7 +6,9 @@ Contract (DESIGN.md, "Entry points"): built by `autoshard.parallelize` on every 
   of `runtime/pipeline.py`), reduces gradients over dp (bucketed, overlapped with the last
   backward; ZeRO-2: with every backward), steps the optimizer if one was given (ZeRO-1/2:
   sharded over dp), and returns the global mean loss over valid tokens, the same 0-d tensor on
-  every rank.
+  every rank. First every rank checks the batch (shape, token ids and labels inside the
+  vocabulary) and that all ranks hold the same one (`runtime/agreement.py`): any problem is the
+  same error on every rank.
 * `full_grads()` / `full_state_dict()`: {original HF parameter name: full tensor} on every rank
   (collectives over tp, pp and, under ZeRO, dp; for checks, not the fast path).
 * `__call__(input_ids)`: full logits (b, s, V) on every rank, no gradient.
