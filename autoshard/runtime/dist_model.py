@@ -163,6 +163,7 @@ class DistributedModel:
             raise InvalidConfigError(f"generate runs one model replica: the plan has dp={mesh.dp}, cp={mesh.cp}, "
                                      f"ep={mesh.ep}; use a plan with dp = cp = ep = 1 (tp and pp as you like) and "
                                      "start one such world per replica")
+        self._check_batch(input_ids, None, global_batch=None)  # prompt ids in the vocabulary, the same on every rank
         if self._generator is None:
             from autoshard.ir import Stage
             from autoshard.runtime.generate import Generator

@@ -71,6 +71,8 @@ def _batches_under(rank: int, plan: dict) -> None:
         _same_error(rank, lambda: dm.train_step(ids, bad_label), InvalidConfigError,
                     f"labels[2, 5] = {value} is outside the vocabulary", "-100")
     _same_error(rank, lambda: dm(bad_id), InvalidConfigError, "input_ids[1, 3] = 500")
+    if plan == dict(tp=2):  # the prompt of generate too (one replica: dp = cp = 1)
+        _same_error(rank, lambda: dm.generate(bad_id, max_new_tokens=2), InvalidConfigError, "input_ids[1, 3] = 500")
     if plan != dict(tp=2):  # the checks below do not depend on the plan: one plan runs them
         torch.testing.assert_close(dm.train_step(ids, labels), expected)
         return
