@@ -30,12 +30,15 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from autoshard.hardware import load_hardware
-    from autoshard.passes.solve import solve
+    from autoshard.passes.layouts import valid_meshes
 
     if args.out:
         check_output_path(args.out, "--out")
     hw = load_hardware(args.hardware)
     spec, module = model_for(args.model)
+    valid_meshes(spec, args.devices, global_batch=args.global_batch, seq_len=args.seq_len)  # none: say why, at once
+    from autoshard.passes.solve import solve  # (imports OR-Tools)
+
     table = fingerprint = None  # a preset: solve builds (or reads) the table once the layouts are known valid
     if module is not None:
         from autoshard.fingerprint import fingerprint_module
