@@ -53,7 +53,8 @@ from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.fingerprint import check_plan_matches, fingerprint_module
 from autoshard.ir import AXES, Mesh, Plan, Precision
 from autoshard.models.presets import Family, spec_from_hf_config
-from autoshard.passes.rewrite import Replicate, check_plan, shard_program
+from autoshard.passes.layouts import check_plan
+from autoshard.passes.rewrite import Replicate, shard_program
 from autoshard.passes.shard_graph import shard_graph
 from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
 from autoshard.runtime.context_parallel import setup_context_parallel

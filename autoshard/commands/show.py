@@ -21,11 +21,27 @@ def run(args) -> int:
     from autoshard.ir import Plan
 
     plan = Plan.load(args.plan)
+    validate(plan)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
         render(plan)
     return 0
+
+
+def validate(plan) -> None:
+    """The plan validator (passes/layouts.py `check_plan`, what `parallelize` runs) on the plan's
+    model, when it is a preset or a `package.module:factory` that imports; InvalidConfigError
+    (one line, exit 2) when the runtime would refuse the plan."""
+    from autoshard.errors import UnknownNameError
+    from autoshard.models.presets import get_spec, resolve_model
+    from autoshard.passes.layouts import check_plan
+
+    try:
+        spec = resolve_model(plan.model, device="meta")[0] if ":" in plan.model else get_spec(plan.model)
+    except UnknownNameError:
+        return  # a user model this machine cannot build: nothing to check it against
+    check_plan(plan, spec)
 
 
 def render(plan) -> None:

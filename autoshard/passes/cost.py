@@ -63,17 +63,15 @@ from autoshard.hardware import DeviceProfile
 from autoshard.ir import B, S, BlockKind, CostTable, Mesh, OpKind, Recompute, Stage, even_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.collectives import Collective, best_time, collective_time
-from autoshard.passes.layouts import zero_violation
-from autoshard.passes.rewrite import selective_module
+from autoshard.passes import sharding
+from autoshard.passes.layouts import plan_violation
+from autoshard.passes.sharding import selective_module
 
 PARAM_BYTES = 2.0  # bf16 weights
 GRAD_BYTES = 4.0  # fp32 main gradients (Megatron-LM / MindSpeed accumulate in fp32)
 OPTIM_BYTES = 12.0  # fp32 master copy + Adam m + v
 ACT_BYTES = 2.0  # bf16 activations on the wire
 OPTIM_TRAFFIC = 30.0  # HBM bytes per parameter of an Adam step: grad r, master/m/v r+w, bf16 w
-
-# replication class of a node under TP
-_REPLICATED, _SHARDED, _KV = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,7 +193,7 @@ class CompiledBlock:
     count: int
     params: int
     fwd: np.ndarray  # bool per node
-    tp_class: np.ndarray  # _REPLICATED / _SHARDED / _KV per node
+    role: np.ndarray  # per node: index of its role in the family's sharding table, -1 none (replicated)
     rerun: np.ndarray  # bool: in the attention module / Mamba-2 mixer (what selective recompute reruns)
     is_gemm: np.ndarray  # bool: priced by GEMM throughput
     tp_dim: np.ndarray  # index into (batch, m, n, k) that TP divides, -1 none
@@ -248,14 +246,17 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
     for i in range(4):
         exprs.extend((n.gemm[i] if n.gemm is not None else sympy.Integer(0)) for n in nodes)
     fn = sympy.lambdify((B, S), exprs, modules="numpy") if nodes else None
-    tp_class = np.array([_tp_class(n.module_path, block.kind) for n in nodes], dtype=np.int8)
+    roles = sharding.table(spec)
+    found = [sharding.role_of(spec, block.kind, n.module_path) for n in nodes]
+    role = np.array([-1 if r is None else roles.index(r) for r in found], dtype=np.int16)
     rerun = np.array([_in_selective_module(n.module_path, spec) for n in nodes], dtype=bool)
     is_gemm = np.array([n.kind is OpKind.MATMUL and n.gemm is not None for n in nodes], dtype=bool)
-    tp_dim = np.array([_tp_dim(n, spec) if c else -1 for n, c in zip(nodes, tp_class)], dtype=np.int8)
+    splits = [r is not None and r.strategy is not sharding.Strategy.REPLICATE for r in found]
+    tp_dim = np.array([_tp_dim(n, spec) if c else -1 for n, c in zip(nodes, splits)], dtype=np.int8)
     cp_dim = np.array([_cp_dim(n) for n in nodes], dtype=np.int8)
     quadratic = np.array([_degree_in_s(n.flops) >= 2 for n in nodes], dtype=bool)
     return CompiledBlock(kind=block.kind, count=block.count, params=block.params,
-                         fwd=np.array([n.phase == "fwd" for n in nodes], dtype=bool), tp_class=tp_class,
+                         fwd=np.array([n.phase == "fwd" for n in nodes], dtype=bool), role=role,
                          rerun=rerun, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, quadratic=quadratic, fn=fn)
 
 
@@ -269,17 +270,6 @@ def _degree_in_s(expr) -> int:
 
 def _parts(path: str) -> list[str]:
     return path.split(".") if path else []
-
-
-def _tp_class(path: str, kind: BlockKind) -> int:
-    parts = _parts(path)
-    if any(p in ("k_proj", "v_proj") for p in parts):
-        return _KV
-    if any(p in ("self_attn", "mlp", "mixer", "embed_tokens", "embeddings", "lm_head") for p in parts):
-        return _SHARDED
-    if kind is BlockKind.HEAD and not any("norm" in p for p in parts):
-        return _SHARDED  # the loss at the root module: vocab-parallel cross-entropy
-    return _REPLICATED
 
 
 def _is_core(path: str, spec: ModelSpec) -> bool:
@@ -324,9 +314,10 @@ def _cp_dim(node) -> int:
 # Component functions
 
 
-def _tp_divisor(cls: np.ndarray, spec: ModelSpec, tp: int) -> np.ndarray:
-    kv = min(tp, spec.kv_heads) if spec.family is Family.LLAMA and spec.kv_heads else tp
-    return np.where(cls == _SHARDED, float(tp), np.where(cls == _KV, float(kv), 1.0))
+def _tp_divisor(blk: CompiledBlock, spec: ModelSpec, tp: int) -> np.ndarray:
+    """Per node: what TP divides its work and saved bytes by, its role's parts (sharding table)."""
+    parts = np.array([1.0, *(float(sharding.role_parts(spec, r, tp)) for r in sharding.table(spec))])
+    return parts[blk.role + 1]
 
 
 def gemm_efficiency(hw: DeviceProfile, m: np.ndarray, n: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -348,7 +339,7 @@ def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
         return np.zeros(0)
     vals = blk.evaluate(layout.micro_batch, seq_len)
     tp, cp = layout.mesh.tp, layout.mesh.cp
-    div = _tp_divisor(blk.tp_class, ct.spec, tp)
+    div = _tp_divisor(blk, ct.spec, tp)
     flops = vals[0] / div / cp * np.where(blk.quadratic, cp_attention_overwork(ct.spec, cp), 1.0)
     nbytes = vals[1] / div / cp
     mem_t = nbytes / (hw.hbm_bandwidth * hw.vector_efficiency)
@@ -390,7 +381,7 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     act = _tokens(layout, seq_len) * ct.spec.hidden * ACT_BYTES
     ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=1)
     if kind is BlockKind.LAYER:
-        n = _tp_layer_all_reduces(ct.spec)
+        n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
         return n * ar, n * ar
     if kind is BlockKind.EMBED:
         return ar, 0.0  # vocab-parallel lookup: partial sums all-reduced in forward
@@ -411,7 +402,7 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     b = layout.micro_batch
     if spec.family is Family.LLAMA:
         head_dim = spec.hidden // spec.heads
-        kv_local = spec.kv_heads / min(tp, spec.kv_heads)
+        kv_local = spec.kv_heads / sharding.parts(spec, "self_attn.k_proj", tp)
         kv_full = 2 * b * seq_len * kv_local * head_dim * ACT_BYTES
         ag = best_time(hw, Collective.ALL_GATHER, kv_full, size=cp, stride=tp)
         rs = best_time(hw, Collective.REDUCE_SCATTER, kv_full, size=cp, stride=tp)
@@ -441,12 +432,9 @@ def _recompute_time(ct: CompiledTable, layout: Layout, kind: BlockKind, t: np.nd
     fwd = blk.fwd if len(t) else np.zeros(0, dtype=bool)
     if layout.recompute is Recompute.FULL:
         return float(t[fwd].sum()) + tp_f + cp_f
-    return float(t[fwd & blk.rerun].sum()) + tp_f / _tp_layer_all_reduces(ct.spec) + cp_f
-
-
-def _tp_layer_all_reduces(spec: ModelSpec) -> int:
-    """Forward TP all-reduces of one layer: attention + MLP (LLaMA) or the mixer (Mamba-2)."""
-    return 2 if spec.family is Family.LLAMA else 1
+    spec = ct.spec
+    inside = sharding.row_parallel_count(spec, BlockKind.LAYER, under=selective_module(spec))
+    return float(t[fwd & blk.rerun].sum()) + tp_f * inside / max(1, sharding.row_parallel_count(spec, kind)) + cp_f
 
 
 def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, *,
@@ -472,7 +460,7 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
     if not len(blk.fwd):
         return 0.0
     vals = blk.evaluate(layout.micro_batch, seq_len)
-    saved = vals[2] / _tp_divisor(blk.tp_class, spec, mesh.tp) / mesh.cp
+    saved = vals[2] / _tp_divisor(blk, spec, mesh.tp) / mesh.cp
     keep = blk.fwd.copy()
     if kind is BlockKind.LAYER and layout.recompute is Recompute.SELECTIVE:
         keep &= ~blk.rerun  # the checkpoint keeps the module's input: the norm's output, kept anyway
@@ -480,32 +468,15 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
     if kind is BlockKind.LAYER and mesh.cp > 1 and spec.family is Family.LLAMA:
         # the gathered K/V of the other CP ranks stay alive for the attention backward
         head_dim = spec.hidden // spec.heads
-        kv_local = spec.kv_heads / min(mesh.tp, spec.kv_heads)
+        kv_local = spec.kv_heads / sharding.parts(spec, "self_attn.k_proj", mesh.tp)
         total += 2 * layout.micro_batch * seq_len * kv_local * head_dim * ACT_BYTES * (mesh.cp - 1) / mesh.cp
     return total
 
 
-def replicated_params(spec: ModelSpec, kind: BlockKind) -> tuple[float, float]:
-    """(parameters every TP rank holds whole, parameters split by min(tp, kv_heads)) of one
-    instance: the RMSNorm weights outside the mixer, and LLaMA's K/V projections."""
-    if kind is BlockKind.EMBED:
-        return 0.0, 0.0
-    if kind is BlockKind.HEAD:
-        return float(spec.hidden), 0.0
-    if spec.family is Family.LLAMA:
-        head_dim = spec.hidden // spec.heads
-        return 2.0 * spec.hidden, 2.0 * spec.hidden * spec.kv_heads * head_dim
-    return float(spec.hidden), 0.0
-
-
 def block_params(ct: CompiledTable, layout: Layout, kind: BlockKind) -> float:
-    """Parameters of one instance of block `kind` held by one device (TP-sharded, before ZeRO)."""
-    spec, tp = ct.spec, layout.mesh.tp
-    total = float(ct.block(kind).params)
-    rep, kv = replicated_params(spec, kind)
-    rep, kv = min(rep, total), min(kv, max(0.0, total - rep))
-    kv_div = min(tp, spec.kv_heads) if spec.kv_heads else tp
-    return rep + kv / kv_div + (total - rep - kv) / tp
+    """Parameters of one instance of block `kind` held by one device (TP-sharded as the sharding
+    table says, before ZeRO)."""
+    return sharding.params_per_rank(ct.spec, kind, ct.block(kind).params, layout.mesh.tp)
 
 
 def _dp_group(layout: Layout) -> int:
@@ -698,15 +669,9 @@ def buffer_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int) -> float:
 
 
 def _check(spec: ModelSpec, layout: Layout, global_batch: int, seq_len: int) -> None:
-    mesh = layout.mesh
-    if global_batch < 1 or seq_len < 1:
-        raise InvalidConfigError(f"global_batch and seq_len must be positive, got {global_batch}, {seq_len}")
-    if global_batch % (mesh.dp * layout.micro_batch):
-        raise InvalidConfigError(f"dp ({mesh.dp}) x micro_batch ({layout.micro_batch}) must divide the global "
-                                 f"batch ({global_batch}); pick a micro-batch or dp that divides it")
-    if mesh.ep != 1:
-        raise InvalidConfigError(f"ep must be 1: {spec.name} has no experts (got ep={mesh.ep})")
-    why = zero_violation(mesh, layout.zero)
+    """The plan validator's rules (passes/layouts.py), ZeRO-3 included: the cost model prices it."""
+    why = plan_violation(spec, layout.mesh, global_batch=global_batch, seq_len=seq_len,
+                         micro_batch=layout.micro_batch, zero=layout.zero, zeros=(0, 1, 2, 3))
     if why:
         raise InvalidConfigError(why)
 

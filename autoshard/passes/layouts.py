@@ -1,30 +1,36 @@
-"""Layouts: every valid (dp, pp, tp, cp, ep) mesh for a model on N devices.
+"""Plan validation and layouts: the one set of rules a plan must pass, and every valid mesh.
 
-Contract: `valid_meshes(spec, devices, *, global_batch, seq_len, micro_batch=1) -> tuple[Mesh, ...]`
-lists every mesh with dp*pp*tp*cp*ep == devices that passes the rules below, in a fixed order
-(dp descending, then pp, tp, cp). If none passes it raises `InvalidConfigError` saying which
-rule ruled each candidate out. `mesh_violation(spec, mesh, ...)` gives the first rule one mesh
-breaks (None if valid), so the planner and the runtime can check a single mesh the same way.
+Contract
+  `plan_violation(spec, mesh, *, global_batch, seq_len, micro_batch=1, zero=0)` gives the first
+  rule a plan breaks (None if it runs), `check_plan(plan, spec, world_size=)` raises it (and a bad
+  stage split, `ir.check_stages`) as `InvalidConfigError`. These are THE rules: the runtime
+  (`parallelize`, `backend`), the planner (`solve` searches only layouts that pass), `sweep`,
+  `show` and the cost model all call them, so the planner never emits a plan the runtime refuses
+  (tests/passes/test_plan_validity.py).
+  `valid_meshes(spec, devices, *, global_batch, seq_len, micro_batch=1) -> tuple[Mesh, ...]`
+  lists every mesh with dp*pp*tp*cp*ep == devices that passes them, in a fixed order (dp
+  descending, then pp, tp, cp); if none passes it raises `InvalidConfigError` saying which rule
+  ruled each candidate out.
 
-Every rule below concerns one axis (`axis_violation`), so the search prunes axis by axis: the
+Every mesh rule below concerns one axis (`axis_violation`), so the search prunes axis by axis: the
 sizes each axis may take are the device count's divisors (from its prime factors, Pollard's rho:
 milliseconds for any count) that pass that axis's rules, and only their products are built. A
 billion devices cost what their few valid sizes cost, not a scan of every divisor product. A
-rule that ties two axes together belongs in `mesh_violation`, after the per-axis ones.
+rule that ties two axes together belongs in `plan_violation`, after the per-axis ones.
 
 Rules (the runtime's, see DESIGN.md):
   ep    must be 1: the supported models (LLaMA, Mamba-2) have no experts.
-  tp    LLaMA: divides the attention heads, and either divides the KV heads (KV heads split) or
-        is a multiple of them (each KV head replicated on tp / kv_heads ranks).
-        Mamba-2: divides the SSM heads and the B/C groups (in_proj split by heads and groups).
+  tp    splits every count the family's sharding table splits (`sharding.tp_violation`): LLaMA's
+        heads, MLP width and vocabulary, and its KV heads or a multiple of them (each KV head
+        then kept by tp / kv_heads ranks); Mamba-2's heads, groups and vocabulary.
   pp    at most the number of layers (every stage holds at least one layer).
   dp    dp x micro_batch divides the global batch.
   cp    LLaMA: 2*cp divides the sequence (load-balanced causal split, chunks i and 2cp-1-i).
-        Mamba-2: cp divides the sequence (state passing needs no balancing).
-  ZeRO  levels 2 and 3 need pp = 1 (`zero_violation`): they reduce gradients after every
+        Mamba-2: cp divides the sequence, and each rank keeps at least conv_kernel - 1 tokens.
+  ZeRO  0-3; levels 2 and 3 need pp = 1 (`zero_violation`): they reduce gradients after every
         micro-batch, which a pipeline schedule's accumulation does not allow (DeepSpeed's rule too).
-        The runtime runs levels 0-2 (`RUNTIME_ZERO`, what the planner searches); `sweep` also
-        prices ZeRO-3.
+        The runtime runs levels 0-2 (`RUNTIME_ZERO`, what the planner searches); the cost model
+        (and so `sweep`) also prices ZeRO-3 (`plan_violation(zeros=(0, 1, 2, 3))`).
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ import math
 from collections.abc import Callable, Iterator
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Mesh
+from autoshard.ir import Mesh, Plan, check_stages
 from autoshard.models.presets import Family, ModelSpec
+from autoshard.passes.sharding import tp_violation
 
 
 def prime_factors(n: int) -> dict[int, int]:
@@ -130,47 +137,77 @@ def axis_violation(spec: ModelSpec, axis: str, size: int, *, global_batch: int, 
                    micro_batch: int = 1) -> str | None:
     """The rule of the module docstring that `size` on mesh axis `axis` alone breaks, or None."""
     if axis == "ep":
-        return f"ep={size}: {spec.name} has no experts, so ep must be 1" if size != 1 else None
+        return f"ep={size}: {spec.name} has no experts; use ep=1" if size != 1 else None
     if axis == "tp":
-        tp = size
-        if spec.family is Family.LLAMA:
-            if spec.heads % tp:
-                return f"tp={tp} does not divide the {spec.heads} attention heads"
-            if spec.kv_heads % tp and tp % spec.kv_heads:
-                return (f"tp={tp} neither divides the {spec.kv_heads} KV heads nor is a multiple of them "
-                        "(KV heads are split or replicated)")
-        else:
-            if spec.heads % tp:
-                return f"tp={tp} does not divide the {spec.heads} Mamba-2 heads"
-            if spec.groups % tp:
-                return f"tp={tp} does not divide the {spec.groups} Mamba-2 groups (n_groups)"
-        return None
+        return tp_violation(spec, size)
     if axis == "pp":
-        return f"pp={size} exceeds the {spec.layers} layers (each stage needs a layer)" if size > spec.layers else None
-    if axis == "dp":
-        if global_batch % (size * micro_batch):
-            return f"dp={size} x micro_batch={micro_batch} does not divide the global batch {global_batch}"
+        if size > spec.layers:
+            return (f"pp ({size}) is larger than the number of blocks (layers) of {spec.name} ({spec.layers}); "
+                    f"use pp <= {spec.layers}")
         return None
-    if size > 1:  # cp
-        if spec.family is Family.LLAMA and seq_len % (2 * size):
-            return f"2*cp={2 * size} does not divide the sequence length {seq_len} (load-balanced causal split)"
-        if spec.family is Family.MAMBA2 and seq_len % size:
-            return f"cp={size} does not divide the sequence length {seq_len}"
+    if axis == "dp":
+        per_step = size * micro_batch
+        if global_batch % per_step:
+            return (f"global batch {global_batch} is not divisible by dp ({size}) x micro_batch ({micro_batch}) = "
+                    f"{per_step}; pick a global batch that is a multiple of {per_step}")
+        return None
+    return _cp_violation(spec, size, seq_len)
+
+
+def _cp_violation(spec: ModelSpec, cp: int, seq: int) -> str | None:
+    """LLaMA splits the sequence in 2*cp chunks (balanced causal layout), Mamba-2 in cp contiguous
+    slices of at least conv_kernel-1 tokens (runtime/context_parallel.py)."""
+    if cp == 1:
+        return None
+    parts, what = (2 * cp, "2*cp") if spec.family is Family.LLAMA else (cp, "cp")
+    if seq % parts:
+        return (f"sequence length {seq} is not divisible by {what} = {parts} (cp={cp}, {spec.name}); pad the "
+                f"sequence to a multiple of {parts} or pick a smaller cp")
+    if spec.family is Family.MAMBA2 and seq // cp < spec.conv - 1:
+        return (f"sequence length {seq} over cp={cp} leaves {seq // cp} tokens per rank, fewer than "
+                f"conv_kernel-1 = {spec.conv - 1} (Mamba-2 conv halo); use a smaller cp")
     return None
 
 
-_RULE_ORDER = ("ep", "tp", "pp", "dp", "cp")  # the order mesh_violation reports broken rules in
+_RULE_ORDER = ("ep", "tp", "pp", "dp", "cp")  # the order plan_violation reports broken rules in
 
 
-def mesh_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: int,
-                   micro_batch: int = 1) -> str | None:
-    """The first divisibility rule `mesh` breaks for this model and batch, or None."""
+def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: int, micro_batch: int = 1,
+                   zero: int = 0, zeros: tuple[int, ...] = ()) -> str | None:
+    """The first rule (module docstring) that this plan breaks for `spec`, worded for the user
+    (what was found, what to do), or None. `zeros`: the ZeRO levels allowed (default
+    `RUNTIME_ZERO`; the cost model prices 0-3)."""
+    for name, value in (("global batch", global_batch), ("sequence length", seq_len), ("micro_batch", micro_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            return f"{name} must be a positive integer, got {value!r}"
     for axis in _RULE_ORDER:
         why = axis_violation(spec, axis, getattr(mesh, axis), global_batch=global_batch, seq_len=seq_len,
                              micro_batch=micro_batch)
         if why:
             return why
+    why = zero_violation(mesh, zero)
+    if why:
+        return why
+    if zero not in (zeros or RUNTIME_ZERO):
+        return (f"zero={zero} (parameter sharding) is not supported by the runtime yet; use zero="
+                f"{max(RUNTIME_ZERO)} (gradients and optimizer state sharded over dp) or lower")
     return None
+
+
+def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None) -> None:
+    """InvalidConfigError if `plan` cannot run `spec` (on `world_size` ranks, when given). No
+    communication: every rank raises the same error before any collective. `sweep`, `plan`,
+    `show` and `parallelize` all check plans here."""
+    mesh = plan.mesh
+    if world_size is not None and mesh.size != world_size:
+        raise InvalidConfigError(f"the plan's mesh {mesh.as_dict()} multiplies to {mesh.size}, but the world size "
+                                 f"is {world_size}; choose dp*pp*tp*cp*ep = {world_size}")
+    why = plan_violation(spec, mesh, global_batch=plan.global_batch, seq_len=plan.seq_len,
+                         micro_batch=plan.micro_batch, zero=plan.zero)
+    if why:
+        raise InvalidConfigError(why)
+    if plan.stages:
+        check_stages(plan.stages, num_layers=spec.layers, pp=plan.chunks)
 
 
 RUNTIME_ZERO = (0, 1, 2)  # the ZeRO levels runtime/data_parallel.py runs
@@ -198,7 +235,7 @@ def valid_meshes(spec: ModelSpec, devices: int, *, global_batch: int, seq_len: i
     if good:
         return good
     dense = (m for m in _meshes(devices) if m.ep == 1)  # lazily: a huge device count has very many
-    shown = [f"({m.dp},{m.pp},{m.tp},{m.cp},{m.ep}): {mesh_violation(spec, m, **rules)}"
+    shown = [f"({m.dp},{m.pp},{m.tp},{m.cp},{m.ep}): {plan_violation(spec, m, **rules)}"
              for m in itertools.islice(dense, 12)]
     more = _dense_count(devices) - len(shown)
     raise InvalidConfigError(
@@ -218,12 +255,12 @@ def mesh_micro_batches(spec: ModelSpec, devices: int, *, global_batch: int, seq_
                        micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[tuple[Mesh, int], ...]:
     """Every (valid mesh, micro-batch) pair the planner searches: for each mesh of
     `factorizations` with ep == 1 and each micro-batch in `micro_batches`, the pair when
-    `mesh_violation` finds no broken rule (so dp x micro-batch divides the global batch).
+    `plan_violation` finds no broken rule (so dp x micro-batch divides the global batch).
     Empty when no pair is valid (the caller words the error)."""
     rules = dict(global_batch=global_batch, seq_len=seq_len)
     out = []
     for mesh in _meshes(devices, lambda axis, size: axis_violation(spec, axis, size, **rules) is None):
         for mb in micro_batches:
-            if mesh_violation(spec, mesh, **rules, micro_batch=mb) is None:
+            if plan_violation(spec, mesh, **rules, micro_batch=mb) is None:
                 out.append((mesh, mb))
     return tuple(out)

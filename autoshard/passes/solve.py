@@ -18,7 +18,7 @@ Contract
   as a cut. The search stops once the bound reaches the runner-up (the best plan on another
   mesh). No wall clock decides anything: CP-SAT runs one worker with a deterministic-time limit
   and the split search is plain numpy, so the same inputs give the same plan on every run.
-  The op placements are the Megatron-LM ones the cost model prices (`strategies.block_placements`).
+  The op placements are the sharding table's (`sharding.block_placements`), which the cost model prices.
   Integers: seconds are converted once here to units of 1e-6 of the largest stage time.
   No layout fits -> `InfeasiblePlanError` naming the binding constraint (memory per device)
   and by how much the smallest plan misses.
@@ -436,7 +436,7 @@ def _why(win: dict, other: dict) -> str:
 
 def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len, solve_s, fingerprint) -> Plan:
     from autoshard.fingerprint import fingerprint_spec
-    from autoshard.passes.strategies import block_placements
+    from autoshard.passes.sharding import block_placements
 
     found = result.found
     best = found[0]

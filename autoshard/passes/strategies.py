@@ -588,25 +588,3 @@ GROUP_PLACEMENTS: dict[str, tuple[Placement | None, Placement, Placement]] = {
     "vocab": (Shard(0), R, Partial()),  # vocab-parallel embedding (masked lookup)
     "vocab_logits": (Shard(0), R, Shard(-1)),  # LM head: logits sharded over the vocabulary
 }
-
-
-def block_placements(spec, *, tp: int) -> tuple[tuple[str, str], ...]:
-    """(op group, placement name) of the Megatron-LM tensor parallelism the cost model prices:
-    column- then row-parallel projections, heads split (K/V replicated when tp does not divide
-    the KV heads), vocab-parallel embedding / LM head / cross-entropy, norms replicated."""
-    from autoshard.models.presets import Family
-
-    if tp == 1:
-        return (("all", "replicate"),)
-    common = (("embed_tokens", "vocab"), ("norm", "replicate"), ("lm_head", "vocab_logits"),
-              ("loss", "vocab_logits"))
-    if spec.family is Family.LLAMA:
-        kv = "colwise" if spec.kv_heads % tp == 0 else "replicate"
-        layer = (("input_layernorm", "replicate"), ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", kv),
-                 ("self_attn.v_proj", kv), ("self_attn.attention", "heads"), ("self_attn.o_proj", "rowwise"),
-                 ("post_attention_layernorm", "replicate"), ("mlp.gate_proj", "colwise"),
-                 ("mlp.up_proj", "colwise"), ("mlp.act_fn", "colwise"), ("mlp.down_proj", "rowwise"))
-    else:
-        layer = (("norm", "replicate"), ("mixer.in_proj", "colwise"), ("mixer.conv1d", "channels"),
-                 ("mixer.ssd", "heads"), ("mixer.norm", "heads"), ("mixer.out_proj", "rowwise"))
-    return common[:1] + tuple((f"layers.{g}", p) for g, p in layer) + common[1:]

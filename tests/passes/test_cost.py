@@ -11,7 +11,7 @@ from autoshard.ir import B, S, BlockCost, BlockKind, CostTable, Mesh, NodeCost, 
 from autoshard.models.presets import get_spec
 from autoshard.passes import cost
 from autoshard.passes.cost import Layout, compile_table, estimate
-from autoshard.passes.layouts import factorizations, mesh_violation, valid_meshes
+from autoshard.passes.layouts import factorizations, plan_violation, valid_meshes
 
 SPEC = get_spec("llama-tiny")  # hidden 64, 4 heads, 2 KV heads, 4 layers, vocab 256
 H = SPEC.hidden
@@ -230,7 +230,7 @@ def test_mfu_convention_matches_the_paper_for_llama():
 
 
 def test_bad_layouts_are_refused():
-    with pytest.raises(InvalidConfigError, match="divide the global batch"):
+    with pytest.raises(InvalidConfigError, match=r"global batch 16 is not divisible by dp \(3\)"):
         estimate(CT, SPEC, HW, lay(dp=3), global_batch=GB, seq_len=SEQ)
     with pytest.raises(InvalidConfigError, match="no experts"):
         estimate(CT, SPEC, HW, lay(ep=2), global_batch=GB, seq_len=SEQ)
@@ -251,19 +251,22 @@ def test_factorizations_cover_every_product():
 def test_rules():
     llama7 = get_spec("llama-7b")
     ok = dict(global_batch=1024, seq_len=4096)
-    assert mesh_violation(llama7, Mesh(dp=4, pp=2), **ok) is None
-    assert "ep" in mesh_violation(llama7, Mesh(dp=4, ep=2), **ok)
-    assert "heads" in mesh_violation(get_spec("llama-13b"), Mesh(tp=16), **ok)  # 40 heads
-    assert mesh_violation(get_spec("llama-tiny"), Mesh(tp=4), global_batch=8, seq_len=8) is None  # KV replicated
-    odd = dataclasses.replace(get_spec("llama-tiny"), heads=12, kv_heads=4)
-    assert "KV heads" in mesh_violation(odd, Mesh(tp=6), global_batch=8, seq_len=8)
-    assert mesh_violation(get_spec("llama-70b"), Mesh(tp=16), **ok) is None  # 8 KV heads replicated twice
-    assert "groups" in mesh_violation(get_spec("mamba2-1b"), Mesh(tp=2), **ok)  # one group
-    assert "layers" in mesh_violation(get_spec("llama-tiny"), Mesh(pp=8), **ok)
-    assert "global batch" in mesh_violation(llama7, Mesh(dp=8), global_batch=4, seq_len=4096)
-    assert "2*cp" in mesh_violation(llama7, Mesh(cp=4), global_batch=8, seq_len=4100)
-    assert mesh_violation(get_spec("mamba2-tiny"), Mesh(cp=4), global_batch=8, seq_len=4100) is None
+    assert plan_violation(llama7, Mesh(dp=4, pp=2), **ok) is None
+    assert "ep" in plan_violation(llama7, Mesh(dp=4, ep=2), **ok)
+    assert "heads" in plan_violation(get_spec("llama-13b"), Mesh(tp=16), **ok)  # 40 heads
+    assert plan_violation(get_spec("llama-tiny"), Mesh(tp=4), global_batch=8, seq_len=8) is None  # KV replicated
+    odd = dataclasses.replace(get_spec("llama-tiny"), heads=12, kv_heads=4, vocab=252, ffn=180)
+    assert "KV heads" in plan_violation(odd, Mesh(tp=6), global_batch=8, seq_len=8)
+    assert plan_violation(get_spec("llama-70b"), Mesh(tp=16), **ok) is None  # 8 KV heads replicated twice
+    assert "groups" in plan_violation(get_spec("mamba2-1b"), Mesh(tp=2), **ok)  # one group
+    assert "layers" in plan_violation(get_spec("llama-tiny"), Mesh(pp=8), **ok)
+    assert "global batch" in plan_violation(llama7, Mesh(dp=8), global_batch=4, seq_len=4096)
+    assert "2*cp" in plan_violation(llama7, Mesh(cp=4), global_batch=8, seq_len=4100)
+    assert plan_violation(get_spec("mamba2-tiny"), Mesh(cp=4), global_batch=8, seq_len=4100) is None
     assert len(valid_meshes(llama7, 8, **ok)) == 20
+    # issue 13: tp 5 divides llama-13b's 40 heads and 40 KV heads but not its MLP width 13824
+    assert "MLP width" in plan_violation(get_spec("llama-13b"), Mesh(tp=5), global_batch=1, seq_len=2048)
+    assert "vocabulary" in plan_violation(get_spec("llama-tiny"), Mesh(tp=3), global_batch=8, seq_len=8)
 
 
 def test_no_valid_factorisation_says_why():

@@ -43,9 +43,11 @@ def reference(spec, data):
     return model, losses, grads
 
 
-def check_plan(preset: str, plan: dict, *, global_batch: int = 8, seq: int = 16, steps: int = 2,
+def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, steps: int = 2,
                logits: bool = False) -> None:
-    spec = get_spec(preset)
+    """`preset`: a preset name or a ModelSpec (e.g. of a user-built config)."""
+    spec = get_spec(preset) if isinstance(preset, str) else preset
+    preset = spec.name
     data = batches(spec.vocab, global_batch=global_batch, seq=seq, steps=steps)
     ref, ref_losses, ref_grads = reference(spec, data)
     dm = autoshard.parallelize(build_model(spec, seed=0), data[0][0], plan=plan, global_batch=global_batch,

@@ -9,7 +9,8 @@ import autoshard
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Plan
 from autoshard.models.presets import build_model, get_spec
-from autoshard.passes.rewrite import Replicate, Shard, check_plan, shard_program
+from autoshard.passes.layouts import check_plan
+from autoshard.passes.rewrite import Replicate, Shard, shard_program
 from autoshard.runtime.mesh import axis_ranks, backend_for, coords_of, rank_of
 from autoshard.runtime.tensor_parallel import shard_tensor, unshard
 
@@ -35,7 +36,7 @@ def test_zero_levels_the_runtime_runs():
     ("llama-tiny", 4, dict(dp=2), "multiplies to 2, but the world size is 4"),
     ("llama-tiny", 3, dict(tp=3), "tp (3) does not divide the vocabulary size"),
     ("mamba2-tiny", 4, dict(tp=4), "tp (4) does not divide the number of groups (n_groups) of mamba2-tiny (2)"),
-    ("llama-tiny", 8, dict(pp=8), "pp (8) is larger than the number of blocks of llama-tiny (4)"),
+    ("llama-tiny", 8, dict(pp=8), "pp (8) is larger than the number of blocks (layers) of llama-tiny (4)"),
     ("llama-tiny", 2, dict(dp=2, micro_batch=3), "global batch 8 is not divisible by dp (2) x micro_batch (3)"),
 ])
 def test_bad_plans_name_the_numbers(preset, world, kwargs, needle):

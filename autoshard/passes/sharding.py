@@ -1,0 +1,303 @@
+"""The sharding table: what tensor parallelism does to every module role, one table per model family.
+
+This is the one place that says what TP shards (DESIGN.md, "One source of truth"). Everything else
+derives from it:
+
+* the rewrite (`passes/rewrite.py shard_program`): each parameter's `Shard` / `Replicate`, the
+  modules whose input enters a TP region, the row-parallel linears, the vocab-parallel embedding
+  and LM head;
+* the cost model (`passes/cost.py`): the divisor of every captured node's FLOPs, bytes and saved
+  activations (`node_divisor`), the parameters each TP rank holds (`params_per_rank`), and the TP
+  collectives of a block (`row_parallel_count`);
+* the plan's `placements` (`block_placements`), printed by `autoshard show`;
+* the TP rules of the one plan validator (`passes/layouts.py plan_violation`, via `tp_violation`).
+
+The table has the shape of torchtitan's `parallelize` plans ({module path: ColwiseParallel(), ...}):
+a tuple of `Role`s, each a module path inside its block with a `Strategy`. A role that splits
+tensors lists its `pieces`: the pieces of its parameters along the split dimension (one for a
+plain linear; Mamba-2's in_proj is [z, x, B, C, dt]) and, per piece, the count that TP splits
+(heads, KV heads, groups, the MLP width, the vocabulary). `tp` must divide that count; a piece
+marked `share=True` also allows tp to be a multiple of the count (each rank then keeps one part,
+shared by tp / count ranks: LLaMA's KV heads under GQA).
+
+Adding an entry (say a MoE expert role, or Mamba-2 groups replicated): append a `Role` to the
+family's table; if it needs a new kind of runtime behaviour add a `Strategy` and teach
+`rewrite.shard_program` and `cost.node_divisor` what it means; the validator and the plan's
+placements follow by themselves.
+
+The scheme is Megatron-LM's (Shoeybi et al. 2019, sec. 3): attention by heads, MLP column then
+row, vocab-parallel embedding / LM head / cross-entropy; Mamba-2 as in Megatron-Core's mamba
+mixer (in_proj by heads and groups, conv1d by channel, gated norm by group, out_proj row-parallel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from autoshard.ir import BlockKind
+from autoshard.models.presets import Family, ModelSpec
+
+
+class Strategy(str, Enum):
+    """What TP does to a module (torchtitan's ParallelStyle names where one exists)."""
+
+    COLWISE = "colwise"  # weight split along its output features (dim 0); its input is replicated
+    ROWWISE = "rowwise"  # weight split along its input features (dim 1); partial outputs summed
+    VOCAB = "vocab"  # embedding / LM head / loss split over the vocabulary (vocab-parallel)
+    REGION = "region"  # a module whose input enters a TP region (identity fwd, all-reduce bwd) and
+    #                     whose own ops run on this rank's heads / channels (attention, MLP, mixer)
+    REPLICATE = "replicate"  # whole on every TP rank (RMSNorms, residual adds)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One piece of a tensor along its split dimension: its length and the count TP splits.
+
+    `length`, `count`: names of sizes of the model (see `SIZES`). `share`: tp may also be a
+    multiple of the count (each rank keeps one of `count` parts)."""
+
+    length: str
+    count: str
+    share: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    """A module role of one block: `path` inside the block (a LAYER role sits under every
+    `<base>.layers.<i>`; EMBED / HEAD roles are full paths; "" is the model root, where the loss
+    runs), its strategy, the pieces of its split tensors and the parameters they apply to,
+    `fan`: the size of the parameters' other dimension (1 for a vector)."""
+
+    path: str
+    block: BlockKind
+    strategy: Strategy
+    pieces: tuple[Piece, ...] = ()
+    params: tuple[str, ...] = ("weight",)
+    fan: str = "one"
+
+
+_SIZES: dict[str, Callable[[ModelSpec], int]] = {
+    "one": lambda s: 1,
+    "vocab": lambda s: s.vocab,
+    "hidden": lambda s: s.hidden,
+    "heads": lambda s: s.heads,
+    "kv_heads": lambda s: s.kv_heads,
+    "ffn": lambda s: s.ffn,
+    "q": lambda s: s.heads * (s.hidden // s.heads),  # LLaMA: heads x head_dim
+    "kv": lambda s: s.kv_heads * (s.hidden // s.heads),
+    "inner": lambda s: s.intermediate,  # Mamba-2: expand x hidden = heads x head_dim
+    "groups": lambda s: s.groups,
+    "group_state": lambda s: s.groups * s.state,  # Mamba-2 B or C
+    "conv": lambda s: s.conv,
+}
+
+_COUNT_NAMES = {"vocab": "vocabulary size", "heads": "number of heads", "kv_heads": "number of KV heads",
+                "ffn": "MLP width", "groups": "number of groups (n_groups)"}
+
+
+def size(spec: ModelSpec, name: str) -> int:
+    """The model size called `name` (a key of the table's pieces and fans)."""
+    return _SIZES[name](spec)
+
+
+_L, _E, _H = BlockKind.LAYER, BlockKind.EMBED, BlockKind.HEAD
+_LINEAR = ("weight", "bias")
+
+LLAMA = (
+    Role("model.embed_tokens", _E, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
+    Role("input_layernorm", _L, Strategy.REPLICATE),
+    Role("self_attn", _L, Strategy.REGION, (Piece("heads", "heads"),), params=()),  # SDPA per head
+    Role("self_attn.q_proj", _L, Strategy.COLWISE, (Piece("q", "heads"),), _LINEAR, fan="hidden"),
+    Role("self_attn.k_proj", _L, Strategy.COLWISE, (Piece("kv", "kv_heads", share=True),), _LINEAR, fan="hidden"),
+    Role("self_attn.v_proj", _L, Strategy.COLWISE, (Piece("kv", "kv_heads", share=True),), _LINEAR, fan="hidden"),
+    Role("self_attn.o_proj", _L, Strategy.ROWWISE, (Piece("q", "heads"),), fan="hidden"),
+    Role("post_attention_layernorm", _L, Strategy.REPLICATE),
+    Role("mlp", _L, Strategy.REGION, (Piece("ffn", "ffn"),), params=()),  # act_fn(gate) * up
+    Role("mlp.gate_proj", _L, Strategy.COLWISE, (Piece("ffn", "ffn"),), _LINEAR, fan="hidden"),
+    Role("mlp.up_proj", _L, Strategy.COLWISE, (Piece("ffn", "ffn"),), _LINEAR, fan="hidden"),
+    Role("mlp.down_proj", _L, Strategy.ROWWISE, (Piece("ffn", "ffn"),), fan="hidden"),
+    Role("model.norm", _H, Strategy.REPLICATE),
+    Role("lm_head", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
+    Role("", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), params=()),  # vocab-parallel cross-entropy
+)
+
+_INNER, _GN = Piece("inner", "heads"), Piece("group_state", "groups")
+MAMBA2 = (
+    Role("backbone.embeddings", _E, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
+    Role("norm", _L, Strategy.REPLICATE),
+    Role("mixer", _L, Strategy.REGION, (Piece("heads", "heads"),), ("dt_bias", "A_log", "D")),
+    Role("mixer.in_proj", _L, Strategy.COLWISE, (_INNER, _INNER, _GN, _GN, Piece("heads", "heads")), _LINEAR,
+         fan="hidden"),
+    Role("mixer.conv1d", _L, Strategy.COLWISE, (_INNER, _GN, _GN), _LINEAR, fan="conv"),
+    Role("mixer.norm", _L, Strategy.COLWISE, (Piece("inner", "groups"),)),  # gated RMSNorm, per group
+    Role("mixer.out_proj", _L, Strategy.ROWWISE, (_INNER,), fan="hidden"),
+    Role("backbone.norm_f", _H, Strategy.REPLICATE),
+    Role("lm_head", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
+    Role("", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), params=()),
+)
+
+TABLES: dict[Family, tuple[Role, ...]] = {Family.LLAMA: LLAMA, Family.MAMBA2: MAMBA2}
+BASES: dict[Family, str] = {Family.LLAMA: "model", Family.MAMBA2: "backbone"}
+SELECTIVE: dict[Family, str] = {Family.LLAMA: "self_attn", Family.MAMBA2: "mixer"}
+
+
+def table(spec: ModelSpec) -> tuple[Role, ...]:
+    return TABLES[spec.family]
+
+
+def layer_prefix(spec: ModelSpec, index: int) -> str:
+    return f"{BASES[spec.family]}.layers.{index}"
+
+
+# -- derived: how many parts, what tp may be ----------------------------------------------------------
+
+def piece_parts(spec: ModelSpec, piece: Piece, tp: int) -> int | None:
+    """Parts the piece is cut into at `tp` (tp, or the count when shared), None when tp cannot split it."""
+    count = size(spec, piece.count)
+    if count % tp == 0:
+        return tp
+    if piece.share and tp % count == 0:
+        return count
+    return None
+
+
+def role_parts(spec: ModelSpec, role: Role, tp: int) -> int:
+    """Distinct slices of the role's tensors at `tp` (1 for a replicated role). Raises ValueError
+    when tp cannot split it (`tp_violation` says why first) or its pieces disagree."""
+    if role.strategy is Strategy.REPLICATE or not role.pieces or tp == 1:
+        return 1
+    parts = {piece_parts(spec, p, tp) for p in role.pieces}
+    if None in parts or len(parts) != 1:
+        raise ValueError(f"{role.path}: tp={tp} splits its pieces into {sorted(map(str, parts))} parts")
+    return parts.pop()
+
+
+def parts(spec: ModelSpec, path: str, tp: int) -> int:
+    """Parts of the LAYER role at `path` (e.g. "self_attn.k_proj": min(tp, kv_heads)) at `tp`."""
+    role = next(r for r in table(spec) if r.block is BlockKind.LAYER and r.path == path)
+    return role_parts(spec, role, tp)
+
+
+def tp_violation(spec: ModelSpec, tp: int) -> str | None:
+    """The first count of `spec` that tp cannot split, worded for the user, or None."""
+    if tp == 1:
+        return None
+    for role in table(spec):
+        for piece in role.pieces:
+            if piece_parts(spec, piece, tp) is None:
+                count, what = size(spec, piece.count), _COUNT_NAMES.get(piece.count, piece.count)
+                if piece.share:
+                    return (f"tp ({tp}) and the {what} of {spec.name} ({count}) must divide one another "
+                            f"(split, or each rank keeps one); use a tp that divides {count} or a multiple of it")
+                return f"tp ({tp}) does not divide the {what} of {spec.name} ({count}); use a tp that divides {count}"
+    return None
+
+
+def role_of(spec: ModelSpec, kind: BlockKind, path: str) -> Role | None:
+    """The innermost role of block `kind` that holds the module at `path` (a full module path of
+    the captured graph, e.g. "model.layers.0.self_attn.q_proj"), or None (replicated)."""
+    if kind is BlockKind.LAYER:
+        parts = path.split(".")
+        base = BASES[spec.family].split(".")
+        n = len(base) + 2
+        if parts[:len(base) + 1] != [*base, "layers"] or len(parts) < n:
+            return None
+        path = ".".join(parts[n:])
+        if not path:
+            return None  # the layer's own ops (residual adds)
+    best = None
+    for role in table(spec):
+        if role.block is not kind:
+            continue
+        if role.path == path or (role.path and path.startswith(role.path + ".")):
+            if best is None or len(role.path) > len(best.path):
+                best = role
+    return best
+
+
+def role_at(spec: ModelSpec, path: str) -> Role | None:
+    """The role of exactly the module at `path` (a full module path), or None."""
+    for kind in (BlockKind.LAYER, BlockKind.EMBED, BlockKind.HEAD):
+        role = role_of(spec, kind, path)
+        if role is not None and _full(spec, role, path) == path:
+            return role
+    return None
+
+
+def _full(spec: ModelSpec, role: Role, path: str) -> str:
+    if role.block is not BlockKind.LAYER:
+        return role.path
+    n = len(BASES[spec.family].split(".")) + 2
+    return ".".join([*path.split(".")[:n], role.path])
+
+
+# -- derived: the cost model's numbers ----------------------------------------------------------------
+
+def node_divisor(spec: ModelSpec, kind: BlockKind, path: str, tp: int) -> int:
+    """What TP divides the work and activations of an op at module `path` by: its role's parts."""
+    role = role_of(spec, kind, path)
+    return 1 if role is None else role_parts(spec, role, tp)
+
+
+def role_numel(spec: ModelSpec, role: Role) -> int:
+    """Elements of the role's split weight(s) (pieces x fan; for a vector, the pieces alone)."""
+    length = sum(size(spec, p.length) for p in role.pieces) or size(spec, "hidden")
+    return length * size(spec, role.fan) * max(1, len([p for p in role.params if p != "bias"]))
+
+
+def params_per_rank(spec: ModelSpec, kind: BlockKind, total: float, tp: int) -> float:
+    """Parameters of one instance of block `kind` (`total` of them) that one TP rank holds: each
+    role's weights over its parts (in table order, never more than `total`: a tied LM head's weight
+    counts in the embedding); what no role names (biases) split by tp."""
+    if tp == 1:
+        return float(total)
+    held, left = 0.0, float(total)
+    for role in table(spec):
+        if role.block is not kind or not role.params:
+            continue
+        n = min(float(role_numel(spec, role)), left)
+        held += n / role_parts(spec, role, tp)
+        left -= n
+    return held + left / tp
+
+
+def row_parallel_count(spec: ModelSpec, kind: BlockKind, *, under: str = "") -> int:
+    """Row-parallel roles of block `kind` (each all-reduces its output in forward), optionally only
+    those under module `under` (what selective recompute reruns)."""
+    return sum(1 for r in table(spec) if r.block is kind and r.strategy is Strategy.ROWWISE
+               and (not under or r.path.startswith(under + ".")))
+
+
+def selective_module(spec: ModelSpec) -> str:
+    """The layer submodule selective recompute checkpoints: the attention module / the Mamba-2
+    mixer, whose forward holds one row-parallel all-reduce (rewrite and cost model both ask here)."""
+    return SELECTIVE[spec.family]
+
+
+# -- derived: the runtime's modules and the plan's placements ----------------------------------------
+
+def modules(spec: ModelSpec, strategy: Strategy, kind: BlockKind = BlockKind.LAYER) -> tuple[str, ...]:
+    """Full module paths of the roles of block `kind` with `strategy` (every layer's, for LAYER)."""
+    paths = [r.path for r in table(spec) if r.block is kind and r.strategy is strategy and r.path]
+    if kind is not BlockKind.LAYER:
+        return tuple(paths)
+    return tuple(f"{layer_prefix(spec, i)}.{p}" for i in range(spec.layers) for p in paths)
+
+
+def block_placements(spec: ModelSpec, *, tp: int) -> tuple[tuple[str, str], ...]:
+    """(module role, strategy) of every role at `tp`, as the plan and `autoshard show` name them:
+    layer roles as "layers.*.<path>", the loss as "loss"; a split shared by several ranks (KV heads
+    at tp > kv_heads) reads "colwise (2 parts)"; everything at tp = 1 is "replicate"."""
+    if tp == 1:
+        return (("all", Strategy.REPLICATE.value),)
+    out = []
+    for role in table(spec):
+        name = f"layers.*.{role.path}" if role.block is BlockKind.LAYER else (role.path or "loss")
+        value = role.strategy.value
+        parts = role_parts(spec, role, tp)
+        if role.strategy is not Strategy.REPLICATE and role.pieces and parts < tp:
+            value = f"{value} ({parts} parts)"
+        out.append((name, value))
+    return tuple(out)
