@@ -296,7 +296,7 @@ class Plan:
                 f"the plan has {len(self.stages)} stages but pp ({self.mesh.pp}) x virtual_stages "
                 f"({self.virtual_stages}) = {self.mesh.pp * self.virtual_stages}; give one Stage per model chunk "
                 "(or none for an even split)")
-        if self.stages:  # the split itself; its layer count is checked against the model (passes/rewrite.check_plan)
+        if self.stages:  # the split itself; its layer count is checked against the model (passes/layouts.check_plan)
             check_stages(self.stages, num_layers=self.stages[-1].end_layer, pp=self.chunks)
 
     @property

@@ -34,13 +34,12 @@ Component functions (public, stable names; the CP-SAT planner builds its model f
   pipeline_time(stage_times, microbatches) -> float    1F1B makespan (arXiv 2602.09109 sec. 4.3)
   model_flops_per_token(ct, seq_len) -> float          paper's MFU convention
 
-What TP shards (decided by module path, Megatron-LM conventions, no sequence parallelism):
-attention (`self_attn` and its q/k/v/o projections: heads split; K/V projections split by
-min(tp, kv_heads), replicated beyond), MLP (`mlp`: gate/up column-, down row-parallel), the
-Mamba-2 mixer (`mixer`: in_proj by heads and groups, conv1d by channel, gated norm by group,
-out_proj row-parallel), the embedding (vocab-parallel), the LM head and the loss (vocab-parallel
-cross-entropy, root module path ""). Not split: RMSNorms outside the mixer and residual adds, run
-replicated on every TP rank. CP splits every token-proportional cost by cp (load-balanced causal
+What TP shards comes from the family's sharding table (passes/sharding.py), the one the rewrite
+carries out: each captured node's work and saved bytes are divided by the parts of its module's
+role (`_tp_divisor`: heads, KV heads split by min(tp, kv_heads), MLP width, Mamba-2 heads and
+groups, vocabulary; 1 for replicated roles such as the RMSNorms outside the mixer and the residual
+adds), parameters per rank by `sharding.params_per_rank`, and a layer's forward TP all-reduces
+are its row-parallel roles (`sharding.row_parallel_count`). CP splits every token-proportional cost by cp (load-balanced causal
 split); LLaMA attention's s x s work divides by cp times (2cp+1)/(2cp), the full diagonal chunk
 pairs of runtime/cp_attention.py (`cp_attention_overwork`). Recompute reruns the forward of what
 the runtime checkpoints, the TP and CP collectives inside it included (`_recompute_time`).

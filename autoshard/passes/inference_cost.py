@@ -59,7 +59,8 @@ from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.collectives import Collective, best_time, collective_time
 from autoshard.passes.cost import (ACT_BYTES, PARAM_BYTES, CompiledTable, Layout, block_params, compile_table,
                                    node_times, tp_comm_times, tp_divisor)
-from autoshard.passes.rewrite import selective_module
+from autoshard.passes import sharding
+from autoshard.passes.sharding import selective_module
 
 C = sympy.Symbol("c", positive=True, integer=True)  # context length: tokens already in the cache
 KV_BYTES = 2.0  # bf16 K/V cache and conv state (the model's dtype, as HF's DynamicCache stores them)
@@ -222,7 +223,7 @@ def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
     state (constant in tokens). `dtype_bytes`: the model's element size (bf16 when serving)."""
     if spec.family is Family.LLAMA:
         head_dim = spec.hidden // spec.heads
-        kv_local = spec.kv_heads // min(tp, spec.kv_heads)
+        kv_local = spec.kv_heads // sharding.parts(spec, "self_attn.k_proj", tp)
         return 2.0 * batch * tokens * kv_local * head_dim * dtype_bytes
     ssm = batch * (spec.heads // tp) * spec.head_dim * spec.state * SSM_STATE_BYTES
     conv = batch * _conv_dim(spec) // tp * spec.conv * dtype_bytes
@@ -239,7 +240,7 @@ def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch
     if spec.family is Family.LLAMA:
         flops = float(it.attention_flops(batch, context)) / tp  # heads split over tp
         q_out = 2.0 * batch * spec.hidden / tp * ACT_BYTES
-        nbytes = 2.0 * batch * context * (spec.kv_heads // min(tp, spec.kv_heads)) * (spec.hidden // spec.heads) \
+        nbytes = 2.0 * batch * context * (spec.kv_heads // sharding.parts(spec, "self_attn.k_proj", tp)) * (spec.hidden // spec.heads) \
             * KV_BYTES + q_out
     else:
         state = batch * spec.heads * spec.head_dim * spec.state / tp
@@ -306,7 +307,7 @@ def _activation_bytes(it: InferenceTable, tp: int, *, batch: int, prompt_len: in
         if not len(blk.fwd):
             continue
         moved = blk.evaluate(batch, prompt_len)[1] - blk.evaluate(0, prompt_len)[1]  # weights: the b-free part
-        largest = max(largest, float((moved / tp_divisor(blk.tp_class, spec, tp))[blk.fwd].max(initial=0.0)))
+        largest = max(largest, float((moved / tp_divisor(blk, spec, tp))[blk.fwd].max(initial=0.0)))
     return residual + largest
 
 
