@@ -64,6 +64,7 @@ from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger("autoshard")
 
+PLAN_HINT = "give every rank the same plan, model and settings of autoshard.parallelize"
 PLAN_KEYS = (*AXES, "micro_batch", "zero", "recompute", "precision", "schedule", "virtual_stages")
 
 
@@ -91,6 +92,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     fingerprint = fingerprint_module(model)
     if plan is None:  # rank 0 solves, every rank runs what it broadcasts
         init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
+        # first, that every rank asked for it: a rank given a plan meets this, not the solver's broadcast
+        agree("plan", PLAN_FIELDS, plan_facts(None, fingerprint=fingerprint, settings={}, solved=True), error=None,
+              device=device, hint=PLAN_HINT)
         solved = _solve_on_rank0(model, spec, world=world, seq_len=ids.shape[1],
                                  global_batch=global_batch or ids.shape[0], hardware=_hardware_name(hardware, device),
                                  device=device)
@@ -117,7 +121,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
 
     settings = dict(seed=seed, device_type=device.type, optimizer=optimizer is not None)
     plan, groups, program = _rank_program(model, spec, resolve, world=world, device=device,
-                                          fingerprint=fingerprint, settings=settings)
+                                          fingerprint=fingerprint, settings=settings, solved=plan is None)
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
     cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
@@ -135,7 +139,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
 
 
 def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world: int, device: torch.device,
-                  fingerprint: str, settings: Mapping[str, Any]):
+                  fingerprint: str, settings: Mapping[str, Any], solved: bool = False):
     """The plan `resolve()` gives, checked on this rank with no communication; then every rank compares
     its plan (or the error its checks raised) with the others' in one small all-gather, so a rank given
     another plan or a bad one ends every rank with the same error instead of a hang
@@ -148,9 +152,9 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
             raise  # nobody to tell: no process group is made just to report it
         plan, error = None, e
     init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
-    facts = None if error is not None else plan_facts(plan, fingerprint=fingerprint, settings=settings)
-    agree("plan", PLAN_FIELDS, facts, error=error, device=device,
-          hint="give every rank the same plan, model and settings of autoshard.parallelize")
+    facts = None if error is not None else plan_facts(plan, fingerprint=fingerprint, settings=settings,
+                                                      solved=solved)
+    agree("plan", PLAN_FIELDS, facts, error=error, device=device, hint=PLAN_HINT)
     groups = build_groups(plan.mesh, device=device, backend=backend_for(device))
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     return plan, groups, shard_program(plan, spec, shapes, tp_rank=groups.coords.tp)

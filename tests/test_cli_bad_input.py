@@ -42,7 +42,7 @@ NOT_A_MODULE = 42
 
 @pytest.mark.parametrize("command", ["sweep", "plan"])
 def test_a_billion_devices_is_refused_at_once(capsys, command):
-    # factor-based divisor search: the answer (no valid layout) comes in milliseconds (bench/bench_sweep.py)
+    # factor-based divisor search: the answer (no valid layout) comes in milliseconds (bench/bench_devices.py)
     _fails(capsys, [command, "--model", "llama-tiny", "--devices", "1000000000", *PLAN],
            "no valid", "1000000000")
 

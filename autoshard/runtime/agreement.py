@@ -42,7 +42,7 @@ from autoshard.errors import AutoshardError, InvalidConfigError
 
 IGNORE_INDEX = -100  # the label HF's loss skips (runtime/loss.py)
 
-PLAN_FIELDS = ("plan", "model", "settings", "dp", "pp", "tp", "cp", "ep", "micro_batch", "zero", "global_batch",
+PLAN_FIELDS = ("solved on rank 0 (plan=None)", "plan", "model", "settings", "dp", "pp", "tp", "cp", "ep", "micro_batch", "zero", "global_batch",
                "seq_len")
 BATCH_FIELDS = ("rows", "columns", "input_ids sum", "input_ids weighted sum", "labels sum", "labels weighted sum")
 
@@ -52,10 +52,15 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big", signed=True)
 
 
-def plan_facts(plan, *, fingerprint: str, settings: Mapping[str, object]) -> dict[str, int]:
+def plan_facts(plan, *, fingerprint: str, settings: Mapping[str, object], solved: bool = False) -> dict[str, int]:
     """What every rank must hold the same of a run: the plan (hash of its JSON, and the numbers that
-    make a readable message), the model's fingerprint, the other settings of `parallelize`."""
-    return {"plan": stable_hash(json.dumps(plan.to_json(), sort_keys=True)), "model": stable_hash(fingerprint),
+    make a readable message), the model's fingerprint, the other settings of `parallelize`. `solved`:
+    the plan came from rank 0's solver (plan=None); with `plan` None, only that is compared (the
+    ranks agree on it before rank 0 solves, so a rank given a plan never meets the solver's broadcast)."""
+    if plan is None:
+        return {PLAN_FIELDS[0]: int(solved)}
+    return {PLAN_FIELDS[0]: int(solved), "plan": stable_hash(json.dumps(plan.to_json(), sort_keys=True)),
+            "model": stable_hash(fingerprint),
             "settings": stable_hash(json.dumps(dict(settings), sort_keys=True, default=str)),
             **plan.mesh.as_dict(), "micro_batch": plan.micro_batch, "zero": plan.zero,
             "global_batch": plan.global_batch, "seq_len": plan.seq_len}

@@ -107,6 +107,9 @@ def _plans_that_disagree(rank: int, tmp: str) -> None:
                 "ranks disagree on the plan", "dp: rank 0 2, rank 1 1", "tp: rank 0 1, rank 1 2")
     _same_error(rank, lambda: _parallelize(dict(dp=2), schedule="gpipe" if rank else "1f1b"), InvalidConfigError,
                 "ranks disagree on the plan", "plan: rank 0 ")
+    # rank 0 asks for a solve, rank 1 brings a plan: caught before rank 0 solves (was: mismatched collectives)
+    _same_error(rank, lambda: _parallelize(None if rank == 0 else dict(dp=2)), InvalidConfigError,
+                "ranks disagree on the plan", "solved on rank 0 (plan=None): rank 0 1, rank 1 0")
     # a plan only one rank refuses: its error on both ranks (was: a hang in the other's collective)
     _same_error(rank, lambda: _parallelize(dict(dp=2, zero="one" if rank == 1 else 1)), InvalidConfigError,
                 "plan key 'zero' must be an integer, got 'one'", "(rank 1 of 2; rank 0 found none")
