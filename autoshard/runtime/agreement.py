@@ -70,18 +70,15 @@ def batch_facts(input_ids: Tensor, labels: Tensor | None, *, vocab: int, global_
     """The shape and checksums of a global batch, after checking it: InvalidConfigError for a shape that is
     not (global_batch, seq), a non-integer dtype, or a token id / label outside the vocabulary (labels
     may also be -100). One host sync."""
-    if labels is None:
-        tensors = {"input_ids": input_ids}
-    else:
-        tensors = {"input_ids": input_ids, "labels": labels}
-        if input_ids.shape != labels.shape:
-            raise InvalidConfigError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in "
-                                     "shape; give both as (global_batch, seq)")
+    tensors = {"input_ids": input_ids} if labels is None else {"input_ids": input_ids, "labels": labels}
     for name, t in tensors.items():
         if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype.is_floating_point or t.dtype.is_complex \
                 or t.dtype == torch.bool:
             what = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
             raise InvalidConfigError(f"{name} must be an integer tensor of shape (batch, seq), got {what}")
+    if labels is not None and input_ids.shape != labels.shape:
+        raise InvalidConfigError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in "
+                                 "shape; give both as (global_batch, seq)")
     if input_ids.numel() == 0:
         raise InvalidConfigError(f"input_ids of shape {tuple(input_ids.shape)} hold no tokens")
     if global_batch is not None and input_ids.shape[0] != global_batch:
