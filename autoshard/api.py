@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from autoshard import errors
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.fingerprint import check_plan_matches, fingerprint_module
-from autoshard.ir import AXES, Mesh, Plan, Precision
+from autoshard.ir import AXES, Mesh, Plan
 from autoshard.models.presets import Family, spec_from_hf_config
 from autoshard.passes.layouts import check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
@@ -114,9 +114,6 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         out = given()
         if schedule is not None:
             out = dataclasses.replace(out, schedule=schedule)
-        if out.precision.resolve(device.type) is not Precision.FP32:
-            raise InvalidConfigError(f"precision {out.precision.value!r} on {device.type} is bf16-mixed, which this "
-                                     "runtime does not run yet; pass plan key precision='fp32'")
         return out
 
     settings = dict(seed=seed, device_type=device.type, optimizer=optimizer is not None)
@@ -132,7 +129,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
 
         stages = plan.stages or even_stages(spec.layers, plan.mesh.pp)
         runner = PipelineRunner(model, spec, stages, pp_group=groups.pp, device=device,
-                                options=PipelineOptions(schedule=plan.schedule, micro_batch=plan.micro_batch),
+                                options=PipelineOptions(schedule=plan.schedule, micro_batch=plan.micro_batch,
+                                                        precision=plan.precision.resolve(device.type)),
                                 tp_group=groups.tp if plan.mesh.tp > 1 else None, cp=cp)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp)
     return DistributedModel(setup, optimizer=optimizer)

@@ -36,6 +36,7 @@ from autoshard.runtime.context_parallel import CPRuntime
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
 from autoshard.runtime.loss import causal_lm_loss, count_tokens
 from autoshard.runtime.mesh import Groups
+from autoshard.runtime.precision import autocast
 from autoshard.runtime.tensor_parallel import partial_grad_reducer, unshard
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -65,6 +66,7 @@ class DistributedModel:
         self._tp_group = setup.groups.tp if setup.plan.mesh.tp > 1 else None
         self._runner = setup.pipeline
         self._cp = setup.cp
+        self.precision = setup.plan.precision.resolve(setup.groups.device.type)  # bf16-mixed: runtime/precision.py
         # cp > 1: replicated gradients are summed (and ZeRO shards) over dp x cp, not dp alone
         self._grad_group = setup.cp.grad_group if setup.cp is not None else setup.groups.dp
         params = list(self._runner.parameters()) if self._runner is not None else list(self.model.parameters())
@@ -127,7 +129,9 @@ class DistributedModel:
             if self._cp is not None:  # this rank's slice of the sequence, shifted targets
                 mb_ids, positions, mb_labels = self._cp.local_inputs(mb_ids, mb_labels)
                 kwargs = self._cp.model_kwargs(positions)
-            loss = causal_lm_loss(self._logits(mb_ids, **kwargs), mb_labels, num_tokens=num_tokens,
+            with autocast(self.precision, ids.device):
+                logits = self._logits(mb_ids, **kwargs)
+            loss = causal_lm_loss(logits, mb_labels, num_tokens=num_tokens,
                                   tp_group=self._tp_group, shifted=self._cp is not None)
             loss.backward()
             total += loss.detach()
@@ -145,7 +149,7 @@ class DistributedModel:
         """Full logits (b, s, V) of `input_ids` on every rank (no gradient)."""
         self._check_batch(input_ids, None, global_batch=None)
         ids = input_ids.to(self._groups.device)
-        with torch.no_grad():
+        with torch.no_grad(), autocast(self.precision, ids.device):
             if self._runner is not None:  # (with cp: the runner takes this rank's slice of the sequence)
                 local = self._runner.forward(ids)
             elif self._cp is not None:  # each cp rank computes its slice of the sequence

@@ -40,9 +40,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Schedule, Stage
+from autoshard.ir import Precision, Schedule, Stage
 from autoshard.models.presets import ModelSpec
 from autoshard.runtime.loss import causal_lm_loss
+from autoshard.runtime.precision import Autocast
 from autoshard.runtime.stages import build_stage_module, check_stages, original_names
 
 
@@ -53,6 +54,7 @@ _SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B}
 class PipelineOptions:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     micro_batch: int = 1
+    precision: Precision = Precision.FP32  # resolved for the device; bf16-mixed: each chunk's forward autocasts
     free_other_stages: bool = True  # replace the parameters of other ranks' stages by meta tensors
 
     def __post_init__(self) -> None:
@@ -192,7 +194,9 @@ class PipelineRunner:
                 raise InvalidConfigError(f"1f1b needs at least as many micro-batches as stages: batch {batch} / "
                                          f"micro_batch {micro} = {chunks} < pp {pp}; use a smaller micro_batch, a "
                                          "larger global batch, or schedule='gpipe'")
-            stage = PipelineStage(self.module, self.stage_index, pp, self.device, group=self.pp_group)
+            module = self.module if self.options.precision is Precision.FP32 else \
+                Autocast(self.module, self.options.precision, self.device)
+            stage = PipelineStage(module, self.stage_index, pp, self.device, group=self.pp_group)
             if train:
                 self._cache[key] = _SCHEDULES[self.options.schedule](
                     stage, chunks, loss_fn=self._loss, scale_grads=False)

@@ -1,4 +1,5 @@
-"""Distributed runs on gloo equal one process: loss of two AdamW steps, every gradient, the weights.
+"""Distributed runs on gloo equal one process: loss of two AdamW steps, every gradient, the weights
+(bf16-mixed plans: loss and gradients to bf16 precision, see tests/runtime/equivalence.py).
 
 Each world size is spawned once and runs all its configurations (start-up costs seconds).
 """
@@ -18,6 +19,11 @@ WORLD2 = (
     ("llama-tiny", dict(pp=2, micro_batch=2), True),
     ("mamba2-tiny", dict(pp=2, micro_batch=2), False),
     ("llama-tiny", dict(dp=2, zero=2, micro_batch=2), False),  # 2 micro-batches: one reduce-scatter each
+    # bf16-mixed (fp32 masters and gradients) against the single-process bf16-mixed run, every parallel form
+    *((preset, dict(plan, precision="bf16-mixed"), False) for preset, plan in (
+        ("llama-tiny", dict(dp=2, zero=1)), ("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2, micro_batch=2)),
+        ("llama-tiny", dict(cp=2)), ("mamba2-tiny", dict(dp=2, zero=2, micro_batch=2)), ("mamba2-tiny", dict(tp=2)),
+        ("mamba2-tiny", dict(pp=2, micro_batch=2)), ("mamba2-tiny", dict(cp=2)))),
 )
 WORLD4 = (
     ("llama-tiny", dict(dp=2, tp=2, micro_batch=2), True),
