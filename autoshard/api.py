@@ -127,9 +127,10 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner
         from autoshard.runtime.stages import even_stages
 
-        stages = plan.stages or even_stages(spec.layers, plan.mesh.pp)
+        stages = plan.stages or even_stages(spec.layers, plan.chunks)
         runner = PipelineRunner(model, spec, stages, pp_group=groups.pp, device=device,
                                 options=PipelineOptions(schedule=plan.schedule, micro_batch=plan.micro_batch,
+                                                        virtual_stages=plan.virtual_stages,
                                                         precision=plan.precision.resolve(device.type)),
                                 tp_group=groups.tp if plan.mesh.tp > 1 else None, cp=cp)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp)

@@ -4,6 +4,8 @@ Every comparison times one training step (forward, backward, AdamW step) of the 
 `LlamaForCausalLM` on the same batch, run by a baseline and by autoshard, in the same processes:
 
     ws1  eager HF model                                  vs  parallelize(plan=dict())  (world of one)
+    bf16 eager HF model under torch.autocast(bfloat16)   vs  parallelize(plan=dict(precision="bf16-mixed"))
+         (world of one; fp32 weights on both sides: autoshard's bf16-mixed is autocast, runtime/precision.py)
     dp2  torch.nn.parallel.DistributedDataParallel       vs  parallelize(plan=dict(dp=2))
     tp2  torch.distributed.tensor.parallel.parallelize_module (ColwiseParallel q/k/v/gate/up,
          RowwiseParallel o/down)                         vs  parallelize(plan=dict(tp=2))
@@ -52,7 +54,8 @@ import autoshard
 from autoshard.models.presets import build_model, get_spec
 from autoshard.runtime.stages import even_stages
 
-COMPARISONS = ("ws1", "dp2", "tp2", "pp2")
+COMPARISONS = ("ws1", "bf16", "dp2", "tp2", "pp2")
+LOCAL = ("ws1", "bf16")  # run in this process as a world of one
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,9 +117,13 @@ def _adamw(opts: Options) -> Callable:
     return functools.partial(torch.optim.AdamW, lr=opts.lr)
 
 
-def _eager_step(model: nn.Module, opt: torch.optim.Optimizer, ids: Tensor, labels: Tensor) -> None:
-    """The plain training step: HF loss, backward, optimizer step (every baseline but pp)."""
-    model(ids, labels=labels).loss.backward()
+def _eager_step(model: nn.Module, opt: torch.optim.Optimizer, ids: Tensor, labels: Tensor, *,
+                bf16: bool = False) -> None:
+    """The plain training step: HF loss, backward, optimizer step (every baseline but pp);
+    bf16: the forward under torch.autocast(cpu, bfloat16), as torch's AMP recipe runs it."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = model(ids, labels=labels).loss
+    loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -157,6 +164,16 @@ def compare_ws1(rank: int, world: int, opts: Options) -> list[Timing]:
         base, cand = _time_pair(eager, _autoshard(opts, ids, plan), opts)
         out.append(Timing(name="ws1", baseline="eager HF", candidate=label, base_s=base, cand_s=cand))
     return out
+
+
+def compare_bf16(rank: int, world: int, opts: Options) -> list[Timing]:
+    ids, labels = _batch(opts)
+    model = _model(opts)
+    eager = functools.partial(_eager_step, model, _adamw(opts)(model.parameters()), ids, labels, bf16=True)
+    cand = _autoshard(opts, ids, dict(micro_batch=opts.batch, precision="bf16-mixed"))
+    base, cand = _time_pair(eager, cand, opts)
+    return [Timing(name="bf16", baseline="eager HF under torch.autocast(bf16)",
+                   candidate='plan=dict(micro_batch=B, precision="bf16-mixed")', base_s=base, cand_s=cand)]
 
 
 def compare_dp2(rank: int, world: int, opts: Options) -> list[Timing]:
@@ -240,7 +257,7 @@ def compare_pp2(rank: int, world: int, opts: Options) -> list[Timing]:
                    base_s=b, cand_s=c)]
 
 
-COMPARE = {"ws1": compare_ws1, "dp2": compare_dp2, "tp2": compare_tp2, "pp2": compare_pp2}
+COMPARE = {"ws1": compare_ws1, "bf16": compare_bf16, "dp2": compare_dp2, "tp2": compare_tp2, "pp2": compare_pp2}
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -267,12 +284,12 @@ def run_world(which: tuple[str, ...], world: int, opts: Options) -> list[Timing]
                     for t in json.load(f)]
 
 
-def run_local(opts: Options) -> list[Timing]:
-    """ws1 in this process, as a world of one (a plain `python` run of a training script)."""
+def run_local(which: tuple[str, ...], opts: Options) -> list[Timing]:
+    """ws1 / bf16 in this process, as a world of one (a plain `python` run of a training script)."""
     torch.set_num_threads(opts.threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        return compare_ws1(0, 1, opts)
+        return [t for name in which for t in COMPARE[name](0, 1, opts)]
     finally:
         dist.destroy_process_group()
 
@@ -295,7 +312,8 @@ def parse_args(argv=None) -> tuple[tuple[str, ...], Options]:
         description="Time autoshard's training step against PyTorch's own parallelism on the same LLaMA "
                     "model and batch (gloo, CPU) and print median-time ratios autoshard / baseline "
                     "(> 1: autoshard slower). Baseline and autoshard repetitions are interleaved.",
-        epilog="ws1: eager HF vs plan=dict() (world of one; also plan=dict(micro_batch=B)); dp2: "
+        epilog="ws1: eager HF vs plan=dict() (world of one; also plan=dict(micro_batch=B)); bf16: eager HF under "
+               "torch.autocast(bfloat16) vs plan=dict(micro_batch=B, precision='bf16-mixed') (world of one); dp2: "
                "DistributedDataParallel vs dp=2; tp2: parallelize_module(ColwiseParallel/RowwiseParallel) "
                "vs tp=2; pp2: torch.distributed.pipelining by hand (Schedule1F1B) vs pp=2.")
     p.add_argument("--which", default=",".join(COMPARISONS),
@@ -337,10 +355,11 @@ def main(argv=None) -> None:
           f"{opts.threads} thread(s) per rank, {opts.clock} clock", flush=True)
     timings = []
     start = time.perf_counter()
-    if "ws1" in which:
-        timings.extend(run_local(opts))
-        print(f"  ws1 done after {time.perf_counter() - start:.0f} s", flush=True)
-    spawned = tuple(w for w in which if w != "ws1")
+    local = tuple(w for w in which if w in LOCAL)
+    if local:
+        timings.extend(run_local(local, opts))
+        print(f"  {', '.join(local)} done after {time.perf_counter() - start:.0f} s", flush=True)
+    spawned = tuple(w for w in which if w not in LOCAL)
     if spawned:  # one world of 2 runs every 2-rank comparison (start-up costs seconds)
         timings.extend(run_world(spawned, 2, opts))
         print(f"  {', '.join(spawned)} done after {time.perf_counter() - start:.0f} s", flush=True)

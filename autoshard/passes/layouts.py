@@ -208,6 +208,11 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None) ->
         raise InvalidConfigError(why)
     if plan.stages:
         check_stages(plan.stages, num_layers=spec.layers, pp=plan.chunks)
+    elif plan.chunks > spec.layers:
+        raise InvalidConfigError(f"pp ({mesh.pp}) x virtual_stages ({plan.virtual_stages}) = {plan.chunks} model "
+                                 f"chunks, more than the {spec.layers} blocks of {spec.name} an even split can give "
+                                 "one each; use fewer virtual_stages or give the plan's stages (empty first / last "
+                                 "chunks allowed)")
 
 
 RUNTIME_ZERO = (0, 1, 2)  # the ZeRO levels runtime/data_parallel.py runs

@@ -37,32 +37,28 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Precision, Schedule, Stage
+from autoshard.ir import Precision, Schedule, Stage, check_schedule, stage_rank
 from autoshard.models.presets import ModelSpec
 from autoshard.runtime.loss import causal_lm_loss
 from autoshard.runtime.precision import Autocast
 from autoshard.runtime.stages import build_stage_module, check_stages, original_names
 
 
-_SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B}
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PipelineOptions:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     micro_batch: int = 1
+    virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b, zero-bubble)
     precision: Precision = Precision.FP32  # resolved for the device; bf16-mixed: each chunk's forward autocasts
     free_other_stages: bool = True  # replace the parameters of other ranks' stages by meta tensors
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, Schedule):
             object.__setattr__(self, "schedule", _parse_schedule(self.schedule))
-        if self.schedule not in _SCHEDULES:
-            raise InvalidConfigError(f"schedule {self.schedule.value!r} is not run by this runtime yet; use "
-                                     f"{' or '.join(repr(s.value) for s in _SCHEDULES)}")
         if self.micro_batch < 1:
             raise InvalidConfigError(f"micro_batch must be >= 1, got {self.micro_batch}")
 
@@ -75,29 +71,52 @@ def _parse_schedule(value) -> Schedule:
                                  f"known: {', '.join(s.value for s in Schedule)}") from None
 
 
+def _schedule_class(schedule: Schedule, virtual_stages: int) -> type:
+    """torch's schedule for `schedule` with `virtual_stages` chunks per rank (placement: ir.stage_rank)."""
+    if schedule is Schedule.GPIPE:
+        return ScheduleGPipe
+    if schedule is Schedule.ONE_F_ONE_B:
+        return Schedule1F1B
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        return ScheduleInterleaved1F1B
+    return ScheduleZBVZeroBubble if virtual_stages == 2 else ScheduleInterleavedZeroBubble
+
+
 class PipelineRunner:
-    """This rank's pipeline stage and the schedules that drive it (see the module docstring)."""
+    """This rank's pipeline chunks and the schedules that drive them (see the module docstring)."""
 
     def __init__(self, model: nn.Module, spec: ModelSpec, stages: Sequence[Stage], *,
                  pp_group: dist.ProcessGroup, device: torch.device | str,
                  options: PipelineOptions = PipelineOptions(), tp_group: dist.ProcessGroup | None = None,
                  cp=None) -> None:
-        pp = dist.get_world_size(pp_group)
-        self.stages = check_stages(stages, num_layers=model.config.num_hidden_layers, pp=pp)
+        pp, virtual = dist.get_world_size(pp_group), options.virtual_stages
+        check_schedule(options.schedule, virtual, pp=pp)
+        self.stages = check_stages(stages, num_layers=model.config.num_hidden_layers, pp=pp * virtual)
         self.options = options
         self.pp_group, self.tp_group = pp_group, tp_group
         self.device = torch.device(device)
-        self.stage_index = dist.get_rank(pp_group)
-        self.stage = self.stages[self.stage_index]
+        self.rank = dist.get_rank(pp_group)
+        # rank of every chunk (model order), and this rank's chunks
+        self.placement = tuple(stage_rank(i, pp=pp, virtual_stages=virtual, schedule=options.schedule)
+                               for i in range(len(self.stages)))
+        self.local = tuple(i for i, r in enumerate(self.placement) if r == self.rank)
+        self.first_rank, self.last_rank = self.placement[0], self.placement[-1]
+        self.has_first, self.has_last = self.rank == self.first_rank, self.rank == self.last_rank
         self.cp = cp  # context parallelism (issue 6): runtime.context_parallel.CPRuntime or None
-        self.module = build_stage_module(model, spec, self.stage, positions=cp.positions if cp is not None else None)
+        positions = cp.positions if cp is not None else None
+        self.chunks = [build_stage_module(model, spec, self.stages[i], positions=positions) for i in self.local]
+        self.module = nn.ModuleList(self.chunks)  # every parameter of this rank's chunks
         self.names = original_names(model, self.module)  # stage name -> original name
-        # what every stage holds, by original name, for gather(); shapes/dtypes from this rank's model
-        self._held = [tuple(dict.fromkeys(original_names(model, build_stage_module(model, spec, st)).values()))
-                      for st in self.stages]
+        # what every pp rank holds, by original name, for gather(); shapes/dtypes from this rank's model
+        held = [original_names(model, build_stage_module(model, spec, st)).values() for st in self.stages]
+        self._held = [tuple(dict.fromkeys(n for i in range(len(self.stages)) if self.placement[i] == r
+                                          for n in held[i])) for r in range(pp)]
         self._meta = {name: (p.shape, p.dtype) for name, p in model.named_parameters()}
-        self._tied = _tied_parameter(model, spec) if pp > 1 else None
-        self._tied_group = _tied_pair_group(pp_group) if self._tied is not None else None
+        # tied embeddings on two ranks: each holds a copy whose gradients are summed (on one rank: one tensor)
+        split = pp > 1 and self.first_rank != self.last_rank
+        self._tied = _tied_parameter(model, spec) if split else None
+        self._tied_group = _tied_pair_group(pp_group, self.first_rank, self.last_rank) if self._tied is not None \
+            else None
         self._cache: dict[tuple, object] = {}
         if options.free_other_stages:
             _free_parameters(model, keep={id(p) for p in self.module.parameters()})
@@ -114,19 +133,19 @@ class PipelineRunner:
         if self.cp is not None:  # this rank's slice of the sequence, labels shifted over the whole sequence
             input_ids, _, labels = self.cp.local_inputs(input_ids, labels)
         schedule = self._schedule(tuple(input_ids.shape), train=True)
-        args = (input_ids.to(self.device),) if self.stage.embed else ()
-        target = labels.to(self.device) if self.stage.head else None
+        args = (input_ids.to(self.device),) if self.has_first else ()
+        target = labels.to(self.device) if self.has_last else None
         losses: list[torch.Tensor] = []
-        schedule.step(*args, target=target, losses=losses if self.stage.head else None, return_outputs=False,
+        schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False,
                       loss_kwargs={"num_tokens": num_tokens})
         self.sync_tied_grads()
-        loss = torch.stack(losses).sum().detach() if self.stage.head else torch.zeros((), device=self.device)
-        dist.broadcast(loss, group=self.pp_group, group_src=len(self.stages) - 1)
+        loss = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=self.device)
+        dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
 
     def sync_tied_grads(self) -> None:
         """Sum the tied embedding's gradient over the first and last stage (no-op when untied)."""
-        if self._tied_group is None or not (self.stage.embed or self.stage.head):
+        if self._tied_group is None or not (self.has_first or self.has_last):
             return
         param = self._tied
         if param.grad is None:
@@ -138,20 +157,43 @@ class PipelineRunner:
         """Logits of the whole batch (local vocab slice under TP) on every rank of the pp group."""
         if self.cp is not None:  # this cp rank's slice of the sequence: the caller gathers the rest
             input_ids = self.cp.local_inputs(input_ids, None)[0]
-        schedule = self._schedule(tuple(input_ids.shape), train=False)
-        args = (input_ids.to(self.device),) if self.stage.embed else ()
         with torch.no_grad():
-            out = schedule.step(*args)
+            if len(self.chunks) == 1:
+                schedule = self._schedule(tuple(input_ids.shape), train=False)
+                out = schedule.step(*((input_ids.to(self.device),) if self.has_first else ()))
+            else:
+                out = self._forward_chunks(input_ids.to(self.device))
         header = torch.zeros(4, dtype=torch.int64, device=self.device)  # (b, s, v, dtype index)
-        if self.stage.head:
+        if self.has_last:
             header.copy_(torch.tensor([*out.shape, _DTYPES.index(out.dtype)]))
-        last = len(self.stages) - 1
-        dist.broadcast(header, group=self.pp_group, group_src=last)
+        dist.broadcast(header, group=self.pp_group, group_src=self.last_rank)
         b, s, v, code = header.tolist()
-        if not self.stage.head:
+        if not self.has_last:
             out = torch.empty((b, s, v), dtype=_DTYPES[code], device=self.device)
-        dist.broadcast(out, group=self.pp_group, group_src=last)
+        dist.broadcast(out, group=self.pp_group, group_src=self.last_rank)
         return out
+
+    def _forward_chunks(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Several chunks per rank, forward only (evaluation): the chunks in model order on the whole
+        batch, each activation sent to the next chunk's rank (torch's multi-chunk schedules have no
+        forward-only mode for the V placement); the logits on the rank of the last chunk."""
+        x = input_ids if self.has_first else None
+        modules = dict(zip(self.local, self.chunks))
+        for i, owner in enumerate(self.placement):
+            prev = self.placement[i - 1] if i else owner
+            if prev != owner and self.rank == prev:
+                header = torch.tensor([*x.shape, _DTYPES.index(x.dtype)], device=self.device)  # (b, s, h, dtype)
+                dist.send(header, group=self.pp_group, group_dst=owner)
+                dist.send(x.contiguous(), group=self.pp_group, group_dst=owner)
+            elif prev != owner and self.rank == owner:
+                header = torch.empty(4, dtype=torch.int64, device=self.device)
+                dist.recv(header, group=self.pp_group, group_src=prev)
+                *shape, code = header.tolist()
+                x = torch.empty(shape, dtype=_DTYPES[code], device=self.device)
+                dist.recv(x, group=self.pp_group, group_src=prev)
+            if self.rank == owner:
+                x = self._wrap(modules[i])(x)
+        return x if self.has_last else None
 
     def local_grads(self) -> dict[str, torch.Tensor]:
         """{original name: gradient} of this stage's parameters (zeros where none was computed)."""
@@ -169,7 +211,7 @@ class PipelineRunner:
             names = [n for n in held if n not in out]
             for dtype in dict.fromkeys(self._meta[n][1] for n in names):
                 group = [n for n in names if self._meta[n][1] == dtype]
-                if index == self.stage_index:
+                if index == self.rank:
                     flat = torch.cat([tensors[n].detach().reshape(-1).to(self.device, dtype) for n in group])
                 else:
                     flat = torch.empty(sum(self._meta[n][0].numel() for n in group), dtype=dtype,
@@ -189,20 +231,33 @@ class PipelineRunner:
             if batch % micro:
                 raise InvalidConfigError(f"the pipeline's batch ({batch}) is not divisible by micro_batch ({micro}); "
                                          f"choose a micro_batch that divides {batch}")
-            pp, chunks = len(self.stages), batch // micro
-            if train and self.options.schedule is Schedule.ONE_F_ONE_B and chunks < pp:
+            pp, chunks = dist.get_world_size(self.pp_group), batch // micro
+            schedule = self.options.schedule
+            if train and schedule is Schedule.ONE_F_ONE_B and chunks < pp:
                 raise InvalidConfigError(f"1f1b needs at least as many micro-batches as stages: batch {batch} / "
                                          f"micro_batch {micro} = {chunks} < pp {pp}; use a smaller micro_batch, a "
                                          "larger global batch, or schedule='gpipe'")
-            module = self.module if self.options.precision is Precision.FP32 else \
-                Autocast(self.module, self.options.precision, self.device)
-            stage = PipelineStage(module, self.stage_index, pp, self.device, group=self.pp_group)
-            if train:
-                self._cache[key] = _SCHEDULES[self.options.schedule](
-                    stage, chunks, loss_fn=self._loss, scale_grads=False)
-            else:
-                self._cache[key] = ScheduleGPipe(stage, chunks)
+            stages = [PipelineStage(self._wrap(module), index, len(self.stages), self.device, group=self.pp_group)
+                      for index, module in zip(self.local, self.chunks)]
+            cls = _schedule_class(schedule, self.options.virtual_stages)
+            if not train and cls in (ScheduleGPipe, Schedule1F1B):
+                cls = ScheduleGPipe  # forward only
+            try:
+                if cls in (ScheduleGPipe, Schedule1F1B):
+                    made = cls(stages[0], chunks, loss_fn=self._loss if train else None, scale_grads=False)
+                else:  # the multi-chunk schedules (no loss function: forward only)
+                    made = cls(stages, chunks, loss_fn=self._loss if train else None, scale_grads=False)
+            except ValueError as e:  # torch's own checks (micro-batch counts)
+                raise InvalidConfigError(f"schedule {schedule.value!r} with pp {pp}, {self.options.virtual_stages} "
+                                         f"virtual stage(s) and {chunks} micro-batches: {e}") from None
+            self._cache[key] = made
         return self._cache[key]
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        """The module a PipelineStage runs: the chunk, under autocast for bf16-mixed."""
+        if self.options.precision is Precision.FP32:
+            return module
+        return Autocast(module, self.options.precision, self.device)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, num_tokens) -> torch.Tensor:
         return causal_lm_loss(logits, labels, num_tokens=num_tokens, tp_group=self.tp_group,
@@ -239,14 +294,15 @@ def _free_parameters(model: nn.Module, *, keep: set[int]) -> None:
             module._parameters[name] = replaced[id(param)]
 
 
-def _tied_pair_group(pp_group: dist.ProcessGroup) -> dist.ProcessGroup | None:
-    """The 2-rank group {first, last stage} of this rank's pipeline (collective over the world).
+def _tied_pair_group(pp_group: dist.ProcessGroup, first: int, last: int) -> dist.ProcessGroup | None:
+    """The 2-rank group {rank of the first chunk, rank of the last} of this rank's pipeline (`first`,
+    `last`: pp ranks; collective over the world).
 
     Every rank learns every pipeline's (first, last) pair by one all_gather_object, then all ranks
     create the groups in the same order, as `new_group` requires.
     """
     ranks = dist.get_process_group_ranks(pp_group)
-    mine = (ranks[0], ranks[-1])
+    mine = (ranks[first], ranks[last])
     pairs: list = [None] * dist.get_world_size()
     dist.all_gather_object(pairs, mine)
     group = None
