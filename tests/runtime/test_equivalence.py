@@ -19,6 +19,11 @@ WORLD2 = (
     ("llama-tiny", dict(pp=2, micro_batch=2), True),
     ("mamba2-tiny", dict(pp=2, micro_batch=2), False),
     ("llama-tiny", dict(dp=2, zero=2, micro_batch=2), False),  # 2 micro-batches: one reduce-scatter each
+    # two model chunks per pipeline rank: interleaved 1F1B (loop placement) and zero-bubble (ZB-V placement)
+    ("llama-tiny", dict(pp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2), True),
+    ("mamba2-tiny", dict(pp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2), False),
+    ("llama-tiny", dict(pp=2, micro_batch=2, schedule="zero-bubble", virtual_stages=2), False),
+    ("mamba2-tiny", dict(pp=2, micro_batch=2, schedule="zero-bubble", virtual_stages=2), True),
     # bf16-mixed (fp32 masters and gradients) against the single-process bf16-mixed run, every parallel form
     *((preset, dict(plan, precision="bf16-mixed"), False) for preset, plan in (
         ("llama-tiny", dict(dp=2, zero=1)), ("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2, micro_batch=2)),
@@ -36,6 +41,8 @@ WORLD4 = (
     ("mamba2-tiny", dict(pp=2, tp=2, micro_batch=2), True),
     ("mamba2-tiny", dict(dp=2, tp=2, zero=2), False),
     ("llama-tiny", dict(dp=2, cp=2, zero=2, micro_batch=2), False),  # shards over dp x cp
+    ("llama-tiny", dict(pp=2, tp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2), True),
+    ("mamba2-tiny", dict(pp=2, tp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2), False),
 )
 WORLD8 = (
     ("llama-tiny", dict(dp=2, pp=2, tp=2, micro_batch=2), True),

@@ -119,13 +119,14 @@ def _reference(spec, steps: int = 2):
 def _check_config(spec, stages, schedule, micro_batch, reference):
     ref_logits, ref_losses, ref_grads, ref_weights = reference
     model = build_model(spec)
+    virtual = len(stages) // dist.get_world_size()
     runner = PipelineRunner(model, spec, stages, pp_group=dist.group.WORLD, device="cpu",
-                            options=PipelineOptions(schedule=schedule, micro_batch=micro_batch))
+                            options=PipelineOptions(schedule=schedule, micro_batch=micro_batch, virtual_stages=virtual))
     ids, labels = _batch(spec.vocab)
     held = {n for n, p in model.named_parameters() if p.device.type != "meta"}
     assert held == set(runner.names.values())  # other stages' weights were freed
     torch.testing.assert_close(runner.forward(ids), ref_logits, **TOL)
-    if schedule is Schedule.ONE_F_ONE_B and len(stages) > 2:  # fewer micro-batches than stages
+    if schedule is Schedule.ONE_F_ONE_B and len(stages) > 2 and virtual == 1:  # fewer micro-batches than stages
         with pytest.raises(InvalidConfigError, match=r"1f1b needs .* = 2 < pp 4"):
             runner.step(ids[:2], labels[:2])
     if micro_batch > 1:  # raised on every rank before any collective: nothing hangs
@@ -144,8 +145,12 @@ def _check_config(spec, stages, schedule, micro_batch, reference):
     weights = runner.gather(runner.local_state())
     for name, weight in weights.items():
         torch.testing.assert_close(weight, ref_weights[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
-    if spec.tied and runner.stage.head:  # the last stage's copy equals the first stage's
-        torch.testing.assert_close(runner.module.lm_head.weight.detach(), weights[runner.names["lm_head.weight"]])
+    if spec.tied and runner.has_last:  # the last stage's copy equals the first stage's
+        head = runner.chunks[-1].lm_head.weight
+        name = {id(p): runner.names[n] for n, p in runner.module.named_parameters()}[id(head)]
+        torch.testing.assert_close(head.detach(), weights[name])
+        if runner.has_first and virtual == 2 and schedule is Schedule.ZERO_BUBBLE:  # V: one tensor on rank 0
+            assert head is runner.chunks[0].embed.weight
 
 
 def _check_parallelize(spec, plan, schedule, reference):
@@ -172,6 +177,10 @@ CONFIGS = {  # (preset, stages, schedule, micro_batch, tied)
         ("mamba2-tiny", _stages(0, 2, 4), Schedule.ONE_F_ONE_B, 1, False),
         ("mamba2-tiny", _stages(0, 3, 4, recompute_first=True), Schedule.GPIPE, 2, False),
         ("llama-tiny", _stages(0, 2, 4), Schedule.ONE_F_ONE_B, 1, True),
+        ("llama-tiny", _stages(0, 2, 4), Schedule.ZERO_BUBBLE, 1, False),  # one chunk per rank: ZB1P
+        # two chunks per rank, uneven (a chunk of the embedding alone; one of three layers)
+        ("llama-tiny", _stages(0, 0, 1, 2, 4), Schedule.INTERLEAVED_1F1B, 1, True),
+        ("mamba2-tiny", _stages(0, 1, 3, 4, 4), Schedule.ZERO_BUBBLE, 1, True),  # V: embed and head on rank 0
     ],
     4: [
         ("llama-tiny", _stages(0, 1, 2, 3, 4), Schedule.ONE_F_ONE_B, 1, False),
