@@ -167,6 +167,10 @@ class DistributedModel:
             raise InvalidConfigError(f"generate runs one model replica: the plan has dp={mesh.dp}, cp={mesh.cp}, "
                                      f"ep={mesh.ep}; use a plan with dp = cp = ep = 1 (tp and pp as you like) and "
                                      "start one such world per replica")
+        if self.plan.virtual_stages > 1:
+            raise InvalidConfigError(f"generate drives one pipeline stage per rank; the plan has virtual_stages="
+                                     f"{self.plan.virtual_stages} ({self.plan.schedule.value}); use a plan with "
+                                     "virtual_stages=1 for generation")
         self._check_batch(input_ids, None, global_batch=None)  # prompt ids in the vocabulary, the same on every rank
         if self._generator is None:
             from autoshard.ir import Stage
@@ -174,11 +178,12 @@ class DistributedModel:
             from autoshard.runtime.stages import build_stage_module
 
             spec = self._setup.spec
-            stage = self._runner.module if self._runner is not None else build_stage_module(
+            stage = self._runner.chunks[0] if self._runner is not None else build_stage_module(
                 self.model, spec, Stage(first_layer=0, end_layer=spec.layers, embed=True, head=True))
             self._generator = Generator(self.model, spec, stage, tp_group=self._tp_group,
                                         pp_group=self._groups.pp if mesh.pp > 1 else None, device=self._groups.device)
-        return self._generator.generate(input_ids, max_new_tokens=max_new_tokens)
+        with autocast(self.precision, self._groups.device):  # bf16-mixed plans decode in bf16 too
+            return self._generator.generate(input_ids, max_new_tokens=max_new_tokens)
 
     def full_grads(self) -> dict[str, Tensor]:
         """{original name: full gradient of the last train_step} on every rank (collective)."""
