@@ -71,6 +71,7 @@ class Options:
     pp_micro: int = 2
     threads: int = 1
     clock: str = "wall"  # "wall": perf_counter between barriers; "cpu": rank 0's process CPU time
+    device: str = "cpu"  # ws1 / bf16 only: "cuda" runs the world of one on the GPU
     lr: float = 1e-3
 
 
@@ -120,16 +121,17 @@ def _adamw(opts: Options) -> Callable:
 def _eager_step(model: nn.Module, opt: torch.optim.Optimizer, ids: Tensor, labels: Tensor, *,
                 bf16: bool = False) -> None:
     """The plain training step: HF loss, backward, optimizer step (every baseline but pp);
-    bf16: the forward under torch.autocast(cpu, bfloat16), as torch's AMP recipe runs it."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    bf16: the forward under torch.autocast(bfloat16) on the ids' device, as torch's AMP recipe runs it."""
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         loss = model(ids, labels=labels).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def _autoshard(opts: Options, ids: Tensor, plan: dict) -> Callable[[], None]:
-    dm = autoshard.parallelize(_model(opts), ids, plan=plan, global_batch=opts.batch, optimizer=_adamw(opts))
+def _autoshard(opts: Options, ids: Tensor, plan: dict, device: str = "cpu") -> Callable[[], None]:
+    dm = autoshard.parallelize(_model(opts), ids, plan=plan, global_batch=opts.batch, optimizer=_adamw(opts),
+                               device=device)
     labels = ids.clone()
     return lambda: dm.train_step(ids, labels)
 
@@ -148,6 +150,8 @@ def _time_pair(base: Callable[[], None], cand: Callable[[], None], opts: Options
             dist.barrier()
             start = clock()
             (base, cand)[which]()
+            if opts.device == "cuda":
+                torch.cuda.synchronize()
             dist.barrier()
             times[which].append(clock() - start)
     return tuple(times[0]), tuple(times[1])
@@ -167,10 +171,10 @@ def compare_ws1(rank: int, world: int, opts: Options) -> list[Timing]:
 
 
 def compare_bf16(rank: int, world: int, opts: Options) -> list[Timing]:
-    ids, labels = _batch(opts)
-    model = _model(opts)
+    ids, labels = (t.to(opts.device) for t in _batch(opts))
+    model = _model(opts).to(opts.device)
     eager = functools.partial(_eager_step, model, _adamw(opts)(model.parameters()), ids, labels, bf16=True)
-    cand = _autoshard(opts, ids, dict(micro_batch=opts.batch, precision="bf16-mixed"))
+    cand = _autoshard(opts, ids, dict(micro_batch=opts.batch, precision="bf16-mixed"), device=opts.device)
     base, cand = _time_pair(eager, cand, opts)
     return [Timing(name="bf16", baseline="eager HF under torch.autocast(bf16)",
                    candidate='plan=dict(micro_batch=B, precision="bf16-mixed")', base_s=base, cand_s=cand)]
@@ -287,7 +291,8 @@ def run_world(which: tuple[str, ...], world: int, opts: Options) -> list[Timing]
 def run_local(which: tuple[str, ...], opts: Options) -> list[Timing]:
     """ws1 / bf16 in this process, as a world of one (a plain `python` run of a training script)."""
     torch.set_num_threads(opts.threads)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    backend = "cpu:gloo,cuda:nccl" if opts.device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         return [t for name in which for t in COMPARE[name](0, 1, opts)]
     finally:
@@ -335,6 +340,8 @@ def parse_args(argv=None) -> tuple[tuple[str, ...], Options]:
                    help="wall: elapsed time of a step between barriers, slowest rank included (default); cpu: "
                         "rank 0's process CPU time, steadier on a loaded machine but blind to waiting "
                         "(communication, pipeline bubbles), so meant for ws1")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=d.device,
+                   help="device of the bf16 comparison (world of one; default %(default)s)")
     a = p.parse_args(argv)
     which = tuple(w.strip() for w in a.which.split(",") if w.strip())
     unknown = [w for w in which if w not in COMPARISONS]
@@ -344,7 +351,7 @@ def parse_args(argv=None) -> tuple[tuple[str, ...], Options]:
         p.error(f"--batch ({a.batch}) must be even and divisible by --pp-micro ({a.pp_micro})")
     opts = Options(steps=a.steps, warmup=a.warmup, hidden=a.hidden, ffn=a.ffn, layers=a.layers, vocab=a.vocab,
                    seq=a.seq, batch=a.batch, pp_micro=a.pp_micro, threads=a.threads,
-                   clock=a.clock)
+                   clock=a.clock, device=a.device)
     return which, opts
 
 
