@@ -31,7 +31,7 @@ a plain optimizer over `model.parameters()` takes the same step everywhere.
 What it does not do (each refused with a clear error): pp > 1, cp > 1, ep > 1, ZeRO, tp for
 models other than LLaMA-style attention / MLP (Mamba-2's mixer bakes its head counts into
 Dynamo's graph as constants: use `autoshard.parallelize` for Mamba-2 tensor parallelism), and
-parameter memory sharding (parameters stay full size; see `passes/shard_graph.py`).
+parameter memory sharding (parameters stay full size; see `runtime/shard_graph.py`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from autoshard.ir import AXES, Mesh, Plan
 from autoshard.models.presets import Family, spec_from_hf_config
 from autoshard.passes.layouts import check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
-from autoshard.passes.shard_graph import shard_graph
+from autoshard.runtime.shard_graph import shard_graph
 from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
 from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup

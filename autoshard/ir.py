@@ -1,9 +1,11 @@
-"""Frozen dataclasses shared by the passes: the mesh, per-node costs, and the Plan.
+"""Plain frozen dataclasses shared by the passes and the runtime: the mesh, stages, the Plan, and
+the `ShardProgram` one tensor-parallel rank carries out (its `Replicate` / `Shard` placements).
 
 Terms: an *axis* is a mesh axis (dp, pp, tp, cp, ep); a *dim* is a tensor dimension.
-`b` and `s` are the SymPy symbols for micro-batch size and sequence length used by every
-cost expression. A `Plan` is what `solve` decides and `rewrite` carries out; it is JSON
-(never pickle) with a schema version, and refers to layers and op groups by stable names.
+A `Plan` is what `solve` decides and `rewrite` carries out; it is JSON (never pickle) with a
+schema version, and refers to layers and op groups by stable names. No SymPy here: the
+symbolic cost table (`b`, `s`, NodeCost, CostTable) lives in `autoshard.cost_table`, so the
+runtime, which imports this module, never loads it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
 
-import sympy
-
 from autoshard.errors import InvalidConfigError, PlanFileError
-
-B, S = sympy.symbols("b s", positive=True, integer=True)
 
 AXES = ("dp", "pp", "tp", "cp", "ep")
 SCHEMA_VERSION = 2  # 2: precision, schedule, virtual_stages (a version-1 file loads with their defaults)
@@ -106,50 +104,50 @@ class Mesh:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class NodeCost:
-    """Cost of one aten node of the captured graph, as SymPy expressions in `B` and `S`.
-
-    `phase` is "fwd" or "bwd". `saved_bytes` is what this (forward) node's output keeps
-    alive for the backward pass (0 for nodes whose output backward does not read).
-    `gemm` is (batch, m, n, k) for matmul-like nodes: the shape GEMM efficiency depends on.
-    """
-
-    name: str
-    target: str
-    kind: OpKind
-    phase: str
-    module_path: str
-    block: int | None
-    flops: sympy.Expr
-    bytes_read: sympy.Expr
-    bytes_written: sympy.Expr
-    saved_bytes: sympy.Expr
-    gemm: tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr] | None = None
+class Replicate:
+    """The full tensor on every tp rank."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class BlockCost:
-    """The nodes of one block of the model; a LAYER block stands for `count` identical layers."""
+class Shard:
+    """Slice `index` of `parts` of every piece (sizes `segments`) along `dim`."""
 
-    name: str
-    kind: BlockKind
-    count: int
-    params: int  # parameter count of ONE instance of the block
-    nodes: tuple[NodeCost, ...]
+    dim: int
+    index: int
+    parts: int
+    segments: tuple[int, ...]
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """(start, length) along `dim` of this rank's slice of every piece, in the full tensor."""
+        out, offset = [], 0
+        for size in self.segments:
+            step = size // self.parts
+            out.append((offset + self.index * step, step))
+            offset += size
+        return tuple(out)
+
+
+Placement = Replicate | Shard
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CostTable:
-    """Per-block symbolic costs of one training step (forward and backward) of a model."""
+class ShardProgram:
+    """What tensor-parallel rank `tp_rank` of `tp` holds and where its collectives go: decided by
+    `passes/rewrite.py shard_program` (see its docstring), carried out by `runtime/`."""
 
-    model: str
-    blocks: tuple[BlockCost, ...]
+    tp: int
+    tp_rank: int
+    placements: tuple[tuple[str, Placement], ...]
+    partial_grads: tuple[str, ...] = ()
+    regions: tuple[str, ...] = ()
+    rowwise: tuple[str, ...] = ()
+    vocab_embed: str | None = None
+    vocab_head: str | None = None
+    attrs: tuple[tuple[str, str, int], ...] = ()
+    checkpoint: tuple[str, ...] = ()
 
-    def block(self, kind: BlockKind) -> BlockCost:
-        for block in self.blocks:
-            if block.kind is kind:
-                return block
-        raise KeyError(kind)
+    def placement(self, name: str) -> Placement:
+        return dict(self.placements)[name]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -365,7 +363,7 @@ def _jsonable(value: Any) -> Any:
         return value.value
     if isinstance(value, (int, float, str, bool)) or value is None:
         return value
-    return float(value) if isinstance(value, sympy.Basic) else str(value)
+    return float(value) if hasattr(value, "__float__") else str(value)  # a SymPy number, numpy scalar
 
 
 def _plan_from_json(data: Any, *, source: str) -> Plan:
@@ -487,3 +485,16 @@ def _section_violation(section: Any, schema: Mapping[str, Any], where: str) -> s
         elif not _KINDS[kind](value):
             return f"'{where}.{key}' must be {kind}, found {value!r}"
     return None
+
+
+_SYMBOLIC = ("B", "S", "NodeCost", "BlockCost", "CostTable")
+
+
+def __getattr__(name: str) -> Any:
+    """The symbolic cost-table types moved to `autoshard.cost_table` (SymPy stays out of the plain
+    types the runtime imports); `from autoshard.ir import CostTable` still finds them there."""
+    if name in _SYMBOLIC:
+        from autoshard import cost_table
+
+        return getattr(cost_table, name)
+    raise AttributeError(f"module 'autoshard.ir' has no attribute {name!r}")

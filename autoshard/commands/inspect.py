@@ -20,7 +20,8 @@ import sympy
 
 from autoshard.commands.common import cost_table_for
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import B, S, BlockCost, CostTable, OpKind
+from autoshard.cost_table import B, S, BlockCost, CostTable
+from autoshard.ir import OpKind
 from autoshard.models.presets import Family, ModelSpec
 
 DEFAULT_SEQ_LEN = 4096

@@ -59,7 +59,8 @@ import sympy
 
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
-from autoshard.ir import B, S, BlockKind, CostTable, Mesh, OpKind, Recompute, Stage, even_stages
+from autoshard.cost_table import B, S, CostTable
+from autoshard.ir import BlockKind, Mesh, OpKind, Recompute, Stage, even_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.collectives import Collective, best_time, collective_time
 from autoshard.passes import sharding

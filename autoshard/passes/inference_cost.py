@@ -54,7 +54,8 @@ import sympy
 
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
-from autoshard.ir import B, S, BlockKind, CostTable, Mesh, OpKind, Stage, even_stages
+from autoshard.cost_table import B, S, CostTable
+from autoshard.ir import BlockKind, Mesh, OpKind, Stage, even_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.collectives import Collective, best_time, collective_time
 from autoshard.passes.cost import (ACT_BYTES, PARAM_BYTES, CompiledTable, Layout, block_params, compile_table,

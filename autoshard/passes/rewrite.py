@@ -25,59 +25,12 @@ This pass decides; `autoshard.runtime.tensor_parallel` carries the table out on 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import BlockKind, Plan, Recompute
+from autoshard.ir import BlockKind, Placement, Plan, Recompute, Replicate, Shard, ShardProgram
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes import sharding
 from autoshard.passes.sharding import Strategy
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Replicate:
-    """The full tensor on every tp rank."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Shard:
-    """Slice `index` of `parts` of every piece (sizes `segments`) along `dim`."""
-
-    dim: int
-    index: int
-    parts: int
-    segments: tuple[int, ...]
-
-    def ranges(self) -> tuple[tuple[int, int], ...]:
-        """(start, length) along `dim` of this rank's slice of every piece, in the full tensor."""
-        out, offset = [], 0
-        for size in self.segments:
-            step = size // self.parts
-            out.append((offset + self.index * step, step))
-            offset += size
-        return tuple(out)
-
-
-Placement = Replicate | Shard
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ShardProgram:
-    """What tensor-parallel rank `tp_rank` of `tp` holds and where its collectives go."""
-
-    tp: int
-    tp_rank: int
-    placements: tuple[tuple[str, Placement], ...]
-    partial_grads: tuple[str, ...] = ()
-    regions: tuple[str, ...] = ()
-    rowwise: tuple[str, ...] = ()
-    vocab_embed: str | None = None
-    vocab_head: str | None = None
-    attrs: tuple[tuple[str, str, int], ...] = ()
-    checkpoint: tuple[str, ...] = ()
-
-    def placement(self, name: str) -> Placement:
-        return dict(self.placements)[name]
 
 
 def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, ...]], *,

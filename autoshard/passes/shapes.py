@@ -56,7 +56,8 @@ import torch
 from torch import fx, nn
 
 from autoshard.errors import CaptureError
-from autoshard.ir import B, S, BlockCost, BlockKind, CostTable, NodeCost, OpKind
+from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
+from autoshard.ir import BlockKind, OpKind
 from autoshard.models.presets import Family, ModelSpec, build_model
 from autoshard.passes import table_cache
 from autoshard.passes.capture import BWD, FWD, Captured, capture_model

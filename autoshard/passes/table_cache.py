@@ -41,7 +41,8 @@ import sympy
 import torch
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import B, S, BlockCost, BlockKind, CostTable, NodeCost, OpKind
+from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
+from autoshard.ir import BlockKind, OpKind
 
 FORMAT = 1
 ENV = "AUTOSHARD_CACHE_DIR"

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from autoshard.errors import AutoshardError
 from autoshard.ir import Plan
 from autoshard.models.presets import ModelSpec
-from autoshard.passes.rewrite import Replicate, ShardProgram
+from autoshard.ir import Replicate, ShardProgram
 from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
 from autoshard.runtime.comm import gather_last_dim
 from autoshard.runtime.context_parallel import CPRuntime

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from autoshard.passes.rewrite import Replicate, Shard, ShardProgram
+from autoshard.ir import Replicate, Shard, ShardProgram
 from autoshard.runtime.comm import copy_to_group, reduce_from_group
 
 

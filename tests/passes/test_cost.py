@@ -7,7 +7,8 @@ import sympy
 
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import load_hardware
-from autoshard.ir import B, S, BlockCost, BlockKind, CostTable, Mesh, NodeCost, OpKind, Recompute
+from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
+from autoshard.ir import BlockKind, Mesh, OpKind, Recompute
 from autoshard.models.presets import get_spec
 from autoshard.passes import cost
 from autoshard.passes.cost import Layout, compile_table, estimate

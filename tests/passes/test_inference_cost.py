@@ -7,7 +7,8 @@ import sympy
 
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import load_hardware
-from autoshard.ir import B, S, BlockCost, BlockKind, CostTable, NodeCost, OpKind
+from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
+from autoshard.ir import BlockKind, OpKind
 from autoshard.models.presets import get_spec
 from autoshard.passes import inference_cost as ic
 from autoshard.passes.inference_cost import ServeLayout, compile_inference_table, estimate_serving

@@ -8,7 +8,8 @@ import sympy
 import torch
 
 from autoshard.commands.inspect import ssd_flops_per_token, summarize
-from autoshard.ir import B, S, BlockKind, OpKind
+from autoshard.cost_table import B, S
+from autoshard.ir import BlockKind, OpKind
 from autoshard.models import PRESETS, build_model, get_spec
 from autoshard.models.presets import Family
 from autoshard.passes import shapes

@@ -141,7 +141,7 @@ def test_plan_fingerprint_is_cached_and_exact(cache, monkeypatch):
 def test_an_expression_outside_the_stored_form_is_not_cached(cache, tiny_table):
     import sympy
 
-    from autoshard.ir import S
+    from autoshard.cost_table import S
 
     odd = sympy.floor(S / 3) * 2  # not a polynomial in b, s and ceiling(s/l)
     with pytest.raises(ValueError, match="not a polynomial"):

@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from autoshard.errors import UnsupportedOpError
-from autoshard.passes.rewrite import Replicate, Shard, ShardProgram
+from autoshard.ir import Replicate, Shard, ShardProgram
 from autoshard.runtime.comm import copy_to_group, reduce_from_group
 from autoshard.runtime.mesh import Groups
 

@@ -1,0 +1,64 @@
+"""The symbolic cost table (passes only): per-node costs of one training step as SymPy expressions.
+
+Terms: `B` and `S` are the SymPy symbols for micro-batch size and sequence length used by every
+cost expression. `passes/shapes.py` builds a `CostTable`, `passes/cost.py` compiles it to numbers.
+These types live apart from `autoshard.ir` (the plain Mesh / Plan / Stage / ShardProgram the
+runtime reads) so that importing the runtime never loads SymPy (DESIGN.md, "Arrows point one way").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from autoshard.ir import BlockKind, OpKind
+
+B, S = sympy.symbols("b s", positive=True, integer=True)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeCost:
+    """Cost of one aten node of the captured graph, as SymPy expressions in `B` and `S`.
+
+    `phase` is "fwd" or "bwd". `saved_bytes` is what this (forward) node's output keeps
+    alive for the backward pass (0 for nodes whose output backward does not read).
+    `gemm` is (batch, m, n, k) for matmul-like nodes: the shape GEMM efficiency depends on.
+    """
+
+    name: str
+    target: str
+    kind: OpKind
+    phase: str
+    module_path: str
+    block: int | None
+    flops: sympy.Expr
+    bytes_read: sympy.Expr
+    bytes_written: sympy.Expr
+    saved_bytes: sympy.Expr
+    gemm: tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockCost:
+    """The nodes of one block of the model; a LAYER block stands for `count` identical layers."""
+
+    name: str
+    kind: BlockKind
+    count: int
+    params: int  # parameter count of ONE instance of the block
+    nodes: tuple[NodeCost, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostTable:
+    """Per-block symbolic costs of one training step (forward and backward) of a model."""
+
+    model: str
+    blocks: tuple[BlockCost, ...]
+
+    def block(self, kind: BlockKind) -> BlockCost:
+        for block in self.blocks:
+            if block.kind is kind:
+                return block
+        raise KeyError(kind)
