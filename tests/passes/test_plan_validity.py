@@ -132,3 +132,26 @@ def test_sample_trains_like_one_process():
 
     torch.manual_seed(0)
     run_ranks(2, _train, gloo_sample(2, 2, seed=3))
+
+
+def test_plan_placements_say_what_the_runtime_shards():
+    """The plan's placements and the runtime's slices come from one table: llama-tiny at tp 4 keeps
+    each of its 2 KV heads on 2 ranks, and the plan says so (it used to say "replicate")."""
+    from autoshard.passes.sharding import block_placements
+
+    spec = get_spec("llama-tiny")
+    shapes = {n: tuple(p.shape) for n, p in build_model(spec, device="meta").named_parameters()}
+    plan = Plan(model=spec.name, fingerprint="", hardware="cpu", devices=4, global_batch=8, seq_len=16,
+                mesh=Mesh(tp=4))
+    program = shard_program(plan, spec, shapes, tp_rank=3)
+    k = program.placement("model.layers.0.self_attn.k_proj.weight")
+    assert isinstance(k, Shard) and (k.parts, k.index) == (2, 1)
+    named = dict(block_placements(spec, tp=4))
+    assert named["layers.*.self_attn.k_proj"] == "colwise (2 parts)"
+    assert named["layers.*.self_attn.q_proj"] == "colwise" and named["layers.*.mlp.down_proj"] == "rowwise"
+    assert named["layers.*.input_layernorm"] == "replicate" and named["loss"] == "vocab"
+    for role, strategy in named.items():  # every sharded role names a module the runtime slices
+        if role.startswith("layers.*.") and strategy.startswith(("colwise", "rowwise")):
+            name = f"model.layers.0.{role[len('layers.*.'):]}.weight"
+            assert isinstance(program.placement(name), Shard), role
+    assert block_placements(spec, tp=1) == (("all", "replicate"),)
