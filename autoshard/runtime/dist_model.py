@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.ir import Plan
 from autoshard.models.presets import ModelSpec
 from autoshard.ir import Replicate, ShardProgram
