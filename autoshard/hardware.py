@@ -24,7 +24,11 @@ from typing import Any, Mapping
 from autoshard.errors import InvalidConfigError, UnknownNameError
 
 GB = 1e9
+MIB = 2**20
 TFLOPS = 1e12
+
+# Kernels a device profile may list in `kernels` (their cost rules: passes/fused_regions.py)
+KERNEL_NAMES = ("flash_attention", "rmsnorm", "swiglu", "rope", "cross_entropy")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +47,8 @@ class DeviceProfile:
     gemm_efficiency: float = 0.8  # achievable fraction of peak_flops for large GEMMs
     gemm_half_dim: float = 64.0  # a GEMM dimension of this size halves that dimension's efficiency factor
     vector_efficiency: float = 0.8  # achievable fraction of hbm_bandwidth for memory-bound ops
+    attention_efficiency: float = 0.5  # fused (flash) attention fwd+bwd: achieved fraction of peak_flops
+    kernels: tuple[str, ...] = ()  # fused kernels the device runs (KERNEL_NAMES): priced as the kernel, not the traced ops
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -54,7 +60,15 @@ class DeviceProfile:
         if not isinstance(self.devices_per_node, int):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'devices_per_node' must be an "
                                      f"integer, got {self.devices_per_node!r}")
-        for f in ("gemm_efficiency", "vector_efficiency"):
+        if isinstance(self.kernels, str) or not all(isinstance(k, str) for k in self.kernels):
+            raise InvalidConfigError(f"hardware profile {self.name!r}: field 'kernels' must be a list of "
+                                     f"kernel names, got {self.kernels!r}")
+        object.__setattr__(self, "kernels", tuple(self.kernels))
+        unknown = [k for k in self.kernels if k not in KERNEL_NAMES]
+        if unknown:
+            raise InvalidConfigError(f"hardware profile {self.name!r}: unknown fused kernel(s) {unknown}; "
+                                     f"known: {', '.join(KERNEL_NAMES)}")
+        for f in ("gemm_efficiency", "vector_efficiency", "attention_efficiency"):
             if getattr(self, f) > 1:
                 raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} is a fraction of peak and "
                                          f"must be in (0, 1], got {getattr(self, f)!r}")
@@ -63,18 +77,23 @@ class DeviceProfile:
     def memory_gb(self) -> float:
         return self.memory_bytes / GB
 
+    def fuses(self, kernel: str) -> bool:
+        """Whether this device runs `kernel` (a passes/fused_regions.py FUSED_KERNELS name) as one fused op."""
+        return kernel in self.kernels
+
     def source(self, field_name: str) -> str:
         return dict(self.sources).get(field_name, "")
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["sources"] = dict(self.sources)
+        data["kernels"] = list(self.kernels)
         return data
 
 
 _NUMERIC_FIELDS = ("peak_flops", "memory_bytes", "hbm_bandwidth", "devices_per_node", "intra_bandwidth",
                    "intra_latency", "inter_bandwidth", "inter_latency", "gemm_efficiency", "gemm_half_dim",
-                   "vector_efficiency")
+                   "vector_efficiency", "attention_efficiency")
 _REQUIRED_FIELDS = ("name", "peak_flops", "memory_bytes", "hbm_bandwidth", "devices_per_node", "intra_bandwidth",
                     "intra_latency", "inter_bandwidth", "inter_latency")
 
@@ -93,6 +112,7 @@ ASCEND_910B = DeviceProfile(
     gemm_efficiency=0.9,
     gemm_half_dim=64.0,
     vector_efficiency=0.85,
+    attention_efficiency=0.5,
     sources=(
         ("peak_flops", "arXiv 2602.09109 case study: 378.88 TFLOPS fp16/bf16 GEMM per 910B"),
         ("memory_bytes", "arXiv 2602.09109: 64 GB HBM, 60 GB usable per device"),
@@ -107,76 +127,114 @@ ASCEND_910B = DeviceProfile(
         ("gemm_half_dim", "16x16 cube unit plus wave quantisation; 64 (same as the NVIDIA profiles' order)"),
         ("vector_efficiency", _CALIBRATED + ": raised 0.8 -> 0.85 of HBM peak (the HF graph's elementwise ops "
                               "are unfused; MindSpeed fuses them)"),
+        ("attention_efficiency", "unused: no fused kernels listed, attention priced as GEMMs (the calibration)"),
+        ("kernels", "none listed: the profile was calibrated on the unfused HF graph (docs/hardware.md)"),
     ),
 )
+
+# NVIDIA profiles: peak and bandwidth from the datasheets; achievable GEMM throughput from a public
+# microbenchmark (MAMF, the maximum achievable matmul FLOPS over large shapes, ml-engineering
+# compute/accelerator/README.md: A100 SXM 267.9 of 312 TFLOPS = 85.9%, H100 SXM 792.1 of 989 = 80.1%,
+# best shapes 6912x16384x2048 and 6144x17920x2816); capacity from what nvidia-smi reports, less the
+# CUDA context and NCCL / cuBLAS workspaces. `gemm_efficiency` is the MAMF share divided by the
+# shape factor at the MAMF best shape (so the model gives the MAMF there), see docs/hardware.md.
+_GPU_FUSED = KERNEL_NAMES  # flash attention (FA2 / FA3 / cuDNN), TE / Apex fused RMSNorm, SwiGLU, RoPE, CE
+_FUSED_SOURCE = ("Megatron-Core / Transformer Engine production runs: fused RMSNorm (TE), bias-SwiGLU "
+                 "fusion, fused RoPE, flash / cuDNN fused attention, fused vocab-parallel cross-entropy "
+                 "(cross_entropy_loss_fusion: gradient written in place of the fp32 softmax); priced in "
+                 "passes/fused_regions.py and cost.logits_bytes")
+_RESERVE = 2 * GB  # CUDA context (~0.5-1 GB) + NCCL channel buffers and cuBLAS workspaces (~1 GB)
+_RESERVE_SOURCE = "; less 2 GB for the CUDA context (~0.5-1 GB) and NCCL / cuBLAS workspaces"
 
 A100_80G = DeviceProfile(
     name="a100-80g",
     peak_flops=312 * TFLOPS,
-    memory_bytes=76 * GB,
+    memory_bytes=81920 * MIB - _RESERVE,
     hbm_bandwidth=2.039e12,
     devices_per_node=8,
     intra_bandwidth=240 * GB,
     intra_latency=10e-6,
     inter_bandwidth=25 * GB,
     inter_latency=15e-6,
-    gemm_efficiency=0.75,
+    gemm_efficiency=0.63,
     gemm_half_dim=128.0,
     vector_efficiency=0.8,
+    attention_efficiency=0.58,
+    kernels=_GPU_FUSED,
     sources=(
-        ("peak_flops", "NVIDIA A100 datasheet: 312 TFLOPS dense BF16 tensor core"),
-        ("memory_bytes", "NVIDIA A100 datasheet: 80 GB HBM2e; ~4 GB left to CUDA context and allocator"),
+        ("peak_flops", "NVIDIA A100 datasheet: 312 TFLOPS dense BF16 tensor core (TF32: 156, half)"),
+        ("memory_bytes", "A100-SXM4-80GB: nvidia-smi reports 81920 MiB" + _RESERVE_SOURCE),
         ("hbm_bandwidth", "NVIDIA A100 80GB SXM datasheet: 2,039 GB/s"),
         ("devices_per_node", "DGX A100: 8 GPUs per node"),
         ("intra_bandwidth", "NVLink 3: 600 GB/s bidirectional = 300 GB/s per direction; NCCL busbw ~240 GB/s "
                             "(nccl-tests on DGX A100)"),
         ("intra_latency", "NCCL ring step latency over NVLink, ~5-10 us (nccl-tests); assumed 10 us"),
-        ("inter_bandwidth", "DGX A100: 8x HDR InfiniBand 200 Gb/s, one per GPU = 25 GB/s"),
+        ("inter_bandwidth", "DGX A100: 8x HDR InfiniBand 200 Gb/s, one per GPU = 25 GB/s (rail-optimised: "
+                            "a ring uses one NIC per member GPU of a node, passes/collectives.py)"),
         ("inter_latency", "InfiniBand HDR ring step, ~15 us incl. NCCL proxy; assumed"),
-        ("gemm_efficiency", "cuBLAS large BF16 GEMM reaches ~75-80% of peak on A100 (NVIDIA MLPerf notes)"),
-        ("gemm_half_dim", "128x128 CTA tiles: dims below ~128 underfill tiles; assumed"),
+        ("gemm_efficiency", "calibrated on issue 12's two A100 rows (llama2-13b FSDP64, gpt-22b TP8: both "
+                            "within 1% at 0.63, docs/hardware.md): sustained GEMM share in training. Upper bound: "
+                            "MAMF 267.9 / 312 = 85.9% at 6912x16384x2048 (ml-engineering compute/accelerator, "
+                            "an isolated matmul) = 0.937 after the shape factor there (0.917)"),
+        ("gemm_half_dim", "CTA tiles of 128 (cuBLAS / CUTLASS 128x128 and 256x128 on SM80): a dimension of "
+                          "d loses about half a tile plus the k-loop prologue, d / (d + 128)"),
         ("vector_efficiency", "STREAM-like fraction of HBM peak; assumed 0.8"),
+        ("attention_efficiency", "FlashAttention-2 (Dao 2023, fig. 4-5): causal fwd+bwd, head dim 128, seq "
+                                 "2k-16k on A100 reaches 160-190 TFLOPS (FLOPs counted as flash does: causal "
+                                 "half, backward 2.5x forward) = 0.51-0.61 of 312; 0.58"),
+        ("kernels", _FUSED_SOURCE),
     ),
 )
 
 H100 = DeviceProfile(
     name="h100",
     peak_flops=989 * TFLOPS,
-    memory_bytes=76 * GB,
+    memory_bytes=81559 * MIB - _RESERVE,
     hbm_bandwidth=3.35e12,
     devices_per_node=8,
     intra_bandwidth=360 * GB,
     intra_latency=8e-6,
     inter_bandwidth=50 * GB,
     inter_latency=12e-6,
-    gemm_efficiency=0.7,
+    gemm_efficiency=0.75,
     gemm_half_dim=128.0,
     vector_efficiency=0.8,
+    attention_efficiency=0.53,
+    kernels=_GPU_FUSED,
     sources=(
-        ("peak_flops", "NVIDIA H100 SXM datasheet: 989 TFLOPS dense BF16 (1,979 with sparsity)"),
-        ("memory_bytes", "NVIDIA H100 SXM datasheet: 80 GB HBM3; ~4 GB left to CUDA context and allocator"),
+        ("peak_flops", "NVIDIA H100 SXM datasheet: 989 TFLOPS dense BF16 (1,979 with sparsity; TF32 494, half)"),
+        ("memory_bytes", "H100 80GB HBM3 (SXM): nvidia-smi reports 81559 MiB" + _RESERVE_SOURCE),
         ("hbm_bandwidth", "NVIDIA H100 SXM datasheet: 3.35 TB/s"),
         ("devices_per_node", "DGX H100 / HGX H100: 8 GPUs per node"),
         ("intra_bandwidth", "NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction; NCCL busbw ~360 GB/s"),
         ("intra_latency", "NCCL ring step latency over NVLink, assumed 8 us"),
-        ("inter_bandwidth", "DGX H100: 8x ConnectX-7 NDR 400 Gb/s, one per GPU = 50 GB/s"),
+        ("inter_bandwidth", "DGX H100: 8x ConnectX-7 NDR 400 Gb/s, one per GPU = 50 GB/s (rail-optimised, see "
+                            "a100-80g)"),
         ("inter_latency", "InfiniBand NDR ring step, assumed 12 us"),
-        ("gemm_efficiency", "cuBLAS large BF16 GEMM ~70% of dense peak on H100 (Megatron-LM MFU reports)"),
-        ("gemm_half_dim", "128x128/256 CTA tiles; assumed"),
+        ("gemm_efficiency", "calibrated on issue 12's H100 row (llama3.1-8b, CP2 DP4): sustained GEMM share "
+                            "in training, 0.75. Upper bound: MAMF 792.1 / 989 = 80.1% at 6144x17920x2816 "
+                            "(ml-engineering compute/accelerator, an isolated matmul) = 0.861 after the shape "
+                            "factor there (0.930)"),
+        ("gemm_half_dim", "CTA tiles of 128 (cuBLAS / CUTLASS 128x128 and 128x256 on SM90); as a100-80g"),
         ("vector_efficiency", "STREAM-like fraction of HBM peak; assumed 0.8"),
+        ("attention_efficiency", "FlashAttention-3 (Shah et al. 2024) / cuDNN fused attention on H100, causal, "
+                                 "head dim 128: forward ~640 TFLOPS (0.65), backward ~500 (0.5, 1.5-1.75x "
+                                 "FA2's); weighted 1 : 2.5 as flash counts them = 0.53. torch SDPA's FA2 "
+                                 "backend reaches ~0.35 on H100 (FA3 paper, fig. 5)"),
+        ("kernels", _FUSED_SOURCE),
     ),
 )
 
 H200 = dataclasses.replace(
     H100,
     name="h200",
-    memory_bytes=137 * GB,
+    memory_bytes=143771 * MIB - _RESERVE,
     hbm_bandwidth=4.8e12,
     sources=tuple(
         (k, v) for k, v in H100.sources if k not in ("memory_bytes", "hbm_bandwidth", "peak_flops")
     ) + (
         ("peak_flops", "NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16 (same die as H100)"),
-        ("memory_bytes", "NVIDIA H200 datasheet: 141 GB HBM3e; ~4 GB left to CUDA context and allocator"),
+        ("memory_bytes", "H200 141 GB HBM3e: nvidia-smi reports 143771 MiB" + _RESERVE_SOURCE),
         ("hbm_bandwidth", "NVIDIA H200 datasheet: 4.8 TB/s"),
     ),
 )
@@ -194,6 +252,7 @@ CPU = DeviceProfile(
     gemm_efficiency=0.5,
     gemm_half_dim=32.0,
     vector_efficiency=0.5,
+    attention_efficiency=0.5,
     sources=(
         ("peak_flops", "order of a many-core AVX-512 server socket in fp32 (~1 TFLOPS); a stand-in for gloo runs"),
         ("memory_bytes", "assumed 16 GB per process"),
@@ -206,6 +265,8 @@ CPU = DeviceProfile(
         ("gemm_efficiency", "oneDNN/MKL sgemm ~50% of peak; assumed"),
         ("gemm_half_dim", "small register blocking; assumed 32"),
         ("vector_efficiency", "assumed 0.5"),
+        ("attention_efficiency", "SDPA on CPU (flash_attention_for_cpu): assumed as gemm_efficiency, 0.5"),
+        ("kernels", "none: gloo runs of the HF model, unfused"),
     ),
 )
 

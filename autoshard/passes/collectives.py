@@ -20,8 +20,12 @@ Reduce/Gather, recursive doubling AllGather/ReduceScatter, Bruck AllToAll M/2 * 
 
 The link: ranks are laid out node by node (`hw.devices_per_node` consecutive ranks per node).
 A group lies inside one node when `stride * size` divides into whole nodes' worth of ranks
-(`devices_per_node % (stride * size) == 0`); otherwise its ring crosses the network, whose
-per-device bandwidth is then the bottleneck.
+(`devices_per_node % (stride * size) == 0`); otherwise its ring crosses the network. GPU nodes are
+rail-optimised (one NIC per GPU, DGX A100 / H100 reference architecture) and NCCL runs one ring
+channel per NIC, so a group with k members on each node leaves each node through k NICs: the
+ring's network hop moves at k * inter_bandwidth, capped by the intra-node link the ring also
+crosses (NCCL's ring algorithm; nccl-tests doc/PERFORMANCE.md "bus bandwidth"). A group with one
+member per node (a DP group of stride >= devices_per_node) sees one NIC: inter_bandwidth.
 """
 
 from __future__ import annotations
@@ -102,7 +106,9 @@ def group_link(hw: DeviceProfile, *, size: int, stride: int = 1) -> Link:
     span = stride * size
     if size == 1 or (span <= hw.devices_per_node and hw.devices_per_node % span == 0):
         return Link(name="intra", bandwidth=hw.intra_bandwidth, latency=hw.intra_latency)
-    return Link(name="inter", bandwidth=hw.inter_bandwidth, latency=hw.inter_latency)
+    per_node = max(1, min(size, hw.devices_per_node // stride)) if stride < hw.devices_per_node else 1
+    bandwidth = hw.inter_bandwidth if per_node == 1 else min(hw.intra_bandwidth, per_node * hw.inter_bandwidth)
+    return Link(name="inter", bandwidth=bandwidth, latency=hw.inter_latency)
 
 
 def collective_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: int, stride: int = 1,

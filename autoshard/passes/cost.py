@@ -27,7 +27,8 @@ Component functions (public, stable names; the CP-SAT planner builds its model f
   block_params(ct, layout, kind) -> float              parameters of one instance on one device
   state_bytes(params, layout) -> MemoryBreakdown       weights, grads, optimizer under ZeRO
   p2p_time(ct, hw, layout, *, seq_len) -> float        stage-to-stage sends per micro-batch
-  dp_sync_time(hw, params, layout) -> float            gradient sync of one stage (not overlapped)
+  dp_exposed_time(hw, params, layout, *, backward_s, forward_s) -> float
+                                                       gradient sync of one stage left exposed
   optimizer_time(hw, params, layout) -> float          Adam step on this device's shard
   logits_bytes(ct, layout, *, seq_len) -> float        fp32 logits peak of the head stage
   buffer_bytes(ct, layout, *, seq_len) -> float        communication staging buffers of a stage
@@ -60,17 +61,16 @@ import sympy
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import B, S, CostTable
-from autoshard.ir import BlockKind, Mesh, OpKind, Recompute, Stage, even_stages
+from autoshard.ir import (BlockKind, Mesh, OpKind, Precision, Recompute, Schedule, Stage, _enum_field,
+                          check_schedule, even_stages)
 from autoshard.models.presets import Family, ModelSpec
+from autoshard.passes import fused_regions, schedules
 from autoshard.passes.collectives import Collective, best_time, collective_time
 from autoshard.passes import sharding
 from autoshard.passes.layouts import plan_violation
+from autoshard.passes.precision import PrecisionNumbers, precision_numbers, resolve_precision
 from autoshard.passes.sharding import selective_module
 
-PARAM_BYTES = 2.0  # bf16 weights
-GRAD_BYTES = 4.0  # fp32 main gradients (Megatron-LM / MindSpeed accumulate in fp32)
-OPTIM_BYTES = 12.0  # fp32 master copy + Adam m + v
-ACT_BYTES = 2.0  # bf16 activations on the wire
 OPTIM_TRAFFIC = 30.0  # HBM bytes per parameter of an Adam step: grad r, master/m/v r+w, bf16 w
 
 
@@ -82,14 +82,26 @@ class Layout:
     micro_batch: int = 1
     zero: int = 0
     recompute: Recompute = Recompute.NONE
+    precision: Precision = Precision.BF16_MIXED  # priced by passes/precision.py (AUTO: bf16-mixed)
+    schedule: Schedule = Schedule.ONE_F_ONE_B  # pipeline schedule, priced by passes/schedules.py
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b, zero-bubble V)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
+        object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise InvalidConfigError(f"virtual_stages must be a positive integer, got {self.virtual_stages!r}")
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
             raise InvalidConfigError(f"micro_batch must be a positive integer, got {self.micro_batch!r}")
         if self.zero not in (0, 1, 2, 3):
             raise InvalidConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.recompute, Recompute):
             object.__setattr__(self, "recompute", Recompute(self.recompute))
+
+    @property
+    def numbers(self) -> PrecisionNumbers:
+        """Bytes per value and GEMM rate of this layout's precision."""
+        return precision_numbers(self.precision)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,6 +185,7 @@ class Estimate:
         mesh, lay = self.layout.mesh, self.layout
         return {
             **mesh.as_dict(), "zero": lay.zero, "recompute": lay.recompute.value, "micro_batch": lay.micro_batch,
+            "precision": lay.precision.value, "schedule": lay.schedule.value, "virtual_stages": lay.virtual_stages,
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             # the paper's tables report memory averaged over the devices; `fits` judges the peak
             "memory_gb": self.mean_memory_gb, "peak_memory_gb": self.memory_gb,
@@ -199,6 +212,9 @@ class CompiledBlock:
     tp_dim: np.ndarray  # index into (batch, m, n, k) that TP divides, -1 none
     cp_dim: np.ndarray  # index into (batch, m, n, k) that CP divides, -1 none
     quadratic: np.ndarray  # bool: FLOPs grow as S^2 (attention scores: the causal s x s work)
+    region: np.ndarray  # int: fused-kernel region of the node (passes/fused_regions.py), -1 none
+    region_kernels: tuple  # the kernel of each region
+    wgrad_groups: dict  # parent module -> mask of its column-parallel weight-gradient GEMMs
     fn: Any  # lambdified (b, s) -> list of 7 * n numbers
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -237,8 +253,15 @@ def compile_table(table: CostTable | CompiledTable, spec: ModelSpec) -> Compiled
     return CompiledTable(spec=spec, blocks=blocks)
 
 
+def priced_nodes(block) -> list:
+    """The nodes of a block the cost model prices, in order: views cost nothing and are dropped,
+    except a view that owns a saved tensor (the flash op's output and logsumexp, reached through
+    getitem), which keeps its saved bytes."""
+    return [n for n in block.nodes if n.kind is not OpKind.VIEW or n.saved_bytes != 0]
+
+
 def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
-    nodes = [n for n in block.nodes if n.kind is not OpKind.VIEW]
+    nodes = priced_nodes(block)
     exprs: list[sympy.Expr] = []
     for attr in ("flops", "bytes", "saved_bytes"):
         for n in nodes:
@@ -255,9 +278,15 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
     tp_dim = np.array([_tp_dim(n, spec) if c else -1 for n, c in zip(nodes, splits)], dtype=np.int8)
     cp_dim = np.array([_cp_dim(n) for n in nodes], dtype=np.int8)
     quadratic = np.array([_degree_in_s(n.flops) >= 2 for n in nodes], dtype=bool)
-    return CompiledBlock(kind=block.kind, count=block.count, params=block.params,
-                         fwd=np.array([n.phase == "fwd" for n in nodes], dtype=bool), role=role,
-                         rerun=rerun, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, quadratic=quadratic, fn=fn)
+    fwd = np.array([n.phase == "fwd" for n in nodes], dtype=bool)
+    paths = [n.module_path for n in nodes]
+    region, region_kernels = fused_regions.region_kinds(paths, [n.kind is OpKind.VECTOR for n in nodes], spec)
+    wgrad = is_gemm & ~fwd & ~quadratic & (cp_dim == 3)  # (out, in, tokens): a weight gradient
+    colwise = np.array([r is not None and r.strategy is sharding.Strategy.COLWISE for r in found], dtype=bool)
+    return CompiledBlock(kind=block.kind, count=block.count, params=block.params, fwd=fwd, role=role,
+                         rerun=rerun, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, quadratic=quadratic,
+                         region=region, region_kernels=region_kernels,
+                         wgrad_groups=fused_regions.wgrad_overlap_groups(paths, wgrad & colwise), fn=fn)
 
 
 def _degree_in_s(expr) -> int:
@@ -332,6 +361,22 @@ def gemm_efficiency(hw: DeviceProfile, m: np.ndarray, n: np.ndarray, k: np.ndarr
     return hw.gemm_efficiency * f
 
 
+def _fused_scales(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int):
+    """Per-node factors on the traced bytes and saved bytes: the fused kernels the device runs
+    (passes/fused_regions.py) and the precision (tables are traced in bf16)."""
+    blk = ct.block(kind)
+    vals = blk.evaluate(layout.micro_batch, seq_len)
+    prec = layout.numbers
+    byte_scale, saved_scale = fused_regions.fused_scales(
+        blk.region, blk.region_kernels, blk.fwd, vals[1], vals[2], spec=ct.spec, fused=hw.fuses,
+        tokens=float(layout.micro_batch * seq_len), act_bytes=2.0)
+    return byte_scale * prec.traced_scale, saved_scale * prec.traced_scale
+
+
+def _flash(ct: CompiledTable, hw: DeviceProfile) -> bool:
+    return hw.fuses("flash_attention") and ct.spec.family is Family.LLAMA
+
+
 def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> np.ndarray:
     """Roofline seconds per node of one block instance and one micro-batch on one device."""
     blk = ct.block(kind)
@@ -341,8 +386,10 @@ def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
     tp, cp = layout.mesh.tp, layout.mesh.cp
     div = _tp_divisor(blk, ct.spec, tp)
     flops = vals[0] / div / cp * np.where(blk.quadratic, cp_attention_overwork(ct.spec, cp), 1.0)
-    nbytes = vals[1] / div / cp
+    byte_scale, _ = _fused_scales(ct, hw, layout, kind, seq_len)
+    nbytes = vals[1] * byte_scale / div / cp
     mem_t = nbytes / (hw.hbm_bandwidth * hw.vector_efficiency)
+    peak = hw.peak_flops * layout.numbers.flops_scale
     dims = vals[3:7].copy()
     idx = np.arange(dims.shape[1])
     has_tp = blk.tp_dim >= 0
@@ -350,7 +397,11 @@ def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
     has_cp = blk.cp_dim >= 0
     dims[blk.cp_dim[has_cp], idx[has_cp]] /= cp
     eff = gemm_efficiency(hw, dims[1], dims[2], dims[3])
-    gemm_t = np.where(blk.is_gemm, flops / (hw.peak_flops * eff), 0.0)
+    gemm_t = np.where(blk.is_gemm, flops / (peak * eff), 0.0)
+    if _flash(ct, hw):  # the attention nodes as the flash kernel runs them (passes/fused_regions.py)
+        attn = blk.is_gemm & blk.quadratic
+        flash = fused_regions.flash_attention_flops(flops, blk.fwd, seq_len=seq_len, causal=True)
+        gemm_t = np.where(attn, flash / (peak * hw.attention_efficiency), gemm_t)
     return np.maximum(gemm_t, mem_t)
 
 
@@ -378,7 +429,7 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     tp = layout.mesh.tp
     if tp == 1:
         return 0.0, 0.0
-    act = _tokens(layout, seq_len) * ct.spec.hidden * ACT_BYTES
+    act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
     ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=1)
     if kind is BlockKind.LAYER:
         n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
@@ -403,7 +454,7 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     if spec.family is Family.LLAMA:
         head_dim = spec.hidden // spec.heads
         kv_local = spec.kv_heads / sharding.parts(spec, "self_attn.k_proj", tp)
-        kv_full = 2 * b * seq_len * kv_local * head_dim * ACT_BYTES
+        kv_full = 2 * b * seq_len * kv_local * head_dim * layout.numbers.act_bytes
         ag = best_time(hw, Collective.ALL_GATHER, kv_full, size=cp, stride=tp)
         rs = best_time(hw, Collective.REDUCE_SCATTER, kv_full, size=cp, stride=tp)
         return ag, rs
@@ -412,7 +463,7 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     heads_local = spec.heads / tp
     state = b * heads_local * (spec.head_dim * spec.state + 1) * 4.0
     conv_dim = (spec.intermediate + 2 * spec.groups * spec.state) / tp
-    halo = b * (spec.conv - 1) * conv_dim * ACT_BYTES
+    halo = b * (spec.conv - 1) * conv_dim * layout.numbers.act_bytes
     fwd, bwd = (sum(best_time(hw, op, nbytes * cp, size=cp, stride=tp) for nbytes in (state, halo))
                 for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER))
     return fwd, bwd
@@ -446,21 +497,41 @@ def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Block
     bwd = float(t[~blk.fwd].sum()) if len(t) else 0.0
     tp_f, tp_b = _tp_comm(ct, hw, layout, kind, seq_len)
     cp_f, cp_b = _cp_comm(ct, hw, layout, kind, seq_len)
+    if kind is BlockKind.LAYER and tp_b > 0:
+        n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
+        tp_b = _tp_backward_exposed(blk, t, tp_b / n, n)
     return BlockTime(fwd_s=fwd, bwd_s=bwd, recompute_s=_recompute_time(ct, layout, kind, t, tp_f, cp_f),
                      tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b)
 
 
-def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *, seq_len: int) -> float:
+def _tp_backward_exposed(blk: CompiledBlock, t: np.ndarray, all_reduce_s: float, count: int) -> float:
+    """Backward TP all-reduces left on the critical path: each input-gradient all-reduce of a
+    column-parallel group (attention's q/k/v, the MLP's gate/up, Mamba-2's in_proj) runs while the
+    same group's weight-gradient GEMMs compute (Megatron-LM's async tensor-parallel all-reduce,
+    `LinearWithGradAccumulationAndAsyncCommunication`: dgrad all-reduce overlapped with wgrad), so
+    only what outlasts them is exposed."""
+    groups = list(blk.wgrad_groups.values())[:count]
+    hidden = sum(max(0.0, all_reduce_s - float(t[mask].sum())) for mask in groups)
+    return hidden + (count - len(groups)) * all_reduce_s
+
+
+def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *, seq_len: int,
+                           hw: DeviceProfile | None = None) -> float:
     """Bytes one block instance keeps for backward per micro-batch on one device (read off the
-    joint graph's saved tensors; sharded by TP as above, by CP over tokens), after recompute."""
+    joint graph's saved tensors; sharded by TP as above, by CP over tokens), after recompute; with
+    `hw`, what the device's fused kernels save instead of the traced ops (passes/fused_regions.py)."""
     blk = ct.block(kind)
     mesh, spec = layout.mesh, ct.spec
     if kind is BlockKind.LAYER and layout.recompute is Recompute.FULL:
-        return _tokens(layout, seq_len) * spec.hidden * ACT_BYTES  # only the block input
+        return _tokens(layout, seq_len) * spec.hidden * layout.numbers.act_bytes  # only the block input
     if not len(blk.fwd):
         return 0.0
     vals = blk.evaluate(layout.micro_batch, seq_len)
-    saved = vals[2] / _tp_divisor(blk, spec, mesh.tp) / mesh.cp
+    if hw is not None:
+        scale = _fused_scales(ct, hw, layout, kind, seq_len)[1]
+    else:
+        scale = layout.numbers.traced_scale
+    saved = vals[2] * scale / _tp_divisor(blk, spec, mesh.tp) / mesh.cp
     keep = blk.fwd.copy()
     if kind is BlockKind.LAYER and layout.recompute is Recompute.SELECTIVE:
         keep &= ~blk.rerun  # the checkpoint keeps the module's input: the norm's output, kept anyway
@@ -469,7 +540,7 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
         # the gathered K/V of the other CP ranks stay alive for the attention backward
         head_dim = spec.hidden // spec.heads
         kv_local = spec.kv_heads / sharding.parts(spec, "self_attn.k_proj", mesh.tp)
-        total += 2 * layout.micro_batch * seq_len * kv_local * head_dim * ACT_BYTES * (mesh.cp - 1) / mesh.cp
+        total += 2 * layout.micro_batch * seq_len * kv_local * head_dim * layout.numbers.act_bytes * (mesh.cp - 1) / mesh.cp
     return total
 
 
@@ -489,29 +560,28 @@ def state_bytes(params: float, layout: Layout) -> MemoryBreakdown:
     shard = float(_dp_group(layout))
     z = layout.zero
     return MemoryBreakdown(
-        weights=params * PARAM_BYTES / (shard if z >= 3 else 1.0),
-        grads=params * GRAD_BYTES / (shard if z >= 2 else 1.0),
-        optimizer=params * OPTIM_BYTES / (shard if z >= 1 else 1.0),
+        weights=params * layout.numbers.param_bytes / (shard if z >= 3 else 1.0),
+        grads=params * layout.numbers.grad_bytes / (shard if z >= 2 else 1.0),
+        optimizer=params * layout.numbers.optim_bytes / (shard if z >= 1 else 1.0),
     )
 
 
-def dp_sync_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
-    """Seconds of the per-step gradient sync of `params` parameters over dp x cp (stride tp):
-    all-reduce of fp32 gradients (ZeRO-0) or reduce-scatter of gradients plus all-gather of the
-    updated bf16 weights (ZeRO-1, Megatron's distributed optimizer). ZeRO-2 reduce-scatters per
-    micro-batch (`zero2_time`) and only all-gathers here; ZeRO-3 syncs per micro-batch
-    (`zero3_time`)."""
+def dp_exposed_time(hw: DeviceProfile, params, layout: Layout, *, backward_s, forward_s):
+    """Per-step gradient sync of one stage left on the critical path (numbers or numpy arrays), as
+    Megatron-LM's distributed optimizer overlaps it (`overlap_grad_reduce`, `overlap_param_gather`):
+    the gradient all-reduce / reduce-scatter behind the last micro-batch's backward, the all-gather
+    of the updated weights behind the next step's first forward."""
     n, tp = _dp_group(layout), layout.mesh.tp
-    if n == 1:
-        return 0.0
+    if n == 1 or layout.zero == 3:
+        return np.zeros_like(backward_s, dtype=float) if isinstance(backward_s, np.ndarray) else 0.0
+    nb = layout.numbers
     if layout.zero == 0:
-        return best_time(hw, Collective.ALL_REDUCE, params * GRAD_BYTES, size=n, stride=tp)
-    if layout.zero == 3:
-        return 0.0
-    ag = best_time(hw, Collective.ALL_GATHER, params * PARAM_BYTES, size=n, stride=tp)
-    if layout.zero == 2:  # the reduce-scatters ran with every micro-batch (`zero2_time`)
-        return ag
-    return best_time(hw, Collective.REDUCE_SCATTER, params * GRAD_BYTES, size=n, stride=tp) + ag
+        return np.maximum(0.0, best_time(hw, Collective.ALL_REDUCE, params * nb.grad_bytes, size=n, stride=tp)
+                          - backward_s)
+    ag = best_time(hw, Collective.ALL_GATHER, params * nb.param_bytes, size=n, stride=tp)
+    rs = 0.0 if layout.zero == 2 else best_time(hw, Collective.REDUCE_SCATTER, params * nb.grad_bytes, size=n,
+                                                   stride=tp)
+    return np.maximum(0.0, rs - backward_s) + np.maximum(0.0, ag - forward_s)
 
 
 def zero2_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
@@ -521,7 +591,7 @@ def zero2_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
     n, tp = _dp_group(layout), layout.mesh.tp
     if layout.zero != 2 or n == 1:
         return 0.0
-    return best_time(hw, Collective.REDUCE_SCATTER, params * GRAD_BYTES, size=n, stride=tp)
+    return best_time(hw, Collective.REDUCE_SCATTER, params * layout.numbers.grad_bytes, size=n, stride=tp)
 
 
 def zero3_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
@@ -530,8 +600,8 @@ def zero3_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
     n, tp = _dp_group(layout), layout.mesh.tp
     if layout.zero != 3 or n == 1:
         return 0.0
-    ag = best_time(hw, Collective.ALL_GATHER, params * PARAM_BYTES, size=n, stride=tp)
-    return 2 * ag + best_time(hw, Collective.REDUCE_SCATTER, params * GRAD_BYTES, size=n, stride=tp)
+    ag = best_time(hw, Collective.ALL_GATHER, params * layout.numbers.param_bytes, size=n, stride=tp)
+    return 2 * ag + best_time(hw, Collective.REDUCE_SCATTER, params * layout.numbers.grad_bytes, size=n, stride=tp)
 
 
 def zero_exposed_time(hw: DeviceProfile, params, layout: Layout, *, compute_s, backward_s):
@@ -553,21 +623,30 @@ def p2p_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, *, seq_len: i
     mesh = layout.mesh
     if mesh.pp == 1:
         return 0.0
-    act = _tokens(layout, seq_len) * ct.spec.hidden * ACT_BYTES
-    return 2 * collective_time(hw, Collective.SEND_RECV, act, size=2, stride=mesh.dp * mesh.cp * mesh.tp)
+    act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
+    crossings = schedules.p2p_factor(layout.schedule, layout.virtual_stages)  # interleaving: v x the sends
+    return 2 * crossings * collective_time(hw, Collective.SEND_RECV, act, size=2, stride=mesh.dp * mesh.cp * mesh.tp)
 
 
-def logits_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int) -> float:
-    """Transient peak of the loss on the head stage: the fp32 logits and their gradient
-    (vocab-parallel over TP, tokens split over CP)."""
-    return _tokens(layout, seq_len) * ct.spec.vocab / layout.mesh.tp * 4.0 * 2
+def logits_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int, hw: DeviceProfile | None = None) -> float:
+    """Transient peak of the loss on the head stage (vocab-parallel over TP, tokens split over CP),
+    beyond the fp32 log-softmax the graph saves: the fp32 logits and their gradient; with a fused
+    cross-entropy (`hw` lists "cross_entropy": Megatron's fused vocab-parallel CE writes the
+    gradient in place of the softmax it keeps) only the bf16 logits the LM head writes."""
+    per_value = 2.0 if hw is not None and hw.fuses("cross_entropy") else 4.0 * 2
+    return _tokens(layout, seq_len) * ct.spec.vocab / layout.mesh.tp * per_value
 
 
-def pipeline_time(stage_times: Sequence[float], microbatches: int) -> float:
-    """1F1B makespan: every stage runs all micro-batches, the slowest stage sets the pace, and
-    fill/drain costs one pass through the other stages: sum(t) + (m - 1) * max(t). With equal
-    stages this is (m + p - 1) t, the bubble fraction (p - 1)/(m + p - 1) (arXiv 2104.04473)."""
-    return float(sum(stage_times) + (microbatches - 1) * max(stage_times))
+def pipeline_time(stage_times: Sequence[float], microbatches: int, *, schedule: str = "1f1b",
+                  virtual_stages: int = 1) -> float:
+    """Pipeline makespan: every stage runs all micro-batches, the slowest stage sets the pace, and
+    fill/drain costs a fraction f of one pass through the other stages (passes/schedules.py):
+    m * max(t) + f * (sum(t) - max(t)). 1F1B / GPipe f = 1: sum(t) + (m - 1) max(t), with equal
+    stages (m + p - 1) t, the bubble (p - 1)/(m + p - 1) (arXiv 2104.04473); interleaved f = 1/v;
+    zero-bubble (ZB-H1) f = 1/3."""
+    f = float(schedules.bubble_fraction(schedule, virtual_stages))
+    top = max(stage_times)
+    return float(microbatches * top + f * (sum(stage_times) - top))
 
 
 def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
@@ -588,10 +667,17 @@ def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
 # Composition
 
 
+def resolved(layout: Layout, hw: DeviceProfile) -> Layout:
+    """`layout` with precision AUTO replaced by the device's default (fp32 on cpu, else bf16-mixed)."""
+    precision = resolve_precision(layout.precision, hw)
+    return layout if precision is layout.precision else replace(layout, precision=precision)
+
+
 def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfile, layout: Layout, *,
              global_batch: int, seq_len: int, stages: Sequence[Stage] | None = None) -> Estimate:
     """Predicted step time, throughput, MFU and peak memory of one layout (see module docstring)."""
     ct = compile_table(table, spec)
+    layout = resolved(layout, hw)
     mesh = layout.mesh
     _check(spec, layout, global_batch, seq_len)
     m = global_batch // (mesh.dp * layout.micro_batch)
@@ -604,7 +690,7 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     kinds = (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD)
     levels = {st.recompute: replace(layout, recompute=st.recompute) for st in stages}  # each stage's own
     bts = {r: {k: block_time(ct, hw, lay, k, seq_len=seq_len) for k in kinds} for r, lay in levels.items()}
-    acts = {r: {k: block_activation_bytes(ct, lay, k, seq_len=seq_len) for k in kinds} for r, lay in levels.items()}
+    acts = {r: {k: block_activation_bytes(ct, lay, k, seq_len=seq_len, hw=hw) for k in kinds} for r, lay in levels.items()}
     prm = {k: block_params(ct, layout, k) for k in kinds}
     p2p = p2p_time(ct, hw, layout, seq_len=seq_len)
 
@@ -622,27 +708,29 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
         tpc = sum(bt[k].tp_comm_s * c for k, c in counts.items())
         cpc = sum(bt[k].cp_comm_s * c for k, c in counts.items())
         bwd_last = sum(bt[k].bwd_s * c for k, c in counts.items())
+        fwd_first = sum(bt[k].fwd_s * c for k, c in counts.items())
         zexp = float(zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last))
         t = comp + reco + tpc + cpc + p2p + zexp
         times.append(t)
-        parts.append((comp, reco, tpc, cpc, p2p, zexp, params, bwd_last))
-        in_flight = min(mesh.pp - i, m)
+        parts.append((comp, reco, tpc, cpc, p2p, zexp, params, bwd_last, fwd_first))
+        in_flight = schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages)
         stage_act = sum(act[k] * c for k, c in counts.items()) * in_flight
         mem = state_bytes(params, layout)
         buffers = buffer_bytes(ct, layout, seq_len=seq_len)
-        logit = logits_bytes(ct, layout, seq_len=seq_len) if st.head else 0.0
+        logit = logits_bytes(ct, layout, seq_len=seq_len, hw=hw) if st.head else 0.0
         peaks.append(MemoryBreakdown(weights=mem.weights, grads=mem.grads, optimizer=mem.optimizer,
                                      activations=stage_act, logits=logit, buffers=buffers))
 
     slow = int(np.argmax(times))
-    comp, reco, tpc, cpc, p2p_s, zexp, params, _ = parts[slow]
-    pipe = pipeline_time(times, m)
+    comp, reco, tpc, cpc, p2p_s, zexp, params, _, _ = parts[slow]
+    pipe = pipeline_time(times, m, schedule=layout.schedule, virtual_stages=layout.virtual_stages)
     # DP sync and the optimizer step are per stage and run in parallel across stages: take the
-    # stage where they end last. The gradient reduce overlaps the last micro-batch's backward.
+    # stage where they end last. The gradient reduce overlaps the last micro-batch's backward,
+    # the weight all-gather the first forward (`dp_exposed_time`).
     tail = []
-    for (_, _, _, _, _, _, prm_i, bwd_last) in parts:
-        sync = dp_sync_time(hw, prm_i, layout)
-        tail.append((max(0.0, sync - bwd_last), optimizer_time(hw, prm_i, layout)))
+    for (_, _, _, _, _, _, prm_i, bwd_last, fwd_first) in parts:
+        exposed = float(dp_exposed_time(hw, prm_i, layout, backward_s=bwd_last, forward_s=fwd_first))
+        tail.append((exposed, optimizer_time(hw, prm_i, layout)))
     dp_exposed, opt = max(tail, key=lambda x: x[0] + x[1])
     step = pipe + dp_exposed + opt
     breakdown = TimeBreakdown(compute=comp * m, recompute=reco * m, tp_comm=tpc * m, cp_comm=cpc * m,
@@ -661,10 +749,10 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
 def buffer_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int) -> float:
     """Communication staging: two activation-sized TP/p2p buffers, and the gathered weights of
     one layer in flight (twice, prefetch) under ZeRO-3."""
-    act = _tokens(layout, seq_len) * ct.spec.hidden * ACT_BYTES
+    act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
     z3 = 0.0
     if layout.zero == 3:
-        z3 = 2 * block_params(ct, layout, BlockKind.LAYER) * PARAM_BYTES
+        z3 = 2 * block_params(ct, layout, BlockKind.LAYER) * layout.numbers.param_bytes
     return 2 * act * (layout.mesh.tp > 1 or layout.mesh.pp > 1) + z3
 
 
@@ -674,6 +762,10 @@ def _check(spec: ModelSpec, layout: Layout, global_batch: int, seq_len: int) -> 
                          micro_batch=layout.micro_batch, zero=layout.zero, zeros=(0, 1, 2, 3))
     if why:
         raise InvalidConfigError(why)
+    mesh = layout.mesh
+    check_schedule(layout.schedule, layout.virtual_stages, pp=mesh.pp)
+    schedules.check_chunks(layout.schedule, layout.virtual_stages, pp=mesh.pp, layers=spec.layers,
+                           microbatches=global_batch // (mesh.dp * layout.micro_batch))
 
 
 # Pieces the inference cost model (passes/inference_cost.py) prices forward passes with.

@@ -58,10 +58,15 @@ from autoshard.cost_table import B, S, CostTable
 from autoshard.ir import BlockKind, Mesh, OpKind, Stage, even_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.collectives import Collective, best_time, collective_time
-from autoshard.passes.cost import (ACT_BYTES, PARAM_BYTES, CompiledTable, Layout, block_params, compile_table,
-                                   node_times, tp_comm_times, tp_divisor)
+from autoshard.ir import Precision
+from autoshard.passes.cost import (CompiledTable, Layout, block_params, compile_table, node_times, tp_comm_times,
+                                   tp_divisor)
 from autoshard.passes import sharding
+from autoshard.passes.precision import precision_numbers
 from autoshard.passes.sharding import selective_module
+
+_SERVE = precision_numbers(Precision.BF16_MIXED)  # bf16 weights and activations (passes/precision.py)
+ACT_BYTES, PARAM_BYTES = _SERVE.act_bytes, _SERVE.param_bytes
 
 C = sympy.Symbol("c", positive=True, integer=True)  # context length: tokens already in the cache
 KV_BYTES = 2.0  # bf16 K/V cache and conv state (the model's dtype, as HF's DynamicCache stores them)

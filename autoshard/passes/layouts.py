@@ -216,6 +216,10 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None) ->
 
 
 RUNTIME_ZERO = (0, 1, 2)  # the ZeRO levels runtime/data_parallel.py runs
+# the (pipeline schedule, virtual stages) pairs runtime/pipeline.py runs that the planner chooses
+# among (GPipe runs too but never beats 1F1B: the same bubble, all micro-batches in flight); add
+# ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zero-bubble", 1) as the runtime runs them
+RUNTIME_SCHEDULES = (("1f1b", 1),)
 
 
 def zero_violation(mesh: Mesh, zero: int) -> str | None:

@@ -29,16 +29,19 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Callable
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
-from autoshard.ir import Plan, Recompute, even_stages
+from autoshard.ir import Plan, Recompute, Schedule, Stage, check_schedule, even_stages, stage_rank
 from autoshard.passes import cost
 from autoshard.passes.cost import CompiledTable, Layout
-from autoshard.passes.layouts import RUNTIME_ZERO, mesh_micro_batches, zero_violation
+from autoshard.errors import AutoshardError
+from autoshard.passes.layouts import RUNTIME_SCHEDULES, RUNTIME_ZERO, mesh_micro_batches, zero_violation
+from autoshard.passes.schedules import bubble_fraction, check_chunks
 from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, block_numbers, evaluate,
                                           mesh_problem, min_stage_sum, split_search)
 
@@ -104,7 +107,8 @@ def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assign
     else:
         hint = hint_b or hint
         fastest = np.where(ok, problem.time_s, np.inf).min(axis=1)
-        lower = (m_mb - 1) * floor + min_stage_sum(fastest, L)[0] + _min_tail(problem, ok)
+        f = problem.bubble
+        lower = (m_mb - f) * floor + f * min_stage_sum(fastest, L)[0] + _min_tail(problem, ok)
     if lower >= cutoff_s * (1 - 1e-12):  # no assignment can beat the cutoff: skip CP-SAT
         return MeshResult(status="cut", assignment=None, step_s=math.inf, bound_s=lower, wall_s=0.0)
     return _merge(_cpsat(problem, domains, floor=floor, cutoff_s=cutoff_s, hint=hint, time_limit_s=time_limit_s),
@@ -148,9 +152,12 @@ def _cpsat(problem: MeshProblem, domains: list, *, floor: float, cutoff_s: float
     m.AddMaxEquality(t_max, times)
     tail_max = m.NewIntVar(0, int(tail_int.max()), "tail_max")
     m.AddMaxEquality(tail_max, tails)
-    objective = (m_mb - 1) * t_max + sum(times) + tail_max
-    if math.isfinite(cutoff_s):  # rounding moves the integer objective by at most (m + p + 1) / 2 units
-        m.Add(objective <= math.floor(cutoff_s / unit) + m_mb + p + 1)
+    # (m - f) t_max + f sum t + tail, times the denominator q of the bubble fraction f = k / q
+    f = Fraction(problem.bubble).limit_denominator(64)
+    k, q = f.numerator, f.denominator
+    objective = (q * m_mb - k) * t_max + k * sum(times) + q * tail_max
+    if math.isfinite(cutoff_s):  # rounding moves the integer objective by at most q (m + p + 1) / 2 units
+        m.Add(objective <= q * (math.floor(cutoff_s / unit) + m_mb + p + 1))
     m.Minimize(objective)
     if hint is not None:
         for i in range(p):
@@ -168,7 +175,7 @@ def _cpsat(problem: MeshProblem, domains: list, *, floor: float, cutoff_s: float
     a = Assignment(layers=tuple(solver.Value(v) for v in n),
                    recompute=tuple(problem.recomputes[solver.Value(r)] for r in recs))
     step = evaluate(problem, a).step_s
-    bound = min(step, solver.BestObjectiveBound() * unit)
+    bound = min(step, solver.BestObjectiveBound() * unit / q)
     return MeshResult(status=name, assignment=a, step_s=step, bound_s=bound, wall_s=solver.WallTime())
 
 
@@ -244,15 +251,34 @@ def min_peak_bytes(problem: MeshProblem) -> float:
 
 # -- the search over layouts -------------------------------------------------------------------
 def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
-                      zeros: tuple[int, ...] = RUNTIME_ZERO, micro_batches: tuple[int, ...] = (1, 2, 4, 8)
-                      ) -> list[Layout]:
-    """Every (mesh, micro-batch, ZeRO) the planner searches: the valid (mesh, micro-batch) pairs
-    of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses) times the ZeRO levels
-    the runtime runs that go with the mesh (`layouts.zero_violation`)."""
+                      zeros: tuple[int, ...] = RUNTIME_ZERO, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
+                      schedules: tuple = RUNTIME_SCHEDULES) -> list[Layout]:
+    """Every (mesh, micro-batch, ZeRO, schedule) the planner searches: the valid (mesh, micro-batch)
+    pairs of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses) times the ZeRO levels
+    the runtime runs that go with the mesh (`layouts.zero_violation`) times, for pp > 1, the
+    pipeline schedules and virtual stages the runtime runs (`layouts.RUNTIME_SCHEDULES`)."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
-    return [Layout(mesh=mesh, micro_batch=mb, zero=z) for mesh, mb in pairs for z in zeros
-            if zero_violation(mesh, z) is None]
+    return [Layout(mesh=mesh, micro_batch=mb, zero=z, schedule=sched, virtual_stages=v)
+            for mesh, mb in pairs for z in zeros if zero_violation(mesh, z) is None
+            for sched, v in pipeline_schedules(spec, mesh.pp, global_batch // (mesh.dp * mb), schedules)]
+
+
+def pipeline_schedules(spec, pp: int, microbatches: int, options=RUNTIME_SCHEDULES) -> list:
+    """The (schedule, virtual_stages) pairs of `options` that a pipeline of `pp` stages with this
+    many micro-batches can run (ir.check_schedule, schedules.check_chunks); pp = 1: 1F1B only
+    (nothing to schedule)."""
+    if pp == 1:
+        return [(Schedule.ONE_F_ONE_B, 1)]
+    out = []
+    for sched, v in options:
+        try:
+            check_schedule(Schedule(sched), v, pp=pp)
+            check_chunks(sched, v, pp=pp, microbatches=microbatches, layers=spec.layers)
+        except AutoshardError:
+            continue
+        out.append((Schedule(sched), v))
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -282,7 +308,8 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     if spec.tied and mesh.pp > 1:
         params += cost.block_params(ct, layout, cost.BlockKind.EMBED)  # the head's copy
     avg = params / mesh.pp  # the stage with the most parameters holds at least the average
-    step = work + (m - 1) * max(work / mesh.pp, heaviest) + cost.optimizer_time(hw, avg, layout)
+    f = float(bubble_fraction(layout.schedule, layout.virtual_stages))
+    step = f * work + (m - f) * max(work / mesh.pp, heaviest) + cost.optimizer_time(hw, avg, layout)
     peak = cost.state_bytes(avg, layout).total + cost.buffer_bytes(ct, layout, seq_len=seq_len)
     return Bounds(step_s=step, peak_bytes=peak)
 
@@ -335,7 +362,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
         if bound >= cutoff * (1 - 1e-9):
             continue
-        key = (layout.mesh, layout.micro_batch)
+        key = (layout.mesh, layout.micro_batch, layout.schedule, layout.virtual_stages)  # p2p depends on v
         if key not in numbers:
             numbers[key] = block_numbers(ct, hw, layout, seq_len=seq_len)
         problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key])
@@ -454,5 +481,24 @@ def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len,
     rec = a.recompute[0] if len(set(a.recompute)) == 1 else max(a.recompute, key=list(Recompute).index)
     return Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
                 global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,
-                zero=layout.zero, recompute=rec, stages=a.stages(),
-                placements=block_placements(spec, tp=layout.mesh.tp), predicted=pred, solver=solver)
+                zero=layout.zero, recompute=rec, schedule=layout.schedule, virtual_stages=layout.virtual_stages,
+                stages=chunk_stages(a, layout), placements=block_placements(spec, tp=layout.mesh.tp),
+                predicted=pred, solver=solver)
+
+
+def chunk_stages(a: Assignment, layout: Layout) -> tuple[Stage, ...]:
+    """The plan's stages: one per pipeline rank, or with v virtual stages the pp * v model chunks in
+    model order, rank r's layers split as evenly as they go over its v chunks (ir.stage_rank
+    places chunk i on its rank), each chunk at its rank's recompute level."""
+    pp, v = layout.mesh.pp, layout.virtual_stages
+    if v == 1:
+        return a.stages()
+    ranks = [stage_rank(i, pp=pp, virtual_stages=v, schedule=layout.schedule) for i in range(pp * v)]
+    parts = {r: [n // v + (1 if k < n % v else 0) for k in range(v)] for r, n in enumerate(a.layers)}
+    out, start = [], 0
+    for i, r in enumerate(ranks):
+        n = parts[r].pop(0)
+        out.append(Stage(first_layer=start, end_layer=start + n, embed=i == 0, head=i == pp * v - 1,
+                         recompute=a.recompute[r]))
+        start += n
+    return tuple(out)

@@ -7,7 +7,7 @@ Contract
   every layer count n and recompute level r, its time per micro-batch, its peak memory and
   its tail (exposed gradient sync + optimizer step). The entries are compositions of
   `passes/cost.py`'s public component functions (block_time, block_activation_bytes,
-  block_params, state_bytes, zero_exposed_time, dp_sync_time, optimizer_time, p2p_time, logits_bytes,
+  block_params, state_bytes, zero_exposed_time, dp_exposed_time, optimizer_time, p2p_time, logits_bytes,
   buffer_bytes, pipeline_time), composed the way `cost.estimate` composes them, so with one
   recompute level for every stage `evaluate` equals `estimate(..., stages=)` (tested).
   The tables are numpy arrays built column-wise: a stage's cost depends only on whether it holds
@@ -16,7 +16,8 @@ Contract
   takes arrays). `block_numbers` (per mesh and micro-batch) is shared by its ZeRO levels.
 
   `evaluate(problem, assignment)` prices one assignment (layers and recompute per stage):
-      step = pipeline_time(t_i, m) + max_i tail_i     (1F1B: sum t_i + (m - 1) max t_i)
+      step = pipeline_time(t_i, m) + max_i tail_i     (m max t_i + f (sum t_i - max t_i), f the
+                                                      schedule's bubble fraction, passes/schedules.py)
   `brute_force(problem)` enumerates every assignment; the test compares it with CP-SAT.
 Terms: n = layers of a stage; r = its recompute level; m = micro-batches per step.
 """
@@ -31,7 +32,7 @@ from typing import Iterator
 import numpy as np
 
 from autoshard.ir import BlockKind, Recompute, Stage
-from autoshard.passes import cost
+from autoshard.passes import cost, schedules
 from autoshard.passes.cost import CompiledTable, Layout
 
 KINDS = (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD)
@@ -50,14 +51,17 @@ class MeshProblem:
     time_s: np.ndarray  # (pp, R, layers + 1) seconds per micro-batch
     mem_bytes: np.ndarray  # (pp, R, layers + 1) peak bytes per device
     tail_s: np.ndarray  # (pp, layers + 1) exposed DP sync + optimizer step
+    bubble: float = 1.0  # the schedule's bubble fraction f: step = m max t + f (sum t - max t) + tail
 
     @property
     def pp(self) -> int:
         return self.layout.mesh.pp
 
     def min_layers(self, i: int) -> int:
-        """Middle stages hold at least one layer; the first and last may hold only embed / head."""
-        return self.layers if self.pp == 1 else (0 if i in (0, self.pp - 1) else 1)
+        """Every model chunk holds a layer, except that the first and last may hold only the
+        embedding / head: v per middle rank, v - 1 on the first and last (v virtual stages)."""
+        v = self.layout.virtual_stages
+        return self.layers if self.pp == 1 else (v - 1 if i in (0, self.pp - 1) else v)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,6 +99,7 @@ class BlockNumbers:
     compute_s: np.ndarray  # forward + backward
     other_s: np.ndarray  # recompute + TP + CP communication
     bwd_s: np.ndarray
+    fwd_s: np.ndarray
     act_bytes: np.ndarray
     params: np.ndarray  # [kind] parameters on one device (TP-sharded, before ZeRO)
     p2p_s: float
@@ -104,18 +109,20 @@ class BlockNumbers:
 def block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
                   recomputes: tuple[Recompute, ...] = tuple(Recompute)) -> BlockNumbers:
     """The block numbers of `layout`'s mesh and micro-batch (its ZeRO / recompute are ignored)."""
-    comp, other, bwd, act = (np.zeros((len(recomputes), len(KINDS))) for _ in range(4))
+    layout = cost.resolved(layout, hw)
+    comp, other, bwd, fwd, act = (np.zeros((len(recomputes), len(KINDS))) for _ in range(5))
     for ri, r in enumerate(recomputes):
         lay = replace(layout, recompute=r)
         for ki, k in enumerate(KINDS):
             bt = cost.block_time(ct, hw, lay, k, seq_len=seq_len)
-            comp[ri, ki], bwd[ri, ki] = bt.compute_s, bt.bwd_s
+            comp[ri, ki], bwd[ri, ki], fwd[ri, ki] = bt.compute_s, bt.bwd_s, bt.fwd_s
             other[ri, ki] = bt.recompute_s + bt.tp_comm_s + bt.cp_comm_s
-            act[ri, ki] = cost.block_activation_bytes(ct, lay, k, seq_len=seq_len)
-    return BlockNumbers(recomputes=tuple(recomputes), compute_s=comp, other_s=other, bwd_s=bwd, act_bytes=act,
+            act[ri, ki] = cost.block_activation_bytes(ct, lay, k, seq_len=seq_len, hw=hw)
+    return BlockNumbers(recomputes=tuple(recomputes), compute_s=comp, other_s=other, bwd_s=bwd, fwd_s=fwd,
+                        act_bytes=act,
                         params=np.array([cost.block_params(ct, layout, k) for k in KINDS]),
                         p2p_s=cost.p2p_time(ct, hw, layout, seq_len=seq_len),
-                        logits_bytes=cost.logits_bytes(ct, layout, seq_len=seq_len))
+                        logits_bytes=cost.logits_bytes(ct, layout, seq_len=seq_len, hw=hw))
 
 
 def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, *, embed: bool, head: bool,
@@ -134,7 +141,9 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     state = cost.state_bytes(params, layout)
     other_mem = (state.weights + state.grads + state.optimizer + (blocks.logits_bytes if head else 0.0)
                  + cost.buffer_bytes(ct, layout, seq_len=seq_len))
-    tail = np.maximum(0.0, cost.dp_sync_time(hw, params, layout) - bwd_last) + cost.optimizer_time(hw, params, layout)
+    fwd_first = blocks.fwd_s[0] @ counts
+    tail = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first)
+            + cost.optimizer_time(hw, params, layout))
     return time, blocks.act_bytes @ counts, np.broadcast_to(other_mem, n.shape), np.broadcast_to(tail, n.shape), params
 
 
@@ -143,6 +152,7 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
                  ) -> MeshProblem:
     """Tabulate every stage's cost for `layout` (see the module docstring). `blocks`: the
     layout's `block_numbers`, when the caller already has them (they are shared by ZeRO levels)."""
+    layout = cost.resolved(layout, hw)
     mesh, layers = layout.mesh, ct.spec.layers
     m = global_batch // (mesh.dp * layout.micro_batch)
     blocks = blocks if blocks is not None else block_numbers(ct, hw, layout, seq_len=seq_len, recomputes=recomputes)
@@ -154,13 +164,15 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     for i in range(mesh.pp):
         time, act, other, tail, _ = cols[(i == 0, i == mesh.pp - 1)]
         times.append(time)
-        mems.append(act * min(mesh.pp - i, m) + other)  # activations of the micro-batches in flight (1F1B)
+        # activations of the micro-batches in flight under the layout's schedule
+        mems.append(act * schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages) + other)
         tails.append(tail)
     arrays = [np.array(x, dtype=float) for x in (times, mems, tails)]
     for a in arrays:
         a.flags.writeable = False
     return MeshProblem(layout=layout, layers=layers, microbatches=m, capacity_bytes=hw.memory_bytes,
-                       recomputes=tuple(recomputes), time_s=arrays[0], mem_bytes=arrays[1], tail_s=arrays[2])
+                       recomputes=tuple(recomputes), time_s=arrays[0], mem_bytes=arrays[1], tail_s=arrays[2],
+                       bubble=float(schedules.bubble_fraction(layout.schedule, layout.virtual_stages)))
 
 
 def evaluate(problem: MeshProblem, a: Assignment) -> Evaluation:
@@ -169,7 +181,9 @@ def evaluate(problem: MeshProblem, a: Assignment) -> Evaluation:
     times = tuple(float(problem.time_s[i, idx[r], n]) for i, (n, r) in enumerate(zip(a.layers, a.recompute)))
     mems = tuple(float(problem.mem_bytes[i, idx[r], n]) for i, (n, r) in enumerate(zip(a.layers, a.recompute)))
     tail = max(float(problem.tail_s[i, n]) for i, n in enumerate(a.layers))
-    step = cost.pipeline_time(times, problem.microbatches) + tail
+    lay = problem.layout
+    step = cost.pipeline_time(times, problem.microbatches, schedule=lay.schedule,
+                              virtual_stages=lay.virtual_stages) + tail
     return Evaluation(step_s=step, stage_s=times, stage_bytes=mems, tail_s=tail)
 
 
@@ -195,6 +209,8 @@ def brute_force(problem: MeshProblem) -> tuple[Assignment, Evaluation] | None:
     """The best assignment that fits, by enumerating all of them (small instances only)."""
     best = None
     for split in stage_splits(problem.layers, problem.pp):
+        if any(n < problem.min_layers(i) for i, n in enumerate(split)):
+            continue  # a model chunk would hold no layer (virtual stages)
         for rec in product(problem.recomputes, repeat=problem.pp):
             a = Assignment(layers=split, recompute=rec)
             ev = evaluate(problem, a)
@@ -250,13 +266,14 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
 
     For caps (T, U), with every entry slower than T or whose tail exceeds U removed, each stage
     takes its fastest allowed recompute level, and `min_stage_sum` gives the smallest sum S(T, U).
-    value(T, U) = (m - 1) T + S(T, U) + U is at least the step time of the assignment found, and at
-    an optimum's own (max t, max tail) at most the optimum, so min over (T, U) is the optimum.
-    T runs up the distinct table times from `floor`; it stops once (m - 1) T + S(inf, inf) +
-    min tail reaches the best step found (or the cutoff); for each T, U runs up the distinct
-    tails below the found assignment's max tail while (m - 1) T + S(T, inf) + U is below it.
-    After `max_steps` min-plus passes it stops unproven, with the bound (m - 1) T + S + min tail."""
-    m, L, p = problem.microbatches, problem.layers, problem.pp
+    value(T, U) = (m - f) T + f S(T, U) + U (f the schedule's bubble fraction, 1 for 1F1B) is at
+    least the step time of the assignment found, and at an optimum's own (max t, max tail) at most
+    the optimum, so min over (T, U) is the optimum. T runs up the distinct table times from
+    `floor`; it stops once (m - f) T + f S(inf, inf) + min tail reaches the best step found (or the
+    cutoff); for each T, U runs up the distinct tails below the found assignment's max tail while
+    (m - f) T + f S(T, inf) + U is below it. After `max_steps` min-plus passes it stops unproven,
+    with the bound (m - f) T + f S + min tail."""
+    m, L, p, f = problem.microbatches, problem.layers, problem.pp, problem.bubble
     short = np.arange(L + 1)[None, :] < np.array([problem.min_layers(i) for i in range(p)])[:, None]  # [i, n]
     t = np.where(ok & ~short[:, None, :], problem.time_s, np.inf)
     fastest, level = t.min(axis=1), t.argmin(axis=1)  # [i, n]
@@ -277,11 +294,11 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
     times = np.unique(fastest[np.isfinite(fastest) & (fastest >= floor)])
     for cap in times:
         goal = min(best, cutoff_s)
-        if (m - 1) * cap + total + tail_lo >= goal:
-            return SplitSearch(assignment=best_a, step_s=best, bound_s=min(goal, (m - 1) * cap + total + tail_lo),
-                               proven=True, steps=steps)
+        if (m - f) * cap + f * total + tail_lo >= goal:
+            return SplitSearch(assignment=best_a, step_s=best,
+                               bound_s=min(goal, (m - f) * cap + f * total + tail_lo), proven=True, steps=steps)
         if steps >= max_steps:
-            return SplitSearch(assignment=best_a, step_s=best, bound_s=(m - 1) * cap + total + tail_lo,
+            return SplitSearch(assignment=best_a, step_s=best, bound_s=(m - f) * cap + f * total + tail_lo,
                                proven=False, steps=steps)
         capped = np.where(fastest <= cap, fastest, np.inf)
         s_t, layers = min_stage_sum(capped, L)
@@ -291,10 +308,10 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
         top = found(layers)
         tails = np.unique(tail[np.isfinite(capped) & (tail < top)])
         for u in tails[tails >= tail_lo]:
-            if (m - 1) * cap + s_t + u >= min(best, cutoff_s):
+            if (m - f) * cap + f * s_t + u >= min(best, cutoff_s):
                 break
             if steps >= max_steps:  # every (T', U) left has T' >= cap
-                return SplitSearch(assignment=best_a, step_s=best, bound_s=(m - 1) * cap + total + tail_lo,
+                return SplitSearch(assignment=best_a, step_s=best, bound_s=(m - f) * cap + f * total + tail_lo,
                                    proven=False, steps=steps)
             s_u, layers = min_stage_sum(np.where(tail <= u, capped, np.inf), L)
             steps += 1

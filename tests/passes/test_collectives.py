@@ -49,6 +49,15 @@ def test_group_link_follows_the_rank_layout():
     assert group_link(hw, size=3, stride=1).name == "inter"  # 3 does not tile a node of 8
 
 
+def test_a_ring_across_nodes_uses_one_nic_per_member_gpu():
+    """Rail-optimised nodes: NCCL runs a ring channel per NIC, so k members per node leave it through
+    k NICs (capped by the intra-node link the ring also crosses); one member per node sees one NIC."""
+    hw = load_hardware("a100-80g")  # 8 GPUs, 8 x 25 GB/s NICs per node, NVLink 240 GB/s
+    assert group_link(hw, size=64, stride=1).bandwidth == pytest.approx(min(8 * 25e9, hw.intra_bandwidth))
+    assert group_link(hw, size=16, stride=4).bandwidth == pytest.approx(2 * 25e9)  # 2 members per node
+    assert group_link(hw, size=8, stride=8).bandwidth == pytest.approx(25e9)  # dp across nodes, tp8 inside
+
+
 def test_alpha_beta_time():
     hw = load_hardware("ascend-910b")
     n = 4

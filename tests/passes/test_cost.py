@@ -16,9 +16,11 @@ from autoshard.passes.layouts import factorizations, plan_violation, valid_meshe
 
 SPEC = get_spec("llama-tiny")  # hidden 64, 4 heads, 2 KV heads, 4 layers, vocab 256
 H = SPEC.hidden
-# a device with round numbers and no shape penalty: GEMM time = flops / 1e12, vector = bytes / 1e11
+# a device with round numbers and no shape penalty: GEMM time = flops / 1e12, vector = bytes / 1e11;
+# no fused kernels (the toy table is not an HF graph: passes/fused_regions.py has its own tests)
 HW = dataclasses.replace(load_hardware("h100"), name="toy", peak_flops=1e12, gemm_efficiency=1.0,
-                         gemm_half_dim=1e-9, hbm_bandwidth=1e11, vector_efficiency=1.0, memory_bytes=1e9)
+                         gemm_half_dim=1e-9, hbm_bandwidth=1e11, vector_efficiency=1.0, memory_bytes=1e9,
+                         kernels=())
 
 
 def node(name, kind, phase, path, flops, nbytes, saved=0, gemm=None):
@@ -222,7 +224,10 @@ def test_more_devices_of_the_same_kind_run_faster_and_dp_sync_overlaps():
     e1 = estimate(CT, SPEC, HW, lay(), global_batch=GB, seq_len=SEQ)
     e4 = estimate(CT, SPEC, HW, lay(dp=4), global_batch=GB, seq_len=SEQ)
     assert e4.step_time_s < e1.step_time_s / 3
-    assert e4.time.dp_comm_exposed <= cost.dp_sync_time(HW, CT.block(BlockKind.LAYER).params * 4, lay(dp=4))
+    params = sum(cost.block_params(CT, lay(dp=4), k) * c
+                 for k, c in {BlockKind.EMBED: 1, BlockKind.LAYER: 4, BlockKind.HEAD: 1}.items())
+    unhidden = cost.dp_exposed_time(HW, params, lay(dp=4), backward_s=0.0, forward_s=0.0)  # the whole sync
+    assert 0 < unhidden and e4.time.dp_comm_exposed <= unhidden
 
 
 def test_mfu_convention_matches_the_paper_for_llama():
@@ -291,14 +296,16 @@ def test_zero2_reduce_scatters_with_every_micro_batch():
     kinds = {BlockKind.EMBED: 1, BlockKind.LAYER: 4, BlockKind.HEAD: 1}
     params = sum(cost.block_params(CT, l2, k) * c for k, c in kinds.items())
     bwd = sum(cost.block_time(CT, slow, l2, k, seq_len=SEQ).bwd_s * c for k, c in kinds.items())
-    rs = best_time(slow, Collective.REDUCE_SCATTER, params * cost.GRAD_BYTES, size=4, stride=1)
-    ag = best_time(slow, Collective.ALL_GATHER, params * cost.PARAM_BYTES, size=4, stride=1)
+    fwd = sum(cost.block_time(CT, slow, l2, k, seq_len=SEQ).fwd_s * c for k, c in kinds.items())
+    rs = best_time(slow, Collective.REDUCE_SCATTER, params * l2.numbers.grad_bytes, size=4, stride=1)
+    ag = best_time(slow, Collective.ALL_GATHER, params * l2.numbers.param_bytes, size=4, stride=1)
     assert cost.zero2_time(slow, params, l2) == rs > bwd
     assert cost.zero2_time(slow, params, l1) == 0.0 == cost.zero2_time(slow, params, lay(zero=2))
     e1, e2 = (estimate(CT, SPEC, slow, lt, global_batch=GB, seq_len=SEQ) for lt in (l1, l2))
     m = GB // 4
-    assert e2.time.dp_comm_exposed == pytest.approx(m * (rs - bwd) + max(0.0, ag - bwd))
-    assert e1.time.dp_comm_exposed == pytest.approx(rs + ag - bwd)
+    # the gradient reduce-scatter hides behind a backward, the weight all-gather behind the first forward
+    assert e2.time.dp_comm_exposed == pytest.approx(m * (rs - bwd) + max(0.0, ag - fwd))
+    assert e1.time.dp_comm_exposed == pytest.approx(rs - bwd + max(0.0, ag - fwd))
     assert e2.step_time_s > e1.step_time_s and e2.memory.grads == pytest.approx(e1.memory.grads / 4)
     assert e2.time.pp_bubble == pytest.approx(0.0, abs=1e-12)
 
@@ -327,7 +334,7 @@ def test_selective_prices_the_module_the_runtime_checkpoints(spec_name):
     ct = compile_table(table, spec)
     prefix = ("model" if spec_name.startswith("llama") else "backbone") + ".layers.0"
     (module,) = _checkpointed(spec, [prefix], [Recompute.SELECTIVE])
-    nodes = [n for n in table.block(BlockKind.LAYER).nodes if n.kind is not OpKind.VIEW]
+    nodes = cost.priced_nodes(table.block(BlockKind.LAYER))
     blk = ct.block(BlockKind.LAYER)
     inside = [n.module_path == module or n.module_path.startswith(module + ".") for n in nodes]
     assert list(blk.rerun) == inside and any(inside) and not all(inside)

@@ -49,6 +49,47 @@ def test_cpsat_finds_the_brute_force_optimum(tiny, pp, dp, tp, zero, fraction, m
     assert got.step_s == pytest.approx(best[1].step_s, rel=1e-5)
 
 
+@pytest.mark.parametrize("schedule, v", [("interleaved-1f1b", 2), ("zero-bubble", 1), ("gpipe", 1)])
+def test_schedules_search_finds_the_brute_force_optimum(tiny, schedule, v):
+    """With a bubble fraction f < 1 (interleaved, zero-bubble) or all micro-batches in flight
+    (GPipe) the exact search and CP-SAT still reach the brute-force optimum, and the tables agree
+    with estimate at the optimum."""
+    spec, ct = tiny
+    layout = Layout(mesh=Mesh(dp=2, pp=2, tp=2), micro_batch=1, zero=1, schedule=schedule, virtual_stages=v)
+    hw = _tight(load_hardware("cpu"), ct, layout, 0.4)
+    problem = mesh_problem(ct, hw, layout, global_batch=16, seq_len=64)
+    best = brute_force(problem)
+    for max_steps in (0, 64):
+        got = solve_mesh(problem, time_limit_s=20, max_steps=max_steps)
+        assert got.step_s == pytest.approx(best[1].step_s, rel=1e-5)
+    est = cost.estimate(ct, spec, hw, replace(layout, recompute=best[0].recompute[0]), global_batch=16, seq_len=64,
+                        stages=best[0].stages())
+    if len(set(best[0].recompute)) == 1:
+        assert best[1].step_s == pytest.approx(est.step_time_s, rel=1e-9)
+
+
+def test_planner_chooses_the_schedule_and_emits_its_chunks(tiny):
+    """Offered interleaving, the planner prices it against 1F1B (smaller bubble, more in flight,
+    v x the p2p sends) and emits pp x v model chunks in model order that the Plan accepts."""
+    from autoshard.passes.solve import chunk_stages, search
+
+    spec, ct = tiny
+    hw = load_hardware("h100")
+    options = (("1f1b", 1), ("interleaved-1f1b", 2))
+    layouts = [lay for lay in candidate_layouts(spec, devices=4, global_batch=16, seq_len=64, schedules=options)
+               if lay.mesh == Mesh(dp=2, pp=2)]
+    assert {(lay.schedule.value, lay.virtual_stages) for lay in layouts} == set(options)
+    result = search(ct, hw, global_batch=16, seq_len=64, layouts=layouts)
+    best = result.found[0]
+    one = [c for c in layouts if c.schedule.value == "1f1b" and c.micro_batch == best.layout.micro_batch
+           and c.zero == best.layout.zero]
+    assert best.layout.schedule.value == "interleaved-1f1b"  # the bubble dominates a 4-layer, 8-micro-batch run
+    chunks = chunk_stages(best.result.assignment, best.layout)
+    assert len(chunks) == 4 and chunks[0].embed and chunks[-1].head
+    assert [c.first_layer for c in chunks[1:]] == [c.end_layer for c in chunks[:-1]]
+    assert chunks[-1].end_layer == spec.layers and one
+
+
 def test_tables_agree_with_estimate(tiny):
     spec, ct = tiny
     hw = load_hardware("cpu")

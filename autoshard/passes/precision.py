@@ -1,0 +1,48 @@
+"""Training precision as the cost model prices it: bytes per value and the GEMM rate.
+
+Contract: `precision_numbers(precision) -> PrecisionNumbers` for a plan's `precision` (ir.Precision);
+`resolve_precision(precision, hw)` turns AUTO into the device's default (ir.Precision.resolve):
+
+* "bf16-mixed" (Lightning's name; Megatron-LM / MindSpeed mixed precision, ZeRO paper arXiv
+  1910.02054 sec. 3.1): bf16 weights (2 B/param) and activations (2 B), fp32 main gradients (4 B),
+  fp32 master weights + Adam m + v (12 B); GEMMs and flash attention at the bf16 tensor-core peak.
+* "fp32": fp32 weights (4 B), gradients (4 B), Adam m + v (8 B, no separate master copy),
+  activations 4 B; GEMMs on TF32 tensor cores at half the bf16 peak (A100 156 vs 312 TFLOPS,
+  H100 494 vs 989: the NVIDIA datasheets), every traced byte doubled (cost tables are traced in bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.ir import Precision
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrecisionNumbers:
+    param_bytes: float  # weights as the forward reads them
+    grad_bytes: float  # main gradients (accumulated and reduced)
+    optim_bytes: float  # optimizer state per parameter (master copy if any, Adam m and v)
+    act_bytes: float  # activations, on the wire and saved
+    flops_scale: float  # GEMM / attention rate relative to the bf16 tensor-core peak
+    traced_scale: float  # factor on the bytes of a bf16-traced cost table
+
+
+_NUMBERS = {
+    Precision.BF16_MIXED: PrecisionNumbers(param_bytes=2.0, grad_bytes=4.0, optim_bytes=12.0, act_bytes=2.0,
+                                   flops_scale=1.0, traced_scale=1.0),
+    Precision.FP32: PrecisionNumbers(param_bytes=4.0, grad_bytes=4.0, optim_bytes=8.0, act_bytes=4.0,
+                             flops_scale=0.5, traced_scale=2.0),
+}
+
+
+def precision_numbers(precision: Precision | str) -> PrecisionNumbers:
+    """The numbers of a concrete precision; AUTO prices as bf16-mixed, the accelerator default
+    (resolve it against the device first: `resolve_precision`)."""
+    precision = Precision(precision)
+    return _NUMBERS[Precision.BF16_MIXED if precision is Precision.AUTO else precision]
+
+
+def resolve_precision(precision: Precision | str, hw) -> Precision:
+    """AUTO on this device profile: fp32 on the cpu profile (gloo runs), bf16-mixed on accelerators."""
+    return Precision(precision).resolve("cpu" if hw.name == "cpu" else "cuda")

@@ -1,0 +1,45 @@
+"""Pipeline schedules as priced (passes/schedules.py): bubble, activations in flight, p2p, rules."""
+
+from fractions import Fraction
+
+import pytest
+
+from autoshard.errors import InvalidConfigError
+from autoshard.passes import schedules
+from autoshard.passes.cost import pipeline_time
+
+
+@pytest.mark.parametrize("schedule, v, f", [("1f1b", 1, 1), ("gpipe", 1, 1), ("interleaved-1f1b", 2, Fraction(1, 2)),
+                                            ("interleaved-1f1b", 4, Fraction(1, 4)), ("zero-bubble", 1, Fraction(1, 3))])
+def test_equal_stages_give_the_textbook_bubble(schedule, v, f):
+    p, m, t = 4, 8, 1.0
+    step = pipeline_time([t] * p, m, schedule=schedule, virtual_stages=v)
+    assert schedules.bubble_fraction(schedule, v) == f
+    assert step == pytest.approx((m + float(f) * (p - 1)) * t)  # bubble f(p-1)/(m + f(p-1))
+    if schedule == "interleaved-1f1b":
+        assert (step - m * t) / step == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+def test_uneven_stages_pay_the_slowest():
+    assert pipeline_time([1.0, 3.0], 4) == pytest.approx(4 * 3.0 + 1.0)  # 1F1B: sum + (m - 1) max
+
+
+def test_micro_batches_in_flight():
+    p, m = 4, 16
+    assert [schedules.in_flight("1f1b", i, p, m) for i in range(p)] == [4, 3, 2, 1]
+    assert [schedules.in_flight("zero-bubble", i, p, m) for i in range(p)] == [4, 3, 2, 1]
+    assert [schedules.in_flight("gpipe", i, p, m) for i in range(p)] == [16] * 4
+    assert schedules.in_flight("interleaved-1f1b", 0, p, m, 2) == pytest.approx(4 * (1 + 3 / 8))
+    assert schedules.p2p_factor("interleaved-1f1b", 3) == 3 and schedules.p2p_factor("1f1b") == 1
+    assert schedules.bubble_fraction("zero-bubble", 2) == Fraction(1, 6)  # V placement: two half chunks
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(schedule="interleaved-1f1b", virtual_stages=8, pp=2, microbatches=4, layers=8), "exceeds"),
+    (dict(schedule="zero-bubble", virtual_stages=1, pp=4, microbatches=2, layers=8), "at least"),
+])
+def test_chunk_rules_are_clear_errors(kw, needle):
+    schedule = kw.pop("schedule")
+    v = kw.pop("virtual_stages")
+    with pytest.raises(InvalidConfigError, match=needle):
+        schedules.check_chunks(schedule, v, **kw)
