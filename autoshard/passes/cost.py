@@ -82,7 +82,7 @@ class Layout:
     micro_batch: int = 1
     zero: int = 0
     recompute: Recompute = Recompute.NONE
-    precision: Precision = Precision.BF16_MIXED  # priced by passes/precision.py (AUTO: bf16-mixed)
+    precision: Precision = Precision.AUTO  # passes/precision.py; estimate resolves AUTO per device (`resolved`)
     schedule: Schedule = Schedule.ONE_F_ONE_B  # pipeline schedule, priced by passes/schedules.py
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b, zero-bubble V)
 

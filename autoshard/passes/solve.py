@@ -334,6 +334,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     (the best plan on a mesh other than the best one), each with the best value it must beat
     as a cutoff. Deterministic: no wall clock decides anything."""
     kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
+    layouts = [cost.resolved(lay, hw) for lay in layouts]  # precision AUTO: the device's default
     block_s: dict = {}  # (mesh, micro-batch) -> {kind: seconds}: shared by the ZeRO levels
     order, pruned = [], 0
     for k, lay in enumerate(layouts):

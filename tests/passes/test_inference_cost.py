@@ -16,9 +16,10 @@ from autoshard.passes.inference_cost import ServeLayout, compile_inference_table
 LLAMA = get_spec("llama-tiny")  # hidden 64, 4 heads (head_dim 16), 2 KV heads, 4 layers, vocab 256
 MAMBA = get_spec("mamba2-tiny")  # hidden 64, 8 heads of 16, 2 groups, state 16, conv 4, 4 layers
 H = 64
-# round numbers, no shape penalty: GEMM time = flops / 1e12, vector time = bytes / 1e11
+# round numbers, no shape penalty: GEMM time = flops / 1e12, vector time = bytes / 1e11; no fused
+# kernels (the toy tables are not HF graphs; fused pricing is tested in test_fused_regions.py)
 HW = dataclasses.replace(load_hardware("h100"), name="toy", peak_flops=1e12, gemm_efficiency=1.0,
-                         gemm_half_dim=1e-9, hbm_bandwidth=1e11, vector_efficiency=1.0, memory_bytes=1e9)
+                         gemm_half_dim=1e-9, hbm_bandwidth=1e11, vector_efficiency=1.0, memory_bytes=1e9, kernels=())
 W_UP = 2 * H * 256  # bf16 weight bytes of the up projection
 
 

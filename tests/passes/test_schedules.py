@@ -43,3 +43,33 @@ def test_chunk_rules_are_clear_errors(kw, needle):
     v = kw.pop("virtual_stages")
     with pytest.raises(InvalidConfigError, match=needle):
         schedules.check_chunks(schedule, v, **kw)
+
+
+def test_estimate_prices_what_each_schedule_keeps_alive():
+    """GPipe (what parallelize(schedule='gpipe') runs) keeps every micro-batch's activations; 1F1B
+    and zero-bubble p - i on stage i; interleaving (1 + (p-1)/(pv)) times 1F1B's; zero-bubble's
+    fill and drain cost a third of 1F1B's."""
+    from dataclasses import replace
+
+    from autoshard.ir import Mesh
+    from autoshard.passes.cost import Layout, estimate
+    from tests.passes.test_cost import CT, GB, HW, SEQ, SPEC
+
+    base = Layout(mesh=Mesh(pp=2), micro_batch=1)
+    kw = dict(global_batch=GB, seq_len=SEQ)
+    one = estimate(CT, SPEC, HW, base, **kw)
+    gpipe = estimate(CT, SPEC, HW, replace(base, schedule="gpipe"), **kw)
+    inter = estimate(CT, SPEC, HW, replace(base, schedule="interleaved-1f1b", virtual_stages=2), **kw)
+    zb = estimate(CT, SPEC, HW, replace(base, schedule="zero-bubble"), **kw)
+    from autoshard.ir import BlockKind
+    from autoshard.passes import cost
+
+    # stage 0 holds the embedding and 2 of the 4 layers: its activations per micro-batch
+    per_mb = sum(cost.block_activation_bytes(CT, base, k, seq_len=SEQ, hw=HW) * c
+                 for k, c in ((BlockKind.EMBED, 1), (BlockKind.LAYER, 2)))
+    first = [e.stage_memory_gb[0] * 1e9 for e in (one, gpipe, inter, zb)]
+    assert first[1] - first[0] == pytest.approx(per_mb * (GB - 2))  # all m = GB in flight against p = 2
+    assert first[2] - first[0] == pytest.approx(per_mb * 2 * (1 / 4))  # x (1 + (p-1)/(p v)) = 1.25
+    assert first[3] == pytest.approx(first[0])
+    assert gpipe.step_time_s == pytest.approx(one.step_time_s)
+    assert zb.time.pp_bubble == pytest.approx(one.time.pp_bubble / 3)
