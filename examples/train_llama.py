@@ -28,8 +28,9 @@ def parse_plan(text: str) -> dict | None:
 
 def main(preset: str = "llama-tiny") -> None:
     parser = argparse.ArgumentParser(description=f"train {preset} with autoshard on CPU (gloo)")
-    parser.add_argument("--plan", default="dp=1", help="mesh and options, e.g. dp=2,tp=2,zero=1,recompute=full, or auto: rank 0 solves for the "
-                        "fastest plan on the cpu profile and broadcasts it")
+    parser.add_argument("--plan", default="dp=1", help="mesh and options, e.g. dp=2,tp=2,zero=1,recompute=full or "
+                        "pp=2,schedule=zero-bubble,virtual_stages=2,precision=bf16-mixed, or auto: rank 0 "
+                        "solves for the fastest plan on the cpu profile and broadcasts it")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=32)

@@ -24,7 +24,7 @@ def test_defaults_and_resolution():
     plan = _plan()
     assert (plan.precision, plan.schedule, plan.virtual_stages) == (Precision.AUTO, Schedule.ONE_F_ONE_B, 1)
     assert Precision.AUTO.resolve("cpu") is Precision.FP32
-    assert Precision.AUTO.resolve("cuda") is Precision.BF16_MIXED and Precision.AUTO.resolve("npu") is Precision.BF16_MIXED
+    assert Precision.AUTO.resolve("cuda") is Precision.AUTO.resolve("npu") is Precision.BF16_MIXED
     assert Precision.FP32.resolve("cuda") is Precision.FP32
 
 
