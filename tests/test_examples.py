@@ -64,3 +64,14 @@ def test_paper_case_study_example(tmp_path, monkeypatch, capsys):
     if "pairs ordered as measured" in out:
         agree, total = map(int, re.search(r"pairs ordered as measured: (\d+)/(\d+)", out).groups())
         assert agree >= 0.9 * total
+
+
+def test_serve_plan_example(tmp_path, monkeypatch, capsys):
+    plan = tmp_path / "serve.json"
+    _run_in_process("serve_plan.py", "plan", "--out", str(plan), monkeypatch=monkeypatch)
+    assert plan.is_file() and "TPOT" in capsys.readouterr().out
+    import json
+
+    pool = json.loads(plan.read_text())["pools"][-1]
+    out = _torchrun(pool["tp"] * pool["pp"], "serve_plan.py", "run", str(plan))
+    assert "matches HF generate: True" in out

@@ -1,4 +1,5 @@
-"""`autoshard plan`: solve for the fastest plan with CP-SAT and write it as JSON."""
+"""`autoshard plan`: solve for the fastest plan with CP-SAT and write it as JSON; with `--inference`,
+the highest-throughput serving plan under TTFT / TPOT targets (`commands/plan_inference.py`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import json
 import sys
 import time
 
+from autoshard.commands import plan_inference
 from autoshard.commands.common import check_output_path, cost_table_for, model_for, positive_float, positive_int
+from autoshard.errors import InvalidConfigError
 
 
 def add_parser(sub) -> None:
@@ -18,17 +21,24 @@ def add_parser(sub) -> None:
                    help="preset name (e.g. llama-7b, mamba2-tiny) or package.module:factory returning the model")
     p.add_argument("--hardware", required=True, help="device profile name (e.g. ascend-910b, h100) or a JSON file")
     p.add_argument("--devices", required=True, type=positive_int, help="number of devices (world size)")
-    p.add_argument("--global-batch", required=True, type=positive_int, help="sequences per training step")
-    p.add_argument("--seq-len", required=True, type=positive_int, help="tokens per sequence")
+    p.add_argument("--global-batch", type=positive_int, help="sequences per training step (training plans)")
+    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (training plans)")
     p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="SEC",
                    help="CP-SAT work budget per layout in deterministic seconds (default 10); the result "
                    "does not depend on the machine or its load, and the search over layouts always finishes")
     p.add_argument("--out", help="write the plan to this JSON file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a summary")
+    plan_inference.add_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    if args.inference:
+        return plan_inference.run(args)
+    missing = [f"--{n.replace('_', '-')}" for n in ("global_batch", "seq_len") if getattr(args, n) is None]
+    if missing:
+        raise InvalidConfigError(f"a training plan needs {' and '.join(missing)} (or give --inference with "
+                                 "--prompt-len, --output-len, --ttft-slo, --tpot-slo to plan serving)")
     from autoshard.hardware import load_hardware
     from autoshard.passes.layouts import valid_meshes
 

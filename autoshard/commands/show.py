@@ -18,8 +18,20 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import json
 
+    from autoshard.errors import PlanFileError
+    from autoshard.inference_plan import InferencePlan, read_plan_json
     from autoshard.ir import Plan
 
+    try:
+        data = read_plan_json(args.plan)
+    except PlanFileError:
+        data = None  # Plan.load says what is wrong with it
+    if isinstance(data, dict) and data.get("kind") == "inference":  # `autoshard plan --inference`
+        from autoshard.commands.plan_inference import render as render_inference
+
+        plan = InferencePlan.from_json(data, source=args.plan)
+        print(json.dumps(plan.to_json(), indent=2)) if args.json else render_inference(plan)
+        return 0
     plan = Plan.load(args.plan)
     validate(plan)
     if args.json:

@@ -283,15 +283,18 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
     return PhaseTime(compute=compute, core=core, tp_comm=tp_comm, pp_comm=pp_comm)
 
 
-def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_len: int) -> ServeMemory:
-    """Bytes on the busiest device (see the module docstring)."""
+def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_len: int,
+           decode_only: bool = False) -> ServeMemory:
+    """Bytes on the busiest device (see the module docstring). `decode_only`: a disaggregated
+    decode pool, which holds the cache at prompt_len + output_len tokens but runs no prefill
+    (its activations are one decode step's)."""
     spec, tp, b = it.spec, layout.tp, layout.batch
     lay = _layout(spec, tp, b)
     prm = {k: block_params(it.ct, lay, k) for k in BlockKind}
-    act = _activation_bytes(it, tp, batch=b, prompt_len=prompt_len)
+    act = _activation_bytes(it, tp, batch=b, tokens=1 if decode_only else prompt_len, decode=decode_only)
     cache_layer = cache_bytes_per_layer(spec, batch=b, tokens=prompt_len + output_len, tp=tp)
     best = None
-    for i, st in enumerate(stages_of(spec, layout.pp)):
+    for st in stages_of(spec, layout.pp):
         params = prm[BlockKind.LAYER] * st.layers + prm[BlockKind.EMBED] * st.embed + prm[BlockKind.HEAD] * st.head
         if st.head and spec.tied and not st.embed:
             params += prm[BlockKind.EMBED]  # the tied LM head keeps its copy of the embedding
@@ -302,18 +305,20 @@ def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_l
     return best
 
 
-def _activation_bytes(it: InferenceTable, tp: int, *, batch: int, prompt_len: int) -> float:
-    """Transient bytes of the largest prefill: residual stream + its normed copy, plus the largest
-    single forward node's inputs and output at (batch, prompt_len), weights excluded."""
+def _activation_bytes(it: InferenceTable, tp: int, *, batch: int, tokens: int, decode: bool) -> float:
+    """Transient bytes of one forward of `tokens` tokens per sequence: residual stream + its normed
+    copy, plus the largest single forward node's inputs and output, weights excluded (a decode
+    step: the sequence-mixing core excluded, it runs as the recurrent / cached step)."""
     spec = it.spec
-    residual = 2.0 * batch * prompt_len * spec.hidden * ACT_BYTES
+    residual = 2.0 * batch * tokens * spec.hidden * ACT_BYTES
     largest = 0.0
     for kind in (BlockKind.EMBED, BlockKind.LAYER):
         blk = it.ct.block(kind)
         if not len(blk.fwd):
             continue
-        moved = blk.evaluate(batch, prompt_len)[1] - blk.evaluate(0, prompt_len)[1]  # weights: the b-free part
-        largest = max(largest, float((moved / tp_divisor(blk, spec, tp))[blk.fwd].max(initial=0.0)))
+        moved = blk.evaluate(batch, tokens)[1] - blk.evaluate(0, tokens)[1]  # weights: the b-free part
+        run = blk.fwd & ~it.core[kind] if decode else blk.fwd
+        largest = max(largest, float((moved / tp_divisor(blk, spec, tp))[run].max(initial=0.0)))
     return residual + largest
 
 

@@ -1,0 +1,178 @@
+"""`autoshard plan --inference`: the highest-throughput serving configuration under TTFT and TPOT targets.
+
+`run(args)` prices every layout with `passes/serving.py`, writes an `InferencePlan` (`--out`),
+prints it (`--json` or a summary, `render`, which `autoshard show` also uses) and, with `--plot`,
+draws throughput against the TPOT target (0.4x to 4x the one given, the other targets fixed).
+Unmeetable targets raise `InfeasiblePlanError` (exit 2, one line: best TTFT / TPOT and what binds).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from autoshard.errors import InfeasiblePlanError, InvalidConfigError
+
+PLOT_POINTS = 10
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("inference (with --inference)")
+    g.add_argument("--inference", action="store_true",
+                   help="plan serving instead of training: tp x pp per replica, replicas, concurrent batch "
+                   "(and prefill/decode disaggregation) for the most output tokens/s under --ttft-slo / --tpot-slo")
+    g.add_argument("--prompt-len", type=_positive_int, metavar="P", help="prompt tokens per request")
+    g.add_argument("--output-len", type=_positive_int, metavar="O", help="generated tokens per request")
+    g.add_argument("--ttft-slo", type=_seconds, metavar="SEC", help="time-to-first-token target, seconds")
+    g.add_argument("--tpot-slo", type=_seconds, metavar="SEC", help="time-per-output-token target, seconds")
+    g.add_argument("--no-disaggregation", action="store_true",
+                   help="only colocated configurations (prefill and decode on the same devices)")
+    g.add_argument("--plot", metavar="PNG", help="plot throughput against the TPOT target (0.4x to 4x --tpot-slo)")
+
+
+def _positive_int(text: str) -> int:
+    from autoshard.commands.common import positive_int
+
+    return positive_int(text)
+
+
+def _seconds(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def run(args) -> int:
+    from autoshard.commands.common import check_output_path, cost_table_for, model_for
+    from autoshard.hardware import load_hardware
+
+    missing = [f"--{n.replace('_', '-')}" for n in ("prompt_len", "output_len", "ttft_slo", "tpot_slo")
+               if getattr(args, n) is None]
+    if missing:
+        raise InvalidConfigError(f"--inference needs {', '.join(missing)} (e.g. --prompt-len 2048 --output-len 256 "
+                                 "--ttft-slo 1 --tpot-slo 0.05)")
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path:
+            check_output_path(path, flag)
+    hw = load_hardware(args.hardware)
+    spec, module = model_for(args.model)
+    spec, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module)
+    plan = make_plan(spec, table, hw, args, module=module)
+    if args.out:
+        plan.save(args.out)
+    if args.plot:
+        _plot(spec, table, hw, args, plan)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        render(plan)
+        for what, path in (("plan", args.out), ("plot", args.plot)):
+            if path:
+                print(f"{what} written to {path}")
+    return 0
+
+
+def make_plan(spec, table, hw, args, *, tpot_slo: float | None = None, module=None):
+    """The `InferencePlan` for `args` (`module`: a factory's model, for its fingerprint; None for a preset)."""
+    from autoshard.fingerprint import fingerprint_module, fingerprint_spec
+    from autoshard.inference_plan import InferencePlan, Pool
+    from autoshard.passes.serving import plan_serving
+
+    t0 = time.perf_counter()
+    choice = plan_serving(table, spec, hw, devices=args.devices, prompt_len=args.prompt_len,
+                          output_len=args.output_len, ttft_slo_s=args.ttft_slo,
+                          tpot_slo_s=tpot_slo or args.tpot_slo, disaggregation=not args.no_disaggregation)
+    pools = tuple(Pool(role=role, **{k: getattr(e.layout, k) for k in ("tp", "pp", "replicas", "batch")})
+                  for role, e in choice.best.pools)
+    runner = choice.runner_up
+    solver = {"layouts_priced": choice.layouts_priced, "solve_time_s": time.perf_counter() - t0,
+              "runner_up": None if runner is None else {
+                  "mode": runner.mode, "shape": runner.shape, "ttft_s": runner.ttft_s, "tpot_s": runner.tpot_s,
+                  "throughput_tokens_per_s": runner.throughput_tokens_per_s, "why": choice.why_runner_up_lost}}
+    return InferencePlan(model=spec.name, fingerprint=fingerprint_spec(spec) if module is None else fingerprint_module(module),
+                         hardware=hw.name, devices=args.devices, prompt_len=args.prompt_len,
+                         output_len=args.output_len, ttft_slo_s=args.ttft_slo, tpot_slo_s=tpot_slo or args.tpot_slo,
+                         pools=pools, predicted=choice.predicted(), solver=solver)
+
+
+def render(plan) -> None:
+    from rich.console import Console
+
+    con = Console(soft_wrap=True)
+    pred, solver = dict(plan.predicted), dict(plan.solver)
+    con.print(f"[bold]{plan.model}[/] serving on {plan.devices} x {plan.hardware}: prompt {plan.prompt_len}, "
+              f"output {plan.output_len} tokens, targets TTFT {plan.ttft_slo_s * 1e3:.0f} ms, "
+              f"TPOT {plan.tpot_slo_s * 1e3:.1f} ms  (fingerprint {plan.fingerprint or '-'})")
+    mode = "disaggregated prefill / decode pools" if plan.disaggregated else "colocated (prefill and decode share devices)"
+    con.print(f"mode: {mode}")
+    for p in plan.pools:
+        con.print(f"  {p.role:>7} pool: {p.replicas} replica(s) of tp{p.tp} x pp{p.pp} ({p.devices} devices), "
+                  f"batch {p.batch} sequences per replica")
+    if pred:
+        con.print(f"predicted: TTFT {pred['ttft_s'] * 1e3:.1f} ms, TPOT {pred['tpot_s'] * 1e3:.2f} ms, "
+                  f"{pred['throughput_tokens_per_s']:.4g} output tokens/s, {pred['memory_gb']:.1f} GB on the "
+                  f"busiest device; batch limited by {pred.get('batch_limited_by', '-')}")
+        parts = pred.get("memory_breakdown_gb", {})
+        con.print("  memory: " + ", ".join(f"{k} {v:.3g} GB" for k, v in parts.items()))
+        for title, key in (("prefill", "prefill_breakdown_s"), ("decode step", "decode_breakdown_s")):
+            con.print(f"  {title}: " + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in pred.get(key, {}).items() if v))
+        if "kv_transfer_s" in pred:
+            con.print(f"  KV / state transfer prefill -> decode: {pred['kv_transfer_s'] * 1e3:.2f} ms (in TTFT)")
+    if solver.get("runner_up"):
+        con.print(f"runner-up: {solver['runner_up']['why']}")
+    con.print(f"priced {solver.get('layouts_priced', '?')} (layout, batch) points in "
+              f"{solver.get('solve_time_s', 0):.1f} s; each replica runs autoshard.parallelize(model, ids, "
+              f"plan={plan.replica_plan(plan.pools[-1].role)}) then dm.generate")
+    if plan.disaggregated:
+        con.print("note: autoshard's runtime runs each pool's generate; the KV hand-off between pools is priced, "
+                  "not run")
+
+
+def _plot(spec, table, hw, args, plan) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    targets = [args.tpot_slo * 0.4 * 10 ** (i / (PLOT_POINTS - 1)) for i in range(PLOT_POINTS)]
+    series = {"best (any mode)": [], "colocated only": []}
+    for target in targets:
+        for name, disagg in (("best (any mode)", True), ("colocated only", False)):
+            args_mode = _Args(args, no_disaggregation=not disagg)
+            try:
+                series[name].append(make_plan(spec, table, hw, args_mode, tpot_slo=target)
+                                    .predicted["throughput_tokens_per_s"])
+            except InfeasiblePlanError:
+                series[name].append(float("nan"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, values in series.items():
+        ax.plot([t * 1e3 for t in targets], values, marker="o", label=name)
+    ax.axvline(args.tpot_slo * 1e3, color="grey", linestyle=":", label="--tpot-slo")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks([round(t * 1e3) for t in targets[::3]])
+    ax.set_xlabel("TPOT target (ms)")
+    ax.set_ylabel("output tokens / s (all devices)")
+    ax.set_title(f"{spec.name} on {args.devices} x {hw.name}, P={args.prompt_len} O={args.output_len}, "
+                 f"TTFT <= {args.ttft_slo:g} s", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+
+
+class _Args:
+    """`args` with some attributes replaced."""
+
+    def __init__(self, args, **override) -> None:
+        self._args, self._override = args, override
+
+    def __getattr__(self, name):
+        return self._override[name] if name in self._override else getattr(self._args, name)

@@ -1,0 +1,141 @@
+"""`InferencePlan`: a serving configuration and what it is predicted to cost (JSON, never pickle).
+
+Written by `autoshard plan --inference`, explained by `autoshard show`. Same conventions as
+`ir.Plan` (frozen, `to_json` / `from_json` / `save` / `load`, a schema version, `PlanFileError`
+for a malformed file), told apart by `"kind": "inference"`. The usual plan fields (model,
+fingerprint, hardware, devices, mesh) plus:
+
+* `pools`: one `Pool` per role -- ("both",) when prefill and decode share the devices
+  (colocated), ("prefill", "decode") when they are disaggregated. A pool is `replicas` copies
+  of a tp x pp replica serving `batch` sequences at once. `mesh` is the colocated pool's
+  (dp = replicas), or the decode pool's when disaggregated.
+* `prompt_len`, `output_len`, `ttft_slo_s`, `tpot_slo_s`: what the plan was made for.
+* `predicted`: ttft_s, tpot_s, throughput_tokens_per_s, memory_gb and memory_breakdown_gb
+  (weights, cache, activations) of the busiest device, batch, the time breakdowns;
+  `solver`: the runner-up and why it lost, layouts priced, seconds taken.
+
+Each replica runs `autoshard.parallelize(model, ids, plan=plan.replica_plan(role))` on its
+tp * pp ranks, then `dm.generate(...)`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from autoshard.errors import PlanFileError
+from autoshard.ir import Mesh, _jsonable
+
+INFERENCE_SCHEMA_VERSION = 1
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pool:
+    role: str  # "both" | "prefill" | "decode"
+    tp: int
+    pp: int
+    replicas: int
+    batch: int
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.replicas
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InferencePlan:
+    model: str
+    fingerprint: str
+    hardware: str
+    devices: int
+    prompt_len: int
+    output_len: int
+    ttft_slo_s: float
+    tpot_slo_s: float
+    pools: tuple[Pool, ...]
+    predicted: Mapping[str, Any] = field(default_factory=dict)
+    solver: Mapping[str, Any] = field(default_factory=dict)
+    schema_version: int = INFERENCE_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        used = sum(p.devices for p in self.pools)
+        if used != self.devices:
+            raise PlanFileError(f"the pools use {used} devices but the plan has {self.devices}")
+        if tuple(p.role for p in self.pools) not in (("both",), ("prefill", "decode")):
+            raise PlanFileError(f"pools must be one 'both' pool or a 'prefill' and a 'decode' pool, got "
+                                f"{[p.role for p in self.pools]}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return len(self.pools) == 2
+
+    @property
+    def mesh(self) -> Mesh:
+        pool = self.pools[-1]
+        return Mesh(dp=pool.replicas, pp=pool.pp, tp=pool.tp)
+
+    def pool(self, role: str) -> Pool:
+        for p in self.pools:
+            if p.role == role or p.role == "both":
+                return p
+        raise PlanFileError(f"the plan has no {role!r} pool; its pools are {[p.role for p in self.pools]}")
+
+    def replica_plan(self, role: str = "decode") -> dict[str, int]:
+        """The plan of one replica of pool `role` for `autoshard.parallelize` (dp = cp = 1)."""
+        pool = self.pool(role)
+        return {"tp": pool.tp, "pp": pool.pp}
+
+    # -- JSON -------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version, "kind": "inference", "model": self.model,
+            "fingerprint": self.fingerprint, "hardware": self.hardware, "devices": self.devices,
+            "mesh": self.mesh.as_dict(), "mode": "disaggregated" if self.disaggregated else "colocated",
+            "batch": self.pools[-1].batch, "prompt_len": self.prompt_len, "output_len": self.output_len,
+            "ttft_slo_s": self.ttft_slo_s, "tpot_slo_s": self.tpot_slo_s,
+            "pools": [{"role": p.role, "tp": p.tp, "pp": p.pp, "replicas": p.replicas, "batch": p.batch}
+                      for p in self.pools],
+            "predicted": _jsonable(self.predicted), "solver": _jsonable(self.solver),
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, data: Any, *, source: str = "plan") -> InferencePlan:
+        if not isinstance(data, Mapping) or data.get("kind") != "inference":
+            raise PlanFileError(f"{source}: not an inference plan (no \"kind\": \"inference\"); write one with "
+                                "`autoshard plan --inference ... --out plan.json`")
+        if data.get("schema_version") != INFERENCE_SCHEMA_VERSION:
+            raise PlanFileError(f"{source}: inference plan schema version {data.get('schema_version')!r}, this "
+                                f"autoshard reads {INFERENCE_SCHEMA_VERSION}; make the plan again")
+        try:
+            pools = tuple(Pool(role=str(p["role"]), tp=int(p["tp"]), pp=int(p["pp"]), replicas=int(p["replicas"]),
+                               batch=int(p["batch"])) for p in data["pools"])
+            return cls(model=str(data["model"]), fingerprint=str(data["fingerprint"]), hardware=str(data["hardware"]),
+                       devices=int(data["devices"]), prompt_len=int(data["prompt_len"]),
+                       output_len=int(data["output_len"]), ttft_slo_s=float(data["ttft_slo_s"]),
+                       tpot_slo_s=float(data["tpot_slo_s"]), pools=pools, predicted=dict(data.get("predicted", {})),
+                       solver=dict(data.get("solver", {})))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanFileError(f"{source}: malformed inference plan ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> InferencePlan:
+        return cls.from_json(read_plan_json(path), source=str(path))
+
+
+def read_plan_json(path: str | Path) -> Any:
+    """The JSON of a plan file (training or inference), or PlanFileError."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise PlanFileError(f"cannot read plan file {path}: {e.strerror}") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlanFileError(f"{path} is not a valid JSON plan file: {e}") from None

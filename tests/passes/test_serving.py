@@ -1,0 +1,90 @@
+"""Serving planner on hand-built tables: the best batch and layout by brute force, disaggregation,
+and the one-line error for targets nothing meets."""
+
+import pytest
+
+from autoshard.errors import InfeasiblePlanError, InvalidConfigError
+from autoshard.passes import inference_cost as ic
+from autoshard.passes import serving
+from autoshard.passes.inference_cost import ServeLayout, estimate_serving
+from autoshard.passes.serving import layouts, plan_serving
+from tests.passes.test_inference_cost import HW, LLAMA, LLAMA_TABLE, MAMBA, MAMBA_TABLE
+
+P, O = 256, 32
+
+
+def _brute_force(table, spec, devices, ttft, tpot, cap):
+    best = None
+    for tp, pp in layouts(spec, devices):
+        for b in range(1, cap + 1):
+            e = estimate_serving(table, spec, HW, ServeLayout(tp=tp, pp=pp, replicas=devices // (tp * pp), batch=b),
+                                 prompt_len=P, output_len=O)
+            if e.fits and e.ttft_s <= ttft and e.tpot_s <= tpot and (
+                    best is None or e.throughput_tokens_per_s > best.throughput_tokens_per_s):
+                best = e
+    return best
+
+
+@pytest.mark.parametrize("table, spec", [(LLAMA_TABLE, LLAMA), (MAMBA_TABLE, MAMBA)], ids=["llama", "mamba2"])
+def test_colocated_choice_is_the_brute_force_optimum(monkeypatch, table, spec):
+    monkeypatch.setattr(serving, "MAX_BATCH", 48)
+    ref = estimate_serving(table, spec, HW, ServeLayout(batch=8), prompt_len=P, output_len=O)
+    ttft, tpot = 3 * ref.ttft_s, ref.tpot_s + 2e-4  # TTFT binds inside 1..48; room for tp / pp latencies
+    choice = plan_serving(table, spec, HW, devices=4, prompt_len=P, output_len=O, ttft_slo_s=ttft,
+                          tpot_slo_s=tpot, disaggregation=False)
+    expected = _brute_force(table, spec, 4, ttft, tpot, 48)
+    (role, got), = choice.best.pools
+    assert role == "both" and got.layout == expected.layout
+    assert choice.best.ttft_s <= ttft and choice.best.tpot_s <= tpot
+    assert choice.runner_up is not None and choice.runner_up.shape != choice.best.shape
+    assert "tokens/s" in choice.why_runner_up_lost and "capped by" in choice.why_runner_up_lost
+
+
+def test_layouts_are_the_ones_the_runtime_accepts():
+    # llama-tiny: 4 heads, 2 KV heads, 4 layers: tp 8 divides no head count; pp <= 4
+    assert set(layouts(LLAMA, 8)) == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)}
+
+
+def test_disaggregated_pools_split_the_devices_and_price_the_transfer():
+    ref = estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(batch=1), prompt_len=P, output_len=O)
+    choice = plan_serving(LLAMA_TABLE, LLAMA, HW, devices=4, prompt_len=P, output_len=O,
+                          ttft_slo_s=1.2 * ref.ttft_s, tpot_slo_s=100 * ref.tpot_s)
+    best = choice.best
+    if best.mode == "disaggregated":  # a tight TTFT and a loose TPOT: splitting the pools pays
+        (_, pre), (_, dec) = best.pools
+        assert pre.layout.devices + dec.layout.devices == 4
+        assert best.transfer_s == pytest.approx(serving.transfer_seconds(
+            LLAMA, HW, batch=pre.layout.batch, prompt_len=P, devices=4))
+        assert best.ttft_s == pytest.approx(pre.ttft_s + best.transfer_s) and best.ttft_s <= 1.2 * ref.ttft_s
+        prefill_rate = pre.layout.replicas * pre.layout.batch / pre.ttft_s
+        decode_rate = dec.layout.replicas * dec.layout.batch / ((O - 1) * dec.tpot_s)
+        assert best.throughput_tokens_per_s == pytest.approx(O * min(prefill_rate, decode_rate))
+    colocated = plan_serving(LLAMA_TABLE, LLAMA, HW, devices=4, prompt_len=P, output_len=O,
+                             ttft_slo_s=1.2 * ref.ttft_s, tpot_slo_s=100 * ref.tpot_s, disaggregation=False)
+    assert best.throughput_tokens_per_s >= colocated.best.throughput_tokens_per_s
+
+
+def test_transfer_of_mamba2_state_does_not_grow_with_the_prompt():
+    short, long = (serving.transfer_seconds(MAMBA, HW, batch=4, prompt_len=p, devices=4) for p in (128, 8192))
+    assert short == long
+    short, long = (serving.transfer_seconds(LLAMA, HW, batch=4, prompt_len=p, devices=4) for p in (128, 8192))
+    assert long > short
+
+
+def test_unmeetable_targets_name_the_best_reachable_and_the_binding_constraint():
+    with pytest.raises(InfeasiblePlanError) as e:
+        plan_serving(LLAMA_TABLE, LLAMA, HW, devices=4, prompt_len=P, output_len=O, ttft_slo_s=1e-9,
+                     tpot_slo_s=1.0)
+    msg = str(e.value)
+    assert "\n" not in msg and "best reachable TTFT" in msg and "TTFT target" in msg and "binds" in msg
+    with pytest.raises(InfeasiblePlanError, match="TPOT target"):
+        plan_serving(LLAMA_TABLE, LLAMA, HW, devices=4, prompt_len=P, output_len=O, ttft_slo_s=1.0,
+                     tpot_slo_s=1e-9)
+    with pytest.raises(InvalidConfigError, match="positive"):
+        plan_serving(LLAMA_TABLE, LLAMA, HW, devices=4, prompt_len=P, output_len=O, ttft_slo_s=0, tpot_slo_s=1)
+
+
+def test_largest_batch_bisects_a_monotone_predicate():
+    assert serving._largest_batch(lambda b: b <= 37) == 37
+    assert serving._largest_batch(lambda b: False) == 0
+    assert serving._largest_batch(lambda b: True, cap=100) == 100

@@ -1,0 +1,41 @@
+"""`autoshard plan --inference` / `autoshard show` end to end, and their one-line errors."""
+
+import json
+
+from autoshard.cli import main
+from autoshard.inference_plan import InferencePlan
+
+ARGS = ["plan", "--model", "llama-tiny", "--hardware", "h100", "--devices", "4", "--inference",
+        "--prompt-len", "512", "--output-len", "64"]
+
+
+def test_plan_inference_then_show(tmp_path, capsys):
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    assert main([*ARGS, "--ttft-slo", "0.5", "--tpot-slo", "0.01", "--out", str(out), "--json",
+                 "--plot", str(png)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "inference" and data["mesh"].keys() == {"dp", "pp", "tp", "cp", "ep"}
+    pred = data["predicted"]
+    assert pred["ttft_s"] <= 0.5 and pred["tpot_s"] <= 0.01 and pred["throughput_tokens_per_s"] > 0
+    assert pred["memory_breakdown_gb"].keys() == {"weights", "cache", "activations"}
+    assert data["batch"] >= 1 and "why" in data["solver"]["runner_up"]
+    assert sum(p["tp"] * p["pp"] * p["replicas"] for p in data["pools"]) == 4
+    assert InferencePlan.load(out).to_json() == json.loads(out.read_text())
+    assert png.stat().st_size > 0
+    assert main(["show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "TTFT" in shown and "runner-up" in shown and "pool" in shown
+
+
+def test_unmeetable_targets_exit_2_with_one_line(capsys):
+    assert main([*ARGS, "--ttft-slo", "1e-9", "--tpot-slo", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "best reachable TTFT" in err and "binds" in err
+
+
+def test_missing_inference_options_exit_2(capsys):
+    assert main([*ARGS[:-4], "--ttft-slo", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prompt-len" in err and "--tpot-slo" in err
+    assert main(["plan", "--model", "llama-tiny", "--hardware", "h100", "--devices", "4"]) == 2
+    assert "--global-batch" in capsys.readouterr().err
