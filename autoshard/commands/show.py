@@ -30,7 +30,10 @@ def run(args) -> int:
         from autoshard.commands.plan_inference import render as render_inference
 
         plan = InferencePlan.from_json(data, source=args.plan)
-        print(json.dumps(plan.to_json(), indent=2)) if args.json else render_inference(plan)
+        if args.json:
+            print(json.dumps(plan.to_json(), indent=2))
+        else:
+            render_inference(plan)
         return 0
     plan = Plan.load(args.plan)
     validate(plan)
