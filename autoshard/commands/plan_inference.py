@@ -66,12 +66,14 @@ def run(args) -> int:
     plan = make_plan(spec, table, hw, args, module=module)
     if args.out:
         plan.save(args.out)
-    if args.plot:
-        _plot(spec, table, hw, args, plan)
+    rows = _plot(spec, table, hw, args, module) if args.plot else []
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
         render(plan)
+        for target, best, colocated in rows:
+            print(f"  TPOT target {target * 1e3:6.1f} ms: {best:10.4g} tokens/s (any mode), "
+                  f"{colocated:10.4g} tokens/s (colocated only)")
         for what, path in (("plan", args.out), ("plot", args.plot)):
             if path:
                 print(f"{what} written to {path}")
@@ -134,7 +136,8 @@ def render(plan) -> None:
                   "not run")
 
 
-def _plot(spec, table, hw, args, plan) -> None:
+def _plot(spec, table, hw, args, module) -> list[tuple[float, float, float]]:
+    """Draw throughput against the TPOT target; the (target, any mode, colocated only) rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,7 +150,7 @@ def _plot(spec, table, hw, args, plan) -> None:
         for name, disagg in (("best (any mode)", True), ("colocated only", False)):
             args_mode = _Args(args, no_disaggregation=not disagg)
             try:
-                series[name].append(make_plan(spec, table, hw, args_mode, tpot_slo=target)
+                series[name].append(make_plan(spec, table, hw, args_mode, tpot_slo=target, module=module)
                                     .predicted["throughput_tokens_per_s"])
             except InfeasiblePlanError:
                 series[name].append(float("nan"))
@@ -166,6 +169,8 @@ def _plot(spec, table, hw, args, plan) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
+    plt.close(fig)
+    return list(zip(targets, *series.values()))
 
 
 class _Args:
