@@ -30,7 +30,8 @@ from typing import Any
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 from autoshard.hardware import DeviceProfile
-from autoshard.ir import CostTable, Mesh
+from autoshard.cost_table import CostTable
+from autoshard.ir import Mesh
 from autoshard.models.presets import ModelSpec
 from autoshard.passes import inference_cost as ic
 from autoshard.passes.collectives import group_link
