@@ -59,6 +59,7 @@ from autoshard.runtime.shard_graph import shard_graph
 from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
 from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup
+from autoshard.runtime.expert_parallel import apply_expert_parallel
 from autoshard.runtime.mesh import backend_for, build_groups, init_default_group
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -114,6 +115,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         out = given()
         if schedule is not None:
             out = dataclasses.replace(out, schedule=schedule)
+        _check_router_aux(model, out)
         return out
 
     settings = dict(seed=seed, device_type=device.type, optimizer=optimizer is not None)
@@ -121,6 +123,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                                           fingerprint=fingerprint, settings=settings, solved=plan is None)
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
+    experts = frozenset()
+    if plan.mesh.ep > 1:  # this rank's experts; tokens dispatched by all-to-all (runtime/expert_parallel.py)
+        experts = apply_expert_parallel(model, spec, groups.ep, ep=plan.mesh.ep, ep_rank=groups.coords.ep)
     cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
     runner = None
     if plan.mesh.pp > 1:
@@ -133,8 +138,18 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                                                         virtual_stages=plan.virtual_stages,
                                                         precision=plan.precision.resolve(device.type)),
                                 tp_group=groups.tp if plan.mesh.tp > 1 else None, cp=cp)
-    setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp)
+    setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp,
+                      expert_names=experts)
     return DistributedModel(setup, optimizer=optimizer)
+
+
+def _check_router_aux(model: nn.Module, plan: Plan) -> None:
+    """The router auxiliary loss sums statistics over all layers before it multiplies them (HF), so a
+    pipeline stage cannot compute its part alone: refused under pp > 1, on every rank alike."""
+    if plan.mesh.pp > 1 and getattr(model.config, "output_router_logits", False):
+        raise InvalidConfigError(f"output_router_logits=True (the router auxiliary loss) with pp={plan.mesh.pp}: the "
+                                 "loss multiplies statistics summed over every layer, which no single pipeline stage "
+                                 "holds; use pp=1, or set model.config.output_router_logits = False")
 
 
 def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world: int, device: torch.device,

@@ -19,7 +19,9 @@ billion devices cost what their few valid sizes cost, not a scan of every diviso
 rule that ties two axes together belongs in `plan_violation`, after the per-axis ones.
 
 Rules (the runtime's, see DESIGN.md):
-  ep    must be 1: the supported models (LLaMA, Mamba-2) have no experts.
+  ep    1 for a dense model; for a mixture of experts (Mixtral, Qwen2-MoE) ep divides the experts
+        (`ep_violation`); the ep ranks also split the batch (EP folds into DP), so dp x ep x
+        micro_batch divides the global batch (a rule of two axes: checked in `plan_violation`).
   tp    splits every count the family's sharding table splits (`sharding.tp_violation`): LLaMA's
         heads, MLP width and vocabulary, and its KV heads or a multiple of them (each KV head
         then kept by tp / kv_heads ranks); Mamba-2's heads, groups and vocabulary.
@@ -137,7 +139,7 @@ def axis_violation(spec: ModelSpec, axis: str, size: int, *, global_batch: int, 
                    micro_batch: int = 1) -> str | None:
     """The rule of the module docstring that `size` on mesh axis `axis` alone breaks, or None."""
     if axis == "ep":
-        return f"ep={size}: {spec.name} has no experts; use ep=1" if size != 1 else None
+        return ep_violation(spec, size)
     if axis == "tp":
         return tp_violation(spec, size)
     if axis == "pp":
@@ -169,6 +171,31 @@ def _cp_violation(spec: ModelSpec, cp: int, seq: int) -> str | None:
     return None
 
 
+def ep_violation(spec: ModelSpec, ep: int) -> str | None:
+    """Expert parallelism needs experts, and ep must divide them (each rank holds experts/ep)."""
+    if ep == 1:
+        return None
+    if not spec.is_moe:
+        return f"ep={ep}: {spec.name} has no experts (not a mixture-of-experts model); use ep=1"
+    if spec.experts % ep:
+        return (f"ep ({ep}) does not divide the {spec.experts} experts of {spec.name}; use an ep that divides "
+                f"{spec.experts}")
+    return None
+
+
+def excluded_eps(spec: ModelSpec, devices: int, meshes) -> tuple[tuple[int, str], ...]:
+    """(ep, why) for every ep > 1 that divides `devices` but appears in none of `meshes` (the valid
+    ones): the model has no experts, ep does not divide them, or every mesh with it broke a rule."""
+    present = {m.ep for m in meshes}
+    out = []
+    for ep in divisors(devices)[1:]:
+        if ep not in present:
+            out.append((ep, ep_violation(spec, ep) or (
+                f"no mesh with ep={ep} passes the other rules (dp x ep x micro-batch must divide the global "
+                "batch; tp, pp and cp as usual)")))
+    return tuple(out)
+
+
 _RULE_ORDER = ("ep", "tp", "pp", "dp", "cp")  # the order plan_violation reports broken rules in
 
 
@@ -185,6 +212,10 @@ def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: i
                              micro_batch=micro_batch)
         if why:
             return why
+    per_step = mesh.dp * mesh.ep * micro_batch
+    if mesh.ep > 1 and global_batch % per_step:  # the ep peers take their own rows too
+        return (f"global batch {global_batch} is not divisible by dp ({mesh.dp}) x ep ({mesh.ep}) x micro_batch "
+                f"({micro_batch}) = {per_step}; pick a global batch that is a multiple of {per_step}")
     why = zero_violation(mesh, zero)
     if why:
         return why
@@ -243,14 +274,14 @@ def valid_meshes(spec: ModelSpec, devices: int, *, global_batch: int, seq_len: i
     good = tuple(_meshes(devices, lambda axis, size: axis_violation(spec, axis, size, **rules) is None))
     if good:
         return good
-    dense = (m for m in _meshes(devices) if m.ep == 1)  # lazily: a huge device count has very many
+    dense = (m for m in _meshes(devices) if m.ep == 1 or spec.is_moe)  # lazily: a huge device count has very many
     shown = [f"({m.dp},{m.pp},{m.tp},{m.cp},{m.ep}): {plan_violation(spec, m, **rules)}"
              for m in itertools.islice(dense, 12)]
     more = _dense_count(devices) - len(shown)
     raise InvalidConfigError(
         f"no valid (dp,pp,tp,cp,ep) factorisation of {devices} devices for {spec.name} "
-        f"(global batch {global_batch}, seq {seq_len}, micro-batch {micro_batch}); ep>1 ruled out everywhere "
-        f"(no experts); " + "; ".join(shown) + (f"; ... and {more} more" if more else "")
+        f"(global batch {global_batch}, seq {seq_len}, micro-batch {micro_batch}); "
+        + ("" if spec.is_moe else "ep>1 ruled out everywhere (no experts); ") + "; ".join(shown) + (f"; ... and {more} more" if more else "")
         + ". Change the device count, global batch or sequence length"
     )
 
@@ -263,8 +294,9 @@ def _dense_count(devices: int) -> int:
 def mesh_micro_batches(spec: ModelSpec, devices: int, *, global_batch: int, seq_len: int,
                        micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[tuple[Mesh, int], ...]:
     """Every (valid mesh, micro-batch) pair the planner searches: for each mesh of
-    `factorizations` with ep == 1 and each micro-batch in `micro_batches`, the pair when
-    `plan_violation` finds no broken rule (so dp x micro-batch divides the global batch).
+    `factorizations` and each micro-batch in `micro_batches`, the pair when `plan_violation`
+    finds no broken rule (so dp x ep x micro-batch divides the global batch; ep > 1 only for a
+    mixture of experts whose experts it divides).
     Empty when no pair is valid (the caller words the error)."""
     rules = dict(global_batch=global_batch, seq_len=seq_len)
     out = []

@@ -61,8 +61,8 @@ def _placement(spec: ModelSpec, name: str, tp: int, tp_rank: int) -> Placement:
     into the role's parts, this rank keeping part tp_rank * parts // tp of every piece."""
     module, _, attr = name.rpartition(".")
     role = sharding.role_at(spec, module)
-    if role is None or attr not in role.params or role.strategy is Strategy.REPLICATE:
-        return Replicate()
+    if role is None or attr not in role.params or role.strategy in (Strategy.REPLICATE, Strategy.EXPERT):
+        return Replicate()  # (experts: whole on every tp rank, split over ep by runtime/expert_parallel.py)
     parts = sharding.role_parts(spec, role, tp)
     return Shard(dim=1 if role.strategy is Strategy.ROWWISE else 0, index=tp_rank * parts // tp, parts=parts,
                  segments=tuple(sharding.size(spec, p.length) for p in role.pieces))

@@ -20,8 +20,11 @@ plain linear; Mamba-2's in_proj is [z, x, B, C, dt]) and, per piece, the count t
 marked `share=True` also allows tp to be a multiple of the count (each rank then keeps one part,
 shared by tp / count ranks: LLaMA's KV heads under GQA).
 
-Adding an entry (say a MoE expert role, or Mamba-2 groups replicated): append a `Role` to the
-family's table; if it needs a new kind of runtime behaviour add a `Strategy` and teach
+Mixture of experts (`MOE_TABLES`, Mixtral and Qwen2-MoE): LLaMA's table with the MoE block in place
+of the MLP: router and shared expert `replicate`, the routed experts `expert` (split over the ep
+axis by `runtime/expert_parallel.py`, which finds them here; whole on every tp rank).
+
+Adding an entry (say Mamba-2 groups replicated): append a `Role` to the family's table; if it needs a new kind of runtime behaviour add a `Strategy` and teach
 `rewrite.shard_program` and `cost.node_divisor` what it means; the validator and the plan's
 placements follow by themselves.
 
@@ -49,6 +52,8 @@ class Strategy(str, Enum):
     REGION = "region"  # a module whose input enters a TP region (identity fwd, all-reduce bwd) and
     #                     whose own ops run on this rank's heads / channels (attention, MLP, mixer)
     REPLICATE = "replicate"  # whole on every TP rank (RMSNorms, residual adds)
+    EXPERT = "expert"  # routed experts: split over ep by expert, tokens dispatched by all-to-all
+    #                    (runtime/expert_parallel.py); whole on every TP rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,8 @@ _SIZES: dict[str, Callable[[ModelSpec], int]] = {
     "groups": lambda s: s.groups,
     "group_state": lambda s: s.groups * s.state,  # Mamba-2 B or C
     "conv": lambda s: s.conv,
+    "experts": lambda s: s.experts,
+    "shared_ffn": lambda s: s.shared_ffn,
 }
 
 _COUNT_NAMES = {"vocab": "vocabulary size", "heads": "number of heads", "kv_heads": "number of KV heads",
@@ -123,6 +130,28 @@ LLAMA = (
     Role("", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), params=()),  # vocab-parallel cross-entropy
 )
 
+# Mixture of experts (Mixtral, Qwen2-MoE): LLaMA's attention, norms, embedding and head; the MoE block
+# (router, routed experts, shared expert) runs whole on every tp rank, its experts split over ep
+# (Megatron-Core's default without expert tensor parallelism). `mlp` is no TP region, so no all-reduce.
+_MOE_BLOCK = (
+    Role("mlp", _L, Strategy.REPLICATE, params=()),  # routing, top-k, combine
+    Role("mlp.gate", _L, Strategy.REPLICATE, fan="experts"),  # the router: (experts, hidden)
+    Role("mlp.experts", _L, Strategy.EXPERT, params=("gate_up_proj", "down_proj")),
+)
+_SHARED_EXPERT = (
+    Role("mlp.shared_expert", _L, Strategy.REPLICATE, params=()),
+    Role("mlp.shared_expert.gate_proj", _L, Strategy.REPLICATE, fan="shared_ffn"),
+    Role("mlp.shared_expert.up_proj", _L, Strategy.REPLICATE, fan="shared_ffn"),
+    Role("mlp.shared_expert.down_proj", _L, Strategy.REPLICATE, fan="shared_ffn"),
+    Role("mlp.shared_expert_gate", _L, Strategy.REPLICATE),  # (1, hidden)
+)
+_DENSE_MLP = ("mlp", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_LLAMA_NO_MLP = tuple(r for r in LLAMA if r.path not in _DENSE_MLP)
+MOE_TABLES: dict[str, tuple[Role, ...]] = {
+    "mixtral": _LLAMA_NO_MLP + _MOE_BLOCK,
+    "qwen2_moe": _LLAMA_NO_MLP + _MOE_BLOCK + _SHARED_EXPERT,
+}
+
 _INNER, _GN = Piece("inner", "heads"), Piece("group_state", "groups")
 MAMBA2 = (
     Role("backbone.embeddings", _E, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
@@ -144,7 +173,7 @@ SELECTIVE: dict[Family, str] = {Family.LLAMA: "self_attn", Family.MAMBA2: "mixer
 
 
 def table(spec: ModelSpec) -> tuple[Role, ...]:
-    return TABLES[spec.family]
+    return MOE_TABLES[spec.moe] if spec.is_moe else TABLES[spec.family]
 
 
 def layer_prefix(spec: ModelSpec, index: int) -> str:
@@ -243,6 +272,8 @@ def node_divisor(spec: ModelSpec, kind: BlockKind, path: str, tp: int) -> int:
 
 def role_numel(spec: ModelSpec, role: Role) -> int:
     """Elements of the role's split weight(s) (pieces x fan; for a vector, the pieces alone)."""
+    if role.strategy is Strategy.EXPERT:
+        return spec.expert_params  # every expert's gate, up and down
     length = sum(size(spec, p.length) for p in role.pieces) or size(spec, "hidden")
     return length * size(spec, role.fan) * max(1, len([p for p in role.params if p != "bias"]))
 

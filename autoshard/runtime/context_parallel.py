@@ -66,7 +66,7 @@ class CPContext:
 def layout_of(model: nn.Module) -> SeqLayout:
     """The sequence layout CP uses for `model` (raises if the model has no CP rule)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type == "llama":
+    if model_type in ("llama", "mixtral", "qwen2_moe"):  # LLaMA-style causal attention (MoE MLPs are per token)
         return SeqLayout.BALANCED
     if model_type == "mamba2":
         return SeqLayout.CONTIGUOUS
@@ -219,17 +219,12 @@ class CPRuntime:
 
 
 def data_context_group(mesh, coords) -> tuple[list[list[int]], int]:
-    """The dp x cp rank sets of a (pp, dp, cp, tp) row-major mesh, and the index of this rank's set."""
-    from autoshard.runtime.mesh import Coords, rank_of
+    """The dp x cp rank sets of the mesh (one per pp, ep and tp index), and the index of this rank's set."""
+    from autoshard.runtime.mesh import axes_ranks, rank_of
 
-    sets, mine = [], 0
-    for pp in range(mesh.pp):
-        for tp in range(mesh.tp):
-            ranks = [rank_of(Coords(pp=pp, dp=dp, cp=cp, tp=tp), mesh) for dp in range(mesh.dp) for cp in range(mesh.cp)]
-            if pp == coords.pp and tp == coords.tp:
-                mine = len(sets)
-            sets.append(ranks)
-    return sets, mine
+    sets = axes_ranks(mesh, ("dp", "cp"))
+    me = rank_of(coords, mesh)
+    return sets, next(i for i, ranks in enumerate(sets) if me in ranks)
 
 
 def setup_context_parallel(model: nn.Module, mesh, groups) -> CPRuntime | None:

@@ -15,6 +15,12 @@ Contract (DESIGN.md, "Entry points"): built by `autoshard.parallelize` on every 
 * `generate(input_ids, max_new_tokens=N)`: greedy generation on a plan with dp = cp = 1 (tp and
   pp any), prompt + new tokens on every rank, equal to HF's single-process greedy `generate`;
   the KV cache / Mamba-2 state stays sharded as the weights are (see `runtime/generate.py`).
+
+Expert parallelism (ep > 1, runtime/expert_parallel.py): the batch is split over dp x ep (the ep
+peers are data-parallel replicas of the dense layers), dense gradients and the loss are reduced
+over dp x ep x cp, expert gradients over dp x cp; `full_*` gather the experts over ep.
+With `config.output_router_logits` the loss adds HF's router auxiliary loss, its statistics
+combined over dp x ep x cp (`expert_parallel.load_balancing_loss`), averaged over micro-batches.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
 from autoshard.runtime.comm import gather_last_dim
 from autoshard.runtime.context_parallel import CPRuntime
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
+from autoshard.runtime.expert_parallel import GradSyncs, load_balancing_loss
 from autoshard.runtime.loss import causal_lm_loss, count_tokens
 from autoshard.runtime.mesh import Groups
 from autoshard.runtime.precision import autocast
@@ -53,6 +60,7 @@ class RankSetup:
     program: ShardProgram
     pipeline: object | None = None  # runtime.pipeline.PipelineRunner when pp > 1
     cp: CPRuntime | None = None  # context parallelism (issue 6) when cp > 1
+    expert_names: frozenset[str] = frozenset()  # ep > 1: parameters of this rank's experts
 
 
 class DistributedModel:
@@ -73,12 +81,28 @@ class DistributedModel:
         self._params = list(dict.fromkeys(params))
         self._names = {id(p): n for n, p in self.model.named_parameters()}
         zero = setup.plan.zero >= 1
-        self._sync = GradSync(self._params, self._grad_group, zero=setup.plan.zero,
-                              prepare=partial_grad_reducer(self.model, setup.program, self._tp_group))
+        prepare = partial_grad_reducer(self.model, setup.program, self._tp_group)
+        mesh = setup.plan.mesh
+        self._replicas = mesh.dp * mesh.ep * mesh.cp  # ranks that split the batch (rows or sequence)
+        if mesh.ep > 1:  # experts over dp x cp (the grad group), dense over dp x ep x cp
+            expert_ids = {id(p) for n, p in self.model.named_parameters() if n in setup.expert_names}
+            self._sync = GradSyncs(self._params, expert_ids, dense_group=setup.groups.replicas,
+                                   expert_group=self._grad_group, zero=setup.plan.zero, prepare=prepare)
+            self._loss_group = setup.groups.replicas
+        else:
+            self._sync = GradSync(self._params, self._grad_group, zero=setup.plan.zero, prepare=prepare)
+            self._loss_group = self._grad_group
+        # HF keeps the coefficient on the model (read from the config when it was built)
+        self._aux_coef = getattr(self.model, "router_aux_loss_coef", getattr(self.model.config, "router_aux_loss_coef", 0))
         self._optimizer = None
         self._generator = None  # runtime.generate.Generator, built on the first generate()
         if optimizer is not None:
-            self._optimizer = ShardedOptimizer(self._sync, optimizer) if zero else optimizer(self._params)
+            if not zero:
+                self._optimizer = optimizer(self._params)
+            elif mesh.ep > 1:  # each group's optimizer state sharded over that group
+                self._optimizer = self._sync.sharded_optimizer(optimizer)
+            else:
+                self._optimizer = ShardedOptimizer(self._sync, optimizer)
 
     # -- training -----------------------------------------------------------------------------
     def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
@@ -100,8 +124,8 @@ class DistributedModel:
         """`train_step` without the checks (bench/bench_agreement.py times the difference)."""
         plan, groups = self.plan, self._groups
         num_tokens = count_tokens(labels)
-        rows = plan.global_batch // plan.mesh.dp
-        start = groups.coords.dp * rows
+        rows = plan.global_batch // (plan.mesh.dp * plan.mesh.ep)  # ep peers take their own rows
+        start = (groups.coords.dp * plan.mesh.ep + groups.coords.ep) * rows
         ids = input_ids[start:start + rows].to(groups.device)
         lbl = labels[start:start + rows].to(groups.device)
         for p in self._params:
@@ -112,8 +136,8 @@ class DistributedModel:
         else:
             loss = self._local_step(ids, lbl, num_tokens)
         self._sync.finish()
-        if plan.mesh.dp * plan.mesh.cp > 1:
-            dist.all_reduce(loss, group=self._grad_group)
+        if self._replicas > 1:
+            dist.all_reduce(loss, group=self._loss_group)
         if self._optimizer is not None:
             self._optimizer.step()
         return loss
@@ -130,19 +154,30 @@ class DistributedModel:
                 mb_ids, positions, mb_labels = self._cp.local_inputs(mb_ids, mb_labels)
                 kwargs = self._cp.model_kwargs(positions)
             with autocast(self.precision, ids.device):
-                logits = self._logits(mb_ids, **kwargs)
+                logits, router_logits = self._forward(mb_ids, **kwargs)
             loss = causal_lm_loss(logits, mb_labels, num_tokens=num_tokens,
                                   tp_group=self._tp_group, shifted=self._cp is not None)
+            if router_logits:  # HF's router auxiliary loss, statistics over all replicas, mean over micro-batches
+                spec = self._setup.spec
+                aux = load_balancing_loss(router_logits, experts=spec.experts, top_k=spec.top_k,
+                                          group=self._loss_group if self._replicas > 1 else None)
+                loss = loss + self._aux_coef * aux / chunks
             loss.backward()
             total += loss.detach()
         return total
 
     def _logits(self, ids: Tensor, **kwargs) -> Tensor:
         """This rank's logits (vocab slice under tp) for a batch, through the model's own modules."""
+        return self._forward(ids, **kwargs)[0]
+
+    def _forward(self, ids: Tensor, **kwargs) -> tuple[Tensor, tuple[Tensor, ...] | None]:
+        """This rank's logits, and the router logits of every MoE layer when the config asks for them."""
         base = getattr(self.model, self.model.base_model_prefix)
-        hidden = base(input_ids=ids, use_cache=False, **kwargs).last_hidden_state  # (b, s, h)
+        if getattr(self.model.config, "output_router_logits", False) and torch.is_grad_enabled():
+            kwargs = {**kwargs, "output_router_logits": True}
+        out = base(input_ids=ids, use_cache=False, **kwargs)
         head = self.model.lm_head
-        return head(hidden.to(head.weight.dtype))  # (b, s, V / tp)
+        return head(out.last_hidden_state.to(head.weight.dtype)), getattr(out, "router_logits", None)  # (b, s, V / tp)
 
     # -- checks and evaluation ------------------------------------------------------------------
     def __call__(self, input_ids: Tensor) -> Tensor:
@@ -201,6 +236,9 @@ class DistributedModel:
     def _assemble(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if self._runner is not None:
             local = self._runner.gather(local)
+        if self.plan.mesh.ep > 1:  # every ep rank's experts, concatenated along the expert dim
+            local = {name: self._gather_experts(t) if name in self._setup.expert_names else t
+                     for name, t in local.items()}
         placements = dict(self._setup.program.placements)
         out = {}
         for name, tensor in local.items():
@@ -212,3 +250,8 @@ class DistributedModel:
             dist.all_gather(slices, tensor.detach().contiguous(), group=self._tp_group)
             out[name] = unshard(slices, placement)
         return out
+
+    def _gather_experts(self, tensor: Tensor) -> Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(self.plan.mesh.ep)]
+        dist.all_gather(parts, tensor.detach().contiguous(), group=self._groups.ep)
+        return torch.cat(parts, dim=0)

@@ -1,11 +1,18 @@
 """The device mesh on torch.distributed: rank coordinates, process groups per axis, backend.
 
-Contract: ranks are laid out row-major over the axes ``(pp, dp, cp, tp)``: tp is innermost
+Contract: ranks are laid out row-major over the axes ``(pp, dp, ep, cp, tp)``: tp is innermost
 (tp peers have contiguous ranks, so they share a node), pp outermost. For a mesh and a global
 rank, `coords_of` gives the rank's index on every axis and `build_groups` creates one process
 group per axis for the peers that differ only on that axis (every rank creates every group, in
-the same order, as torch.distributed requires). ``ep`` must be 1 here (the models have no
-experts).
+the same order, as torch.distributed requires).
+
+Expert parallelism folds into data parallelism (Megatron-Core, torchtitan; docs/expert_parallel.md):
+the ep peers of a rank hold different experts of the same layers and different rows of the batch,
+so for the dense layers they are data-parallel replicas. With ep > 1 `build_groups` also creates
+`replicas`, the dp x ep x cp group over which dense gradients are summed (and the loss); expert
+gradients are summed over dp x cp only, since the all-to-all already brought every ep peer's
+tokens to the rank that holds the expert. ep sits inside dp and outside cp and tp, so an ep
+group spans the fewest nodes that the inner axes leave.
 
 The backend follows the device: gloo on CPU, nccl on CUDA, hccl on an Ascend NPU
 (`torch_npu` is imported only when an NPU is asked for).
@@ -23,7 +30,7 @@ import torch.distributed as dist
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh
 
-MESH_AXES = ("pp", "dp", "cp", "tp")  # outermost first
+MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,6 +39,7 @@ class Coords:
 
     pp: int = 0
     dp: int = 0
+    ep: int = 0
     cp: int = 0
     tp: int = 0
 
@@ -49,13 +57,15 @@ class Groups:
     dp: dist.ProcessGroup
     cp: dist.ProcessGroup
     tp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    replicas: dist.ProcessGroup | None = None  # ep > 1: dp x ep x cp, where dense gradients are summed
 
     def size(self, axis: str) -> int:
         return getattr(self.mesh, axis)
 
 
 def coords_of(rank: int, mesh: Mesh) -> Coords:
-    """Index of global `rank` on each axis of `mesh` (row-major over pp, dp, cp, tp)."""
+    """Index of global `rank` on each axis of `mesh` (row-major over pp, dp, ep, cp, tp)."""
     index = {}
     for axis in reversed(MESH_AXES):
         rank, index[axis] = divmod(rank, getattr(mesh, axis))
@@ -72,11 +82,17 @@ def rank_of(coords: Coords, mesh: Mesh) -> int:
 
 def axis_ranks(mesh: Mesh, axis: str) -> list[list[int]]:
     """All groups along `axis`: lists of global ranks that differ only in their `axis` index."""
-    others = [a for a in MESH_AXES if a != axis]
+    return axes_ranks(mesh, (axis,))
+
+
+def axes_ranks(mesh: Mesh, axes: tuple[str, ...]) -> list[list[int]]:
+    """All groups spanning `axes`: lists of global ranks that differ only on those axes (rank order)."""
+    others = [a for a in MESH_AXES if a not in axes]
     groups = []
     for fixed in itertools.product(*(range(getattr(mesh, a)) for a in others)):
         base = dict(zip(others, fixed))
-        groups.append([rank_of(Coords(**base, **{axis: i}), mesh) for i in range(getattr(mesh, axis))])
+        members = itertools.product(*(range(getattr(mesh, a)) for a in axes))
+        groups.append(sorted(rank_of(Coords(**base, **dict(zip(axes, m))), mesh) for m in members))
     return groups
 
 
@@ -119,13 +135,15 @@ def init_default_group(*, backend: str, env: dict[str, str], device: torch.devic
 def build_groups(mesh: Mesh, *, device: torch.device, backend: str) -> Groups:
     """Process groups of this rank for every axis of `mesh` (collective: all ranks call it)."""
     rank = dist.get_rank()
-    if mesh.ep != 1:
-        raise InvalidConfigError(f"ep={mesh.ep}: expert parallelism needs a model with experts; "
-                                 "LLaMA and Mamba-2 have none, use ep=1")
     mine = {}
     for axis in MESH_AXES:
         for ranks in axis_ranks(mesh, axis):
             group = dist.new_group(ranks, backend=backend)
             if rank in ranks:
                 mine[axis] = group
+    if mesh.ep > 1:
+        for ranks in axes_ranks(mesh, ("dp", "ep", "cp")):
+            group = dist.new_group(ranks, backend=backend)
+            if rank in ranks:
+                mine["replicas"] = group
     return Groups(mesh=mesh, rank=rank, coords=coords_of(rank, mesh), backend=backend, device=device, **mine)

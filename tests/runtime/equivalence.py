@@ -50,10 +50,10 @@ def assert_bf16_close(actual, expected, fp32, *, msg: str) -> None:
         f"{msg}: |dist - bf16 run| = {err:.3g}, above twice bf16's own error {noise:.3g} + 2% of the norm {scale:.3g}"
 
 
-def reference(spec, data, *, bf16: bool = False):
+def reference(spec, data, *, bf16: bool = False, prepare=None):
     """Losses, last gradients and final weights of one process running the HF model
     (bf16: its forward under torch.autocast(bfloat16), the single-process bf16-mixed run)."""
-    model = build_model(spec, seed=0)
+    model = _built(spec, prepare)
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
     losses = []
     for ids, labels in data:
@@ -67,15 +67,23 @@ def reference(spec, data, *, bf16: bool = False):
     return model, losses, grads
 
 
+def _built(spec, prepare):
+    model = build_model(spec, seed=0)
+    if prepare is not None:  # e.g. a config switch or a router made to route every token alike
+        prepare(model)
+    return model
+
+
 def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, steps: int = 2,
-               logits: bool = False) -> None:
-    """`preset`: a preset name or a ModelSpec (e.g. of a user-built config)."""
+               logits: bool = False, prepare=None) -> None:
+    """`preset`: a preset name or a ModelSpec (e.g. of a user-built config). `prepare(model)`: applied
+    to the reference model and the distributed one before anything runs."""
     spec = get_spec(preset) if isinstance(preset, str) else preset
     preset = spec.name
     data = batches(spec.vocab, global_batch=global_batch, seq=seq, steps=steps)
     bf16 = isinstance(plan, dict) and plan.get("precision") == "bf16-mixed"
-    ref, ref_losses, ref_grads = reference(spec, data, bf16=bf16)
-    dm = autoshard.parallelize(build_model(spec, seed=0), data[0][0], plan=plan, global_batch=global_batch,
+    ref, ref_losses, ref_grads = reference(spec, data, bf16=bf16, prepare=prepare)
+    dm = autoshard.parallelize(_built(spec, prepare), data[0][0], plan=plan, global_batch=global_batch,
                                optimizer=functools.partial(torch.optim.AdamW, **ADAM))
     gemm_dtypes = _record_linear_outputs(dm.model)
     for (ids, labels), expected in zip(data, ref_losses):

@@ -1,0 +1,207 @@
+"""Expert parallelism: each ep rank holds experts/ep of every MoE layer; tokens travel by all-to-all.
+
+Contract
+--------
+`apply_expert_parallel(model, spec, ep_group, ep=, ep_rank=)` replaces, in place, every HF experts
+module (the `expert` roles of the sharding table, passes/sharding.py: `<base>.layers.<i>.mlp.experts`
+of Mixtral / Qwen2-MoE) by a `ParallelExperts` holding this rank's
+contiguous slice of the experts (rank r of ep: experts [r*E/ep, (r+1)*E/ep)), under the same
+parameter names (`gate_up_proj`, `down_proj`: dim 0 is the expert), so `named_parameters()` still
+reports the HF names. It returns the names of the expert parameters (`expert_param_names`).
+
+`ParallelExperts.forward(hidden (T, h), top_k_index (T, k), top_k_weights (T, k))` is HF's
+experts contract; the router, the shared expert and everything else stay HF's own modules:
+
+1. the T*k (token, expert) pairs are sorted by expert (stable), the per-expert counts (E,)
+   taken with `bincount`;
+2. the counts are exchanged first (`all_to_all_single` of E integers: rank j receives, from every
+   peer, the counts of its own E/ep experts), giving both split-size lists;
+3. the rows are dispatched with `all_to_all_single_autograd` (its backward is the reverse
+   all-to-all), regrouped expert-major, each local expert's MLP applied to its rows
+   (act(gate) * up, then down: HF's gated experts), and sent back by the reverse all-to-all;
+4. the rows are unsorted, weighted by the routing weights and summed over k, as HF's
+   `grouped_mm_experts_forward` does, so the output equals the single-process layer's.
+
+Routing is dropless: every (token, expert) pair is computed, no capacity factor, no token is
+dropped (the cost model takes the busiest expert's load from `--moe-imbalance`).
+
+Gradients: an expert's gradient on its rank already sums the contributions of every ep peer's
+tokens (the backward all-to-all brings them), so it is reduced over dp x cp only; dense
+parameters (attention, router, shared expert, norms, embedding, head) are data-parallel replicas
+over dp x ep x cp (`runtime/mesh.py`). `GradSyncs` runs one `GradSync` per group.
+
+Router auxiliary loss (`output_router_logits=True`): `load_balancing_loss` below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from autoshard.errors import InvalidConfigError
+from autoshard.models.presets import ModelSpec
+from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
+
+
+def experts_modules(model: nn.Module, spec: ModelSpec) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every routed-experts module: the `expert` roles of the sharding table."""
+    from autoshard.passes.sharding import Strategy, modules
+
+    return [(path, model.get_submodule(path)) for path in modules(spec, Strategy.EXPERT)]
+
+
+def expert_param_names(model: nn.Module, spec: ModelSpec) -> frozenset[str]:
+    """Names of the routed experts' parameters (sharded over ep, reduced over dp x cp)."""
+    return frozenset(f"{path}.{name}" for path, m in experts_modules(model, spec) for name, _ in m.named_parameters())
+
+
+class ParallelExperts(nn.Module):
+    """This rank's experts of one MoE layer; tokens dispatched and combined by all-to-all."""
+
+    def __init__(self, experts: nn.Module, *, group: dist.ProcessGroup, ep: int, ep_rank: int):
+        super().__init__()
+        total = experts.num_experts
+        if total % ep:
+            raise InvalidConfigError(f"ep ({ep}) does not divide the {total} experts; use an ep that divides {total}")
+        if (getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False)
+                or not getattr(experts, "has_gate", True)):
+            raise InvalidConfigError(f"{type(experts).__name__}: expert parallelism runs gated experts without "
+                                     "bias in HF's [gate; up] x hidden layout (Mixtral, Qwen2-MoE)")
+        self.num_experts, self.ep, self.group = total, ep, group
+        self.local = total // ep
+        first = ep_rank * self.local
+        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[first:first + self.local].clone())
+        self.down_proj = nn.Parameter(experts.down_proj.detach()[first:first + self.local].clone())
+        self.act_fn = experts.act_fn
+
+    def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        tokens, k = top_k_index.shape
+        expert_ids = top_k_index.reshape(-1)  # (T*k,)
+        order = torch.argsort(expert_ids, stable=True)
+        rows = hidden[order // k]  # (T*k, h), sorted by expert
+        counts = torch.bincount(expert_ids, minlength=self.num_experts)  # (E,)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)  # [peer, local expert], flattened
+        per_peer = received.view(self.ep, self.local).tolist()
+        send = counts.view(self.ep, self.local).sum(1).tolist()
+        recv = [sum(row) for row in per_peer]
+        x = all_to_all_single_autograd(rows, recv, send, self.group)  # (R, h), peer-major
+        by_expert = _peer_to_expert_order(per_peer, x.device)
+        y = self._experts(x[by_expert], [sum(col) for col in zip(*per_peer)])  # expert-major
+        y = y[torch.argsort(by_expert)]  # back to peer-major
+        back = all_to_all_single_autograd(y, send, recv, self.group)  # (T*k, h), sorted by expert
+        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        out = weighted[torch.argsort(order)].view(tokens, k, -1).sum(dim=1)  # HF: reshape + sum over k
+        return out.to(hidden.dtype)
+
+    def _experts(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
+        """Each local expert's gated MLP on its rows (x expert-major, `sizes` rows per expert)."""
+        outs = []
+        for e, part in enumerate(x.split(list(sizes))):
+            gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)  # (n_e, f) each
+            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))  # (n_e, h)
+        return torch.cat(outs) if outs else x
+
+
+def _peer_to_expert_order(per_peer: list[list[int]], device: torch.device) -> Tensor:
+    """Row indices that turn peer-major rows ([peer][expert] blocks) into expert-major ones."""
+    starts, offset = [], 0
+    for row in per_peer:
+        starts.append([])
+        for n in row:
+            starts[-1].append(offset)
+            offset += n
+    pieces = [torch.arange(starts[p][e], starts[p][e] + per_peer[p][e], device=device)
+              for e in range(len(per_peer[0]) if per_peer else 0) for p in range(len(per_peer))]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_group: dist.ProcessGroup, *, ep: int,
+                          ep_rank: int) -> frozenset[str]:
+    """Swap every experts module for this rank's `ParallelExperts` (module docstring); the names of
+    the expert parameters."""
+    names = expert_param_names(model, spec)
+    for path, experts in experts_modules(model, spec):
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, ParallelExperts(experts, group=ep_group, ep=ep, ep_rank=ep_rank))
+    return names
+
+
+# -- gradients and optimizer: dense over dp x ep x cp, experts over dp x cp -------------------------------
+
+class GradSyncs:
+    """Two `GradSync`s with one interface: dense parameters over `dense_group`, experts over `expert_group`."""
+
+    def __init__(self, params: Sequence[nn.Parameter], expert_ids: set[int], *, dense_group, expert_group, zero: int,
+                 prepare: Callable | None = None):
+        dense = [p for p in params if id(p) not in expert_ids]
+        experts = [p for p in params if id(p) in expert_ids]
+        self.syncs = (GradSync(dense, dense_group, zero=zero, prepare=prepare),
+                      GradSync(experts, expert_group, zero=zero, prepare=prepare))
+
+    def begin(self, *, last: bool, first: bool = True) -> None:
+        for sync in self.syncs:
+            sync.begin(last=last, first=first)
+
+    def finish(self) -> None:
+        for sync in self.syncs:
+            sync.finish()
+
+    def reduced_grads(self) -> dict[int, Tensor]:
+        return {k: v for sync in self.syncs for k, v in sync.reduced_grads().items()}
+
+    def sharded_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> _Optimizers:
+        """ZeRO-1/2: the optimizer state of each group sharded over that group."""
+        return _Optimizers(tuple(ShardedOptimizer(sync, factory) for sync in self.syncs))
+
+
+class _Optimizers:
+    def __init__(self, optimizers: tuple[ShardedOptimizer, ...]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad()
+
+
+# -- the router's auxiliary loss --------------------------------------------------------------------
+
+def load_balancing_loss(router_logits: Sequence[Tensor], *, experts: int, top_k: int,
+                        group: dist.ProcessGroup | None) -> Tensor:
+    """This rank's share of HF's load-balancing loss (Switch Transformer eq. 4-6, HF's
+    `load_balancing_loss_func`) over the rows that all ranks of `group` (dp x ep x cp) process
+    together, such that the SUM over the group's ranks is HF's loss on those rows.
+
+    HF: L = E * sum_e f_e * P_e, with f_e = (top-k assignments to e) / R and P_e = (sum of router
+    probabilities of e) / R, both summed over every layer (R = rows x layers). The product is not a
+    sum over ranks, so: the assignment counts (not differentiable) and R are all-reduced over
+    `group` first; P stays local, divided by the global R. Then sum over ranks of
+    E * sum_e f_e^global * P_e^local = L exactly, and each rank's gradient is its rows' part of
+    dL/dlogits. Each layer's router logits are (rows, E) for this rank's rows (tokens).
+
+    Under gradient accumulation each micro-step's loss is that of the global micro-batch (the
+    rows every rank processes at that step), and the runtime averages them over micro-steps
+    (Megatron-Core scales its per-micro-batch aux loss the same way): with one micro-batch per
+    rank it is HF's loss on the global batch exactly (tests/moe/test_expert_parallel.py)."""
+    counts, probs = 0, 0
+    for logits in router_logits:
+        p = torch.softmax(logits.float(), dim=-1)  # (rows, E)
+        _, chosen = torch.topk(p, top_k, dim=-1)
+        counts = counts + torch.bincount(chosen.reshape(-1), minlength=experts).float()
+        probs = probs + p.sum(dim=0)
+    total = torch.tensor([float(sum(logits.shape[0] for logits in router_logits))], device=probs.device)
+    if group is not None and dist.get_world_size(group) > 1:
+        counts = counts.detach().clone()
+        dist.all_reduce(counts, group=group)
+        dist.all_reduce(total, group=group)
+    return experts * torch.sum((counts / total) * (probs / total))

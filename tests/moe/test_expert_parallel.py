@@ -1,0 +1,59 @@
+"""Expert parallelism on gloo equals one process (Mixtral, Qwen2-MoE): the loss of two AdamW steps,
+every gradient, the weights; composed with dp, tp, pp and cp; dropless under skewed routing; the
+router auxiliary loss. Each world size is spawned once and runs all its configurations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.runtime.dist_harness import run_ranks
+from tests.runtime.equivalence import check_plan
+
+
+def aux_loss(model):
+    """HF's router auxiliary loss on (load_balancing_loss_func, router_aux_loss_coef added to the loss).
+    Its statistics are combined over all ranks per micro-step: with one micro-batch per rank it is
+    HF's loss on the global batch, which the reference computes."""
+    model.config.output_router_logits = True
+    model.router_aux_loss_coef = 0.1  # (HF reads it off the model) large enough that a wrong combination shows
+
+
+def skewed(model):
+    """A router of zeros: every token ties and topk picks experts 0..k-1, all on ep rank 0: the other
+    ranks receive no token (dropless: nothing is dropped, empty experts are fine)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.zero_()
+
+
+WORLD2 = (
+    ("mixtral-tiny", dict(ep=2), None, True),
+    ("qwen2-moe-tiny", dict(ep=2, micro_batch=2), None, False),
+    ("mixtral-tiny", dict(ep=2, micro_batch=4), aux_loss, False),  # aux: one micro-batch per rank (exact)
+    ("mixtral-tiny", dict(ep=2), skewed, False),
+    ("qwen2-moe-tiny", dict(ep=2, zero=1), None, False),
+)
+WORLD4 = (
+    ("mixtral-tiny", dict(ep=4), None, False),
+    ("qwen2-moe-tiny", dict(ep=4), None, False),
+    ("mixtral-tiny", dict(dp=2, ep=2), None, False),
+    ("qwen2-moe-tiny", dict(dp=2, ep=2, micro_batch=2), aux_loss, False),
+    ("mixtral-tiny", dict(ep=2, tp=2), None, True),
+    ("qwen2-moe-tiny", dict(ep=2, tp=2), None, False),
+    ("mixtral-tiny", dict(ep=2, pp=2, micro_batch=2), None, False),
+    ("qwen2-moe-tiny", dict(ep=2, pp=2, micro_batch=2), None, False),
+    ("mixtral-tiny", dict(ep=2, cp=2, micro_batch=4), aux_loss, False),
+    ("qwen2-moe-tiny", dict(ep=2, cp=2), None, False),
+)
+
+
+def _run_all(rank: int, world: int, configs) -> None:
+    for preset, plan, prepare, logits in configs:
+        check_plan(preset, plan, logits=logits, prepare=prepare)
+
+
+@pytest.mark.parametrize("world, configs", [(2, WORLD2), (4, WORLD4)], ids=["ws2", "ws4"])
+def test_expert_parallel_matches_single_process(world, configs):
+    run_ranks(world, _run_all, configs)
