@@ -165,7 +165,12 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
         if world == 1 and not dist.is_initialized():
             raise  # nobody to tell: no process group is made just to report it
         plan, error = None, e
-    init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
+    try:
+        init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
+    except AutoshardError:
+        if error is not None:
+            raise error from None  # no process group to share it through: the plan's own error comes first
+        raise
     facts = None if error is not None else plan_facts(plan, fingerprint=fingerprint, settings=settings,
                                                       solved=solved)
     agree("plan", PLAN_FIELDS, facts, error=error, device=device, hint=PLAN_HINT)
