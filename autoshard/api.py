@@ -61,6 +61,7 @@ from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup
 from autoshard.runtime.expert_parallel import apply_expert_parallel
 from autoshard.runtime.mesh import backend_for, build_groups, init_default_group
+from autoshard.runtime.ssd import install_ssd_mixers
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger("autoshard")
@@ -121,6 +122,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     settings = dict(seed=seed, device_type=device.type, optimizer=optimizer is not None)
     plan, groups, program = _rank_program(model, spec, resolve, world=world, device=device,
                                           fingerprint=fingerprint, settings=settings, solved=plan is None)
+    install_ssd_mixers(model)  # the SSD as the cost model prices it (passes/kernels.py, runtime/ssd.py)
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
     experts = frozenset()
@@ -236,7 +238,9 @@ def _solve_on_rank0(model: nn.Module, spec, *, world: int, seq_len: int, global_
         from autoshard.passes.solve import solve
 
         try:
-            table = build_cost_table(spec, model=model)
+            from autoshard.hardware import load_hardware
+
+            table = build_cost_table(spec, model=model, kernels=load_hardware(hardware).kernels)
             plan = solve(spec, hardware, devices=world, global_batch=global_batch, seq_len=seq_len, table=table,
                          fingerprint=fingerprint_module(model))
             payload = {"plan": plan.to_json()}

@@ -28,7 +28,8 @@ MIB = 2**20
 TFLOPS = 1e12
 
 # Kernels a device profile may list in `kernels` (their cost rules: passes/fused_regions.py)
-KERNEL_NAMES = ("flash_attention", "rmsnorm", "swiglu", "rope", "cross_entropy")
+KERNEL_NAMES = ("flash_attention", "rmsnorm", "swiglu", "rope", "cross_entropy",
+                "ssd_chunk_scan")  # the Mamba-2 chunked SSD: substituted in the cost table (passes/kernels.py)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,6 +113,7 @@ ASCEND_910B = DeviceProfile(
     gemm_efficiency=0.9,
     gemm_half_dim=64.0,
     vector_efficiency=0.85,
+    kernels=("ssd_chunk_scan",),
     attention_efficiency=0.5,
     sources=(
         ("peak_flops", "arXiv 2602.09109 case study: 378.88 TFLOPS fp16/bf16 GEMM per 910B"),
@@ -128,7 +130,9 @@ ASCEND_910B = DeviceProfile(
         ("vector_efficiency", _CALIBRATED + ": raised 0.8 -> 0.85 of HBM peak (the HF graph's elementwise ops "
                               "are unfused; MindSpeed fuses them)"),
         ("attention_efficiency", "unused: no fused kernels listed, attention priced as GEMMs (the calibration)"),
-        ("kernels", "none listed: the profile was calibrated on the unfused HF graph (docs/hardware.md)"),
+        ("kernels", "ssd_chunk_scan only (autoshard runtime/ssd.py on torch_npu: saves its inputs and chunk "
+                    "states, arXiv 2405.21060 sec. 6); no LLaMA kernel: the profile was calibrated on the unfused "
+                    "HF graph (docs/hardware.md)"),
     ),
 )
 
@@ -142,7 +146,8 @@ _GPU_FUSED = KERNEL_NAMES  # flash attention (FA2 / FA3 / cuDNN), TE / Apex fuse
 _FUSED_SOURCE = ("Megatron-Core / Transformer Engine production runs: fused RMSNorm (TE), bias-SwiGLU "
                  "fusion, fused RoPE, flash / cuDNN fused attention, fused vocab-parallel cross-entropy "
                  "(cross_entropy_loss_fusion: gradient written in place of the fp32 softmax); priced in "
-                 "passes/fused_regions.py and cost.logits_bytes")
+                 "passes/fused_regions.py and cost.logits_bytes; the Mamba-2 SSD as mamba_ssm's "
+                 "mamba_chunk_scan_combined / autoshard runtime/ssd.py (passes/kernels.py)")
 _RESERVE = 2 * GB  # CUDA context (~0.5-1 GB) + NCCL channel buffers and cuBLAS workspaces (~1 GB)
 _RESERVE_SOURCE = "; less 2 GB for the CUDA context (~0.5-1 GB) and NCCL / cuBLAS workspaces"
 
@@ -253,6 +258,7 @@ CPU = DeviceProfile(
     gemm_half_dim=32.0,
     vector_efficiency=0.5,
     attention_efficiency=0.5,
+    kernels=("ssd_chunk_scan",),
     sources=(
         ("peak_flops", "order of a many-core AVX-512 server socket in fp32 (~1 TFLOPS); a stand-in for gloo runs"),
         ("memory_bytes", "assumed 16 GB per process"),
@@ -266,7 +272,8 @@ CPU = DeviceProfile(
         ("gemm_half_dim", "small register blocking; assumed 32"),
         ("vector_efficiency", "assumed 0.5"),
         ("attention_efficiency", "SDPA on CPU (flash_attention_for_cpu): assumed as gemm_efficiency, 0.5"),
-        ("kernels", "none: gloo runs of the HF model, unfused"),
+        ("kernels", "ssd_chunk_scan only: autoshard runtime/ssd.py (torch ops; saves what the fused kernel "
+                    "saves); otherwise gloo runs of the HF model, unfused"),
     ),
 )
 

@@ -61,14 +61,15 @@ def model_for(model: str):
     return resolve_model(model, device="meta")
 
 
-def cost_table_for(model: str, *, spinner: bool = True, spec=None, module=None):
+def cost_table_for(model: str, *, spinner: bool = True, spec=None, module=None, kernels=None):
     """Preset name or package.module:factory -> (ModelSpec, CostTable), built once per machine (not at
     all when the table is in the on-disk cache); `spec`/`module`: `model_for(model)` when the caller
-    has it already. `spinner`: say so on stderr while it runs (a terminal only)."""
+    has it already. `spinner`: say so on stderr while it runs (a terminal only). `kernels`: the fused
+    kernels of the target device (`DeviceProfile.kernels`; None: every kernel autoshard knows)."""
     from autoshard.passes.shapes import build_cost_table
 
     if spec is None:
         spec, module = model_for(model)
     with status(f"capturing {model} and building its cost table (once per machine, then cached) ...",
                 enabled=spinner):
-        return spec, build_cost_table(spec, model=module)
+        return spec, build_cost_table(spec, model=module, kernels=kernels)

@@ -1,7 +1,8 @@
 """`autoshard inspect`: per-block parameters, training FLOPs per token and activation bytes of a model.
 
-The numbers are read off the captured joint graph (passes/capture + passes/shapes), evaluated at
-the given micro-batch and sequence length. `--json` prints one object (see `summarize`).
+The numbers are read off the captured joint graph (passes/capture + passes/shapes), with the regions
+of fused kernels substituted (passes/kernels; `--hardware` picks the device whose kernels apply),
+evaluated at the given micro-batch and sequence length. `--json` prints one object (see `summarize`).
 
 Mixture of experts (Mixtral, Qwen2-MoE): the FLOPs are those executed, each token through its
 top-k experts (the graph's `_grouped_mm` rows), not through all of them; the parameters are shown
@@ -39,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, metavar="S",
                    help=f"sequence length (default {DEFAULT_SEQ_LEN})")
     p.add_argument("--micro-batch", type=int, default=1, metavar="B", help="micro-batch size (default 1)")
+    p.add_argument("--hardware", metavar="H", default=None,
+                   help="price the regions of the fused kernels this device profile has (a profile name or "
+                        "profile.json; default: every fused kernel autoshard knows, see docs/kernels.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run)
 
@@ -47,7 +51,12 @@ def run(args) -> int:
     for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
         if value <= 0:
             raise InvalidConfigError(f"{flag} must be a positive integer, got {value}")
-    spec, table = cost_table_for(args.model, spinner=not args.json)
+    kernels = None
+    if args.hardware is not None:
+        from autoshard.hardware import load_hardware
+
+        kernels = load_hardware(args.hardware).kernels
+    spec, table = cost_table_for(args.model, spinner=not args.json, kernels=kernels)
     summary = summarize(spec, table, seq_len=args.seq_len, micro_batch=args.micro_batch)
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -112,8 +121,19 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
         "model_flops_per_token": float(model_flops), "model_flops_formula": formula,
         "saved_bytes_per_token": sum(blk["saved_bytes_per_token"] for blk in blocks),
         "bytes_moved_per_token": sum(blk["bytes_moved_per_token"] for blk in blocks),
-        "blocks": blocks,
+        "blocks": blocks, "fused_kernels": fused_kernels(table),
     }
+
+
+def fused_kernels(table: CostTable) -> list[dict[str, Any]]:
+    """The regions kernel substitution replaced (passes/kernels): kernel, module, block, instances."""
+    out = []
+    for block in table.blocks:
+        for node in block.nodes:
+            if node.phase == "fwd" and node.target.startswith("autoshard."):
+                out.append({"kernel": node.target.removeprefix("autoshard."), "module": node.module_path,
+                            "block": block.name, "instances": block.count})
+    return out
 
 
 def moe_params(spec: ModelSpec, params: float) -> dict[str, Any]:
@@ -166,3 +186,8 @@ def render(summary: dict[str, Any], *, file=None) -> None:
     console.print(f"params: one instance of each block; total: all. Model FLOPs per token "
                   f"({summary['model_flops_formula']}): {_si(summary['model_flops_per_token'])}; "
                   f"counted from the graph: {_si(summary['flops_per_token'])}.")
+    for k in summary["fused_kernels"]:
+        layers = f" (x{k['instances']} {k['block']}s)" if k["instances"] > 1 else ""
+        console.print(f"fused kernel: {k['kernel']} replaces the traced ops of {k['module']}{layers}")
+    if not summary["fused_kernels"]:
+        console.print("fused kernels: none substituted (every op is priced as traced)")

@@ -53,7 +53,8 @@ def run(args) -> int:
     if module is not None:
         from autoshard.fingerprint import fingerprint_module
 
-        _, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module)
+        _, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module,
+                                  kernels=hw.kernels)
         fingerprint = fingerprint_module(module)
     with _progress(enabled=not args.json) as progress:
         plan = solve(spec, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,

@@ -78,7 +78,7 @@ def run(args) -> int:
     spec, module = model_for(args.model)
     valid_meshes(spec, args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
                  micro_batch=args.micro_batch)  # no valid layout: say so before tracing the model
-    _, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module)
+    _, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module, kernels=hw.kernels)
     zeros = (0, 1, 2, 3) if args.zero == "auto" else (int(args.zero),)
     recomputes = tuple(Recompute) if args.recompute == "auto" else (Recompute(args.recompute),)
     results = sweep(spec, table, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,

@@ -2,7 +2,7 @@
 
 Contract
 --------
-`build_cost_table(spec, *, training=True, dtype=torch.bfloat16, model=None) -> CostTable`
+`build_cost_table(spec, *, training=True, dtype=torch.bfloat16, model=None, kernels=None) -> CostTable`
 
 * Input: a frozen `ModelSpec` (and, for a user model from `package.module:factory`, that model: its
   class and HF config are used). Nothing is allocated: the model is built on the meta device.
@@ -36,6 +36,11 @@ Contract
   receives under uniform routing (the cost model scales the busiest expert by --moe-imbalance).
   The weight-gradient form ((k, rows) x (rows, n) -> (experts, k, n)) counts 2*k*rows*n alike.
 * `training=False` traces the forward only (no loss, no backward; `saved_bytes` are 0).
+* Kernel substitution (passes/kernels): every region of the traced graph that a fused kernel of
+  `kernels` replaces (default: all of `kernels.KERNEL_NAMES` that apply to the model family; a
+  device profile lists its own, `DeviceProfile.kernels`) is measured as two nodes,
+  `fused_<kernel>_<output>` (forward) and `..._backward`, priced by the kernel's cost rule; saved
+  activations are read off the substituted graph (the kernel saves its inputs and its state).
 The table is cached per (spec, options): the cost model and the solver may call this freely.
 """
 
@@ -59,8 +64,9 @@ from autoshard.errors import CaptureError
 from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
 from autoshard.ir import BlockKind, OpKind
 from autoshard.models.presets import Family, ModelSpec, build_model
+from autoshard.passes import kernels as kernel_table
 from autoshard.passes import table_cache
-from autoshard.passes.capture import BWD, FWD, Captured, capture_model
+from autoshard.passes.capture import BWD, FWD, Captured, Site, capture_model
 
 B_SAMPLES = (2, 3)
 FIELDS = ("flops", "bytes_read", "bytes_written", "saved_bytes", "g0", "g1", "g2", "g3")
@@ -96,29 +102,33 @@ class _Measure:
 
 
 def build_cost_table(spec: ModelSpec, *, training: bool = True, dtype: torch.dtype = torch.bfloat16,
-                     model: nn.Module | None = None) -> CostTable:
+                     model: nn.Module | None = None, kernels: Sequence[str] | None = None) -> CostTable:
     """The symbolic per-block cost table of one training step of `spec`; see the module docstring."""
-    return _build_for_layers(spec, training, dtype, model)
+    names = kernel_table.KERNEL_NAMES if kernels is None else tuple(kernels)
+    return _build_for_layers(spec, training, dtype, model, kernel_table.kernel_for(spec, names))
 
 
 @functools.lru_cache(maxsize=64)
-def _build_for_layers(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> CostTable:
+def _build_for_layers(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None,
+                      kernels: tuple[str, ...]) -> CostTable:
     """The table of the 1-layer copy (shared by every layer count), with the layer count of `spec`."""
-    one = _build_cached(replace(spec, layers=1), training, dtype, model)
+    one = _build_cached(replace(spec, layers=1), training, dtype, model, kernels)
     blocks = tuple(replace(blk, count=spec.layers) if blk.kind is BlockKind.LAYER else blk for blk in one.blocks)
     return replace(one, blocks=blocks)
 
 
 @functools.lru_cache(maxsize=64)
-def _build_cached(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> CostTable:
-    key = _cache_key(spec, training, dtype, model)
-    build = functools.partial(_build, spec, training, dtype, model)
+def _build_cached(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None,
+                  kernels: tuple[str, ...]) -> CostTable:
+    key = _cache_key(spec, training, dtype, model, kernels)
+    build = functools.partial(_build, spec, training, dtype, model, kernels)
     return build() if key is None else table_cache.cached_table(key, build)
 
 
-def _cache_key(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> dict | None:
+def _cache_key(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None,
+               kernels: tuple[str, ...]) -> dict | None:
     """Everything the table of the 1-layer copy depends on (None: a model the cache cannot name)."""
-    key = {**table_cache.spec_key(spec), "training": training, "dtype": str(dtype)}
+    key = {**table_cache.spec_key(spec), "training": training, "dtype": str(dtype), "kernels": list(kernels)}
     if model is None:
         return key
     config = getattr(model, "config", None)
@@ -133,20 +143,40 @@ def _cache_key(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Mo
     return {**key, "class": f"{cls.__module__}.{cls.__qualname__}", "class_source": source, "config": config_json}
 
 
-def _build(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None) -> CostTable:
+def _build(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None,
+           kernels: tuple[str, ...]) -> CostTable:
     """Trace the 1-layer copy at the sample shapes and interpolate (the work the cache saves)."""
     truncated = _truncated(spec, dtype, model)
     chunk = spec.chunk if spec.family is Family.MAMBA2 else 0
     s_samples = tuple(chunk * k for k in (2, 3, 4)) if chunk else (64, 128, 192)
     traces = {(b, s): _trace(truncated, b, s, training) for b in B_SAMPLES for s in s_samples}
-    names = _common_names(traces, spec)
-    measured = {bs: _measure_graph(cap) for bs, cap in traces.items()}
+    _common_names(traces, spec)
+    measured = {bs: measure(cap, spec, bs, kernels) for bs, cap in traces.items()}
+    names = _substituted_names(measured, spec)
     exprs = _interpolate(names, measured, s_samples)
     if chunk:
-        exprs = _padded_lengths(exprs, names, _measure_graph(_trace(truncated, 2, 2 * chunk + chunk // 2, training)),
-                                chunk)
-    reference = traces[(B_SAMPLES[0], s_samples[0])]
-    return _assemble(spec, reference, exprs, measured[(B_SAMPLES[0], s_samples[0])], truncated)
+        odd = (2, 2 * chunk + chunk // 2)
+        exprs = _padded_lengths(exprs, names, measure(_trace(truncated, *odd, training), spec, odd, kernels), chunk)
+    ref = (B_SAMPLES[0], s_samples[0])
+    regions = kernel_table.find_regions(traces[ref], kernels=kernels)
+    return _assemble(spec, traces[ref], exprs, measured[ref], truncated, regions)
+
+
+def measure(cap: Captured, spec: ModelSpec, bs: tuple[int, int], kernels: Sequence[str]) -> dict[str, _Measure]:
+    """The numbers of every node of one concrete trace at (b, s) = `bs`, with the regions of the
+    fused `kernels` substituted (passes/kernels)."""
+    regions = kernel_table.find_regions(cap, kernels=tuple(kernels)) if kernels else ()
+    return _measure_graph(cap, regions, spec=spec, bs=bs)
+
+
+def _substituted_names(measured: dict[tuple[int, int], dict[str, _Measure]], spec: ModelSpec) -> tuple[str, ...]:
+    names = {bs: tuple(m) for bs, m in measured.items()}
+    first = next(iter(names.values()))
+    for bs, these in names.items():
+        if these != first:
+            raise CaptureError(f"{spec.name}: the fused-kernel regions differ between traced shapes (at {bs}: "
+                               f"{sorted(set(these) ^ set(first))[:4]}); report this with the model config")
+    return first
 
 
 def _truncated(spec: ModelSpec, dtype: torch.dtype, model: nn.Module | None) -> nn.Module:
@@ -328,36 +358,96 @@ def _measure_node(node: fx.Node) -> _Measure:
     return _Measure(kind=kind, values=(flops, read, written, 0, *gemm), gemm=kind is OpKind.MATMUL and any(gemm))
 
 
-def _saved_bytes(cap: Captured) -> dict[str, int]:
-    """Forward outputs the backward reads (through views), by the name of the node that owns the storage."""
-    saved: dict[str, int] = {}
+def _saved_bytes(cap: Captured, regions: Sequence[kernel_table.Region] = ()) -> dict[str, int]:
+    """Forward outputs the backward reads (through views), by the name of the node that owns the
+    storage; a fused kernel's backward reads its inputs instead of its region's internals, and what
+    outside ops read from inside a region is charged to the fused node."""
+    hidden = {name for r in regions for name in r.bwd}
+    fused = {name: r.fwd_name for r in regions for name in r.fwd}
+    owners: dict[str, dict[str, int]] = {}
+
+    def note(owner: fx.Node | None) -> None:
+        if owner is not None:
+            nbytes = sum(_nbytes(t) for t in _tensors(owner.meta.get("val")))
+            owners.setdefault(fused.get(owner.name, owner.name), {})[owner.name] = nbytes
+
+    by_name = {n.name: n for n in cap.graph_module.graph.nodes}
     for node in cap.call_nodes():
-        if cap.site(node).phase != BWD:
-            continue
-        for arg in node.all_input_nodes:
-            base = _storage_owner(arg, cap)
-            if base is not None and base.name not in saved:
-                saved[base.name] = sum(_nbytes(t) for t in _tensors(base.meta.get("val")))
-    return saved
+        if cap.site(node).phase == BWD and node.name not in hidden:
+            for arg in node.all_input_nodes:
+                note(_storage_owner(arg, cap))
+    for region in regions:
+        for name in region.inputs:
+            note(_storage_owner(by_name[name], cap))
+    return {key: sum(parts.values()) for key, parts in owners.items()}
 
 
 def _storage_owner(node: fx.Node, cap: Captured) -> fx.Node | None:
-    while node.op == "call_function" and node.target is not operator.getitem and _is_view(node) and node.args \
-            and isinstance(node.args[0], fx.Node):
+    """The forward node whose output holds `node`'s storage (through views, and through the outputs
+    of a multi-output view op such as split), None for parameters and inputs."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        if node.target is operator.getitem:
+            source = node.args[0]
+            if not (source.op == "call_function" and isinstance(source.target, torch._ops.OpOverload)
+                    and _is_view(source)):
+                break
+        elif not _is_view(node):
+            break
         node = node.args[0]
     if node.op != "call_function" or cap.site(node).phase != FWD:
         return None  # parameters and inputs are not activations
     return node
 
 
-def _measure_graph(cap: Captured) -> dict[str, _Measure]:
-    out = {node.name: _measure_node(node) for node in cap.call_nodes()}
-    for name, nbytes in _saved_bytes(cap).items():
-        m = out[name]
-        values = list(m.values)
-        values[FIELDS.index("saved_bytes")] = nbytes
-        out[name] = replace(m, values=tuple(values))
+def _measure_graph(cap: Captured, regions: Sequence[kernel_table.Region] = (), *, spec: ModelSpec | None = None,
+                   bs: tuple[int, int] | None = None) -> dict[str, _Measure]:
+    """Every call node's numbers in graph order; each region's nodes replaced by its two fused nodes."""
+    start = {r.output: r for r in regions}
+    first_bwd: dict[str, kernel_table.Region] = {}
+    hidden = set()
+    for r in regions:
+        hidden |= r.fwd | r.bwd
+    order = [n for n in cap.call_nodes()]
+    for r in regions:
+        first = next((n.name for n in order if n.name in r.bwd), None)
+        if first is not None:
+            first_bwd[first] = r
+    by_name = {n.name: n for n in cap.graph_module.graph.nodes}
+    out: dict[str, _Measure] = {}
+    for node in order:
+        if node.name in start:
+            r = start[node.name]
+            out[r.fwd_name] = _fused_measure(r, by_name, spec, bs, backward=False)
+        if node.name in first_bwd:
+            r = first_bwd[node.name]
+            out[r.bwd_name] = _fused_measure(r, by_name, spec, bs, backward=True)
+        if node.name not in hidden:
+            out[node.name] = _measure_node(node)
+    states = {r.fwd_name: kernel_table.KERNELS[r.kernel].cost(spec, *bs).state_bytes for r in regions
+              if r.bwd}  # a kernel keeps its state only for a backward
+    saved = _saved_bytes(cap, regions)
+    for name in out:
+        nbytes = saved.get(name, 0) + states.get(name, 0)
+        if nbytes:
+            values = list(out[name].values)
+            values[FIELDS.index("saved_bytes")] = nbytes
+            out[name] = replace(out[name], values=tuple(values))
     return out
+
+
+def _fused_measure(region: kernel_table.Region, by_name: dict[str, fx.Node], spec: ModelSpec | None,
+                   bs: tuple[int, int] | None, *, backward: bool) -> _Measure:
+    """A fused kernel call: its rule's FLOPs; bytes = its inputs, output and state (forward), the
+    output gradient, inputs and state read and the input gradients written (backward)."""
+    cost = kernel_table.KERNELS[region.kernel].cost(spec, *bs)
+    inputs = sum(_nbytes(by_name[n].meta["val"]) for n in (*region.inputs, *region.param_inputs))
+    output = sum(t.numel() * t.element_size() for t in _tensors(by_name[region.output].meta.get("val")))
+    if backward:
+        values = (cost.bwd_flops, output + inputs + cost.state_bytes, inputs, 0)
+    else:
+        values = (cost.fwd_flops, inputs, output + cost.state_bytes, 0)
+    gemm = cost.gemm or (0, 0, 0, 0)
+    return _Measure(kind=OpKind.MATMUL, values=(*values, *gemm), gemm=cost.gemm is not None)
 
 
 # -- from numbers at sample points to expressions -----------------------------------------------------
@@ -407,7 +497,11 @@ def _poly(inv: list[list[Fraction]], values: Sequence[int]) -> sympy.Expr:
 
 def _padded_lengths(exprs: dict[str, tuple[sympy.Expr, ...]], names: Sequence[str],
                     odd: dict[str, _Measure], chunk: int) -> dict[str, tuple[sympy.Expr, ...]]:
-    """Re-express the numbers that follow the padded length l*ceiling(s/l) instead of s."""
+    """Re-express the numbers that follow the padded length l*ceiling(s/l) instead of s. The odd-length
+    trace's nodes are matched by position when it has as many as the samples (HF's extra un-padding
+    slice shifts the names of later slices; a fused kernel hides it), else by name."""
+    if len(odd) == len(names):
+        odd = dict(zip(names, odd.values()))
     b, s = 2, 2 * chunk + chunk // 2
     padded = chunk * ((s + chunk - 1) // chunk)
     s_pad = chunk * sympy.ceiling(S / chunk)
@@ -431,14 +525,20 @@ def _padded_lengths(exprs: dict[str, tuple[sympy.Expr, ...]], names: Sequence[st
 # -- blocks ---------------------------------------------------------------------------------------------
 
 def _assemble(spec: ModelSpec, cap: Captured, exprs: dict[str, tuple[sympy.Expr, ...]],
-              kinds: dict[str, _Measure], truncated: nn.Module) -> CostTable:
+              kinds: dict[str, _Measure], truncated: nn.Module,
+              regions: Sequence[kernel_table.Region] = ()) -> CostTable:
     names = list(exprs)
-    first_layer = next((i for i, n in enumerate(names) if cap.site(n).block is not None), len(names))
-    before = {cap.site(n).module_path for n in names[:first_layer] if cap.site(n).phase == FWD}
-    groups: dict[BlockKind, list[NodeCost]] = {k: [] for k in BlockKind}
+    sites = dict(cap.sites)
     targets = {n.name: str(n.target) for n in cap.call_nodes()}
+    for r in regions:
+        for name, phase in ((r.fwd_name, FWD), (r.bwd_name, BWD)):
+            sites[name] = Site(module_path=r.module_path, block=r.block, phase=phase)
+            targets[name] = f"autoshard.{r.kernel}" + (".backward" if phase == BWD else "")
+    first_layer = next((i for i, n in enumerate(names) if sites[n].block is not None), len(names))
+    before = {sites[n].module_path for n in names[:first_layer] if sites[n].phase == FWD}
+    groups: dict[BlockKind, list[NodeCost]] = {k: [] for k in BlockKind}
     for i, name in enumerate(names):
-        site = cap.site(name)
+        site = sites[name]
         if site.block is not None:
             kind = BlockKind.LAYER
         elif site.phase == FWD:

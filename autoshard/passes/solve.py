@@ -405,7 +405,7 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
             f"no valid layout of {devices} devices for {spec.name}: tp must divide the heads ({spec.heads}), "
             f"pp <= layers ({spec.layers}), dp x micro-batch must divide the global batch ({global_batch}); "
             "change the device count or the global batch")
-    ct = cost.compile_table(table if table is not None else build_cost_table(spec), spec)
+    ct = cost.compile_table(table if table is not None else build_cost_table(spec, kernels=hw.kernels), spec)
     result = search(ct, hw, global_batch=global_batch, seq_len=seq_len, layouts=layouts,
                     time_limit_s=time_limit_s, progress=progress)
     if not result.found:

@@ -33,44 +33,9 @@ from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
 from autoshard.runtime.context_parallel import CPContext, all_gather_autograd
+from autoshard.runtime.ssd import head_groups, local_sizes, ssd_chunk_scan, ssd_scan
 
-
-def ssd_chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
-    """The SSD scan from a zero state (Mamba-2 paper, sec. 6, chunked "state space dual" form).
-
-    x (b, L, h, p), dt (b, L, h) already softplus-ed and clamped, A (h,) negative,
-    B, C (b, L, h, n) expanded to heads. Returns y (b, L, h, p) without the D skip, and the final
-    state (b, h, p, n). All float32.
-    """
-    b, L, h, p = x.shape
-    pad = (-L) % chunk
-    if pad:  # dt = 0 on padding: no decay, no input, so the final state is unchanged
-        x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
-    nc = x.shape[1] // chunk
-
-    def chunked(t: Tensor) -> Tensor:
-        return t.reshape(b, nc, chunk, *t.shape[2:])
-
-    xd = chunked(x * dt[..., None])  # (b, nc, Q, h, p)
-    Bc, Cc = chunked(B), chunked(C)  # (b, nc, Q, h, n)
-    acs = chunked(dt * A).cumsum(2)  # (b, nc, Q, h) log-decay from chunk start
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
-    seg = (acs[:, :, :, None] - acs[:, :, None]).masked_fill(~lower[:, :, None], float("-inf"))
-    scores = torch.einsum("bclhn,bcshn->bclsh", Cc, Bc) * seg.exp()  # (b, nc, Q, Q, h)
-    y = torch.einsum("bclsh,bcshp->bclhp", scores, xd)  # intra-chunk (diagonal blocks)
-
-    to_end = (acs[:, :, -1:] - acs).exp()  # (b, nc, Q, h) decay from position to chunk end
-    states = torch.einsum("bcshn,bcsh,bcshp->bchpn", Bc, to_end, xd)  # (b, nc, h, p, n)
-    total = acs[:, :, -1]  # (b, nc, h) log-decay of each whole chunk
-    ends = total.cumsum(1)  # (b, nc, h)
-    starts = ends - total
-    # entering chunk c: sum_{z<c} exp(starts[c] - ends[z]) states[z]
-    strict = torch.ones(nc, nc, dtype=torch.bool, device=x.device).tril(-1)
-    w = (starts[:, :, None] - ends[:, None]).masked_fill(~strict[..., None], float("-inf")).exp()  # (b, c, z, h)
-    entering = torch.einsum("bczh,bzhpn->bchpn", w, states)
-    y = y + torch.einsum("bclhn,bchpn->bclhp", Cc, entering) * acs.exp()[..., None]
-    final = torch.einsum("bzh,bzhpn->bhpn", (ends[:, -1:] - ends).exp(), states)
-    return y.reshape(b, nc * chunk, h, p)[:, :L], final
+__all__ = ["conv_with_halo", "cp_mixer_forward", "install_cp_mixers", "prefix_state", "ssd_chunk_scan"]
 
 
 def prefix_state(final: Tensor, total: Tensor, ctx: CPContext) -> Tensor:
@@ -111,11 +76,9 @@ def cp_mixer_forward(mixer: nn.Module, ctx: CPContext, hidden_states: Tensor, ca
     if attention_mask is not None:
         hidden_states = hidden_states * attention_mask[:, :, None].to(dtype)
     proj = mixer.in_proj(hidden_states)  # (b, L, 2 d_in + 2 g n + h)
-    heads, head_dim, n = mixer.dt_bias.shape[0], mixer.head_dim, mixer.ssm_state_size
+    heads, head_dim, groups, n = local_sizes(mixer)
     inner = heads * head_dim
-    conv_dim = mixer.conv1d.weight.shape[0]
-    groups = (conv_dim - inner) // (2 * n)
-    gate, xbc, dt = proj.split([inner, conv_dim, heads], dim=-1)
+    gate, xbc, dt = proj.split([inner, inner + 2 * groups * n, heads], dim=-1)
     xbc = mixer.act(conv_with_halo(xbc, mixer.conv1d, ctx)).to(dtype)
     if attention_mask is not None:
         xbc = xbc * attention_mask[:, :, None].to(dtype)
@@ -123,16 +86,17 @@ def cp_mixer_forward(mixer: nn.Module, ctx: CPContext, hidden_states: Tensor, ca
     b, L, _ = x.shape
 
     A = -torch.exp(mixer.A_log.float())  # (h,)
+    group_of = head_groups(mixer, heads, groups, x.device)
+    # the local scan from a zero state: runtime/ssd.py's memory-efficient kernel (D skip included)
+    y, final = ssd_scan(x.view(b, L, heads, head_dim), dt, A, B.view(b, L, groups, n), C.view(b, L, groups, n),
+                        chunk=mixer.chunk_size, D=mixer.D, dt_bias=mixer.dt_bias, dt_limit=mixer.time_step_limit,
+                        head_group=group_of, final_state=True)
     lo, hi = mixer.time_step_limit
-    dt = F.softplus(dt.float() + mixer.dt_bias.float()).clamp(min=lo, max=hi)  # (b, L, h)
-    x = x.float().view(b, L, heads, head_dim)
-    B = B.float().view(b, L, groups, n).repeat_interleave(heads // groups, dim=2)  # (b, L, h, n)
-    C = C.float().view(b, L, groups, n).repeat_interleave(heads // groups, dim=2)
-    y, final = ssd_chunk_scan(x, dt, A, B, C, mixer.chunk_size)
+    dt = F.softplus(dt + mixer.dt_bias.to(dt.dtype)).clamp(min=lo, max=hi).float()  # (b, L, h), as HF
     log_decay = (dt * A).cumsum(1)  # (b, L, h)
     start = prefix_state(final, log_decay[:, -1], ctx)  # (b, h, p, n)
+    C = C.float().view(b, L, groups, n).index_select(2, group_of)  # (b, L, h, n)
     y = y + torch.einsum("blhn,bhpn->blhp", C, start) * log_decay.exp()[..., None]
-    y = y + mixer.D.float()[:, None] * x
     y = mixer.norm(y.reshape(b, L, inner), gate)
     return mixer.out_proj(y.to(dtype))
 

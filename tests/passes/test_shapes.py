@@ -14,6 +14,7 @@ from autoshard.models import PRESETS, build_model, get_spec
 from autoshard.models.presets import Family
 from autoshard.passes import shapes
 from autoshard.passes.capture import capture_model
+from autoshard.passes.kernels import KERNEL_NAMES, kernel_for
 
 FIELDS = ("flops", "bytes_read", "bytes_written", "saved_bytes")
 
@@ -23,7 +24,9 @@ def _at(expr, b, s):
 
 
 def _retrace(spec, b, s):
-    return shapes._measure_graph(shapes._trace(shapes._truncated(spec, torch.bfloat16, None), b, s, True))
+    """One concrete trace measured as the table is (fused kernels substituted)."""
+    cap = shapes._trace(shapes._truncated(spec, torch.bfloat16, None), b, s, True)
+    return shapes.measure(cap, spec, (b, s), kernel_for(spec, KERNEL_NAMES))
 
 
 @pytest.mark.parametrize("name,b,s", [("llama-tiny", 5, 80), ("mamba2-tiny", 5, 80)])
@@ -45,8 +48,10 @@ def test_mamba2_at_a_length_that_is_not_a_multiple_of_the_chunk():
     b, s = 3, 56
     retraced = _retrace(spec, b, s)
     nodes = [n for blk in table.blocks for n in blk.nodes]
-    assert set(retraced) - {n.name for n in nodes} <= {"slice_8", "slice_backward_3"}
-    _assert_nodes_equal(nodes, retraced, b, s, fields=("flops", "saved_bytes"))
+    # the un-padding slice and its gradient shift the names of later slices (at most two new names)
+    assert len(set(retraced) - {n.name for n in nodes}) <= 2
+    unshifted = [n for n in nodes if n.name in retraced and not n.name.startswith("slice")]
+    _assert_nodes_equal(unshifted, retraced, b, s, fields=("flops", "saved_bytes"))
     for i, field in enumerate(FIELDS):
         ours = sum(_at(getattr(n, field), b, s) for n in nodes)
         theirs = sum(m.values[i] for m in retraced.values())

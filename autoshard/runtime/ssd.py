@@ -1,0 +1,220 @@
+"""Memory-efficient chunked SSD for HF Mamba-2 mixers: what the cost model's `ssd_chunk_scan` prices.
+
+Contract
+--------
+* `ssd_scan(x, dt, A, B, C, *, chunk, D=None, dt_bias=None, dt_limit=(0, inf), head_group=None,
+  final_state=False)`: the Mamba-2 SSD (arXiv 2405.21060 sec. 6, "state space dual" chunked form),
+  the same math as HF's `mamba2_chunk_scan` (`torch_forward` path): `dt` is discretised inside
+  (dt + dt_bias, softplus, clamp), `B`, `C` stay per group (b, L, g, n) and head i reads group
+  `head_group[i]` (default: i // (h / g)). Returns y (b, L, h, p) in float32 with the D skip,
+  and, with `final_state=True`, the state after the last token (b, h, p, n).
+* Memory: an autograd Function that keeps for backward only its inputs (as given: bf16 views
+  stay views) and the float32 state entering every chunk (b, L/l, h, p, n). Backward recomputes
+  the chunk-local tensors (the l x l masks and scores, B and C repeated to heads) one phase at a
+  time: outputs from the saved chunk states, then the chunk states themselves. That is the
+  contract of mamba_ssm's / Ascend's fused kernels and of `passes/kernels.py` `ssd_cost`.
+* `mixer_forward(mixer, hidden_states, ...)`: HF `Mamba2Mixer.forward` (training path, no cache)
+  with the scan above; every op outside the scan is HF's own, so what they save for backward is
+  what the captured graph says. `install_ssd_mixers(model)` puts it on every `Mamba2Mixer`.
+* `ssd_chunk_scan(x, dt, A, B, C, chunk)`: the plain autograd version from a zero state (B, C
+  already per head, dt already discretised), kept as the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+# -- the math, in phases ------------------------------------------------------------------------------
+
+def _chunked(t: Tensor, chunk: int) -> Tensor:
+    b, L = t.shape[:2]
+    pad = (-L) % chunk
+    if pad:  # dt = 0 on padding: no decay, no input, so states are unchanged
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+    return t.reshape(b, (L + pad) // chunk, chunk, *t.shape[2:])
+
+
+def _prepare(x, dt, A, B, C, chunk):
+    """(x dt, B, C, log-decay from chunk start) chunked: (b, c, l, h, p), (b, c, l, h, n) x2, (b, c, l, h)."""
+    return (_chunked(x * dt[..., None], chunk), _chunked(B, chunk), _chunked(C, chunk),
+            _chunked(dt * A, chunk).cumsum(2))
+
+
+def _intra(xd: Tensor, Bc: Tensor, Cc: Tensor, acs: Tensor) -> Tensor:
+    """Diagonal blocks: y_l = sum_{s<=l} (C_l . B_s) exp(acs_l - acs_s) x_s dt_s, within each chunk."""
+    chunk = xd.shape[2]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=xd.device).tril()
+    seg = (acs[:, :, :, None] - acs[:, :, None]).masked_fill(~lower[:, :, None], float("-inf"))
+    scores = torch.einsum("bclhn,bcshn->bclsh", Cc, Bc) * seg.exp()  # (b, c, l, l, h)
+    return torch.einsum("bclsh,bcshp->bclhp", scores, xd)
+
+
+def _entering(xd: Tensor, Bc: Tensor, acs: Tensor, initial: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """States entering every chunk (b, c, h, p, n) and after the last one (b, h, p, n)."""
+    to_end = (acs[:, :, -1:] - acs).exp()  # (b, c, l, h)
+    states = torch.einsum("bcshn,bcsh,bcshp->bchpn", Bc, to_end, xd)  # each chunk's own contribution
+    total = acs[:, :, -1]  # (b, c, h)
+    ends = total.cumsum(1)
+    starts = ends - total
+    nc = xd.shape[1]
+    strict = torch.ones(nc, nc, dtype=torch.bool, device=xd.device).tril(-1)
+    w = (starts[:, :, None] - ends[:, None]).masked_fill(~strict[..., None], float("-inf")).exp()  # (b, c, z, h)
+    entering = torch.einsum("bczh,bzhpn->bchpn", w, states)
+    final = torch.einsum("bzh,bzhpn->bhpn", (ends[:, -1:] - ends).exp(), states)
+    if initial is not None:
+        entering = entering + starts.exp()[..., None, None] * initial[:, None]
+        final = final + ends[:, -1].exp()[..., None, None] * initial
+    return entering, final
+
+
+def _off(Cc: Tensor, entering: Tensor, acs: Tensor) -> Tensor:
+    """Off-diagonal blocks: the state entering the chunk read out by C, decayed to position l."""
+    return torch.einsum("bclhn,bchpn->bclhp", Cc, entering) * acs.exp()[..., None]
+
+
+def ssd_chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """The SSD scan from a zero state with plain autograd. x (b, L, h, p), dt (b, L, h) already
+    softplus-ed and clamped, A (h,) negative, B, C (b, L, h, n) expanded to heads. Returns y
+    (b, L, h, p) without the D skip, and the final state (b, h, p, n). All float32."""
+    b, L, h, p = x.shape
+    xd, Bc, Cc, acs = _prepare(x, dt, A, B, C, chunk)
+    entering, final = _entering(xd, Bc, acs)
+    y = _intra(xd, Bc, Cc, acs) + _off(Cc, entering, acs)
+    return y.reshape(b, -1, h, p)[:, :L], final
+
+
+# -- the memory-efficient Function -----------------------------------------------------------------------
+
+def _per_head(x, dt, A, B, C, D, dt_bias, dt_limit, head_group):
+    """float32 inputs of the scan: dt discretised as HF does, B and C gathered to heads."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    dt = F.softplus(dt).clamp(min=dt_limit[0], max=dt_limit[1]).float()
+    B, C = (t.float().index_select(2, head_group) for t in (B, C))
+    return x.float(), dt, A.float(), B, C
+
+
+class _SSDScan(torch.autograd.Function):
+    """Saves the inputs and the float32 chunk states; recomputes the rest in backward."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, dt_bias, head_group, chunk, dt_limit, want_final):
+        b, L, h, p = x.shape
+        with torch.no_grad():
+            xf, dtf, Af, Bh, Ch = _per_head(x, dt, A, B, C, D, dt_bias, dt_limit, head_group)
+            xd, Bc, Cc, acs = _prepare(xf, dtf, Af, Bh, Ch, chunk)
+            entering, final = _entering(xd, Bc, acs)
+            y = (_intra(xd, Bc, Cc, acs) + _off(Cc, entering, acs)).reshape(b, -1, h, p)[:, :L]
+            if D is not None:
+                y = y + D.float()[:, None] * xf
+        ctx.save_for_backward(x, dt, A, B, C, D, dt_bias, head_group, entering)
+        ctx.chunk, ctx.dt_limit, ctx.want_final = chunk, dt_limit, want_final
+        return (y.contiguous(), final) if want_final else y.contiguous()
+
+    @staticmethod
+    def backward(ctx, dy, dfinal=None):
+        x, dt, A, B, C, D, dt_bias, head_group, entering = ctx.saved_tensors
+        chunk = ctx.chunk
+        inputs = (x, dt, A, B, C, D, dt_bias)
+        leaves = [t.detach().requires_grad_(need) if t is not None else None
+                  for t, need in zip(inputs, ctx.needs_input_grad[:7])]
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        b, L, h, p = x.shape
+        with torch.enable_grad():
+            # phase 1: outputs from the saved chunk states (the l x l work, recomputed chunk by chunk)
+            xf, dtf, Af, Bh, Ch = _per_head(*leaves[:5], leaves[5], leaves[6], ctx.dt_limit, head_group)
+            xd, Bc, Cc, acs = _prepare(xf, dtf, Af, Bh, Ch, chunk)
+            state_in = entering.detach().requires_grad_()
+            y = (_intra(xd, Bc, Cc, acs) + _off(Cc, state_in, acs)).reshape(b, -1, h, p)[:, :L]
+            if leaves[5] is not None:
+                y = y + leaves[5].float()[:, None] * xf
+            grads = torch.autograd.grad(y, [*wanted, state_in], dy, allow_unused=True)
+            del xd, Bc, Cc, acs, y
+            # phase 2: the chunk states (and the final state) from the inputs, without the l x l tensors
+            xf, dtf, Af, Bh, Ch = _per_head(*leaves[:5], leaves[5], leaves[6], ctx.dt_limit, head_group)
+            xd, Bc, _, acs = _prepare(xf, dtf, Af, Bh, Ch, chunk)
+            again, final = _entering(xd, Bc, acs)
+            outs, douts = [again], [grads[-1]]
+            if dfinal is not None:
+                outs.append(final)
+                douts.append(dfinal)
+            more = torch.autograd.grad(outs, wanted, douts, allow_unused=True)
+        total = iter([_add(g1, g2) for g1, g2 in zip(grads[:-1], more)])
+        result = [next(total) if t is not None and t.requires_grad else None for t in leaves]
+        return (*result, None, None, None, None)
+
+
+def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk: int, D: Tensor | None = None,
+             dt_bias: Tensor | None = None, dt_limit: tuple[float, float] = (0.0, float("inf")),
+             head_group: Tensor | None = None, final_state: bool = False):
+    """See the module docstring. x (b, L, h, p), dt (b, L, h) before softplus, A (h,), B, C (b, L, g, n)."""
+    h, g = x.shape[2], B.shape[2]
+    if head_group is None:
+        head_group = torch.arange(h, device=x.device) // (h // g)
+    return _SSDScan.apply(x, dt, A, B, C, D, dt_bias, head_group, chunk, tuple(dt_limit), final_state)
+
+
+# -- the HF mixer ---------------------------------------------------------------------------------------
+
+def local_sizes(mixer: nn.Module) -> tuple[int, int, int, int]:
+    """(heads, head_dim, groups, state) this mixer holds, read off its parameters (TP may have split them)."""
+    heads, n = mixer.dt_bias.shape[0], mixer.ssm_state_size
+    inner = heads * mixer.head_dim
+    groups = (mixer.conv1d.weight.shape[0] - inner) // (2 * n)
+    return heads, mixer.head_dim, groups, n
+
+
+def head_groups(mixer: nn.Module, heads: int, groups: int, device) -> Tensor:
+    """The group each local head reads: `mixer.ssd_head_offset` / `ssd_heads_per_group` when tensor
+    parallelism replicated the groups (runtime/tensor_parallel.py), else heads split evenly."""
+    offset = getattr(mixer, "ssd_head_offset", 0)
+    per_group = getattr(mixer, "ssd_heads_per_group", heads // groups)
+    return (torch.arange(heads, device=device) + offset) // per_group
+
+
+def mixer_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
+                  **kwargs) -> Tensor:
+    """HF Mamba2Mixer.forward (torch path, training, no cache) with `ssd_scan` for the chunk scan."""
+    if cache is not None:
+        return type(mixer).forward(mixer, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states, causal_conv1d_fn
+
+    b, L, _ = hidden_states.shape
+    dtype = hidden_states.dtype
+    heads, head_dim, groups, n = local_sizes(mixer)
+    inner = heads * head_dim
+    hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
+    proj = mixer.in_proj(hidden_states)  # (b, L, 2 d_in + 2 g n + h)
+    A = -torch.exp(mixer.A_log.float())
+    gate, xbc, dt = proj.split([inner, inner + 2 * groups * n, heads], dim=-1)
+    xbc = causal_conv1d_fn(xbc.transpose(1, 2), mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias,
+                           activation=mixer.activation)
+    xbc = apply_mask_to_padding_states(xbc.transpose(1, 2), attention_mask)
+    x, B, C = torch.split(xbc, [inner, groups * n, groups * n], dim=-1)
+    y = ssd_scan(x.view(b, L, heads, head_dim), dt, A, B.view(b, L, groups, n), C.view(b, L, groups, n),
+                 chunk=mixer.chunk_size, D=mixer.D, dt_bias=mixer.dt_bias, dt_limit=mixer.time_step_limit,
+                 head_group=head_groups(mixer, heads, groups, x.device))
+    y = mixer.norm(y.reshape(b, L, -1), gate)
+    return mixer.out_proj(y.to(dtype))
+
+
+def install_ssd_mixers(model: nn.Module) -> int:
+    """Run every HF Mamba2Mixer of `model` through `mixer_forward`; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ == "Mamba2Mixer":
+            def forward(hidden_states, cache=None, attention_mask=None, _mixer=module, **kwargs):
+                return mixer_forward(_mixer, hidden_states, cache, attention_mask, **kwargs)
+
+            module.forward = forward
+            count += 1
+    return count
