@@ -116,13 +116,20 @@ class Shard:
     index: int
     parts: int
     segments: tuple[int, ...]
+    whole: tuple[bool, ...] = ()  # per piece: kept whole on every rank (Mamba-2 B/C when tp does not divide groups)
+
+    def kept_whole(self, i: int) -> bool:
+        return bool(self.whole) and self.whole[i]
+
+    def local_sizes(self) -> tuple[int, ...]:
+        """Length along `dim` of this rank's part of every piece."""
+        return tuple(size if self.kept_whole(i) else size // self.parts for i, size in enumerate(self.segments))
 
     def ranges(self) -> tuple[tuple[int, int], ...]:
         """(start, length) along `dim` of this rank's slice of every piece, in the full tensor."""
         out, offset = [], 0
-        for size in self.segments:
-            step = size // self.parts
-            out.append((offset + self.index * step, step))
+        for i, (size, step) in enumerate(zip(self.segments, self.local_sizes())):
+            out.append((offset if self.kept_whole(i) else offset + self.index * step, step))
             offset += size
         return tuple(out)
 

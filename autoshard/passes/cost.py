@@ -345,7 +345,7 @@ def _cp_dim(node) -> int:
 
 def _tp_divisor(blk: CompiledBlock, spec: ModelSpec, tp: int) -> np.ndarray:
     """Per node: what TP divides its work and saved bytes by, its role's parts (sharding table)."""
-    parts = np.array([1.0, *(float(sharding.role_parts(spec, r, tp)) for r in sharding.table(spec))])
+    parts = np.array([1.0, *(sharding.role_divisor(spec, r, tp) for r in sharding.table(spec))])
     return parts[blk.role + 1]
 
 
@@ -433,6 +433,11 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=1)
     if kind is BlockKind.LAYER:
         n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
+        spec = ct.spec
+        if spec.family is Family.MAMBA2 and spec.groups % tp:  # groups kept whole: the gated norm's
+            # fp32 per-group sums of squares are added over tp, forward and backward (runtime/ssd.py)
+            sync = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * spec.groups * 4, size=tp, stride=1)
+            return n * ar + sync, n * ar + sync
         return n * ar, n * ar
     if kind is BlockKind.EMBED:
         return ar, 0.0  # vocab-parallel lookup: partial sums all-reduced in forward

@@ -7,8 +7,9 @@ tensor-parallel rank `r` of the unmodified HF model whose parameters are `params
 * `placements`: every parameter name -> `Replicate()` or `Shard(dim, index, parts, segments)`.
   A sharded tensor is the concatenation along `dim` of pieces of sizes `segments` (one piece
   for a plain linear; Mamba-2's in_proj is [z, x, B, C, dt]); each piece is cut in `parts`
-  equal slices and the rank keeps slice `index` of every piece. `parts` < tp means the slice
-  is held by tp / parts ranks whose gradients are partial sums (`partial_grads`).
+  equal slices and the rank keeps slice `index` of every piece, except the pieces marked in
+  `whole`, which every rank keeps whole. `parts` < tp, or a whole piece, means the slice is held
+  by several ranks whose gradients are partial sums (`partial_grads`).
 * `regions`: module paths whose input enters a tensor-parallel region (identity forward,
   gradient all-reduce backward), `rowwise`: linears whose partial outputs are summed (all-reduce
   forward, identity backward); `vocab_embed` / `vocab_head`: the vocab-parallel embedding and LM
@@ -45,14 +46,14 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
     placements, partial = [], []
     for name in params:
         placement = _placement(spec, name, tp, tp_rank) if tp > 1 else Replicate()
-        if isinstance(placement, Shard) and placement.parts < tp:
+        if isinstance(placement, Shard) and (placement.parts < tp or any(placement.whole)):
             partial.append(name)
         placements.append((name, placement))
     layers = [sharding.layer_prefix(spec, i) for i in range(spec.layers)]
     return ShardProgram(
         tp=tp, tp_rank=tp_rank, placements=tuple(placements), partial_grads=tuple(partial),
         checkpoint=_checkpointed(spec, layers, layer_recompute(plan, spec)),
-        **(_tp_modules(spec, layers, tp) if tp > 1 else {}),
+        **(_tp_modules(spec, layers, tp, tp_rank) if tp > 1 else {}),
     )
 
 
@@ -64,11 +65,12 @@ def _placement(spec: ModelSpec, name: str, tp: int, tp_rank: int) -> Placement:
     if role is None or attr not in role.params or role.strategy in (Strategy.REPLICATE, Strategy.EXPERT):
         return Replicate()  # (experts: whole on every tp rank, split over ep by runtime/expert_parallel.py)
     parts = sharding.role_parts(spec, role, tp)
+    whole = sharding.whole_pieces(spec, role, tp)
     return Shard(dim=1 if role.strategy is Strategy.ROWWISE else 0, index=tp_rank * parts // tp, parts=parts,
-                 segments=tuple(sharding.size(spec, p.length) for p in role.pieces))
+                 segments=tuple(sharding.size(spec, p.length) for p in role.pieces), whole=whole if any(whole) else ())
 
 
-def _tp_modules(spec: ModelSpec, layers: list[str], tp: int) -> dict:
+def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int) -> dict:
     embed = sharding.modules(spec, Strategy.VOCAB, BlockKind.EMBED)
     head = sharding.modules(spec, Strategy.VOCAB, BlockKind.HEAD)
     common = dict(regions=sharding.modules(spec, Strategy.REGION), rowwise=sharding.modules(spec, Strategy.ROWWISE),
@@ -78,10 +80,16 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int) -> dict:
         if spec.kv_heads < tp:  # one KV head per rank serves heads/tp query heads
             attrs = tuple((f"{p}.self_attn", "num_key_value_groups", spec.heads // tp) for p in layers)
         return dict(common, attrs=attrs)
-    heads, groups, inner = spec.heads // tp, spec.groups // tp, spec.intermediate // tp
+    split_groups = spec.groups % tp == 0  # else every rank keeps all groups (B, C whole) and its heads' own
+    heads, groups, inner = spec.heads // tp, spec.groups // tp if split_groups else spec.groups, spec.intermediate // tp
     conv_dim = inner + 2 * groups * spec.state
     sizes = (("num_heads", heads), ("n_groups", groups), ("intermediate_size", inner), ("conv_dim", conv_dim))
+    if not split_groups:  # runtime/ssd.py: which group each local head reads, and the norm's group sync
+        sizes += (("ssd_heads_per_group", spec.heads // spec.groups), ("ssd_norm_group_size", spec.intermediate
+                                                                          // spec.groups))
     attrs = [(f"{p}.mixer", k, v) for p in layers for k, v in sizes]
+    if not split_groups:
+        attrs += [(f"{p}.mixer", "ssd_head_offset", heads * tp_rank) for p in layers]
     attrs += [(f"{p}.mixer.conv1d", k, conv_dim) for p in layers for k in ("in_channels", "out_channels", "groups")]
     return dict(common, attrs=tuple(attrs))
 

@@ -18,13 +18,17 @@ tensors lists its `pieces`: the pieces of its parameters along the split dimensi
 plain linear; Mamba-2's in_proj is [z, x, B, C, dt]) and, per piece, the count that TP splits
 (heads, KV heads, groups, the MLP width, the vocabulary). `tp` must divide that count; a piece
 marked `share=True` also allows tp to be a multiple of the count (each rank then keeps one part,
-shared by tp / count ranks: LLaMA's KV heads under GQA).
+shared by tp / count ranks: LLaMA's KV heads under GQA); a piece marked `whole=True` is kept
+whole on every rank when tp does not divide its count (its gradient summed over tp: Mamba-2's
+B/C projections and conv channels when tp does not divide n_groups, e.g. mamba2-1b's one group;
+the heads are still split, each reading its own group, and the gated norm syncs its per-group
+sums of squares over tp, runtime/ssd.py `gated_norm`).
 
 Mixture of experts (`MOE_TABLES`, Mixtral and Qwen2-MoE): LLaMA's table with the MoE block in place
 of the MLP: router and shared expert `replicate`, the routed experts `expert` (split over the ep
 axis by `runtime/expert_parallel.py`, which finds them here; whole on every tp rank).
 
-Adding an entry (say Mamba-2 groups replicated): append a `Role` to the family's table; if it needs a new kind of runtime behaviour add a `Strategy` and teach
+Adding an entry: append a `Role` to the family's table; if it needs a new kind of runtime behaviour add a `Strategy` and teach
 `rewrite.shard_program` and `cost.node_divisor` what it means; the validator and the plan's
 placements follow by themselves.
 
@@ -66,6 +70,7 @@ class Piece:
     length: str
     count: str
     share: bool = False
+    whole: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +157,7 @@ MOE_TABLES: dict[str, tuple[Role, ...]] = {
     "qwen2_moe": _LLAMA_NO_MLP + _MOE_BLOCK + _SHARED_EXPERT,
 }
 
-_INNER, _GN = Piece("inner", "heads"), Piece("group_state", "groups")
+_INNER, _GN = Piece("inner", "heads"), Piece("group_state", "groups", whole=True)
 MAMBA2 = (
     Role("backbone.embeddings", _E, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
     Role("norm", _L, Strategy.REPLICATE),
@@ -160,7 +165,7 @@ MAMBA2 = (
     Role("mixer.in_proj", _L, Strategy.COLWISE, (_INNER, _INNER, _GN, _GN, Piece("heads", "heads")), _LINEAR,
          fan="hidden"),
     Role("mixer.conv1d", _L, Strategy.COLWISE, (_INNER, _GN, _GN), _LINEAR, fan="conv"),
-    Role("mixer.norm", _L, Strategy.COLWISE, (Piece("inner", "groups"),)),  # gated RMSNorm, per group
+    Role("mixer.norm", _L, Strategy.COLWISE, (_INNER,)),  # gated RMSNorm over groups: by heads, synced if needed
     Role("mixer.out_proj", _L, Strategy.ROWWISE, (_INNER,), fan="hidden"),
     Role("backbone.norm_f", _H, Strategy.REPLICATE),
     Role("lm_head", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
@@ -189,18 +194,39 @@ def piece_parts(spec: ModelSpec, piece: Piece, tp: int) -> int | None:
         return tp
     if piece.share and tp % count == 0:
         return count
+    if piece.whole:
+        return 1
     return None
 
 
+def whole_pieces(spec: ModelSpec, role: Role, tp: int) -> tuple[bool, ...]:
+    """Per piece of the role: kept whole on every rank at `tp` (a `whole` piece tp does not split)."""
+    return tuple(p.whole and tp > 1 and size(spec, p.count) % tp != 0 for p in role.pieces)
+
+
 def role_parts(spec: ModelSpec, role: Role, tp: int) -> int:
-    """Distinct slices of the role's tensors at `tp` (1 for a replicated role). Raises ValueError
-    when tp cannot split it (`tp_violation` says why first) or its pieces disagree."""
+    """Distinct slices of the role's split pieces at `tp` (1 for a replicated role; pieces kept
+    whole, `whole_pieces`, do not count). Raises ValueError when tp cannot split it (`tp_violation`
+    says why first) or its pieces disagree."""
     if role.strategy is Strategy.REPLICATE or not role.pieces or tp == 1:
         return 1
-    parts = {piece_parts(spec, p, tp) for p in role.pieces}
-    if None in parts or len(parts) != 1:
+    kept = whole_pieces(spec, role, tp)
+    parts = {piece_parts(spec, p, tp) for p, k in zip(role.pieces, kept) if not k}
+    if None in parts or len(parts) > 1:
         raise ValueError(f"{role.path}: tp={tp} splits its pieces into {sorted(map(str, parts))} parts")
-    return parts.pop()
+    return parts.pop() if parts else 1
+
+
+def role_divisor(spec: ModelSpec, role: Role, tp: int) -> float:
+    """What TP divides the role's work, activations and weights by: its parts, or, with pieces kept
+    whole, the whole length over the length one rank holds."""
+    parts = role_parts(spec, role, tp)
+    kept = whole_pieces(spec, role, tp)
+    if not any(kept):
+        return float(parts)
+    lengths = [size(spec, p.length) for p in role.pieces]
+    held = sum(n if k else n / parts for n, k in zip(lengths, kept))
+    return sum(lengths) / held
 
 
 def parts(spec: ModelSpec, path: str, tp: int) -> int:
@@ -264,10 +290,10 @@ def _full(spec: ModelSpec, role: Role, path: str) -> str:
 
 # -- derived: the cost model's numbers ----------------------------------------------------------------
 
-def node_divisor(spec: ModelSpec, kind: BlockKind, path: str, tp: int) -> int:
-    """What TP divides the work and activations of an op at module `path` by: its role's parts."""
+def node_divisor(spec: ModelSpec, kind: BlockKind, path: str, tp: int) -> float:
+    """What TP divides the work and activations of an op at module `path` by (`role_divisor`)."""
     role = role_of(spec, kind, path)
-    return 1 if role is None else role_parts(spec, role, tp)
+    return 1.0 if role is None else role_divisor(spec, role, tp)
 
 
 def role_numel(spec: ModelSpec, role: Role) -> int:
@@ -289,7 +315,7 @@ def params_per_rank(spec: ModelSpec, kind: BlockKind, total: float, tp: int) -> 
         if role.block is not kind or not role.params:
             continue
         n = min(float(role_numel(spec, role)), left)
-        held += n / role_parts(spec, role, tp)
+        held += n / role_divisor(spec, role, tp)
         left -= n
     return held + left / tp
 
@@ -330,5 +356,7 @@ def block_placements(spec: ModelSpec, *, tp: int) -> tuple[tuple[str, str], ...]
         parts = role_parts(spec, role, tp)
         if role.strategy is not Strategy.REPLICATE and role.pieces and parts < tp:
             value = f"{value} ({parts} parts)"
+        if any(whole_pieces(spec, role, tp)):
+            value = f"{value} (groups whole)"
         out.append((name, value))
     return tuple(out)

@@ -7,6 +7,9 @@ on the group, so a model split over tp computes the same gradients as the unspli
     reduce_from_group   forward all-reduce      backward identity           ("g")
     gather_last_dim     forward all-gather      backward keep own slice
                         (concat on the last dim)
+    sum_over_group      forward all-reduce      backward all-reduce (sum)
+                        (a total every rank uses for its own slice: the gated norm's
+                        sums of squares when a norm group spans ranks)
 
 They call torch.distributed directly, not `_c10d_functional.all_reduce`, whose autograd in
 torch 2.13 all-reduces again in backward (the trap in DESIGN.md). With a group of size 1 they
@@ -63,6 +66,22 @@ class _GatherLastDim(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         n, rank = _size(ctx.group), dist.get_rank(ctx.group)
         return grad.chunk(n, dim=-1)[rank].contiguous(), None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+def sum_over_group(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """The sum of every rank's `x`, used by every rank for its own slice: all-reduce both ways."""
+    return x if _size(group) == 1 else _SumOverGroup.apply(x, group)
 
 
 def copy_to_group(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
 from autoshard.runtime.context_parallel import CPContext, all_gather_autograd
-from autoshard.runtime.ssd import head_groups, local_sizes, ssd_chunk_scan, ssd_scan
+from autoshard.runtime.ssd import gated_norm, head_groups, local_sizes, ssd_chunk_scan, ssd_scan
 
 __all__ = ["conv_with_halo", "cp_mixer_forward", "install_cp_mixers", "prefix_state", "ssd_chunk_scan"]
 
@@ -97,7 +97,7 @@ def cp_mixer_forward(mixer: nn.Module, ctx: CPContext, hidden_states: Tensor, ca
     start = prefix_state(final, log_decay[:, -1], ctx)  # (b, h, p, n)
     C = C.float().view(b, L, groups, n).index_select(2, group_of)  # (b, L, h, n)
     y = y + torch.einsum("blhn,bhpn->blhp", C, start) * log_decay.exp()[..., None]
-    y = mixer.norm(y.reshape(b, L, inner), gate)
+    y = gated_norm(mixer, y.reshape(b, L, inner), gate)
     return mixer.out_proj(y.to(dtype))
 
 

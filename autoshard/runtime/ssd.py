@@ -203,8 +203,32 @@ def mixer_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention
     y = ssd_scan(x.view(b, L, heads, head_dim), dt, A, B.view(b, L, groups, n), C.view(b, L, groups, n),
                  chunk=mixer.chunk_size, D=mixer.D, dt_bias=mixer.dt_bias, dt_limit=mixer.time_step_limit,
                  head_group=head_groups(mixer, heads, groups, x.device))
-    y = mixer.norm(y.reshape(b, L, -1), gate)
+    y = gated_norm(mixer, y.reshape(b, L, -1), gate)
     return mixer.out_proj(y.to(dtype))
+
+
+def gated_norm(mixer: nn.Module, y: Tensor, gate: Tensor) -> Tensor:
+    """The mixer's gated RMSNorm (HF MambaRMSNormGated: y * silu(gate), RMS per group of channels).
+    When tensor parallelism kept the groups whole (`mixer.ssd_norm_group_size`, the global group
+    width), a group's channels lie on several ranks: each rank sums the squares of its heads per
+    group and the sums are added over the tp group (`comm.sum_over_group`) before normalising."""
+    size = getattr(mixer, "ssd_norm_group_size", None)
+    if size is None:
+        return mixer.norm(y, gate)
+    from autoshard.runtime.comm import sum_over_group
+
+    norm = mixer.norm
+    dtype = y.dtype
+    h = y.float() * F.silu(gate.float())  # (b, L, heads p)
+    heads, head_dim, groups, _ = local_sizes(mixer)
+    per_head = h.view(*h.shape[:-1], heads, head_dim)
+    group_of = head_groups(mixer, heads, groups, y.device)
+    squares = per_head.pow(2).sum(-1)  # (b, L, heads)
+    sums = squares.new_zeros(*squares.shape[:-1], groups).index_add(-1, group_of, squares)
+    sums = sum_over_group(sums, getattr(mixer, "ssd_tp_group", None))  # (b, L, groups), all ranks
+    rstd = torch.rsqrt(sums / size + norm.variance_epsilon).index_select(-1, group_of)  # (b, L, heads)
+    h = (per_head * rstd[..., None]).reshape(h.shape)
+    return norm.weight * h.to(dtype)
 
 
 def install_ssd_mixers(model: nn.Module) -> int:

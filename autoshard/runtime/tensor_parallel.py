@@ -45,9 +45,9 @@ def unshard(slices: Sequence[Tensor], placement: Replicate | Shard) -> Tensor:
     if isinstance(placement, Replicate):
         return slices[0]
     distinct = slices[:: len(slices) // placement.parts]  # ranks holding the same slice agree
-    per_piece = [s.split([n // placement.parts for n in placement.segments], dim=placement.dim)
-                 for s in distinct]
-    pieces = [torch.cat([p[i] for p in per_piece], dim=placement.dim) for i in range(len(placement.segments))]
+    per_piece = [s.split(list(placement.local_sizes()), dim=placement.dim) for s in distinct]
+    pieces = [per_piece[0][i] if placement.kept_whole(i) else torch.cat([p[i] for p in per_piece], dim=placement.dim)
+              for i in range(len(placement.segments))]
     return torch.cat(pieces, dim=placement.dim)
 
 
@@ -96,6 +96,8 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
             setattr(module, attr, new)
     for path, attr, value in program.attrs:
         setattr(model.get_submodule(path), attr, value)
+        if attr == "ssd_norm_group_size":  # a Mamba-2 norm group spans ranks: runtime/ssd.py gated_norm syncs
+            model.get_submodule(path).ssd_tp_group = group
     for path in program.regions:
         model.get_submodule(path).register_forward_pre_hook(
             functools.partial(_enter_region, group=group), with_kwargs=True)
@@ -117,7 +119,8 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
 
 def partial_grad_reducer(model: nn.Module, program: ShardProgram, group: dist.ProcessGroup | None):
     """A `GradSync.prepare` callback that sums the gradients of slices held by several tp ranks
-    (`program.partial_grads`, e.g. one KV head serving the query heads of tp / kv_heads ranks)."""
+    (`program.partial_grads`, e.g. one KV head serving the query heads of tp / kv_heads ranks, or
+    Mamba-2's B/C rows kept whole on every rank)."""
     placements = dict(program.placements)
     partial = {id(p): placements[n] for n, p in model.named_parameters() if n in program.partial_grads}
 
@@ -126,12 +129,29 @@ def partial_grad_reducer(model: nn.Module, program: ShardProgram, group: dist.Pr
             placement = partial.get(id(param))
             if placement is None or param.grad is None:
                 continue
+            if any(placement.whole):
+                _sum_whole_pieces(param.grad, placement, group)
+                continue
             slots = param.grad.new_zeros((placement.parts, *param.grad.shape))  # one slot per distinct slice
             slots[placement.index] = param.grad
             dist.all_reduce(slots, group=group)
             param.grad = slots[placement.index].clone()
 
     return prepare if partial else None
+
+
+def _sum_whole_pieces(grad: Tensor, placement: Shard, group) -> None:
+    """Sum over tp, in place, the rows of the pieces every rank holds whole (each rank's gradient
+    there is the part its own heads contributed)."""
+    starts, offset = [], 0
+    for i, n in enumerate(placement.local_sizes()):
+        if placement.kept_whole(i):
+            starts.append(torch.arange(offset, offset + n, device=grad.device))
+        offset += n
+    rows = torch.cat(starts)
+    part = grad.index_select(placement.dim, rows).contiguous()
+    dist.all_reduce(part, group=group)
+    grad.index_copy_(placement.dim, rows, part)
 
 
 def _enter_region(module: nn.Module, args: tuple, kwargs: dict, *, group) -> tuple[tuple, dict]:

@@ -6,11 +6,17 @@ Each world size is spawned once and runs all its configurations (start-up costs 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+
+from autoshard.models.presets import get_spec
 
 from tests.runtime.dist_harness import run_ranks
 from tests.runtime.equivalence import check_plan
 
+# mamba2-tiny with one group (as mamba2-1b): tp does not divide the groups, so B/C are kept whole
+ONE_GROUP = dataclasses.replace(get_spec("mamba2-tiny"), name="mamba2-tiny-1group", groups=1)
 WORLD2 = (
     ("llama-tiny", dict(dp=2), True),
     ("llama-tiny", dict(tp=2), True),
@@ -29,6 +35,7 @@ WORLD2 = (
         ("llama-tiny", dict(dp=2, zero=1)), ("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2, micro_batch=2)),
         ("llama-tiny", dict(cp=2)), ("mamba2-tiny", dict(dp=2, zero=2, micro_batch=2)), ("mamba2-tiny", dict(tp=2)),
         ("mamba2-tiny", dict(pp=2, micro_batch=2)), ("mamba2-tiny", dict(cp=2)))),
+    (ONE_GROUP, dict(tp=2), True),  # heads split, the one group whole on both ranks
 )
 WORLD4 = (
     ("llama-tiny", dict(dp=2, tp=2, micro_batch=2), True),
@@ -43,6 +50,8 @@ WORLD4 = (
     ("llama-tiny", dict(dp=2, cp=2, zero=2, micro_batch=2), False),  # shards over dp x cp
     ("llama-tiny", dict(pp=2, tp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2), True),
     ("mamba2-tiny", dict(pp=2, tp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2), False),
+    ("mamba2-tiny", dict(tp=4), False),  # 2 groups at tp 4: groups whole, the norm synced
+    (ONE_GROUP, dict(dp=2, tp=2), False),
 )
 WORLD8 = (
     ("llama-tiny", dict(dp=2, pp=2, tp=2, micro_batch=2), True),
