@@ -447,7 +447,8 @@ def _fused_measure(region: kernel_table.Region, by_name: dict[str, fx.Node], spe
     else:
         values = (cost.fwd_flops, inputs, output + cost.state_bytes, 0)
     gemm = cost.gemm or (0, 0, 0, 0)
-    return _Measure(kind=OpKind.MATMUL, values=(*values, *gemm), gemm=cost.gemm is not None)
+    kind = OpKind.MATMUL if cost.gemm is not None else OpKind.VECTOR
+    return _Measure(kind=kind, values=(*values, *gemm), gemm=cost.gemm is not None)
 
 
 # -- from numbers at sample points to expressions -----------------------------------------------------
