@@ -55,12 +55,12 @@ import sympy
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import B, S, CostTable
-from autoshard.ir import BlockKind, Mesh, OpKind, Stage, even_stages
+from autoshard.ir import BlockKind, Mesh, Stage, even_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.collectives import Collective, best_time, collective_time
 from autoshard.ir import Precision
-from autoshard.passes.cost import (CompiledTable, Layout, block_params, compile_table, node_times, tp_comm_times,
-                                   tp_divisor)
+from autoshard.passes.cost import (CompiledTable, Layout, block_params, compile_table, node_times, priced_nodes,
+                                   tp_comm_times, tp_divisor)
 from autoshard.passes import sharding
 from autoshard.passes.precision import precision_numbers
 from autoshard.passes.sharding import selective_module
@@ -172,7 +172,7 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
     ct = compile_table(table, spec)
     core, skip, attn = {}, {}, sympy.Integer(0)
     for block in table.blocks:
-        nodes = [n for n in block.nodes if n.kind is not OpKind.VIEW]  # the order compile_table keeps
+        nodes = priced_nodes(block)  # the nodes compile_table keeps, in its order
         is_core = [_in_core(n.module_path, spec) for n in nodes]
         if spec.family is Family.LLAMA:  # only the s x s attention runs differently in decode
             is_core = [c and _degree_in_s(n.flops) >= 2 for c, n in zip(is_core, nodes)]
