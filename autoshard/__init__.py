@@ -7,6 +7,7 @@ from autoshard.api import backend, parallelize
 from autoshard.errors import (
     AutoshardError,
     CaptureError,
+    CheckpointError,
     InfeasiblePlanError,
     InvalidConfigError,
     PlanFileError,
@@ -18,6 +19,7 @@ from autoshard.runtime.dist_model import DistributedModel
 __all__ = [
     "AutoshardError",
     "CaptureError",
+    "CheckpointError",
     "DistributedModel",
     "InfeasiblePlanError",
     "InvalidConfigError",

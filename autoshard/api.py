@@ -60,27 +60,28 @@ from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
 from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup
 from autoshard.runtime.expert_parallel import apply_expert_parallel
-from autoshard.runtime.mesh import backend_for, build_groups, init_default_group
+from autoshard.runtime.mesh import DEFAULT_TIMEOUT_S, backend_for, build_groups, init_default_group
 from autoshard.runtime.ssd import install_ssd_mixers
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger("autoshard")
 
 PLAN_HINT = "give every rank the same plan, model and settings of autoshard.parallelize"
-PLAN_KEYS = (*AXES, "micro_batch", "zero", "recompute", "precision", "schedule", "virtual_stages")
+PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "precision", "schedule", "virtual_stages")
 
 
 def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping | str | Path | None = None,
                 global_batch: int | None = None,
                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                 hardware: str = "auto", device: str | torch.device | None = None, seed: int = 0,
-                schedule: str | None = None) -> DistributedModel:
+                schedule: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedModel:
     """This rank's `DistributedModel` for `model` under `plan` (see the module docstring).
 
     example_inputs: input_ids (b, s), a tuple starting with them, or a dict with "input_ids";
     its sequence length is the plan's, its batch the default global batch.
     optimizer: params -> torch.optim.Optimizer (e.g. functools.partial(torch.optim.AdamW, lr=1e-3)).
     seed: initialisation seed for a model built on the meta device (the same on every rank).
+    timeout_s: the longest any collective may wait (a hung peer ends the job after that; a dead one at once).
     schedule: the pipeline schedule, overriding the plan's (the plan key `schedule` says the same).
     """
     config = getattr(model, "config", None)
@@ -93,7 +94,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     fingerprint = fingerprint_module(model)
     if plan is None:  # rank 0 solves, every rank runs what it broadcasts
-        init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
+        init_default_group(backend=backend_for(device), env=dict(os.environ), device=device, timeout_s=timeout_s)
         # first, that every rank asked for it: a rank given a plan meets this, not the solver's broadcast
         agree("plan", PLAN_FIELDS, plan_facts(None, fingerprint=fingerprint, settings={}, solved=True), error=None,
               device=device, hint=PLAN_HINT)
@@ -121,7 +122,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
 
     settings = dict(seed=seed, device_type=device.type, optimizer=optimizer is not None)
     plan, groups, program = _rank_program(model, spec, resolve, world=world, device=device,
-                                          fingerprint=fingerprint, settings=settings, solved=plan is None)
+                                          fingerprint=fingerprint, settings=settings, solved=plan is None,
+                                          timeout_s=timeout_s)
+    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     install_ssd_mixers(model)  # the SSD as the cost model prices it (passes/kernels.py, runtime/ssd.py)
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
@@ -129,6 +132,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     if plan.mesh.ep > 1:  # this rank's experts; tokens dispatched by all-to-all (runtime/expert_parallel.py)
         experts = apply_expert_parallel(model, spec, groups.ep, ep=plan.mesh.ep, ep_rank=groups.coords.ep)
     cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
+    if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices
+        from autoshard.runtime.zero3 import apply_zero3
+
+        apply_zero3(model, cp.grad_group if cp is not None else groups.dp, device=device,
+                    offload=plan.offload_optimizer)
     runner = None
     if plan.mesh.pp > 1:
         from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner
@@ -141,7 +149,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                                                         precision=plan.precision.resolve(device.type)),
                                 tp_group=groups.tp if plan.mesh.tp > 1 else None, cp=cp)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp,
-                      expert_names=experts)
+                      expert_names=experts, fingerprint=fingerprint, full_shapes=full_shapes)
     return DistributedModel(setup, optimizer=optimizer)
 
 
@@ -155,7 +163,8 @@ def _check_router_aux(model: nn.Module, plan: Plan) -> None:
 
 
 def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world: int, device: torch.device,
-                  fingerprint: str, settings: Mapping[str, Any], solved: bool = False):
+                  fingerprint: str, settings: Mapping[str, Any], solved: bool = False,
+                  timeout_s: float = DEFAULT_TIMEOUT_S):
     """The plan `resolve()` gives, checked on this rank with no communication; then every rank compares
     its plan (or the error its checks raised) with the others' in one small all-gather, so a rank given
     another plan or a bad one ends every rank with the same error instead of a hang
@@ -168,7 +177,7 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
             raise  # nobody to tell: no process group is made just to report it
         plan, error = None, e
     try:
-        init_default_group(backend=backend_for(device), env=dict(os.environ), device=device)
+        init_default_group(backend=backend_for(device), env=dict(os.environ), device=device, timeout_s=timeout_s)
     except AutoshardError:
         if error is not None:
             raise error from None  # no process group to share it through: the plan's own error comes first
@@ -176,7 +185,7 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
     facts = None if error is not None else plan_facts(plan, fingerprint=fingerprint, settings=settings,
                                                       solved=solved)
     agree("plan", PLAN_FIELDS, facts, error=error, device=device, hint=PLAN_HINT)
-    groups = build_groups(plan.mesh, device=device, backend=backend_for(device))
+    groups = build_groups(plan.mesh, device=device, backend=backend_for(device), timeout_s=timeout_s)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     return plan, groups, shard_program(plan, spec, shapes, tp_rank=groups.coords.tp)
 
@@ -295,7 +304,8 @@ def _resolve_plan(plan: Any, *, spec, world: int, seq_len: int, global_batch: in
         value = plan.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool):
             raise InvalidConfigError(f"plan key {key!r} must be an integer, got {value!r}")
-    options = {key: plan[key] for key in ("precision", "schedule", "virtual_stages") if plan.get(key) is not None}
+    options = {key: plan[key] for key in ("precision", "schedule", "virtual_stages", "offload_optimizer")
+               if plan.get(key) is not None}
     return Plan(model=spec.name, fingerprint="", hardware=hardware, devices=world, global_batch=global_batch,
                 seq_len=seq_len, mesh=mesh, micro_batch=plan.get("micro_batch", 1), zero=plan.get("zero", 0),
                 recompute=plan.get("recompute") or "none", **options)

@@ -36,3 +36,7 @@ class InfeasiblePlanError(AutoshardError):
 
 class PlanFileError(InvalidConfigError):
     """A plan file that is malformed, from a newer schema, or for another model or world size."""
+
+
+class CheckpointError(AutoshardError):
+    """A checkpoint that is incomplete, damaged, or of another model or optimizer than the one loading it."""

@@ -50,6 +50,9 @@ class DeviceProfile:
     vector_efficiency: float = 0.8  # achievable fraction of hbm_bandwidth for memory-bound ops
     attention_efficiency: float = 0.5  # fused (flash) attention fwd+bwd: achieved fraction of peak_flops
     kernels: tuple[str, ...] = ()  # fused kernels the device runs (KERNEL_NAMES): priced as the kernel, not the traced ops
+    # optimizer offload (plan key offload_optimizer): None = not known, the planner does not offload
+    host_link_bandwidth: float | None = None  # bytes/s per device per direction, device <-> host memory
+    host_memory_bandwidth: float | None = None  # bytes/s of host DRAM per device (the CPU optimizer step)
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -61,6 +64,12 @@ class DeviceProfile:
         if not isinstance(self.devices_per_node, int):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'devices_per_node' must be an "
                                      f"integer, got {self.devices_per_node!r}")
+        for f in ("host_link_bandwidth", "host_memory_bandwidth"):
+            value = getattr(self, f)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < math.inf):
+                raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a positive finite "
+                                         f"number (or absent), got {value!r}")
         if isinstance(self.kernels, str) or not all(isinstance(k, str) for k in self.kernels):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'kernels' must be a list of "
                                      f"kernel names, got {self.kernels!r}")
@@ -166,7 +175,12 @@ A100_80G = DeviceProfile(
     vector_efficiency=0.8,
     attention_efficiency=0.58,
     kernels=_GPU_FUSED,
+    host_link_bandwidth=32 * GB,
+    host_memory_bandwidth=51.2 * GB,
     sources=(
+        ("host_link_bandwidth", "NVIDIA A100 datasheet: PCIe Gen4 x16, 64 GB/s bidirectional = 32 GB/s per direction"),
+        ("host_memory_bandwidth", "DGX A100 user guide: 2x AMD EPYC 7742, 8 channels DDR4-3200 each = 2 x 204.8 "
+                                  "GB/s, shared by 8 GPUs = 51.2 GB/s per GPU"),
         ("peak_flops", "NVIDIA A100 datasheet: 312 TFLOPS dense BF16 tensor core (TF32: 156, half)"),
         ("memory_bytes", "A100-SXM4-80GB: nvidia-smi reports 81920 MiB" + _RESERVE_SOURCE),
         ("hbm_bandwidth", "NVIDIA A100 80GB SXM datasheet: 2,039 GB/s"),
@@ -206,7 +220,13 @@ H100 = DeviceProfile(
     vector_efficiency=0.8,
     attention_efficiency=0.53,
     kernels=_GPU_FUSED,
+    host_link_bandwidth=64 * GB,
+    host_memory_bandwidth=76.8 * GB,
     sources=(
+        ("host_link_bandwidth", "NVIDIA H100 SXM datasheet: PCIe Gen5 x16, 128 GB/s bidirectional = 64 GB/s per "
+                                "direction (H200 the same)"),
+        ("host_memory_bandwidth", "DGX H100 user guide: 2x Intel Xeon Platinum 8480C, 8 channels DDR5-4800 each = "
+                                  "2 x 307.2 GB/s, shared by 8 GPUs = 76.8 GB/s per GPU (DGX H200 the same)"),
         ("peak_flops", "NVIDIA H100 SXM datasheet: 989 TFLOPS dense BF16 (1,979 with sparsity; TF32 494, half)"),
         ("memory_bytes", "H100 80GB HBM3 (SXM): nvidia-smi reports 81559 MiB" + _RESERVE_SOURCE),
         ("hbm_bandwidth", "NVIDIA H100 SXM datasheet: 3.35 TB/s"),
@@ -259,7 +279,11 @@ CPU = DeviceProfile(
     vector_efficiency=0.5,
     attention_efficiency=0.5,
     kernels=("ssd_chunk_scan",),
+    host_link_bandwidth=20 * GB,
+    host_memory_bandwidth=20 * GB,
     sources=(
+        ("host_link_bandwidth", "the device memory is host memory: an offload copy runs at DRAM speed (as hbm_bandwidth)"),
+        ("host_memory_bandwidth", "as hbm_bandwidth (the same DRAM)"),
         ("peak_flops", "order of a many-core AVX-512 server socket in fp32 (~1 TFLOPS); a stand-in for gloo runs"),
         ("memory_bytes", "assumed 16 GB per process"),
         ("hbm_bandwidth", "DDR4/DDR5 bandwidth available to one process, ~20 GB/s; assumed"),

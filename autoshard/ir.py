@@ -271,6 +271,7 @@ class Plan:
     mesh: Mesh
     micro_batch: int = 1
     zero: int = 0
+    offload_optimizer: bool = False  # ZeRO-3 shards and optimizer state in host memory (runtime/zero3.py)
     recompute: Recompute = Recompute.NONE
     precision: Precision = Precision.AUTO
     schedule: Schedule = Schedule.ONE_F_ONE_B
@@ -292,6 +293,11 @@ class Plan:
             )
         if not _is_int(self.zero) or self.zero not in (0, 1, 2, 3):
             raise InvalidConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.offload_optimizer, bool):
+            raise InvalidConfigError(f"offload_optimizer must be true or false, got {self.offload_optimizer!r}")
+        if self.offload_optimizer and self.zero != 3:
+            raise InvalidConfigError(f"offload_optimizer needs zero=3 (FSDP2 offloads the ZeRO-3 shards), got "
+                                     f"zero={self.zero}; set zero=3 or drop offload_optimizer")
         object.__setattr__(self, "recompute", _enum_field(Recompute, self.recompute, "recompute"))
         object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
         object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
@@ -322,6 +328,7 @@ class Plan:
             "mesh": self.mesh.as_dict(),
             "micro_batch": self.micro_batch,
             "zero": self.zero,
+            "offload_optimizer": self.offload_optimizer,
             "recompute": self.recompute.value,
             "precision": self.precision.value,
             "schedule": self.schedule.value,
@@ -415,6 +422,7 @@ def _plan_from_json(data: Any, *, source: str) -> Plan:
             devices=data["devices"], global_batch=data["global_batch"], seq_len=data["seq_len"],
             mesh=Mesh(**{axis: mesh_data.get(axis, 1) for axis in AXES}),
             micro_batch=data.get("micro_batch", 1), zero=data.get("zero", 0),
+            offload_optimizer=data.get("offload_optimizer", False),
             recompute=_enum_field(Recompute, data.get("recompute", "none"), "recompute"),
             stages=tuple(_stage_from_json(st, i) for i, st in enumerate(stages)),
             # schema 1 has none of these three: such a plan runs at its device's default precision, 1f1b, one chunk

@@ -2,6 +2,10 @@
 
     torchrun --nproc-per-node 4 examples/train_llama.py --plan dp=2,tp=2
     torchrun --nproc-per-node 2 examples/train_llama.py --plan auto
+    torchrun --nproc-per-node 4 --max-restarts 3 examples/train_llama.py --plan dp=2,tp=2,zero=3 --checkpoint ckpt
+
+With --checkpoint the run resumes from the checkpoint in that directory (under any plan or world size)
+and saves one after every step, so a restarted job (torchrun --max-restarts) continues where it stopped.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def main(preset: str = "llama-tiny") -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--checkpoint", help="directory: resume from the checkpoint there, save one after every step")
     args = parser.parse_args()
     spec = get_spec(preset)
     torch.manual_seed(0)
@@ -41,8 +46,11 @@ def main(preset: str = "llama-tiny") -> None:
     dm = autoshard.parallelize(build_model(spec, seed=0), ids, plan=parse_plan(args.plan),
                                global_batch=args.global_batch,
                                optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
-    for step in range(args.steps):
+    start = dm.load_checkpoint(args.checkpoint, missing_ok=True) if args.checkpoint else 0
+    for step in range(start, args.steps):
         loss = dm.train_step(ids, ids)
+        if args.checkpoint:
+            dm.save_checkpoint(args.checkpoint)
         if torch.distributed.get_rank() == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
 

@@ -32,9 +32,11 @@ def _run_in_process(script: str, *args: str, monkeypatch) -> None:
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
 
 
-def test_train_llama_example():
-    losses = _losses(_torchrun(4, "train_llama.py", "--plan", "dp=2,tp=2", "--steps", "3"))
+def test_train_llama_example(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    losses = _losses(_torchrun(4, "train_llama.py", "--plan", "dp=2,tp=2", "--steps", "3", "--checkpoint", ckpt))
     assert len(losses) == 3 and losses[-1] < losses[0]
+    assert (tmp_path / "ckpt" / "autoshard.json").is_file()
 
 
 def test_train_mamba2_example():

@@ -16,7 +16,8 @@ def test_builtin_profiles_exist_and_cite_every_constant():
     for name, hw in PROFILES.items():
         assert load_hardware(name) is hw
         for field in NUMERIC:
-            assert hw.source(field), f"{name}.{field} has no source"
+            # a host link may be unknown (None): the planner then does not offload on that profile
+            assert getattr(hw, field) is None or hw.source(field), f"{name}.{field} has no source"
 
 
 def test_paper_platform():

@@ -68,7 +68,8 @@ def render(plan) -> None:
     con.print(f"[bold]{plan.model}[/] on {plan.devices} x {plan.hardware}, global batch {plan.global_batch}, "
               f"seq {plan.seq_len}  (fingerprint {plan.fingerprint})")
     con.print(f"mesh: {plan.mesh}  ({', '.join(f'{k}={v}' for k, v in plan.mesh.as_dict().items())}), "
-              f"micro-batch {plan.micro_batch}, ZeRO-{plan.zero}")
+              f"micro-batch {plan.micro_batch}, ZeRO-{plan.zero}"
+              + (" with optimizer offload to host memory" if plan.offload_optimizer else ""))
     precision = plan.precision.value + (" (bf16-mixed on an accelerator, fp32 on CPU)"
                                         if plan.precision.value == "auto" else "")
     con.print(f"precision: {precision}; pipeline schedule: {plan.schedule.value}, "

@@ -29,7 +29,8 @@ Component functions (public, stable names; the CP-SAT planner builds its model f
   p2p_time(ct, hw, layout, *, seq_len) -> float        stage-to-stage sends per micro-batch
   dp_exposed_time(hw, params, layout, *, backward_s, forward_s) -> float
                                                        gradient sync of one stage left exposed
-  optimizer_time(hw, params, layout) -> float          Adam step on this device's shard
+  optimizer_time(hw, params, layout) -> float          Adam step on this device's shard (host under offload)
+  offload_time(hw, params, layout) -> float            host-link copies of one micro-batch under offload
   logits_bytes(ct, layout, *, seq_len) -> float        fp32 logits peak of the head stage
   buffer_bytes(ct, layout, *, seq_len) -> float        communication staging buffers of a stage
   pipeline_time(stage_times, microbatches) -> float    1F1B makespan (arXiv 2602.09109 sec. 4.3)
@@ -85,6 +86,7 @@ class Layout:
     precision: Precision = Precision.AUTO  # passes/precision.py; estimate resolves AUTO per device (`resolved`)
     schedule: Schedule = Schedule.ONE_F_ONE_B  # pipeline schedule, priced by passes/schedules.py
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b, zero-bubble V)
+    offload: bool = False  # ZeRO-3 shards and optimizer state in host memory (plan key offload_optimizer)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
@@ -95,6 +97,9 @@ class Layout:
             raise InvalidConfigError(f"micro_batch must be a positive integer, got {self.micro_batch!r}")
         if self.zero not in (0, 1, 2, 3):
             raise InvalidConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.offload and self.zero != 3:
+            raise InvalidConfigError(f"optimizer offload needs zero=3 (FSDP2 offloads the ZeRO-3 shards), got "
+                                     f"zero={self.zero}")
         if not isinstance(self.recompute, Recompute):
             object.__setattr__(self, "recompute", Recompute(self.recompute))
 
@@ -184,7 +189,7 @@ class Estimate:
         e.g. arXiv 2602.09109's), `peak_memory_gb` the busiest device (first pipeline stage)."""
         mesh, lay = self.layout.mesh, self.layout
         return {
-            **mesh.as_dict(), "zero": lay.zero, "recompute": lay.recompute.value, "micro_batch": lay.micro_batch,
+            **mesh.as_dict(), "zero": lay.zero, "offload": lay.offload, "recompute": lay.recompute.value, "micro_batch": lay.micro_batch,
             "precision": lay.precision.value, "schedule": lay.schedule.value, "virtual_stages": lay.virtual_stages,
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             # the paper's tables report memory averaged over the devices; `fits` judges the peak
@@ -561,9 +566,12 @@ def _dp_group(layout: Layout) -> int:
 
 def state_bytes(params: float, layout: Layout) -> MemoryBreakdown:
     """Weights, gradients and optimizer state of `params` parameters under the ZeRO level,
-    sharded over the dp x cp group (Rajbhandari et al. 2020, ZeRO, sec. 5)."""
+    sharded over the dp x cp group (Rajbhandari et al. 2020, ZeRO, sec. 5); none of it on the
+    device under offload (FSDP2's CPUOffloadPolicy keeps the ZeRO-3 shards in host memory)."""
     shard = float(_dp_group(layout))
     z = layout.zero
+    if layout.offload:  # the shards live in host memory; a block is gathered on the device as it runs (buffer_bytes)
+        return MemoryBreakdown(weights=0.0, grads=0.0, optimizer=0.0)
     return MemoryBreakdown(
         weights=params * layout.numbers.param_bytes / (shard if z >= 3 else 1.0),
         grads=params * layout.numbers.grad_bytes / (shard if z >= 2 else 1.0),
@@ -609,17 +617,39 @@ def zero3_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
     return 2 * ag + best_time(hw, Collective.REDUCE_SCATTER, params * layout.numbers.grad_bytes, size=n, stride=tp)
 
 
+def offload_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
+    """Host-link traffic of one micro-batch of one stage under offload (ZeRO-Offload, arXiv 2101.06840,
+    sec. 4; FSDP2 CPUOffloadPolicy): this device's weight shard copied host -> device before each of
+    ZeRO-3's two gathers, its gradient shard device -> host after the reduce-scatter."""
+    if not layout.offload:
+        return 0.0
+    link = _host(hw, "host_link_bandwidth")
+    shard = params / _dp_group(layout)
+    return shard * (2 * layout.numbers.param_bytes + layout.numbers.grad_bytes) / link
+
+
+def _host(hw: DeviceProfile, field: str) -> float:
+    value = getattr(hw, field)
+    if value is None:
+        raise InvalidConfigError(f"hardware profile {hw.name!r} has no {field}: optimizer offload cannot be priced "
+                                 f"there; add {field} (bytes/s, with its source) to the profile or plan without offload")
+    return value
+
+
 def zero_exposed_time(hw: DeviceProfile, params, layout: Layout, *, compute_s, backward_s):
     """ZeRO traffic of one micro-batch of one stage that its own work does not hide: ZeRO-3's
-    weight gathers and gradient reduce-scatter behind its compute, ZeRO-2's gradient
-    reduce-scatter behind its backward (numbers or numpy arrays)."""
-    return (np.maximum(0.0, zero3_time(hw, params, layout) - compute_s)
+    weight gathers and gradient reduce-scatter (and under offload their host copies) behind its
+    compute, ZeRO-2's gradient reduce-scatter behind its backward (numbers or numpy arrays)."""
+    return (np.maximum(0.0, zero3_time(hw, params, layout) + offload_time(hw, params, layout) - compute_s)
             + np.maximum(0.0, zero2_time(hw, params, layout) - backward_s))
 
 
 def optimizer_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
-    """Adam on this device's shard: memory-bound, OPTIM_TRAFFIC bytes per parameter."""
+    """Adam on this device's shard: memory-bound, OPTIM_TRAFFIC bytes per parameter (under offload
+    on the host, at the host memory bandwidth per device)."""
     shard = params / (_dp_group(layout) if layout.zero >= 1 else 1)
+    if layout.offload:
+        return shard * OPTIM_TRAFFIC / (_host(hw, "host_memory_bandwidth") * hw.vector_efficiency)
     return shard * OPTIM_TRAFFIC / (hw.hbm_bandwidth * hw.vector_efficiency)
 
 

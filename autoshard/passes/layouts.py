@@ -31,8 +31,8 @@ Rules (the runtime's, see DESIGN.md):
         Mamba-2: cp divides the sequence, and each rank keeps at least conv_kernel - 1 tokens.
   ZeRO  0-3; levels 2 and 3 need pp = 1 (`zero_violation`): they reduce gradients after every
         micro-batch, which a pipeline schedule's accumulation does not allow (DeepSpeed's rule too).
-        The runtime runs levels 0-2 (`RUNTIME_ZERO`, what the planner searches); the cost model
-        (and so `sweep`) also prices ZeRO-3 (`plan_violation(zeros=(0, 1, 2, 3))`).
+        The runtime runs every level (`RUNTIME_ZERO`, what the planner searches): 1-2 in
+        runtime/data_parallel.py, 3 through FSDP2 (runtime/zero3.py).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None) ->
                                  "chunks allowed)")
 
 
-RUNTIME_ZERO = (0, 1, 2)  # the ZeRO levels runtime/data_parallel.py runs
+RUNTIME_ZERO = (0, 1, 2, 3)  # the ZeRO levels the runtime runs (3: FSDP2, runtime/zero3.py)
 # the (pipeline schedule, virtual stages) pairs runtime/pipeline.py runs that the planner chooses
 # among (GPipe runs too but never beats 1F1B: the same bubble, all micro-batches in flight); add
 # ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zero-bubble", 1) as the runtime runs them

@@ -252,15 +252,17 @@ def min_peak_bytes(problem: MeshProblem) -> float:
 # -- the search over layouts -------------------------------------------------------------------
 def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
                       zeros: tuple[int, ...] = RUNTIME_ZERO, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
-                      schedules: tuple = RUNTIME_SCHEDULES) -> list[Layout]:
+                      schedules: tuple = RUNTIME_SCHEDULES, offload: bool = False) -> list[Layout]:
     """Every (mesh, micro-batch, ZeRO, schedule) the planner searches: the valid (mesh, micro-batch)
     pairs of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses) times the ZeRO levels
     the runtime runs that go with the mesh (`layouts.zero_violation`) times, for pp > 1, the
-    pipeline schedules and virtual stages the runtime runs (`layouts.RUNTIME_SCHEDULES`)."""
+    pipeline schedules and virtual stages the runtime runs (`layouts.RUNTIME_SCHEDULES`); `offload`: ZeRO-3
+    also with optimizer offload (where the device profile prices the host link)."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
-    return [Layout(mesh=mesh, micro_batch=mb, zero=z, schedule=sched, virtual_stages=v)
+    return [Layout(mesh=mesh, micro_batch=mb, zero=z, offload=o, schedule=sched, virtual_stages=v)
             for mesh, mb in pairs for z in zeros if zero_violation(mesh, z) is None
+            for o in ((False, True) if offload and z == 3 else (False,))
             for sched, v in pipeline_schedules(spec, mesh.pp, global_batch // (mesh.dp * mb), schedules)]
 
 
@@ -399,7 +401,8 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
             raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
     hw = load_hardware(hw)
     t0 = time.perf_counter()
-    layouts = candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len)
+    layouts = candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len,
+                                offload=hw.host_link_bandwidth is not None and hw.host_memory_bandwidth is not None)
     if not layouts:
         raise InvalidConfigError(
             f"no valid layout of {devices} devices for {spec.name}: tp must divide the heads ({spec.heads}), "
@@ -482,7 +485,7 @@ def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len,
     rec = a.recompute[0] if len(set(a.recompute)) == 1 else max(a.recompute, key=list(Recompute).index)
     return Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
                 global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,
-                zero=layout.zero, recompute=rec, schedule=layout.schedule, virtual_stages=layout.virtual_stages,
+                zero=layout.zero, offload_optimizer=layout.offload, recompute=rec, schedule=layout.schedule, virtual_stages=layout.virtual_stages,
                 stages=chunk_stages(a, layout), placements=block_placements(spec, tp=layout.mesh.tp),
                 predicted=pred, solver=solver)
 

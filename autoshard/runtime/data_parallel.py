@@ -213,3 +213,45 @@ class ShardedOptimizer:
     def zero_grad(self) -> None:
         for shard in self.shards:
             shard.grad = None
+
+    # -- state in per-parameter terms (checkpoints: runtime/checkpoint.py) -----------------------
+    def param_states(self) -> dict[int, dict[str, Tensor]]:
+        """id(param) -> {state key: tensor shaped like the param, or the shard's scalar} (collective over dp).
+
+        Each bucket's flat state slices are all-gathered over dp and cut back into parameters."""
+        out: dict[int, dict[str, Tensor]] = {}
+        for shard, bucket in zip(self.shards, self.sync.buckets):
+            for key, value in self.optimizer.state.get(shard, {}).items():
+                if not isinstance(value, Tensor):
+                    continue
+                if value.dim() == 0:
+                    for p in bucket.params:
+                        out.setdefault(id(p), {})[key] = value.detach().clone()
+                    continue
+                flat = value.detach()
+                if self.sync.world > 1:
+                    flat = value.new_empty(bucket.padded)
+                    _all_gather(flat, value.detach().contiguous(), group=self.sync.group)
+                offset = 0
+                for p in bucket.params:
+                    out.setdefault(id(p), {})[key] = flat[offset:offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+        return out
+
+    def load_param_states(self, states: dict[int, dict[str, Tensor]]) -> None:
+        """The inverse of `param_states` (local, no collective); then the shards take the parameters' values."""
+        for shard, bucket in zip(self.shards, self.sync.buckets):
+            held = [states.get(id(p), {}) for p in bucket.params]
+            length = bucket.padded // self.sync.world
+            new = {}
+            for key, first in held[0].items():
+                if first.dim() == 0:
+                    new[key] = first.clone()
+                    continue
+                flat = torch.cat([s[key].reshape(-1).to(shard.dtype) for s in held])
+                flat = torch.nn.functional.pad(flat, (0, bucket.padded - bucket.numel))
+                new[key] = flat[self.sync.rank * length:(self.sync.rank + 1) * length].clone()
+            if new:
+                self.optimizer.state[shard] = new
+            with torch.no_grad():
+                shard.copy_(bucket.flatten_params()[self.sync.rank * length:(self.sync.rank + 1) * length])

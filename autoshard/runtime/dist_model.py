@@ -42,9 +42,10 @@ from autoshard.runtime.context_parallel import CPRuntime
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
 from autoshard.runtime.expert_parallel import GradSyncs, load_balancing_loss
 from autoshard.runtime.loss import causal_lm_loss, count_tokens
-from autoshard.runtime.mesh import Groups
+from autoshard.runtime.mesh import Groups, peer_lost
 from autoshard.runtime.precision import autocast
 from autoshard.runtime.tensor_parallel import partial_grad_reducer, unshard
+from autoshard.runtime.zero3 import full_tensor
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -61,6 +62,8 @@ class RankSetup:
     pipeline: object | None = None  # runtime.pipeline.PipelineRunner when pp > 1
     cp: CPRuntime | None = None  # context parallelism (issue 6) when cp > 1
     expert_names: frozenset[str] = frozenset()  # ep > 1: parameters of this rank's experts
+    fingerprint: str = ""  # of the model before it was sliced (fingerprint.fingerprint_module)
+    full_shapes: Mapping[str, tuple[int, ...]] | None = None  # original name -> global shape
 
 
 class DistributedModel:
@@ -80,11 +83,17 @@ class DistributedModel:
         params = list(self._runner.parameters()) if self._runner is not None else list(self.model.parameters())
         self._params = list(dict.fromkeys(params))
         self._names = {id(p): n for n, p in self.model.named_parameters()}
-        zero = setup.plan.zero >= 1
         prepare = partial_grad_reducer(self.model, setup.program, self._tp_group)
         mesh = setup.plan.mesh
         self._replicas = mesh.dp * mesh.ep * mesh.cp  # ranks that split the batch (rows or sequence)
-        if mesh.ep > 1:  # experts over dp x cp (the grad group), dense over dp x ep x cp
+        # ZeRO-3: FSDP2 (runtime/zero3.py, applied by parallelize) reduce-scatters over dp; GradSync
+        # only sums the tp-partial gradients then, and the optimizer steps the DTensor shards
+        self._zero3 = setup.plan.zero == 3
+        zero = 1 <= setup.plan.zero <= 2
+        if self._zero3:
+            self._sync = GradSync(self._params, None, zero=0, prepare=prepare)
+            self._loss_group = self._grad_group
+        elif mesh.ep > 1:  # experts over dp x cp (the grad group), dense over dp x ep x cp
             expert_ids = {id(p) for n, p in self.model.named_parameters() if n in setup.expert_names}
             self._sync = GradSyncs(self._params, expert_ids, dense_group=setup.groups.replicas,
                                    expert_group=self._grad_group, zero=setup.plan.zero, prepare=prepare)
@@ -103,13 +112,22 @@ class DistributedModel:
                 self._optimizer = self._sync.sharded_optimizer(optimizer)
             else:
                 self._optimizer = ShardedOptimizer(self._sync, optimizer)
+        self.steps = 0  # optimizer steps taken (restored by load_checkpoint)
+        self.fingerprint = setup.fingerprint
+        self.full_shapes = dict(setup.full_shapes or {})
+        self.device = setup.groups.device
 
     # -- training -----------------------------------------------------------------------------
     def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         """One training step on the global batch; the global mean loss on every rank. The batch is checked
         first, on every rank alike (runtime/agreement.py): shape, vocabulary, and that all ranks hold it."""
-        self._check_batch(input_ids, labels, global_batch=self.plan.global_batch)
-        return self._step(input_ids, labels)
+        try:
+            self._check_batch(input_ids, labels, global_batch=self.plan.global_batch)
+            return self._step(input_ids, labels)
+        except RuntimeError as e:  # a collective that failed: name the ranks that are gone
+            if isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "NCCL", "HCCL", "Connection")):
+                raise peer_lost(e) from e
+            raise
 
     def _check_batch(self, input_ids: Tensor, labels: Tensor | None, *, global_batch: int | None) -> None:
         try:
@@ -140,6 +158,7 @@ class DistributedModel:
             dist.all_reduce(loss, group=self._loss_group)
         if self._optimizer is not None:
             self._optimizer.step()
+        self.steps += 1
         return loss
 
     def _local_step(self, ids: Tensor, labels: Tensor, num_tokens: int) -> Tensor:
@@ -172,6 +191,9 @@ class DistributedModel:
 
     def _forward(self, ids: Tensor, **kwargs) -> tuple[Tensor, tuple[Tensor, ...] | None]:
         """This rank's logits, and the router logits of every MoE layer when the config asks for them."""
+        if self._zero3:  # through the root forward, so that FSDP's root hooks run (HF computes the same logits)
+            out = self.model(input_ids=ids, use_cache=False, **kwargs)
+            return out.logits, getattr(out, "router_logits", None)
         base = getattr(self.model, self.model.base_model_prefix)
         if getattr(self.model.config, "output_router_logits", False) and torch.is_grad_enabled():
             kwargs = {**kwargs, "output_router_logits": True}
@@ -226,12 +248,48 @@ class DistributedModel:
         local = {}
         for p in self._params:
             grad = reduced.get(id(p), p.grad)
-            local[self._names[id(p)]] = grad if grad is not None else torch.zeros_like(p)
+            local[self._names[id(p)]] = full_tensor(grad) if grad is not None else torch.zeros_like(full_tensor(p))
         return self._assemble(local)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """{original name: full parameter} on every rank (collective)."""
-        return self._assemble({self._names[id(p)]: p.detach() for p in self._params})
+        return self._assemble({self._names[id(p)]: full_tensor(p.detach()) for p in self._params})
+
+    # -- checkpoints (runtime/checkpoint.py) ----------------------------------------------------
+    def save_checkpoint(self, path) -> None:
+        """Model, optimizer, step count and RNG to directory `path` with torch.distributed.checkpoint,
+        atomically; loadable under any plan and world size (collective)."""
+        from autoshard.runtime.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load_checkpoint(self, path, *, missing_ok: bool = False) -> int:
+        """Restore what `save_checkpoint` wrote (under any plan); the number of steps taken (collective).
+        `missing_ok=True`: no checkpoint at `path` returns 0 (a job's first start)."""
+        from autoshard.runtime.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, missing_ok=missing_ok)
+
+    def save_pretrained(self, path) -> None:
+        """The full weights as a Hugging Face model directory (config + safetensors) (collective)."""
+        from autoshard.runtime.checkpoint import save_pretrained
+
+        save_pretrained(self, path)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | ShardedOptimizer | None:
+        return self._optimizer
+
+    def local_params(self) -> list[nn.Parameter]:
+        """The parameters this rank holds (its pipeline stage's; tp slices), each once."""
+        return self._params
+
+    def param_name(self, param: nn.Parameter) -> str:
+        return self._names[id(param)]
+
+    def placement(self, name: str):
+        """The tp placement of parameter `name` (Replicate when it is not split)."""
+        return dict(self._setup.program.placements).get(name, Replicate()) if self._tp_group is not None else Replicate()
 
     def _assemble(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if self._runner is not None:
@@ -239,6 +297,10 @@ class DistributedModel:
         if self.plan.mesh.ep > 1:  # every ep rank's experts, concatenated along the expert dim
             local = {name: self._gather_experts(t) if name in self._setup.expert_names else t
                      for name, t in local.items()}
+        return self.gather_tp(local)
+
+    def gather_tp(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """{name: full tensor} from this rank's tp slices (collective over tp; the same names on every tp rank)."""
         placements = dict(self._setup.program.placements)
         out = {}
         for name, tensor in local.items():

@@ -112,8 +112,19 @@ def backend_for(device: torch.device | str) -> str:
         raise InvalidConfigError(f"no torch.distributed backend for device {kind!r}: {e}") from None
 
 
-def init_default_group(*, backend: str, env: dict[str, str], device: torch.device) -> None:
-    """Create the default process group from the torchrun environment unless one exists."""
+DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer than this ends the job (see init_default_group)
+
+
+def init_default_group(*, backend: str, env: dict[str, str], device: torch.device,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Create the default process group from the torchrun environment unless one exists.
+
+    Under torchrun's agent store (`TORCHELASTIC_USE_AGENT_STORE`), the store outlives the workers: a
+    restarted worker would read the previous attempt's keys (gloo: the dead rank 0's address) and wait
+    on a peer that no longer exists. The store is therefore namespaced by `TORCHELASTIC_RESTART_COUNT`.
+    `timeout_s` bounds every collective (gloo: each operation; nccl: the watchdog), so a lost or hung
+    peer ends the job after that long instead of torch's 10 minutes.
+    """
     if dist.is_initialized():
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
@@ -123,22 +134,30 @@ def init_default_group(*, backend: str, env: dict[str, str], device: torch.devic
                                      "launch with torchrun or call torch.distributed.init_process_group first")
         # a plain `python script.py`: a world of one
         env = {**env, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
-    if env["WORLD_SIZE"] == "1" and env.get("MASTER_PORT", "0") == "0":
-        store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(minutes=10))
+    if not timeout_s > 0:
+        raise InvalidConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    timeout = timedelta(seconds=timeout_s)
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if world == 1 and env.get("MASTER_PORT", "0") == "0":
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
-    dist.init_process_group(backend, init_method="env://", rank=int(env["RANK"]),
-                            world_size=int(env["WORLD_SIZE"]), timeout=timedelta(minutes=10),
-                            device_id=device if device.type != "cpu" else None)
+    store = None
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # the agent hosts the store: a client, per attempt
+        agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"autoshard/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+    kwargs = dict(store=store) if store is not None else dict(init_method="env://")
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                            device_id=device if device.type != "cpu" else None, **kwargs)
 
 
-def build_groups(mesh: Mesh, *, device: torch.device, backend: str) -> Groups:
-    """Process groups of this rank for every axis of `mesh` (collective: all ranks call it)."""
+def build_groups(mesh: Mesh, *, device: torch.device, backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Groups:
+    """Process groups of this rank for every axis of `mesh` (collective: all ranks call it); a collective
+    on any of them fails after `timeout_s` seconds."""
     rank = dist.get_rank()
     mine = {}
     for axis in MESH_AXES:
         for ranks in axis_ranks(mesh, axis):
-            group = dist.new_group(ranks, backend=backend)
+            group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout_s))
             if rank in ranks:
                 mine[axis] = group
     if mesh.ep > 1:
@@ -147,3 +166,43 @@ def build_groups(mesh: Mesh, *, device: torch.device, backend: str) -> Groups:
             if rank in ranks:
                 mine["replicas"] = group
     return Groups(mesh=mesh, rank=rank, coords=coords_of(rank, mesh), backend=backend, device=device, **mine)
+
+
+ROLL_CALL_S = 5.0  # how long a rank whose collective failed waits for the others to answer
+
+
+def silent_ranks(*, wait_s: float = ROLL_CALL_S) -> list[int]:
+    """After a failed collective: the ranks that do not answer a roll call in the default group's store
+    within `wait_s` (they died or hang). Every rank whose collective failed answers, so the survivors of
+    one failure name the same ranks. The store outlives workers under torchrun (the agent hosts it)."""
+    import time
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        store = _get_default_store()
+        store.set(f"autoshard/roll_call/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world) if not store.check([f"autoshard/roll_call/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001  (the store itself is gone: nothing more to learn)
+        return []
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because a peer rank died or hung (the message names it)."""
+
+
+def peer_lost(error: BaseException) -> PeerLostError:
+    """`error` (a failed collective) restated naming this rank and the ranks that did not answer."""
+    rank = dist.get_rank()
+    silent = silent_ranks()
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    who = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer within "
+           f"{ROLL_CALL_S:g} s (died or hung)") if silent else "every rank answered after the failure"
+    return PeerLostError(f"rank {rank}: a collective failed: {first[:300]}; {who}. Under torchrun --max-restarts "
+                         "the job restarts; resume it with dm.load_checkpoint(dir, missing_ok=True)")

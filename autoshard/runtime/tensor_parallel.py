@@ -129,13 +129,15 @@ def partial_grad_reducer(model: nn.Module, program: ShardProgram, group: dist.Pr
             placement = partial.get(id(param))
             if placement is None or param.grad is None:
                 continue
-            if any(placement.whole):
+            if any(placement.whole):  # (not under ZeRO-3: the rows are cut over dp there)
                 _sum_whole_pieces(param.grad, placement, group)
                 continue
-            slots = param.grad.new_zeros((placement.parts, *param.grad.shape))  # one slot per distinct slice
-            slots[placement.index] = param.grad
+            # ZeRO-3: the dp shard of the gradient (FSDP2 cuts every tp rank's slice at the same rows)
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # a DTensor
+            slots = grad.new_zeros((placement.parts, *grad.shape))  # one slot per distinct slice
+            slots[placement.index] = grad
             dist.all_reduce(slots, group=group)
-            param.grad = slots[placement.index].clone()
+            grad.copy_(slots[placement.index])
 
     return prepare if partial else None
 

@@ -57,7 +57,8 @@ def lay(**kw):
     mb = kw.pop("micro_batch", 1)
     zero = kw.pop("zero", 0)
     rc = kw.pop("recompute", Recompute.NONE)
-    return Layout(mesh=Mesh(**kw), micro_batch=mb, zero=zero, recompute=rc)
+    offload = kw.pop("offload", False)
+    return Layout(mesh=Mesh(**kw), micro_batch=mb, zero=zero, recompute=rc, offload=offload)
 
 
 def test_block_time_is_the_roofline_sum():
@@ -318,8 +319,32 @@ def test_zero2_and_3_need_pp_1():
     from autoshard.passes.solve import candidate_layouts
 
     found = candidate_layouts(SPEC, devices=4, global_batch=GB, seq_len=SEQ)
-    assert {lt.zero for lt in found} == {0, 1, 2}  # what the runtime runs
+    assert {lt.zero for lt in found} == {0, 1, 2, 3}  # what the runtime runs (3: FSDP2)
     assert all(lt.zero < 2 for lt in found if lt.mesh.pp > 1)
+    assert not any(lt.offload for lt in found)
+    offloaded = candidate_layouts(SPEC, devices=4, global_batch=GB, seq_len=SEQ, offload=True)
+    assert {lt.zero for lt in offloaded if lt.offload} == {3}
+
+
+def test_offload_moves_state_to_the_host_and_pays_the_host_link():
+    # ZeRO-Offload (arXiv 2101.06840) as FSDP2's CPUOffloadPolicy runs it: no weights, gradients or
+    # optimizer state on the device; per micro-batch the weight shard crosses the host link twice
+    # (before each gather) and the gradient shard once; Adam runs at the host's memory bandwidth
+    p = 4000.0
+    on, off = lay(dp=4, zero=3), lay(dp=4, zero=3, offload=True)
+    assert cost.state_bytes(p, off).total == 0.0 < cost.state_bytes(p, on).total
+    shard = p / 4
+    n = off.numbers  # bytes per weight / gradient at the layout's precision
+    assert cost.offload_time(HW, p, off) == pytest.approx(shard * (2 * n.param_bytes + n.grad_bytes) / HW.host_link_bandwidth)
+    assert cost.offload_time(HW, p, on) == 0.0
+    assert cost.optimizer_time(HW, p, off) == pytest.approx(
+        shard * cost.OPTIM_TRAFFIC / (HW.host_memory_bandwidth * HW.vector_efficiency))
+    e_on, e_off = (estimate(CT, SPEC, HW, lt, global_batch=GB, seq_len=SEQ) for lt in (on, off))
+    assert e_off.memory.total < e_on.memory.total and e_off.step_time_s > e_on.step_time_s
+    with pytest.raises(InvalidConfigError, match="needs zero=3"):
+        lay(dp=4, zero=1, offload=True)
+    with pytest.raises(InvalidConfigError, match="ascend-910b.* has no host_link_bandwidth"):
+        cost.offload_time(load_hardware("ascend-910b"), p, off)
 
 
 @pytest.mark.parametrize("spec_name", ["llama-tiny", "mamba2-tiny"])

@@ -125,10 +125,11 @@ def test_infeasible_says_by_how_much(tiny):
 
 def test_infeasible_names_the_smallest_plan_over_every_mesh():
     """The smallest plan is looked for on every mesh at its own highest ZeRO level: on 4 devices
-    llama-tiny's is pp2 tp2 with ZeRO-1 (ZeRO-2 needs pp = 1), below every ZeRO-2 layout."""
+    llama-tiny's is pp2 tp2 with ZeRO-1 (ZeRO-2 needs pp = 1), below every ZeRO-2 layout. (No host
+    link in the profile: with one, offload would move the state off the device and fit.)"""
     spec = get_spec("llama-tiny")
     ct = cost.compile_table(build_cost_table(spec), spec)
-    hw = replace(load_hardware("cpu"), memory_bytes=1e6)
+    hw = replace(load_hardware("cpu"), memory_bytes=1e6, host_link_bandwidth=None, host_memory_bandwidth=None)
     layouts = [lay for lay in candidate_layouts(spec, devices=4, global_batch=8, seq_len=64) if lay.micro_batch == 1]
     need = {lay: min_peak_bytes(mesh_problem(ct, hw, lay, global_batch=8, seq_len=64)) for lay in layouts}
     smallest = min(need, key=need.get)

@@ -96,6 +96,14 @@ def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, step
         return
     if dm.plan.zero == 2:  # ZeRO-2 keeps no full gradient once a step is done, only this rank's slices
         assert all(p.grad is None for p in dm.model.parameters()), f"{preset} {plan}: a full gradient was kept"
+    if dm.plan.zero == 3:  # ZeRO-3: parameters and gradients are FSDP2 shards over dp (x cp)
+        from torch.distributed.tensor import DTensor
+
+        assert all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in dm.model.parameters())
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        policy = dm.model._get_fsdp_state()._fsdp_param_group.offload_policy
+        assert isinstance(policy, CPUOffloadPolicy) == dm.plan.offload_optimizer, f"{preset} {plan}: {policy}"
     grads = dm.full_grads()
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():

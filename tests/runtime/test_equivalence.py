@@ -36,6 +36,8 @@ WORLD2 = (
         ("llama-tiny", dict(cp=2)), ("mamba2-tiny", dict(dp=2, zero=2, micro_batch=2)), ("mamba2-tiny", dict(tp=2)),
         ("mamba2-tiny", dict(pp=2, micro_batch=2)), ("mamba2-tiny", dict(cp=2)))),
     (ONE_GROUP, dict(tp=2), True),  # heads split, the one group whole on both ranks
+    ("mamba2-tiny", dict(dp=2, zero=3, micro_batch=2), True),  # FSDP2; logits through the root forward
+    ("llama-tiny", dict(dp=2, zero=3, offload_optimizer=True), False),  # FSDP2's CPUOffloadPolicy
 )
 WORLD4 = (
     ("llama-tiny", dict(dp=2, tp=2, micro_batch=2), True),
@@ -52,6 +54,9 @@ WORLD4 = (
     ("mamba2-tiny", dict(pp=2, tp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2), False),
     ("mamba2-tiny", dict(tp=4), False),  # 2 groups at tp 4: groups whole, the norm synced
     (ONE_GROUP, dict(dp=2, tp=2), False),
+    ("llama-tiny", dict(dp=4, zero=3), False),  # ZeRO-3: FSDP2 over dp
+    ("llama-tiny", dict(dp=2, tp=2, zero=3, micro_batch=2), False),  # FSDP2 on the tp slices
+    ("mamba2-tiny", dict(dp=4, zero=3), False),
 )
 WORLD8 = (
     ("llama-tiny", dict(dp=2, pp=2, tp=2, micro_batch=2), True),

@@ -1,0 +1,344 @@
+"""Checkpoints through `torch.distributed.checkpoint` (DCP), loadable under any plan and world size.
+
+Contract:
+* `save_checkpoint(dm, path)` (collective, every rank) writes one DCP checkpoint of
+  - `model.<name>`: every parameter, FULL (global shape), keyed by its original HF name;
+  - `optim.state.<name>.<key>`: the optimizer state of that parameter (Adam's `exp_avg`,
+    `exp_avg_sq` in the parameter's global shape, `step` as a scalar), whatever the ZeRO level:
+    ZeRO-1/2 flat shards are gathered over dp and cut back into parameters;
+    `optim.hparams.<key>`: the numeric hyperparameters of the first parameter group (lr, betas, ...);
+  - `train.steps` (the steps taken) and `rng.cpu` / `rng.cuda` (the generator states);
+  plus `autoshard.json` (model name, fingerprint, parameter shapes, optimizer class, steps, plan).
+  The keys are torch's own flattened state-dict keys (`get_state_dict` + DCP), so a plain torch
+  program can read the checkpoint too.
+  Each rank contributes the tensors of the parameters its pipeline stage holds, assembled over tp
+  (and over dp for ZeRO state); copies held by several ranks are written once (DCP deduplicates
+  equal keys). Memory: one stage's full parameters and optimizer state live on each rank while it saves.
+* Atomic: the checkpoint is written to `.<name>.partial` beside `path`; when every rank's files and
+  `autoshard.json` are complete, rank 0 renames it to `path` (the previous checkpoint, if any, is
+  first moved to `.<name>.old` and deleted last). A crash at any point leaves a loadable checkpoint:
+  `path`, or `.<name>.old` when the crash fell between the two renames (`load_checkpoint` looks there).
+* `load_checkpoint(dm, path, missing_ok=False) -> steps` (collective) reads the keys this rank needs (its stage's
+  parameters and their optimizer state), cuts them to this rank's tp slice / ZeRO shard, and restores
+  steps and RNG. A checkpoint of another model, one that is incomplete (a missing or truncated file),
+  or one whose optimizer differs raises `CheckpointError` naming both sides.
+* `save_pretrained(dm, path)`: HF `config.json` + `model.safetensors` of the full weights (rank 0
+  writes; every rank takes part in the gather), loadable with `from_pretrained`.
+The directory must be on a file system every rank sees (as DCP's FileSystemWriter requires).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from autoshard.errors import CheckpointError
+from autoshard.runtime.data_parallel import ShardedOptimizer
+from autoshard.runtime.tensor_parallel import shard_tensor
+from autoshard.runtime.zero3 import full_tensor, like
+
+if TYPE_CHECKING:
+    from autoshard.runtime.dist_model import DistributedModel
+
+FORMAT_VERSION = 1
+META_FILE = "autoshard.json"
+
+
+# -- paths and atomic publication -------------------------------------------------------------------
+
+def _siblings(path: Path) -> tuple[Path, Path]:
+    return path.parent / f".{path.name}.partial", path.parent / f".{path.name}.old"
+
+
+def _publish(tmp: Path, final: Path, old: Path) -> None:
+    """Rename the complete `tmp` to `final` (rank 0), keeping the previous checkpoint until the end."""
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _fsync_tree(root: Path) -> None:
+    for file in root.iterdir():
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _resolve(path: Path) -> Path:
+    """The checkpoint to read: `path`, or the previous one when a save crashed between its renames."""
+    _, old = _siblings(path)
+    if (path / META_FILE).exists():
+        return path
+    if not path.exists() and (old / META_FILE).exists():
+        return old
+    raise CheckpointError(f"{path} is not an autoshard checkpoint ({META_FILE} missing); save one with "
+                          "dm.save_checkpoint(path), or give the directory it was saved to")
+
+
+def _check_supported(dm: DistributedModel) -> None:
+    if dm.plan.mesh.ep > 1:  # each ep rank holds other experts under the same names: not gathered here yet
+        raise CheckpointError(f"checkpoints under expert parallelism (ep={dm.plan.mesh.ep}) are not supported yet; "
+                              "save from a plan with ep=1 (full_state_dict() gathers the experts)")
+
+
+# -- save -------------------------------------------------------------------------------------------
+
+def save_checkpoint(dm: DistributedModel, path: str | os.PathLike) -> Path:
+    """Write `dm`'s model, optimizer, steps and RNG to `path` (collective; see the module docstring)."""
+    _check_supported(dm)
+    final = Path(path).absolute()
+    tmp, old = _siblings(final)
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():  # a crashed save's leftovers
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = _state_to_save(dm)
+    import torch.distributed.checkpoint as dcp  # here: it loads SymPy (through DTensor), which the runtime must not
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    if rank == 0:
+        (tmp / META_FILE).write_text(json.dumps(_meta(dm), indent=1))
+        _fsync_tree(tmp)
+        _publish(tmp, final, old)
+    dist.barrier()
+    return final
+
+
+def _state_to_save(dm: DistributedModel) -> dict[str, Tensor]:
+    params = {dm.param_name(p): full_tensor(p.detach()) for p in dm.local_params()}
+    state = {f"model.{n}": t for n, t in dm.gather_tp(params).items()}
+    optim = _optimizer_states(dm)
+    for key in sorted({k for s in optim.values() for k in s}):
+        shaped = {n: s[key] for n, s in sorted(optim.items()) if key in s and s[key].dim() > 0}
+        for name, tensor in dm.gather_tp(shaped).items():
+            state[f"optim.state.{name}.{key}"] = tensor
+        for name, s in optim.items():
+            if key in s and s[key].dim() == 0:
+                state[f"optim.state.{name}.{key}"] = s[key].detach().clone()
+    for key, value in _hparams(dm.optimizer).items():
+        state[f"optim.hparams.{key}"] = value
+    state["train.steps"] = torch.tensor(dm.steps, dtype=torch.int64)
+    state["rng.cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available() and dm.device.type == "cuda":
+        state["rng.cuda"] = torch.cuda.get_rng_state(dm.device)
+    return state
+
+
+def _meta(dm: DistributedModel) -> dict:
+    optimizer = _optimizer_class(dm.optimizer)
+    return {"format": "autoshard-checkpoint", "version": FORMAT_VERSION, "model": dm.plan.model,
+            "fingerprint": dm.fingerprint, "steps": dm.steps, "optimizer": optimizer,
+            "parameters": {n: list(s) for n, s in dm.full_shapes.items()}, "plan": dm.plan.to_json()}
+
+
+# -- load -------------------------------------------------------------------------------------------
+
+def load_checkpoint(dm: DistributedModel, path: str | os.PathLike, *, missing_ok: bool = False) -> int:
+    """Restore `dm` from the checkpoint at `path`; the number of steps it had taken (collective).
+    `missing_ok`: no checkpoint there (a first start) returns 0 and leaves `dm` as it is."""
+    _check_supported(dm)
+    path = Path(path).absolute()
+    if missing_ok and not path.exists() and not (_siblings(path)[1] / META_FILE).exists():
+        return 0
+    root = _resolve(path)
+    meta = _read_meta(root)
+    _check_model(meta, dm, root)
+    import torch.distributed.checkpoint as dcp  # here: it loads SymPy (through DTensor)
+
+    reader = dcp.FileSystemReader(root)
+    metadata = _check_files(reader, root)
+    entries = metadata.state_dict_metadata
+    names = [dm.param_name(p) for p in dm.local_params()]
+    state = {f"model.{n}": _empty(entries[f"model.{n}"]) for n in names}
+    optimizer = _optimizer_class(dm.optimizer)
+    if optimizer is not None:
+        if meta.get("optimizer") != optimizer:
+            raise CheckpointError(f"checkpoint {root} holds the state of optimizer {meta.get('optimizer')}, this "
+                                  f"model steps {optimizer}; build the model with the same optimizer to resume")
+        prefixes = {n: f"optim.state.{n}." for n in names}
+        for key in entries:
+            for name, prefix in prefixes.items():
+                if key.startswith(prefix) and "." not in key[len(prefix):]:
+                    state[key] = _empty(entries[key])
+        state.update({k: _empty(v) for k, v in entries.items() if k.startswith("optim.hparams.")})
+    state["train.steps"] = _empty(entries["train.steps"])
+    for key in ("rng.cpu", "rng.cuda"):
+        if key in entries and (key == "rng.cpu" or dm.device.type == "cuda"):
+            state[key] = _empty(entries[key])
+    dcp.load(state, storage_reader=reader)
+    _load_params(dm, {n: state[f"model.{n}"] for n in names})
+    if optimizer is not None:
+        per_param = {n: {k[len(p):]: v for k, v in state.items() if k.startswith(p)} for n, p in prefixes.items()}
+        _load_optimizer(dm, per_param)
+        _set_hparams(dm.optimizer, {k[len("optim.hparams."):]: v for k, v in state.items()
+                                    if k.startswith("optim.hparams.")})
+    torch.set_rng_state(state["rng.cpu"])
+    if "rng.cuda" in state:
+        torch.cuda.set_rng_state(state["rng.cuda"], dm.device)
+    dm.steps = int(state["train.steps"])
+    dist.barrier()
+    return dm.steps
+
+
+def _empty(entry) -> Tensor:
+    return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+
+
+def _read_meta(root: Path) -> dict:
+    try:
+        meta = json.loads((root / META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {root}: {META_FILE} is unreadable ({e}); the checkpoint is damaged") from None
+    if meta.get("format") != "autoshard-checkpoint" or not isinstance(meta.get("parameters"), dict):
+        raise CheckpointError(f"checkpoint {root}: {META_FILE} is not an autoshard checkpoint description")
+    if meta.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {root} has format version {meta['version']}, this autoshard reads up to "
+                              f"{FORMAT_VERSION}; upgrade autoshard")
+    return meta
+
+
+def _check_model(meta: Mapping, dm: DistributedModel, root: Path) -> None:
+    saved = {n: tuple(s) for n, s in meta["parameters"].items()}
+    ours = dict(dm.full_shapes)
+    if saved == ours:
+        return
+    missing = sorted(set(ours) - set(saved))
+    extra = sorted(set(saved) - set(ours))
+    shapes = [f"{n} {saved[n]} vs {ours[n]}" for n in sorted(set(saved) & set(ours)) if saved[n] != ours[n]]
+    details = []
+    if missing:
+        details.append(f"{len(missing)} parameters of this model are not in it (first: {missing[0]})")
+    if extra:
+        details.append(f"{len(extra)} of its parameters are not in this model (first: {extra[0]})")
+    if shapes:
+        details.append(f"{len(shapes)} shapes differ, checkpoint vs model (first: {shapes[0]})")
+    raise CheckpointError(f"checkpoint {root} is of another model: it holds {meta.get('model')} (fingerprint "
+                          f"{meta.get('fingerprint')}, {len(saved)} parameters), this is {dm.plan.model} (fingerprint "
+                          f"{dm.fingerprint}, {len(ours)} parameters); {'; '.join(details)}")
+
+
+def _check_files(reader, root: Path):
+    """DCP's metadata, after checking every data file it names exists and is long enough."""
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:  # noqa: BLE001  (a missing or truncated .metadata: any unpickling error)
+        raise CheckpointError(f"checkpoint {root}: DCP's .metadata cannot be read ({type(e).__name__}: {e}); "
+                              "the checkpoint is incomplete") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = root / name
+        have = file.stat().st_size if file.exists() else None
+        if have is None or have < size:
+            raise CheckpointError(f"checkpoint {root} is truncated: {name} has "
+                                  f"{'no file' if have is None else f'{have} bytes'}, its metadata needs {size} "
+                                  "bytes; load an earlier checkpoint")
+    return metadata
+
+
+# -- optimizer state in per-parameter terms ---------------------------------------------------------
+
+def _inner(optimizer):
+    return optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
+
+
+def _optimizer_class(optimizer) -> str | None:
+    inner = _inner(optimizer)
+    return None if inner is None else f"{type(inner).__module__}.{type(inner).__qualname__}"
+
+
+def _optimizer_states(dm: DistributedModel) -> dict[str, dict[str, Tensor]]:
+    """{name: {state key: this rank's tp slice, or a scalar}} for the parameters this rank holds."""
+    optimizer = dm.optimizer
+    if optimizer is None:
+        return {}
+    if isinstance(optimizer, ShardedOptimizer):  # ZeRO-1/2: gathered over dp, cut into parameters
+        by_id = optimizer.param_states()
+    else:
+        by_id = {id(p): {k: full_tensor(v) for k, v in optimizer.state.get(p, {}).items() if isinstance(v, Tensor)}
+                 for p in dm.local_params()}
+    return {dm.param_name(p): by_id[id(p)] for p in dm.local_params() if by_id.get(id(p))}
+
+
+def _load_params(dm: DistributedModel, full: Mapping[str, Tensor]) -> None:
+    with torch.no_grad():
+        for p in dm.local_params():
+            name = dm.param_name(p)
+            p.copy_(like(shard_tensor(full[name], dm.placement(name)), p))
+
+
+def _load_optimizer(dm: DistributedModel, full: Mapping[str, Mapping[str, Tensor]]) -> None:
+    """Cut {name: {key: full tensor or scalar}} to this rank's slices and hand it to the optimizer."""
+    local: dict[int, dict[str, Tensor]] = {}
+    for p in dm.local_params():
+        name = dm.param_name(p)
+        held = full.get(name, {})
+        local[id(p)] = {k: v.clone() if v.dim() == 0 else like(shard_tensor(v, dm.placement(name)), p)
+                        for k, v in held.items()}
+    optimizer = dm.optimizer
+    if isinstance(optimizer, ShardedOptimizer):
+        optimizer.load_param_states(local)
+        return
+    for p in dm.local_params():
+        if local[id(p)]:
+            optimizer.state[p] = local[id(p)]
+
+
+def _hparams(optimizer) -> dict[str, Tensor]:
+    """The numeric hyperparameters of the first parameter group (numbers and tuples of numbers)."""
+    inner = _inner(optimizer)
+    if inner is None:
+        return {}
+    out = {}
+    for key, value in inner.param_groups[0].items():
+        if isinstance(value, bool) or key == "params":
+            continue
+        if isinstance(value, (int, float)) or (isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)):
+            out[key] = torch.tensor(value, dtype=torch.float64)
+    return out
+
+
+def _set_hparams(optimizer, values: Mapping[str, Tensor]) -> None:
+    for group in _inner(optimizer).param_groups:
+        for key, tensor in values.items():
+            old = group.get(key)
+            if isinstance(old, tuple):
+                group[key] = tuple(type(o)(v) for o, v in zip(old, tensor.tolist()))
+            elif isinstance(old, (int, float)) and not isinstance(old, bool):
+                group[key] = type(old)(tensor.item())
+
+
+# -- Hugging Face export ----------------------------------------------------------------------------
+
+def save_pretrained(dm: DistributedModel, path: str | os.PathLike) -> Path:
+    """HF `config.json` + `model.safetensors` of the full weights at `path` (collective)."""
+    from safetensors.torch import save_file
+
+    final = Path(path).absolute()
+    state = dm.full_state_dict()  # every rank takes part in the gather
+    if dist.get_rank() == 0:
+        tmp, old = _siblings(final)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        dm.model.config.save_pretrained(tmp)
+        save_file({n: t.contiguous() for n, t in state.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        _fsync_tree(tmp)
+        _publish(tmp, final, old)
+    dist.barrier()
+    return final

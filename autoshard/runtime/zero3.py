@@ -1,0 +1,63 @@
+"""ZeRO-3: parameters, gradients and optimizer state sharded over dp (x cp) by PyTorch's FSDP2.
+
+Contract: `apply_zero3(model, group, device=..., offload=False)` calls
+`torch.distributed.fsdp.fully_shard` on every decoder block, then on the whole model, over a 1-D
+`DeviceMesh` made from `group` (the dp group, or dp x cp when cp > 1: `DeviceMesh.from_group`).
+It runs after the tensor-parallel slicing (runtime/tensor_parallel.py) and the context-parallel
+set-up, so each tp rank shards its own slices over its dp peers: FSDP2 composes with tp and cp
+without knowing about them, and parameters stay DTensors over that mesh (`Shard(0)`).
+
+* Per micro-batch, FSDP2 all-gathers a block's weights before its forward and again before its
+  backward and reduce-scatters its gradients after it: what `passes/cost.py` `zero3_time` prices.
+  The root unit (embeddings, final norm, LM head) stays gathered between forward and backward.
+* Gradients are SUMMED over the group, not averaged (the loss is already divided by the global
+  token count, runtime/loss.py): every FSDP unit gets divide factor 1 and sum-only reductions
+  (gloo has no PREMUL_SUM).
+* `offload=True` (plan key `offload_optimizer`) adds FSDP2's `CPUOffloadPolicy`: sharded
+  parameters, gradients and optimizer state live in host memory and the optimizer steps there
+  (ZeRO-Offload, arXiv 2101.06840); the cost model charges the host link (`hardware.py`).
+* `full_tensor(t)` / `like(full, param)` convert between a full (tp-local) tensor and a parameter's
+  DTensor shard without communication in `like` (every rank already holds the full value).
+The model must be run through its root `forward` so that FSDP's hooks on the root fire.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+# torch.distributed.fsdp / .tensor load SymPy (through torch._dynamo), which the runtime must not load
+# unless ZeRO-3 is asked for (tests/runtime/test_layering.py): they are imported inside the functions.
+
+
+def apply_zero3(model: nn.Module, group: dist.ProcessGroup, *, device: torch.device, offload: bool = False) -> None:
+    """Shard `model` (in place) over `group` with FSDP2: one unit per decoder block plus the root."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp_shard",))
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    base = getattr(model, model.base_model_prefix)
+    for block in base.layers:
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # older torch lacks it (NCCL has PREMUL_SUM)
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole (tp-local) tensor of a DTensor shard (collective over its mesh); others as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # a DTensor (duck-typed: no import)
+
+
+def like(full: Tensor, param: Tensor) -> Tensor:
+    """`full` cut as `param` is held: its DTensor shard (local slicing, no communication), or itself."""
+    if not hasattr(param, "device_mesh"):  # not a DTensor
+        return full.to(param.device)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)

@@ -1,0 +1,132 @@
+"""Checkpoints reshard across plans and world sizes: save under one plan, load under another, train on,
+and the weights equal an uninterrupted single-process run. Each world size is spawned once.
+
+The chain: 4 ranks train 2 steps under dp 2 x tp 2 and save `a`; still on 4 ranks, `a` is loaded
+under dp 4 ZeRO-1 (flat optimizer shards) and saved again as `b`, which is resumed under dp 4 ZeRO-1
+and dp 2 x tp 2 ZeRO-3. 2 ranks resume `b` under pp 2 and `a` under dp 2 ZeRO-2, and load `a` under
+dp 2 ZeRO-3 (FSDP2) to save it as `c`; 1 rank resumes `c` with a plain optimizer. Every resumed run
+takes steps 3-4 and ends with the weights of 4 uninterrupted single-process steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import autoshard
+from autoshard.errors import CheckpointError
+from autoshard.models.presets import build_model, get_spec
+from tests.runtime.dist_harness import run_ranks
+from tests.runtime.equivalence import ADAM, TOL, batches, reference
+
+PRESET, BATCH, SEQ, STEPS, SAVED_AT = "llama-tiny", 8, 16, 4, 2
+ADAMW = functools.partial(torch.optim.AdamW, **ADAM)
+
+
+def _setup():
+    spec = get_spec(PRESET)
+    data = batches(spec.vocab, global_batch=BATCH, seq=SEQ, steps=STEPS)
+    return spec, data
+
+
+def _parallel(spec, data, plan, *, preset=None, seed=0):
+    model = build_model(get_spec(preset) if preset else spec, seed=seed)
+    return autoshard.parallelize(model, data[0][0], plan=plan, global_batch=BATCH, optimizer=ADAMW)
+
+
+def _resume_and_check(spec, data, plan, path, ref, *, seed=7):
+    """Load `path` into a model initialised differently, train the remaining steps, compare with `ref`."""
+    dm = _parallel(spec, data, plan, seed=seed)
+    assert dm.load_checkpoint(path) == SAVED_AT
+    for ids, labels in data[SAVED_AT:]:
+        dm.train_step(ids, labels)
+    state = dm.full_state_dict()
+    for name, param in ref.named_parameters():
+        assert_close(state[name], param.detach(), **TOL, msg=lambda m: f"{plan} from {path}: {name}: {m}")
+    return dm
+
+
+def _world4(rank, world, root):
+    spec, data = _setup()
+    ref, _, _ = reference(spec, data)
+    dm = _parallel(spec, data, dict(dp=2, tp=2, micro_batch=2))
+    for ids, labels in data[:SAVED_AT]:
+        dm.train_step(ids, labels)
+    dm.save_checkpoint(os.path.join(root, "a"))
+    zero1 = _parallel(spec, data, dict(dp=4, zero=1), seed=3)
+    assert zero1.load_checkpoint(os.path.join(root, "a")) == SAVED_AT
+    zero1.save_checkpoint(os.path.join(root, "b"))  # the sharded optimizer's state, in global terms
+    _resume_and_check(spec, data, dict(dp=4, zero=1), os.path.join(root, "b"), ref)
+    _resume_and_check(spec, data, dict(dp=2, tp=2, zero=3), os.path.join(root, "b"), ref)
+
+
+def _world2(rank, world, root):
+    spec, data = _setup()
+    ref, _, _ = reference(spec, data)
+    _resume_and_check(spec, data, dict(pp=2, micro_batch=2), os.path.join(root, "b"), ref)
+    _resume_and_check(spec, data, dict(dp=2, zero=2, micro_batch=2), os.path.join(root, "a"), ref)
+    zero3 = _parallel(spec, data, dict(dp=2, zero=3), seed=3)
+    assert zero3.load_checkpoint(os.path.join(root, "a")) == SAVED_AT
+    zero3.save_checkpoint(os.path.join(root, "c"))  # FSDP2's DTensor shards, in global terms
+
+
+def _world1(rank, world, root):
+    spec, data = _setup()
+    ref, _, _ = reference(spec, data)
+    a = os.path.join(root, "a")
+    dm = _resume_and_check(spec, data, dict(dp=1), os.path.join(root, "c"), ref)
+
+    # HF export: from_pretrained gives the same logits
+    from transformers import AutoModelForCausalLM
+
+    dm.save_pretrained(os.path.join(root, "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(os.path.join(root, "hf"))
+    with torch.no_grad():
+        assert_close(hf(data[0][0]).logits, dm(data[0][0]), **TOL)
+
+    # a crash during a save leaves the previous checkpoint loadable
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def crash(state, **kwargs):
+        real_save({k: v for k, v in list(state.items())[:3]}, **kwargs)
+        raise KeyboardInterrupt("killed during save")
+
+    dcp.save = crash
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            dm.save_checkpoint(a)
+    finally:
+        dcp.save = real_save
+    assert _parallel(spec, data, dict(dp=1)).load_checkpoint(a) == SAVED_AT
+    # ... and so does one between the two renames (the old checkpoint moved aside, the new not yet in place)
+    moved = os.path.join(root, "moved")
+    shutil.copytree(a, os.path.join(root, ".moved.old"))
+    assert _parallel(spec, data, dict(dp=1)).load_checkpoint(moved) == SAVED_AT
+
+    # another model: both sides named
+    mamba = _parallel(spec, data, dict(dp=1), preset="mamba2-tiny")
+    with pytest.raises(CheckpointError, match=r"another model: it holds .* \(fingerprint \w+, \d+ parameters\), this is .* \(fingerprint \w+"):
+        mamba.load_checkpoint(a)
+    # a truncated data file: the file and both sizes named
+    cut = os.path.join(root, "cut")
+    shutil.copytree(a, cut)
+    data_file = next(f for f in sorted(os.listdir(cut)) if f.endswith(".distcp"))
+    size = os.path.getsize(os.path.join(cut, data_file))
+    os.truncate(os.path.join(cut, data_file), size // 2)
+    with pytest.raises(CheckpointError, match=rf"truncated: {data_file} has {size // 2} bytes"):
+        dm.load_checkpoint(cut)
+    with pytest.raises(CheckpointError, match="not an autoshard checkpoint"):
+        dm.load_checkpoint(os.path.join(root, "hf"))
+
+
+def test_checkpoint_reshards_across_plans_and_world_sizes(tmp_path):
+    run_ranks(4, _world4, str(tmp_path))
+    run_ranks(2, _world2, str(tmp_path))
+    run_ranks(1, _world1, str(tmp_path))
