@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from autoshard.errors import InvalidConfigError
+
 
 # -- the math, in phases ------------------------------------------------------------------------------
 
@@ -185,6 +187,10 @@ def mixer_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention
                   **kwargs) -> Tensor:
     """HF Mamba2Mixer.forward (torch path, training, no cache) with `ssd_scan` for the chunk scan."""
     if cache is not None:
+        if hasattr(mixer, "ssd_head_offset"):  # HF's cached path maps heads to groups by heads // n_groups
+            raise InvalidConfigError("generation with a Mamba-2 model whose groups tp keeps whole (tp does not "
+                                     f"divide n_groups = {mixer.n_groups}) is not supported yet; use a tp that "
+                                     "divides n_groups for inference")
         return type(mixer).forward(mixer, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states, causal_conv1d_fn
 
