@@ -23,7 +23,9 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_table():
-    return shapes._build(get_spec("llama-tiny", layers=1), True, torch.bfloat16, None)
+    spec = get_spec("llama-tiny", layers=1)
+    kernels = shapes.kernel_table.kernel_for(spec, shapes.kernel_table.KERNEL_NAMES)
+    return shapes._build(spec, True, torch.bfloat16, None, kernels)
 
 
 @pytest.fixture
@@ -93,7 +95,7 @@ def test_off_switch_and_unwritable_dir(tmp_path, monkeypatch, count_builds):
 
 
 def test_key_names_versions_and_source(cache):
-    key = shapes._cache_key(get_spec("llama-tiny"), True, torch.bfloat16, None)
+    key = shapes._cache_key(get_spec("llama-tiny"), True, torch.bfloat16, None, ())
     assert key["torch"] == torch.__version__ and key["transformers"] and len(key["autoshard"]) == 64
     assert key["spec"]["family"] == "llama" and key["dtype"] == "torch.bfloat16"
     assert table_cache.digest(key) != table_cache.digest({**key, "autoshard": "0" * 64})
@@ -104,7 +106,7 @@ def test_user_model_is_keyed_by_class_and_config(cache, count_builds):
 
     spec = get_spec("llama-tiny")
     model = build_model(spec, device="meta")
-    key = shapes._cache_key(spec, True, model.dtype, model)
+    key = shapes._cache_key(spec, True, model.dtype, model, ())
     assert key["class"].endswith("LlamaForCausalLM") and '"hidden_size": 64' in key["config"]
     shapes.build_cost_table(spec, model=model)
     shapes._build_cached.cache_clear()
@@ -113,7 +115,7 @@ def test_user_model_is_keyed_by_class_and_config(cache, count_builds):
     assert len(count_builds) == 1
     odd = build_model(spec, device="meta")
     odd.config.note = object()  # a value JSON cannot hold: traced, not cached, no error
-    assert shapes._cache_key(spec, True, odd.dtype, odd) is None
+    assert shapes._cache_key(spec, True, odd.dtype, odd, ()) is None
 
 
 def test_cli_cache_shows_and_clears(cache, count_builds, capsys):
