@@ -67,7 +67,8 @@ from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 log = logging.getLogger("autoshard")
 
 PLAN_HINT = "give every rank the same plan, model and settings of autoshard.parallelize"
-PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "precision", "schedule", "virtual_stages")
+PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "precision", "schedule", "virtual_stages",
+             "sequence_parallel")
 
 
 def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping | str | Path | None = None,
@@ -117,6 +118,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         out = given()
         if schedule is not None:
             out = dataclasses.replace(out, schedule=schedule)
+        if out.sequence_parallel:  # removed when runtime/tensor_parallel.py runs it (issue 13)
+            raise InvalidConfigError("sequence_parallel is not run by the runtime yet; set it to false")
         _check_router_aux(model, out)
         return out
 
@@ -304,7 +307,8 @@ def _resolve_plan(plan: Any, *, spec, world: int, seq_len: int, global_batch: in
         value = plan.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool):
             raise InvalidConfigError(f"plan key {key!r} must be an integer, got {value!r}")
-    options = {key: plan[key] for key in ("precision", "schedule", "virtual_stages", "offload_optimizer")
+    options = {key: plan[key] for key in ("precision", "schedule", "virtual_stages", "offload_optimizer",
+                                          "sequence_parallel")
                if plan.get(key) is not None}
     return Plan(model=spec.name, fingerprint="", hardware=hardware, devices=world, global_batch=global_batch,
                 seq_len=seq_len, mesh=mesh, micro_batch=plan.get("micro_batch", 1), zero=plan.get("zero", 0),
@@ -360,6 +364,9 @@ def _check_backend_supported(plan: Plan, spec) -> None:
             raise InvalidConfigError(f"{axis}={getattr(mesh, axis)} is not supported by the torch.compile backend "
                                      "(it shards data and tensors only); use autoshard.parallelize for pipeline "
                                      "and context parallelism")
+    if plan.sequence_parallel:
+        raise InvalidConfigError("sequence_parallel: the torch.compile backend runs tensor parallelism without it; "
+                                 "use autoshard.parallelize for sequence parallelism, or drop sequence_parallel here")
     if plan.zero:
         raise InvalidConfigError(f"zero={plan.zero}: the torch.compile backend keeps optimizer state whole; use "
                                  "zero=0 here or autoshard.parallelize for ZeRO-1/2")

@@ -276,6 +276,7 @@ class Plan:
     precision: Precision = Precision.AUTO
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved / zero-bubble schedules)
+    sequence_parallel: bool = False  # Megatron SP: norms / residual on a tp shard of the sequence (needs tp > 1)
     stages: tuple[Stage, ...] = ()  # pp * virtual_stages chunks in model order (none: an even split)
     placements: tuple[tuple[str, str], ...] = ()
     predicted: Mapping[str, Any] = field(default_factory=dict)
@@ -298,6 +299,8 @@ class Plan:
         if self.offload_optimizer and self.zero != 3:
             raise InvalidConfigError(f"offload_optimizer needs zero=3 (FSDP2 offloads the ZeRO-3 shards), got "
                                      f"zero={self.zero}; set zero=3 or drop offload_optimizer")
+        if not isinstance(self.sequence_parallel, bool):
+            raise InvalidConfigError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         object.__setattr__(self, "recompute", _enum_field(Recompute, self.recompute, "recompute"))
         object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
         object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
@@ -333,6 +336,7 @@ class Plan:
             "precision": self.precision.value,
             "schedule": self.schedule.value,
             "virtual_stages": self.virtual_stages,
+            "sequence_parallel": self.sequence_parallel,
             "stages": [
                 {**dataclasses.asdict(st), "recompute": st.recompute.value} for st in self.stages
             ],
@@ -428,6 +432,7 @@ def _plan_from_json(data: Any, *, source: str) -> Plan:
             # schema 1 has none of these three: such a plan runs at its device's default precision, 1f1b, one chunk
             precision=data.get("precision", Precision.AUTO.value), schedule=data.get("schedule", "1f1b"),
             virtual_stages=data.get("virtual_stages", 1),
+            sequence_parallel=data.get("sequence_parallel", False),  # absent in older files: off
             placements=tuple((str(k), v) for k, v in placements.items()),
             predicted=data.get("predicted", {}), solver=data.get("solver", {}), schema_version=SCHEMA_VERSION,
         )

@@ -84,3 +84,33 @@ def test_show_prints_them(tmp_path, capsys):
     dataclasses.replace(_plan(), precision="fp32", schedule="gpipe").save(path)
     assert main(["show", str(path)]) == 0
     assert "precision: fp32; pipeline schedule: gpipe, 1 virtual stage(s) per rank" in capsys.readouterr().out
+
+
+def test_sequence_parallel_key():
+    """sequence_parallel: off by default (older files load), JSON round trip, hand-written dict key, and the
+    validator's rules (tp > 1; tp divides each cp rank's tokens), one clear error each."""
+    from autoshard.passes.layouts import check_plan
+
+    spec = get_spec("llama-tiny")
+    plan = _plan(mesh=Mesh(tp=2), sequence_parallel=True)
+    data = plan.to_json()
+    assert data["sequence_parallel"] is True and Plan.from_json(json.loads(json.dumps(data))) == plan
+    assert Plan.from_json({k: v for k, v in data.items() if k != "sequence_parallel"}).sequence_parallel is False
+    check_plan(plan, spec, world_size=2)
+    assert _resolve_plan(dict(tp=2, sequence_parallel=True), spec=spec, world=2, seq_len=16, global_batch=8,
+                         hardware="cpu").sequence_parallel
+    with pytest.raises(InvalidConfigError, match="sequence_parallel must be true or false, got 1"):
+        _plan(mesh=Mesh(tp=2), sequence_parallel=1)
+    with pytest.raises(PlanFileError, match="sequence_parallel must be true or false"):
+        Plan.from_json({**data, "sequence_parallel": "yes"})
+    with pytest.raises(InvalidConfigError, match=r"sequence_parallel needs tp > 1"):
+        check_plan(_plan(mesh=Mesh(dp=2), sequence_parallel=True), spec, world_size=2)
+    bad = dataclasses.replace(plan, mesh=Mesh(tp=2, cp=2), devices=4, seq_len=12)  # 6 tokens per cp rank: ok
+    check_plan(bad, spec, world_size=4)
+    bad = dataclasses.replace(plan, mesh=Mesh(tp=4), devices=4, seq_len=18)
+    with pytest.raises(InvalidConfigError, match="sequence length 18 is not divisible by tp=4"):
+        check_plan(bad, spec, world_size=4)
+    bad = dataclasses.replace(plan, mesh=Mesh(tp=4, cp=2), devices=8, seq_len=20)
+    with pytest.raises(InvalidConfigError, match="over cp=2 leaves 10 tokens per rank, which is not divisible by "
+                                                 "tp=4; pad the sequence to a multiple of tp x cp = 8"):
+        check_plan(bad, spec, world_size=8)

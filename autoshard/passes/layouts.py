@@ -1,7 +1,7 @@
 """Plan validation and layouts: the one set of rules a plan must pass, and every valid mesh.
 
 Contract
-  `plan_violation(spec, mesh, *, global_batch, seq_len, micro_batch=1, zero=0)` gives the first
+  `plan_violation(spec, mesh, *, global_batch, seq_len, micro_batch=1, zero=0, sequence_parallel=False)` gives the first
   rule a plan breaks (None if it runs), `check_plan(plan, spec, world_size=)` raises it (and a bad
   stage split, `ir.check_stages`) as `InvalidConfigError`. These are THE rules: the runtime
   (`parallelize`, `backend`), the planner (`solve` searches only layouts that pass), `sweep`,
@@ -29,6 +29,8 @@ Rules (the runtime's, see DESIGN.md):
   dp    dp x micro_batch divides the global batch.
   cp    LLaMA: 2*cp divides the sequence (load-balanced causal split, chunks i and 2cp-1-i).
         Mamba-2: cp divides the sequence, and each rank keeps at least conv_kernel - 1 tokens.
+  SP    `sequence_parallel` (Megatron's sequence parallelism) needs tp > 1, and tp divides each cp
+        rank's seq_len / cp tokens (`sequence_parallel_violation`).
   ZeRO  0-3; levels 2 and 3 need pp = 1 (`zero_violation`): they reduce gradients after every
         micro-batch, which a pipeline schedule's accumulation does not allow (DeepSpeed's rule too).
         The runtime runs every level (`RUNTIME_ZERO`, what the planner searches): 1-2 in
@@ -200,7 +202,7 @@ _RULE_ORDER = ("ep", "tp", "pp", "dp", "cp")  # the order plan_violation reports
 
 
 def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: int, micro_batch: int = 1,
-                   zero: int = 0, zeros: tuple[int, ...] = ()) -> str | None:
+                   zero: int = 0, zeros: tuple[int, ...] = (), sequence_parallel: bool = False) -> str | None:
     """The first rule (module docstring) that this plan breaks for `spec`, worded for the user
     (what was found, what to do), or None. `zeros`: the ZeRO levels allowed (default
     `RUNTIME_ZERO`; the cost model prices 0-3)."""
@@ -216,7 +218,7 @@ def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: i
     if mesh.ep > 1 and global_batch % per_step:  # the ep peers take their own rows too
         return (f"global batch {global_batch} is not divisible by dp ({mesh.dp}) x ep ({mesh.ep}) x micro_batch "
                 f"({micro_batch}) = {per_step}; pick a global batch that is a multiple of {per_step}")
-    why = zero_violation(mesh, zero)
+    why = zero_violation(mesh, zero) or (sequence_parallel_violation(mesh, seq_len) if sequence_parallel else None)
     if why:
         return why
     if zero not in (zeros or RUNTIME_ZERO):
@@ -234,7 +236,7 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None) ->
         raise InvalidConfigError(f"the plan's mesh {mesh.as_dict()} multiplies to {mesh.size}, but the world size "
                                  f"is {world_size}; choose dp*pp*tp*cp*ep = {world_size}")
     why = plan_violation(spec, mesh, global_batch=plan.global_batch, seq_len=plan.seq_len,
-                         micro_batch=plan.micro_batch, zero=plan.zero)
+                         micro_batch=plan.micro_batch, zero=plan.zero, sequence_parallel=plan.sequence_parallel)
     if why:
         raise InvalidConfigError(why)
     if plan.stages:
@@ -251,6 +253,21 @@ RUNTIME_ZERO = (0, 1, 2, 3)  # the ZeRO levels the runtime runs (3: FSDP2, runti
 # among (GPipe runs too but never beats 1F1B: the same bubble, all micro-batches in flight); add
 # ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zero-bubble", 1) as the runtime runs them
 RUNTIME_SCHEDULES = (("1f1b", 1),)
+
+
+def sequence_parallel_violation(mesh: Mesh, seq_len: int) -> str | None:
+    """Why sequence parallelism cannot go with `mesh` and `seq_len` (module docstring), or None: it
+    splits each cp rank's seq_len / cp tokens over the tp ranks."""
+    if mesh.tp == 1:
+        return ("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks outside "
+                "their sharded regions); set tp > 1 or sequence_parallel to false")
+    local = seq_len // mesh.cp
+    if local % mesh.tp:
+        where = f"sequence length {seq_len}" + (f" over cp={mesh.cp} leaves {local} tokens per rank, which is"
+                                                if mesh.cp > 1 else " is")
+        return (f"sequence_parallel: {where} not divisible by tp={mesh.tp}; pad the sequence to a multiple of "
+                f"tp x cp = {mesh.tp * mesh.cp}, pick a tp that divides {local}, or set sequence_parallel to false")
+    return None
 
 
 def zero_violation(mesh: Mesh, zero: int) -> str | None:
