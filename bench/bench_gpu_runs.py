@@ -4,6 +4,10 @@
   python bench/bench_gpu_runs.py --runs FILE.json     any runs file in the format of issue 12's
                                                       gpu_published_runs.json (held-out runs: the
                                                       errors printed are the check; nothing is fitted)
+  python bench/bench_gpu_runs.py --heldout            the held-out runs we gathered (bench/gpu_heldout_runs.json:
+                                                      8B-405B, 8-2048 GPUs, TP/PP/VP/CP/FSDP/recompute, each
+                                                      with its source); prints each row and the error
+                                                      distribution of the 'exact' group
   python bench/bench_gpu_runs.py --curve              predicted MFU of llama-70b on 64..4096 H100,
                                                       global batch 1024, seq 8192 (best layout per size)
 
@@ -15,46 +19,86 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Recompute
 from autoshard.models.presets import Family, ModelSpec, get_spec
 from autoshard.models.published import CALIBRATION_RUNS, PublishedRun
-from autoshard.passes.cost import Layout, compile_table, estimate
+from autoshard.passes.cost import Layout, compile_table, estimate, model_flops_per_token
 from autoshard.passes.shapes import build_cost_table
 
 
-def runs_from_file(path: str) -> list[PublishedRun]:
-    data = json.loads(open(path).read())
+HELDOUT = Path(__file__).with_name("gpu_heldout_runs.json")
+
+
+def runs_from_file(path: str | Path) -> list[PublishedRun]:
+    data = json.loads(Path(path).read_text())
     out = []
     for r in data["runs"]:
         m = r["model"]
         spec = ModelSpec(name=r["id"], family=Family.LLAMA, vocab=m["vocab"], hidden=m["hidden"], ffn=m["ffn"],
                          layers=m["layers"], heads=m["heads"], kv_heads=m["kv_heads"], tied=False)
         rec = r.get("recompute", "none")
-        out.append(PublishedRun(id=r["id"], source=r.get("source", ""), spec=spec, hardware=r["hardware"],
-                                mesh=Mesh(dp=r["dp"], pp=r["pp"], tp=r["tp"], cp=r["cp"]),
-                                micro_batch=r["micro_batch"], global_batch=r["global_batch"], seq_len=r["seq_len"],
-                                zero=r.get("zero", 1),
-                                recompute=Recompute(rec if rec in ("none", "selective", "full") else "none"),
-                                step_s=r["step_s"]))
+        run = PublishedRun(id=r["id"], source=r.get("source", ""), spec=spec, hardware=r["hardware"],
+                           mesh=Mesh(dp=r["dp"], pp=r["pp"], tp=r["tp"], cp=r["cp"]),
+                           micro_batch=r["micro_batch"], global_batch=r["global_batch"], seq_len=r["seq_len"],
+                           zero=r.get("zero", 1),
+                           recompute=Recompute(rec if rec in ("none", "selective", "full") else "none"),
+                           schedule=r.get("schedule", "1f1b"), virtual_stages=r.get("virtual_stages", 1),
+                           group=r.get("group", "exact"), step_s=r["step_s"] or 0.0)
+        if r.get("step_tflops_per_gpu"):  # a published TFLOP/s per GPU: the step in this repo's MFU convention
+            ct = _compiled(spec)
+            tokens = run.global_batch * run.seq_len
+            step = model_flops_per_token(ct, run.seq_len) * tokens / (run.mesh.size * r["step_tflops_per_gpu"] * 1e12)
+            run = replace(run, step_s=step)
+        out.append(run)
     return out
 
 
+_TABLES: dict = {}
+
+
+def _compiled(spec: ModelSpec):
+    """The compiled cost table of a spec's shape (runs of one model share it)."""
+    key = replace(spec, name="published")
+    if key not in _TABLES:
+        _TABLES[key] = compile_table(build_cost_table(key), key)
+    return _TABLES[key]
+
+
+def price(run: PublishedRun):
+    """The cost model's estimate of one run with its exact layout."""
+    lay = Layout(mesh=run.mesh, micro_batch=run.micro_batch, zero=run.zero, recompute=run.recompute,
+                 schedule=run.schedule, virtual_stages=run.virtual_stages)
+    ct = _compiled(run.spec)
+    return estimate(ct, ct.spec, load_hardware(run.hardware), lay, global_batch=run.global_batch,
+                    seq_len=run.seq_len)
+
+
 def report(runs) -> None:
-    print(f"{'run':32} {'pred s':>8} {'meas s':>8} {'error':>7} {'peak GB':>8} {'fits':>5} {'MFU %':>6}")
+    print(f"{'run':32} {'group':>6} {'layout':>26} {'pred s':>8} {'meas s':>8} {'error':>7} {'peak GB':>8} "
+          f"{'fits':>5} {'MFU %':>6}")
     errors = []
     for run in runs:
-        ct = compile_table(build_cost_table(run.spec), run.spec)
-        hw = load_hardware(run.hardware)
-        lay = Layout(mesh=run.mesh, micro_batch=run.micro_batch, zero=run.zero, recompute=run.recompute)
-        e = estimate(ct, run.spec, hw, lay, global_batch=run.global_batch, seq_len=run.seq_len)
+        e = price(run)
         err = e.step_time_s / run.step_s - 1
-        errors.append(abs(err))
-        print(f"{run.id:32} {e.step_time_s:8.2f} {run.step_s:8.2f} {100 * err:+6.1f}% {e.memory_gb:8.1f} "
-              f"{'yes' if e.fits else 'NO':>5} {100 * e.mfu:6.1f}")
-    print(f"mean |error| {100 * sum(errors) / len(errors):.1f}%, max {100 * max(errors):.1f}%")
+        if run.group == "exact":
+            errors.append(err)
+        m = run.mesh
+        lay = (f"d{m.dp} p{m.pp} t{m.tp} c{m.cp} z{run.zero} {run.recompute.value[:4]}"
+               + (f" v{run.virtual_stages}" if run.virtual_stages > 1 else ""))
+        print(f"{run.id:32} {run.group[:6]:>6} {lay:>26} {e.step_time_s:8.2f} {run.step_s:8.2f} {100 * err:+6.1f}% "
+              f"{e.memory_gb:8.1f} {'yes' if e.fits else 'NO':>5} {100 * e.mfu:6.1f}")
+    if errors:
+        mags = [abs(x) for x in errors]
+        print(f"{len(errors)} exact runs: mean |error| {100 * statistics.mean(mags):.1f}%, median "
+              f"{100 * statistics.median(mags):.1f}%, max {100 * max(mags):.1f}%, mean signed "
+              f"{100 * statistics.mean(errors):+.1f}%, within 10%: {sum(x <= 0.10 for x in mags)}/{len(errors)}, "
+              f"within 20%: {sum(x <= 0.20 for x in mags)}/{len(errors)}")
 
 
 def curve(devices=(64, 128, 256, 512, 1024, 2048, 4096), global_batch=1024, seq_len=8192) -> None:
@@ -81,10 +125,13 @@ def curve(devices=(64, 128, 256, 512, 1024, 2048, 4096), global_batch=1024, seq_
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", help="a runs JSON file (format of gpu_published_runs.json)")
+    p.add_argument("--heldout", action="store_true", help=f"price the held-out runs ({HELDOUT.name})")
     p.add_argument("--curve", action="store_true", help="print the llama-70b H100 MFU curve instead")
     args = p.parse_args(argv)
     if args.curve:
         curve()
+    elif args.heldout:
+        report(runs_from_file(HELDOUT))
     else:
         report(runs_from_file(args.runs) if args.runs else CALIBRATION_RUNS)
     return 0

@@ -33,6 +33,9 @@ class PublishedRun:
     zero: int
     recompute: Recompute
     step_s: float  # measured seconds per optimizer step
+    schedule: str = "1f1b"  # pipeline schedule (ir.Schedule value)
+    virtual_stages: int = 1  # model chunks per pipeline rank (Megatron's VP)
+    group: str = "exact"  # "exact": the layout is stated one to one; "approximate": shown, not scored
 
 
 def _llama(name, *, layers, hidden, heads, kv_heads, ffn, vocab) -> ModelSpec:
