@@ -28,9 +28,9 @@ is what runs differently in decode, priced with a third symbol, the context leng
 * LLaMA attention: one query over the cached keys. FLOPs: the table's s x s attention nodes
   with one query and C keys (`flops(b, 1) * C`, PaLM's counting); bytes: the KV cache read once,
   2 * b * C * kv_heads_local * head_dim * KV_BYTES (GQA: kv_heads / min(tp, kv_heads) per rank).
-* Mamba-2: the recurrent step instead of the chunked scan (HF `selective_state_update`,
-  `causal_conv1d_update`): the SSM state (b, heads/tp, head_dim, d_state) fp32 and the conv
-  state (b, conv_dim/tp, d_conv) read and written once; ~5 FLOPs per state element, 2 per
+* Mamba-2: the recurrent step instead of the chunked scan (runtime/ssd.py `recurrent_step`,
+  HF's `causal_conv1d_update`): the SSM state (b, heads/tp, head_dim, d_state) fp32 and the conv
+  state (b, conv channels of the rank, d_conv) read and written once; ~5 FLOPs per state element, 2 per
   conv tap. Constant in C.
 TP: the same all-reduces per layer as training's forward, of (batch, 1, hidden): latency-bound,
 alpha of the collective model dominates. The last stage gathers the logits of the last
@@ -232,12 +232,15 @@ def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
         kv_local = spec.kv_heads // sharding.parts(spec, "self_attn.k_proj", tp)
         return 2.0 * batch * tokens * kv_local * head_dim * dtype_bytes
     ssm = batch * (spec.heads // tp) * spec.head_dim * spec.state * SSM_STATE_BYTES
-    conv = batch * _conv_dim(spec) // tp * spec.conv * dtype_bytes
+    conv = batch * _conv_channels(spec, tp) * spec.conv * dtype_bytes
     return float(ssm + conv)
 
 
-def _conv_dim(spec: ModelSpec) -> int:
-    return spec.intermediate + 2 * spec.groups * spec.state
+def _conv_channels(spec: ModelSpec, tp: int) -> float:
+    """Mamba-2 conv channels one tp rank holds: x, B and C split by the sharding table (B and C
+    whole on every rank when tp does not divide n_groups)."""
+    conv_dim = spec.intermediate + 2 * spec.groups * spec.state
+    return conv_dim / sharding.node_divisor(spec, BlockKind.LAYER, f"{sharding.layer_prefix(spec, 0)}.mixer.conv1d", tp)
 
 
 def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch: int, context: float) -> float:
@@ -250,7 +253,7 @@ def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch
             * KV_BYTES + q_out
     else:
         state = batch * spec.heads * spec.head_dim * spec.state / tp
-        conv = batch * _conv_dim(spec) * spec.conv / tp
+        conv = batch * _conv_channels(spec, tp) * spec.conv
         flops = 5.0 * state + 2.0 * conv
         nbytes = 2.0 * (state * SSM_STATE_BYTES + conv * KV_BYTES)  # conv state in the model's bf16
     return max(flops / (hw.peak_flops * hw.gemm_efficiency), nbytes / (hw.hbm_bandwidth * hw.vector_efficiency))

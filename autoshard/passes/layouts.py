@@ -7,6 +7,8 @@ Contract
   (`parallelize`, `backend`), the planner (`solve` searches only layouts that pass), `sweep`,
   `show` and the cost model all call them, so the planner never emits a plan the runtime refuses
   (tests/passes/test_plan_validity.py).
+  `generate_violation(spec, mesh)`: the rules `DistributedModel.generate` adds (one replica:
+  dp = cp = ep = 1); the inference planner searches only layouts that pass it.
   `valid_meshes(spec, devices, *, global_batch, seq_len, micro_batch=1) -> tuple[Mesh, ...]`
   lists every mesh with dp*pp*tp*cp*ep == devices that passes them, in a fixed order (dp
   descending, then pp, tp, cp); if none passes it raises `InvalidConfigError` saying which rule
@@ -246,6 +248,18 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None) ->
                                  f"chunks, more than the {spec.layers} blocks of {spec.name} an even split can give "
                                  "one each; use fewer virtual_stages or give the plan's stages (empty first / last "
                                  "chunks allowed)")
+
+
+def generate_violation(spec: ModelSpec, mesh: Mesh) -> str | None:
+    """Why `DistributedModel.generate` (runtime/generate.py) cannot run one replica of `mesh`, or None.
+    Generation runs one model replica: dp = cp = ep = 1 (serve more replicas by starting one such
+    world each; the prompt's context parallelism and expert parallelism are not run in decode),
+    with any tp and pp the plan rules allow (virtual stages and Mamba-2 groups kept whole included).
+    The runtime's `generate` and the inference planner (passes/serving.py) both ask here."""
+    if mesh.dp != 1 or mesh.cp != 1 or mesh.ep != 1:
+        return (f"generate runs one model replica: the plan has dp={mesh.dp}, cp={mesh.cp}, ep={mesh.ep}; use a plan "
+                "with dp = cp = ep = 1 (tp and pp as you like) and start one such world per replica")
+    return plan_violation(spec, mesh, global_batch=1, seq_len=1)
 
 
 RUNTIME_ZERO = (0, 1, 2, 3)  # the ZeRO levels the runtime runs (3: FSDP2, runtime/zero3.py)

@@ -5,8 +5,9 @@ disaggregation=True) -> ServingChoice`, or `InfeasiblePlanError` (one line: the 
 best TPOT any configuration reaches, and the constraint that binds).
 
 Search (exhaustive; every number from `passes/inference_cost.py`):
-* layouts: every (tp, pp) with tp * pp dividing `devices`, tp accepted by the runtime's own check
-  (`layouts.plan_violation`, what `check_plan` asks), pp <= layers; replicas = devices / (tp * pp).
+* layouts: every (tp, pp) with tp * pp dividing `devices` that generate's own check accepts
+  (`layouts.generate_violation`, what `DistributedModel.generate` asks: tp as the sharding table
+  allows, pp <= layers); replicas = devices / (tp * pp).
 * colocated (what `DistributedModel.generate` runs, per replica): for each layout the largest batch
   of concurrent sequences whose TTFT, TPOT and memory all hold. TTFT, TPOT and memory grow with
   the batch, so the feasible batches are 1..b_max (found by doubling, then bisection; capped at
@@ -36,7 +37,7 @@ from autoshard.models.presets import ModelSpec
 from autoshard.passes import inference_cost as ic
 from autoshard.passes.collectives import group_link
 from autoshard.passes.inference_cost import InferenceTable, ServeEstimate, ServeLayout
-from autoshard.passes.layouts import plan_violation
+from autoshard.passes.layouts import generate_violation
 
 MAX_BATCH = 4096  # concurrent sequences per replica searched at most
 
@@ -95,8 +96,8 @@ def layouts(spec: ModelSpec, devices: int) -> tuple[tuple[int, int], ...]:
 
 
 def _runs(spec: ModelSpec, tp: int, pp: int) -> bool:
-    """Whether the runtime accepts one replica of tp x pp (the check `parallelize` makes)."""
-    return plan_violation(spec, Mesh(tp=tp, pp=pp), global_batch=1, seq_len=1, micro_batch=1, zero=0) is None
+    """Whether `DistributedModel.generate` runs one replica of tp x pp (the check it makes itself)."""
+    return generate_violation(spec, Mesh(tp=tp, pp=pp)) is None
 
 
 def transfer_seconds(spec: ModelSpec, hw: DeviceProfile, *, batch: int, prompt_len: int, devices: int) -> float:

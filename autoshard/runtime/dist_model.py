@@ -219,25 +219,25 @@ class DistributedModel:
 
     def generate(self, input_ids: Tensor, *, max_new_tokens: int) -> Tensor:
         """Prompt + greedy new tokens (b, s + n), n <= max_new_tokens, on every rank (collective)."""
-        mesh = self.plan.mesh
-        if mesh.dp != 1 or mesh.cp != 1 or mesh.ep != 1:
-            raise InvalidConfigError(f"generate runs one model replica: the plan has dp={mesh.dp}, cp={mesh.cp}, "
-                                     f"ep={mesh.ep}; use a plan with dp = cp = ep = 1 (tp and pp as you like) and "
-                                     "start one such world per replica")
-        if self.plan.virtual_stages > 1:
-            raise InvalidConfigError(f"generate drives one pipeline stage per rank; the plan has virtual_stages="
-                                     f"{self.plan.virtual_stages} ({self.plan.schedule.value}); use a plan with "
-                                     "virtual_stages=1 for generation")
+        from autoshard.passes.layouts import generate_violation
+
+        mesh, spec = self.plan.mesh, self._setup.spec
+        why = generate_violation(spec, mesh)  # the rule the inference planner checks its layouts with
+        if why:
+            raise InvalidConfigError(why)
         self._check_batch(input_ids, None, global_batch=None)  # prompt ids in the vocabulary, the same on every rank
         if self._generator is None:
             from autoshard.ir import Stage
             from autoshard.runtime.generate import Generator
             from autoshard.runtime.stages import build_stage_module
 
-            spec = self._setup.spec
-            stage = self._runner.chunks[0] if self._runner is not None else build_stage_module(
-                self.model, spec, Stage(first_layer=0, end_layer=spec.layers, embed=True, head=True))
-            self._generator = Generator(self.model, spec, stage, tp_group=self._tp_group,
+            if self._runner is not None:  # this rank's chunks (several under virtual stages) and every chunk's rank
+                chunks, placement = dict(zip(self._runner.local, self._runner.chunks)), self._runner.placement
+            else:
+                chunks = {0: build_stage_module(self.model, spec, Stage(first_layer=0, end_layer=spec.layers,
+                                                                        embed=True, head=True))}
+                placement = (0,)
+            self._generator = Generator(self.model, spec, chunks, placement, tp_group=self._tp_group,
                                         pp_group=self._groups.pp if mesh.pp > 1 else None, device=self._groups.device)
         with autocast(self.precision, self._groups.device):  # bf16-mixed plans decode in bf16 too
             return self._generator.generate(input_ids, max_new_tokens=max_new_tokens)

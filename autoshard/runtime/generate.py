@@ -1,8 +1,10 @@
 """Greedy generation on one replica of a plan: tensor and pipeline parallel, cache kept sharded.
 
-Contract: `Generator(model, spec, stage_module, tp_group=..., pp_group=..., device=...)` is built
-on every rank of one replica (dp = cp = 1); `generate(input_ids, max_new_tokens=N)` takes the
-same prompts (b, s) on every rank and returns prompt + new tokens (b, s + n), n <= N, the same
+Contract: `Generator(model, spec, chunks, placement, tp_group=..., pp_group=..., device=...)` is
+built on every rank of one replica (dp = cp = ep = 1); `chunks` are this rank's stage modules by
+model-chunk index and `placement` the pp rank of every chunk in model order (one chunk per rank,
+or several under virtual stages: `ir.stage_rank`). `generate(input_ids, max_new_tokens=N)` takes
+the same prompts (b, s) on every rank and returns prompt + new tokens (b, s + n), n <= N, the same
 tensor on every rank. The tokens are those of HF's single-process
 `model.generate(input_ids, max_new_tokens=N, do_sample=False)` on unpadded prompts: argmax of
 the float32 logits of the last position, and once a sequence has produced an end-of-sequence
@@ -10,24 +12,28 @@ token (`model.generation_config.eos_token_id`) it is padded with `pad_token_id` 
 EOS id when none is set), generation stopping early when every sequence has finished.
 
 How it runs:
-* Each rank holds one HF `DynamicCache(config=...)` for its stage's layers. Its layers are
-  created lazily from the first tensors written, so under tensor parallelism every rank caches
-  only its own heads: LLaMA's K/V (b, kv_heads / tp or 1, t, head_dim), Mamba-2's conv state
-  (b, conv_dim / tp, d_conv) and SSM state (b, heads / tp, head_dim, d_state) -- sharded as
-  the weights are, with no code of ours in the attention or the mixer.
-* Prefill runs the whole prompt through the stages once (filling the caches); every decode
-  step runs one token per sequence. With pp > 1 the stages are driven by hand: stage i sends
-  its hidden states (b, t, h) to stage i + 1 with point-to-point send/recv in the pp group
-  (each tp rank to its peer: the hidden states are replicated over tp), the dtype travelling in
-  a small header at prefill. `torch.distributed.pipelining` schedules are for training
+* Each rank holds one HF `DynamicCache(config=...)` for the layers of all its chunks. Its layers
+  are created lazily from the first tensors written, so under tensor parallelism every rank
+  caches only its own heads: LLaMA's K/V (b, kv_heads / tp or 1, t, head_dim), Mamba-2's conv
+  state (b, conv channels of this rank, d_conv) and SSM state (b, heads / tp, head_dim, d_state)
+  -- sharded as the weights are. LLaMA attention is HF's own; the Mamba-2 mixer runs
+  `runtime/ssd.py cached_mixer_forward` (HF's cached path with each head reading its own group,
+  so a tp that keeps the groups whole works too).
+* Prefill runs the whole prompt through the chunks once (filling the caches); every decode
+  step runs one token per sequence. The chunks run in model order: when chunk i + 1 sits on
+  another rank, the hidden states (b, t, h) hop there with point-to-point send/recv in the pp
+  group (each tp rank to its peer: the hidden states are replicated over tp), their dtype
+  travelling in a small header at prefill. With virtual stages the hidden states visit every
+  rank virtual_stages times (pp * virtual_stages - 1 hops per step, priced so by
+  passes/inference_cost.py). `torch.distributed.pipelining` schedules are for training
   (micro-batches, backward) and are not used here.
-* The last stage computes the logits of the last position (vocab slice under tp), gathers them
-  over tp, takes the argmax and broadcasts the next tokens to every stage of the pipeline.
+* The rank of the last chunk computes the logits of the last position (vocab slice under tp),
+  gathers them over tp, takes the argmax and broadcasts the next tokens to every pp rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,16 +59,17 @@ def stop_tokens(model: nn.Module) -> tuple[tuple[int, ...], int | None]:
 class Generator:
     """This rank's part of greedy generation (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, stage_module: StageModule, *,
-                 tp_group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None,
-                 device: torch.device) -> None:
+    def __init__(self, model: nn.Module, spec: ModelSpec, chunks: Mapping[int, StageModule],
+                 placement: Sequence[int], *, tp_group: dist.ProcessGroup | None,
+                 pp_group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.config = model.config
         self.spec = spec
-        self.stage = stage_module
+        self.chunks = dict(chunks)  # model chunk index -> this rank's stage module
+        self.placement = tuple(placement)  # pp rank of every chunk, in model order
         self.tp_group, self.pp_group = tp_group, pp_group
         self.device = device
         self.pp = dist.get_world_size(pp_group) if pp_group is not None else 1
-        self.index = dist.get_rank(pp_group) if pp_group is not None else 0
+        self.rank = dist.get_rank(pp_group) if pp_group is not None else 0
         self.eos, self.pad = stop_tokens(model)
         self.cache_bytes = 0  # bytes this rank's cache held at the end of the last generate (checks)
 
@@ -76,11 +83,11 @@ class Generator:
         from transformers import DynamicCache
 
         ids = input_ids.to(self.device, torch.int64)
-        cache = DynamicCache(config=self.config)
+        cache = DynamicCache(config=self.config)  # the layers of every chunk this rank holds
         unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=self.device)
-        step_input, past, hidden_dtype = ids, 0, None
+        step_input, past, hop_dtypes = ids, 0, {}
         for _ in range(max_new_tokens):
-            token, hidden_dtype = self._step(step_input, cache, past=past, hidden_dtype=hidden_dtype)
+            token = self._step(step_input, cache, past=past, hop_dtypes=hop_dtypes)
             if self.eos:
                 token = torch.where(unfinished, token, torch.full_like(token, self.pad))
                 unfinished &= ~torch.isin(token, torch.tensor(self.eos, device=self.device))
@@ -92,45 +99,49 @@ class Generator:
         self.cache_bytes = _cache_bytes(cache)
         return ids
 
-    def _step(self, ids: Tensor, cache, *, past: int, hidden_dtype: torch.dtype | None):
-        """One forward of `ids` (b, t) through every stage; the next token (b,) on every rank."""
+    def _step(self, ids: Tensor, cache, *, past: int, hop_dtypes: dict[int, torch.dtype]) -> Tensor:
+        """One forward of `ids` (b, t) through every chunk in model order; the next token (b,) on
+        every rank. `hop_dtypes`: the dtype of the hidden states entering chunk i from another rank,
+        learnt from a header at prefill (filled here)."""
         b, t = ids.shape
-        first, last = self.index == 0, self.index == self.pp - 1
-        if first:
-            x = ids
-        else:
-            if hidden_dtype is None:  # prefill: the dtype of the hidden states crossing stages
-                header = torch.empty(1, dtype=torch.int64, device=self.device)
-                dist.recv(header, group=self.pp_group, group_src=self.index - 1)
-                hidden_dtype = _DTYPES[int(header)]
-            x = torch.empty((b, t, self.spec.hidden), dtype=hidden_dtype, device=self.device)
-            dist.recv(x, group=self.pp_group, group_src=self.index - 1)
-        out = self._run_stage(x, cache, past=past)
-        if not last:
-            if past == 0:
-                header = torch.tensor([_DTYPES.index(out.dtype)], dtype=torch.int64, device=self.device)
-                dist.send(header, group=self.pp_group, group_dst=self.index + 1)
-            dist.send(out.contiguous(), group=self.pp_group, group_dst=self.index + 1)
-            token = torch.empty(b, dtype=torch.int64, device=self.device)
-        else:
-            logits = gather_last_dim(out, self.tp_group)[:, -1].float()  # (b, V)
+        x = ids if self.rank == self.placement[0] else None
+        for i, owner in enumerate(self.placement):
+            prev = self.placement[i - 1] if i else owner
+            if prev != owner and self.rank == prev:  # the hidden states hop to the next chunk's rank
+                if past == 0:
+                    header = torch.tensor([_DTYPES.index(x.dtype)], dtype=torch.int64, device=self.device)
+                    dist.send(header, group=self.pp_group, group_dst=owner)
+                dist.send(x.contiguous(), group=self.pp_group, group_dst=owner)
+            elif prev != owner and self.rank == owner:
+                if i not in hop_dtypes:
+                    header = torch.empty(1, dtype=torch.int64, device=self.device)
+                    dist.recv(header, group=self.pp_group, group_src=prev)
+                    hop_dtypes[i] = _DTYPES[int(header)]
+                x = torch.empty((b, t, self.spec.hidden), dtype=hop_dtypes[i], device=self.device)
+                dist.recv(x, group=self.pp_group, group_src=prev)
+            if self.rank == owner:
+                x = self._run_stage(self.chunks[i], x, cache, past=past)
+        last = self.placement[-1]
+        if self.rank == last:
+            logits = gather_last_dim(x, self.tp_group)[:, -1].float()  # (b, V)
             token = logits.argmax(dim=-1)
+        else:
+            token = torch.empty(b, dtype=torch.int64, device=self.device)
         if self.pp > 1:
-            dist.broadcast(token, group=self.pp_group, group_src=self.pp - 1)
-        return token, hidden_dtype
+            dist.broadcast(token, group=self.pp_group, group_src=last)
+        return token
 
-    def _run_stage(self, x: Tensor, cache, *, past: int) -> Tensor:
-        """This stage's layers on `x` with the cache; hidden states (b, t, h), or the last
-        position's logits (b, 1, V / tp) on the last stage."""
-        stage = self.stage
+    def _run_stage(self, stage: StageModule, x: Tensor, cache, *, past: int) -> Tensor:
+        """One chunk's layers on `x` with the cache; hidden states (b, t, h), or the last
+        position's logits (b, 1, V / tp) on the last chunk."""
         hidden = stage.embed(x) if stage.embed is not None else x  # (b, t, h)
         if len(stage.layers):
-            kwargs = self._layer_kwargs(hidden, cache, past=past)
+            kwargs = self._layer_kwargs(stage, hidden, cache, past=past)
             for layer in stage.layers.values():
                 hidden = layer(hidden, **kwargs)
         return stage.head(hidden[:, -1:]) if stage.lm_head is not None else hidden
 
-    def _layer_kwargs(self, hidden: Tensor, cache, *, past: int) -> dict:
+    def _layer_kwargs(self, stage: StageModule, hidden: Tensor, cache, *, past: int) -> dict:
         if self.spec.family is not Family.LLAMA:  # Mamba-2 blocks: the cache alone (no padding mask)
             return {"cache": cache}
         from transformers.masking_utils import create_causal_mask
@@ -138,9 +149,9 @@ class Generator:
         t = hidden.shape[1]
         position_ids = torch.arange(past, past + t, device=hidden.device)[None]  # (1, t)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=cache,
-                                  position_ids=position_ids, layer_idx=self.stage.stage.first_layer)
+                                  position_ids=position_ids, layer_idx=stage.stage.first_layer)
         return {"attention_mask": mask, "position_ids": position_ids, "cache": cache, "use_cache": True,
-                "position_embeddings": self.stage.rotary_emb(hidden, position_ids=position_ids)}
+                "position_embeddings": stage.rotary_emb(hidden, position_ids=position_ids)}
 
 
 def _cache_bytes(cache) -> int:

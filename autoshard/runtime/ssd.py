@@ -16,6 +16,10 @@ Contract
 * `mixer_forward(mixer, hidden_states, ...)`: HF `Mamba2Mixer.forward` (training path, no cache)
   with the scan above; every op outside the scan is HF's own, so what they save for backward is
   what the captured graph says. `install_ssd_mixers(model)` puts it on every `Mamba2Mixer`.
+  With a cache (generation, runtime/generate.py) it runs `cached_mixer_forward`: HF's cached
+  torch path (prefill by the chunked scan from the cached state, one token by `recurrent_step`)
+  with every local head reading its own group, as the scan does -- so tp may keep the groups
+  whole (tp not dividing n_groups) in generation too; the conv and SSM states stay per rank.
 * `ssd_chunk_scan(x, dt, A, B, C, chunk)`: the plain autograd version from a zero state (B, C
   already per head, dt already discretised), kept as the reference the tests compare against.
 """
@@ -25,8 +29,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from autoshard.errors import InvalidConfigError
 
 
 # -- the math, in phases ------------------------------------------------------------------------------
@@ -99,19 +101,26 @@ def _per_head(x, dt, A, B, C, D, dt_bias, dt_limit, head_group):
     return x.float(), dt, A.float(), B, C
 
 
+def _scan(x, dt, A, B, C, D, dt_bias, head_group, chunk, dt_limit, initial=None):
+    """The scan without autograd: y (b, L, h, p) float32 with the D skip, the final state (b, h, p, n)
+    and the states entering every chunk; `initial` (b, h, p, n): the state before the first token."""
+    b, L, h, p = x.shape
+    xf, dtf, Af, Bh, Ch = _per_head(x, dt, A, B, C, D, dt_bias, dt_limit, head_group)
+    xd, Bc, Cc, acs = _prepare(xf, dtf, Af, Bh, Ch, chunk)
+    entering, final = _entering(xd, Bc, acs, None if initial is None else initial.float())
+    y = (_intra(xd, Bc, Cc, acs) + _off(Cc, entering, acs)).reshape(b, -1, h, p)[:, :L]
+    if D is not None:
+        y = y + D.float()[:, None] * xf
+    return y, final, entering
+
+
 class _SSDScan(torch.autograd.Function):
     """Saves the inputs and the float32 chunk states; recomputes the rest in backward."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, dt_bias, head_group, chunk, dt_limit, want_final):
-        b, L, h, p = x.shape
         with torch.no_grad():
-            xf, dtf, Af, Bh, Ch = _per_head(x, dt, A, B, C, D, dt_bias, dt_limit, head_group)
-            xd, Bc, Cc, acs = _prepare(xf, dtf, Af, Bh, Ch, chunk)
-            entering, final = _entering(xd, Bc, acs)
-            y = (_intra(xd, Bc, Cc, acs) + _off(Cc, entering, acs)).reshape(b, -1, h, p)[:, :L]
-            if D is not None:
-                y = y + D.float()[:, None] * xf
+            y, final, entering = _scan(x, dt, A, B, C, D, dt_bias, head_group, chunk, dt_limit)
         ctx.save_for_backward(x, dt, A, B, C, D, dt_bias, head_group, entering)
         ctx.chunk, ctx.dt_limit, ctx.want_final = chunk, dt_limit, want_final
         return (y.contiguous(), final) if want_final else y.contiguous()
@@ -187,11 +196,7 @@ def mixer_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention
                   **kwargs) -> Tensor:
     """HF Mamba2Mixer.forward (torch path, training, no cache) with `ssd_scan` for the chunk scan."""
     if cache is not None:
-        if hasattr(mixer, "ssd_head_offset"):  # HF's cached path maps heads to groups by heads // n_groups
-            raise InvalidConfigError("generation with a Mamba-2 model whose groups tp keeps whole (tp does not "
-                                     f"divide n_groups = {mixer.n_groups}) is not supported yet; use a tp that "
-                                     "divides n_groups for inference")
-        return type(mixer).forward(mixer, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        return cached_mixer_forward(mixer, hidden_states, cache, attention_mask)
     from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states, causal_conv1d_fn
 
     b, L, _ = hidden_states.shape
@@ -211,6 +216,63 @@ def mixer_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention
                  head_group=head_groups(mixer, heads, groups, x.device))
     y = gated_norm(mixer, y.reshape(b, L, -1), gate)
     return mixer.out_proj(y.to(dtype))
+
+
+def cached_mixer_forward(mixer: nn.Module, hidden_states: Tensor, cache, attention_mask: Tensor | None = None) -> Tensor:
+    """HF Mamba2Mixer.forward with a cache (its torch path: generation, no gradient), each local head
+    reading its own group (`head_groups`) where HF assumes heads // (heads / n_groups) -- wrong on a
+    rank that keeps the groups whole under tp. A prompt runs the chunked scan from the cached state
+    (`_scan`) and stores its final state; one token runs the recurrent update (`recurrent_step`).
+    The conv state (b, conv channels of this rank, d_conv) and the SSM state (b, heads of this rank,
+    head_dim, d_state) live in `cache` (HF's `DynamicCache`), sharded as the weights are."""
+    from transformers.models.mamba2.modeling_mamba2 import (apply_mask_to_padding_states, causal_conv1d_fn,
+                                                            causal_conv1d_update)
+
+    b, L, _ = hidden_states.shape
+    dtype, layer = hidden_states.dtype, mixer.layer_idx
+    heads, head_dim, groups, n = local_sizes(mixer)
+    inner = heads * head_dim
+    conv_state = cache.get_conv_state(layer, state_idx=0)
+    ssm_state = cache.get_recurrent_state(layer, state_idx=0)
+    hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
+    gate, xbc, dt = mixer.in_proj(hidden_states).split([inner, inner + 2 * groups * n, heads], dim=-1)
+    A = -torch.exp(mixer.A_log.float())
+    xbc = xbc.transpose(1, 2)  # (b, channels, L)
+    weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias
+    if conv_state is not None and L == 1 and not cache.is_recording_past(layer):
+        xbc = causal_conv1d_update(xbc, conv_state, weight, bias, activation=mixer.activation)
+    else:  # the cache returns its past channels before the new ones, and keeps the last d_conv
+        xbc = cache.update_conv_state(xbc, layer, conv_kernel_size=mixer.conv_kernel_size)
+        xbc = causal_conv1d_fn(xbc, weight, bias, activation=mixer.activation)[:, :, -L:]
+    xbc = apply_mask_to_padding_states(xbc.transpose(1, 2), attention_mask)
+    x, B, C = torch.split(xbc, [inner, groups * n, groups * n], dim=-1)
+    group_of = head_groups(mixer, heads, groups, x.device)
+    if ssm_state is not None and L == 1:
+        y = recurrent_step(ssm_state, x.view(b, heads, head_dim), dt[:, 0], A, B.view(b, groups, n),
+                           C.view(b, groups, n), D=mixer.D, dt_bias=mixer.dt_bias, head_group=group_of)
+    else:
+        y, final, _ = _scan(x.view(b, L, heads, head_dim), dt, A, B.view(b, L, groups, n), C.view(b, L, groups, n),
+                            mixer.D, mixer.dt_bias, group_of, mixer.chunk_size, tuple(mixer.time_step_limit),
+                            initial=ssm_state)
+        cache.update_recurrent_state(final, layer_idx=layer)
+    y = gated_norm(mixer, y.reshape(b, L, -1), gate)
+    return mixer.out_proj(y.to(dtype))
+
+
+def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, D: Tensor,
+                   dt_bias: Tensor, head_group: Tensor) -> Tensor:
+    """One token of the SSM (HF `mamba2_selective_state_update`, mamba_ssm's `selective_state_update`):
+    state (b, h, p, n) updated in place to state * exp(dt A) + dt B x, output y = C . state + D x.
+    x (b, h, p), dt (b, h) before softplus (no clamp, as both), A (h,), B, C (b, g, n): head i reads
+    group head_group[i]. Returns y (b, h, p) in x's dtype."""
+    dt = F.softplus(dt + dt_bias.to(dt.dtype))  # (b, h)
+    dA = torch.exp(dt.float() * A.float())  # (b, h)
+    Bh, Ch = B.index_select(1, head_group), C.index_select(1, head_group)  # (b, h, n)
+    dBx = dt[..., None, None] * Bh[:, :, None] * x[..., None]  # (b, h, p, n)
+    new = state * dA[..., None, None] + dBx
+    state.copy_(new.to(state.dtype))
+    y = torch.matmul(new.to(Ch.dtype), Ch[..., None])[..., 0]  # (b, h, p)
+    return (y + x * D[:, None]).to(x.dtype)
 
 
 def gated_norm(mixer: nn.Module, y: Tensor, gate: Tensor) -> Tensor:

@@ -1,22 +1,25 @@
 """dm.generate under tp and pp equals HF's single-process greedy generate, token for token.
 
-Each world size is spawned once and runs every configuration inside (start-up costs seconds).
-Prompts avoid the special ids (0-2), so HF infers no padding mask from them.
+Each world size is spawned once and runs every configuration inside (start-up costs seconds):
+LLaMA, Mamba-2 and Mixtral at tp, pp, tp x pp, virtual stages (interleaved and the V placement),
+and Mamba-2 with its groups kept whole (tp not dividing n_groups). Prompts avoid the special ids
+(0-2), so HF infers no padding mask from them.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 import autoshard
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import even_stages
 from autoshard.models.presets import build_model, get_spec
 from autoshard.passes.inference_cost import cache_bytes_per_layer
 from tests.runtime.dist_harness import run_ranks
 
-NEW_TOKENS = 6
+NEW_TOKENS = 4
 
 
 def _prompts(vocab: int, *, batch: int = 2, length: int = 20) -> torch.Tensor:
@@ -24,8 +27,14 @@ def _prompts(vocab: int, *, batch: int = 2, length: int = 20) -> torch.Tensor:
     return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(3))
 
 
+def _spec(preset: str):
+    if preset == "mamba2-tiny-g1":  # one group: tp 2 keeps B/C whole, each rank's heads read group 0
+        return replace(get_spec("mamba2-tiny"), name=preset, groups=1)
+    return get_spec(preset)
+
+
 def _check(preset: str, plan: dict, *, eos_first: bool = False) -> None:
-    spec = get_spec(preset)
+    spec = _spec(preset)
     ids = _prompts(spec.vocab)
     ref = build_model(spec, seed=0)
     model = build_model(spec, seed=0)
@@ -40,17 +49,22 @@ def _check(preset: str, plan: dict, *, eos_first: bool = False) -> None:
     assert torch.equal(got, expected), f"{preset} {plan}:\n got {got.tolist()}\nwant {expected.tolist()}"
     if not eos_first:  # the cache holds this rank's heads of its stage's layers, as the cost model prices it
         tp, pp = plan.get("tp", 1), plan.get("pp", 1)
-        layers = even_stages(spec.layers, pp)[dm._groups.coords.pp].layers
+        chunks = dm._generator.chunks.values()  # this rank's (several under virtual stages)
+        layers = sum(c.stage.layers for c in chunks)
         per_layer = cache_bytes_per_layer(spec, batch=ids.shape[0], tokens=ids.shape[1] + NEW_TOKENS - 1, tp=tp,
                                           dtype_bytes=4)  # the test models are float32
         assert dm._generator.cache_bytes == layers * per_layer, f"{preset} {plan}: cache bytes"
     assert torch.equal(dm.generate(ids, max_new_tokens=0), ids)
 
 
-WORLD2 = (("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2)),
-          ("mamba2-tiny", dict(tp=2)), ("mamba2-tiny", dict(pp=2)))
+INTERLEAVED = dict(pp=2, virtual_stages=2, schedule="interleaved-1f1b")  # chunks 0, 2 on rank 0; 1, 3 on rank 1
+V_SHAPE = dict(pp=2, virtual_stages=2, schedule="zero-bubble")  # chunks 0, 3 on rank 0; 1, 2 on rank 1
+WORLD2 = (("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2)), ("llama-tiny", INTERLEAVED),
+          ("mamba2-tiny", dict(tp=2)), ("mamba2-tiny", dict(pp=2)), ("mamba2-tiny", V_SHAPE),
+          ("mamba2-tiny-g1", dict(tp=2)), ("mixtral-tiny", dict(tp=2)), ("mixtral-tiny", dict(pp=2)))
 WORLD4 = (("llama-tiny", dict(tp=2, pp=2)), ("mamba2-tiny", dict(tp=2, pp=2)),
-          ("llama-tiny", dict(tp=4)))  # 2 KV heads over tp 4: each rank caches one KV head
+          ("llama-tiny", dict(tp=4)),  # 2 KV heads over tp 4: each rank caches one KV head
+          ("mamba2-tiny", dict(tp=4)))  # 2 groups kept whole over tp 4: ranks 0-1 read group 0, 2-3 group 1
 
 
 def _run(rank: int, world: int, configs) -> None:
