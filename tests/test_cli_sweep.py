@@ -93,3 +93,18 @@ def test_devices_must_be_positive(capsys):
         main([a if a != "8" else "0" for a in BASE])
     assert e.value.code == 2
     assert "positive" in capsys.readouterr().err
+
+
+def test_sequence_parallel(capsys):
+    """--sequence-parallel on: every tp > 1 layout with SP (lower memory), tp = 1 ones without; auto
+    keeps per layout the better of the two."""
+    argv = BASE + ["--zero", "1", "--recompute", "none"]
+    off = {(r["dp"], r["pp"], r["tp"], r["cp"]): r for r in run_json(capsys, argv)}
+    on = {(r["dp"], r["pp"], r["tp"], r["cp"]): r for r in run_json(capsys, argv + ["--sequence-parallel", "on"])}
+    assert on.keys() == off.keys()
+    for key, row in on.items():
+        assert row["sequence_parallel"] == (key[2] > 1) and not off[key]["sequence_parallel"]
+        if key[2] > 1:
+            assert row["peak_memory_gb"] < off[key]["peak_memory_gb"]
+    auto = run_json(capsys, argv + ["--sequence-parallel", "auto"])
+    assert len(auto) == len(on)

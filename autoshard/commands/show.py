@@ -74,6 +74,9 @@ def render(plan) -> None:
                                         if plan.precision.value == "auto" else "")
     con.print(f"precision: {precision}; pipeline schedule: {plan.schedule.value}, "
               f"{plan.virtual_stages} virtual stage(s) per rank")
+    if plan.sequence_parallel:
+        con.print(f"sequence parallel: on (norms and residual stream on a 1/{plan.mesh.tp} shard of the sequence; "
+                  "all-gather / reduce-scatter in place of the TP all-reduces)")
     stages = Table(title="pipeline stages")
     for col in ("stage", "layers", "holds", "recompute", "time/micro-batch s", "memory GB"):
         stages.add_column(col)

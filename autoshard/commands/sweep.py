@@ -38,6 +38,10 @@ def add_parser(sub) -> None:
                    help="ZeRO level (2 and 3 need pp = 1), or auto: the fastest that fits per layout (default auto)")
     p.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="auto",
                    help="activation recomputation, or auto: the fastest that fits per layout (default auto)")
+    p.add_argument("--sequence-parallel", choices=("off", "on", "auto"), default="off",
+                   help="Megatron-LM sequence parallelism (norms and residual stream on a 1/tp shard of the "
+                   "sequence) on every layout with tp > 1 that allows it, or auto: with and without, the better "
+                   "per layout (default off)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per layout, best first")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of MFU against memory per device")
     p.add_argument("--limit", type=positive_int, default=None, help="show only the first N rows of the table")
@@ -45,19 +49,24 @@ def add_parser(sub) -> None:
 
 
 def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, micro_batch: int = 1,
-          zeros: Sequence[int] = (1,), recomputes: Sequence[Recompute] = (Recompute.NONE,)) -> list:
+          zeros: Sequence[int] = (1,), recomputes: Sequence[Recompute] = (Recompute.NONE,),
+          sequence_parallel: Sequence[bool] = (False,)) -> list:
     """Every valid mesh priced; per mesh the best (fits first, then step time) of the options (the
-    ZeRO levels that go with the mesh: ZeRO-2/3 need pp = 1). Returns `Estimate`s, best first."""
+    ZeRO levels that go with the mesh: ZeRO-2/3 need pp = 1; sequence parallelism where the mesh
+    allows it). Returns `Estimate`s, best first."""
     from autoshard.passes.cost import Layout, compile_table, estimate
-    from autoshard.passes.layouts import valid_meshes, zero_violation
+    from autoshard.passes.layouts import sequence_parallel_violation, valid_meshes, zero_violation
 
     meshes = valid_meshes(spec, devices, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
     ct = compile_table(table, spec)
     out = []
     for mesh in meshes:
-        options = [estimate(ct, spec, hw, Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r),
+        allowed = sequence_parallel_violation(spec, mesh, seq_len) is None  # else the mesh is priced without
+        sps = {sp and allowed for sp in sequence_parallel}
+        options = [estimate(ct, spec, hw, Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r,
+                                                 sequence_parallel=sp),
                             global_batch=global_batch, seq_len=seq_len)
-                   for z in zeros if zero_violation(mesh, z) is None for r in recomputes]
+                   for z in zeros if zero_violation(mesh, z) is None for r in recomputes for sp in sorted(sps)]
         if not options:
             continue
         fitting = [e for e in options if e.fits]
@@ -82,7 +91,8 @@ def run(args) -> int:
     zeros = (0, 1, 2, 3) if args.zero == "auto" else (int(args.zero),)
     recomputes = tuple(Recompute) if args.recompute == "auto" else (Recompute(args.recompute),)
     results = sweep(spec, table, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
-                    micro_batch=args.micro_batch, zeros=zeros, recomputes=recomputes)
+                    micro_batch=args.micro_batch, zeros=zeros, recomputes=recomputes,
+                    sequence_parallel={"off": (False,), "on": (True,), "auto": (False, True)}[args.sequence_parallel])
     if args.plot:
         write_plot(results, hw, args.plot, title=f"{spec.name} on {args.devices}x {hw.name}, "
                    f"global batch {args.global_batch}, seq {args.seq_len}")
@@ -101,12 +111,13 @@ def _print_table(results, hw, spec, args) -> None:
     rows = results[: args.limit] if args.limit else results
     table = Table(title=f"{spec.name} on {args.devices}x {hw.name} ({hw.memory_gb:.0f} GB), global batch "
                   f"{args.global_batch}, seq {args.seq_len}: {len(results)} layouts, best first")
-    for col in ("#", "dp", "pp", "tp", "cp", "ep", "zero", "recompute", "mb", "step s", "ktok/s", "mem GB avg", "peak",
+    for col in ("#", "dp", "pp", "tp", "cp", "ep", "sp", "zero", "recompute", "mb", "step s", "ktok/s", "mem GB avg", "peak",
                 "MFU %", "fits"):
         table.add_column(col, justify="left" if col == "recompute" else "right")
     for i, e in enumerate(rows, 1):
         m, lay = e.layout.mesh, e.layout
-        table.add_row(str(i), str(m.dp), str(m.pp), str(m.tp), str(m.cp), str(m.ep), str(lay.zero),
+        table.add_row(str(i), str(m.dp), str(m.pp), str(m.tp), str(m.cp), str(m.ep),
+                      "on" if lay.sequence_parallel else "-", str(lay.zero),
                       lay.recompute.value, str(lay.micro_batch), f"{e.step_time_s:.2f}",
                       f"{e.tokens_per_s / 1e3:.1f}",
                       f"{e.mean_memory_gb:.1f}", f"{e.memory_gb:.1f}", f"{100 * e.mfu:.1f}", "yes" if e.fits else "[red]no[/red]")

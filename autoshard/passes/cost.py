@@ -45,6 +45,8 @@ are its row-parallel roles (`sharding.row_parallel_count`). CP splits every toke
 split); LLaMA attention's s x s work divides by cp times (2cp+1)/(2cp), the full diagonal chunk
 pairs of runtime/cp_attention.py (`cp_attention_overwork`). Recompute reruns the forward of what
 the runtime checkpoints, the TP and CP collectives inside it included (`_recompute_time`).
+Sequence parallelism (`Layout.sequence_parallel`): the ops on a tp shard of the sequence divided
+by tp, all-gathers and reduce-scatters in place of the TP all-reduces (passes/sequence_cost.py).
 
 Precision (Megatron-LM / MindSpeed mixed precision, arXiv 1910.02054 table 1): bf16 weights
 (2 B/param), fp32 main gradients (4 B), fp32 master weights + Adam m + v (12 B). ZeRO-1 shards
@@ -67,7 +69,7 @@ from autoshard.ir import (BlockKind, Mesh, OpKind, Precision, Recompute, Schedul
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes import fused_regions, schedules
 from autoshard.passes.collectives import Collective, best_time, collective_time
-from autoshard.passes import sharding
+from autoshard.passes import sequence_cost, sharding
 from autoshard.passes.layouts import plan_violation
 from autoshard.passes.precision import PrecisionNumbers, precision_numbers, resolve_precision
 from autoshard.passes.sharding import selective_module
@@ -87,6 +89,7 @@ class Layout:
     schedule: Schedule = Schedule.ONE_F_ONE_B  # pipeline schedule, priced by passes/schedules.py
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b, zero-bubble V)
     offload: bool = False  # ZeRO-3 shards and optimizer state in host memory (plan key offload_optimizer)
+    sequence_parallel: bool = False  # norms / residual on a tp shard of the sequence (passes/sequence_cost.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
@@ -97,6 +100,8 @@ class Layout:
             raise InvalidConfigError(f"micro_batch must be a positive integer, got {self.micro_batch!r}")
         if self.zero not in (0, 1, 2, 3):
             raise InvalidConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise InvalidConfigError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if self.offload and self.zero != 3:
             raise InvalidConfigError(f"optimizer offload needs zero=3 (FSDP2 offloads the ZeRO-3 shards), got "
                                      f"zero={self.zero}")
@@ -191,6 +196,7 @@ class Estimate:
         return {
             **mesh.as_dict(), "zero": lay.zero, "offload": lay.offload, "recompute": lay.recompute.value, "micro_batch": lay.micro_batch,
             "precision": lay.precision.value, "schedule": lay.schedule.value, "virtual_stages": lay.virtual_stages,
+            "sequence_parallel": lay.sequence_parallel,
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             # the paper's tables report memory averaged over the devices; `fits` judges the peak
             "memory_gb": self.mean_memory_gb, "peak_memory_gb": self.memory_gb,
@@ -348,9 +354,12 @@ def _cp_dim(node) -> int:
 # Component functions
 
 
-def _tp_divisor(blk: CompiledBlock, spec: ModelSpec, tp: int) -> np.ndarray:
-    """Per node: what TP divides its work and saved bytes by, its role's parts (sharding table)."""
+def _tp_divisor(blk: CompiledBlock, spec: ModelSpec, tp: int, sequence_parallel: bool = False) -> np.ndarray:
+    """Per node: what TP divides its work and saved bytes by, its role's parts (sharding table);
+    under sequence parallelism tp for the ops on a sequence shard (passes/sequence_cost.py)."""
     parts = np.array([1.0, *(sharding.role_divisor(spec, r, tp) for r in sharding.table(spec))])
+    if sequence_parallel and tp > 1:
+        parts = sequence_cost.sequence_divisors(parts, spec, blk.kind, tp)
     return parts[blk.role + 1]
 
 
@@ -389,7 +398,7 @@ def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
         return np.zeros(0)
     vals = blk.evaluate(layout.micro_batch, seq_len)
     tp, cp = layout.mesh.tp, layout.mesh.cp
-    div = _tp_divisor(blk, ct.spec, tp)
+    div = _tp_divisor(blk, ct.spec, tp, layout.sequence_parallel)
     flops = vals[0] / div / cp * np.where(blk.quadratic, cp_attention_overwork(ct.spec, cp), 1.0)
     byte_scale, _ = _fused_scales(ct, hw, layout, kind, seq_len)
     nbytes = vals[1] * byte_scale / div / cp
@@ -438,16 +447,21 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=1)
     if kind is BlockKind.LAYER:
         n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
-        spec = ct.spec
-        if spec.family is Family.MAMBA2 and spec.groups % tp:  # groups kept whole: the gated norm's
-            # fp32 per-group sums of squares are added over tp, forward and backward (runtime/ssd.py)
-            sync = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * spec.groups * 4, size=tp, stride=1)
-            return n * ar + sync, n * ar + sync
-        return n * ar, n * ar
+        sync = _group_sync(ct, hw, layout, seq_len)
+        return n * ar + sync, n * ar + sync
     if kind is BlockKind.EMBED:
         return ar, 0.0  # vocab-parallel lookup: partial sums all-reduced in forward
     small = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * 3 * 4, size=tp, stride=1)
     return small, ar  # vocab-parallel CE (max, sum, target) forward; LM-head input grad backward
+
+
+def _group_sync(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: int) -> float:
+    """Mamba-2 with its groups kept whole (tp does not divide them): the gated norm's fp32 per-group
+    sums of squares added over tp, once forward and once backward (runtime/ssd.py); else 0."""
+    spec, tp = ct.spec, layout.mesh.tp
+    if spec.family is not Family.MAMBA2 or not spec.groups % tp:
+        return 0.0
+    return best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * spec.groups * 4, size=tp, stride=1)
 
 
 def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> tuple:
@@ -507,11 +521,27 @@ def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Block
     bwd = float(t[~blk.fwd].sum()) if len(t) else 0.0
     tp_f, tp_b = _tp_comm(ct, hw, layout, kind, seq_len)
     cp_f, cp_b = _cp_comm(ct, hw, layout, kind, seq_len)
-    if kind is BlockKind.LAYER and tp_b > 0:
+    if layout.sequence_parallel and layout.mesh.tp > 1:
+        tp_f, tp_b = _sequence_tp_comm(ct, hw, layout, kind, seq_len, t)
+    elif kind is BlockKind.LAYER and tp_b > 0:
         n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
         tp_b = _tp_backward_exposed(blk, t, tp_b / n, n)
     return BlockTime(fwd_s=fwd, bwd_s=bwd, recompute_s=_recompute_time(ct, layout, kind, t, tp_f, cp_f),
                      tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b)
+
+
+def _sequence_tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int,
+                      t: np.ndarray) -> tuple[float, float]:
+    """(forward, exposed backward) TP seconds under sequence parallelism (passes/sequence_cost.py),
+    with Mamba-2's gated-norm sync in a layer when its groups are kept whole (as without SP)."""
+    tp = layout.mesh.tp
+    sync = _group_sync(ct, hw, layout, seq_len) if kind is BlockKind.LAYER else 0.0
+    small = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * 3 * 4, size=tp, stride=1)
+    act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
+    comm = sequence_cost.tp_comm(ct.spec, hw, kind=kind, tp=tp, act_bytes=act, small_all_reduce_s=small,
+                                 recompute=layout.recompute)
+    hidden = sum(_tp_backward_exposed(ct.block(kind), t, s, n) for s, n in comm.backward_overlapped if n)
+    return comm.forward + sync, hidden + comm.backward_exposed + sync
 
 
 def _tp_backward_exposed(blk: CompiledBlock, t: np.ndarray, all_reduce_s: float, count: int) -> float:
@@ -532,8 +562,9 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
     `hw`, what the device's fused kernels save instead of the traced ops (passes/fused_regions.py)."""
     blk = ct.block(kind)
     mesh, spec = layout.mesh, ct.spec
-    if kind is BlockKind.LAYER and layout.recompute is Recompute.FULL:
-        return _tokens(layout, seq_len) * spec.hidden * layout.numbers.act_bytes  # only the block input
+    if kind is BlockKind.LAYER and layout.recompute is Recompute.FULL:  # only the block input (a sequence shard
+        shard = mesh.tp if layout.sequence_parallel else 1  # under sequence parallelism)
+        return _tokens(layout, seq_len) * spec.hidden * layout.numbers.act_bytes / shard
     if not len(blk.fwd):
         return 0.0
     vals = blk.evaluate(layout.micro_batch, seq_len)
@@ -541,7 +572,7 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
         scale = _fused_scales(ct, hw, layout, kind, seq_len)[1]
     else:
         scale = layout.numbers.traced_scale
-    saved = vals[2] * scale / _tp_divisor(blk, spec, mesh.tp) / mesh.cp
+    saved = vals[2] * scale / _tp_divisor(blk, spec, mesh.tp, layout.sequence_parallel) / mesh.cp
     keep = blk.fwd.copy()
     if kind is BlockKind.LAYER and layout.recompute is Recompute.SELECTIVE:
         keep &= ~blk.rerun  # the checkpoint keeps the module's input: the norm's output, kept anyway
@@ -659,6 +690,8 @@ def p2p_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, *, seq_len: i
     if mesh.pp == 1:
         return 0.0
     act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
+    if layout.sequence_parallel:  # the stages exchange the sequence shard
+        act /= mesh.tp
     crossings = schedules.p2p_factor(layout.schedule, layout.virtual_stages)  # interleaving: v x the sends
     return 2 * crossings * collective_time(hw, Collective.SEND_RECV, act, size=2, stride=mesh.dp * mesh.cp * mesh.tp)
 
@@ -794,7 +827,8 @@ def buffer_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int) -> float:
 def _check(spec: ModelSpec, layout: Layout, global_batch: int, seq_len: int) -> None:
     """The plan validator's rules (passes/layouts.py), ZeRO-3 included: the cost model prices it."""
     why = plan_violation(spec, layout.mesh, global_batch=global_batch, seq_len=seq_len,
-                         micro_batch=layout.micro_batch, zero=layout.zero, zeros=(0, 1, 2, 3))
+                         micro_batch=layout.micro_batch, zero=layout.zero, zeros=(0, 1, 2, 3),
+                         sequence_parallel=layout.sequence_parallel)
     if why:
         raise InvalidConfigError(why)
     mesh = layout.mesh

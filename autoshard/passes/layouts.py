@@ -32,7 +32,7 @@ Rules (the runtime's, see DESIGN.md):
   cp    LLaMA: 2*cp divides the sequence (load-balanced causal split, chunks i and 2cp-1-i).
         Mamba-2: cp divides the sequence, and each rank keeps at least conv_kernel - 1 tokens.
   SP    `sequence_parallel` (Megatron's sequence parallelism) needs tp > 1, and tp divides each cp
-        rank's seq_len / cp tokens (`sequence_parallel_violation`).
+        rank's seq_len / cp tokens (`sequence_parallel_violation`); dense LLaMA and Mamba-2 only.
   ZeRO  0-3; levels 2 and 3 need pp = 1 (`zero_violation`): they reduce gradients after every
         micro-batch, which a pipeline schedule's accumulation does not allow (DeepSpeed's rule too).
         The runtime runs every level (`RUNTIME_ZERO`, what the planner searches): 1-2 in
@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Plan, check_stages
 from autoshard.models.presets import Family, ModelSpec
-from autoshard.passes.sharding import tp_violation
+from autoshard.passes.sharding import sequence_violation, tp_violation
 
 
 def prime_factors(n: int) -> dict[int, int]:
@@ -220,7 +220,7 @@ def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: i
     if mesh.ep > 1 and global_batch % per_step:  # the ep peers take their own rows too
         return (f"global batch {global_batch} is not divisible by dp ({mesh.dp}) x ep ({mesh.ep}) x micro_batch "
                 f"({micro_batch}) = {per_step}; pick a global batch that is a multiple of {per_step}")
-    why = zero_violation(mesh, zero) or (sequence_parallel_violation(mesh, seq_len) if sequence_parallel else None)
+    why = zero_violation(mesh, zero) or (sequence_parallel_violation(spec, mesh, seq_len) if sequence_parallel else None)
     if why:
         return why
     if zero not in (zeros or RUNTIME_ZERO):
@@ -269,9 +269,12 @@ RUNTIME_ZERO = (0, 1, 2, 3)  # the ZeRO levels the runtime runs (3: FSDP2, runti
 RUNTIME_SCHEDULES = (("1f1b", 1),)
 
 
-def sequence_parallel_violation(mesh: Mesh, seq_len: int) -> str | None:
+def sequence_parallel_violation(spec: ModelSpec, mesh: Mesh, seq_len: int) -> str | None:
     """Why sequence parallelism cannot go with `mesh` and `seq_len` (module docstring), or None: it
-    splits each cp rank's seq_len / cp tokens over the tp ranks."""
+    splits each cp rank's seq_len / cp tokens over the tp ranks (dense LLaMA and Mamba-2 models)."""
+    why = sequence_violation(spec)
+    if why:
+        return why
     if mesh.tp == 1:
         return ("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks outside "
                 "their sharded regions); set tp > 1 or sequence_parallel to false")

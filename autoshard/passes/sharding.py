@@ -32,6 +32,14 @@ Adding an entry: append a `Role` to the family's table; if it needs a new kind o
 `rewrite.shard_program` and `cost.node_divisor` what it means; the validator and the plan's
 placements follow by themselves.
 
+Sequence parallelism (plan key `sequence_parallel`, Megatron-LM's, Korthikanti et al. 2022 sec.
+4.2.2; torchtitan's SequenceParallel): the roles marked `sequence` (the RMSNorms outside the TP
+regions) and the layer's own ops (residual adds) run on this rank's tp shard of the sequence
+(`Strategy.SEQUENCE`, `sequence_modules`); a region's input is all-gathered along the sequence
+(reduce-scatter backward) instead of entering by identity, a row-parallel output and the
+vocab-parallel embedding's output are reduce-scattered along it instead of all-reduced, and the
+LM head's input is all-gathered. Weights stay whole; their gradients are summed over tp.
+
 The scheme is Megatron-LM's (Shoeybi et al. 2019, sec. 3): attention by heads, MLP column then
 row, vocab-parallel embedding / LM head / cross-entropy; Mamba-2 as in Megatron-Core's mamba
 mixer (in_proj by heads and groups, conv1d by channel, gated norm by group, out_proj row-parallel).
@@ -58,6 +66,9 @@ class Strategy(str, Enum):
     REPLICATE = "replicate"  # whole on every TP rank (RMSNorms, residual adds)
     EXPERT = "expert"  # routed experts: split over ep by expert, tokens dispatched by all-to-all
     #                    (runtime/expert_parallel.py); whole on every TP rank
+    SEQUENCE = "sequence"  # under sequence parallelism (plan key sequence_parallel): a `sequence` role
+    #                        runs on this rank's tp shard of the sequence, weights whole, gradients
+    #                        summed over tp (Megatron-LM SP, Korthikanti et al. 2022 sec. 4.2.2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +89,8 @@ class Role:
     """A module role of one block: `path` inside the block (a LAYER role sits under every
     `<base>.layers.<i>`; EMBED / HEAD roles are full paths; "" is the model root, where the loss
     runs), its strategy, the pieces of its split tensors and the parameters they apply to,
-    `fan`: the size of the parameters' other dimension (1 for a vector)."""
+    `fan`: the size of the parameters' other dimension (1 for a vector). `sequence`: a replicated
+    role that sequence parallelism runs on a shard of the sequence (`Strategy.SEQUENCE`)."""
 
     path: str
     block: BlockKind
@@ -86,6 +98,7 @@ class Role:
     pieces: tuple[Piece, ...] = ()
     params: tuple[str, ...] = ("weight",)
     fan: str = "one"
+    sequence: bool = False
 
 
 _SIZES: dict[str, Callable[[ModelSpec], int]] = {
@@ -119,18 +132,18 @@ _LINEAR = ("weight", "bias")
 
 LLAMA = (
     Role("model.embed_tokens", _E, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
-    Role("input_layernorm", _L, Strategy.REPLICATE),
+    Role("input_layernorm", _L, Strategy.REPLICATE, sequence=True),
     Role("self_attn", _L, Strategy.REGION, (Piece("heads", "heads"),), params=()),  # SDPA per head
     Role("self_attn.q_proj", _L, Strategy.COLWISE, (Piece("q", "heads"),), _LINEAR, fan="hidden"),
     Role("self_attn.k_proj", _L, Strategy.COLWISE, (Piece("kv", "kv_heads", share=True),), _LINEAR, fan="hidden"),
     Role("self_attn.v_proj", _L, Strategy.COLWISE, (Piece("kv", "kv_heads", share=True),), _LINEAR, fan="hidden"),
     Role("self_attn.o_proj", _L, Strategy.ROWWISE, (Piece("q", "heads"),), fan="hidden"),
-    Role("post_attention_layernorm", _L, Strategy.REPLICATE),
+    Role("post_attention_layernorm", _L, Strategy.REPLICATE, sequence=True),
     Role("mlp", _L, Strategy.REGION, (Piece("ffn", "ffn"),), params=()),  # act_fn(gate) * up
     Role("mlp.gate_proj", _L, Strategy.COLWISE, (Piece("ffn", "ffn"),), _LINEAR, fan="hidden"),
     Role("mlp.up_proj", _L, Strategy.COLWISE, (Piece("ffn", "ffn"),), _LINEAR, fan="hidden"),
     Role("mlp.down_proj", _L, Strategy.ROWWISE, (Piece("ffn", "ffn"),), fan="hidden"),
-    Role("model.norm", _H, Strategy.REPLICATE),
+    Role("model.norm", _H, Strategy.REPLICATE, sequence=True),
     Role("lm_head", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
     Role("", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), params=()),  # vocab-parallel cross-entropy
 )
@@ -160,14 +173,14 @@ MOE_TABLES: dict[str, tuple[Role, ...]] = {
 _INNER, _GN = Piece("inner", "heads"), Piece("group_state", "groups", whole=True)
 MAMBA2 = (
     Role("backbone.embeddings", _E, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
-    Role("norm", _L, Strategy.REPLICATE),
+    Role("norm", _L, Strategy.REPLICATE, sequence=True),
     Role("mixer", _L, Strategy.REGION, (Piece("heads", "heads"),), ("dt_bias", "A_log", "D")),
     Role("mixer.in_proj", _L, Strategy.COLWISE, (_INNER, _INNER, _GN, _GN, Piece("heads", "heads")), _LINEAR,
          fan="hidden"),
     Role("mixer.conv1d", _L, Strategy.COLWISE, (_INNER, _GN, _GN), _LINEAR, fan="conv"),
     Role("mixer.norm", _L, Strategy.COLWISE, (_INNER,)),  # gated RMSNorm over groups: by heads, synced if needed
     Role("mixer.out_proj", _L, Strategy.ROWWISE, (_INNER,), fan="hidden"),
-    Role("backbone.norm_f", _H, Strategy.REPLICATE),
+    Role("backbone.norm_f", _H, Strategy.REPLICATE, sequence=True),
     Role("lm_head", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
     Role("", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), params=()),
 )
@@ -202,6 +215,26 @@ def piece_parts(spec: ModelSpec, piece: Piece, tp: int) -> int | None:
 def whole_pieces(spec: ModelSpec, role: Role, tp: int) -> tuple[bool, ...]:
     """Per piece of the role: kept whole on every rank at `tp` (a `whole` piece tp does not split)."""
     return tuple(p.whole and tp > 1 and size(spec, p.count) % tp != 0 for p in role.pieces)
+
+
+def role_strategy(role: Role, *, sequence_parallel: bool = False) -> Strategy:
+    """What the role does in a plan: SEQUENCE for a `sequence` role under sequence parallelism."""
+    return Strategy.SEQUENCE if sequence_parallel and role.sequence else role.strategy
+
+
+def on_sequence_shard(spec: ModelSpec, kind: BlockKind, role: Role | None) -> bool:
+    """Under sequence parallelism: does an op of block `kind` in `role` (None: the layer's own ops,
+    the residual adds) run on a tp shard of the sequence? (the cost model divides it by tp)"""
+    return (role is None and kind is BlockKind.LAYER) or (role is not None and role.sequence)
+
+
+def sequence_violation(spec: ModelSpec) -> str | None:
+    """Why `spec` has no sequence-parallel rule, or None (LLaMA and Mamba-2 dense models have one)."""
+    if spec.is_moe:
+        return (f"sequence_parallel: {spec.name} is a mixture of experts, whose router statistics and expert "
+                "gradients the sequence shard would split; sequence parallelism runs dense LLaMA and Mamba-2 "
+                "models: set sequence_parallel to false")
+    return None
 
 
 def role_parts(spec: ModelSpec, role: Role, tp: int) -> int:
@@ -337,22 +370,32 @@ def selective_module(spec: ModelSpec) -> str:
 
 def modules(spec: ModelSpec, strategy: Strategy, kind: BlockKind = BlockKind.LAYER) -> tuple[str, ...]:
     """Full module paths of the roles of block `kind` with `strategy` (every layer's, for LAYER)."""
-    paths = [r.path for r in table(spec) if r.block is kind and r.strategy is strategy and r.path]
+    return _paths(spec, kind, lambda r: r.strategy is strategy)
+
+
+def sequence_modules(spec: ModelSpec) -> tuple[str, ...]:
+    """Full module paths of the `sequence` roles (every layer's norms, then the final norm)."""
+    return tuple(p for kind in BlockKind for p in _paths(spec, kind, lambda r: r.sequence))
+
+
+def _paths(spec: ModelSpec, kind: BlockKind, keep: Callable[[Role], bool]) -> tuple[str, ...]:
+    paths = [r.path for r in table(spec) if r.block is kind and keep(r) and r.path]
     if kind is not BlockKind.LAYER:
         return tuple(paths)
     return tuple(f"{layer_prefix(spec, i)}.{p}" for i in range(spec.layers) for p in paths)
 
 
-def block_placements(spec: ModelSpec, *, tp: int) -> tuple[tuple[str, str], ...]:
+def block_placements(spec: ModelSpec, *, tp: int, sequence_parallel: bool = False) -> tuple[tuple[str, str], ...]:
     """(module role, strategy) of every role at `tp`, as the plan and `autoshard show` name them:
     layer roles as "layers.*.<path>", the loss as "loss"; a split shared by several ranks (KV heads
-    at tp > kv_heads) reads "colwise (2 parts)"; everything at tp = 1 is "replicate"."""
+    at tp > kv_heads) reads "colwise (2 parts)"; everything at tp = 1 is "replicate"; the norms
+    under sequence parallelism "sequence"."""
     if tp == 1:
         return (("all", Strategy.REPLICATE.value),)
     out = []
     for role in table(spec):
         name = f"layers.*.{role.path}" if role.block is BlockKind.LAYER else (role.path or "loss")
-        value = role.strategy.value
+        value = role_strategy(role, sequence_parallel=sequence_parallel).value
         parts = role_parts(spec, role, tp)
         if role.strategy is not Strategy.REPLICATE and role.pieces and parts < tp:
             value = f"{value} ({parts} parts)"
