@@ -614,18 +614,44 @@ def dp_exposed_time(hw: DeviceProfile, params, layout: Layout, *, backward_s, fo
     """Per-step gradient sync of one stage left on the critical path (numbers or numpy arrays), as
     Megatron-LM's distributed optimizer overlaps it (`overlap_grad_reduce`, `overlap_param_gather`):
     the gradient all-reduce / reduce-scatter behind the last micro-batch's backward, the all-gather
-    of the updated weights behind the next step's first forward."""
+    of the updated weights behind the next step's first forward.
+
+    Two limits on that overlap (`_dp_sync_exposed`): the gradients are reduced in buckets
+    (`dp_bucket_params`), and the bucket holding the first layers is only ready when the backward
+    ends (the weights' first bucket is needed before the forward starts), so at least one bucket's
+    collective is always exposed; and with v model chunks per rank (interleaved pipelines) a
+    chunk's gradients are final when its last backward runs, which for all but the rank's first
+    chunk is long before the drain ends: only the first chunk's share (1/v of the bytes, behind
+    1/v of the backward) is left over."""
     n, tp = _dp_group(layout), layout.mesh.tp
     if n == 1 or layout.zero == 3:
         return np.zeros_like(backward_s, dtype=float) if isinstance(backward_s, np.ndarray) else 0.0
     nb = layout.numbers
     if layout.zero == 0:
-        return np.maximum(0.0, best_time(hw, Collective.ALL_REDUCE, params * nb.grad_bytes, size=n, stride=tp)
-                          - backward_s)
-    ag = best_time(hw, Collective.ALL_GATHER, params * nb.param_bytes, size=n, stride=tp)
-    rs = 0.0 if layout.zero == 2 else best_time(hw, Collective.REDUCE_SCATTER, params * nb.grad_bytes, size=n,
-                                                   stride=tp)
-    return np.maximum(0.0, rs - backward_s) + np.maximum(0.0, ag - forward_s)
+        return _dp_sync_exposed(hw, Collective.ALL_REDUCE, params, nb.grad_bytes, layout, overlap_s=backward_s)
+    ag = _dp_sync_exposed(hw, Collective.ALL_GATHER, params, nb.param_bytes, layout, overlap_s=forward_s)
+    rs = 0.0 if layout.zero == 2 else _dp_sync_exposed(hw, Collective.REDUCE_SCATTER, params, nb.grad_bytes, layout,
+                                                       overlap_s=backward_s)
+    return rs + ag
+
+
+def dp_bucket_params(layout: Layout) -> float:
+    """Parameters per gradient bucket of the data-parallel sync: Megatron-Core's DDP default
+    max(40M, 1M x data-parallel size) (megatron/core/distributed/distributed_data_parallel.py:
+    the bucket grows with the group so that the ring's per-rank latency stays amortised)."""
+    return max(40e6, 1e6 * _dp_group(layout))
+
+
+def _dp_sync_exposed(hw: DeviceProfile, op: Collective, params, bytes_per_param: float, layout: Layout, *,
+                     overlap_s):
+    """Exposed seconds of one data-parallel collective over a stage's `params` (see `dp_exposed_time`):
+    the rank's first chunk (1/v of the parameters) against 1/v of the compute it overlaps, and never
+    less than that chunk's last bucket."""
+    n, tp, v = _dp_group(layout), layout.mesh.tp, layout.virtual_stages
+    chunk = params / v
+    whole = best_time(hw, op, chunk * bytes_per_param, size=n, stride=tp)
+    last = best_time(hw, op, np.minimum(chunk, dp_bucket_params(layout)) * bytes_per_param, size=n, stride=tp)
+    return np.maximum(last, whole - overlap_s / v)
 
 
 def zero2_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
@@ -685,15 +711,33 @@ def optimizer_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
 
 
 def p2p_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, *, seq_len: int) -> float:
-    """Stage-to-stage traffic of one micro-batch: the activation forward and its gradient back."""
+    """Stage-to-stage traffic of one micro-batch on the critical path: the activation forward and
+    its gradient back. 1F1B / GPipe (v = 1): blocking sends (Megatron's send_forward_recv_backward),
+    all of it. With v > 1 chunks per rank each micro-batch crosses v times as many boundaries, but
+    Megatron-Core's interleaved schedule posts them asynchronously (`overlap_p2p_comm`, on in its
+    interleaved recipes): each send runs while the next chunk computes, so only what outlasts one
+    chunk's forward (backward) compute is exposed (`_chunk_compute`). autoshard's runtime (torch
+    pipelining) waits for each step's sends: it is slower than this when p2p outlasts compute."""
     mesh = layout.mesh
     if mesh.pp == 1:
         return 0.0
     act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
     if layout.sequence_parallel:  # the stages exchange the sequence shard
         act /= mesh.tp
+    send = collective_time(hw, Collective.SEND_RECV, act, size=2, stride=mesh.dp * mesh.cp * mesh.tp)
     crossings = schedules.p2p_factor(layout.schedule, layout.virtual_stages)  # interleaving: v x the sends
-    return 2 * crossings * collective_time(hw, Collective.SEND_RECV, act, size=2, stride=mesh.dp * mesh.cp * mesh.tp)
+    if crossings == 1:
+        return 2 * send
+    fwd, bwd = _chunk_compute(ct, hw, layout, seq_len)
+    return crossings * (max(0.0, send - fwd) + max(0.0, send - bwd))
+
+
+def _chunk_compute(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: int) -> tuple[float, float]:
+    """(forward, backward) compute seconds of the smallest model chunk (layers // (pp x v) layers) for
+    one micro-batch: what an asynchronous stage-to-stage send overlaps."""
+    per_chunk = max(1, ct.spec.layers // (layout.mesh.pp * layout.virtual_stages))
+    bt = block_time(ct, hw, replace(layout, recompute=Recompute.NONE), BlockKind.LAYER, seq_len=seq_len)
+    return per_chunk * bt.fwd_s, per_chunk * bt.bwd_s
 
 
 def logits_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int, hw: DeviceProfile | None = None) -> float:

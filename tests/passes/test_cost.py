@@ -231,6 +231,49 @@ def test_more_devices_of_the_same_kind_run_faster_and_dp_sync_overlaps():
     assert 0 < unhidden and e4.time.dp_comm_exposed <= unhidden
 
 
+def test_interleaved_sends_overlap_the_next_chunk():
+    # Megatron-Core's interleaved schedule posts its p2p asynchronously (overlap_p2p_comm): v x the
+    # sends, each behind one chunk's forward / backward; 1F1B's blocking sends are all exposed
+    from autoshard.passes.collectives import Collective, collective_time
+
+    slow = dataclasses.replace(HW, intra_bandwidth=HW.intra_bandwidth / 1e4)  # a send outlasts a chunk
+    one, two = lay(pp=2), dataclasses.replace(lay(pp=2), schedule="interleaved-1f1b", virtual_stages=2)
+    send = collective_time(slow, Collective.SEND_RECV, T * H * 2, size=2, stride=1)
+    bt = cost.block_time(CT, slow, two, BlockKind.LAYER, seq_len=SEQ)  # 4 layers / (2 x 2): one per chunk
+    assert send > bt.bwd_s > bt.fwd_s
+    assert cost.p2p_time(CT, slow, one, seq_len=SEQ) == pytest.approx(2 * send)
+    assert cost.p2p_time(CT, slow, two, seq_len=SEQ) == pytest.approx(2 * (2 * send - bt.fwd_s - bt.bwd_s))
+    fast = dataclasses.replace(HW, intra_bandwidth=HW.intra_bandwidth * 1e3, intra_latency=1e-9)
+    assert cost.p2p_time(CT, fast, two, seq_len=SEQ) == 0.0 < cost.p2p_time(CT, fast, one, seq_len=SEQ)
+
+
+def test_dp_sync_exposes_the_last_bucket_and_one_chunk_of_v():
+    # Megatron's buckets (max(40M, 1M x dp) parameters): the last gradient bucket is ready only when
+    # the backward ends; with v chunks per rank only the first chunk's share outlasts the drain
+    from autoshard.passes.collectives import Collective, best_time
+
+    params, one = 4e9, lay(dp=4, zero=1)
+    two = dataclasses.replace(lay(dp=4, zero=1), schedule="interleaved-1f1b", virtual_stages=2)
+    assert cost.dp_bucket_params(one) == 40e6 and cost.dp_bucket_params(lay(dp=256, zero=1)) == 256e6
+    nb = one.numbers
+
+    def t(op, n, b):
+        return best_time(HW, op, n * b, size=4, stride=1)
+
+    rs, ag = t(Collective.REDUCE_SCATTER, params, nb.grad_bytes), t(Collective.ALL_GATHER, params, nb.param_bytes)
+    last = t(Collective.REDUCE_SCATTER, 40e6, nb.grad_bytes) + t(Collective.ALL_GATHER, 40e6, nb.param_bytes)
+    hidden = cost.dp_exposed_time(HW, params, one, backward_s=1e3, forward_s=1e3)
+    assert hidden == pytest.approx(last)  # all but one bucket behind a long backward / forward
+    assert cost.dp_exposed_time(HW, params, one, backward_s=0.0, forward_s=0.0) == pytest.approx(rs + ag)
+    rs2, ag2 = (t(op, params / 2, b) for op, b in ((Collective.REDUCE_SCATTER, nb.grad_bytes),
+                                                   (Collective.ALL_GATHER, nb.param_bytes)))
+    bwd, fwd = rs / 4, ag / 4  # the sync outlasts the compute it overlaps
+    assert cost.dp_exposed_time(HW, params, two, backward_s=bwd, forward_s=fwd) == pytest.approx(
+        rs2 - bwd / 2 + ag2 - fwd / 2)
+    assert (cost.dp_exposed_time(HW, params, two, backward_s=bwd, forward_s=fwd)
+            < cost.dp_exposed_time(HW, params, one, backward_s=bwd, forward_s=fwd))
+
+
 def test_mfu_convention_matches_the_paper_for_llama():
     n = sum(b.params * b.count for b in toy_table().blocks)
     assert cost.model_flops_per_token(CT, 4096) == 6 * n + 12 * SPEC.layers * SPEC.hidden * 4096
@@ -304,9 +347,12 @@ def test_zero2_reduce_scatters_with_every_micro_batch():
     assert cost.zero2_time(slow, params, l1) == 0.0 == cost.zero2_time(slow, params, lay(zero=2))
     e1, e2 = (estimate(CT, SPEC, slow, lt, global_batch=GB, seq_len=SEQ) for lt in (l1, l2))
     m = GB // 4
-    # the gradient reduce-scatter hides behind a backward, the weight all-gather behind the first forward
-    assert e2.time.dp_comm_exposed == pytest.approx(m * (rs - bwd) + max(0.0, ag - fwd))
-    assert e1.time.dp_comm_exposed == pytest.approx(rs - bwd + max(0.0, ag - fwd))
+    # ZeRO-2's per-micro-batch reduce-scatter hides behind that backward; the step's DP sync is one
+    # bucket here (params < cost.dp_bucket_params), ready only when the backward ends / needed before
+    # the forward starts: all of it exposed (ZeRO-1's reduce-scatter, both levels' weight all-gather)
+    assert params < cost.dp_bucket_params(l1)
+    assert e2.time.dp_comm_exposed == pytest.approx(m * (rs - bwd) + ag)
+    assert e1.time.dp_comm_exposed == pytest.approx(rs + ag)
     assert e2.step_time_s > e1.step_time_s and e2.memory.grads == pytest.approx(e1.memory.grads / 4)
     assert e2.time.pp_bubble == pytest.approx(0.0, abs=1e-12)
 
