@@ -2,7 +2,8 @@
 
 Contract:
 * `save_checkpoint(dm, path)` (collective, every rank) writes one DCP checkpoint of
-  - `model.<name>`: every parameter, FULL (global shape), keyed by its original HF name;
+  - `model.<name>`: every parameter, FULL (global shape), keyed by its original HF name (under
+    bf16-mixed the fp32 master weights, not the bf16 copies the model runs: runtime/precision.py);
   - `optim.state.<name>.<key>`: the optimizer state of that parameter (Adam's `exp_avg`,
     `exp_avg_sq` in the parameter's global shape, `step` as a scalar), whatever the ZeRO level:
     ZeRO-1/2 flat shards are gathered over dp and cut back into parameters;
@@ -119,7 +120,7 @@ def save_checkpoint(dm: DistributedModel, path: str | os.PathLike) -> Path:
 
 
 def _state_to_save(dm: DistributedModel) -> dict[str, Tensor]:
-    params = {dm.param_name(p): full_tensor(p.detach()) for p in dm.local_params()}
+    params = dm.master_weights()  # bf16-mixed: the fp32 masters, not the bf16 parameters
     state = {f"model.{n}": t for n, t in dm.gather_tp(params).items()}
     optim = _optimizer_states(dm)
     for key in sorted({k for s in optim.values() for k in s}):
@@ -276,10 +277,9 @@ def _optimizer_states(dm: DistributedModel) -> dict[str, dict[str, Tensor]]:
 
 
 def _load_params(dm: DistributedModel, full: Mapping[str, Tensor]) -> None:
-    with torch.no_grad():
-        for p in dm.local_params():
-            name = dm.param_name(p)
-            p.copy_(like(shard_tensor(full[name], dm.placement(name)), p))
+    """Parameters and (bf16-mixed, ZeRO-1/2) the fp32 masters from the full tensors."""
+    dm.load_weights({id(p): like(shard_tensor(full[dm.param_name(p)], dm.placement(dm.param_name(p))), p)
+                     for p in dm.local_params()})
 
 
 def _load_optimizer(dm: DistributedModel, full: Mapping[str, Mapping[str, Tensor]]) -> None:

@@ -24,6 +24,17 @@ Contract:
 
 `begin(last=False)` (an earlier micro-batch of gradient accumulation) lets the hooks do nothing
 except under zero=2.
+
+Main gradients (`main_grads=True`, bf16-mixed: runtime/precision.py; Megatron-LM's `main_grad`):
+the parameters are bf16 and each has an fp32 `main_grad`. The hook adds every micro-batch's
+`.grad` into it in fp32 and drops `.grad` (`take_grad`), so the gradient lives in fp32 only.
+Under zero=0/1 a bucket's main gradients are views of one persistent flat fp32 buffer (padded to
+a multiple of dp), all-reduced in place (zero=0) or reduce-scattered, this rank's reduced slice
+written back into its part of the buffer (zero=1); under zero=2 a micro-batch's fp32 gradient
+exists only until its bucket is reduce-scattered into the fp32 slices. Reductions are fp32.
+`ShardedOptimizer` then holds the fp32 MASTER weights: this rank's slice of every bucket
+(zero=1/2), or every bucket whole (zero=0: a shard world of one); it steps them on the fp32
+gradient slices and all-gathers the result over dp in the parameters' dtype (bf16) into them.
 """
 
 from __future__ import annotations
@@ -40,6 +51,26 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def take_grad(param: nn.Parameter) -> Tensor | None:
+    """The gradient the runtime reduces and steps: `.grad`, or under main gradients the fp32
+    `main_grad`, into which whatever autograd left in `.grad` is first added (then `.grad` is dropped)."""
+    if not hasattr(param, "main_grad"):
+        return param.grad
+    if param.grad is not None:
+        if param.main_grad is None:  # zero=2: this micro-batch's fp32 gradient, until its bucket is reduced
+            param.main_grad = param.grad.float()
+        else:
+            param.main_grad.add_(param.grad)
+        param.grad = None
+    return param.main_grad
+
+
+def _drop_grad(param: nn.Parameter) -> None:
+    param.grad = None
+    if hasattr(param, "main_grad"):
+        param.main_grad = None
+
+
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], world: int):
         self.params = params
@@ -50,9 +81,19 @@ class _Bucket:
         self.out: Tensor | None = None  # all-reduce: == flat; reduce-scatter: this rank's slice
         self.work = None
         self.acc: Tensor | None = None  # zero=2: this rank's slice summed over finished micro-batches
+        self.main: Tensor | None = None  # main gradients under zero 0/1: the flat fp32 buffer they are views of
+
+    def hold_main_grads(self) -> None:
+        """One flat fp32 buffer for the bucket; each parameter's `main_grad` is its view into it."""
+        self.main = torch.zeros(self.padded, dtype=torch.float32, device=self.params[0].device)
+        offset = 0
+        for p in self.params:
+            p.main_grad = self.main[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
 
     def flatten_grads(self) -> Tensor:
-        grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in self.params]
+        grads = [g.reshape(-1) if (g := take_grad(p)) is not None else p.new_zeros(p.numel(), dtype=torch.float32)
+                 for p in self.params]
         flat = torch.cat(grads)
         return torch.nn.functional.pad(flat, (0, self.padded - self.numel)) if self.padded > self.numel else flat
 
@@ -77,7 +118,7 @@ class GradSync:
 
     def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, *, zero: int,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 prepare: Callable[[Sequence[nn.Parameter]], None] | None = None):
+                 prepare: Callable[[Sequence[nn.Parameter]], None] | None = None, main_grads: bool = False):
         self.group = group
         self.prepare = prepare  # called on a bucket's parameters just before it is reduced
         self.world = 1 if group is None else dist.get_world_size(group)
@@ -86,6 +127,7 @@ class GradSync:
             raise ValueError(f"GradSync runs ZeRO levels 0, 1 and 2, got {zero!r}")
         self.zero = zero > 0  # gradients end as this rank's slices (reduce-scatter)
         self.every_micro_batch = zero == 2
+        self.main_grads = main_grads
         self.enabled = False
         self.buckets: list[_Bucket] = []
         current, size = [], 0
@@ -97,6 +139,13 @@ class GradSync:
                 current, size = [], 0
         if current:
             self.buckets.append(_Bucket(current, self.world))
+        if main_grads:
+            for b in self.buckets:
+                if self.every_micro_batch:
+                    for p in b.params:
+                        p.main_grad = None
+                else:
+                    b.hold_main_grads()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
@@ -114,9 +163,22 @@ class GradSync:
         for b in self.buckets:
             if first:
                 b.acc = None
+                if b.main is not None:
+                    b.main.zero_()
             b.ready, b.flat, b.out, b.work = 0, None, None, None
 
+    @property
+    def shard_world(self) -> int:
+        """How many slices each bucket's optimizer state is cut into: dp under ZeRO, 1 otherwise."""
+        return self.world if self.zero else 1
+
+    @property
+    def shard_rank(self) -> int:
+        return self.rank if self.zero else 0
+
     def _on_grad(self, param: nn.Parameter) -> None:
+        if self.main_grads:  # every micro-batch: into the fp32 main gradient
+            take_grad(param)
         if not self.enabled:
             return
         self._bucket_of[id(param)].ready += 1
@@ -125,14 +187,17 @@ class GradSync:
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        if self.main_grads:  # what autograd left in `.grad` (zero-bubble's weight pass writes it directly)
+            for p in bucket.params:
+                take_grad(p)
         if self.prepare is not None:
             self.prepare(bucket.params)
-        if self.world == 1 and not self.zero:  # nothing to reduce: `p.grad` already holds the result
+        if self.world == 1 and not self.zero:  # nothing to reduce: `p.grad` / `main_grad` already holds the result
             return
-        bucket.flat = bucket.flatten_grads()
+        bucket.flat = bucket.main if bucket.main is not None else bucket.flatten_grads()
         if self.every_micro_batch:  # the flat copy is all that is kept of the full gradient
             for p in bucket.params:
-                p.grad = None
+                _drop_grad(p)
         if self.world == 1:
             bucket.out = bucket.flat
         elif self.zero:
@@ -150,7 +215,11 @@ class GradSync:
         self.enabled = False
         self._drain()
         for bucket in self.buckets:
-            if not self.zero and bucket.out is not None:
+            if bucket.main is not None:  # reduced in place; ZeRO: the reduced slice back into the buffer
+                if self.zero and bucket.out is not None and bucket.out is not bucket.main:
+                    length = bucket.padded // self.world
+                    bucket.out = bucket.main[self.rank * length:(self.rank + 1) * length].copy_(bucket.out)
+            elif not self.zero and bucket.out is not None:
                 bucket.scatter_back(bucket.out, into_grad=True)
 
     def _drain(self) -> None:
@@ -167,10 +236,14 @@ class GradSync:
         """ZeRO: this rank's slice of every bucket's reduced gradient (after `finish`)."""
         if self.every_micro_batch:
             return [b.acc for b in self.buckets]
+        if not self.zero:  # main gradients under zero=0: the whole all-reduced buffers
+            return [b.main for b in self.buckets]
         return [b.out if self.world > 1 else b.flat for b in self.buckets]
 
     def reduced_grads(self) -> dict[int, Tensor]:
         """id(param) -> its dp-reduced gradient (collective over dp under ZeRO)."""
+        if self.main_grads and not self.zero:
+            return {id(p): p.main_grad for b in self.buckets for p in b.params}
         out = {}
         for bucket, shard in zip(self.buckets, self.shard_grads() if self.zero else [b.out for b in self.buckets]):
             if shard is None:
@@ -187,34 +260,54 @@ class GradSync:
 
 
 class ShardedOptimizer:
-    """ZeRO-1: the optimizer state of each dp rank covers 1/dp of every gradient bucket."""
+    """ZeRO-1/2: the optimizer state of each dp rank covers 1/dp of every gradient bucket. Under main
+    gradients its fp32 slices are the master weights (zero=0: whole buckets), `factory` may then be
+    None (no optimizer: the masters are still what `full_params` and checkpoints read)."""
 
-    def __init__(self, sync: GradSync, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
+    def __init__(self, sync: GradSync, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None):
         self.sync = sync
-        size = sync.world
+        self.world, self.rank = sync.shard_world, sync.shard_rank
         self.shards = []
         for bucket in sync.buckets:
-            length = bucket.padded // size
-            flat = bucket.flatten_params()
-            self.shards.append(nn.Parameter(flat[sync.rank * length:(sync.rank + 1) * length].clone()))
-        self.optimizer = factory(self.shards)
+            length = bucket.padded // self.world
+            flat = bucket.flatten_params().float()  # fp32 masters (a copy: built before the params turn bf16)
+            self.shards.append(nn.Parameter(flat[self.rank * length:(self.rank + 1) * length].clone()))
+        self.optimizer = factory(self.shards) if factory is not None else None
 
     def step(self) -> None:
         for shard, grad in zip(self.shards, self.sync.shard_grads()):
             shard.grad = grad
         self.optimizer.step()
         for shard, bucket in zip(self.shards, self.sync.buckets):
-            full = shard.detach()
-            if self.sync.world > 1:
-                full = shard.new_empty(bucket.padded)
-                _all_gather(full, shard.detach(), group=self.sync.group)
+            piece = shard.detach().to(bucket.params[0].dtype)  # the all-gather moves the parameters' dtype
+            full = piece
+            if self.world > 1:
+                full = piece.new_empty(bucket.padded)
+                _all_gather(full, piece, group=self.sync.group)
             bucket.scatter_back(full, into_grad=False)
 
     def zero_grad(self) -> None:
         for shard in self.shards:
             shard.grad = None
 
-    # -- state in per-parameter terms (checkpoints: runtime/checkpoint.py) -----------------------
+    # -- master weights and state in per-parameter terms (checkpoints: runtime/checkpoint.py) ------
+    def full_params(self) -> dict[int, Tensor]:
+        """id(param) -> its fp32 master value shaped like the param (collective over dp under ZeRO)."""
+        out = {}
+        for shard, bucket in zip(self.shards, self.sync.buckets):
+            self._cut(out, bucket, self._gather(shard.detach(), bucket))
+        return out
+
+    def set_params(self, values: dict[int, Tensor]) -> None:
+        """Masters and parameters from {id(param): full (tp-local) value} (local, no collective)."""
+        for shard, bucket in zip(self.shards, self.sync.buckets):
+            flat = torch.cat([values[id(p)].reshape(-1).to(shard.device, torch.float32) for p in bucket.params])
+            flat = torch.nn.functional.pad(flat, (0, bucket.padded - bucket.numel))
+            length = bucket.padded // self.world
+            with torch.no_grad():
+                shard.copy_(flat[self.rank * length:(self.rank + 1) * length])
+            bucket.scatter_back(flat, into_grad=False)
+
     def param_states(self) -> dict[int, dict[str, Tensor]]:
         """id(param) -> {state key: tensor shaped like the param, or the shard's scalar} (collective over dp).
 
@@ -228,21 +321,17 @@ class ShardedOptimizer:
                     for p in bucket.params:
                         out.setdefault(id(p), {})[key] = value.detach().clone()
                     continue
-                flat = value.detach()
-                if self.sync.world > 1:
-                    flat = value.new_empty(bucket.padded)
-                    _all_gather(flat, value.detach().contiguous(), group=self.sync.group)
-                offset = 0
-                for p in bucket.params:
-                    out.setdefault(id(p), {})[key] = flat[offset:offset + p.numel()].view_as(p).clone()
-                    offset += p.numel()
+                cut: dict[int, Tensor] = {}
+                self._cut(cut, bucket, self._gather(value.detach().contiguous(), bucket))
+                for pid, tensor in cut.items():
+                    out.setdefault(pid, {})[key] = tensor
         return out
 
     def load_param_states(self, states: dict[int, dict[str, Tensor]]) -> None:
-        """The inverse of `param_states` (local, no collective); then the shards take the parameters' values."""
+        """The inverse of `param_states` (local, no collective); the masters come from `set_params`."""
         for shard, bucket in zip(self.shards, self.sync.buckets):
             held = [states.get(id(p), {}) for p in bucket.params]
-            length = bucket.padded // self.sync.world
+            length = bucket.padded // self.world
             new = {}
             for key, first in held[0].items():
                 if first.dim() == 0:
@@ -250,8 +339,20 @@ class ShardedOptimizer:
                     continue
                 flat = torch.cat([s[key].reshape(-1).to(shard.dtype) for s in held])
                 flat = torch.nn.functional.pad(flat, (0, bucket.padded - bucket.numel))
-                new[key] = flat[self.sync.rank * length:(self.sync.rank + 1) * length].clone()
+                new[key] = flat[self.rank * length:(self.rank + 1) * length].clone()
             if new:
                 self.optimizer.state[shard] = new
-            with torch.no_grad():
-                shard.copy_(bucket.flatten_params()[self.sync.rank * length:(self.sync.rank + 1) * length])
+
+    def _gather(self, piece: Tensor, bucket: _Bucket) -> Tensor:
+        if self.world == 1:
+            return piece
+        flat = piece.new_empty(bucket.padded)
+        _all_gather(flat, piece, group=self.sync.group)
+        return flat
+
+    @staticmethod
+    def _cut(out: dict[int, Tensor], bucket: _Bucket, flat: Tensor) -> None:
+        offset = 0
+        for p in bucket.params:
+            out[id(p)] = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()

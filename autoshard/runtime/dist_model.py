@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autoshard.errors import AutoshardError, InvalidConfigError
-from autoshard.ir import Plan
+from autoshard.ir import Plan, Precision
 from autoshard.models.presets import ModelSpec
 from autoshard.ir import Replicate, ShardProgram
 from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
@@ -90,28 +90,38 @@ class DistributedModel:
         # only sums the tp-partial gradients then, and the optimizer steps the DTensor shards
         self._zero3 = setup.plan.zero == 3
         zero = 1 <= setup.plan.zero <= 2
+        # bf16-mixed under ZeRO 0-2: Megatron's layout (runtime/precision.py): bf16 parameters, fp32 main
+        # gradients, fp32 masters in the (sharded) optimizer; ZeRO-3 is FSDP2's own (runtime/zero3.py)
+        self._main_grads = self.precision is Precision.BF16_MIXED and not self._zero3
         if self._zero3:
             self._sync = GradSync(self._params, None, zero=0, prepare=prepare)
             self._loss_group = self._grad_group
         elif mesh.ep > 1:  # experts over dp x cp (the grad group), dense over dp x ep x cp
             expert_ids = {id(p) for n, p in self.model.named_parameters() if n in setup.expert_names}
             self._sync = GradSyncs(self._params, expert_ids, dense_group=setup.groups.replicas,
-                                   expert_group=self._grad_group, zero=setup.plan.zero, prepare=prepare)
+                                   expert_group=self._grad_group, zero=setup.plan.zero, prepare=prepare,
+                                   main_grads=self._main_grads)
             self._loss_group = setup.groups.replicas
         else:
-            self._sync = GradSync(self._params, self._grad_group, zero=setup.plan.zero, prepare=prepare)
+            self._sync = GradSync(self._params, self._grad_group, zero=setup.plan.zero, prepare=prepare,
+                                  main_grads=self._main_grads)
             self._loss_group = self._grad_group
         # HF keeps the coefficient on the model (read from the config when it was built)
         self._aux_coef = getattr(self.model, "router_aux_loss_coef", getattr(self.model.config, "router_aux_loss_coef", 0))
         self._optimizer = None
+        self._masters = None  # the ShardedOptimizer holding fp32 masters (ZeRO-1/2, or bf16-mixed at any ZeRO < 3)
         self._generator = None  # runtime.generate.Generator, built on the first generate()
-        if optimizer is not None:
-            if not zero:
-                self._optimizer = optimizer(self._params)
-            elif mesh.ep > 1:  # each group's optimizer state sharded over that group
-                self._optimizer = self._sync.sharded_optimizer(optimizer)
-            else:
-                self._optimizer = ShardedOptimizer(self._sync, optimizer)
+        if zero or self._main_grads:
+            if optimizer is not None or self._main_grads:
+                self._masters = (self._sync.sharded_optimizer(optimizer) if mesh.ep > 1
+                                 else ShardedOptimizer(self._sync, optimizer))
+            self._optimizer = self._masters if optimizer is not None else None
+        elif optimizer is not None:
+            self._optimizer = optimizer(self._params)
+        if self._main_grads:  # the masters hold the fp32 values now: the model keeps bf16 copies
+            with torch.no_grad():
+                for p in self._params:
+                    p.data = p.data.to(torch.bfloat16)
         self.steps = 0  # optimizer steps taken (restored by load_checkpoint)
         self.fingerprint = setup.fingerprint
         self.full_shapes = dict(setup.full_shapes or {})
@@ -252,8 +262,25 @@ class DistributedModel:
         return self._assemble(local)
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """{original name: full parameter} on every rank (collective)."""
-        return self._assemble({self._names[id(p)]: full_tensor(p.detach()) for p in self._params})
+        """{original name: full parameter} on every rank (collective); bf16-mixed: the fp32 masters."""
+        return self._assemble(self.master_weights())
+
+    def master_weights(self) -> dict[str, Tensor]:
+        """{original name: this rank's (tp-local) weight}: the fp32 masters under bf16-mixed (collective over
+        dp under ZeRO), else the parameters themselves (ZeRO-3: gathered from their FSDP2 shards)."""
+        if not self._main_grads:
+            return {self._names[id(p)]: full_tensor(p.detach()) for p in self._params}
+        masters = self._masters.full_params()
+        return {self._names[id(p)]: masters[id(p)] for p in self._params}
+
+    def load_weights(self, values: Mapping[int, Tensor]) -> None:
+        """Set every local parameter from {id(param): value cut as the param is held} (local), and the
+        masters of the (sharded) optimizer from the same values."""
+        with torch.no_grad():
+            for p in self._params:
+                p.copy_(values[id(p)])
+        if self._masters is not None:
+            self._masters.set_params(dict(values))
 
     # -- checkpoints (runtime/checkpoint.py) ----------------------------------------------------
     def save_checkpoint(self, path) -> None:

@@ -139,11 +139,11 @@ class GradSyncs:
     """Two `GradSync`s with one interface: dense parameters over `dense_group`, experts over `expert_group`."""
 
     def __init__(self, params: Sequence[nn.Parameter], expert_ids: set[int], *, dense_group, expert_group, zero: int,
-                 prepare: Callable | None = None):
+                 prepare: Callable | None = None, main_grads: bool = False):
         dense = [p for p in params if id(p) not in expert_ids]
         experts = [p for p in params if id(p) in expert_ids]
-        self.syncs = (GradSync(dense, dense_group, zero=zero, prepare=prepare),
-                      GradSync(experts, expert_group, zero=zero, prepare=prepare))
+        self.syncs = (GradSync(dense, dense_group, zero=zero, prepare=prepare, main_grads=main_grads),
+                      GradSync(experts, expert_group, zero=zero, prepare=prepare, main_grads=main_grads))
 
     def begin(self, *, last: bool, first: bool = True) -> None:
         for sync in self.syncs:
@@ -156,8 +156,9 @@ class GradSyncs:
     def reduced_grads(self) -> dict[int, Tensor]:
         return {k: v for sync in self.syncs for k, v in sync.reduced_grads().items()}
 
-    def sharded_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> _Optimizers:
-        """ZeRO-1/2: the optimizer state of each group sharded over that group."""
+    def sharded_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None) -> _Optimizers:
+        """ZeRO-1/2: the optimizer state of each group sharded over that group (and the fp32 masters under
+        main gradients: runtime/data_parallel.py)."""
         return _Optimizers(tuple(ShardedOptimizer(sync, factory) for sync in self.syncs))
 
 
@@ -172,6 +173,13 @@ class _Optimizers:
     def zero_grad(self) -> None:
         for opt in self.optimizers:
             opt.zero_grad()
+
+    def full_params(self) -> dict[int, Tensor]:
+        return {k: v for opt in self.optimizers for k, v in opt.full_params().items()}
+
+    def set_params(self, values: dict[int, Tensor]) -> None:
+        for opt in self.optimizers:
+            opt.set_params(values)
 
 
 # -- the router's auxiliary loss --------------------------------------------------------------------

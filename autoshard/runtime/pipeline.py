@@ -43,6 +43,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Precision, Schedule, Stage, check_schedule, stage_rank
 from autoshard.models.presets import ModelSpec
+from autoshard.runtime.data_parallel import take_grad
 from autoshard.runtime.loss import causal_lm_loss
 from autoshard.runtime.precision import Autocast
 from autoshard.runtime.stages import build_stage_module, check_stages, original_names
@@ -148,9 +149,10 @@ class PipelineRunner:
         if self._tied_group is None or not (self.has_first or self.has_last):
             return
         param = self._tied
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad, group=self._tied_group)
+        grad = take_grad(param)  # bf16-mixed: the fp32 main gradient (runtime/data_parallel.py)
+        if grad is None:
+            grad = param.grad = torch.zeros_like(param)
+        dist.all_reduce(grad, group=self._tied_group)
 
     # -- evaluation and checks ---------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,31 +1,34 @@
-"""Mixed precision of the training step: `bf16-mixed` is torch.autocast over fp32 parameters.
+"""Mixed precision of the training step: `bf16-mixed` is Megatron-LM's layout (ZeRO-3: FSDP2's).
 
 Contract: `autocast(precision, device)` is the context every forward of the runtime runs under
 (the single-stage step, each pipeline chunk, the evaluation forward); `precision` is the plan's,
-already resolved for the device (`Precision.resolve`). Under `Precision.BF16_MIXED`:
+already resolved for the device (`Precision.resolve`). Under `Precision.BF16_MIXED` the state a
+rank keeps is the one the cost model prices (passes/precision.py; measured against
+`cost.state_bytes` by tests/runtime/test_state_bytes.py):
 
-* the parameters stay fp32 (they are the master weights); autocast casts each weight to bf16
-  where a matmul-class op reads it (linear, matmul, bmm, conv1d: torch's autocast op lists),
-  so GEMMs run and their outputs (activations) are bf16; ops autocast keeps in fp32 (softmax,
-  norms' variance, the loss) and HF's own upcasts stay fp32; the residual stream of a LLaMA /
-  Mamba-2 block is the sum of an fp32 input and a bf16 output, so it stays fp32 (as in any
-  torch AMP run);
-* backward follows the recorded dtypes: a weight's gradient is the fp32 gradient of the cast,
-  so `.grad` is fp32, gradient accumulation over micro-batches is fp32, the data-parallel
-  all-reduce / ZeRO reduce-scatter (runtime/data_parallel.py) move fp32 buckets, and the
-  optimizer (or ZeRO's sharded optimizer) steps the fp32 parameters;
-* tensor-parallel collectives in forward (the row-parallel all-reduce, the vocab-parallel
-  cross-entropy runs on `logits.float()`) and pipeline sends carry whatever dtype the op
-  produced (bf16 GEMM outputs), as Megatron's do.
+* ZeRO 0, 1, 2 (runtime/dist_model.py, runtime/data_parallel.py; Megatron-LM's DDP `main_grad`
+  and distributed optimizer): the model's parameters are bf16 (2 B/param; buffers such as RoPE's
+  inv_freq stay as HF keeps them). Each parameter has an fp32 main gradient: a hook after each
+  micro-batch's backward adds `.grad` into it in fp32 and drops `.grad` (4 B/param, views of one
+  flat buffer per gradient bucket; under ZeRO-2 only the reduced fp32 slices are kept, 4 B / dp).
+  The data-parallel all-reduce / ZeRO reduce-scatter move the fp32 main gradients. The
+  optimizer steps fp32 master weights held by `ShardedOptimizer`: this rank's slice of every
+  bucket under ZeRO-1/2, every bucket whole under ZeRO 0; with Adam 4 + 8 B per parameter,
+  sharded over dp x cp under ZeRO-1/2. After the step the masters are cast to bf16 and
+  all-gathered (bf16) into the parameters. Checkpoints and `full_state_dict` read the masters.
+* ZeRO-3 (runtime/zero3.py, torchtitan's layout): FSDP2 keeps the parameters as fp32 shards (the
+  masters), their fp32 gradient shards and Adam's fp32 state, (4 + 4 + 8) B / dp; its
+  `MixedPrecisionPolicy` all-gathers each block in bf16 and reduce-scatters gradients in fp32.
+* Forward: GEMMs read bf16 weights and produce bf16 activations, so the residual stream,
+  tensor-parallel collectives and pipeline sends are bf16; autocast keeps the ops it lists as fp32
+  in fp32 (softmax, ...), HF upcasts its norms' variance itself, and the loss runs on
+  `logits.float()` (runtime/loss.py). Backward follows the recorded dtypes (bf16 `.grad`, summed
+  in fp32 from there on).
 
-This is Lightning's "bf16-mixed" (torch AMP). Megatron's alternative, bf16 parameters with fp32
-main gradients and fp32 master copies in the optimizer, saves 2 bytes per parameter of weights
-but changes the dtype every runtime piece sees (grad buckets, ZeRO shards, TP slices, pipeline
-stages, the checks); autocast leaves all of them fp32 and so composes with DP, ZeRO-1/2, TP, PP
-and CP unchanged. Memory it keeps: fp32 weights (4 B/param) + fp32 gradients (4 B) + the bf16
-weight copies autocast caches for the forward and backward of a step (2 B per parameter of the
-running model chunk) + optimizer state; activations saved for backward are bf16 where a GEMM
-produced them.
+Activations saved for backward are bf16 where a GEMM produced them. Memory per parameter
+(ZeRO 0): 2 + 4 + 12 = 18 B, as the ZeRO paper's mixed-precision accounting (arXiv 1910.02054
+sec. 3.1, K = 12). Torch AMP's alternative (autocast over fp32 parameters) keeps fp32 weights
+and gradients plus the bf16 weight copies autocast caches: ~4 B/param more than this.
 
 `Precision.FP32` is a no-op context: bit-for-bit the fp32 step.
 """

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autoshard.ir import Replicate, Shard, ShardProgram
 from autoshard.runtime.comm import copy_to_group, reduce_from_group
+from autoshard.runtime.data_parallel import take_grad
 
 
 def shard_tensor(full: Tensor, placement: Replicate | Shard) -> Tensor:
@@ -127,13 +128,14 @@ def partial_grad_reducer(model: nn.Module, program: ShardProgram, group: dist.Pr
     def prepare(params: Sequence[nn.Parameter]) -> None:
         for param in params:
             placement = partial.get(id(param))
-            if placement is None or param.grad is None:
+            grad = take_grad(param)  # bf16-mixed: the fp32 main gradient (runtime/data_parallel.py)
+            if placement is None or grad is None:
                 continue
             if any(placement.whole):  # (not under ZeRO-3: the rows are cut over dp there)
-                _sum_whole_pieces(param.grad, placement, group)
+                _sum_whole_pieces(grad, placement, group)
                 continue
             # ZeRO-3: the dp shard of the gradient (FSDP2 cuts every tp rank's slice at the same rows)
-            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # a DTensor
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor
             slots = grad.new_zeros((placement.parts, *grad.shape))  # one slot per distinct slice
             slots[placement.index] = grad
             dist.all_reduce(slots, group=group)

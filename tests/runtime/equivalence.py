@@ -51,20 +51,44 @@ def assert_bf16_close(actual, expected, fp32, *, msg: str) -> None:
 
 
 def reference(spec, data, *, bf16: bool = False, prepare=None):
-    """Losses, last gradients and final weights of one process running the HF model
-    (bf16: its forward under torch.autocast(bfloat16), the single-process bf16-mixed run)."""
+    """Losses, last gradients and final weights of one process running the HF model.
+
+    bf16: the single-process bf16-mixed run, the recipe the runtime runs (runtime/precision.py):
+    bf16 parameters, the forward under torch.autocast(bfloat16), the gradient taken into fp32, AdamW
+    stepping fp32 master weights that are copied back into the bf16 parameters. The gradients and
+    weights returned are then the fp32 main gradients and masters."""
     model = _built(spec, prepare)
-    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    if not bf16:
+        opt = torch.optim.AdamW(model.parameters(), **ADAM)
+        losses = []
+        for ids, labels in data:
+            opt.zero_grad()
+            loss = model(ids, labels=labels).loss
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+        return model, losses, {n: p.grad for n, p in model.named_parameters()}
+    names = [n for n, _ in model.named_parameters()]
+    masters = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    for p in model.parameters():  # parameters only: buffers (RoPE inv_freq) stay as HF keeps them
+        p.data = p.data.to(torch.bfloat16)
+    opt = torch.optim.AdamW(masters, **ADAM)
     losses = []
     for ids, labels in data:
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(ids, labels=labels).loss
         loss.backward()
         losses.append(loss.detach())
+        for master, p in zip(masters, model.parameters()):
+            master.grad = p.grad.float() if p.grad is not None else torch.zeros_like(master)
         opt.step()
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    return model, losses, grads
+        with torch.no_grad():
+            for master, p in zip(masters, model.parameters()):
+                p.copy_(master)
+    final = _built(spec, prepare)
+    final.load_state_dict({n: m.detach() for n, m in zip(names, masters)}, strict=False)
+    return final, losses, {n: m.grad for n, m in zip(names, masters)}
 
 
 def _built(spec, prepare):
@@ -119,10 +143,11 @@ def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, step
 
 
 def _check_bf16(dm, grads_ref, grads32, what: str) -> None:
-    """bf16-mixed: fp32 master weights and gradients, equal to the single-process bf16-mixed run's
-    (`grads_ref`) to bf16 precision (`grads32`: the fp32 run's, for bf16's own error)."""
-    assert all(p.dtype == torch.float32 for p in dm.model.parameters() if p.device.type != "meta"), \
-        f"{what}: bf16-mixed keeps fp32 master weights"
+    """bf16-mixed: bf16 parameters (ZeRO-3: FSDP2's fp32 shards), fp32 masters and main gradients, equal to
+    the single-process bf16-mixed run's (`grads_ref`) to bf16 precision (`grads32`: the fp32 run's)."""
+    held = {p.dtype for p in dm.local_params()}
+    assert held == ({torch.float32} if dm.plan.zero == 3 else {torch.bfloat16}), f"{what}: parameters are {held}"
+    assert all(t.dtype == torch.float32 for t in dm.full_state_dict().values()), f"{what}: masters not fp32"
     grads = dm.full_grads()
     assert grads.keys() == grads_ref.keys()
     for name, grad in grads.items():

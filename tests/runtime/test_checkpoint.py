@@ -5,7 +5,8 @@ The chain: 4 ranks train 2 steps under dp 2 x tp 2 and save `a`; still on 4 rank
 under dp 4 ZeRO-1 (flat optimizer shards) and saved again as `b`, which is resumed under dp 4 ZeRO-1
 and dp 2 x tp 2 ZeRO-3. 2 ranks resume `b` under pp 2 and `a` under dp 2 ZeRO-2, and load `a` under
 dp 2 ZeRO-3 (FSDP2) to save it as `c`; 1 rank resumes `c` with a plain optimizer. Every resumed run
-takes steps 3-4 and ends with the weights of 4 uninterrupted single-process steps.
+takes steps 3-4 and ends with the weights of 4 uninterrupted single-process steps. A bf16-mixed run
+(2 ranks) saves its fp32 masters, which tp 2, ZeRO-2 and fp32 plans load exactly.
 """
 
 from __future__ import annotations
@@ -73,6 +74,33 @@ def _world2(rank, world, root):
     zero3 = _parallel(spec, data, dict(dp=2, zero=3), seed=3)
     assert zero3.load_checkpoint(os.path.join(root, "a")) == SAVED_AT
     zero3.save_checkpoint(os.path.join(root, "c"))  # FSDP2's DTensor shards, in global terms
+    _bf16_masters(spec, data, os.path.join(root, "m"))
+
+
+def _bf16_masters(spec, data, path):
+    """bf16-mixed saves the fp32 masters, not the bf16 parameters: any plan (fp32 too) loads them exactly,
+    and the same plan resumed takes the very steps of the uninterrupted run."""
+    bf16 = dict(precision="bf16-mixed")
+    src = _parallel(spec, data, dict(dp=2, zero=1, **bf16))
+    for ids, labels in data[:SAVED_AT]:
+        src.train_step(ids, labels)
+    masters = src.full_state_dict()
+    assert all(t.dtype == torch.float32 for t in masters.values())
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in masters.values())  # not bf16 values
+    src.save_checkpoint(path)
+    for plan in (dict(tp=2, **bf16), dict(dp=2, zero=2, micro_batch=2, **bf16), dict(dp=2)):
+        dm = _parallel(spec, data, plan, seed=3)
+        assert dm.load_checkpoint(path) == SAVED_AT
+        state = dm.full_state_dict()
+        for name, tensor in masters.items():
+            assert torch.equal(state[name], tensor), f"{plan}: {name} not the saved master"
+    resumed = _parallel(spec, data, dict(dp=2, zero=1, **bf16), seed=3)
+    resumed.load_checkpoint(path)
+    for ids, labels in data[SAVED_AT:]:
+        assert torch.equal(resumed.train_step(ids, labels), src.train_step(ids, labels))
+    after, expected = resumed.full_state_dict(), src.full_state_dict()
+    for name, tensor in expected.items():
+        assert torch.equal(after[name], tensor), f"resumed bf16-mixed run differs at {name}"
 
 
 def _world1(rank, world, root):
