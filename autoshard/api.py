@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from autoshard import errors
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.fingerprint import check_plan_matches, fingerprint_module
-from autoshard.ir import AXES, Mesh, Plan
+from autoshard.ir import AXES, Mesh, Plan, Precision
 from autoshard.models.presets import Family, spec_from_hf_config
 from autoshard.passes.layouts import check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
@@ -139,7 +139,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         from autoshard.runtime.zero3 import apply_zero3
 
         apply_zero3(model, cp.grad_group if cp is not None else groups.dp, device=device,
-                    offload=plan.offload_optimizer)
+                    offload=plan.offload_optimizer, bf16=plan.precision.resolve(device.type) is Precision.BF16_MIXED)
     runner = None
     if plan.mesh.pp > 1:
         from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner

@@ -48,9 +48,10 @@ the runtime checkpoints, the TP and CP collectives inside it included (`_recompu
 Sequence parallelism (`Layout.sequence_parallel`): the ops on a tp shard of the sequence divided
 by tp, all-gathers and reduce-scatters in place of the TP all-reduces (passes/sequence_cost.py).
 
-Precision (Megatron-LM / MindSpeed mixed precision, arXiv 1910.02054 table 1): bf16 weights
-(2 B/param), fp32 main gradients (4 B), fp32 master weights + Adam m + v (12 B). ZeRO-1 shards
-the 12 B over dp x cp, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+Precision (passes/precision.py; Megatron-LM / MindSpeed mixed precision, arXiv 1910.02054 table 1):
+bf16 weights (2 B/param), fp32 main gradients (4 B), fp32 master weights + Adam m + v (12 B).
+ZeRO-1 shards the 12 B over dp x cp, ZeRO-2 also the gradients; ZeRO-3 is FSDP2's layout: fp32
+sharded parameters (the masters), fp32 gradients and Adam m + v, (4 + 4 + 8) B / (dp x cp).
 """
 
 from __future__ import annotations
@@ -603,10 +604,14 @@ def state_bytes(params: float, layout: Layout) -> MemoryBreakdown:
     z = layout.zero
     if layout.offload:  # the shards live in host memory; a block is gathered on the device as it runs (buffer_bytes)
         return MemoryBreakdown(weights=0.0, grads=0.0, optimizer=0.0)
+    nb = layout.numbers
+    if z == 3:  # FSDP2 (runtime/zero3.py): the fp32 shard is the master, the optimizer keeps Adam m, v
+        return MemoryBreakdown(weights=params * nb.sharded_weight_bytes / shard, grads=params * nb.grad_bytes / shard,
+                               optimizer=params * (nb.optim_bytes - nb.master_bytes) / shard)
     return MemoryBreakdown(
-        weights=params * layout.numbers.param_bytes / (shard if z >= 3 else 1.0),
-        grads=params * layout.numbers.grad_bytes / (shard if z >= 2 else 1.0),
-        optimizer=params * layout.numbers.optim_bytes / (shard if z >= 1 else 1.0),
+        weights=params * nb.param_bytes,
+        grads=params * nb.grad_bytes / (shard if z >= 2 else 1.0),
+        optimizer=params * nb.optim_bytes / (shard if z >= 1 else 1.0),
     )
 
 
@@ -682,7 +687,7 @@ def offload_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
         return 0.0
     link = _host(hw, "host_link_bandwidth")
     shard = params / _dp_group(layout)
-    return shard * (2 * layout.numbers.param_bytes + layout.numbers.grad_bytes) / link
+    return shard * (2 * layout.numbers.sharded_weight_bytes + layout.numbers.grad_bytes) / link
 
 
 def _host(hw: DeviceProfile, field: str) -> float:

@@ -1,11 +1,17 @@
 """Training precision as the cost model prices it: bytes per value and the GEMM rate.
 
 Contract: `precision_numbers(precision) -> PrecisionNumbers` for a plan's `precision` (ir.Precision);
-`resolve_precision(precision, hw)` turns AUTO into the device's default (ir.Precision.resolve):
+`resolve_precision(precision, hw)` turns AUTO into the device's default (ir.Precision.resolve).
+The numbers are what the runtime keeps (runtime/precision.py says the same from its side;
+tests/runtime/test_state_bytes.py measures a rank's tensors against `cost.state_bytes`):
 
-* "bf16-mixed" (Lightning's name; Megatron-LM / MindSpeed mixed precision, ZeRO paper arXiv
-  1910.02054 sec. 3.1): bf16 weights (2 B/param) and activations (2 B), fp32 main gradients (4 B),
-  fp32 master weights + Adam m + v (12 B); GEMMs and flash attention at the bf16 tensor-core peak.
+* "bf16-mixed" (Lightning's name) at ZeRO 0-2 runs Megatron-LM's layout (MindSpeed's too; ZeRO
+  paper arXiv 1910.02054 sec. 3.1): bf16 weights (2 B/param) and activations (2 B), fp32 main
+  gradients (4 B), fp32 master weights (4 B) + Adam m + v (8 B) = `optim_bytes` 12 B; ZeRO-1
+  shards the 12 B, ZeRO-2 also the gradients. ZeRO-3 is FSDP2's layout (torchtitan): the sharded
+  parameter IS the fp32 master, so per parameter (4 + 4 + 8) / dp, plus the bf16 copy of the block
+  being all-gathered (`cost.buffer_bytes`); the gathers move bf16 (`param_bytes`), the gradient
+  reduce-scatter fp32 (`grad_bytes`). GEMMs and flash attention at the bf16 tensor-core peak.
 * "fp32": fp32 weights (4 B), gradients (4 B), Adam m + v (8 B, no separate master copy),
   activations 4 B; GEMMs on TF32 tensor cores at half the bf16 peak (A100 156 vs 312 TFLOPS,
   H100 494 vs 989: the NVIDIA datasheets), every traced byte doubled (cost tables are traced in bf16).
@@ -23,15 +29,23 @@ class PrecisionNumbers:
     param_bytes: float  # weights as the forward reads them
     grad_bytes: float  # main gradients (accumulated and reduced)
     optim_bytes: float  # optimizer state per parameter (master copy if any, Adam m and v)
+    master_bytes: float  # of `optim_bytes`, the fp32 master copy (0: the weights are the masters)
     act_bytes: float  # activations, on the wire and saved
     flops_scale: float  # GEMM / attention rate relative to the bf16 tensor-core peak
     traced_scale: float  # factor on the bytes of a bf16-traced cost table
 
 
+    @property
+    def sharded_weight_bytes(self) -> float:
+        """Bytes per parameter of a ZeRO-3 (FSDP2) shard: the fp32 master, or the weight itself when
+        the weights are the masters."""
+        return self.master_bytes or self.param_bytes
+
+
 _NUMBERS = {
-    Precision.BF16_MIXED: PrecisionNumbers(param_bytes=2.0, grad_bytes=4.0, optim_bytes=12.0, act_bytes=2.0,
+    Precision.BF16_MIXED: PrecisionNumbers(param_bytes=2.0, grad_bytes=4.0, optim_bytes=12.0, master_bytes=4.0, act_bytes=2.0,
                                    flops_scale=1.0, traced_scale=1.0),
-    Precision.FP32: PrecisionNumbers(param_bytes=4.0, grad_bytes=4.0, optim_bytes=8.0, act_bytes=4.0,
+    Precision.FP32: PrecisionNumbers(param_bytes=4.0, grad_bytes=4.0, optim_bytes=8.0, master_bytes=0.0, act_bytes=4.0,
                              flops_scale=0.5, traced_scale=2.0),
 }
 

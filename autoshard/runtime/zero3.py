@@ -10,6 +10,13 @@ without knowing about them, and parameters stay DTensors over that mesh (`Shard(
 * Per micro-batch, FSDP2 all-gathers a block's weights before its forward and again before its
   backward and reduce-scatters its gradients after it: what `passes/cost.py` `zero3_time` prices.
   The root unit (embeddings, final norm, LM head) stays gathered between forward and backward.
+* Precision (`bf16=True` for bf16-mixed plans; torchtitan's layout): the sharded parameters, their
+  gradients and the optimizer state stay fp32 (the shards are the master weights); FSDP2's
+  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` casts a unit's shard to bf16 before
+  its all-gather, so the gathered block (the transient copy `cost.buffer_bytes` prices) and the
+  backward's gradients are bf16, and reduce-scatters them in fp32 into the fp32 gradient shards.
+  Forward still runs under autocast (runtime/precision.py). State per parameter: (4 + 4 + 8) B / dp
+  (`cost.state_bytes`).
 * Gradients are SUMMED over the group, not averaged (the loss is already divided by the global
   token count, runtime/loss.py): every FSDP unit gets divide factor 1 and sum-only reductions
   (gloo has no PREMUL_SUM).
@@ -31,17 +38,20 @@ from torch import Tensor, nn
 # unless ZeRO-3 is asked for (tests/runtime/test_layering.py): they are imported inside the functions.
 
 
-def apply_zero3(model: nn.Module, group: dist.ProcessGroup, *, device: torch.device, offload: bool = False) -> None:
-    """Shard `model` (in place) over `group` with FSDP2: one unit per decoder block plus the root."""
+def apply_zero3(model: nn.Module, group: dist.ProcessGroup, *, device: torch.device, offload: bool = False,
+                bf16: bool = False) -> None:
+    """Shard `model` (in place) over `group` with FSDP2: one unit per decoder block plus the root;
+    `bf16` (bf16-mixed): gathered in bf16, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy)."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp_shard",))
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     base = getattr(model, model.base_model_prefix)
     for block in base.layers:
-        fully_shard(block, mesh=mesh, offload_policy=policy)
-    fully_shard(model, mesh=mesh, offload_policy=policy)
+        fully_shard(block, mesh=mesh, offload_policy=policy, mp_policy=mp)
+    fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=mp)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -156,7 +156,7 @@ def test_state_bytes_under_zero():
     assert cost.state_bytes(p, lay(dp=4)).total == 18 * p  # 2 + 4 + 12 bytes per parameter
     assert cost.state_bytes(p, lay(dp=4, zero=1)).total == (2 + 4 + 12 / 4) * p
     assert cost.state_bytes(p, lay(dp=2, cp=2, zero=2)).total == (2 + 16 / 4) * p  # shards over dp x cp
-    assert cost.state_bytes(p, lay(dp=4, zero=3)).total == 18 * p / 4
+    assert cost.state_bytes(p, lay(dp=4, zero=3)).total == (4 + 4 + 8) * p / 4  # FSDP2: fp32 shards are the masters
 
 
 def test_pipeline_time_is_1f1b():
@@ -381,7 +381,7 @@ def test_offload_moves_state_to_the_host_and_pays_the_host_link():
     assert cost.state_bytes(p, off).total == 0.0 < cost.state_bytes(p, on).total
     shard = p / 4
     n = off.numbers  # bytes per weight / gradient at the layout's precision
-    assert cost.offload_time(HW, p, off) == pytest.approx(shard * (2 * n.param_bytes + n.grad_bytes) / HW.host_link_bandwidth)
+    assert cost.offload_time(HW, p, off) == pytest.approx(shard * (2 * n.sharded_weight_bytes + n.grad_bytes) / HW.host_link_bandwidth)
     assert cost.offload_time(HW, p, on) == 0.0
     assert cost.optimizer_time(HW, p, off) == pytest.approx(
         shard * cost.OPTIM_TRAFFIC / (HW.host_memory_bandwidth * HW.vector_efficiency))
