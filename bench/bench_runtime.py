@@ -5,7 +5,8 @@ Every comparison times one training step (forward, backward, AdamW step) of the 
 
     ws1  eager HF model                                  vs  parallelize(plan=dict())  (world of one)
     bf16 eager HF model under torch.autocast(bfloat16)   vs  parallelize(plan=dict(precision="bf16-mixed"))
-         (world of one; fp32 weights on both sides: autoshard's bf16-mixed is autocast, runtime/precision.py)
+         (world of one; torch AMP's recipe, fp32 weights, against autoshard's Megatron layout: bf16 weights,
+         fp32 main gradients and masters, runtime/precision.py)
     dp2  torch.nn.parallel.DistributedDataParallel       vs  parallelize(plan=dict(dp=2))
     tp2  torch.distributed.tensor.parallel.parallelize_module (ColwiseParallel q/k/v/gate/up,
          RowwiseParallel o/down)                         vs  parallelize(plan=dict(tp=2))
