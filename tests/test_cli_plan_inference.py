@@ -39,3 +39,12 @@ def test_missing_inference_options_exit_2(capsys):
     assert err.count("\n") == 1 and "--prompt-len" in err and "--tpot-slo" in err
     assert main(["plan", "--model", "llama-tiny", "--hardware", "h100", "--devices", "4"]) == 2
     assert "--global-batch" in capsys.readouterr().err
+
+
+def test_plan_inference_for_a_mixture_of_experts(capsys):
+    assert main(["plan", "--model", "mixtral-tiny", "--hardware", "h100", "--devices", "2", "--inference",
+                 "--prompt-len", "128", "--output-len", "16", "--ttft-slo", "0.5", "--tpot-slo", "0.01",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mesh"]["ep"] == 1 and data["predicted"]["tpot_s"] <= 0.01
+    assert any("ep is not searched" in note for note in data["solver"]["notes"])

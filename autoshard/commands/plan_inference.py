@@ -14,6 +14,8 @@ import time
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 
 PLOT_POINTS = 10
+EP_NOTE = ("ep is not searched: generate serves one replica with every expert whole on each tp rank (ep = 1); "
+           "a decode step reads the weights of the experts its tokens touch, E (1 - (1 - k/E)^batch) of E")
 
 
 def add_arguments(p) -> None:
@@ -97,6 +99,8 @@ def make_plan(spec, table, hw, args, *, tpot_slo: float | None = None, module=No
               "runner_up": None if runner is None else {
                   "mode": runner.mode, "shape": runner.shape, "ttft_s": runner.ttft_s, "tpot_s": runner.tpot_s,
                   "throughput_tokens_per_s": runner.throughput_tokens_per_s, "why": choice.why_runner_up_lost}}
+    if spec.is_moe:
+        solver["notes"] = [EP_NOTE]
     return InferencePlan(model=spec.name, fingerprint=fingerprint_spec(spec) if module is None else fingerprint_module(module),
                          hardware=hw.name, devices=args.devices, prompt_len=args.prompt_len,
                          output_len=args.output_len, ttft_slo_s=args.ttft_slo, tpot_slo_s=tpot_slo or args.tpot_slo,
@@ -133,7 +137,9 @@ def render(plan) -> None:
               f"plan={plan.replica_plan(plan.pools[-1].role)}) then dm.generate")
     if plan.disaggregated:
         con.print("note: autoshard's runtime runs each pool's generate; the KV hand-off between pools is priced, "
-                  "not run")
+                  "not run (deploy the disaggregated plan on a serving engine)")
+    for note in solver.get("notes", ()):
+        con.print(f"note: {note}")
 
 
 def _plot(spec, table, hw, args, module) -> list[tuple[float, float, float]]:

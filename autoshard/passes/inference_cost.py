@@ -37,6 +37,13 @@ alpha of the collective model dominates. The last stage gathers the logits of th
 position over tp (fp32) and broadcasts the next tokens over the pipeline; PP adds one p2p hop
 of (batch, 1, hidden) per stage boundary.
 
+Mixture of experts (Mixtral, Qwen2-MoE): the experts run whole on every tp rank (the sharding
+table's `expert` role; ep is not searched: generate runs one replica with ep = 1). A step's
+routed-expert GEMMs read the weights of the experts its tokens touch only: E (1 - (1 - k/E)^T)
+of the E experts for T = batch x tokens routed top-k (`active_experts`: ~ batch x k in decode at
+small batch, all E in a prefill); the router, attention and shared expert as any dense node.
+Memory holds every expert's weights.
+
 Memory per device (the busiest stage): weights (bf16, sharded by tp as training shards them,
 cost.block_params), the cache -- KV at P + O tokens per sequence (LLaMA) or the constant conv +
 SSM state (Mamba-2) of the stage's layers -- and the activations of the largest prefill: the
@@ -156,6 +163,7 @@ class InferenceTable:
     ct: CompiledTable
     core: dict  # BlockKind -> bool array: nodes decode prices by its own rule
     skip: dict  # BlockKind -> bool array: nodes inference does not run (the training loss)
+    expert: dict  # BlockKind -> bool array: nodes of the routed experts (read only the experts touched)
     attention_flops: Any  # lambdified (b, c) -> FLOPs of one decode step's attention, one layer (LLaMA)
 
     @property
@@ -166,13 +174,13 @@ class InferenceTable:
 def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) -> InferenceTable:
     if isinstance(table, InferenceTable):
         return table
-    if spec.is_moe:
-        raise InvalidConfigError(f"{spec.name} is a mixture-of-experts model: inference planning prices dense "
-                                 "LLaMA and Mamba-2 models only so far; plan a dense model")
     ct = compile_table(table, spec)
-    core, skip, attn = {}, {}, sympy.Integer(0)
+    core, skip, expert, attn = {}, {}, {}, sympy.Integer(0)
     for block in table.blocks:
         nodes = priced_nodes(block)  # the nodes compile_table keeps, in its order
+        roles = [sharding.role_of(spec, block.kind, n.module_path) for n in nodes]
+        expert[block.kind] = np.array([r is not None and r.strategy is sharding.Strategy.EXPERT for r in roles],
+                                      dtype=bool)
         is_core = [_in_core(n.module_path, spec) for n in nodes]
         if spec.family is Family.LLAMA:  # only the s x s attention runs differently in decode
             is_core = [c and _degree_in_s(n.flops) >= 2 for c, n in zip(is_core, nodes)]
@@ -181,7 +189,8 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
                            sympy.Integer(0))
         core[block.kind] = np.array(is_core, dtype=bool)
         skip[block.kind] = np.array([block.kind is BlockKind.HEAD and n.module_path == "" for n in nodes], dtype=bool)
-    return InferenceTable(ct=ct, core=core, skip=skip, attention_flops=sympy.lambdify((B, C), attn, "numpy"))
+    return InferenceTable(ct=ct, core=core, skip=skip, expert=expert,
+                          attention_flops=sympy.lambdify((B, C), attn, "numpy"))
 
 
 def _in_core(path: str, spec: ModelSpec) -> bool:
@@ -216,10 +225,40 @@ def _block_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, kind: BlockKi
     if not len(blk.fwd):
         return 0.0
     t = node_times(it.ct, hw, _layout(it.spec, tp, batch), kind, seq_len)
+    if it.expert[kind].any():  # the routed experts' GEMMs read only the experts the tokens touch
+        t = np.where(it.expert[kind], t * _expert_byte_fraction(it, kind, batch=batch, seq_len=seq_len), t)
     run = blk.fwd & ~it.skip[kind]
     if decode:
         run &= ~it.core[kind]
     return float(t[run].sum())
+
+
+def active_experts(experts: int, top_k: int, tokens: float) -> float:
+    """Expected number of distinct experts that `tokens` tokens route to, each to `top_k` of
+    `experts` (uniform routing, tokens independent). One token misses a given expert with
+    probability 1 - k/E (it picks k distinct experts of E), so B tokens all miss it with
+    probability (1 - k/E)^B and, by linearity of expectation over the E experts (the classical
+    occupancy problem, Feller, An Introduction to Probability Theory, vol. I, ch. II.5 and IV.2),
+    E[distinct] = E (1 - (1 - k/E)^B) <= min(E, B k): B k while B k << E (decode at small batch
+    reads B k experts), E once B k >> E (a prefill reads them all)."""
+    if experts <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - min(top_k, experts) / experts) ** tokens)
+
+
+def _expert_byte_fraction(it: InferenceTable, kind: BlockKind, *, batch: int, seq_len: int) -> np.ndarray:
+    """Per node: the share of its roofline time left when its expert weights are read only for the
+    experts touched (`active_experts` of batch x seq_len tokens). A node's bytes are its weights
+    (the b-free part) plus its activations; the time scales with the bytes, which is exact while
+    the node is memory-bound -- and a grouped GEMM is compute-bound only with hundreds of rows per
+    expert, where (1 - k/E)^B ~ 0 and every expert is touched (fraction 1)."""
+    spec, blk = it.spec, it.ct.block(kind)
+    frac = active_experts(spec.experts, spec.top_k, batch * seq_len) / max(spec.experts, 1)
+    total = blk.evaluate(batch, seq_len)[1]
+    weights = blk.evaluate(0, seq_len)[1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(total > 0, (total - weights + weights * frac) / total, 1.0)
+    return share
 
 
 def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,

@@ -19,6 +19,8 @@ Search (exhaustive; every number from `passes/inference_cost.py`):
   throughput = O * min(prefill requests/s, decode requests/s). Each pool's best batch per layout
   is found once (they do not depend on the split), then every split of the devices is priced.
   The runtime runs each pool's generate, not the hand-off between them: the plan says so.
+* mixture of experts: the same search (experts whole on every tp rank, priced by
+  inference_cost.py at the experts a step touches); ep is not searched, since generate runs ep = 1.
 * the runner-up is the best configuration of another shape (another layout, or the other mode),
   reported with the constraint that capped its batch.
 """

@@ -1,6 +1,7 @@
 """Inference cost model on hand-built tables whose numbers are checked by hand."""
 
 import dataclasses
+import itertools
 
 import pytest
 import sympy
@@ -138,5 +139,46 @@ def test_bad_input_is_refused():
         estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(), prompt_len=0, output_len=O)
     with pytest.raises(InvalidConfigError, match="batch"):
         ServeLayout(batch=0)
-    with pytest.raises(InvalidConfigError, match="mixture-of-experts"):
-        compile_inference_table(LLAMA_TABLE, get_spec("mixtral-tiny"))
+
+
+def test_active_experts_is_the_exact_expectation_of_distinct_experts():
+    """E (1 - (1 - k/E)^B) against enumerating every routing of B tokens to k of E experts."""
+    E, k = 4, 2
+    picks = list(itertools.combinations(range(E), k))
+    for tokens in (1, 2, 3):
+        routings = list(itertools.product(picks, repeat=tokens))
+        mean = sum(len(set().union(*r)) for r in routings) / len(routings)
+        assert ic.active_experts(E, k, tokens) == pytest.approx(mean)
+    assert all(ic.active_experts(8, 2, b) <= min(8, 2 * b) + 1e-12 for b in range(1, 40))
+    assert ic.active_experts(8, 2, 1) == 2 and ic.active_experts(8, 2, 10_000) == pytest.approx(8)
+
+
+MOE = get_spec("mixtral-tiny")  # 4 experts, top-2, expert MLP width 96, hidden 64
+W_EXPERTS = MOE.expert_params * 2  # bf16 bytes of one layer's routed experts
+
+
+def _moe_table():
+    t = B * S
+    layer = (node("norm", OpKind.VECTOR, "fwd", "model.layers.0.input_layernorm", 0, 4 * t * H),
+             # HF's grouped_mm experts: top-k rows, every expert's weights in its bytes
+             node("experts", OpKind.MATMUL, "fwd", "model.layers.0.mlp.experts", 2 * 3 * t * MOE.top_k * H * 96,
+                  W_EXPERTS + 2 * t * MOE.top_k * H, gemm=(4, t * MOE.top_k / 4, 96, H)))
+    base = toy_table("self_attn", 0, 0)
+    return CostTable(model="toy-moe", blocks=(base.blocks[0], BlockCost(name="layer", kind=BlockKind.LAYER,
+                     count=4, params=1000, nodes=layer), base.blocks[2]))
+
+
+def test_moe_decode_reads_only_the_experts_its_tokens_touch():
+    it = compile_inference_table(_moe_table(), MOE)
+    for batch in (1, 2, 64):
+        got = ic._block_seconds(it, HW, 1, BlockKind.LAYER, batch=batch, seq_len=1, decode=True)
+        touched = ic.active_experts(MOE.experts, MOE.top_k, batch) / MOE.experts  # 1/2 at batch 1
+        flops = 2 * 3 * batch * MOE.top_k * H * 96
+        expected = 4 * batch * H / 1e11 + max(flops / 1e12, (W_EXPERTS * touched + 2 * batch * MOE.top_k * H) / 1e11)
+        assert got == pytest.approx(expected)
+    prefill = ic._block_seconds(it, HW, 1, BlockKind.LAYER, batch=2, seq_len=P, decode=False)
+    assert prefill == pytest.approx(4 * 2 * P * H / 1e11 + max(2 * 3 * 2 * P * 2 * H * 96 / 1e12,
+                                                               (W_EXPERTS + 2 * 2 * P * 2 * H) / 1e11), rel=1e-6)
+    # tp keeps the experts whole on every rank: the expert time does not shrink with tp
+    assert ic._block_seconds(it, HW, 2, BlockKind.LAYER, batch=1, seq_len=1, decode=True) == pytest.approx(
+        ic._block_seconds(it, HW, 1, BlockKind.LAYER, batch=1, seq_len=1, decode=True))

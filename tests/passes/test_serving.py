@@ -1,14 +1,23 @@
 """Serving planner on hand-built tables: the best batch and layout by brute force, disaggregation,
 and the one-line error for targets nothing meets."""
 
+import dataclasses
+import itertools
+import random
+
 import pytest
 
+from autoshard.api import _resolve_plan
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 from autoshard.passes import inference_cost as ic
 from autoshard.passes import serving
 from autoshard.passes.inference_cost import ServeLayout, estimate_serving
 from autoshard.passes.serving import layouts, plan_serving
+from autoshard.ir import Mesh
+from autoshard.models.presets import Family, get_spec, spec_from_hf_config
+from autoshard.passes.layouts import check_plan, generate_violation
 from tests.passes.test_inference_cost import HW, LLAMA, LLAMA_TABLE, MAMBA, MAMBA_TABLE
+from tests.passes.test_plan_validity import random_spec
 
 P, O = 256, 32
 
@@ -88,3 +97,44 @@ def test_largest_batch_bisects_a_monotone_predicate():
     assert serving._largest_batch(lambda b: b <= 37) == 37
     assert serving._largest_batch(lambda b: False) == 0
     assert serving._largest_batch(lambda b: True, cap=100) == 100
+
+
+def _random_spec(rng: random.Random):
+    """A small user-built LLaMA, Mamba-2 (any n_groups: tp may keep them whole) or Mixtral."""
+    if rng.random() < 0.75:
+        return random_spec(rng)
+    from transformers import MixtralConfig
+
+    heads = rng.choice((2, 4, 8))
+    config = MixtralConfig(vocab_size=rng.choice((64, 96, 100)), hidden_size=heads * 4, intermediate_size=24,
+                           num_hidden_layers=rng.randint(1, 6), num_attention_heads=heads,
+                           num_key_value_heads=rng.choice([d for d in (1, 2, 4, 8) if heads % d == 0]),
+                           num_local_experts=rng.choice((2, 4, 8)), num_experts_per_tok=2)
+    return spec_from_hf_config(config, name="user-mixtral")
+
+
+def test_every_emitted_inference_plan_passes_generates_own_check():
+    """Property: random user-built models and device counts; the planner searches exactly the
+    layouts generate accepts, and every pool of the best and runner-up plans, made into the replica
+    plan parallelize takes, passes check_plan and generate's check (layouts.generate_violation)."""
+    rng = random.Random(15)
+    roomy = dataclasses.replace(HW, memory_bytes=1e15)
+    for _ in range(20):
+        spec, devices = _random_spec(rng), rng.randint(1, 12)
+        table = MAMBA_TABLE if spec.family is Family.MAMBA2 else LLAMA_TABLE  # the rules read the spec only
+        grid = set(layouts(spec, devices))
+        for tp, pp in itertools.product(range(1, devices + 1), repeat=2):
+            if devices % (tp * pp) == 0:
+                assert ((tp, pp) in grid) == (generate_violation(spec, Mesh(tp=tp, pp=pp)) is None), (spec, tp, pp)
+        choice = plan_serving(table, spec, roomy, devices=devices, prompt_len=P, output_len=O, ttft_slo_s=1e3,
+                              tpot_slo_s=1e3)
+        for cand in filter(None, (choice.best, choice.runner_up)):
+            for _, est in cand.pools:
+                lay = est.layout
+                plan = _resolve_plan({"tp": lay.tp, "pp": lay.pp}, spec=spec, world=lay.tp * lay.pp, seq_len=P,
+                                     global_batch=lay.batch, hardware="cpu")
+                check_plan(plan, spec, world_size=lay.tp * lay.pp)
+                assert generate_violation(spec, plan.mesh) is None, (spec, lay)
+    # what generate refuses: more than one replica, or context / expert parallelism
+    assert "dp=2" in generate_violation(LLAMA, Mesh(dp=2))
+    assert "ep=2" in generate_violation(get_spec("mixtral-tiny"), Mesh(ep=2))
