@@ -761,7 +761,7 @@ def pipeline_time(stage_times: Sequence[float], microbatches: int, *, schedule: 
     m * max(t) + f * (sum(t) - max(t)). 1F1B / GPipe f = 1: sum(t) + (m - 1) max(t), with equal
     stages (m + p - 1) t, the bubble (p - 1)/(m + p - 1) (arXiv 2104.04473); interleaved f = 1/v;
     zero-bubble (ZB-H1) f = 1/3."""
-    f = float(schedules.bubble_fraction(schedule, virtual_stages))
+    f = float(schedules.bubble_fraction(schedule, virtual_stages, microbatches=microbatches, pp=len(stage_times)))
     top = max(stage_times)
     return float(microbatches * top + f * (sum(stage_times) - top))
 

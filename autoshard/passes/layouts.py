@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Plan, check_stages
 from autoshard.models.presets import Family, ModelSpec
+from autoshard.passes.schedules import check_chunks
 from autoshard.passes.sharding import sequence_violation, tp_violation
 
 
@@ -241,6 +242,9 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None) ->
                          micro_batch=plan.micro_batch, zero=plan.zero, sequence_parallel=plan.sequence_parallel)
     if why:
         raise InvalidConfigError(why)
+    if mesh.pp > 1:  # the schedule's micro-batch rules (torch's pipelining schedules); chunks vs layers below
+        check_chunks(plan.schedule, plan.virtual_stages, pp=mesh.pp, layers=plan.chunks,
+                     microbatches=plan.global_batch // (mesh.dp * mesh.ep * plan.micro_batch))
     if plan.stages:
         check_stages(plan.stages, num_layers=spec.layers, pp=plan.chunks)
     elif plan.chunks > spec.layers:
@@ -264,9 +268,12 @@ def generate_violation(spec: ModelSpec, mesh: Mesh) -> str | None:
 
 RUNTIME_ZERO = (0, 1, 2, 3)  # the ZeRO levels the runtime runs (3: FSDP2, runtime/zero3.py)
 # the (pipeline schedule, virtual stages) pairs runtime/pipeline.py runs that the planner chooses
-# among (GPipe runs too but never beats 1F1B: the same bubble, all micro-batches in flight); add
-# ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zero-bubble", 1) as the runtime runs them
-RUNTIME_SCHEDULES = (("1f1b", 1),)
+# among: 1F1B; interleaved 1F1B with 2 or 4 model chunks per rank (ScheduleInterleaved1F1B);
+# zero-bubble with one chunk per rank (ScheduleInterleavedZeroBubble) or two in a V
+# (ScheduleZBVZeroBubble). GPipe runs too but never beats 1F1B (the same bubble, every micro-batch
+# in flight), so it is not searched; a plan may still ask for it.
+RUNTIME_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zero-bubble", 1),
+                     ("zero-bubble", 2))
 
 
 def sequence_parallel_violation(spec: ModelSpec, mesh: Mesh, seq_len: int) -> str | None:

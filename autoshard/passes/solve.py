@@ -269,11 +269,14 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
 def pipeline_schedules(spec, pp: int, microbatches: int, options=RUNTIME_SCHEDULES) -> list:
     """The (schedule, virtual_stages) pairs of `options` that a pipeline of `pp` stages with this
     many micro-batches can run (ir.check_schedule, schedules.check_chunks); pp = 1: 1F1B only
-    (nothing to schedule)."""
+    (nothing to schedule); with fewer micro-batches than stages 1F1B becomes GPipe, as the runtime
+    asks."""
     if pp == 1:
         return [(Schedule.ONE_F_ONE_B, 1)]
     out = []
     for sched, v in options:
+        if Schedule(sched) is Schedule.ONE_F_ONE_B and microbatches < pp:
+            sched = Schedule.GPIPE  # what runs with fewer micro-batches than stages (1F1B's bubble)
         try:
             check_schedule(Schedule(sched), v, pp=pp)
             check_chunks(sched, v, pp=pp, microbatches=microbatches, layers=spec.layers)
@@ -310,7 +313,7 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     if spec.tied and mesh.pp > 1:
         params += cost.block_params(ct, layout, cost.BlockKind.EMBED)  # the head's copy
     avg = params / mesh.pp  # the stage with the most parameters holds at least the average
-    f = float(bubble_fraction(layout.schedule, layout.virtual_stages))
+    f = float(bubble_fraction(layout.schedule, layout.virtual_stages, microbatches=m, pp=mesh.pp))
     step = f * work + (m - f) * max(work / mesh.pp, heaviest) + cost.optimizer_time(hw, avg, layout)
     peak = cost.state_bytes(avg, layout).total + cost.buffer_bytes(ct, layout, seq_len=seq_len)
     return Bounds(step_s=step, peak_bytes=peak)

@@ -172,7 +172,8 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
         a.flags.writeable = False
     return MeshProblem(layout=layout, layers=layers, microbatches=m, capacity_bytes=hw.memory_bytes,
                        recomputes=tuple(recomputes), time_s=arrays[0], mem_bytes=arrays[1], tail_s=arrays[2],
-                       bubble=float(schedules.bubble_fraction(layout.schedule, layout.virtual_stages)))
+                       bubble=float(schedules.bubble_fraction(layout.schedule, layout.virtual_stages,
+                                                                 microbatches=m, pp=mesh.pp)))
 
 
 def evaluate(problem: MeshProblem, a: Assignment) -> Evaluation:

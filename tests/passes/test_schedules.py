@@ -37,6 +37,10 @@ def test_micro_batches_in_flight():
 @pytest.mark.parametrize("kw, needle", [
     (dict(schedule="interleaved-1f1b", virtual_stages=8, pp=2, microbatches=4, layers=8), "exceeds"),
     (dict(schedule="zero-bubble", virtual_stages=1, pp=4, microbatches=2, layers=8), "at least"),
+    (dict(schedule="1f1b", virtual_stages=1, pp=4, microbatches=3, layers=8), "gpipe"),  # the runtime's rule
+    # torch runs the micro-batches in rounds of max(1, m // pp): 9 // 4 = 2 does not divide 9
+    (dict(schedule="interleaved-1f1b", virtual_stages=2, pp=4, microbatches=9, layers=8), "rounds of 2"),
+    (dict(schedule="zero-bubble", virtual_stages=1, pp=2, microbatches=5, layers=8), "rounds of 2"),
 ])
 def test_chunk_rules_are_clear_errors(kw, needle):
     schedule = kw.pop("schedule")
@@ -73,3 +77,27 @@ def test_estimate_prices_what_each_schedule_keeps_alive():
     assert first[3] == pytest.approx(first[0])
     assert gpipe.step_time_s == pytest.approx(one.step_time_s)
     assert zb.time.pp_bubble == pytest.approx(one.time.pp_bubble / 3)
+
+
+def test_the_runtime_accepts_what_check_chunks_accepts():
+    """ZB-V has no rounds rule; GPipe runs any count; m < pp prices the full path (f = 1)."""
+    schedules.check_chunks("zero-bubble", 2, pp=4, microbatches=9, layers=8)
+    schedules.check_chunks("gpipe", 1, pp=4, microbatches=1, layers=8)
+    schedules.check_chunks("interleaved-1f1b", 2, pp=4, microbatches=3, layers=8)  # one round
+    assert schedules.bubble_fraction("interleaved-1f1b", 2, microbatches=3, pp=4) == 1
+    assert pipeline_time([1.0] * 4, 1, schedule="interleaved-1f1b", virtual_stages=4) == pytest.approx(4.0)
+
+
+def test_the_validator_refuses_what_torch_would_refuse():
+    from autoshard.ir import Mesh, Plan
+    from autoshard.models.presets import get_spec
+    from autoshard.passes.layouts import check_plan
+
+    spec = get_spec("llama-tiny")
+    plan = Plan(model=spec.name, fingerprint="", hardware="cpu", devices=2, global_batch=1, seq_len=16,
+                mesh=Mesh(pp=2))
+    with pytest.raises(InvalidConfigError, match="gpipe"):
+        check_plan(plan, spec)
+    from dataclasses import replace
+
+    check_plan(replace(plan, schedule="gpipe"), spec)

@@ -30,6 +30,9 @@ WORLD2 = (
     ("mamba2-tiny", dict(pp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2), False),
     ("llama-tiny", dict(pp=2, micro_batch=2, schedule="zero-bubble", virtual_stages=2), False),
     ("mamba2-tiny", dict(pp=2, micro_batch=2, schedule="zero-bubble", virtual_stages=2), True),
+    # zero-bubble with one chunk per rank (ZB-H1); interleaved with selective recompute (the planner searches both)
+    ("llama-tiny", dict(pp=2, micro_batch=2, schedule="zero-bubble", virtual_stages=1), False),
+    ("llama-tiny", dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2, recompute="selective"), False),
     # bf16-mixed (fp32 masters and gradients) against the single-process bf16-mixed run, every parallel form
     *((preset, dict(plan, precision="bf16-mixed"), False) for preset, plan in (
         ("llama-tiny", dict(dp=2, zero=1)), ("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2, micro_batch=2)),
@@ -52,6 +55,10 @@ WORLD4 = (
     ("llama-tiny", dict(dp=2, cp=2, zero=2, micro_batch=2), False),  # shards over dp x cp
     ("llama-tiny", dict(pp=2, tp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2), True),
     ("mamba2-tiny", dict(pp=2, tp=2, micro_batch=2, schedule="interleaved-1f1b", virtual_stages=2), False),
+    # the schedules the planner searches, with dp, ZeRO-1, recompute and cp
+    ("llama-tiny", dict(dp=2, pp=2, zero=1, schedule="interleaved-1f1b", virtual_stages=2), False),
+    ("mamba2-tiny", dict(dp=2, pp=2, zero=1, schedule="zero-bubble", virtual_stages=2, recompute="full"), False),
+    ("llama-tiny", dict(pp=2, cp=2, schedule="zero-bubble", virtual_stages=1), False),
     ("mamba2-tiny", dict(tp=4), False),  # 2 groups at tp 4: groups whole, the norm synced
     (ONE_GROUP, dict(dp=2, tp=2), False),
     ("llama-tiny", dict(dp=4, zero=3), False),  # ZeRO-3: FSDP2 over dp
