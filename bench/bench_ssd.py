@@ -20,30 +20,12 @@ import copy
 import statistics
 import time
 
-import sympy
 import torch
 
-from autoshard.ir import B, S
 from autoshard.models.presets import Family, ModelSpec, build_model
 from autoshard.passes.shapes import build_cost_table
+from autoshard.runtime.measure import saved_activation_bytes
 from autoshard.runtime.ssd import install_ssd_mixers
-
-
-def saved_bytes(model, ids) -> int:
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {ids.untyped_storage().data_ptr()}
-    storages = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, labels=ids).loss
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    return sum(storages.values())
 
 
 def step_time(model, ids, repeat: int) -> float:
@@ -58,9 +40,7 @@ def step_time(model, ids, repeat: int) -> float:
 
 
 def priced(spec, seq, batch, kernels) -> float:
-    table = build_cost_table(spec, dtype=torch.float32, kernels=kernels)
-    return sum(float(sympy.sympify(n.saved_bytes).subs({B: batch, S: seq})) * blk.count
-               for blk in table.blocks for n in blk.nodes)
+    return build_cost_table(spec, dtype=torch.float32, kernels=kernels).saved_bytes(batch, seq)
 
 
 def main() -> None:
@@ -79,7 +59,7 @@ def main() -> None:
     install_ssd_mixers(ours)
     ids = torch.randint(0, spec.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     t_hf, t_ours = step_time(hf, ids, args.repeat), step_time(ours, ids, args.repeat)
-    m_hf, m_ours = saved_bytes(hf, ids), saved_bytes(ours, ids)
+    m_hf, m_ours = saved_activation_bytes(hf, ids), saved_activation_bytes(ours, ids)
     p_hf, p_ours = priced(spec, args.seq, args.batch, ()), priced(spec, args.seq, args.batch, None)
     print(f"{spec.name}: hidden {spec.hidden}, {spec.layers} layers, {spec.heads} heads x {spec.head_dim}, "
           f"state {spec.state}, chunk {spec.chunk}, batch {args.batch} x seq {args.seq}, fp32, "

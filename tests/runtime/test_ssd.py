@@ -7,12 +7,11 @@ import copy
 import dataclasses
 
 import pytest
-import sympy
 import torch
 
-from autoshard.ir import B, S
 from autoshard.models.presets import Family, ModelSpec, build_model, get_spec
 from autoshard.passes.shapes import build_cost_table
+from autoshard.runtime.measure import saved_activation_bytes
 from autoshard.runtime.ssd import install_ssd_mixers, ssd_scan
 from tests.runtime.equivalence import TOL
 
@@ -65,24 +64,6 @@ def test_mixers_train_exactly_like_hf():
         torch.testing.assert_close(b, a, **TOL, msg=lambda m: f"weight {name}: {m}")
 
 
-def saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves in the forward of one training step
-    (what stays alive until backward; the backward's own recomputation is transient)."""
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {ids.untyped_storage().data_ptr()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, labels=ids).loss
-    loss.backward()  # runs: the saved tensors were enough
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("spec,seq", [(get_spec("mamba2-tiny"), 64), (MID, 256)], ids=["tiny", "mid"])
 def test_saved_bytes_equal_the_cost_model(spec, seq):
     """The runtime's saved tensors (hooks on a bf16 training step) vs the table the cost model prices:
@@ -90,10 +71,9 @@ def test_saved_bytes_equal_the_cost_model(spec, seq):
     model = build_model(spec, seed=0, dtype=torch.bfloat16)
     install_ssd_mixers(model)
     ids = torch.randint(0, spec.vocab, (1, seq), generator=torch.Generator().manual_seed(0))
-    measured = saved_bytes(model, ids)
+    measured = saved_activation_bytes(model, ids)
     table = build_cost_table(spec)
-    priced = sum(float(sympy.sympify(n.saved_bytes).subs({B: 1, S: seq})) * blk.count
-                 for blk in table.blocks for n in blk.nodes)
+    priced = table.saved_bytes(1, seq)
     assert priced == pytest.approx(measured, rel=0.05)
     assert any(n.target == "autoshard.ssd_chunk_scan" for blk in table.blocks for n in blk.nodes)
 
