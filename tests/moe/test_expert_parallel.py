@@ -34,6 +34,9 @@ WORLD2 = (
     ("mixtral-tiny", dict(ep=2, micro_batch=4), aux_loss, False),  # aux: one micro-batch per rank (exact)
     ("mixtral-tiny", dict(ep=2), skewed, False),
     ("qwen2-moe-tiny", dict(ep=2, zero=1), None, False),
+    # bf16-mixed (bf16 weights, fp32 main grads and masters) against the single-process bf16-mixed recipe
+    ("mixtral-tiny", dict(ep=2, precision="bf16-mixed"), None, False),
+    ("qwen2-moe-tiny", dict(ep=2, zero=1, precision="bf16-mixed"), None, False),
 )
 WORLD4 = (
     ("mixtral-tiny", dict(ep=4), None, False),
