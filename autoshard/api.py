@@ -68,7 +68,7 @@ log = logging.getLogger("autoshard")
 
 PLAN_HINT = "give every rank the same plan, model and settings of autoshard.parallelize"
 PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "precision", "schedule", "virtual_stages",
-             "sequence_parallel")
+             "sequence_parallel", "strategies")
 
 
 def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping | str | Path | None = None,
@@ -150,7 +150,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                                 options=PipelineOptions(schedule=plan.schedule, micro_batch=plan.micro_batch,
                                                         virtual_stages=plan.virtual_stages,
                                                         precision=plan.precision.resolve(device.type)),
-                                tp_group=groups.tp if plan.mesh.tp > 1 else None, cp=cp)
+                                tp_group=groups.tp if plan.mesh.tp > 1 and program.vocab_head else None, cp=cp)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp,
                       expert_names=experts, fingerprint=fingerprint, full_shapes=full_shapes)
     return DistributedModel(setup, optimizer=optimizer)
@@ -308,7 +308,7 @@ def _resolve_plan(plan: Any, *, spec, world: int, seq_len: int, global_batch: in
         if not isinstance(value, int) or isinstance(value, bool):
             raise InvalidConfigError(f"plan key {key!r} must be an integer, got {value!r}")
     options = {key: plan[key] for key in ("precision", "schedule", "virtual_stages", "offload_optimizer",
-                                          "sequence_parallel")
+                                          "sequence_parallel", "strategies")
                if plan.get(key) is not None}
     return Plan(model=spec.name, fingerprint="", hardware=hardware, devices=world, global_batch=global_batch,
                 seq_len=seq_len, mesh=mesh, micro_batch=plan.get("micro_batch", 1), zero=plan.get("zero", 0),

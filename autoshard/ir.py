@@ -253,6 +253,25 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def strategy_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    """A plan's intra-op choices as sorted (choice, option) pairs, from a mapping or pairs; an
+    InvalidConfigError names a malformed entry (which choices a model has: passes/sharding.py)."""
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise InvalidConfigError(f"strategies must be a mapping {{choice: option}}, e.g. {{'head': 'replicate'}}; "
+                                 f"got {value!r}") from None
+    for k, v in pairs:
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidConfigError(f"strategies must map choice names to option names (strings); got {k!r}: {v!r}")
+    if len({k for k, _ in pairs}) != len(pairs):
+        raise InvalidConfigError(f"strategies names a choice twice: {pairs}")
+    return tuple(sorted(pairs))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """A parallel layout for one model on one cluster, and what it is predicted to cost.
@@ -277,6 +296,9 @@ class Plan:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved / zero-bubble schedules)
     sequence_parallel: bool = False  # Megatron SP: norms / residual on a tp shard of the sequence (needs tp > 1)
+    # intra-op choices {choice: option} (passes/sharding.py CHOICES, e.g. ("head", "replicate")); absent: the
+    # table's default (Megatron's layout); checked against the model's table by passes/layouts.py check_plan
+    strategies: tuple[tuple[str, str], ...] = ()
     stages: tuple[Stage, ...] = ()  # pp * virtual_stages chunks in model order (none: an even split)
     placements: tuple[tuple[str, str], ...] = ()
     predicted: Mapping[str, Any] = field(default_factory=dict)
@@ -304,6 +326,7 @@ class Plan:
         object.__setattr__(self, "recompute", _enum_field(Recompute, self.recompute, "recompute"))
         object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
         object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
+        object.__setattr__(self, "strategies", strategy_pairs(self.strategies))
         check_schedule(self.schedule, self.virtual_stages, pp=self.mesh.pp)
         if self.stages and len(self.stages) != self.mesh.pp * self.virtual_stages:
             raise InvalidConfigError(
@@ -337,6 +360,7 @@ class Plan:
             "schedule": self.schedule.value,
             "virtual_stages": self.virtual_stages,
             "sequence_parallel": self.sequence_parallel,
+            "strategies": dict(self.strategies),
             "stages": [
                 {**dataclasses.asdict(st), "recompute": st.recompute.value} for st in self.stages
             ],
@@ -433,6 +457,7 @@ def _plan_from_json(data: Any, *, source: str) -> Plan:
             precision=data.get("precision", Precision.AUTO.value), schedule=data.get("schedule", "1f1b"),
             virtual_stages=data.get("virtual_stages", 1),
             sequence_parallel=data.get("sequence_parallel", False),  # absent in older files: off
+            strategies=data.get("strategies", {}),  # absent in older files: the table's default layout
             placements=tuple((str(k), v) for k, v in placements.items()),
             predicted=data.get("predicted", {}), solver=data.get("solver", {}), schema_version=SCHEMA_VERSION,
         )

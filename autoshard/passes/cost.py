@@ -91,6 +91,9 @@ class Layout:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b, zero-bubble V)
     offload: bool = False  # ZeRO-3 shards and optimizer state in host memory (plan key offload_optimizer)
     sequence_parallel: bool = False  # norms / residual on a tp shard of the sequence (passes/sequence_cost.py)
+    # intra-op choices as (choice, option) pairs that differ from the table's default (Plan.strategies,
+    # passes/sharding.py CHOICES): what the sharding table splits, hence every TP divisor and collective
+    strategies: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
@@ -355,10 +358,12 @@ def _cp_dim(node) -> int:
 # Component functions
 
 
-def _tp_divisor(blk: CompiledBlock, spec: ModelSpec, tp: int, sequence_parallel: bool = False) -> np.ndarray:
-    """Per node: what TP divides its work and saved bytes by, its role's parts (sharding table);
-    under sequence parallelism tp for the ops on a sequence shard (passes/sequence_cost.py)."""
-    parts = np.array([1.0, *(sharding.role_divisor(spec, r, tp) for r in sharding.table(spec))])
+def _tp_divisor(blk: CompiledBlock, spec: ModelSpec, tp: int, sequence_parallel: bool = False,
+                strategies=()) -> np.ndarray:
+    """Per node: what TP divides its work and saved bytes by, its role's parts (the sharding table with
+    the layout's intra-op choices: a replicated LM head divides nothing); under sequence parallelism tp
+    for the ops on a sequence shard (passes/sequence_cost.py)."""
+    parts = np.array([1.0, *(sharding.role_divisor(spec, r, tp) for r in sharding.table(spec, strategies))])
     if sequence_parallel and tp > 1:
         parts = sequence_cost.sequence_divisors(parts, spec, blk.kind, tp)
     return parts[blk.role + 1]
@@ -399,7 +404,7 @@ def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
         return np.zeros(0)
     vals = blk.evaluate(layout.micro_batch, seq_len)
     tp, cp = layout.mesh.tp, layout.mesh.cp
-    div = _tp_divisor(blk, ct.spec, tp, layout.sequence_parallel)
+    div = _tp_divisor(blk, ct.spec, tp, layout.sequence_parallel, layout.strategies)
     flops = vals[0] / div / cp * np.where(blk.quadratic, cp_attention_overwork(ct.spec, cp), 1.0)
     byte_scale, _ = _fused_scales(ct, hw, layout, kind, seq_len)
     nbytes = vals[1] * byte_scale / div / cp
@@ -450,6 +455,8 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
         n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
         sync = _group_sync(ct, hw, layout, seq_len)
         return n * ar + sync, n * ar + sync
+    if not sharding.modules(ct.spec, sharding.Strategy.VOCAB, kind, layout.strategies):
+        return 0.0, 0.0  # replicated embedding / LM head and loss (the plan's choice): no collective
     if kind is BlockKind.EMBED:
         return ar, 0.0  # vocab-parallel lookup: partial sums all-reduced in forward
     small = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * 3 * 4, size=tp, stride=1)
@@ -457,10 +464,11 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
 
 
 def _group_sync(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: int) -> float:
-    """Mamba-2 with its groups kept whole (tp does not divide them): the gated norm's fp32 per-group
-    sums of squares added over tp, once forward and once backward (runtime/ssd.py); else 0."""
+    """Mamba-2 with its groups kept whole (tp does not divide them, or the plan chose "groups": "whole"):
+    the gated norm's fp32 per-group sums of squares added over tp, once forward and once backward
+    (runtime/ssd.py); else 0."""
     spec, tp = ct.spec, layout.mesh.tp
-    if spec.family is not Family.MAMBA2 or not spec.groups % tp:
+    if not sharding.groups_whole(spec, tp, layout.strategies):
         return 0.0
     return best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * spec.groups * 4, size=tp, stride=1)
 
@@ -487,7 +495,8 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     # head, and its last d_conv - 1 pre-conv tokens (both all-gathered; backward reduce-scatters)
     heads_local = spec.heads / tp
     state = b * heads_local * (spec.head_dim * spec.state + 1) * 4.0
-    conv_dim = (spec.intermediate + 2 * spec.groups * spec.state) / tp
+    groups_local = spec.groups / (1 if sharding.groups_whole(spec, tp, layout.strategies) else tp)
+    conv_dim = spec.intermediate / tp + 2 * groups_local * spec.state
     halo = b * (spec.conv - 1) * conv_dim * layout.numbers.act_bytes
     fwd, bwd = (sum(best_time(hw, op, nbytes * cp, size=cp, stride=tp) for nbytes in (state, halo))
                 for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER))
@@ -573,7 +582,7 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
         scale = _fused_scales(ct, hw, layout, kind, seq_len)[1]
     else:
         scale = layout.numbers.traced_scale
-    saved = vals[2] * scale / _tp_divisor(blk, spec, mesh.tp, layout.sequence_parallel) / mesh.cp
+    saved = vals[2] * scale / _tp_divisor(blk, spec, mesh.tp, layout.sequence_parallel, layout.strategies) / mesh.cp
     keep = blk.fwd.copy()
     if kind is BlockKind.LAYER and layout.recompute is Recompute.SELECTIVE:
         keep &= ~blk.rerun  # the checkpoint keeps the module's input: the norm's output, kept anyway
@@ -589,7 +598,7 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
 def block_params(ct: CompiledTable, layout: Layout, kind: BlockKind) -> float:
     """Parameters of one instance of block `kind` held by one device (TP-sharded as the sharding
     table says, before ZeRO)."""
-    return sharding.params_per_rank(ct.spec, kind, ct.block(kind).params, layout.mesh.tp)
+    return sharding.params_per_rank(ct.spec, kind, ct.block(kind).params, layout.mesh.tp, layout.strategies)
 
 
 def _dp_group(layout: Layout) -> int:
@@ -751,7 +760,8 @@ def logits_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int, hw: DeviceP
     cross-entropy (`hw` lists "cross_entropy": Megatron's fused vocab-parallel CE writes the
     gradient in place of the softmax it keeps) only the bf16 logits the LM head writes."""
     per_value = 2.0 if hw is not None and hw.fuses("cross_entropy") else 4.0 * 2
-    return _tokens(layout, seq_len) * ct.spec.vocab / layout.mesh.tp * per_value
+    vocab_parallel = bool(sharding.modules(ct.spec, sharding.Strategy.VOCAB, BlockKind.HEAD, layout.strategies))
+    return _tokens(layout, seq_len) * ct.spec.vocab / (layout.mesh.tp if vocab_parallel else 1) * per_value
 
 
 def pipeline_time(stage_times: Sequence[float], microbatches: int, *, schedule: str = "1f1b",
@@ -877,7 +887,7 @@ def _check(spec: ModelSpec, layout: Layout, global_batch: int, seq_len: int) -> 
     """The plan validator's rules (passes/layouts.py), ZeRO-3 included: the cost model prices it."""
     why = plan_violation(spec, layout.mesh, global_batch=global_batch, seq_len=seq_len,
                          micro_batch=layout.micro_batch, zero=layout.zero, zeros=(0, 1, 2, 3),
-                         sequence_parallel=layout.sequence_parallel)
+                         sequence_parallel=layout.sequence_parallel, strategies=layout.strategies)
     if why:
         raise InvalidConfigError(why)
     mesh = layout.mesh

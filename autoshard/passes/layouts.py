@@ -33,6 +33,9 @@ Rules (the runtime's, see DESIGN.md):
         Mamba-2: cp divides the sequence, and each rank keeps at least conv_kernel - 1 tokens.
   SP    `sequence_parallel` (Megatron's sequence parallelism) needs tp > 1, and tp divides each cp
         rank's seq_len / cp tokens (`sequence_parallel_violation`); dense LLaMA and Mamba-2 only.
+  strategies  the plan's intra-op choices are ones the family's table offers at its tp
+        (`sharding.choice_violation`: vocab-parallel or replicated embedding / head, Mamba-2 groups
+        split or whole where tp divides them; a tied model's embedding and head alike).
   ZeRO  0-3; levels 2 and 3 need pp = 1 (`zero_violation`): they reduce gradients after every
         micro-batch, which a pipeline schedule's accumulation does not allow (DeepSpeed's rule too).
         The runtime runs every level (`RUNTIME_ZERO`, what the planner searches): 1-2 in
@@ -49,7 +52,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Plan, check_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.schedules import check_chunks
-from autoshard.passes.sharding import sequence_violation, tp_violation
+from autoshard.passes.sharding import choice_violation, sequence_violation, tp_violation
 
 
 def prime_factors(n: int) -> dict[int, int]:
@@ -205,10 +208,12 @@ _RULE_ORDER = ("ep", "tp", "pp", "dp", "cp")  # the order plan_violation reports
 
 
 def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: int, micro_batch: int = 1,
-                   zero: int = 0, zeros: tuple[int, ...] = (), sequence_parallel: bool = False) -> str | None:
+                   zero: int = 0, zeros: tuple[int, ...] = (), sequence_parallel: bool = False,
+                   strategies=()) -> str | None:
     """The first rule (module docstring) that this plan breaks for `spec`, worded for the user
     (what was found, what to do), or None. `zeros`: the ZeRO levels allowed (default
-    `RUNTIME_ZERO`; the cost model prices 0-3)."""
+    `RUNTIME_ZERO`; the cost model prices 0-3); `strategies`: the plan's intra-op choices
+    (`sharding.choice_violation`: each a choice the table offers at this tp)."""
     for name, value in (("global batch", global_batch), ("sequence length", seq_len), ("micro_batch", micro_batch)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             return f"{name} must be a positive integer, got {value!r}"
@@ -221,7 +226,8 @@ def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: i
     if mesh.ep > 1 and global_batch % per_step:  # the ep peers take their own rows too
         return (f"global batch {global_batch} is not divisible by dp ({mesh.dp}) x ep ({mesh.ep}) x micro_batch "
                 f"({micro_batch}) = {per_step}; pick a global batch that is a multiple of {per_step}")
-    why = zero_violation(mesh, zero) or (sequence_parallel_violation(spec, mesh, seq_len) if sequence_parallel else None)
+    why = (zero_violation(mesh, zero) or (sequence_parallel_violation(spec, mesh, seq_len) if sequence_parallel else None)
+           or (choice_violation(spec, mesh.tp, strategies, sequence_parallel=sequence_parallel) if strategies else None))
     if why:
         return why
     if zero not in (zeros or RUNTIME_ZERO):
@@ -239,7 +245,8 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None) ->
         raise InvalidConfigError(f"the plan's mesh {mesh.as_dict()} multiplies to {mesh.size}, but the world size "
                                  f"is {world_size}; choose dp*pp*tp*cp*ep = {world_size}")
     why = plan_violation(spec, mesh, global_batch=plan.global_batch, seq_len=plan.seq_len,
-                         micro_batch=plan.micro_batch, zero=plan.zero, sequence_parallel=plan.sequence_parallel)
+                         micro_batch=plan.micro_batch, zero=plan.zero, sequence_parallel=plan.sequence_parallel,
+                         strategies=plan.strategies)
     if why:
         raise InvalidConfigError(why)
     if mesh.pp > 1:  # the schedule's micro-batch rules (torch's pipelining schedules); chunks vs layers below

@@ -43,9 +43,10 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
     why = sharding.tp_violation(spec, tp)
     if why:
         raise InvalidConfigError(why)
+    chosen = sharding.canonical(spec, tp, plan.strategies)  # the plan's intra-op choices (checked by check_plan)
     placements, partial = [], []
     for name in params:
-        placement = _placement(spec, name, tp, tp_rank) if tp > 1 else Replicate()
+        placement = _placement(spec, name, tp, tp_rank, chosen) if tp > 1 else Replicate()
         if isinstance(placement, Shard) and (placement.parts < tp or any(placement.whole)):
             partial.append(name)
         placements.append((name, placement))
@@ -53,15 +54,15 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
     return ShardProgram(
         tp=tp, tp_rank=tp_rank, placements=tuple(placements), partial_grads=tuple(partial),
         checkpoint=_checkpointed(spec, layers, layer_recompute(plan, spec)),
-        **(_tp_modules(spec, layers, tp, tp_rank) if tp > 1 else {}),
+        **(_tp_modules(spec, layers, tp, tp_rank, chosen) if tp > 1 else {}),
     )
 
 
-def _placement(spec: ModelSpec, name: str, tp: int, tp_rank: int) -> Placement:
+def _placement(spec: ModelSpec, name: str, tp: int, tp_rank: int, strategies=()) -> Placement:
     """Parameter `name`'s placement: its module's role splits it (row-parallel: dim 1, else dim 0)
     into the role's parts, this rank keeping part tp_rank * parts // tp of every piece."""
     module, _, attr = name.rpartition(".")
-    role = sharding.role_at(spec, module)
+    role = sharding.role_at(spec, module, strategies)
     if role is None or attr not in role.params or role.strategy in (Strategy.REPLICATE, Strategy.EXPERT):
         return Replicate()  # (experts: whole on every tp rank, split over ep by runtime/expert_parallel.py)
     parts = sharding.role_parts(spec, role, tp)
@@ -70,9 +71,11 @@ def _placement(spec: ModelSpec, name: str, tp: int, tp_rank: int) -> Placement:
                  segments=tuple(sharding.size(spec, p.length) for p in role.pieces), whole=whole if any(whole) else ())
 
 
-def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int) -> dict:
-    embed = sharding.modules(spec, Strategy.VOCAB, BlockKind.EMBED)
-    head = sharding.modules(spec, Strategy.VOCAB, BlockKind.HEAD)
+def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strategies=()) -> dict:
+    # a replicated embedding / LM head (the plan's "embedding" / "head" choice) is no VOCAB module: it stays
+    # the plain HF module, and the loss runs on full logits (ShardProgram.vocab_head is None)
+    embed = sharding.modules(spec, Strategy.VOCAB, BlockKind.EMBED, strategies)
+    head = sharding.modules(spec, Strategy.VOCAB, BlockKind.HEAD, strategies)
     common = dict(regions=sharding.modules(spec, Strategy.REGION), rowwise=sharding.modules(spec, Strategy.ROWWISE),
                   vocab_embed=embed[0] if embed else None, vocab_head=head[0] if head else None)
     if spec.family is Family.LLAMA:
@@ -80,7 +83,8 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int) -> di
         if spec.kv_heads < tp:  # one KV head per rank serves heads/tp query heads
             attrs = tuple((f"{p}.self_attn", "num_key_value_groups", spec.heads // tp) for p in layers)
         return dict(common, attrs=attrs)
-    split_groups = spec.groups % tp == 0  # else every rank keeps all groups (B, C whole) and its heads' own
+    split_groups = not sharding.groups_whole(spec, tp, strategies)  # else every rank keeps all groups (B, C
+    # whole) and its heads' own: where tp does not divide n_groups, or the plan chose "groups": "whole"
     heads, groups, inner = spec.heads // tp, spec.groups // tp if split_groups else spec.groups, spec.intermediate // tp
     conv_dim = inner + 2 * groups * spec.state
     sizes = (("num_heads", heads), ("n_groups", groups), ("intermediate_size", inner), ("conv_dim", conv_dim))

@@ -47,8 +47,10 @@ mixer (in_proj by heads and groups, conv1d by channel, gated norm by group, out_
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from autoshard.ir import BlockKind
@@ -82,6 +84,7 @@ class Piece:
     count: str
     share: bool = False
     whole: bool = False
+    kept: bool = False  # a `whole` piece kept whole at every tp (the plan chose "groups": "whole")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,8 +193,106 @@ BASES: dict[Family, str] = {Family.LLAMA: "model", Family.MAMBA2: "backbone"}
 SELECTIVE: dict[Family, str] = {Family.LLAMA: "self_attn", Family.MAMBA2: "mixer"}
 
 
-def table(spec: ModelSpec) -> tuple[Role, ...]:
-    return MOE_TABLES[spec.moe] if spec.is_moe else TABLES[spec.family]
+def table(spec: ModelSpec, strategies: tuple[tuple[str, str], ...] = ()) -> tuple[Role, ...]:
+    """The family's table, with the plan's intra-op choices (`strategies`, see CHOICES) applied."""
+    base = MOE_TABLES[spec.moe] if spec.is_moe else TABLES[spec.family]
+    return _chosen(base, tuple(strategies)) if strategies else base
+
+
+# -- intra-op choices: alternatives the runtime runs, decided per plan by the planner -----------------
+# {choice: options}, the first option the default (Megatron's layout). A plan asks for the others with
+# `Plan.strategies` ({"head": "replicate"}); `choice_violation` (called by passes/layouts.py) checks it.
+#   embedding  the EMBED block's VOCAB roles: vocab-parallel (rows split over tp, partial sums all-reduced
+#              in forward) or replicated (the whole table on every rank, no collective; its gradient is the
+#              full one on every rank, as for the RMSNorms)
+#   head       the HEAD block's VOCAB roles, LM head and loss together: vocab-parallel logits and
+#              cross-entropy (runtime/loss.py), or the whole LM head on every rank and the plain loss on
+#              full logits (no collective; logits, their FLOPs and memory not divided by tp)
+#   groups     Mamba-2's B/C pieces (`whole` pieces) when tp divides n_groups: split by group, or kept whole
+#              on every rank as when tp does not divide them (the gated norm's sums synced over tp)
+# A tied model (one weight for embedding and LM head) takes the same option for embedding and head.
+CHOICES: dict[str, tuple[str, ...]] = {"embedding": ("vocab", "replicate"), "head": ("vocab", "replicate"),
+                                       "groups": ("split", "whole")}
+
+
+def choices(spec: ModelSpec, tp: int) -> dict[str, tuple[str, ...]]:
+    """The intra-op choices `spec` has at `tp`: none at tp = 1; embedding and head where the table has
+    VOCAB roles; groups where it has `whole` pieces and tp divides every one of their counts."""
+    if tp == 1:
+        return {}
+    roles = table(spec)
+    out = {}
+    for name, kind in (("embedding", BlockKind.EMBED), ("head", BlockKind.HEAD)):
+        if any(r.block is kind and r.strategy is Strategy.VOCAB for r in roles):
+            out[name] = CHOICES[name]
+    whole = [p for r in roles for p in r.pieces if p.whole]
+    if whole and all(size(spec, p.count) % tp == 0 for p in whole):
+        out["groups"] = CHOICES["groups"]
+    return out
+
+
+def choice_violation(spec: ModelSpec, tp: int, strategies, *, sequence_parallel: bool = False) -> str | None:
+    """Why the plan's `strategies` ({choice: option} pairs) cannot run `spec` at `tp`, or None. Under
+    sequence parallelism the embedding and head stay vocab-parallel (the runtime's reduce-scatter /
+    all-gather to and from the sequence shard sits in them)."""
+    have = choices(spec, tp)
+    given = dict(strategies)
+    for name, option in given.items():
+        if name not in have:
+            known = ", ".join(f"{k} ({' / '.join(v)})" for k, v in have.items()) or "none (tp = 1)"
+            return (f"strategies: {name!r} is not an intra-op choice of {spec.name} at tp={tp}; its choices: "
+                    f"{known}; drop {name!r} from strategies")
+        if option not in have[name]:
+            return (f"strategies: {name}={option!r} is not an option; use one of "
+                    f"{', '.join(repr(o) for o in have[name])}")
+    pick = {k: given.get(k, v[0]) for k, v in have.items()}
+    replicated = [k for k in ("embedding", "head") if pick.get(k) == "replicate"]
+    if sequence_parallel and replicated:
+        return (f"strategies: {replicated[0]}='replicate' with sequence_parallel: the runtime enters and leaves the "
+                f"sequence shard in the vocab-parallel embedding and head; drop {replicated[0]!r} from strategies "
+                "or set sequence_parallel to false")
+    if spec.tied and "embedding" in pick and pick["embedding"] != pick.get("head"):
+        return (f"strategies: {spec.name} ties its embedding and LM head (one weight), so embedding "
+                f"({pick['embedding']}) and head ({pick['head']}) must take the same option")
+    return None
+
+
+def strategy_options(spec: ModelSpec, tp: int, *, sequence_parallel: bool = False
+                     ) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """Every valid combination of the choices at `tp` (`choice_violation` passes), each as the sorted
+    (choice, option) pairs that differ from the default (the default layout: ())."""
+    have = choices(spec, tp)
+    out = []
+    for combo in itertools.product(*have.values()):
+        pairs = tuple(sorted((k, o) for (k, v), o in zip(have.items(), combo) if o != v[0]))
+        if choice_violation(spec, tp, pairs, sequence_parallel=sequence_parallel) is None:
+            out.append(pairs)
+    return tuple(out) or ((),)
+
+
+def canonical(spec: ModelSpec, tp: int, strategies) -> tuple[tuple[str, str], ...]:
+    """`strategies` without the entries that name a default option (what `table` and the cost model key on)."""
+    have = choices(spec, tp)
+    return tuple(sorted((k, o) for k, o in dict(strategies).items() if k not in have or o != have[k][0]))
+
+
+@functools.lru_cache(maxsize=256)
+def _chosen(base: tuple[Role, ...], strategies: tuple[tuple[str, str], ...]) -> tuple[Role, ...]:
+    pick = dict(strategies)
+    replicated = {BlockKind.EMBED: pick.get("embedding") == "replicate", BlockKind.HEAD: pick.get("head") == "replicate"}
+    out = []
+    for role in base:
+        if role.strategy is Strategy.VOCAB and replicated.get(role.block, False):
+            role = replace(role, strategy=Strategy.REPLICATE)
+        if pick.get("groups") == "whole" and any(p.whole for p in role.pieces):
+            role = replace(role, pieces=tuple(replace(p, kept=True) if p.whole else p for p in role.pieces))
+        out.append(role)
+    return tuple(out)
+
+
+def groups_whole(spec: ModelSpec, tp: int, strategies=()) -> bool:
+    """Whether some piece (Mamba-2's B/C) is kept whole on every rank at `tp` under `strategies`."""
+    return any(any(whole_pieces(spec, r, tp)) for r in table(spec, strategies))
 
 
 def layer_prefix(spec: ModelSpec, index: int) -> str:
@@ -214,7 +315,7 @@ def piece_parts(spec: ModelSpec, piece: Piece, tp: int) -> int | None:
 
 def whole_pieces(spec: ModelSpec, role: Role, tp: int) -> tuple[bool, ...]:
     """Per piece of the role: kept whole on every rank at `tp` (a `whole` piece tp does not split)."""
-    return tuple(p.whole and tp > 1 and size(spec, p.count) % tp != 0 for p in role.pieces)
+    return tuple(p.whole and tp > 1 and (p.kept or size(spec, p.count) % tp != 0) for p in role.pieces)
 
 
 def role_strategy(role: Role, *, sequence_parallel: bool = False) -> Strategy:
@@ -283,7 +384,7 @@ def tp_violation(spec: ModelSpec, tp: int) -> str | None:
     return None
 
 
-def role_of(spec: ModelSpec, kind: BlockKind, path: str) -> Role | None:
+def role_of(spec: ModelSpec, kind: BlockKind, path: str, strategies=()) -> Role | None:
     """The innermost role of block `kind` that holds the module at `path` (a full module path of
     the captured graph, e.g. "model.layers.0.self_attn.q_proj"), or None (replicated)."""
     if kind is BlockKind.LAYER:
@@ -296,7 +397,7 @@ def role_of(spec: ModelSpec, kind: BlockKind, path: str) -> Role | None:
         if not path:
             return None  # the layer's own ops (residual adds)
     best = None
-    for role in table(spec):
+    for role in table(spec, strategies):
         if role.block is not kind:
             continue
         if role.path == path or (role.path and path.startswith(role.path + ".")):
@@ -305,10 +406,10 @@ def role_of(spec: ModelSpec, kind: BlockKind, path: str) -> Role | None:
     return best
 
 
-def role_at(spec: ModelSpec, path: str) -> Role | None:
+def role_at(spec: ModelSpec, path: str, strategies=()) -> Role | None:
     """The role of exactly the module at `path` (a full module path), or None."""
     for kind in (BlockKind.LAYER, BlockKind.EMBED, BlockKind.HEAD):
-        role = role_of(spec, kind, path)
+        role = role_of(spec, kind, path, strategies)
         if role is not None and _full(spec, role, path) == path:
             return role
     return None
@@ -323,9 +424,9 @@ def _full(spec: ModelSpec, role: Role, path: str) -> str:
 
 # -- derived: the cost model's numbers ----------------------------------------------------------------
 
-def node_divisor(spec: ModelSpec, kind: BlockKind, path: str, tp: int) -> float:
+def node_divisor(spec: ModelSpec, kind: BlockKind, path: str, tp: int, strategies=()) -> float:
     """What TP divides the work and activations of an op at module `path` by (`role_divisor`)."""
-    role = role_of(spec, kind, path)
+    role = role_of(spec, kind, path, strategies)
     return 1.0 if role is None else role_divisor(spec, role, tp)
 
 
@@ -337,14 +438,14 @@ def role_numel(spec: ModelSpec, role: Role) -> int:
     return length * size(spec, role.fan) * max(1, len([p for p in role.params if p != "bias"]))
 
 
-def params_per_rank(spec: ModelSpec, kind: BlockKind, total: float, tp: int) -> float:
+def params_per_rank(spec: ModelSpec, kind: BlockKind, total: float, tp: int, strategies=()) -> float:
     """Parameters of one instance of block `kind` (`total` of them) that one TP rank holds: each
     role's weights over its parts (in table order, never more than `total`: a tied LM head's weight
     counts in the embedding); what no role names (biases) split by tp."""
     if tp == 1:
         return float(total)
     held, left = 0.0, float(total)
-    for role in table(spec):
+    for role in table(spec, strategies):
         if role.block is not kind or not role.params:
             continue
         n = min(float(role_numel(spec, role)), left)
@@ -368,9 +469,9 @@ def selective_module(spec: ModelSpec) -> str:
 
 # -- derived: the runtime's modules and the plan's placements ----------------------------------------
 
-def modules(spec: ModelSpec, strategy: Strategy, kind: BlockKind = BlockKind.LAYER) -> tuple[str, ...]:
+def modules(spec: ModelSpec, strategy: Strategy, kind: BlockKind = BlockKind.LAYER, strategies=()) -> tuple[str, ...]:
     """Full module paths of the roles of block `kind` with `strategy` (every layer's, for LAYER)."""
-    return _paths(spec, kind, lambda r: r.strategy is strategy)
+    return _paths(spec, kind, lambda r: r.strategy is strategy, strategies)
 
 
 def sequence_modules(spec: ModelSpec) -> tuple[str, ...]:
@@ -378,14 +479,15 @@ def sequence_modules(spec: ModelSpec) -> tuple[str, ...]:
     return tuple(p for kind in BlockKind for p in _paths(spec, kind, lambda r: r.sequence))
 
 
-def _paths(spec: ModelSpec, kind: BlockKind, keep: Callable[[Role], bool]) -> tuple[str, ...]:
-    paths = [r.path for r in table(spec) if r.block is kind and keep(r) and r.path]
+def _paths(spec: ModelSpec, kind: BlockKind, keep: Callable[[Role], bool], strategies=()) -> tuple[str, ...]:
+    paths = [r.path for r in table(spec, strategies) if r.block is kind and keep(r) and r.path]
     if kind is not BlockKind.LAYER:
         return tuple(paths)
     return tuple(f"{layer_prefix(spec, i)}.{p}" for i in range(spec.layers) for p in paths)
 
 
-def block_placements(spec: ModelSpec, *, tp: int, sequence_parallel: bool = False) -> tuple[tuple[str, str], ...]:
+def block_placements(spec: ModelSpec, *, tp: int, sequence_parallel: bool = False,
+                     strategies=()) -> tuple[tuple[str, str], ...]:
     """(module role, strategy) of every role at `tp`, as the plan and `autoshard show` name them:
     layer roles as "layers.*.<path>", the loss as "loss"; a split shared by several ranks (KV heads
     at tp > kv_heads) reads "colwise (2 parts)"; everything at tp = 1 is "replicate"; the norms
@@ -393,7 +495,7 @@ def block_placements(spec: ModelSpec, *, tp: int, sequence_parallel: bool = Fals
     if tp == 1:
         return (("all", Strategy.REPLICATE.value),)
     out = []
-    for role in table(spec):
+    for role in table(spec, strategies):
         name = f"layers.*.{role.path}" if role.block is BlockKind.LAYER else (role.path or "loss")
         value = role_strategy(role, sequence_parallel=sequence_parallel).value
         parts = role_parts(spec, role, tp)

@@ -42,6 +42,7 @@ from autoshard.passes.cost import CompiledTable, Layout
 from autoshard.errors import AutoshardError
 from autoshard.passes.layouts import RUNTIME_SCHEDULES, RUNTIME_ZERO, mesh_micro_batches, zero_violation
 from autoshard.passes.schedules import bubble_fraction, check_chunks
+from autoshard.passes.sharding import strategy_options
 from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, block_numbers, evaluate,
                                           mesh_problem, min_stage_sum, split_search)
 
@@ -260,8 +261,9 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
     also with optimizer offload (where the device profile prices the host link)."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
-    return [Layout(mesh=mesh, micro_batch=mb, zero=z, offload=o, schedule=sched, virtual_stages=v)
-            for mesh, mb in pairs for z in zeros if zero_violation(mesh, z) is None
+    options = {tp: strategy_options(spec, tp) for tp in {mesh.tp for mesh, _ in pairs}}
+    return [Layout(mesh=mesh, micro_batch=mb, zero=z, offload=o, schedule=sched, virtual_stages=v, strategies=st)
+            for mesh, mb in pairs for st in options[mesh.tp] for z in zeros if zero_violation(mesh, z) is None
             for o in ((False, True) if offload and z == 3 else (False,))
             for sched, v in pipeline_schedules(spec, mesh.pp, global_batch // (mesh.dp * mb), schedules)]
 
@@ -343,7 +345,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     block_s: dict = {}  # (mesh, micro-batch) -> {kind: seconds}: shared by the ZeRO levels
     order, pruned = [], 0
     for k, lay in enumerate(layouts):
-        key = (lay.mesh, lay.micro_batch)
+        key = (lay.mesh, lay.micro_batch, lay.strategies)
         if key not in block_s:
             base = replace(lay, recompute=Recompute.NONE)
             block_s[key] = {kd: cost.block_time(ct, hw, base, kd, seq_len=seq_len).total_s for kd in kinds}
@@ -368,7 +370,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
         if bound >= cutoff * (1 - 1e-9):
             continue
-        key = (layout.mesh, layout.micro_batch, layout.schedule, layout.virtual_stages)  # p2p depends on v
+        key = (layout.mesh, layout.micro_batch, layout.strategies, layout.schedule, layout.virtual_stages)  # p2p: v
         if key not in numbers:
             numbers[key] = block_numbers(ct, hw, layout, seq_len=seq_len)
         problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key])
@@ -488,8 +490,9 @@ def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len,
     rec = a.recompute[0] if len(set(a.recompute)) == 1 else max(a.recompute, key=list(Recompute).index)
     return Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
                 global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,
-                zero=layout.zero, offload_optimizer=layout.offload, recompute=rec, schedule=layout.schedule, virtual_stages=layout.virtual_stages,
-                stages=chunk_stages(a, layout), placements=block_placements(spec, tp=layout.mesh.tp),
+                zero=layout.zero, offload_optimizer=layout.offload, recompute=rec, schedule=layout.schedule,
+                virtual_stages=layout.virtual_stages, strategies=layout.strategies, stages=chunk_stages(a, layout),
+                placements=block_placements(spec, tp=layout.mesh.tp, strategies=layout.strategies),
                 predicted=pred, solver=solver)
 
 

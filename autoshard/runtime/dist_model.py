@@ -75,6 +75,9 @@ class DistributedModel:
         self.plan = setup.plan
         self._groups = setup.groups
         self._tp_group = setup.groups.tp if setup.plan.mesh.tp > 1 else None
+        # vocab-parallel LM head: logits are this rank's vocab slice (vocab-parallel loss, gathered for
+        # evaluation); a replicated head (the plan's "head" choice) gives full logits on every rank
+        self._logits_group = self._tp_group if setup.program.vocab_head else None
         self._runner = setup.pipeline
         self._cp = setup.cp
         self.precision = setup.plan.precision.resolve(setup.groups.device.type)  # bf16-mixed: runtime/precision.py
@@ -185,7 +188,7 @@ class DistributedModel:
             with autocast(self.precision, ids.device):
                 logits, router_logits = self._forward(mb_ids, **kwargs)
             loss = causal_lm_loss(logits, mb_labels, num_tokens=num_tokens,
-                                  tp_group=self._tp_group, shifted=self._cp is not None)
+                                  tp_group=self._logits_group, shifted=self._cp is not None)
             if router_logits:  # HF's router auxiliary loss, statistics over all replicas, mean over micro-batches
                 spec = self._setup.spec
                 aux = load_balancing_loss(router_logits, experts=spec.experts, top_k=spec.top_k,
@@ -224,7 +227,7 @@ class DistributedModel:
                 local = self._logits(local_ids, **self._cp.model_kwargs(positions))
             else:
                 local = self._logits(ids)
-            full = gather_last_dim(local, self._tp_group)
+            full = gather_last_dim(local, self._logits_group)
             return self._cp.full_sequence(full) if self._cp is not None else full
 
     def generate(self, input_ids: Tensor, *, max_new_tokens: int) -> Tensor:
@@ -247,7 +250,7 @@ class DistributedModel:
                 chunks = {0: build_stage_module(self.model, spec, Stage(first_layer=0, end_layer=spec.layers,
                                                                         embed=True, head=True))}
                 placement = (0,)
-            self._generator = Generator(self.model, spec, chunks, placement, tp_group=self._tp_group,
+            self._generator = Generator(self.model, spec, chunks, placement, tp_group=self._logits_group,
                                         pp_group=self._groups.pp if mesh.pp > 1 else None, device=self._groups.device)
         with autocast(self.precision, self._groups.device):  # bf16-mixed plans decode in bf16 too
             return self._generator.generate(input_ids, max_new_tokens=max_new_tokens)

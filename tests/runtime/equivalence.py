@@ -17,6 +17,13 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 ADAM = dict(lr=1e-3, eps=1e-6)
 
 
+def optimizer_factory(sgd: bool = False):
+    """AdamW (ADAM) by default; `sgd`: plain SGD, whose update is lr x the gradient, for a layout whose
+    summation order leaves gradient elements near Adam's eps (a ~1e-6 gradient's Adam step flips with its
+    last bits of noise, so only SGD compares the weights after a step at fp32 tolerance there)."""
+    return functools.partial(torch.optim.SGD, lr=1e-2) if sgd else functools.partial(torch.optim.AdamW, **ADAM)
+
+
 def batches(vocab: int, *, global_batch: int, seq: int, steps: int):
     gen = torch.Generator().manual_seed(1)
     out = []
@@ -50,7 +57,7 @@ def assert_bf16_close(actual, expected, fp32, *, msg: str) -> None:
         f"{msg}: |dist - bf16 run| = {err:.3g}, above twice bf16's own error {noise:.3g} + 2% of the norm {scale:.3g}"
 
 
-def reference(spec, data, *, bf16: bool = False, prepare=None):
+def reference(spec, data, *, bf16: bool = False, prepare=None, sgd: bool = False):
     """Losses, last gradients and final weights of one process running the HF model.
 
     bf16: the single-process bf16-mixed run, the recipe the runtime runs (runtime/precision.py):
@@ -59,7 +66,7 @@ def reference(spec, data, *, bf16: bool = False, prepare=None):
     weights returned are then the fp32 main gradients and masters."""
     model = _built(spec, prepare)
     if not bf16:
-        opt = torch.optim.AdamW(model.parameters(), **ADAM)
+        opt = optimizer_factory(sgd)(model.parameters())
         losses = []
         for ids, labels in data:
             opt.zero_grad()
@@ -99,16 +106,16 @@ def _built(spec, prepare):
 
 
 def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, steps: int = 2,
-               logits: bool = False, prepare=None) -> None:
+               logits: bool = False, prepare=None, sgd: bool = False) -> None:
     """`preset`: a preset name or a ModelSpec (e.g. of a user-built config). `prepare(model)`: applied
     to the reference model and the distributed one before anything runs."""
     spec = get_spec(preset) if isinstance(preset, str) else preset
     preset = spec.name
     data = batches(spec.vocab, global_batch=global_batch, seq=seq, steps=steps)
     bf16 = isinstance(plan, dict) and plan.get("precision") == "bf16-mixed"
-    ref, ref_losses, ref_grads = reference(spec, data, bf16=bf16, prepare=prepare)
+    ref, ref_losses, ref_grads = reference(spec, data, bf16=bf16, prepare=prepare, sgd=sgd)
     dm = autoshard.parallelize(_built(spec, prepare), data[0][0], plan=plan, global_batch=global_batch,
-                               optimizer=functools.partial(torch.optim.AdamW, **ADAM))
+                               optimizer=optimizer_factory(sgd))
     gemm_dtypes = _record_linear_outputs(dm.model)
     for (ids, labels), expected in zip(data, ref_losses):
         assert_close(dm.train_step(ids, labels), expected, **(BF16_LOSS if bf16 else TOL),
