@@ -40,7 +40,8 @@ from autoshard.ir import Plan, Recompute, Schedule, Stage, check_schedule, even_
 from autoshard.passes import cost
 from autoshard.passes.cost import CompiledTable, Layout
 from autoshard.errors import AutoshardError
-from autoshard.passes.layouts import RUNTIME_SCHEDULES, RUNTIME_ZERO, mesh_micro_batches, zero_violation
+from autoshard.passes.layouts import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALLEL, RUNTIME_ZERO, mesh_micro_batches,
+                                     sequence_parallel_violation, zero_violation)
 from autoshard.passes.schedules import bubble_fraction, check_chunks
 from autoshard.passes.sharding import strategy_options
 from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, block_numbers, evaluate,
@@ -253,17 +254,27 @@ def min_peak_bytes(problem: MeshProblem) -> float:
 # -- the search over layouts -------------------------------------------------------------------
 def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
                       zeros: tuple[int, ...] = RUNTIME_ZERO, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
-                      schedules: tuple = RUNTIME_SCHEDULES, offload: bool = False) -> list[Layout]:
-    """Every (mesh, micro-batch, ZeRO, schedule) the planner searches: the valid (mesh, micro-batch)
-    pairs of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses) times the ZeRO levels
-    the runtime runs that go with the mesh (`layouts.zero_violation`) times, for pp > 1, the
-    pipeline schedules and virtual stages the runtime runs (`layouts.RUNTIME_SCHEDULES`); `offload`: ZeRO-3
-    also with optimizer offload (where the device profile prices the host link)."""
+                      schedules: tuple = RUNTIME_SCHEDULES, offload: bool = False,
+                      sequence_parallel: tuple[bool, ...] = RUNTIME_SEQUENCE_PARALLEL) -> list[Layout]:
+    """Every (mesh, micro-batch, intra-op strategy, ZeRO, schedule) the planner searches: the valid
+    (mesh, micro-batch) pairs of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses)
+    times, under tp > 1, sequence parallelism on / off (`sequence_parallel`, the values the runtime
+    runs: `layouts.RUNTIME_SEQUENCE_PARALLEL`) and every combination of the sharding table's intra-op
+    choices that goes with it (`sharding.strategy_options`: embedding / head vocab-parallel or
+    replicated, Mamba-2 groups split or whole) times the ZeRO levels the runtime runs that go with the
+    mesh (`layouts.zero_violation`) times, for pp > 1, the pipeline schedules and virtual stages the
+    runtime runs (`layouts.RUNTIME_SCHEDULES`); `offload`: ZeRO-3 also with optimizer offload (where
+    the device profile prices the host link)."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
-    options = {tp: strategy_options(spec, tp) for tp in {mesh.tp for mesh, _ in pairs}}
-    return [Layout(mesh=mesh, micro_batch=mb, zero=z, offload=o, schedule=sched, virtual_stages=v, strategies=st)
-            for mesh, mb in pairs for st in options[mesh.tp] for z in zeros if zero_violation(mesh, z) is None
+    intra = {}  # mesh -> its (sequence_parallel, strategies) options
+    for mesh in {mesh for mesh, _ in pairs}:
+        sps = [sp for sp in sequence_parallel
+               if not sp or sequence_parallel_violation(spec, mesh, seq_len) is None]
+        intra[mesh] = [(sp, st) for sp in sps for st in strategy_options(spec, mesh.tp, sequence_parallel=sp)]
+    return [Layout(mesh=mesh, micro_batch=mb, zero=z, offload=o, schedule=sched, virtual_stages=v,
+                   sequence_parallel=sp, strategies=st)
+            for mesh, mb in pairs for sp, st in intra[mesh] for z in zeros if zero_violation(mesh, z) is None
             for o in ((False, True) if offload and z == 3 else (False,))
             for sched, v in pipeline_schedules(spec, mesh.pp, global_batch // (mesh.dp * mb), schedules)]
 
@@ -345,7 +356,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     block_s: dict = {}  # (mesh, micro-batch) -> {kind: seconds}: shared by the ZeRO levels
     order, pruned = [], 0
     for k, lay in enumerate(layouts):
-        key = (lay.mesh, lay.micro_batch, lay.strategies)
+        key = (lay.mesh, lay.micro_batch, lay.sequence_parallel, lay.strategies)
         if key not in block_s:
             base = replace(lay, recompute=Recompute.NONE)
             block_s[key] = {kd: cost.block_time(ct, hw, base, kd, seq_len=seq_len).total_s for kd in kinds}
@@ -370,7 +381,8 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
         if bound >= cutoff * (1 - 1e-9):
             continue
-        key = (layout.mesh, layout.micro_batch, layout.strategies, layout.schedule, layout.virtual_stages)  # p2p: v
+        key = (layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.schedule,
+               layout.virtual_stages)  # p2p depends on v
         if key not in numbers:
             numbers[key] = block_numbers(ct, hw, layout, seq_len=seq_len)
         problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key])
@@ -491,8 +503,10 @@ def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len,
     return Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
                 global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,
                 zero=layout.zero, offload_optimizer=layout.offload, recompute=rec, schedule=layout.schedule,
-                virtual_stages=layout.virtual_stages, strategies=layout.strategies, stages=chunk_stages(a, layout),
-                placements=block_placements(spec, tp=layout.mesh.tp, strategies=layout.strategies),
+                virtual_stages=layout.virtual_stages, sequence_parallel=layout.sequence_parallel,
+                strategies=layout.strategies, stages=chunk_stages(a, layout),
+                placements=block_placements(spec, tp=layout.mesh.tp, sequence_parallel=layout.sequence_parallel,
+                                            strategies=layout.strategies),
                 predicted=pred, solver=solver)
 
 
