@@ -63,6 +63,8 @@ def render(plan) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from autoshard.passes.sharding import CHOICES
+
     con = Console()
     pred, solver = dict(plan.predicted), dict(plan.solver)
     con.print(f"[bold]{plan.model}[/] on {plan.devices} x {plan.hardware}, global batch {plan.global_batch}, "
@@ -77,6 +79,11 @@ def render(plan) -> None:
     if plan.sequence_parallel:
         con.print(f"sequence parallel: on (norms and residual stream on a 1/{plan.mesh.tp} shard of the sequence; "
                   "all-gather / reduce-scatter in place of the TP all-reduces)")
+    if plan.mesh.tp > 1:  # the intra-op choices (passes/sharding.py CHOICES); the placements below follow them
+        chosen = dict(plan.strategies)
+        con.print("intra-op strategies: " + ", ".join(f"{k} {chosen.get(k, v[0])}"
+                                                      for k, v in CHOICES.items() if k in chosen or k != "groups")
+                  + ("" if chosen else " (the sharding table's default)"))
     stages = Table(title="pipeline stages")
     for col in ("stage", "layers", "holds", "recompute", "time/micro-batch s", "memory GB"):
         stages.add_column(col)
