@@ -10,7 +10,9 @@ Contract (DESIGN.md, "Entry points"): built by `autoshard.parallelize` on every 
   vocabulary) and that all ranks hold the same one (`runtime/agreement.py`): any problem is the
   same error on every rank.
 * `full_grads()` / `full_state_dict()`: {original HF parameter name: full tensor} on every rank
-  (collectives over tp, pp and, under ZeRO, dp; for checks, not the fast path).
+  (collectives over tp, pp and, under ZeRO, dp; for checks, not the fast path). Under bf16-mixed
+  (runtime/precision.py: bf16 parameters, fp32 main gradients and masters) they are the fp32 main
+  gradients and the fp32 master weights.
 * `__call__(input_ids)`: full logits (b, s, V) on every rank, no gradient.
 * `generate(input_ids, max_new_tokens=N)`: greedy generation on a plan with dp = cp = 1 (tp and
   pp any), prompt + new tokens on every rank, equal to HF's single-process greedy `generate`;
