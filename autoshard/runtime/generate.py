@@ -24,9 +24,10 @@ How it runs:
   another rank, the hidden states (b, t, h) hop there with point-to-point send/recv in the pp
   group (each tp rank to its peer: the hidden states are replicated over tp), their dtype
   travelling in a small header at prefill. With virtual stages the hidden states visit every
-  rank virtual_stages times (pp * virtual_stages - 1 hops per step, priced so by
-  passes/inference_cost.py). `torch.distributed.pipelining` schedules are for training
-  (micro-batches, backward) and are not used here.
+  rank virtual_stages times (up to pp * virtual_stages - 1 hops per step; the inference planner
+  prices and emits one chunk per rank, pp - 1 hops: more chunks only add hops to a decode step).
+  `torch.distributed.pipelining` schedules are for training (micro-batches, backward) and are
+  not used here.
 * The rank of the last chunk computes the logits of the last position (vocab slice under tp),
   gathers them over tp, takes the argmax and broadcasts the next tokens to every pp rank.
 """
