@@ -37,7 +37,9 @@ WORLD2 = (
     *((preset, dict(plan, precision="bf16-mixed"), False) for preset, plan in (
         ("llama-tiny", dict(dp=2, zero=1)), ("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2, micro_batch=2)),
         ("llama-tiny", dict(cp=2)), ("mamba2-tiny", dict(dp=2, zero=2, micro_batch=2)), ("mamba2-tiny", dict(tp=2)),
-        ("mamba2-tiny", dict(pp=2, micro_batch=2)), ("mamba2-tiny", dict(cp=2)))),
+        ("mamba2-tiny", dict(pp=2, micro_batch=2)), ("mamba2-tiny", dict(cp=2)),
+        ("llama-tiny", dict(dp=2)), ("llama-tiny", dict(dp=2, zero=3)),  # ZeRO 0: whole-bucket masters; FSDP2
+        ("llama-tiny", dict(pp=2, micro_batch=2, schedule="zero-bubble", virtual_stages=2)))),  # weight pass
     (ONE_GROUP, dict(tp=2), True),  # heads split, the one group whole on both ranks
     ("mamba2-tiny", dict(dp=2, zero=3, micro_batch=2), True),  # FSDP2; logits through the root forward
     ("llama-tiny", dict(dp=2, zero=3, offload_optimizer=True), False),  # FSDP2's CPUOffloadPolicy
