@@ -44,6 +44,12 @@ def test_train_mamba2_example():
     assert len(losses) == 3 and losses[-1] < losses[0]
 
 
+def test_train_mixtral_example():
+    out = _torchrun(2, "train_mixtral.py", "--plan", "ep=2", "--aux-loss", "--steps", "3")
+    losses = _losses(out)
+    assert "2 experts per rank" in out and len(losses) == 3 and losses[-1] < losses[0]
+
+
 def test_compile_backend_example():
     losses = _losses(_torchrun(2, "compile_backend.py", "--plan", "dp=2", "--steps", "2"))
     assert len(losses) == 2

@@ -38,6 +38,22 @@ def check_output_path(path: str, flag: str) -> None:
         raise InvalidConfigError(f"{flag} {path} is a directory; give a file name, e.g. {Path(path) / 'plan.json'}")
 
 
+def imbalance(text: str) -> float:
+    """--moe-imbalance: the busiest expert's load over the mean, a number >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1.0, got {text!r}") from None
+    if not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"is the busiest expert's load over the mean, so >= 1.0; got {value}")
+    return value
+
+
+MOE_IMBALANCE_HELP = ("mixture of experts: the busiest expert's load over the mean, which paces each MoE layer's "
+                      "expert GEMMs and all-to-alls under ep (default 1.0, even routing); memory is always "
+                      "bounded at the worst case of dropless routing")
+
+
 def status(message: str, *, enabled: bool = True):
     """A spinner on stderr while a slow step runs (silent when stderr is not a terminal)."""
     import contextlib

@@ -8,7 +8,8 @@ import sys
 import time
 
 from autoshard.commands import plan_inference
-from autoshard.commands.common import check_output_path, cost_table_for, model_for, positive_float, positive_int
+from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_output_path, cost_table_for, imbalance, model_for,
+                                     positive_float, positive_int)
 from autoshard.errors import InvalidConfigError
 
 
@@ -26,6 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="SEC",
                    help="CP-SAT work budget per layout in deterministic seconds (default 10); the result "
                    "does not depend on the machine or its load, and the search over layouts always finishes")
+    p.add_argument("--moe-imbalance", type=imbalance, default=1.0, metavar="X", help=MOE_IMBALANCE_HELP)
     p.add_argument("--out", help="write the plan to this JSON file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a summary")
     plan_inference.add_arguments(p)
@@ -58,7 +60,8 @@ def run(args) -> int:
         fingerprint = fingerprint_module(module)
     with _progress(enabled=not args.json) as progress:
         plan = solve(spec, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
-                     time_limit_s=args.time_limit, progress=progress, table=table, fingerprint=fingerprint)
+                     time_limit_s=args.time_limit, progress=progress, table=table, fingerprint=fingerprint,
+                     moe_imbalance=args.moe_imbalance)
     if args.out:
         plan.save(args.out)
     if args.json:

@@ -59,6 +59,25 @@ def validate(plan) -> None:
     check_plan(plan, spec)
 
 
+def _expert_line(plan, pred) -> str | None:
+    """Why this ep (MoE presets): experts per rank, what the all-to-alls cost, what ep saved."""
+    from autoshard.models.presets import PRESETS
+
+    spec = PRESETS.get(plan.model)
+    if spec is None or not spec.is_moe:
+        return None
+    ep = plan.mesh.ep
+    time = pred.get("time_breakdown_s", {})
+    line = (f"expert parallelism: ep={ep} keeps {spec.experts // ep} of the {spec.experts} experts per rank "
+            f"(top-{spec.top_k}); ep folds into data parallelism: {plan.mesh.dp * ep} ranks split the batch, "
+            f"dense gradients reduced over dp x ep x cp ({plan.mesh.dp * ep * plan.mesh.cp}), expert gradients "
+            f"over dp x cp ({plan.mesh.dp * plan.mesh.cp})")
+    if ep > 1:
+        line += (f"; dispatch/combine all-to-alls {time.get('ep_comm', 0):.3g} s/step, in exchange for 1/{ep} of "
+                 "the expert weights, gradients and optimizer state per rank")
+    return line
+
+
 def render(plan) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -106,6 +125,9 @@ def render(plan) -> None:
         for title, key, unit in (("time", "time_breakdown_s", "s"), ("memory", "memory_breakdown_gb", "GB")):
             parts = pred.get(key, {})
             con.print(f"  {title}: " + ", ".join(f"{k} {v:.3g} {unit}" for k, v in parts.items() if v))
+    expert = _expert_line(plan, pred)
+    if expert:
+        con.print(expert)
     if solver:
         con.print(f"solver: {solver.get('status')}, gap {100 * solver.get('gap', 0):.2f}%, "
                   f"{solver.get('solve_time_s', 0):.1f} s, {solver.get('layouts_solved')} of "

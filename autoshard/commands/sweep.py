@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Sequence
 
-from autoshard.commands.common import check_output_path, cost_table_for, model_for, positive_int
+from autoshard.commands.common import MOE_IMBALANCE_HELP, check_output_path, cost_table_for, imbalance, model_for, positive_int
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute
 
@@ -42,6 +42,7 @@ def add_parser(sub) -> None:
                    help="Megatron-LM sequence parallelism (norms and residual stream on a 1/tp shard of the "
                    "sequence) on every layout with tp > 1 that allows it, or auto: with and without, the better "
                    "per layout (default off)")
+    p.add_argument("--moe-imbalance", type=imbalance, default=1.0, metavar="X", help=MOE_IMBALANCE_HELP)
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per layout, best first")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of MFU against memory per device")
     p.add_argument("--limit", type=positive_int, default=None, help="show only the first N rows of the table")
@@ -50,10 +51,10 @@ def add_parser(sub) -> None:
 
 def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, micro_batch: int = 1,
           zeros: Sequence[int] = (1,), recomputes: Sequence[Recompute] = (Recompute.NONE,),
-          sequence_parallel: Sequence[bool] = (False,)) -> list:
+          sequence_parallel: Sequence[bool] = (False,), moe_imbalance: float = 1.0) -> list:
     """Every valid mesh priced; per mesh the best (fits first, then step time) of the options (the
-    ZeRO levels that go with the mesh: ZeRO-2/3 need pp = 1; sequence parallelism where the mesh
-    allows it). Returns `Estimate`s, best first."""
+    ZeRO levels that go with the mesh: ZeRO-2/3 need pp = 1, ZeRO-3 ep = 1; sequence parallelism where
+    the mesh allows it; `moe_imbalance` for a mixture of experts). Returns `Estimate`s, best first."""
     from autoshard.passes.cost import Layout, compile_table, estimate
     from autoshard.passes.layouts import sequence_parallel_violation, valid_meshes, zero_violation
 
@@ -64,7 +65,7 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
         allowed = sequence_parallel_violation(spec, mesh, seq_len) is None  # else the mesh is priced without
         sps = {sp and allowed for sp in sequence_parallel}
         options = [estimate(ct, spec, hw, Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r,
-                                                 sequence_parallel=sp),
+                                                 sequence_parallel=sp, moe_imbalance=moe_imbalance),
                             global_batch=global_batch, seq_len=seq_len)
                    for z in zeros if zero_violation(mesh, z) is None for r in recomputes for sp in sorted(sps)]
         if not options:
@@ -72,7 +73,7 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
         fitting = [e for e in options if e.fits]
         out.append(min(fitting, key=lambda e: e.step_time_s) if fitting else min(options, key=lambda e: e.memory_gb))
     if not out:
-        raise InvalidConfigError(f"every valid mesh has pp > 1, and {zero_violation(meshes[0], max(zeros))}")
+        raise InvalidConfigError(f"no valid mesh goes with ZeRO-{max(zeros)}: {zero_violation(meshes[0], max(zeros))}")
     return sorted(out, key=lambda e: (not e.fits, e.step_time_s))
 
 
@@ -92,7 +93,8 @@ def run(args) -> int:
     recomputes = tuple(Recompute) if args.recompute == "auto" else (Recompute(args.recompute),)
     results = sweep(spec, table, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
                     micro_batch=args.micro_batch, zeros=zeros, recomputes=recomputes,
-                    sequence_parallel={"off": (False,), "on": (True,), "auto": (False, True)}[args.sequence_parallel])
+                    sequence_parallel={"off": (False,), "on": (True,), "auto": (False, True)}[args.sequence_parallel],
+                    moe_imbalance=args.moe_imbalance)
     if args.plot:
         write_plot(results, hw, args.plot, title=f"{spec.name} on {args.devices}x {hw.name}, "
                    f"global batch {args.global_batch}, seq {args.seq_len}")
@@ -122,6 +124,10 @@ def _print_table(results, hw, spec, args) -> None:
                       f"{e.tokens_per_s / 1e3:.1f}",
                       f"{e.mean_memory_gb:.1f}", f"{e.memory_gb:.1f}", f"{100 * e.mfu:.1f}", "yes" if e.fits else "[red]no[/red]")
     Console(width=140).print(table)
+    from autoshard.passes.layouts import excluded_eps
+
+    for ep, why in excluded_eps(spec, args.devices, [e.layout.mesh for e in results]):
+        print(f"ep={ep} excluded: {why}")
     if results and not results[0].fits:
         print(f"no layout fits in {hw.memory_gb:.0f} GB; the smallest needs {min(e.memory_gb for e in results):.1f} GB")
 

@@ -11,9 +11,18 @@ Contract
   level (`Stage.recompute`: the planner mixes levels per stage; `layout.recompute` is then only
   the plan's label); default: an even split, the first stages taking the remainder, embedding on
   the first stage and head on the last, every stage at `layout.recompute`.
-* Runtime convention: rank order (pp, dp, cp, tp), tp innermost. A tp group is contiguous
-  ranks (stride 1), cp stride tp, dp stride cp*tp (the gradient group dp x cp has stride tp),
-  pp stride dp*cp*tp.
+* Runtime convention: rank order (pp, dp, ep, cp, tp), tp innermost. A tp group is contiguous
+  ranks (stride 1), cp stride tp, ep stride cp*tp, dp stride ep*cp*tp (the dense gradient group
+  dp x ep x cp has stride tp; the experts' dp x cp spans the same ranks at ep times the spacing),
+  pp stride dp*ep*cp*tp.
+* Mixture of experts (`passes/moe_cost.py`): EP folds into DP (the batch splits over dp x ep,
+  `Layout.microbatches`); expert GEMMs at the rows each expert receives, times
+  `layout.moe_imbalance` on the busiest rank; dispatch / combine all-to-alls per MoE layer on the
+  ep group's link (`BlockTime.ep_comm_s`); expert parameters over ep, their gradients reduced and
+  ZeRO-sharded over dp x cp, the dense ones over dp x ep x cp (`expert=` of the state and sync
+  functions: the routed-expert share of `params`); expert activations at the worst case of
+  dropless routing; MoE blocks whole on every tp rank (the sharding table's EXPERT / REPLICATE
+  roles); MFU on the parameters a token meets (top-k experts).
 
 Component functions (public, stable names; the CP-SAT planner builds its model from them and
 `estimate` is nothing but their composition, so both agree):
@@ -25,7 +34,8 @@ Component functions (public, stable names; the CP-SAT planner builds its model f
   block_activation_bytes(ct, layout, kind, *, seq_len) -> float
         bytes one instance keeps alive for backward per micro-batch, after recompute
   block_params(ct, layout, kind) -> float              parameters of one instance on one device
-  state_bytes(params, layout) -> MemoryBreakdown       weights, grads, optimizer under ZeRO
+  expert_block_params(ct, layout, kind) -> float       the routed-expert part of block_params
+  state_bytes(params, layout, *, expert=0) -> MemoryBreakdown  weights, grads, optimizer under ZeRO
   p2p_time(ct, hw, layout, *, seq_len) -> float        stage-to-stage sends per micro-batch
   dp_exposed_time(hw, params, layout, *, backward_s, forward_s) -> float
                                                        gradient sync of one stage left exposed
@@ -68,7 +78,7 @@ from autoshard.cost_table import B, S, CostTable
 from autoshard.ir import (BlockKind, Mesh, OpKind, Precision, Recompute, Schedule, Stage, _enum_field,
                           check_schedule, even_stages)
 from autoshard.models.presets import Family, ModelSpec
-from autoshard.passes import fused_regions, schedules
+from autoshard.passes import fused_regions, moe_cost, schedules
 from autoshard.passes.collectives import Collective, best_time, collective_time
 from autoshard.passes import sequence_cost, sharding
 from autoshard.passes.layouts import plan_violation
@@ -94,8 +104,12 @@ class Layout:
     # intra-op choices as (choice, option) pairs that differ from the table's default (Plan.strategies,
     # passes/sharding.py CHOICES): what the sharding table splits, hence every TP divisor and collective
     strategies: tuple[tuple[str, str], ...] = ()
+    moe_imbalance: float = 1.0  # mixture of experts: the busiest expert's load over the mean (passes/moe_cost.py)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.moe_imbalance, (int, float)) or not self.moe_imbalance >= 1.0:
+            raise InvalidConfigError(f"moe_imbalance is the busiest expert's load over the mean, so a number, at least 1.0; "
+                                     f"got {self.moe_imbalance!r}")
         object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
         object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
@@ -117,6 +131,11 @@ class Layout:
         """Bytes per value and GEMM rate of this layout's precision."""
         return precision_numbers(self.precision)
 
+    def microbatches(self, global_batch: int) -> int:
+        """Micro-batches per step: the batch splits over dp x ep (the ep peers take their own rows, as
+        runtime/dist_model.py slices them), each replica's rows into micro-batches."""
+        return global_batch // (self.mesh.dp * self.mesh.ep * self.micro_batch)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockTime:
@@ -127,14 +146,20 @@ class BlockTime:
     recompute_s: float
     tp_comm_s: float
     cp_comm_s: float
+    ep_comm_s: float = 0.0  # MoE dispatch / combine all-to-alls (passes/moe_cost.py)
 
     @property
     def compute_s(self) -> float:
         return self.fwd_s + self.bwd_s
 
     @property
+    def comm_s(self) -> float:
+        """TP, CP and EP collectives on the critical path."""
+        return self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
+
+    @property
     def total_s(self) -> float:
-        return self.fwd_s + self.bwd_s + self.recompute_s + self.tp_comm_s + self.cp_comm_s
+        return self.fwd_s + self.bwd_s + self.recompute_s + self.comm_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,14 +190,15 @@ class TimeBreakdown:
     recompute: float = 0.0
     tp_comm: float = 0.0
     cp_comm: float = 0.0
+    ep_comm: float = 0.0  # MoE dispatch / combine all-to-alls
     p2p: float = 0.0
     pp_bubble: float = 0.0
     dp_comm_exposed: float = 0.0
     optimizer: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
-        return {n: getattr(self, n) for n in ("compute", "recompute", "tp_comm", "cp_comm", "p2p", "pp_bubble",
-                                              "dp_comm_exposed", "optimizer")}
+        return {n: getattr(self, n) for n in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "p2p",
+                                              "pp_bubble", "dp_comm_exposed", "optimizer")}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,6 +257,7 @@ class CompiledBlock:
     region_kernels: tuple  # the kernel of each region
     wgrad_groups: dict  # parent module -> mask of its column-parallel weight-gradient GEMMs
     fn: Any  # lambdified (b, s) -> list of 7 * n numbers
+    expert: np.ndarray | None = None  # bool: an op of the routed experts (the sharding table's EXPERT role)
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def evaluate(self, b: int, s: int) -> np.ndarray:
@@ -298,10 +325,12 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
     region, region_kernels = fused_regions.region_kinds(paths, [n.kind is OpKind.VECTOR for n in nodes], spec)
     wgrad = is_gemm & ~fwd & ~quadratic & (cp_dim == 3)  # (out, in, tokens): a weight gradient
     colwise = np.array([r is not None and r.strategy is sharding.Strategy.COLWISE for r in found], dtype=bool)
+    expert = np.array([r is not None and r.strategy is sharding.Strategy.EXPERT for r in found], dtype=bool)
     return CompiledBlock(kind=block.kind, count=block.count, params=block.params, fwd=fwd, role=role,
                          rerun=rerun, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, quadratic=quadratic,
                          region=region, region_kernels=region_kernels,
-                         wgrad_groups=fused_regions.wgrad_overlap_groups(paths, wgrad & colwise), fn=fn)
+                         wgrad_groups=fused_regions.wgrad_overlap_groups(paths, wgrad & colwise), fn=fn,
+                         expert=expert)
 
 
 def _degree_in_s(expr) -> int:
@@ -408,7 +437,6 @@ def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
     flops = vals[0] / div / cp * np.where(blk.quadratic, cp_attention_overwork(ct.spec, cp), 1.0)
     byte_scale, _ = _fused_scales(ct, hw, layout, kind, seq_len)
     nbytes = vals[1] * byte_scale / div / cp
-    mem_t = nbytes / (hw.hbm_bandwidth * hw.vector_efficiency)
     peak = hw.peak_flops * layout.numbers.flops_scale
     dims = vals[3:7].copy()
     idx = np.arange(dims.shape[1])
@@ -416,6 +444,14 @@ def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
     dims[blk.tp_dim[has_tp], idx[has_tp]] /= div[has_tp]
     has_cp = blk.cp_dim >= 0
     dims[blk.cp_dim[has_cp], idx[has_cp]] /= cp
+    if layout.mesh.ep > 1 and blk.expert is not None and blk.expert.any():  # passes/moe_cost.py
+        busiest = np.where(blk.expert, moe_cost.expert_flops_factor(layout.mesh, layout.moe_imbalance), 1.0)
+        flops, nbytes = flops * busiest, nbytes * busiest  # the busiest rank's rows set the pace
+        per_expert, rows = moe_cost.expert_gemm_scale(layout.mesh, layout.moe_imbalance)
+        grow = blk.expert & blk.is_gemm & has_cp  # E/ep experts, each receiving ep x imbalance the rows
+        dims[0, grow] /= per_expert
+        dims[blk.cp_dim[grow], idx[grow]] *= rows
+    mem_t = nbytes / (hw.hbm_bandwidth * hw.vector_efficiency)
     eff = gemm_efficiency(hw, dims[1], dims[2], dims[3])
     gemm_t = np.where(blk.is_gemm, flops / (peak * eff), 0.0)
     if _flash(ct, hw):  # the attention nodes as the flash kernel runs them (passes/fused_regions.py)
@@ -504,11 +540,11 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
 
 
 def _recompute_time(ct: CompiledTable, layout: Layout, kind: BlockKind, t: np.ndarray, tp_f: float,
-                    cp_f: float) -> float:
+                    cp_f: float, ep_f: float = 0.0) -> float:
     """Seconds of forward rerun in backward, as the runtime checkpoints (passes/rewrite.py
     `_checkpointed`, runtime/tensor_parallel.py `_checkpoint_forward`, runtime/stages.py): full
-    reruns the whole layer, its TP all-reduces (RowParallelLinear o_proj and down_proj / out_proj)
-    and its CP collectives included; selective reruns the attention module / Mamba-2 mixer, whose
+    reruns the whole layer, its TP all-reduces (RowParallelLinear o_proj and down_proj / out_proj),
+    its CP collectives and its MoE dispatch / combine all-to-alls (`ep_f`) included; selective reruns the attention module / Mamba-2 mixer, whose
     forward holds one TP all-reduce (o_proj / out_proj) and all the CP collectives (the K/V
     all-gather of cp_attention.py, the halo and state all-gathers of cp_mamba.py)."""
     blk = ct.block(kind)
@@ -516,7 +552,7 @@ def _recompute_time(ct: CompiledTable, layout: Layout, kind: BlockKind, t: np.nd
         return 0.0
     fwd = blk.fwd if len(t) else np.zeros(0, dtype=bool)
     if layout.recompute is Recompute.FULL:
-        return float(t[fwd].sum()) + tp_f + cp_f
+        return float(t[fwd].sum()) + tp_f + cp_f + ep_f
     spec = ct.spec
     inside = sharding.row_parallel_count(spec, BlockKind.LAYER, under=selective_module(spec))
     return float(t[fwd & blk.rerun].sum()) + tp_f * inside / max(1, sharding.row_parallel_count(spec, kind)) + cp_f
@@ -536,8 +572,11 @@ def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Block
     elif kind is BlockKind.LAYER and tp_b > 0:
         n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
         tp_b = _tp_backward_exposed(blk, t, tp_b / n, n)
-    return BlockTime(fwd_s=fwd, bwd_s=bwd, recompute_s=_recompute_time(ct, layout, kind, t, tp_f, cp_f),
-                     tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b)
+    ep_f, ep_b = (0.0, 0.0) if kind is not BlockKind.LAYER else moe_cost.ep_comm_time(
+        hw, ct.spec, layout.mesh, tokens=_tokens(layout, seq_len), imbalance=layout.moe_imbalance,
+        act_bytes=layout.numbers.act_bytes)
+    return BlockTime(fwd_s=fwd, bwd_s=bwd, recompute_s=_recompute_time(ct, layout, kind, t, tp_f, cp_f, ep_f),
+                     tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b, ep_comm_s=ep_f + ep_b)
 
 
 def _sequence_tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int,
@@ -583,6 +622,8 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
     else:
         scale = layout.numbers.traced_scale
     saved = vals[2] * scale / _tp_divisor(blk, spec, mesh.tp, layout.sequence_parallel, layout.strategies) / mesh.cp
+    if blk.expert is not None and mesh.ep > 1:  # worst case of dropless routing (passes/moe_cost.py)
+        saved = np.where(blk.expert, saved * moe_cost.expert_memory_factor(spec, mesh), saved)
     keep = blk.fwd.copy()
     if kind is BlockKind.LAYER and layout.recompute is Recompute.SELECTIVE:
         keep &= ~blk.rerun  # the checkpoint keeps the module's input: the norm's output, kept anyway
@@ -597,38 +638,72 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
 
 def block_params(ct: CompiledTable, layout: Layout, kind: BlockKind) -> float:
     """Parameters of one instance of block `kind` held by one device (TP-sharded as the sharding
-    table says, before ZeRO)."""
-    return sharding.params_per_rank(ct.spec, kind, ct.block(kind).params, layout.mesh.tp, layout.strategies)
+    table says, before ZeRO; of the routed experts, which the table keeps whole on every tp rank,
+    the E/ep this ep rank holds)."""
+    held = sharding.params_per_rank(ct.spec, kind, ct.block(kind).params, layout.mesh.tp, layout.strategies)
+    if kind is BlockKind.LAYER and ct.spec.is_moe:
+        held -= ct.spec.expert_params - expert_block_params(ct, layout, kind)
+    return held
 
 
-def _dp_group(layout: Layout) -> int:
-    return layout.mesh.dp * layout.mesh.cp
+def expert_block_params(ct: CompiledTable, layout: Layout, kind: BlockKind) -> float:
+    """The part of `block_params` that is routed experts (reduced and ZeRO-sharded over dp x cp)."""
+    return moe_cost.expert_params(ct.spec, layout.mesh) if kind is BlockKind.LAYER else 0.0
 
 
-def state_bytes(params: float, layout: Layout) -> MemoryBreakdown:
+def _dp_group(layout: Layout, *, experts: bool = False) -> int:
+    """Ranks that reduce a gradient and share its ZeRO shards: dp x ep x cp for the dense parameters
+    (the ep peers are data-parallel replicas), dp x cp for the routed experts."""
+    mesh = layout.mesh
+    return mesh.dp * mesh.cp * (1 if experts else mesh.ep)
+
+
+def _sync_groups(params, layout: Layout, expert) -> tuple:
+    """(parameters, group size, stride) of each gradient-sync group of a stage that holds `params`
+    parameters, `expert` of them routed experts (runtime/dist_model.py GradSyncs): the dense ones
+    over dp x ep x cp (stride tp), the experts over dp x cp, which spans the same ranks at ep times
+    the spacing (stride ep*tp in the rank order (pp, dp, ep, cp, tp); exact for cp = 1). One group
+    when ep = 1."""
+    tp, ep = layout.mesh.tp, layout.mesh.ep
+    if ep == 1 or not np.any(expert):
+        return ((params, _dp_group(layout), tp),)
+    return ((params - expert, _dp_group(layout), tp), (expert, _dp_group(layout, experts=True), ep * tp))
+
+
+def _group_time(hw: DeviceProfile, op: Collective, groups: tuple, per_param: float):
+    """Seconds of `op` over every sync group, one after the other (they share the device's links)."""
+    return sum(best_time(hw, op, p * per_param, size=n, stride=s) for p, n, s in groups)
+
+
+def _zeros_like(x):
+    return np.zeros_like(x, dtype=float) if isinstance(x, np.ndarray) else 0.0
+
+
+def state_bytes(params: float, layout: Layout, *, expert: float = 0.0) -> MemoryBreakdown:
     """Weights, gradients and optimizer state of `params` parameters under the ZeRO level,
-    sharded over the dp x cp group (Rajbhandari et al. 2020, ZeRO, sec. 5); none of it on the
-    device under offload (FSDP2's CPUOffloadPolicy keeps the ZeRO-3 shards in host memory)."""
-    shard = float(_dp_group(layout))
-    z = layout.zero
+    sharded over the dp x ep x cp group (Rajbhandari et al. 2020, ZeRO, sec. 5), the `expert` of
+    them that are routed experts over dp x cp; none of it on the device under offload (FSDP2's
+    CPUOffloadPolicy keeps the ZeRO-3 shards in host memory)."""
     if layout.offload:  # the shards live in host memory; a block is gathered on the device as it runs (buffer_bytes)
         return MemoryBreakdown(weights=0.0, grads=0.0, optimizer=0.0)
-    nb = layout.numbers
+    groups, z, nb = _sync_groups(params, layout, expert), layout.zero, layout.numbers
+
+    def held(per_param: float, level: int):
+        return sum(p * per_param / (n if z >= level else 1.0) for p, n, _ in groups)
+
     if z == 3:  # FSDP2 (runtime/zero3.py): the fp32 shard is the master, the optimizer keeps Adam m, v
-        return MemoryBreakdown(weights=params * nb.sharded_weight_bytes / shard, grads=params * nb.grad_bytes / shard,
-                               optimizer=params * (nb.optim_bytes - nb.master_bytes) / shard)
-    return MemoryBreakdown(
-        weights=params * nb.param_bytes,
-        grads=params * nb.grad_bytes / (shard if z >= 2 else 1.0),
-        optimizer=params * nb.optim_bytes / (shard if z >= 1 else 1.0),
-    )
+        return MemoryBreakdown(weights=held(nb.sharded_weight_bytes, 3), grads=held(nb.grad_bytes, 3),
+                               optimizer=held(nb.optim_bytes - nb.master_bytes, 3))
+    return MemoryBreakdown(weights=params * nb.param_bytes, grads=held(nb.grad_bytes, 2),
+                           optimizer=held(nb.optim_bytes, 1))
 
 
-def dp_exposed_time(hw: DeviceProfile, params, layout: Layout, *, backward_s, forward_s):
+def dp_exposed_time(hw: DeviceProfile, params, layout: Layout, *, backward_s, forward_s, expert=0.0):
     """Per-step gradient sync of one stage left on the critical path (numbers or numpy arrays), as
     Megatron-LM's distributed optimizer overlaps it (`overlap_grad_reduce`, `overlap_param_gather`):
     the gradient all-reduce / reduce-scatter behind the last micro-batch's backward, the all-gather
-    of the updated weights behind the next step's first forward.
+    of the updated weights behind the next step's first forward. `expert`: the routed-expert share
+    of `params`, synced over its own group after the dense one (`_sync_groups`).
 
     Two limits on that overlap (`_dp_sync_exposed`): the gradients are reduced in buckets
     (`dp_bucket_params`), and the bucket holding the first layers is only ready when the backward
@@ -637,66 +712,75 @@ def dp_exposed_time(hw: DeviceProfile, params, layout: Layout, *, backward_s, fo
     chunk's gradients are final when its last backward runs, which for all but the rank's first
     chunk is long before the drain ends: only the first chunk's share (1/v of the bytes, behind
     1/v of the backward) is left over."""
-    n, tp = _dp_group(layout), layout.mesh.tp
-    if n == 1 or layout.zero == 3:
-        return np.zeros_like(backward_s, dtype=float) if isinstance(backward_s, np.ndarray) else 0.0
+    groups = _sync_groups(params, layout, expert)
+    if layout.zero == 3 or all(n == 1 for _, n, _ in groups):
+        return _zeros_like(backward_s)
     nb = layout.numbers
     if layout.zero == 0:
-        return _dp_sync_exposed(hw, Collective.ALL_REDUCE, params, nb.grad_bytes, layout, overlap_s=backward_s)
-    ag = _dp_sync_exposed(hw, Collective.ALL_GATHER, params, nb.param_bytes, layout, overlap_s=forward_s)
-    rs = 0.0 if layout.zero == 2 else _dp_sync_exposed(hw, Collective.REDUCE_SCATTER, params, nb.grad_bytes, layout,
+        return _dp_sync_exposed(hw, Collective.ALL_REDUCE, groups, nb.grad_bytes, layout, overlap_s=backward_s)
+    ag = _dp_sync_exposed(hw, Collective.ALL_GATHER, groups, nb.param_bytes, layout, overlap_s=forward_s)
+    rs = 0.0 if layout.zero == 2 else _dp_sync_exposed(hw, Collective.REDUCE_SCATTER, groups, nb.grad_bytes, layout,
                                                        overlap_s=backward_s)
     return rs + ag
 
 
-def dp_bucket_params(layout: Layout) -> float:
+def dp_bucket_params(layout: Layout, *, experts: bool = False) -> float:
     """Parameters per gradient bucket of the data-parallel sync: Megatron-Core's DDP default
     max(40M, 1M x data-parallel size) (megatron/core/distributed/distributed_data_parallel.py:
-    the bucket grows with the group so that the ring's per-rank latency stays amortised)."""
-    return max(40e6, 1e6 * _dp_group(layout))
+    the bucket grows with the group so that the ring's per-rank latency stays amortised);
+    `experts`: of the routed experts' group (dp x cp)."""
+    return _bucket_params(_dp_group(layout, experts=experts))
 
 
-def _dp_sync_exposed(hw: DeviceProfile, op: Collective, params, bytes_per_param: float, layout: Layout, *,
+def _bucket_params(group: int) -> float:
+    return max(40e6, 1e6 * group)
+
+
+def _dp_sync_exposed(hw: DeviceProfile, op: Collective, groups: tuple, bytes_per_param: float, layout: Layout, *,
                      overlap_s):
-    """Exposed seconds of one data-parallel collective over a stage's `params` (see `dp_exposed_time`):
-    the rank's first chunk (1/v of the parameters) against 1/v of the compute it overlaps, and never
-    less than that chunk's last bucket."""
-    n, tp, v = _dp_group(layout), layout.mesh.tp, layout.virtual_stages
-    chunk = params / v
-    whole = best_time(hw, op, chunk * bytes_per_param, size=n, stride=tp)
-    last = best_time(hw, op, np.minimum(chunk, dp_bucket_params(layout)) * bytes_per_param, size=n, stride=tp)
-    return np.maximum(last, whole - overlap_s / v)
+    """Exposed seconds of one data-parallel collective over a stage's sync `groups` (`_sync_groups`; see
+    `dp_exposed_time`): the rank's first chunk (1/v of the parameters) against 1/v of the compute it
+    overlaps, and never less than that chunk's last bucket (the larger of the groups' last buckets)."""
+    v = layout.virtual_stages
+    whole = sum(best_time(hw, op, p / v * bytes_per_param, size=n, stride=s) for p, n, s in groups)
+    last = np.maximum.reduce([np.asarray(best_time(hw, op, np.minimum(p / v, _bucket_params(n)) * bytes_per_param,
+                                                   size=n, stride=s)) for p, n, s in groups])
+    out = np.maximum(last, whole - overlap_s / v)
+    return out if isinstance(out, np.ndarray) and out.ndim else float(out)
 
 
-def zero2_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
+def zero2_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: float = 0.0) -> float:
     """ZeRO-2 communication of one micro-batch of one stage: the reduce-scatter of its gradients
     (runtime/data_parallel.py drops the full gradient after each micro-batch, DeepSpeed stage 2);
     it overlaps that micro-batch's backward."""
-    n, tp = _dp_group(layout), layout.mesh.tp
-    if layout.zero != 2 or n == 1:
+    if layout.zero != 2:
         return 0.0
-    return best_time(hw, Collective.REDUCE_SCATTER, params * layout.numbers.grad_bytes, size=n, stride=tp)
+    return _group_time(hw, Collective.REDUCE_SCATTER, _sync_groups(params, layout, expert), layout.numbers.grad_bytes)
 
 
-def zero3_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
+def zero3_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: float = 0.0) -> float:
     """ZeRO-3 communication of one micro-batch of one stage: all-gather the weights in forward
     and again in backward, reduce-scatter the gradients."""
-    n, tp = _dp_group(layout), layout.mesh.tp
-    if layout.zero != 3 or n == 1:
+    if layout.zero != 3:
         return 0.0
-    ag = best_time(hw, Collective.ALL_GATHER, params * layout.numbers.param_bytes, size=n, stride=tp)
-    return 2 * ag + best_time(hw, Collective.REDUCE_SCATTER, params * layout.numbers.grad_bytes, size=n, stride=tp)
+    groups, nb = _sync_groups(params, layout, expert), layout.numbers
+    return (2 * _group_time(hw, Collective.ALL_GATHER, groups, nb.param_bytes)
+            + _group_time(hw, Collective.REDUCE_SCATTER, groups, nb.grad_bytes))
 
 
-def offload_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
+def _shard(params, layout: Layout, expert):
+    """Parameters of this device's ZeRO shard (ZeRO >= 1)."""
+    return sum(p / n for p, n, _ in _sync_groups(params, layout, expert))
+
+
+def offload_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: float = 0.0) -> float:
     """Host-link traffic of one micro-batch of one stage under offload (ZeRO-Offload, arXiv 2101.06840,
     sec. 4; FSDP2 CPUOffloadPolicy): this device's weight shard copied host -> device before each of
     ZeRO-3's two gathers, its gradient shard device -> host after the reduce-scatter."""
     if not layout.offload:
         return 0.0
     link = _host(hw, "host_link_bandwidth")
-    shard = params / _dp_group(layout)
-    return shard * (2 * layout.numbers.sharded_weight_bytes + layout.numbers.grad_bytes) / link
+    return _shard(params, layout, expert) * (2 * layout.numbers.sharded_weight_bytes + layout.numbers.grad_bytes) / link
 
 
 def _host(hw: DeviceProfile, field: str) -> float:
@@ -707,18 +791,20 @@ def _host(hw: DeviceProfile, field: str) -> float:
     return value
 
 
-def zero_exposed_time(hw: DeviceProfile, params, layout: Layout, *, compute_s, backward_s):
+def zero_exposed_time(hw: DeviceProfile, params, layout: Layout, *, compute_s, backward_s, expert=0.0):
     """ZeRO traffic of one micro-batch of one stage that its own work does not hide: ZeRO-3's
     weight gathers and gradient reduce-scatter (and under offload their host copies) behind its
-    compute, ZeRO-2's gradient reduce-scatter behind its backward (numbers or numpy arrays)."""
-    return (np.maximum(0.0, zero3_time(hw, params, layout) + offload_time(hw, params, layout) - compute_s)
-            + np.maximum(0.0, zero2_time(hw, params, layout) - backward_s))
+    compute, ZeRO-2's gradient reduce-scatter behind its backward (numbers or numpy arrays;
+    `expert`: the routed-expert share of `params`)."""
+    z3 = zero3_time(hw, params, layout, expert=expert) + offload_time(hw, params, layout, expert=expert)
+    return (np.maximum(0.0, z3 - compute_s)
+            + np.maximum(0.0, zero2_time(hw, params, layout, expert=expert) - backward_s))
 
 
-def optimizer_time(hw: DeviceProfile, params: float, layout: Layout) -> float:
+def optimizer_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: float = 0.0) -> float:
     """Adam on this device's shard: memory-bound, OPTIM_TRAFFIC bytes per parameter (under offload
     on the host, at the host memory bandwidth per device)."""
-    shard = params / (_dp_group(layout) if layout.zero >= 1 else 1)
+    shard = _shard(params, layout, expert) if layout.zero >= 1 else params
     if layout.offload:
         return shard * OPTIM_TRAFFIC / (_host(hw, "host_memory_bandwidth") * hw.vector_efficiency)
     return shard * OPTIM_TRAFFIC / (hw.hbm_bandwidth * hw.vector_efficiency)
@@ -738,7 +824,7 @@ def p2p_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, *, seq_len: i
     act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
     if layout.sequence_parallel:  # the stages exchange the sequence shard
         act /= mesh.tp
-    send = collective_time(hw, Collective.SEND_RECV, act, size=2, stride=mesh.dp * mesh.cp * mesh.tp)
+    send = collective_time(hw, Collective.SEND_RECV, act, size=2, stride=mesh.dp * mesh.ep * mesh.cp * mesh.tp)
     crossings = schedules.p2p_factor(layout.schedule, layout.virtual_stages)  # interleaving: v x the sends
     if crossings == 1:
         return 2 * send
@@ -778,10 +864,11 @@ def pipeline_time(stage_times: Sequence[float], microbatches: int, *, schedule: 
 
 def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
     """Training FLOPs per token in the paper's MFU convention: 6N + 12 L d s for LLaMA
-    (PaLM, arXiv 2204.02311 app. B); for Mamba-2, 6N plus 3x the SSD forward FLOPs of
-    arXiv 2405.21060 sec. 8.3 per token."""
+    (PaLM, arXiv 2204.02311 app. B), N the parameters a token meets (a mixture of experts: its
+    top-k experts only, Megatron-Core's MoE convention); for Mamba-2, 6N plus 3x the SSD forward
+    FLOPs of arXiv 2405.21060 sec. 8.3 per token."""
     spec = ct.spec
-    n = sum(blk.params * blk.count for blk in ct.blocks.values())
+    n = moe_cost.active_params_per_token(spec, sum(blk.params * blk.count for blk in ct.blocks.values()))
     if spec.family is Family.LLAMA:
         return 6.0 * n + 12.0 * spec.layers * spec.hidden * seq_len
     h, p, nst = spec.heads, spec.head_dim, spec.state
@@ -807,7 +894,7 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     layout = resolved(layout, hw)
     mesh = layout.mesh
     _check(spec, layout, global_batch, seq_len)
-    m = global_batch // (mesh.dp * layout.micro_batch)
+    m = layout.microbatches(global_batch)
     if stages is None:
         stages = even_stages(spec.layers, mesh.pp, recompute=layout.recompute)
     stages = tuple(stages)
@@ -819,6 +906,7 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     bts = {r: {k: block_time(ct, hw, lay, k, seq_len=seq_len) for k in kinds} for r, lay in levels.items()}
     acts = {r: {k: block_activation_bytes(ct, lay, k, seq_len=seq_len, hw=hw) for k in kinds} for r, lay in levels.items()}
     prm = {k: block_params(ct, layout, k) for k in kinds}
+    expert_layer = expert_block_params(ct, layout, BlockKind.LAYER)
     p2p = p2p_time(ct, hw, layout, seq_len=seq_len)
 
     times, parts, peaks = [], [], []
@@ -830,38 +918,40 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
         else:
             counts_params = 0.0
         params = sum(prm[k] * c for k, c in counts.items()) + counts_params
+        experts = expert_layer * st.layers  # the routed-expert share of `params` (MoE)
         comp = sum((bt[k].compute_s) * c for k, c in counts.items())
         reco = sum(bt[k].recompute_s * c for k, c in counts.items())
         tpc = sum(bt[k].tp_comm_s * c for k, c in counts.items())
         cpc = sum(bt[k].cp_comm_s * c for k, c in counts.items())
+        epc = sum(bt[k].ep_comm_s * c for k, c in counts.items())
         bwd_last = sum(bt[k].bwd_s * c for k, c in counts.items())
         fwd_first = sum(bt[k].fwd_s * c for k, c in counts.items())
-        zexp = float(zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last))
-        t = comp + reco + tpc + cpc + p2p + zexp
+        zexp = float(zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts))
+        t = comp + reco + tpc + cpc + epc + p2p + zexp
         times.append(t)
-        parts.append((comp, reco, tpc, cpc, p2p, zexp, params, bwd_last, fwd_first))
+        parts.append((comp, reco, tpc, cpc, epc, p2p, zexp, params, experts, bwd_last, fwd_first))
         in_flight = schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages)
         stage_act = sum(act[k] * c for k, c in counts.items()) * in_flight
-        mem = state_bytes(params, layout)
+        mem = state_bytes(params, layout, expert=experts)
         buffers = buffer_bytes(ct, layout, seq_len=seq_len)
         logit = logits_bytes(ct, layout, seq_len=seq_len, hw=hw) if st.head else 0.0
         peaks.append(MemoryBreakdown(weights=mem.weights, grads=mem.grads, optimizer=mem.optimizer,
                                      activations=stage_act, logits=logit, buffers=buffers))
 
     slow = int(np.argmax(times))
-    comp, reco, tpc, cpc, p2p_s, zexp, params, _, _ = parts[slow]
+    comp, reco, tpc, cpc, epc, p2p_s, zexp = parts[slow][:7]
     pipe = pipeline_time(times, m, schedule=layout.schedule, virtual_stages=layout.virtual_stages)
     # DP sync and the optimizer step are per stage and run in parallel across stages: take the
     # stage where they end last. The gradient reduce overlaps the last micro-batch's backward,
     # the weight all-gather the first forward (`dp_exposed_time`).
     tail = []
-    for (_, _, _, _, _, _, prm_i, bwd_last, fwd_first) in parts:
-        exposed = float(dp_exposed_time(hw, prm_i, layout, backward_s=bwd_last, forward_s=fwd_first))
-        tail.append((exposed, optimizer_time(hw, prm_i, layout)))
+    for (*_, prm_i, exp_i, bwd_last, fwd_first) in parts:
+        exposed = float(dp_exposed_time(hw, prm_i, layout, backward_s=bwd_last, forward_s=fwd_first, expert=exp_i))
+        tail.append((exposed, optimizer_time(hw, prm_i, layout, expert=exp_i)))
     dp_exposed, opt = max(tail, key=lambda x: x[0] + x[1])
     step = pipe + dp_exposed + opt
-    breakdown = TimeBreakdown(compute=comp * m, recompute=reco * m, tp_comm=tpc * m, cp_comm=cpc * m,
-                              p2p=p2p_s * m, pp_bubble=pipe - m * (comp + reco + tpc + cpc + p2p_s + zexp),
+    breakdown = TimeBreakdown(compute=comp * m, recompute=reco * m, tp_comm=tpc * m, cp_comm=cpc * m, ep_comm=epc * m,
+                              p2p=p2p_s * m, pp_bubble=pipe - m * (comp + reco + tpc + cpc + epc + p2p_s + zexp),
                               dp_comm_exposed=dp_exposed + zexp * m, optimizer=opt)
     peak = max(peaks, key=lambda mb: mb.total)
     tokens = global_batch * seq_len
@@ -893,7 +983,7 @@ def _check(spec: ModelSpec, layout: Layout, global_batch: int, seq_len: int) -> 
     mesh = layout.mesh
     check_schedule(layout.schedule, layout.virtual_stages, pp=mesh.pp)
     schedules.check_chunks(layout.schedule, layout.virtual_stages, pp=mesh.pp, layers=spec.layers,
-                           microbatches=global_batch // (mesh.dp * layout.micro_batch))
+                           microbatches=layout.microbatches(global_batch))
 
 
 # Pieces the inference cost model (passes/inference_cost.py) prices forward passes with.

@@ -39,7 +39,9 @@ Rules (the runtime's, see DESIGN.md):
   ZeRO  0-3; levels 2 and 3 need pp = 1 (`zero_violation`): they reduce gradients after every
         micro-batch, which a pipeline schedule's accumulation does not allow (DeepSpeed's rule too).
         The runtime runs every level (`RUNTIME_ZERO`, what the planner searches): 1-2 in
-        runtime/data_parallel.py, 3 through FSDP2 (runtime/zero3.py).
+        runtime/data_parallel.py, 3 through FSDP2 (runtime/zero3.py). ZeRO-3 needs ep = 1: FSDP2
+        shards over one group (dp x cp), while under ep the dense gradients are reduced over
+        dp x ep x cp and the experts' over dp x cp (runtime/dist_model.py); ZeRO-1/2 run per group.
 """
 
 from __future__ import annotations
@@ -309,6 +311,10 @@ def zero_violation(mesh: Mesh, zero: int) -> str | None:
     if zero >= 2 and mesh.pp > 1:
         return (f"ZeRO-{zero} with pp={mesh.pp}: gradients are reduce-scattered after every micro-batch, which "
                 "a pipeline schedule does not allow; use ZeRO-1 with pp > 1")
+    if zero == 3 and mesh.ep > 1:
+        return (f"ZeRO-3 with ep={mesh.ep}: FSDP2 shards over one group (dp x cp), but under expert parallelism "
+                "the dense gradients are reduced over dp x ep x cp and the experts' over dp x cp; use ZeRO-2 "
+                "(gradients and optimizer state sharded per group) or ep=1")
     return None
 
 
@@ -322,10 +328,8 @@ def valid_meshes(spec: ModelSpec, devices: int, *, global_batch: int, seq_len: i
         raise InvalidConfigError(f"micro-batch {micro_batch} does not divide the global batch {global_batch}; "
                                  "no dp x micro-batch can divide it: pick a micro-batch that divides it")
     rules = dict(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
-    # the cost model on main does not price ep yet (the MoE cost model is on branch moe): sweep and the
-    # planner search ep = 1; the runtime (check_plan, parallelize) runs ep > 1 for MoE models
     good = tuple(m for m in _meshes(devices, lambda axis, size: axis_violation(spec, axis, size, **rules) is None)
-                 if m.ep == 1)
+                 if plan_violation(spec, m, **rules) is None)  # the rules of two axes (dp x ep x micro-batch)
     if good:
         return good
     dense = (m for m in _meshes(devices) if m.ep == 1 or spec.is_moe)  # lazily: a huge device count has very many
@@ -355,8 +359,6 @@ def mesh_micro_batches(spec: ModelSpec, devices: int, *, global_batch: int, seq_
     rules = dict(global_batch=global_batch, seq_len=seq_len)
     out = []
     for mesh in _meshes(devices, lambda axis, size: axis_violation(spec, axis, size, **rules) is None):
-        if mesh.ep > 1:  # not priced by the cost model yet (see valid_meshes)
-            continue
         for mb in micro_batches:
             if plan_violation(spec, mesh, **rules, micro_batch=mb) is None:
                 out.append((mesh, mb))

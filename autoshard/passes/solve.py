@@ -255,7 +255,8 @@ def min_peak_bytes(problem: MeshProblem) -> float:
 def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
                       zeros: tuple[int, ...] = RUNTIME_ZERO, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
                       schedules: tuple = RUNTIME_SCHEDULES, offload: bool = False,
-                      sequence_parallel: tuple[bool, ...] = RUNTIME_SEQUENCE_PARALLEL) -> list[Layout]:
+                      sequence_parallel: tuple[bool, ...] = RUNTIME_SEQUENCE_PARALLEL,
+                      moe_imbalance: float = 1.0) -> list[Layout]:
     """Every (mesh, micro-batch, intra-op strategy, ZeRO, schedule) the planner searches: the valid
     (mesh, micro-batch) pairs of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses)
     times, under tp > 1, sequence parallelism on / off (`sequence_parallel`, the values the runtime
@@ -264,7 +265,8 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
     replicated, Mamba-2 groups split or whole) times the ZeRO levels the runtime runs that go with the
     mesh (`layouts.zero_violation`) times, for pp > 1, the pipeline schedules and virtual stages the
     runtime runs (`layouts.RUNTIME_SCHEDULES`); `offload`: ZeRO-3 also with optimizer offload (where
-    the device profile prices the host link)."""
+    the device profile prices the host link); `moe_imbalance`: the busiest expert's load over the mean
+    (passes/moe_cost.py), the same for every layout."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
     intra = {}  # mesh -> its (sequence_parallel, strategies) options
@@ -273,10 +275,10 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
                if not sp or sequence_parallel_violation(spec, mesh, seq_len) is None]
         intra[mesh] = [(sp, st) for sp in sps for st in strategy_options(spec, mesh.tp, sequence_parallel=sp)]
     return [Layout(mesh=mesh, micro_batch=mb, zero=z, offload=o, schedule=sched, virtual_stages=v,
-                   sequence_parallel=sp, strategies=st)
+                   sequence_parallel=sp, strategies=st, moe_imbalance=moe_imbalance)
             for mesh, mb in pairs for sp, st in intra[mesh] for z in zeros if zero_violation(mesh, z) is None
             for o in ((False, True) if offload and z == 3 else (False,))
-            for sched, v in pipeline_schedules(spec, mesh.pp, global_batch // (mesh.dp * mb), schedules)]
+            for sched, v in pipeline_schedules(spec, mesh.pp, global_batch // (mesh.dp * mesh.ep * mb), schedules)]
 
 
 def pipeline_schedules(spec, pp: int, microbatches: int, options=RUNTIME_SCHEDULES) -> list:
@@ -319,16 +321,17 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     mesh, spec = layout.mesh, ct.spec
     p2p = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
     work = sum(bt.values()) + (spec.layers - 1) * bt[cost.BlockKind.LAYER] + mesh.pp * p2p
-    m = global_batch // (mesh.dp * layout.micro_batch)
+    m = layout.microbatches(global_batch)
     heaviest = max(bt.values()) + p2p
     params = sum(cost.block_params(ct, layout, k) for k in kinds) + \
         (spec.layers - 1) * cost.block_params(ct, layout, cost.BlockKind.LAYER)
     if spec.tied and mesh.pp > 1:
         params += cost.block_params(ct, layout, cost.BlockKind.EMBED)  # the head's copy
     avg = params / mesh.pp  # the stage with the most parameters holds at least the average
+    experts = spec.layers * cost.expert_block_params(ct, layout, cost.BlockKind.LAYER) / mesh.pp
     f = float(bubble_fraction(layout.schedule, layout.virtual_stages, microbatches=m, pp=mesh.pp))
-    step = f * work + (m - f) * max(work / mesh.pp, heaviest) + cost.optimizer_time(hw, avg, layout)
-    peak = cost.state_bytes(avg, layout).total + cost.buffer_bytes(ct, layout, seq_len=seq_len)
+    step = f * work + (m - f) * max(work / mesh.pp, heaviest) + cost.optimizer_time(hw, avg, layout, expert=experts)
+    peak = cost.state_bytes(avg, layout, expert=experts).total + cost.buffer_bytes(ct, layout, seq_len=seq_len)
     return Bounds(step_s=step, peak_bytes=peak)
 
 
@@ -405,11 +408,13 @@ def _even(problem: MeshProblem) -> Assignment:
 
 
 def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit_s: float = 10.0,
-          progress: Progress | None = None, table=None, fingerprint: str | None = None) -> Plan:
+          progress: Progress | None = None, table=None, fingerprint: str | None = None,
+          moe_imbalance: float = 1.0) -> Plan:
     """The fastest plan that fits (see the module docstring). `hw`: a profile or its name;
     `table`: a CostTable / CompiledTable already built for `spec` (built here when None);
     `time_limit_s`: CP-SAT's deterministic-time budget per layout (`solve_mesh`);
-    `fingerprint`: the model's, when the caller has it (else built from `spec` on meta)."""
+    `fingerprint`: the model's, when the caller has it (else built from `spec` on meta);
+    `moe_imbalance`: the busiest expert's load over the mean, for a mixture of experts (passes/moe_cost.py)."""
     from autoshard.hardware import load_hardware
     from autoshard.passes.shapes import build_cost_table
 
@@ -419,7 +424,8 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
     hw = load_hardware(hw)
     t0 = time.perf_counter()
     layouts = candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len,
-                                offload=hw.host_link_bandwidth is not None and hw.host_memory_bandwidth is not None)
+                                offload=hw.host_link_bandwidth is not None and hw.host_memory_bandwidth is not None,
+                                moe_imbalance=moe_imbalance)
     if not layouts:
         raise InvalidConfigError(
             f"no valid layout of {devices} devices for {spec.name}: tp must divide the heads ({spec.heads}), "

@@ -116,7 +116,7 @@ def block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
         for ki, k in enumerate(KINDS):
             bt = cost.block_time(ct, hw, lay, k, seq_len=seq_len)
             comp[ri, ki], bwd[ri, ki], fwd[ri, ki] = bt.compute_s, bt.bwd_s, bt.fwd_s
-            other[ri, ki] = bt.recompute_s + bt.tp_comm_s + bt.cp_comm_s
+            other[ri, ki] = bt.recompute_s + bt.comm_s
             act[ri, ki] = cost.block_activation_bytes(ct, lay, k, seq_len=seq_len, hw=hw)
     return BlockNumbers(recomputes=tuple(recomputes), compute_s=comp, other_s=other, bwd_s=bwd, fwd_s=fwd,
                         act_bytes=act,
@@ -134,16 +134,17 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     counts = np.stack([np.full_like(n, float(embed)), n, np.full_like(n, float(head))])  # [kind, n]
     tied = blocks.params[0] if head and ct.spec.tied and not embed else 0.0
     params = blocks.params @ counts + tied
+    experts = n * cost.expert_block_params(ct, layout, BlockKind.LAYER)  # MoE: reduced over dp x cp apart
     comp = blocks.compute_s @ counts  # [r, n]
     bwd_last = blocks.bwd_s[0] @ counts  # backward time does not depend on the recompute level
     time = comp + blocks.other_s @ counts + blocks.p2p_s + cost.zero_exposed_time(
-        hw, params, layout, compute_s=comp, backward_s=bwd_last)
-    state = cost.state_bytes(params, layout)
+        hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts)
+    state = cost.state_bytes(params, layout, expert=experts)
     other_mem = (state.weights + state.grads + state.optimizer + (blocks.logits_bytes if head else 0.0)
                  + cost.buffer_bytes(ct, layout, seq_len=seq_len))
     fwd_first = blocks.fwd_s[0] @ counts
-    tail = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first)
-            + cost.optimizer_time(hw, params, layout))
+    tail = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)
+            + cost.optimizer_time(hw, params, layout, expert=experts))
     return time, blocks.act_bytes @ counts, np.broadcast_to(other_mem, n.shape), np.broadcast_to(tail, n.shape), params
 
 
@@ -154,7 +155,7 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     layout's `block_numbers`, when the caller already has them (they are shared by ZeRO levels)."""
     layout = cost.resolved(layout, hw)
     mesh, layers = layout.mesh, ct.spec.layers
-    m = global_batch // (mesh.dp * layout.micro_batch)
+    m = layout.microbatches(global_batch)
     blocks = blocks if blocks is not None else block_numbers(ct, hw, layout, seq_len=seq_len, recomputes=recomputes)
     if blocks.recomputes != tuple(recomputes):
         raise ValueError(f"block numbers for {blocks.recomputes}, tables asked for {tuple(recomputes)}")

@@ -6,7 +6,7 @@ rank, `coords_of` gives the rank's index on every axis and `build_groups` create
 group per axis for the peers that differ only on that axis (every rank creates every group, in
 the same order, as torch.distributed requires).
 
-Expert parallelism folds into data parallelism (Megatron-Core, torchtitan):
+Expert parallelism folds into data parallelism (Megatron-Core, torchtitan; docs/expert_parallel.md):
 the ep peers of a rank hold different experts of the same layers and different rows of the batch,
 so for the dense layers they are data-parallel replicas. With ep > 1 `build_groups` also creates
 `replicas`, the dp x ep x cp group over which dense gradients are summed (and the loss); expert

@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import autoshard
+from autoshard.errors import InvalidConfigError
+from autoshard.models.presets import build_model, get_spec
 from tests.runtime.dist_harness import run_ranks
 from tests.runtime.equivalence import check_plan
 
@@ -52,7 +55,23 @@ WORLD4 = (
 )
 
 
+def _bad_plans_raise_on_every_rank(rank: int, world: int) -> None:
+    """ep > 1 on a dense model, ep not dividing the experts: the same InvalidConfigError on every
+    rank, raised before any collective (a rank that went on would hang the other)."""
+    from transformers import AutoModelForCausalLM
+
+    three = get_spec("mixtral-tiny").hf_config()
+    three.num_local_experts = 3
+    cases = ((build_model(get_spec("llama-tiny")), "has no experts"),
+             (AutoModelForCausalLM.from_config(three), r"ep \(2\) does not divide the 3 experts"))
+    for model, message in cases:
+        with pytest.raises(InvalidConfigError, match=message):
+            autoshard.parallelize(model, torch.zeros(2, 16, dtype=torch.long), plan=dict(ep=2))
+
+
 def _run_all(rank: int, world: int, configs) -> None:
+    if world == 2:
+        _bad_plans_raise_on_every_rank(rank, world)
     for preset, plan, prepare, logits in configs:
         check_plan(preset, plan, logits=logits, prepare=prepare)
 
