@@ -137,7 +137,7 @@ def _layout_plan(spec, lay, *, devices, global_batch, seq_len):
     return Plan(model=spec.name, fingerprint="", hardware="h100", devices=devices, global_batch=global_batch,
                 seq_len=seq_len, mesh=lay.mesh, micro_batch=lay.micro_batch, zero=lay.zero,
                 offload_optimizer=lay.offload, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
-                sequence_parallel=lay.sequence_parallel)
+                sequence_parallel=lay.sequence_parallel, strategies=lay.strategies)
 
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny"])

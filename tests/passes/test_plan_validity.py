@@ -50,7 +50,9 @@ def random_spec(rng: random.Random) -> ModelSpec:
 
 def _plan(spec: ModelSpec, layout, *, devices: int, global_batch: int, seq_len: int) -> Plan:
     return Plan(model=spec.name, fingerprint="", hardware="cpu", devices=devices, global_batch=global_batch,
-                seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch, zero=layout.zero)
+                seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch, zero=layout.zero,
+                offload_optimizer=layout.offload, schedule=layout.schedule, virtual_stages=layout.virtual_stages,
+                sequence_parallel=layout.sequence_parallel, strategies=layout.strategies)
 
 
 def _slices_evenly(spec: ModelSpec, plan: Plan, shapes: dict) -> None:
