@@ -81,3 +81,25 @@ def test_saved_bytes_equal_the_cost_model(spec, seq):
 def test_mid_size_spec_is_a_valid_hf_model():
     model = build_model(dataclasses.replace(MID, layers=1), device="meta")
     assert model.config.n_groups == 1 and model.config.num_heads * model.config.head_dim == 2 * MID.hidden
+
+
+def test_cached_mixer_is_hfs_cached_path():
+    """`cached_mixer_forward` (generation): a prompt, then one token at a time, gives HF's own cached
+    mixer outputs and leaves the same conv and SSM states (mamba2-tiny: 2 groups, 2 chunks of prompt)."""
+    from transformers import DynamicCache
+
+    from autoshard.runtime.ssd import cached_mixer_forward
+
+    spec = get_spec("mamba2-tiny")
+    model = build_model(spec, seed=0).eval()
+    mixer = model.backbone.layers[0].mixer
+    ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    torch.manual_seed(1)
+    steps = [torch.randn(2, 20, spec.hidden)] + [torch.randn(2, 1, spec.hidden) for _ in range(3)]
+    with torch.no_grad():
+        for h in steps:
+            got = cached_mixer_forward(mixer, h, ours)
+            want = type(mixer).forward(mixer, h, cache=theirs)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for get in ("get_conv_state", "get_recurrent_state"):
+        torch.testing.assert_close(getattr(ours, get)(0), getattr(theirs, get)(0), rtol=1e-4, atol=1e-5)
