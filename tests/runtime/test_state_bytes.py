@@ -31,6 +31,7 @@ PLANS = (  # all bf16-mixed, world 2
     dict(dp=2, zero=1),
     dict(dp=2, zero=2, micro_batch=2),
     dict(tp=2),
+    dict(cp=2, zero=1),  # the optimizer shards over dp x cp (Megatron's distributed optimizer under CP)
     dict(dp=2, zero=3),
 )
 PARTS = ("weights", "grads", "optimizer")
@@ -45,7 +46,7 @@ def _table():
 def priced(plan: dict) -> dict[str, float]:
     """The cost model's bytes per rank for `plan` (bf16-mixed), by part."""
     spec = get_spec(PRESET)
-    mesh = Mesh(dp=plan.get("dp", 1), tp=plan.get("tp", 1))
+    mesh = Mesh(dp=plan.get("dp", 1), tp=plan.get("tp", 1), cp=plan.get("cp", 1))
     layout = Layout(mesh=mesh, zero=plan.get("zero", 0), micro_batch=plan.get("micro_batch", 1),
                     precision="bf16-mixed")
     memory = estimate(_table(), spec, load_hardware("h100"), layout, global_batch=GLOBAL_BATCH,
@@ -96,5 +97,6 @@ def test_a_rank_keeps_what_the_cost_model_prices():
     n = expected[0]["weights"] / 2
     assert expected[0] == dict(weights=2 * n, grads=4 * n, optimizer=12 * n)
     assert expected[2] == dict(weights=2 * n, grads=4 * n / 2, optimizer=12 * n / 2)
-    assert expected[4] == dict(weights=4 * n / 2, grads=4 * n / 2, optimizer=8 * n / 2)  # FSDP2: fp32 shards
+    assert expected[4] == expected[1]
+    assert expected[5] == dict(weights=4 * n / 2, grads=4 * n / 2, optimizer=8 * n / 2)  # FSDP2: fp32 shards
     run_ranks(2, _measure_all, expected)
