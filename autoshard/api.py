@@ -118,8 +118,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         out = given()
         if schedule is not None:
             out = dataclasses.replace(out, schedule=schedule)
-        if out.sequence_parallel:  # removed when runtime/tensor_parallel.py runs it (issue 13)
-            raise InvalidConfigError("sequence_parallel is not run by the runtime yet; set it to false")
+        if out.sequence_parallel:
+            _check_sequence_attention(model)
         _check_router_aux(model, out)
         return out
 
@@ -129,12 +129,14 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                                           timeout_s=timeout_s)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     install_ssd_mixers(model)  # the SSD as the cost model prices it (passes/kernels.py, runtime/ssd.py)
+    # CP first: its Mamba-2 mixers replace the mixer's forward, which TP's wrappers (checkpoint, the
+    # sequence-parallel gather) then wrap
+    cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
     experts = frozenset()
     if plan.mesh.ep > 1:  # this rank's experts; tokens dispatched by all-to-all (runtime/expert_parallel.py)
         experts = apply_expert_parallel(model, spec, groups.ep, ep=plan.mesh.ep, ep_rank=groups.coords.ep)
-    cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
     if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices
         from autoshard.runtime.zero3 import apply_zero3
 
@@ -149,11 +151,24 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         runner = PipelineRunner(model, spec, stages, pp_group=groups.pp, device=device,
                                 options=PipelineOptions(schedule=plan.schedule, micro_batch=plan.micro_batch,
                                                         virtual_stages=plan.virtual_stages,
-                                                        precision=plan.precision.resolve(device.type)),
+                                                        precision=plan.precision.resolve(device.type),
+                                                        sequence_shards=plan.mesh.tp if plan.sequence_parallel
+                                                        else 1),
                                 tp_group=groups.tp if plan.mesh.tp > 1 and program.vocab_head else None, cp=cp)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp,
                       expert_names=experts, fingerprint=fingerprint, full_shapes=full_shapes)
     return DistributedModel(setup, optimizer=optimizer)
+
+
+def _check_sequence_attention(model: nn.Module) -> None:
+    """Sequence parallelism hands HF's LLaMA model 1/tp of the sequence between layers: its mask is
+    then sized for the shard, so the attention must build its own causal mask (sdpa's is_causal,
+    flash attention, the CP attention) rather than take HF's (eager, flex)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if getattr(model.config, "model_type", "") == "llama" and impl in ("eager", "flex_attention"):
+        raise InvalidConfigError(f"sequence_parallel with attn_implementation={impl!r}: HF would build the causal "
+                                 "mask for a 1/tp shard of the sequence; load the model with "
+                                 "attn_implementation='sdpa' (the default) or set sequence_parallel to false")
 
 
 def _check_router_aux(model: nn.Module, plan: Plan) -> None:

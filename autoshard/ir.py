@@ -152,6 +152,8 @@ class ShardProgram:
     vocab_head: str | None = None
     attrs: tuple[tuple[str, str, int], ...] = ()
     checkpoint: tuple[str, ...] = ()
+    sequence_parallel: bool = False  # norms and residual on this rank's tp shard of the sequence
+    sequence_grads: tuple[str, ...] = ()  # under it: parameters whose gradients are summed over tp
 
     def placement(self, name: str) -> Placement:
         return dict(self.placements)[name]

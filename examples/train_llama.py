@@ -26,14 +26,16 @@ def parse_plan(text: str) -> dict | None:
     plan = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        plan[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+        value = value.strip()
+        plan[key.strip()] = int(value) if value.isdigit() else {"true": True, "false": False}.get(value.lower(), value)
     return plan
 
 
 def main(preset: str = "llama-tiny") -> None:
     parser = argparse.ArgumentParser(description=f"train {preset} with autoshard on CPU (gloo)")
     parser.add_argument("--plan", default="dp=1", help="mesh and options, e.g. dp=2,tp=2,zero=1,recompute=full or "
-                        "pp=2,schedule=zero-bubble,virtual_stages=2,precision=bf16-mixed, or auto: rank 0 "
+                        "pp=2,schedule=zero-bubble,virtual_stages=2,precision=bf16-mixed or tp=2,sequence_parallel=true, or "
+                        "auto: rank 0 "
                         "solves for the fastest plan on the cpu profile and broadcasts it")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=8)

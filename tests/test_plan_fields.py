@@ -114,3 +114,22 @@ def test_sequence_parallel_key():
     with pytest.raises(InvalidConfigError, match="over cp=2 leaves 10 tokens per rank, which is not divisible by "
                                                  "tp=4; pad the sequence to a multiple of tp x cp = 8"):
         check_plan(bad, spec, world_size=8)
+
+
+def test_sequence_parallel_bad_input(tmp_path, capsys):
+    """parallelize refuses sequence_parallel without tp (one process: no process group is made), and
+    `autoshard show` of such a plan file exits 2 with one line."""
+    import torch
+
+    import autoshard
+    from autoshard.models.presets import build_model
+
+    spec = get_spec("llama-tiny")
+    with pytest.raises(InvalidConfigError, match="sequence_parallel needs tp > 1"):
+        autoshard.parallelize(build_model(spec), torch.zeros(2, 16, dtype=torch.long),
+                              plan=dict(sequence_parallel=True))
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**_plan(mesh=Mesh(dp=2)).to_json(), "sequence_parallel": True}))
+    assert main(["show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sequence_parallel needs tp > 1" in err

@@ -16,6 +16,11 @@ tensor-parallel rank `r` of the unmodified HF model whose parameters are `params
   head (the loss is then the vocab-parallel cross-entropy).
 * `attrs`: (module path, attribute, value) for module fields that hold sizes (Mamba-2's mixer
   keeps num_heads, n_groups, intermediate_size, conv_dim; LLaMA's num_key_value_groups).
+* `sequence_parallel` (plan key): the `sequence` roles of the sharding table (the norms) and the
+  residual stream run on this rank's tp shard of the sequence; regions gather it, row-parallel
+  linears and the vocab embedding reduce-scatter to it, the LM head gathers it.
+  `sequence_grads`: the parameters each rank then computes a partial gradient of from its shard
+  (the norms' weights, row-parallel biases), summed over tp.
 
 What is split, how, and where the collectives go comes from the family's sharding table
 (`passes/sharding.py`); plans are checked before this pass by `passes/layouts.py check_plan`.
@@ -51,11 +56,21 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
             partial.append(name)
         placements.append((name, placement))
     layers = [sharding.layer_prefix(spec, i) for i in range(spec.layers)]
+    sequence = plan.sequence_parallel and tp > 1
     return ShardProgram(
         tp=tp, tp_rank=tp_rank, placements=tuple(placements), partial_grads=tuple(partial),
         checkpoint=_checkpointed(spec, layers, layer_recompute(plan, spec)),
+        sequence_parallel=sequence, sequence_grads=_sequence_grads(spec, params) if sequence else (),
         **(_tp_modules(spec, layers, tp, tp_rank, chosen) if tp > 1 else {}),
     )
+
+
+def _sequence_grads(spec: ModelSpec, params: Mapping[str, tuple[int, ...]]) -> tuple[str, ...]:
+    """Parameters used on the sequence shard under sequence parallelism: the `sequence` roles'
+    (norm weights) and the row-parallel biases (added after the reduce-scatter)."""
+    norms, rows = set(sharding.sequence_modules(spec)), set(sharding.modules(spec, Strategy.ROWWISE))
+    split = [name.rpartition(".") for name in params]
+    return tuple(f"{m}.{a}" for m, _, a in split if m in norms or (m in rows and a == "bias"))
 
 
 def _placement(spec: ModelSpec, name: str, tp: int, tp_rank: int, strategies=()) -> Placement:

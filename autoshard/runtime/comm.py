@@ -10,6 +10,9 @@ on the group, so a model split over tp computes the same gradients as the unspli
     sum_over_group      forward all-reduce      backward all-reduce (sum)
                         (a total every rank uses for its own slice: the gated norm's
                         sums of squares when a norm group spans ranks)
+    gather_from_sequence          forward all-gather along the sequence   backward reduce-scatter
+    reduce_scatter_to_sequence    forward reduce-scatter along it         backward all-gather
+                        (sequence parallelism: Megatron-LM's conjugate pair of the same names)
 
 They call torch.distributed directly, not `_c10d_functional.all_reduce`, whose autograd in
 torch 2.13 all-reduces again in backward (the trap in DESIGN.md). With a group of size 1 they
@@ -77,6 +80,55 @@ class _SumOverGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         return _all_reduce(grad, ctx.group), None
+
+
+def all_gather_dim(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
+    """Every rank's `x` concatenated along `dim`, in rank order (no autograd)."""
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter_dim(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
+    """This rank's slice along `dim` of the sum of every rank's `x` (no autograd). gloo has no
+    reduce-scatter: there it is an all-reduce of which each rank keeps its slice."""
+    n, rank = _size(group), dist.get_rank(group)
+    if x.shape[dim] % n:
+        from autoshard.errors import InvalidConfigError
+
+        raise InvalidConfigError(f"sequence_parallel: {x.shape[dim]} tokens along dim {dim} cannot be split over "
+                                 f"tp={n}; give a sequence length that tp (x cp) divides")
+    if dist.get_backend(group) == "gloo":
+        return _all_reduce(x, group).chunk(n, dim=dim)[rank].contiguous()
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
+    dist.reduce_scatter_tensor(out, moved, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+class _SequenceCollective(torch.autograd.Function):
+    """All-gather (`gather`) or reduce-scatter along `dim`; the backward is the other one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, dim: int, gather: bool) -> Tensor:
+        ctx.group, ctx.dim, ctx.gather = group, dim, gather
+        return (all_gather_dim if gather else reduce_scatter_dim)(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (reduce_scatter_dim if ctx.gather else all_gather_dim)(grad, ctx.group, ctx.dim), None, None, None
+
+
+def gather_from_sequence(x: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:
+    """Enter a TP region under sequence parallelism: the whole sequence from every rank's shard
+    (all-gather along `dim`), the gradient reduce-scattered back to the shards."""
+    return x if _size(group) == 1 else _SequenceCollective.apply(x, group, dim, True)
+
+
+def reduce_scatter_to_sequence(x: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:
+    """Leave a TP region under sequence parallelism: partial outputs summed and split along `dim`
+    (reduce-scatter), the gradient all-gathered."""
+    return x if _size(group) == 1 else _SequenceCollective.apply(x, group, dim, False)
 
 
 def sum_over_group(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:

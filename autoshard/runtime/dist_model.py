@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.ir import Plan, Precision
-from autoshard.models.presets import ModelSpec
+from autoshard.models.presets import Family, ModelSpec
 from autoshard.ir import Replicate, ShardProgram
 from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
 from autoshard.runtime.comm import gather_last_dim
@@ -206,6 +206,9 @@ class DistributedModel:
 
     def _forward(self, ids: Tensor, **kwargs) -> tuple[Tensor, tuple[Tensor, ...] | None]:
         """This rank's logits, and the router logits of every MoE layer when the config asks for them."""
+        if self.plan.sequence_parallel and self._setup.spec.family is Family.LLAMA and "position_ids" not in kwargs:
+            # HF would number the positions of the 1/tp shard it sees between layers
+            kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)[None]}
         if self._zero3:  # through the root forward, so that FSDP's root hooks run (HF computes the same logits)
             out = self.model(input_ids=ids, use_cache=False, **kwargs)
             return out.logits, getattr(out, "router_logits", None)
@@ -240,6 +243,9 @@ class DistributedModel:
         why = generate_violation(spec, mesh)  # the rule the inference planner checks its layouts with
         if why:
             raise InvalidConfigError(why)
+        if self.plan.sequence_parallel:
+            raise InvalidConfigError("generate decodes one token at a time, which sequence parallelism cannot split "
+                                     "over tp; generate under the same plan with sequence_parallel false")
         self._check_batch(input_ids, None, global_batch=None)  # prompt ids in the vocabulary, the same on every rank
         if self._generator is None:
             from autoshard.ir import Stage

@@ -56,6 +56,7 @@ class PipelineOptions:
     virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b, zero-bubble)
     precision: Precision = Precision.FP32  # resolved for the device; bf16-mixed: each chunk's forward autocasts
     free_other_stages: bool = True  # replace the parameters of other ranks' stages by meta tensors
+    sequence_shards: int = 1  # tp under sequence parallelism: stages exchange 1/tp of the sequence
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, Schedule):
@@ -105,7 +106,8 @@ class PipelineRunner:
         self.has_first, self.has_last = self.rank == self.first_rank, self.rank == self.last_rank
         self.cp = cp  # context parallelism (issue 6): runtime.context_parallel.CPRuntime or None
         positions = cp.positions if cp is not None else None
-        self.chunks = [build_stage_module(model, spec, self.stages[i], positions=positions) for i in self.local]
+        self.chunks = [build_stage_module(model, spec, self.stages[i], positions=positions,
+                                          sequence_shards=options.sequence_shards) for i in self.local]
         self.module = nn.ModuleList(self.chunks)  # every parameter of this rank's chunks
         self.names = original_names(model, self.module)  # stage name -> original name
         # what every pp rank holds, by original name, for gather(); shapes/dtypes from this rank's model

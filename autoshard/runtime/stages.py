@@ -53,6 +53,7 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({str(stage.first_layer + i): layer for i, layer in enumerate(layers)})
         self.norm = norm
         self.lm_head = lm_head
+        self.sequence_shards = 1  # sequence parallelism: hidden states hold 1/tp of the sequence (set by the builder)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(x) if self.embed is not None else x  # (b, s, h)
@@ -84,10 +85,11 @@ class LlamaStage(StageModule):
     def layer_kwargs(self, hidden: torch.Tensor) -> dict:
         from transformers.masking_utils import create_causal_mask
 
-        s = hidden.shape[1]
+        s = hidden.shape[1] * self.sequence_shards  # the whole (cp-local) sequence the attention sees
         position_ids = (self.positions(s) if self.positions is not None else torch.arange(s)[None])  # (1, s)
         position_ids = position_ids.to(hidden.device)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+        whole = hidden[:, :1].expand(-1, s, -1)  # its shape, for the mask (no copy)
+        mask = create_causal_mask(config=self.config, inputs_embeds=whole, attention_mask=None, cache=None,
                                   position_ids=position_ids)
         return {"attention_mask": mask, "position_ids": position_ids,
                 "position_embeddings": self.rotary_emb(hidden, position_ids=position_ids)}
@@ -102,12 +104,22 @@ class Mamba2Stage(StageModule):
 
 
 def build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
-                       positions: Callable[[int], torch.Tensor] | None = None) -> StageModule:
+                       positions: Callable[[int], torch.Tensor] | None = None,
+                       sequence_shards: int = 1) -> StageModule:
     """The module of `stage`, sharing `model`'s submodules (see the module docstring).
 
     positions: local sequence length -> (1, s) position ids of this rank's tokens (context
     parallelism); default 0..s-1. Only LLaMA uses positions (rotary embeddings, causal mask).
+    sequence_shards: tp under sequence parallelism (the hidden states between layers, and so
+    between stages, hold 1/tp of the sequence: runtime/tensor_parallel.py), else 1.
     """
+    module = _build_stage_module(model, spec, stage, positions=positions)
+    module.sequence_shards = sequence_shards
+    return module
+
+
+def _build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
+                        positions: Callable[[int], torch.Tensor] | None) -> StageModule:
     config = getattr(model, "config", None)
     layers_total = getattr(config, "num_hidden_layers", None)
     if not 0 <= stage.first_layer <= stage.end_layer <= (layers_total or 0):

@@ -11,6 +11,18 @@ collectives of the program inserted:
   (its output is this rank's vocab slice of the logits: use the vocab-parallel loss);
 * `checkpoint` modules rerun their forward in backward (torch.utils.checkpoint, non-reentrant).
 
+Sequence parallelism (`program.sequence_parallel`, Megatron-LM's, Korthikanti et al. 2022 sec.
+4.2.2): the residual stream between the regions is this rank's 1/tp shard of the sequence (dim 1),
+so the norms run on it. A region's forward first all-gathers its hidden-states input along the
+sequence (`gather_from_sequence`: reduce-scatter in backward); a tensor the region saves for
+backward that is that gathered input (the projections' input) is kept as the shard and gathered
+again when backward needs it (saved-tensor hooks, `_ShardSaved`), as Megatron keeps the sharded
+input of its column-parallel linears; a region under recompute keeps its shard as the checkpoint's
+input and gathers again in the rerun. Row-parallel linears and the vocab-parallel embedding
+reduce-scatter along the sequence (`reduce_scatter_to_sequence`) instead of all-reducing; the LM
+head all-gathers its input. The gather is in the region's forward (not a pre-hook) so that a
+checkpoint wrapped around it holds the shard.
+
 A model built on the meta device is materialised here one module at a time (HF's own
 `_init_weights`, same seed on every rank) and sliced at once, so no rank holds more than one
 full block. The class swaps keep parameter names, so `model.named_parameters()` still uses
@@ -29,8 +41,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.ir import Replicate, Shard, ShardProgram
-from autoshard.runtime.comm import copy_to_group, reduce_from_group
+from autoshard.runtime.comm import (all_gather_dim, copy_to_group, gather_from_sequence, reduce_from_group,
+                                    reduce_scatter_to_sequence)
 from autoshard.runtime.data_parallel import take_grad
+
+SEQ_DIM = 1  # hidden states are (batch, sequence, hidden)
 
 
 def shard_tensor(full: Tensor, placement: Replicate | Shard) -> Tensor:
@@ -56,9 +71,12 @@ class RowParallelLinear(nn.Linear):
     """A linear holding rows of W^T (columns of the input): y = all_reduce(x_local W_local^T) + b."""
 
     tp_group: dist.ProcessGroup
+    sequence_parallel: bool = False
 
     def forward(self, x: Tensor) -> Tensor:
-        y = reduce_from_group(F.linear(x, self.weight), self.tp_group)
+        y = F.linear(x, self.weight)
+        y = (reduce_scatter_to_sequence(y, self.tp_group, SEQ_DIM) if self.sequence_parallel
+             else reduce_from_group(y, self.tp_group))
         return y if self.bias is None else y + self.bias
 
 
@@ -67,21 +85,29 @@ class VocabParallelEmbedding(nn.Embedding):
 
     tp_group: dist.ProcessGroup
     vocab_start: int
+    sequence_parallel: bool = False  # the output is this rank's shard of the sequence (reduce-scatter)
 
     def forward(self, ids: Tensor) -> Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
-        return reduce_from_group(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_group)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.tp_group, SEQ_DIM)  # (b, s / tp, h)
+        return reduce_from_group(out, self.tp_group)  # (b, s, h)
 
 
 class VocabParallelHead(nn.Linear):
     """LM head split over the vocab: replicated hidden in, this rank's logits slice out."""
 
     tp_group: dist.ProcessGroup
+    sequence_parallel: bool = False  # the input is this rank's shard of the sequence: all-gathered first
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
+        if not self.sequence_parallel:
+            return F.linear(copy_to_group(x, self.tp_group), self.weight, self.bias)
+        full = gather_from_sequence(x, self.tp_group, SEQ_DIM)
+        with _ShardSaved(full, x, self.tp_group):
+            return F.linear(full, self.weight, self.bias)
 
 
 def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.ProcessGroup | None, *,
@@ -100,8 +126,11 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
         if attr == "ssd_norm_group_size":  # a Mamba-2 norm group spans ranks: runtime/ssd.py gated_norm syncs
             model.get_submodule(path).ssd_tp_group = group
     for path in program.regions:
-        model.get_submodule(path).register_forward_pre_hook(
-            functools.partial(_enter_region, group=group), with_kwargs=True)
+        if program.sequence_parallel:
+            _gather_in_forward(model.get_submodule(path), group, keep_shard=not _recomputed(path, program))
+        else:
+            model.get_submodule(path).register_forward_pre_hook(
+                functools.partial(_enter_region, group=group), with_kwargs=True)
     swaps = [(p, RowParallelLinear) for p in program.rowwise]
     swaps += [(p, cls) for p, cls in ((program.vocab_embed, VocabParallelEmbedding),
                                       (program.vocab_head, VocabParallelHead)) if p]
@@ -109,6 +138,7 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
         module = model.get_submodule(path)
         module.__class__ = cls
         module.tp_group = group
+        module.sequence_parallel = program.sequence_parallel
         if cls is VocabParallelEmbedding:
             module.vocab_start = program.placement(f"{path}.weight").index * module.weight.shape[0]
             module.num_embeddings = module.weight.shape[0]
@@ -121,11 +151,15 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
 def partial_grad_reducer(model: nn.Module, program: ShardProgram, group: dist.ProcessGroup | None):
     """A `GradSync.prepare` callback that sums the gradients of slices held by several tp ranks
     (`program.partial_grads`, e.g. one KV head serving the query heads of tp / kv_heads ranks, or
-    Mamba-2's B/C rows kept whole on every rank)."""
+    Mamba-2's B/C rows kept whole on every rank), and under sequence parallelism those computed
+    from a sequence shard (`sequence_grad_reducer`)."""
     placements = dict(program.placements)
     partial = {id(p): placements[n] for n, p in model.named_parameters() if n in program.partial_grads}
+    sequence = sequence_grad_reducer(model, program, group)
 
     def prepare(params: Sequence[nn.Parameter]) -> None:
+        if sequence is not None:
+            sequence(params)
         for param in params:
             placement = partial.get(id(param))
             grad = take_grad(param)  # bf16-mixed: the fp32 main gradient (runtime/data_parallel.py)
@@ -141,7 +175,7 @@ def partial_grad_reducer(model: nn.Module, program: ShardProgram, group: dist.Pr
             dist.all_reduce(slots, group=group)
             grad.copy_(slots[placement.index])
 
-    return prepare if partial else None
+    return prepare if partial else sequence
 
 
 def _sum_whole_pieces(grad: Tensor, placement: Shard, group) -> None:
@@ -156,6 +190,84 @@ def _sum_whole_pieces(grad: Tensor, placement: Shard, group) -> None:
     part = grad.index_select(placement.dim, rows).contiguous()
     dist.all_reduce(part, group=group)
     grad.index_copy_(placement.dim, rows, part)
+
+
+def sequence_grad_reducer(model: nn.Module, program: ShardProgram, group: dist.ProcessGroup | None):
+    """A `GradSync.prepare` callback summing over tp the gradients each rank computed from its
+    sequence shard under sequence parallelism (`program.sequence_grads`: norm weights, row-parallel
+    biases); None without it. Under ZeRO-3 the gradient is this rank's dp shard (a DTensor), cut at
+    the same rows on every tp rank."""
+    names = set(program.sequence_grads)
+    params = [p for n, p in model.named_parameters() if n in names]
+    if not params or group is None:
+        return None
+    ids = {id(p) for p in params}
+
+    def prepare(params_: Sequence[nn.Parameter]) -> None:
+        grads = [take_grad(p) for p in params_ if id(p) in ids]  # bf16-mixed: the fp32 main gradients
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
+        if not local:
+            return
+        flat = torch.cat([g.reshape(-1) for g in local])  # one collective for all of them
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(local, flat.split([g.numel() for g in local])):
+            g.copy_(part.view_as(g))
+
+    return prepare
+
+
+def _recomputed(path: str, program: ShardProgram) -> bool:
+    """Is the module at `path` rerun in backward (itself or a module holding it checkpointed)?"""
+    return any(path == c or path.startswith(c + ".") for c in program.checkpoint)
+
+
+def _gather_in_forward(module: nn.Module, group, *, keep_shard: bool) -> None:
+    """Sequence parallelism: the region's forward all-gathers its hidden-states input first; with
+    `keep_shard` the gathered input is saved for backward as the shard (`_ShardSaved`)."""
+    forward = module.forward
+
+    def gathered(*args, **kwargs):
+        local = args[0] if args else kwargs["hidden_states"]
+        full = gather_from_sequence(local, group, SEQ_DIM)
+        args, kwargs = ((full, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": full})
+        if not keep_shard:
+            return forward(*args, **kwargs)
+        with _ShardSaved(full, local, group):
+            return forward(*args, **kwargs)
+
+    module.forward = gathered
+
+
+class _ShardSaved(torch.autograd.graph.saved_tensors_hooks):
+    """While active, a tensor saved for backward that is `full` (or a view of it), the all-gather of
+    every rank's `local`, is kept as a reference to `local` and gathered again on first use in
+    backward (once for all such tensors of this forward); other saved tensors are kept as they are."""
+
+    def __init__(self, full: Tensor, local: Tensor, group) -> None:
+        self.storage, self.nbytes = full.untyped_storage().data_ptr(), full.untyped_storage().nbytes()
+        self.local, self.group, self.full = local.detach(), group, None
+        self.dtype = full.dtype
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t: Tensor):
+        if t.device.type == "meta" or t.dtype != self.dtype or t.layout is not torch.strided:
+            return t
+        try:
+            storage = t.untyped_storage()
+            if storage.data_ptr() != self.storage or storage.nbytes() != self.nbytes:
+                return t
+        except RuntimeError:  # a tensor with no plain storage (e.g. one einsum saves): not the gathered input
+            return t
+        return (self, tuple(t.shape), t.stride(), t.storage_offset())
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, Tensor):
+            return packed
+        owner, shape, stride, offset = packed
+        if owner.full is None:  # gathered again, once, when backward first needs it
+            owner.full = all_gather_dim(owner.local, owner.group, SEQ_DIM)
+        return owner.full.as_strided(shape, stride, offset)
 
 
 def _enter_region(module: nn.Module, args: tuple, kwargs: dict, *, group) -> tuple[tuple, dict]:

@@ -117,9 +117,12 @@ def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, step
     dm = autoshard.parallelize(_built(spec, prepare), data[0][0], plan=plan, global_batch=global_batch,
                                optimizer=optimizer_factory(sgd))
     gemm_dtypes = _record_linear_outputs(dm.model)
+    norm_tokens = _record_norm_tokens(dm.model, spec) if dm.plan.sequence_parallel else None
     for (ids, labels), expected in zip(data, ref_losses):
         assert_close(dm.train_step(ids, labels), expected, **(BF16_LOSS if bf16 else TOL),
                      msg=lambda m: f"{preset} {plan} loss: {m}")
+    if norm_tokens is not None:  # the norms ran on this rank's 1/tp shard of its cp chunk
+        assert norm_tokens == {seq // (dm.plan.mesh.cp * dm.plan.mesh.tp)}, f"{preset} {plan}: {norm_tokens}"
     expected_dtype = torch.bfloat16 if bf16 else torch.float32
     assert gemm_dtypes == {expected_dtype}, f"{preset} {plan}: linears output {gemm_dtypes}, expected {expected_dtype}"
     if bf16:
@@ -160,6 +163,16 @@ def _check_bf16(dm, grads_ref, grads32, what: str) -> None:
     for name, grad in grads.items():
         assert grad.dtype == torch.float32, f"{what} grad {name} is {grad.dtype}, not fp32"
         assert_bf16_close(grad, grads_ref[name], grads32[name], msg=f"{what} grad {name}")
+
+
+def _record_norm_tokens(model, spec) -> set:
+    """The sequence lengths the norms outside the TP regions see from now on (sequence parallelism)."""
+    from autoshard.passes.sharding import sequence_modules
+
+    seen = set()
+    for path in sequence_modules(spec):
+        model.get_submodule(path).register_forward_hook(lambda mod, args, out: seen.add(args[0].shape[1]))
+    return seen
 
 
 def _record_linear_outputs(model) -> set:

@@ -46,6 +46,9 @@ WORLD2 = (
     # intra-op choices (passes/sharding.py CHOICES): replicated embedding / LM head + plain loss on full logits
     ("llama-tiny", dict(tp=2, strategies={"embedding": "replicate", "head": "replicate"}), True),
     ("mamba2-tiny", dict(tp=2, strategies={"head": "replicate"}), False),
+    # sequence parallelism: norms and residual on half the sequence (check_plan asserts the shard)
+    ("llama-tiny", dict(tp=2, sequence_parallel=True), True),
+    ("mamba2-tiny", dict(tp=2, sequence_parallel=True, recompute="selective"), True),
 )
 WORLD4 = (
     ("llama-tiny", dict(dp=2, tp=2, micro_batch=2), True),
@@ -72,6 +75,14 @@ WORLD4 = (
     ("llama-tiny", dict(dp=2, tp=2, micro_batch=2, strategies={"head": "replicate"}), False),
     ("llama-tiny", dict(pp=2, tp=2, micro_batch=2, strategies={"embedding": "replicate"}), True),
     # Mamba-2's 2 groups kept whole at tp 2 (tp divides them): SGD steps, see WHOLE_GROUPS
+    # sequence parallelism with dp, pp (the stages exchange the sequence shard), cp (SP splits each cp
+    # rank's chunk), recompute
+    ("llama-tiny", dict(dp=2, tp=2, sequence_parallel=True, recompute="selective"), False),
+    ("mamba2-tiny", dict(dp=2, tp=2, sequence_parallel=True, zero=1), False),
+    ("llama-tiny", dict(pp=2, tp=2, micro_batch=2, sequence_parallel=True, recompute="full"), True),
+    ("mamba2-tiny", dict(pp=2, tp=2, micro_batch=2, sequence_parallel=True), False),
+    ("llama-tiny", dict(cp=2, tp=2, sequence_parallel=True), True),
+    ("mamba2-tiny", dict(cp=2, tp=2, sequence_parallel=True), False),
 )
 # groups kept whole where tp divides them (the plan's "groups": "whole"), stepped with SGD: the gradients agree
 # with one process to 3e-6 of their norm, as the split groups' do, but in_proj / embedding elements whose
@@ -83,11 +94,45 @@ WORLD8 = (
 
 
 def _run_all(rank: int, world: int, configs) -> None:
+    if world == 2:
+        _check_shard_saved()
     for preset, plan, logits in configs:
         check_plan(preset, plan, logits=logits)
     if world == 4:
         for preset, plan, logits in WHOLE_GROUPS:
             check_plan(preset, plan, logits=logits, sgd=True)
+
+
+def _check_shard_saved() -> None:
+    """Sequence parallelism keeps a region's gathered input as this rank's shard for backward and
+    gathers it again there (runtime/tensor_parallel.py `_ShardSaved`): the linear saves no full copy,
+    and its gradients equal those of the plain gathered run."""
+    import torch
+    import torch.distributed as dist
+
+    from autoshard.runtime.comm import gather_from_sequence
+    from autoshard.runtime.tensor_parallel import _ShardSaved
+
+    group = dist.group.WORLD
+    torch.manual_seed(0)  # the same weight on both ranks, each its own shard of the sequence
+    weight = torch.randn(6, 8, requires_grad=True)
+    local = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
+    grads = []
+    for keep_shard in (False, True):
+        full = gather_from_sequence(local, group)
+        saver, packed = _ShardSaved(full, local, group), []
+        saver.pack_hook = lambda t, pack=saver.pack_hook: packed.append(pack(t)) or packed[-1]  # noqa: B023
+        if keep_shard:
+            with saver:
+                out = torch.nn.functional.linear(full, weight)
+            assert any(isinstance(p, tuple) for p in packed), "the gathered input was saved whole"
+            assert saver.full is None  # gathered again only when backward needs it
+        else:
+            out = torch.nn.functional.linear(full, weight)
+        (out * torch.arange(out.numel()).view_as(out)).sum().backward()
+        grads.append((weight.grad.clone(), local.grad.clone()))
+        weight.grad = local.grad = None
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("world, configs", [(2, WORLD2), (4, WORLD4), (8, WORLD8)], ids=["ws2", "ws4", "ws8"])
