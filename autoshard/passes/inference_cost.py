@@ -163,7 +163,6 @@ class InferenceTable:
     ct: CompiledTable
     core: dict  # BlockKind -> bool array: nodes decode prices by its own rule
     skip: dict  # BlockKind -> bool array: nodes inference does not run (the training loss)
-    expert: dict  # BlockKind -> bool array: nodes of the routed experts (read only the experts touched)
     attention_flops: Any  # lambdified (b, c) -> FLOPs of one decode step's attention, one layer (LLaMA)
 
     @property
@@ -175,12 +174,9 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
     if isinstance(table, InferenceTable):
         return table
     ct = compile_table(table, spec)
-    core, skip, expert, attn = {}, {}, {}, sympy.Integer(0)
+    core, skip, attn = {}, {}, sympy.Integer(0)
     for block in table.blocks:
         nodes = priced_nodes(block)  # the nodes compile_table keeps, in its order
-        roles = [sharding.role_of(spec, block.kind, n.module_path) for n in nodes]
-        expert[block.kind] = np.array([r is not None and r.strategy is sharding.Strategy.EXPERT for r in roles],
-                                      dtype=bool)
         is_core = [_in_core(n.module_path, spec) for n in nodes]
         if spec.family is Family.LLAMA:  # only the s x s attention runs differently in decode
             is_core = [c and _degree_in_s(n.flops) >= 2 for c, n in zip(is_core, nodes)]
@@ -189,8 +185,7 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
                            sympy.Integer(0))
         core[block.kind] = np.array(is_core, dtype=bool)
         skip[block.kind] = np.array([block.kind is BlockKind.HEAD and n.module_path == "" for n in nodes], dtype=bool)
-    return InferenceTable(ct=ct, core=core, skip=skip, expert=expert,
-                          attention_flops=sympy.lambdify((B, C), attn, "numpy"))
+    return InferenceTable(ct=ct, core=core, skip=skip, attention_flops=sympy.lambdify((B, C), attn, "numpy"))
 
 
 def _in_core(path: str, spec: ModelSpec) -> bool:
@@ -225,8 +220,8 @@ def _block_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, kind: BlockKi
     if not len(blk.fwd):
         return 0.0
     t = node_times(it.ct, hw, _layout(it.spec, tp, batch), kind, seq_len)
-    if it.expert[kind].any():  # the routed experts' GEMMs read only the experts the tokens touch
-        t = np.where(it.expert[kind], t * _expert_byte_fraction(it, kind, batch=batch, seq_len=seq_len), t)
+    if blk.expert is not None and blk.expert.any():  # the routed experts' GEMMs read only the experts touched
+        t = np.where(blk.expert, t * _expert_byte_fraction(it, kind, batch=batch, seq_len=seq_len), t)
     run = blk.fwd & ~it.skip[kind]
     if decode:
         run &= ~it.core[kind]
