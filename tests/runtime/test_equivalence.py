@@ -49,6 +49,7 @@ WORLD2 = (
     # sequence parallelism: norms and residual on half the sequence (check_plan asserts the shard)
     ("llama-tiny", dict(tp=2, sequence_parallel=True), True),
     ("mamba2-tiny", dict(tp=2, sequence_parallel=True, recompute="selective"), True),
+    ("llama-tiny", dict(tp=2, sequence_parallel=True, precision="bf16-mixed"), False),
 )
 WORLD4 = (
     ("llama-tiny", dict(dp=2, tp=2, micro_batch=2), True),
@@ -83,6 +84,7 @@ WORLD4 = (
     ("mamba2-tiny", dict(pp=2, tp=2, micro_batch=2, sequence_parallel=True), False),
     ("llama-tiny", dict(cp=2, tp=2, sequence_parallel=True), True),
     ("mamba2-tiny", dict(cp=2, tp=2, sequence_parallel=True), False),
+    ("llama-tiny", dict(dp=2, tp=2, sequence_parallel=True, zero=3), False),  # FSDP2 on the tp slices
 )
 # groups kept whole where tp divides them (the plan's "groups": "whole"), stepped with SGD: the gradients agree
 # with one process to 3e-6 of their norm, as the split groups' do, but in_proj / embedding elements whose
