@@ -392,10 +392,13 @@ def _tp_divisor(blk: CompiledBlock, spec: ModelSpec, tp: int, sequence_parallel:
     """Per node: what TP divides its work and saved bytes by, its role's parts (the sharding table with
     the layout's intra-op choices: a replicated LM head divides nothing); under sequence parallelism tp
     for the ops on a sequence shard (passes/sequence_cost.py)."""
-    parts = np.array([1.0, *(sharding.role_divisor(spec, r, tp) for r in sharding.table(spec, strategies))])
-    if sequence_parallel and tp > 1:
-        parts = sequence_cost.sequence_divisors(parts, spec, blk.kind, tp)
-    return parts[blk.role + 1]
+    key = ("tp_divisor", tp, sequence_parallel, tuple(strategies))
+    if key not in blk.memo:
+        parts = np.array([1.0, *sharding.role_divisors(spec, tp, tuple(strategies))])
+        if sequence_parallel and tp > 1:
+            parts = sequence_cost.sequence_divisors(parts, spec, blk.kind, tp)
+        blk.memo[key] = parts[blk.role + 1]
+    return blk.memo[key]
 
 
 def gemm_efficiency(hw: DeviceProfile, m: np.ndarray, n: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -414,12 +417,15 @@ def _fused_scales(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bl
     """Per-node factors on the traced bytes and saved bytes: the fused kernels the device runs
     (passes/fused_regions.py) and the precision (tables are traced in bf16)."""
     blk = ct.block(kind)
-    vals = blk.evaluate(layout.micro_batch, seq_len)
-    prec = layout.numbers
-    byte_scale, saved_scale = fused_regions.fused_scales(
-        blk.region, blk.region_kernels, blk.fwd, vals[1], vals[2], spec=ct.spec, fused=hw.fuses,
-        tokens=float(layout.micro_batch * seq_len), act_bytes=2.0)
-    return byte_scale * prec.traced_scale, saved_scale * prec.traced_scale
+    key = ("fused_scales", layout.micro_batch, seq_len, hw, layout.precision)  # the same for every mesh
+    if key not in blk.memo:
+        vals = blk.evaluate(layout.micro_batch, seq_len)
+        prec = layout.numbers
+        byte_scale, saved_scale = fused_regions.fused_scales(
+            blk.region, blk.region_kernels, blk.fwd, vals[1], vals[2], spec=ct.spec, fused=hw.fuses,
+            tokens=float(layout.micro_batch * seq_len), act_bytes=2.0)
+        blk.memo[key] = (byte_scale * prec.traced_scale, saved_scale * prec.traced_scale)
+    return blk.memo[key]
 
 
 def _flash(ct: CompiledTable, hw: DeviceProfile) -> bool:
@@ -491,7 +497,7 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
         n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
         sync = _group_sync(ct, hw, layout, seq_len)
         return n * ar + sync, n * ar + sync
-    if not sharding.modules(ct.spec, sharding.Strategy.VOCAB, kind, layout.strategies):
+    if not sharding.vocab_parallel(ct.spec, kind, layout.strategies):
         return 0.0, 0.0  # replicated embedding / LM head and loss (the plan's choice): no collective
     if kind is BlockKind.EMBED:
         return ar, 0.0  # vocab-parallel lookup: partial sums all-reduced in forward
@@ -560,7 +566,19 @@ def _recompute_time(ct: CompiledTable, layout: Layout, kind: BlockKind, t: np.nd
 
 def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, *,
                seq_len: int) -> BlockTime:
-    """One instance of block `kind` (one layer / the embedding / the head), one micro-batch."""
+    """One instance of block `kind` (one layer / the embedding / the head), one micro-batch. Memoised
+    on what it depends on (not ZeRO, the schedule, nor the choices of the other blocks): the planner
+    asks for it for many layouts that share those."""
+    key = ("block_time", hw, layout.mesh, layout.micro_batch, layout.recompute, layout.precision,
+           layout.sequence_parallel, sharding.block_strategies(layout.strategies, kind), layout.moe_imbalance,
+           seq_len)
+    memo = ct.block(kind).memo
+    if key not in memo:
+        memo[key] = _block_time(ct, hw, layout, kind, seq_len)
+    return memo[key]
+
+
+def _block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> BlockTime:
     blk = ct.block(kind)
     t = _node_times(ct, hw, layout, kind, seq_len)
     fwd = float(t[blk.fwd].sum()) if len(t) else 0.0
@@ -846,7 +864,7 @@ def logits_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int, hw: DeviceP
     cross-entropy (`hw` lists "cross_entropy": Megatron's fused vocab-parallel CE writes the
     gradient in place of the softmax it keeps) only the bf16 logits the LM head writes."""
     per_value = 2.0 if hw is not None and hw.fuses("cross_entropy") else 4.0 * 2
-    vocab_parallel = bool(sharding.modules(ct.spec, sharding.Strategy.VOCAB, BlockKind.HEAD, layout.strategies))
+    vocab_parallel = sharding.vocab_parallel(ct.spec, BlockKind.HEAD, layout.strategies)
     return _tokens(layout, seq_len) * ct.spec.vocab / (layout.mesh.tp if vocab_parallel else 1) * per_value
 
 

@@ -213,6 +213,12 @@ def table(spec: ModelSpec, strategies: tuple[tuple[str, str], ...] = ()) -> tupl
 # A tied model (one weight for embedding and LM head) takes the same option for embedding and head.
 CHOICES: dict[str, tuple[str, ...]] = {"embedding": ("vocab", "replicate"), "head": ("vocab", "replicate"),
                                        "groups": ("split", "whole")}
+CHOICE_BLOCKS: dict[str, BlockKind] = {"embedding": BlockKind.EMBED, "head": BlockKind.HEAD, "groups": BlockKind.LAYER}
+
+
+def block_strategies(strategies, kind: BlockKind) -> tuple[tuple[str, str], ...]:
+    """The choices among `strategies` that change block `kind`'s roles (what its cost depends on)."""
+    return tuple((k, o) for k, o in strategies if CHOICE_BLOCKS[k] is kind)
 
 
 def choices(spec: ModelSpec, tp: int) -> dict[str, tuple[str, ...]]:
@@ -290,6 +296,7 @@ def _chosen(base: tuple[Role, ...], strategies: tuple[tuple[str, str], ...]) -> 
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=1024)
 def groups_whole(spec: ModelSpec, tp: int, strategies=()) -> bool:
     """Whether some piece (Mamba-2's B/C) is kept whole on every rank at `tp` under `strategies`."""
     return any(any(whole_pieces(spec, r, tp)) for r in table(spec, strategies))
@@ -424,6 +431,18 @@ def _full(spec: ModelSpec, role: Role, path: str) -> str:
 
 # -- derived: the cost model's numbers ----------------------------------------------------------------
 
+@functools.lru_cache(maxsize=1024)
+def role_divisors(spec: ModelSpec, tp: int, strategies=()) -> tuple[float, ...]:
+    """`role_divisor` of every role of the table under `strategies`, in table order (memoised)."""
+    return tuple(role_divisor(spec, r, tp) for r in table(spec, strategies))
+
+
+@functools.lru_cache(maxsize=1024)
+def vocab_parallel(spec: ModelSpec, kind: BlockKind, strategies=()) -> bool:
+    """Whether block `kind` has a vocab-parallel role under `strategies` (the embedding / LM head)."""
+    return any(r.block is kind and r.strategy is Strategy.VOCAB for r in table(spec, strategies))
+
+
 def node_divisor(spec: ModelSpec, kind: BlockKind, path: str, tp: int, strategies=()) -> float:
     """What TP divides the work and activations of an op at module `path` by (`role_divisor`)."""
     role = role_of(spec, kind, path, strategies)
@@ -439,6 +458,12 @@ def role_numel(spec: ModelSpec, role: Role) -> int:
 
 
 def params_per_rank(spec: ModelSpec, kind: BlockKind, total: float, tp: int, strategies=()) -> float:
+    """See `_params_per_rank` (memoised: the planner asks for every layout)."""
+    return _params_per_rank(spec, kind, total, tp, tuple(strategies))
+
+
+@functools.lru_cache(maxsize=4096)
+def _params_per_rank(spec: ModelSpec, kind: BlockKind, total: float, tp: int, strategies=()) -> float:
     """Parameters of one instance of block `kind` (`total` of them) that one TP rank holds: each
     role's weights over its parts (in table order, never more than `total`: a tied LM head's weight
     counts in the embedding); what no role names (biases) split by tp."""

@@ -36,12 +36,13 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
-from autoshard.ir import Plan, Recompute, Schedule, Stage, check_schedule, even_stages, stage_rank
+from autoshard.ir import Plan, Precision, Recompute, Schedule, Stage, check_schedule, even_stages, stage_rank
 from autoshard.passes import cost
 from autoshard.passes.cost import CompiledTable, Layout
 from autoshard.errors import AutoshardError
 from autoshard.passes.layouts import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALLEL, RUNTIME_ZERO, mesh_micro_batches,
                                      sequence_parallel_violation, zero_violation)
+from autoshard.passes.precision import resolve_precision
 from autoshard.passes.schedules import bubble_fraction, check_chunks
 from autoshard.passes.sharding import strategy_options
 from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, block_numbers, evaluate,
@@ -256,7 +257,7 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
                       zeros: tuple[int, ...] = RUNTIME_ZERO, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
                       schedules: tuple = RUNTIME_SCHEDULES, offload: bool = False,
                       sequence_parallel: tuple[bool, ...] = RUNTIME_SEQUENCE_PARALLEL,
-                      moe_imbalance: float = 1.0) -> list[Layout]:
+                      moe_imbalance: float = 1.0, precision: Precision = Precision.AUTO) -> list[Layout]:
     """Every (mesh, micro-batch, intra-op strategy, ZeRO, schedule) the planner searches: the valid
     (mesh, micro-batch) pairs of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses)
     times, under tp > 1, sequence parallelism on / off (`sequence_parallel`, the values the runtime
@@ -266,7 +267,8 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
     mesh (`layouts.zero_violation`) times, for pp > 1, the pipeline schedules and virtual stages the
     runtime runs (`layouts.RUNTIME_SCHEDULES`); `offload`: ZeRO-3 also with optimizer offload (where
     the device profile prices the host link); `moe_imbalance`: the busiest expert's load over the mean
-    (passes/moe_cost.py), the same for every layout."""
+    (passes/moe_cost.py), the same for every layout; `precision`: of every layout (the planner passes the
+    device's resolved one)."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
     intra = {}  # mesh -> its (sequence_parallel, strategies) options
@@ -274,11 +276,16 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
         sps = [sp for sp in sequence_parallel
                if not sp or sequence_parallel_violation(spec, mesh, seq_len) is None]
         intra[mesh] = [(sp, st) for sp in sps for st in strategy_options(spec, mesh.tp, sequence_parallel=sp)]
+    schedules_of = {}  # (pp, micro-batches) -> the schedules that go with them
+    for mesh, mb in pairs:
+        key = (mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))
+        if key not in schedules_of:
+            schedules_of[key] = pipeline_schedules(spec, *key, schedules)
     return [Layout(mesh=mesh, micro_batch=mb, zero=z, offload=o, schedule=sched, virtual_stages=v,
-                   sequence_parallel=sp, strategies=st, moe_imbalance=moe_imbalance)
+                   sequence_parallel=sp, strategies=st, moe_imbalance=moe_imbalance, precision=precision)
             for mesh, mb in pairs for sp, st in intra[mesh] for z in zeros if zero_violation(mesh, z) is None
             for o in ((False, True) if offload and z == 3 else (False,))
-            for sched, v in pipeline_schedules(spec, mesh.pp, global_batch // (mesh.dp * mesh.ep * mb), schedules)]
+            for sched, v in schedules_of[(mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))]]
 
 
 def pipeline_schedules(spec, pp: int, microbatches: int, options=RUNTIME_SCHEDULES) -> list:
@@ -312,21 +319,34 @@ class Bounds:
 
 
 def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, seq_len: int,
-                 block_s: dict | None = None) -> Bounds:
+                 block_s: dict | None = None, memo: dict | None = None) -> Bounds:
     """`Bounds` of `layout`. `block_s`: {kind: BlockTime without recompute} when already known
-    (they depend on the mesh and micro-batch only)."""
+    (they depend on the mesh, micro-batch and intra-op strategy only); `memo`: a dict the caller
+    keeps over many layouts, for the model's parameters per device and the p2p time, which depend
+    on fewer coordinates than the layout (tp and strategies; not ZeRO)."""
     kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
-    base = replace(layout, recompute=Recompute.NONE)
-    bt = block_s or {k: cost.block_time(ct, hw, base, k, seq_len=seq_len).total_s for k in kinds}
+    if block_s is None:
+        base = replace(layout, recompute=Recompute.NONE)
+        block_s = {k: cost.block_time(ct, hw, base, k, seq_len=seq_len).total_s for k in kinds}
+    bt = block_s
     mesh, spec = layout.mesh, ct.spec
-    p2p = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
+    memo = {} if memo is None else memo
+    key = ("p2p", mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.schedule,
+           layout.virtual_stages)
+    if key not in memo:
+        memo[key] = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
+    p2p = memo[key]
     work = sum(bt.values()) + (spec.layers - 1) * bt[cost.BlockKind.LAYER] + mesh.pp * p2p
     m = layout.microbatches(global_batch)
     heaviest = max(bt.values()) + p2p
-    params = sum(cost.block_params(ct, layout, k) for k in kinds) + \
-        (spec.layers - 1) * cost.block_params(ct, layout, cost.BlockKind.LAYER)
-    if spec.tied and mesh.pp > 1:
-        params += cost.block_params(ct, layout, cost.BlockKind.EMBED)  # the head's copy
+    key = ("params", mesh.tp, mesh.ep, mesh.pp > 1, layout.strategies)
+    if key not in memo:
+        params = sum(cost.block_params(ct, layout, k) for k in kinds) + \
+            (spec.layers - 1) * cost.block_params(ct, layout, cost.BlockKind.LAYER)
+        if spec.tied and mesh.pp > 1:
+            params += cost.block_params(ct, layout, cost.BlockKind.EMBED)  # the head's copy
+        memo[key] = params
+    params = memo[key]
     avg = params / mesh.pp  # the stage with the most parameters holds at least the average
     experts = spec.layers * cost.expert_block_params(ct, layout, cost.BlockKind.LAYER) / mesh.pp
     f = float(bubble_fraction(layout.schedule, layout.virtual_stages, microbatches=m, pp=mesh.pp))
@@ -356,14 +376,15 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     as a cutoff. Deterministic: no wall clock decides anything."""
     kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
     layouts = [cost.resolved(lay, hw) for lay in layouts]  # precision AUTO: the device's default
-    block_s: dict = {}  # (mesh, micro-batch) -> {kind: seconds}: shared by the ZeRO levels
+    block_s: dict = {}  # (mesh, micro-batch, strategy) -> {kind: seconds}: shared by the ZeRO levels
+    memo: dict = {}  # lower_bounds' parameters and p2p times
     order, pruned = [], 0
     for k, lay in enumerate(layouts):
         key = (lay.mesh, lay.micro_batch, lay.sequence_parallel, lay.strategies)
         if key not in block_s:
             base = replace(lay, recompute=Recompute.NONE)
             block_s[key] = {kd: cost.block_time(ct, hw, base, kd, seq_len=seq_len).total_s for kd in kinds}
-        b = lower_bounds(ct, hw, lay, global_batch=global_batch, seq_len=seq_len, block_s=block_s[key])
+        b = lower_bounds(ct, hw, lay, global_batch=global_batch, seq_len=seq_len, block_s=block_s[key], memo=memo)
         if b.peak_bytes > hw.memory_bytes:
             pruned += 1
             continue
@@ -424,6 +445,7 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
     hw = load_hardware(hw)
     t0 = time.perf_counter()
     layouts = candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len,
+                                precision=resolve_precision(Precision.AUTO, hw),
                                 offload=hw.host_link_bandwidth is not None and hw.host_memory_bandwidth is not None,
                                 moe_imbalance=moe_imbalance)
     if not layouts:
