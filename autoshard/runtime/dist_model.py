@@ -240,12 +240,10 @@ class DistributedModel:
         from autoshard.passes.layouts import generate_violation
 
         mesh, spec = self.plan.mesh, self._setup.spec
-        why = generate_violation(spec, mesh)  # the rule the inference planner checks its layouts with
+        # the rule the inference planner checks its layouts with
+        why = generate_violation(spec, mesh, sequence_parallel=self.plan.sequence_parallel)
         if why:
             raise InvalidConfigError(why)
-        if self.plan.sequence_parallel:
-            raise InvalidConfigError("generate decodes one token at a time, which sequence parallelism cannot split "
-                                     "over tp; generate under the same plan with sequence_parallel false")
         self._check_batch(input_ids, None, global_batch=None)  # prompt ids in the vocabulary, the same on every rank
         if self._generator is None:
             from autoshard.ir import Stage

@@ -134,7 +134,8 @@ def test_every_emitted_inference_plan_passes_generates_own_check():
                 plan = _resolve_plan({"tp": lay.tp, "pp": lay.pp}, spec=spec, world=lay.tp * lay.pp, seq_len=P,
                                      global_batch=lay.batch, hardware="cpu")
                 check_plan(plan, spec, world_size=lay.tp * lay.pp)
-                assert generate_violation(spec, plan.mesh) is None, (spec, lay)
+                assert generate_violation(spec, plan.mesh, sequence_parallel=plan.sequence_parallel) is None, (spec, lay)
     # what generate refuses: more than one replica, or context / expert parallelism
     assert "dp=2" in generate_violation(LLAMA, Mesh(dp=2))
     assert "ep=2" in generate_violation(get_spec("mixtral-tiny"), Mesh(ep=2))
+    assert "sequence parallelism" in generate_violation(LLAMA, Mesh(tp=2), sequence_parallel=True)
