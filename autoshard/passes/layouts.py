@@ -287,9 +287,9 @@ RUNTIME_ZERO = (0, 1, 2, 3)  # the ZeRO levels the runtime runs (3: FSDP2, runti
 # in flight), so it is not searched; a plan may still ask for it.
 RUNTIME_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zero-bubble", 1),
                      ("zero-bubble", 2))
-# the sequence_parallel values the planner searches (with tp > 1 where `sequence_parallel_violation`
-# passes): add True when runtime/tensor_parallel.py runs sequence parallelism (parallelize refuses it today)
-RUNTIME_SEQUENCE_PARALLEL = (False,)
+# the sequence_parallel values the planner searches (True only with tp > 1 where
+# `sequence_parallel_violation` passes): runtime/tensor_parallel.py runs both
+RUNTIME_SEQUENCE_PARALLEL = (False, True)
 
 
 def sequence_parallel_violation(spec: ModelSpec, mesh: Mesh, seq_len: int) -> str | None:

@@ -74,8 +74,7 @@ def test_planner_reaches_the_joint_brute_force_optimum(tiny, hw_name, global_bat
 @pytest.mark.parametrize("hw_name", ["h100", "cpu"])
 def test_strategies_decide_the_optimum_under_tp(tiny, hw_name):
     """Over the tp = 2 layouts (where the choices exist), sequence parallelism on and off included (priced
-    by passes/sequence_cost.py; searched by `plan` once the runtime runs it, layouts.RUNTIME_SEQUENCE_PARALLEL),
-    the search reaches the brute force. On h100 at these tiny sizes the all-reduces of the vocab-parallel
+    by passes/sequence_cost.py), the search reaches the brute force. On h100 at these tiny sizes the all-reduces of the vocab-parallel
     embedding / head cost more than the work they split: the optimum replicates the head (the choice is
     live, not decoration)."""
     spec, ct = tiny
