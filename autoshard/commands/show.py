@@ -60,7 +60,8 @@ def validate(plan) -> None:
 
 
 def _expert_line(plan, pred) -> str | None:
-    """Why this ep (MoE presets): experts per rank, what the all-to-alls cost, what ep saved."""
+    """Why this ep (MoE presets): experts per rank, what the all-to-alls cost, what ep saved, and the
+    best plan the planner found with another ep (`solver.ep_runner_up`)."""
     from autoshard.models.presets import PRESETS
 
     spec = PRESETS.get(plan.model)
@@ -74,7 +75,15 @@ def _expert_line(plan, pred) -> str | None:
             f"over dp x cp ({plan.mesh.dp * plan.mesh.cp})")
     if ep > 1:
         line += (f"; dispatch/combine all-to-alls {time.get('ep_comm', 0):.3g} s/step, in exchange for 1/{ep} of "
-                 "the expert weights, gradients and optimizer state per rank")
+                 "the expert weights, gradients and optimizer state per rank; dm.save_checkpoint is refused "
+                 "under ep > 1 (runtime/checkpoint.py), full_state_dict() gathers the experts")
+    for other in dict(plan.solver).get("other_eps", ()):  # why this ep won (passes/solve.py _other_eps)
+        if "mesh" in other:
+            mesh = " ".join(f"{k}{v}" for k, v in other["mesh"].items() if v > 1) or "single"
+            line += f"\n  ep={other['ep']}: the best plan with it ({mesh}) takes {other['step_time_s']:.4g} s/step; " \
+                    f"{other['why']}"
+        else:
+            line += f"\n  ep={other['ep']}: {other['why']}"
     return line
 
 

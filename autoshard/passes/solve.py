@@ -367,6 +367,9 @@ class SearchResult:
     visited: int  # layouts whose tables were built and solved
     pruned_memory: int  # layouts ruled out by the memory bound before any table
     layouts: int
+    # per expert-parallel size searched: (ep, least step-time bound of its layouts that pass the
+    # memory bound (inf: none does), least peak-memory bound in bytes); `show` explains the ep with it
+    ep_bounds: tuple[tuple[int, float, float], ...] = ()
 
 
 def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: list[Layout],
@@ -379,12 +382,17 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     block_s: dict = {}  # (mesh, micro-batch, strategy) -> {kind: seconds}: shared by the ZeRO levels
     memo: dict = {}  # lower_bounds' parameters and p2p times
     order, pruned = [], 0
+    ep_bounds: dict = {}  # ep -> [least step bound of the layouts that fit, least peak bound]
     for k, lay in enumerate(layouts):
         key = (lay.mesh, lay.micro_batch, lay.sequence_parallel, lay.strategies)
         if key not in block_s:
             base = replace(lay, recompute=Recompute.NONE)
             block_s[key] = {kd: cost.block_time(ct, hw, base, kd, seq_len=seq_len).total_s for kd in kinds}
         b = lower_bounds(ct, hw, lay, global_batch=global_batch, seq_len=seq_len, block_s=block_s[key], memo=memo)
+        least = ep_bounds.setdefault(lay.mesh.ep, [math.inf, math.inf])
+        least[1] = min(least[1], b.peak_bytes)
+        if b.peak_bytes <= hw.memory_bytes:
+            least[0] = min(least[0], b.step_s)
         if b.peak_bytes > hw.memory_bytes:
             pruned += 1
             continue
@@ -419,7 +427,8 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         if progress is not None:
             progress(done + 1, len(order), top2()[0].result.step_s if best else math.inf)
     found = tuple(sorted(best.values(), key=lambda c: (c.result.step_s, str(c.layout))))
-    return SearchResult(found=found, visited=visited, pruned_memory=pruned, layouts=len(layouts))
+    return SearchResult(found=found, visited=visited, pruned_memory=pruned, layouts=len(layouts),
+                        ep_bounds=tuple((ep, s, p) for ep, (s, p) in sorted(ep_bounds.items())))
 
 
 def _even(problem: MeshProblem) -> Assignment:
@@ -510,6 +519,29 @@ def _why(win: dict, other: dict) -> str:
     return f"{k.replace('_', ' ')} costs {diffs[k]:.3g} s more per step on the runner-up"
 
 
+def _other_eps(ct, hw, spec, result: SearchResult, ep: int, pred: dict, *, global_batch: int,
+               seq_len: int) -> list[dict]:
+    """Per expert-parallel size the planner searched besides `ep`: the best plan it solved with it
+    (mesh, step time and the time term that costs it most against the winner), or why it solved
+    none (its layouts' step-time lower bound was no better than the plans found, or none fit)."""
+    out = []
+    for other, bound_s, peak in result.ep_bounds:
+        if other == ep:
+            continue
+        solved = [c for c in result.found if c.layout.mesh.ep == other]
+        if solved:
+            ru = _predict(ct, hw, spec, solved[0], global_batch=global_batch, seq_len=seq_len)
+            out.append({"ep": other, "mesh": solved[0].layout.mesh.as_dict(), "step_time_s": ru["step_time_s"],
+                        "why": _why(pred, ru)})
+        elif math.isinf(bound_s):
+            out.append({"ep": other, "why": f"no layout fits: each needs at least {peak / 1e9:.3g} GB per device "
+                                            f"({hw.memory_bytes / 1e9:.3g} GB there)"})
+        else:
+            out.append({"ep": other, "why": f"not solved: its layouts' step-time lower bound, {bound_s:.4g} s, is "
+                                            f"no better than this plan's {pred['step_time_s']:.4g} s"})
+    return out
+
+
 def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len, solve_s, fingerprint) -> Plan:
     from autoshard.fingerprint import fingerprint_spec
     from autoshard.passes.sharding import block_placements
@@ -527,6 +559,9 @@ def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len,
         solver["runner_up"] = {"mesh": others[0].layout.mesh.as_dict(), "zero": others[0].layout.zero,
                                "micro_batch": others[0].layout.micro_batch, "step_time_s": ru["step_time_s"],
                                "why": _why(pred, ru)}
+    if spec.is_moe:  # why this ep (show)
+        solver["other_eps"] = _other_eps(ct, hw, spec, result, layout.mesh.ep, pred,
+                                         global_batch=global_batch, seq_len=seq_len)
     rec = a.recompute[0] if len(set(a.recompute)) == 1 else max(a.recompute, key=list(Recompute).index)
     return Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
                 global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,

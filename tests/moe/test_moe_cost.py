@@ -122,7 +122,8 @@ def test_show_refuses_a_plan_with_ep_for_a_dense_model(tmp_path, capsys):
     json.loads(path.read_text())
 
 
-def test_planner_searches_ep_and_its_plan_passes_the_runtime_check(mixtral):
+def test_planner_searches_ep_and_its_plan_passes_the_runtime_check(mixtral, capsys):
+    from autoshard.commands.show import render
     from autoshard.passes.solve import candidate_layouts, solve
 
     spec, ct = mixtral
@@ -131,6 +132,11 @@ def test_planner_searches_ep_and_its_plan_passes_the_runtime_check(mixtral):
     plan = solve(spec, "h100", devices=2, global_batch=4, seq_len=256, table=ct, time_limit_s=1.0)
     check_plan(plan, spec, world_size=2)
     assert plan.mesh.size == 2 and plan.predicted["step_time_s"] > 0
+    (other,) = plan.solver["other_eps"]  # show says why this ep: what the other ep would cost
+    assert {other["ep"], plan.mesh.ep} == {1, 2} and other["why"]
+    render(plan)
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"expert parallelism: ep={plan.mesh.ep}" in out and f"ep={other['ep']}: " in out
 
 
 def _layout_plan(spec, lay, *, devices, global_batch, seq_len):
