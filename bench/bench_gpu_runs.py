@@ -49,7 +49,8 @@ def runs_from_file(path: str | Path) -> list[PublishedRun]:
                            zero=r.get("zero", 1),
                            recompute=Recompute(rec if rec in ("none", "selective", "full") else "none"),
                            schedule=r.get("schedule", "1f1b"), virtual_stages=r.get("virtual_stages", 1),
-                           group=r.get("group", "exact"), step_s=r["step_s"] or 0.0)
+                           sequence_parallel=r.get("sequence_parallel", False), group=r.get("group", "exact"),
+                           step_s=r["step_s"] or 0.0)
         if r.get("step_tflops_per_gpu"):  # a published TFLOP/s per GPU: the step in this repo's MFU convention
             ct = _compiled(spec)
             tokens = run.global_batch * run.seq_len
@@ -73,7 +74,7 @@ def _compiled(spec: ModelSpec):
 def price(run: PublishedRun):
     """The cost model's estimate of one run with its exact layout."""
     lay = Layout(mesh=run.mesh, micro_batch=run.micro_batch, zero=run.zero, recompute=run.recompute,
-                 schedule=run.schedule, virtual_stages=run.virtual_stages)
+                 schedule=run.schedule, virtual_stages=run.virtual_stages, sequence_parallel=run.sequence_parallel)
     ct = _compiled(run.spec)
     return estimate(ct, ct.spec, load_hardware(run.hardware), lay, global_batch=run.global_batch,
                     seq_len=run.seq_len)
@@ -89,8 +90,8 @@ def report(runs) -> None:
         if run.group == "exact":
             errors.append(err)
         m = run.mesh
-        lay = (f"d{m.dp} p{m.pp} t{m.tp} c{m.cp} z{run.zero} {run.recompute.value[:4]}"
-               + (f" v{run.virtual_stages}" if run.virtual_stages > 1 else ""))
+        lay = (f"d{m.dp} p{m.pp} t{m.tp}{'s' if run.sequence_parallel else ''} c{m.cp} z{run.zero} "
+               f"{run.recompute.value[:4]}" + (f" v{run.virtual_stages}" if run.virtual_stages > 1 else ""))
         print(f"{run.id:32} {run.group[:6]:>6} {lay:>26} {e.step_time_s:8.2f} {run.step_s:8.2f} {100 * err:+6.1f}% "
               f"{e.memory_gb:8.1f} {'yes' if e.fits else 'NO':>5} {100 * e.mfu:6.1f}")
     if errors:

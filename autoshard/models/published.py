@@ -35,6 +35,7 @@ class PublishedRun:
     step_s: float  # measured seconds per optimizer step
     schedule: str = "1f1b"  # pipeline schedule (ir.Schedule value)
     virtual_stages: int = 1  # model chunks per pipeline rank (Megatron's VP)
+    sequence_parallel: bool = False  # Megatron's sequence parallelism (with tp > 1)
     group: str = "exact"  # "exact": the layout is stated one to one; "approximate": shown, not scored
 
 
