@@ -32,6 +32,16 @@ KERNEL_NAMES = ("flash_attention", "rmsnorm", "swiglu", "rope", "cross_entropy",
                 "ssd_chunk_scan")  # the Mamba-2 chunked SSD: substituted in the cost table (passes/kernels.py)
 
 
+# Collectives (passes/collectives.Collective values) that may have a log-depth algorithm
+LOG_COLLECTIVES = ("reduce", "gather", "all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+# NCCL: the double binary tree serves AllReduce only; AllGather / ReduceScatter / Reduce / AllToAll
+# run as rings (NCCL docs, NCCL_ALGO; src/graph/tuning.cc: Tree is enabled for ncclFuncAllReduce only)
+_NCCL_LOG = ("all_reduce",)
+_NCCL_SOURCE = ("NCCL: the double binary tree serves AllReduce only; AllGather, ReduceScatter, Reduce and AllToAll "
+                "are rings (NCCL_ALGO docs; src/graph/tuning.cc). NVLS / CollNet (SHARP) and PAT (one GPU per node, "
+                "NCCL >= 2.23) not assumed")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceProfile:
     """One accelerator type and its interconnect; all numbers in SI units."""
@@ -50,6 +60,9 @@ class DeviceProfile:
     vector_efficiency: float = 0.8  # achievable fraction of hbm_bandwidth for memory-bound ops
     attention_efficiency: float = 0.5  # fused (flash) attention fwd+bwd: achieved fraction of peak_flops
     kernels: tuple[str, ...] = ()  # fused kernels the device runs (KERNEL_NAMES): priced as the kernel, not the traced ops
+    # collectives the communication library runs with a log-depth algorithm (tree, recursive
+    # doubling / halving) besides the ring (passes/collectives.py `best_time`); the others ring only
+    log_collectives: tuple[str, ...] = LOG_COLLECTIVES
     # optimizer offload (plan key offload_optimizer): None = not known, the planner does not offload
     host_link_bandwidth: float | None = None  # bytes/s per device per direction, device <-> host memory
     host_memory_bandwidth: float | None = None  # bytes/s of host DRAM per device (the CPU optimizer step)
@@ -74,6 +87,10 @@ class DeviceProfile:
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'kernels' must be a list of "
                                      f"kernel names, got {self.kernels!r}")
         object.__setattr__(self, "kernels", tuple(self.kernels))
+        if isinstance(self.log_collectives, str) or not all(c in LOG_COLLECTIVES for c in self.log_collectives):
+            raise InvalidConfigError(f"hardware profile {self.name!r}: field 'log_collectives' must be a list of "
+                                     f"{', '.join(LOG_COLLECTIVES)}, got {self.log_collectives!r}")
+        object.__setattr__(self, "log_collectives", tuple(self.log_collectives))
         unknown = [k for k in self.kernels if k not in KERNEL_NAMES]
         if unknown:
             raise InvalidConfigError(f"hardware profile {self.name!r}: unknown fused kernel(s) {unknown}; "
@@ -98,6 +115,7 @@ class DeviceProfile:
         data = dataclasses.asdict(self)
         data["sources"] = dict(self.sources)
         data["kernels"] = list(self.kernels)
+        data["log_collectives"] = list(self.log_collectives)
         return data
 
 
@@ -139,6 +157,8 @@ ASCEND_910B = DeviceProfile(
         ("vector_efficiency", _CALIBRATED + ": raised 0.8 -> 0.85 of HBM peak (the HF graph's elementwise ops "
                               "are unfused; MindSpeed fuses them)"),
         ("attention_efficiency", "unused: no fused kernels listed, attention priced as GEMMs (the calibration)"),
+        ("log_collectives", "HCCL (CANN collective communication docs): besides the ring, full-mesh inside a node and "
+                            "recursive halving-doubling / NHR across nodes for AllReduce, AllGather, ReduceScatter"),
         ("kernels", "ssd_chunk_scan only (autoshard runtime/ssd.py on torch_npu: saves its inputs and chunk "
                     "states, arXiv 2405.21060 sec. 6); no LLaMA kernel: the profile was calibrated on the unfused "
                     "HF graph (docs/hardware.md)"),
@@ -175,6 +195,7 @@ A100_80G = DeviceProfile(
     vector_efficiency=0.8,
     attention_efficiency=0.58,
     kernels=_GPU_FUSED,
+    log_collectives=_NCCL_LOG,
     host_link_bandwidth=32 * GB,
     host_memory_bandwidth=51.2 * GB,
     sources=(
@@ -202,6 +223,7 @@ A100_80G = DeviceProfile(
                                  "2k-16k on A100 reaches 160-190 TFLOPS (FLOPs counted as flash does: causal "
                                  "half, backward 2.5x forward) = 0.51-0.61 of 312; 0.58"),
         ("kernels", _FUSED_SOURCE),
+        ("log_collectives", _NCCL_SOURCE),
     ),
 )
 
@@ -220,6 +242,7 @@ H100 = DeviceProfile(
     vector_efficiency=0.8,
     attention_efficiency=0.53,
     kernels=_GPU_FUSED,
+    log_collectives=_NCCL_LOG,
     host_link_bandwidth=64 * GB,
     host_memory_bandwidth=76.8 * GB,
     sources=(
@@ -247,6 +270,7 @@ H100 = DeviceProfile(
                                  "FA2's); weighted 1 : 2.5 as flash counts them = 0.53. torch SDPA's FA2 "
                                  "backend reaches ~0.35 on H100 (FA3 paper, fig. 5)"),
         ("kernels", _FUSED_SOURCE),
+        ("log_collectives", _NCCL_SOURCE),
     ),
 )
 
@@ -296,6 +320,8 @@ CPU = DeviceProfile(
         ("gemm_half_dim", "small register blocking; assumed 32"),
         ("vector_efficiency", "assumed 0.5"),
         ("attention_efficiency", "SDPA on CPU (flash_attention_for_cpu): assumed as gemm_efficiency, 0.5"),
+        ("log_collectives", "gloo: ring and recursive-doubling / bcube algorithms (gloo/allreduce_bcube.h, "
+                            "allgather); every collective, the model's default"),
         ("kernels", "ssd_chunk_scan only: autoshard runtime/ssd.py (torch ops; saves what the fused kernel "
                     "saves); otherwise gloo runs of the HF model, unfused"),
     ),

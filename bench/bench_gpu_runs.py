@@ -103,24 +103,37 @@ def report(runs) -> None:
 
 
 def curve(devices=(64, 128, 256, 512, 1024, 2048, 4096), global_batch=1024, seq_len=8192) -> None:
+    """Per size: the best fitting layout of the sweep (ZeRO 0-3, every recompute level, sequence
+    parallelism off / on, micro-batch 1, 1F1B), the best with ZeRO <= 1 (Megatron's distributed
+    optimizer; ZeRO-3's per-block gathers are priced as one collective, see docs/cost_model.md),
+    and the layout NVIDIA publishes for llama3.1-70b (TP4 PP4 CP2 VP5 + SP, held-out runs) at that size."""
     from autoshard.commands.sweep import sweep
 
     spec = get_spec("llama-70b")
-    table = build_cost_table(spec)
+    ct = compile_table(build_cost_table(spec), spec)
     hw = load_hardware("h100")
-    print(f"llama-70b on H100, global batch {global_batch}, seq {seq_len}: best fitting layout per size "
-          "(ZeRO 0-3, recompute none/selective/full, micro-batch 1)")
-    print(f"{'devices':>7} {'dp pp tp cp':>14} {'zero':>4} {'recompute':>9} {'step s':>7} {'MFU %':>6} {'peak GB':>7}")
+    print(f"llama-70b on H100, global batch {global_batch}, seq {seq_len}, micro-batch 1")
+    print(f"{'devices':>7} {'which':>12} {'dp pp tp cp':>14} {'zero':>4} {'recompute':>9} {'SP':>3} {'step s':>7} "
+          f"{'MFU %':>6} {'peak GB':>7}")
+
+    def row(n, which, e):
+        if e is None:
+            print(f"{n:7} {which:>12} nothing fits")
+            return
+        m, lay = e.layout.mesh, e.layout
+        sched = f" v{lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+        print(f"{n:7} {which:>12} {m.dp:>4} {m.pp:>2} {m.tp:>2} {m.cp:>2} {lay.zero:>4} {lay.recompute.value:>9} "
+              f"{'on' if lay.sequence_parallel else 'off':>3} {e.step_time_s:7.2f} {100 * e.mfu:6.1f} "
+              f"{e.memory_gb:7.1f}{sched}")
+
     for n in devices:
-        rows = sweep(spec, table, hw, devices=n, global_batch=global_batch, seq_len=seq_len,
-                     zeros=(0, 1, 2, 3), recomputes=tuple(Recompute))
-        best = next((e for e in rows if e.fits), None)
-        if best is None:
-            print(f"{n:7} nothing fits (smallest {min(e.memory_gb for e in rows):.1f} GB)")
-            continue
-        m = best.layout.mesh
-        print(f"{n:7} {m.dp:>4} {m.pp:>2} {m.tp:>2} {m.cp:>2} {best.layout.zero:>4} {best.layout.recompute.value:>9} "
-              f"{best.step_time_s:7.2f} {100 * best.mfu:6.1f} {best.memory_gb:7.1f}")
+        for which, zeros in (("any ZeRO", (0, 1, 2, 3)), ("ZeRO <= 1", (0, 1))):
+            rows = sweep(spec, ct, hw, devices=n, global_batch=global_batch, seq_len=seq_len, zeros=zeros,
+                         recomputes=tuple(Recompute), sequence_parallel=(False, True))
+            row(n, which, next((e for e in rows if e.fits), None))
+        nemo = Layout(mesh=Mesh(dp=n // 32, pp=4, tp=4, cp=2), zero=1, schedule="interleaved-1f1b",
+                      virtual_stages=5, sequence_parallel=True)
+        row(n, "NeMo layout", estimate(ct, spec, hw, nemo, global_batch=global_batch, seq_len=seq_len))
 
 
 def main(argv=None) -> int:

@@ -121,9 +121,14 @@ def collective_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: i
 
 
 def best_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: int, stride: int = 1) -> float:
-    """The faster of ring and tree (what NCCL / HCCL pick by message size). `nbytes` may be a
-    numpy array: the result is then elementwise (the planner prices every stage size at once)."""
-    ring, tree = (collective_time(hw, op, nbytes, size=size, stride=stride, algo=a) for a in Algorithm)
+    """The faster of ring and tree (what NCCL / HCCL pick by message size), tree only where the
+    device's library has one for `op` (`hw.log_collectives`: NCCL's tree is AllReduce's alone).
+    `nbytes` may be a numpy array: the result is then elementwise (the planner prices every stage
+    size at once)."""
+    ring = collective_time(hw, op, nbytes, size=size, stride=stride, algo=Algorithm.RING)
+    if op.value not in hw.log_collectives:
+        return ring
+    tree = collective_time(hw, op, nbytes, size=size, stride=stride, algo=Algorithm.TREE)
     return np.minimum(ring, tree) if isinstance(ring, np.ndarray) else min(ring, tree)
 
 

@@ -758,13 +758,22 @@ def _dp_sync_exposed(hw: DeviceProfile, op: Collective, groups: tuple, bytes_per
                      overlap_s):
     """Exposed seconds of one data-parallel collective over a stage's sync `groups` (`_sync_groups`; see
     `dp_exposed_time`): the rank's first chunk (1/v of the parameters) against 1/v of the compute it
-    overlaps, and never less than that chunk's last bucket (the larger of the groups' last buckets)."""
+    overlaps, each group in its buckets (`bucketed_time`), and never less than that chunk's last
+    bucket (the larger of the groups' last buckets)."""
     v = layout.virtual_stages
-    whole = sum(best_time(hw, op, p / v * bytes_per_param, size=n, stride=s) for p, n, s in groups)
+    whole = sum(bucketed_time(hw, op, p / v, bytes_per_param, size=n, stride=s) for p, n, s in groups)
     last = np.maximum.reduce([np.asarray(best_time(hw, op, np.minimum(p / v, _bucket_params(n)) * bytes_per_param,
                                                    size=n, stride=s)) for p, n, s in groups])
     out = np.maximum(last, whole - overlap_s / v)
     return out if isinstance(out, np.ndarray) and out.ndim else float(out)
+
+
+def bucketed_time(hw: DeviceProfile, op: Collective, params, bytes_per_param: float, *, size: int, stride: int):
+    """Seconds of a data-parallel collective over `params` parameters run as Megatron runs it, one
+    collective per bucket of max(40M, 1M x size) parameters (`dp_bucket_params`), each paying the
+    ring's (N - 1) step latencies: the step's gradient sync (numbers or numpy arrays)."""
+    buckets = np.maximum(1.0, np.ceil(params / _bucket_params(size)))
+    return buckets * best_time(hw, op, params / buckets * bytes_per_param, size=size, stride=stride)
 
 
 def zero2_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: float = 0.0) -> float:
@@ -776,14 +785,17 @@ def zero2_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: floa
     return _group_time(hw, Collective.REDUCE_SCATTER, _sync_groups(params, layout, expert), layout.numbers.grad_bytes)
 
 
-def zero3_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: float = 0.0) -> float:
+def zero3_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: float = 0.0, blocks=1) -> float:
     """ZeRO-3 communication of one micro-batch of one stage: all-gather the weights in forward
-    and again in backward, reduce-scatter the gradients."""
+    and again in backward, reduce-scatter the gradients, one collective of each per block (FSDP2
+    wraps every transformer block, the embedding and the head: `blocks` of them, each paying the
+    ring's (N - 1) step latencies; NCCL has no tree for these, `hw.log_collectives`)."""
     if layout.zero != 3:
         return 0.0
-    groups, nb = _sync_groups(params, layout, expert), layout.numbers
-    return (2 * _group_time(hw, Collective.ALL_GATHER, groups, nb.param_bytes)
-            + _group_time(hw, Collective.REDUCE_SCATTER, groups, nb.grad_bytes))
+    k = np.maximum(1.0, blocks)
+    groups, nb = [(p / k, n, st) for p, n, st in _sync_groups(params, layout, expert)], layout.numbers
+    return k * (2 * _group_time(hw, Collective.ALL_GATHER, groups, nb.param_bytes)
+                + _group_time(hw, Collective.REDUCE_SCATTER, groups, nb.grad_bytes))
 
 
 def _shard(params, layout: Layout, expert):
@@ -809,12 +821,14 @@ def _host(hw: DeviceProfile, field: str) -> float:
     return value
 
 
-def zero_exposed_time(hw: DeviceProfile, params, layout: Layout, *, compute_s, backward_s, expert=0.0):
+def zero_exposed_time(hw: DeviceProfile, params, layout: Layout, *, compute_s, backward_s, expert=0.0, blocks=1):
     """ZeRO traffic of one micro-batch of one stage that its own work does not hide: ZeRO-3's
     weight gathers and gradient reduce-scatter (and under offload their host copies) behind its
     compute, ZeRO-2's gradient reduce-scatter behind its backward (numbers or numpy arrays;
-    `expert`: the routed-expert share of `params`)."""
-    z3 = zero3_time(hw, params, layout, expert=expert) + offload_time(hw, params, layout, expert=expert)
+    `expert`: the routed-expert share of `params`; `blocks`: the stage's FSDP units, layers,
+    embedding and head, one ZeRO-3 collective each)."""
+    z3 = (zero3_time(hw, params, layout, expert=expert, blocks=blocks)
+          + offload_time(hw, params, layout, expert=expert))
     return (np.maximum(0.0, z3 - compute_s)
             + np.maximum(0.0, zero2_time(hw, params, layout, expert=expert) - backward_s))
 
@@ -944,7 +958,8 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
         epc = sum(bt[k].ep_comm_s * c for k, c in counts.items())
         bwd_last = sum(bt[k].bwd_s * c for k, c in counts.items())
         fwd_first = sum(bt[k].fwd_s * c for k, c in counts.items())
-        zexp = float(zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts))
+        zexp = float(zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts,
+                                       blocks=sum(counts.values())))
         t = comp + reco + tpc + cpc + epc + p2p + zexp
         times.append(t)
         parts.append((comp, reco, tpc, cpc, epc, p2p, zexp, params, experts, bwd_last, fwd_first))

@@ -71,3 +71,28 @@ def test_alpha_beta_time():
         collective_time(hw, Collective.ALL_REDUCE, small, size=64, stride=8, algo=TREE))
     assert best_time(hw, Collective.ALL_REDUCE, big, size=64, stride=8) == pytest.approx(
         collective_time(hw, Collective.ALL_REDUCE, big, size=64, stride=8, algo=RING))
+
+
+def test_nccl_has_a_tree_for_all_reduce_only():
+    # NCCL's double binary tree serves AllReduce; its AllGather / ReduceScatter are rings, whose
+    # (N - 1) step latencies grow with the group; HCCL (910B) keeps its log-depth algorithms
+    h100, npu = load_hardware("h100"), load_hardware("ascend-910b")
+    assert h100.log_collectives == ("all_reduce",) and h100.source("log_collectives")
+    assert load_hardware("h200").log_collectives == load_hardware("a100-80g").log_collectives == ("all_reduce",)
+    small = 1e4
+    for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        ring = collective_time(h100, op, small, size=1024, stride=8, algo=Algorithm.RING)
+        assert best_time(h100, op, small, size=1024, stride=8) == ring
+        assert best_time(npu, op, small, size=1024, stride=8) < collective_time(npu, op, small, size=1024, stride=8,
+                                                                                 algo=Algorithm.RING)
+    tree = collective_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8, algo=Algorithm.TREE)
+    assert best_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8) == tree
+
+
+def test_log_collectives_is_checked():
+    import dataclasses
+
+    from autoshard.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match="log_collectives"):
+        dataclasses.replace(load_hardware("h100"), log_collectives=("broadcast",))

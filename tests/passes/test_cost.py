@@ -248,8 +248,9 @@ def test_interleaved_sends_overlap_the_next_chunk():
 
 
 def test_dp_sync_exposes_the_last_bucket_and_one_chunk_of_v():
-    # Megatron's buckets (max(40M, 1M x dp) parameters): the last gradient bucket is ready only when
-    # the backward ends; with v chunks per rank only the first chunk's share outlasts the drain
+    # Megatron's buckets (max(40M, 1M x dp) parameters), one collective each: the last gradient
+    # bucket is ready only when the backward ends; with v chunks per rank only the first chunk's
+    # share outlasts the drain
     from autoshard.passes.collectives import Collective, best_time
 
     params, one = 4e9, lay(dp=4, zero=1)
@@ -257,21 +258,41 @@ def test_dp_sync_exposes_the_last_bucket_and_one_chunk_of_v():
     assert cost.dp_bucket_params(one) == 40e6 and cost.dp_bucket_params(lay(dp=256, zero=1)) == 256e6
     nb = one.numbers
 
-    def t(op, n, b):
-        return best_time(HW, op, n * b, size=4, stride=1)
+    def t(op, n, b):  # n parameters in 40M buckets
+        return n / 40e6 * best_time(HW, op, 40e6 * b, size=4, stride=1)
 
     rs, ag = t(Collective.REDUCE_SCATTER, params, nb.grad_bytes), t(Collective.ALL_GATHER, params, nb.param_bytes)
+    assert cost.bucketed_time(HW, Collective.REDUCE_SCATTER, params, nb.grad_bytes, size=4, stride=1) == pytest.approx(rs)
     last = t(Collective.REDUCE_SCATTER, 40e6, nb.grad_bytes) + t(Collective.ALL_GATHER, 40e6, nb.param_bytes)
     hidden = cost.dp_exposed_time(HW, params, one, backward_s=1e3, forward_s=1e3)
     assert hidden == pytest.approx(last)  # all but one bucket behind a long backward / forward
     assert cost.dp_exposed_time(HW, params, one, backward_s=0.0, forward_s=0.0) == pytest.approx(rs + ag)
-    rs2, ag2 = (t(op, params / 2, b) for op, b in ((Collective.REDUCE_SCATTER, nb.grad_bytes),
-                                                   (Collective.ALL_GATHER, nb.param_bytes)))
     bwd, fwd = rs / 4, ag / 4  # the sync outlasts the compute it overlaps
     assert cost.dp_exposed_time(HW, params, two, backward_s=bwd, forward_s=fwd) == pytest.approx(
-        rs2 - bwd / 2 + ag2 - fwd / 2)
+        rs / 2 - bwd / 2 + ag / 2 - fwd / 2)
     assert (cost.dp_exposed_time(HW, params, two, backward_s=bwd, forward_s=fwd)
             < cost.dp_exposed_time(HW, params, one, backward_s=bwd, forward_s=fwd))
+
+
+def test_zero3_pays_one_ring_per_block():
+    # FSDP2 gathers and reduce-scatters block by block; NCCL runs those as rings, (N - 1) latencies each
+    from autoshard.passes.collectives import Collective, best_time
+
+    h100, params = load_hardware("h100"), 35e9
+    layout = lay(dp=1024, zero=3)
+    nb = layout.numbers
+
+    def per_block(k):
+        ag = best_time(h100, Collective.ALL_GATHER, params / k * nb.param_bytes, size=1024, stride=1)
+        return k * (2 * ag + best_time(h100, Collective.REDUCE_SCATTER, params / k * nb.grad_bytes, size=1024,
+                                       stride=1))
+
+    assert cost.zero3_time(h100, params, layout, blocks=82) == pytest.approx(per_block(82))
+    assert cost.zero3_time(h100, params, layout) == pytest.approx(per_block(1))
+    # 81 more ring latencies x 3 collectives: (N - 1) steps of inter_latency each
+    extra = 81 * 3 * 1023 * h100.inter_latency
+    assert cost.zero3_time(h100, params, layout, blocks=82) - cost.zero3_time(h100, params, layout) == \
+        pytest.approx(extra, rel=1e-6)
 
 
 def test_mfu_convention_matches_the_paper_for_llama():
