@@ -265,18 +265,21 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None) ->
 
 def generate_violation(spec: ModelSpec, mesh: Mesh, *, sequence_parallel: bool = False) -> str | None:
     """Why `DistributedModel.generate` (runtime/generate.py) cannot run one replica of `mesh`, or None.
-    Generation runs one model replica: dp = cp = ep = 1 (serve more replicas by starting one such
-    world each; the prompt's context parallelism and expert parallelism are not run in decode),
-    with any tp and pp the plan rules allow (virtual stages and Mamba-2 groups kept whole included),
-    and no sequence parallelism (a decode step's one token cannot be split over tp).
+    Generation runs one model replica: dp = cp = 1 (serve more replicas by starting one such world
+    each; the prompt's context parallelism is not run in decode), with any tp, pp and ep the plan
+    rules allow (virtual stages and Mamba-2 groups kept whole included; ep > 1 for MoE models: every
+    ep rank holds the same sequences and slices the experts, runtime/expert_parallel.py), and no
+    sequence parallelism (a decode step's one token cannot be split over tp).
     The runtime's `generate` and the inference planner (passes/serving.py) both ask here."""
-    if mesh.dp != 1 or mesh.cp != 1 or mesh.ep != 1:
-        return (f"generate runs one model replica: the plan has dp={mesh.dp}, cp={mesh.cp}, ep={mesh.ep}; use a plan "
-                "with dp = cp = ep = 1 (tp and pp as you like) and start one such world per replica")
+    if mesh.dp != 1 or mesh.cp != 1:
+        return (f"generate runs one model replica: the plan has dp={mesh.dp}, cp={mesh.cp}; use a plan with "
+                "dp = cp = 1 (tp, pp and ep as you like) and start one such world per replica")
     if sequence_parallel:
         return ("generate decodes one token at a time, which sequence parallelism cannot split over tp; generate "
                 "under the same plan with sequence_parallel false")
-    return plan_violation(spec, mesh, global_batch=1, seq_len=1)
+    # generation does not split the batch over ep (every ep rank holds the same sequences): the
+    # training rule that ep divides the batch is met by asking with a batch of ep
+    return plan_violation(spec, mesh, global_batch=mesh.ep, seq_len=1)
 
 
 RUNTIME_ZERO = (0, 1, 2, 3)  # the ZeRO levels the runtime runs (3: FSDP2, runtime/zero3.py)

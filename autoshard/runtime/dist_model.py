@@ -14,9 +14,9 @@ Contract (DESIGN.md, "Entry points"): built by `autoshard.parallelize` on every 
   (runtime/precision.py: bf16 parameters, fp32 main gradients and masters) they are the fp32 main
   gradients and the fp32 master weights.
 * `__call__(input_ids)`: full logits (b, s, V) on every rank, no gradient.
-* `generate(input_ids, max_new_tokens=N)`: greedy generation on a plan with dp = cp = 1 (tp and
-  pp any), prompt + new tokens on every rank, equal to HF's single-process greedy `generate`;
-  the KV cache / Mamba-2 state stays sharded as the weights are (see `runtime/generate.py`).
+* `generate(input_ids, max_new_tokens=N)`: greedy generation on a plan with dp = cp = 1 (tp,
+  pp and, for MoE models, ep any), prompt + new tokens on every rank, equal to HF's single-process
+  greedy `generate`; the KV cache / Mamba-2 state stays sharded as the weights are (see `runtime/generate.py`).
 
 Expert parallelism (ep > 1, runtime/expert_parallel.py): the batch is split over dp x ep (the ep
 peers are data-parallel replicas of the dense layers), dense gradients and the loss are reduced
@@ -42,7 +42,7 @@ from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
 from autoshard.runtime.comm import gather_last_dim
 from autoshard.runtime.context_parallel import CPRuntime
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
-from autoshard.runtime.expert_parallel import GradSyncs, load_balancing_loss
+from autoshard.runtime.expert_parallel import GradSyncs, load_balancing_loss, replicated_tokens
 from autoshard.runtime.loss import causal_lm_loss, count_tokens
 from autoshard.runtime.mesh import Groups, peer_lost
 from autoshard.runtime.precision import autocast
@@ -258,7 +258,9 @@ class DistributedModel:
                 placement = (0,)
             self._generator = Generator(self.model, spec, chunks, placement, tp_group=self._logits_group,
                                         pp_group=self._groups.pp if mesh.pp > 1 else None, device=self._groups.device)
-        with autocast(self.precision, self._groups.device):  # bf16-mixed plans decode in bf16 too
+        # bf16-mixed plans decode in bf16 too; ep > 1: every ep rank holds the same sequences, so the
+        # experts are sliced over ep and summed by all-reduce (expert_parallel.replicated_tokens)
+        with autocast(self.precision, self._groups.device), replicated_tokens(self.model):
             return self._generator.generate(input_ids, max_new_tokens=max_new_tokens)
 
     def full_grads(self) -> dict[str, Tensor]:

@@ -31,11 +31,20 @@ parameters (attention, router, shared expert, norms, embedding, head) are data-p
 over dp x ep x cp (`runtime/mesh.py`). `GradSyncs` runs one `GradSync` per group.
 
 Router auxiliary loss (`output_router_logits=True`): `load_balancing_loss` below.
+
+Generation (`replicated_tokens`, used by `DistributedModel.generate` only): every ep rank of a
+serving replica holds the SAME sequences, so the all-to-all above would compute each token once
+per rank. Inside `with replicated_tokens(model):` each `ParallelExperts` instead slices the
+experts: the routing is computed identically on every rank, each rank runs its local experts on
+the (token, expert) pairs routed to them (HF's eager loop: weighted, `index_add_` in expert
+order), and the partial outputs (T, h) are summed over the ep group with one all-reduce. Training
+never enters this mode.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -73,7 +82,8 @@ class ParallelExperts(nn.Module):
                                      "bias in HF's [gate; up] x hidden layout (Mixtral, Qwen2-MoE)")
         self.num_experts, self.ep, self.group = total, ep, group
         self.local = total // ep
-        first = ep_rank * self.local
+        self.first = first = ep_rank * self.local
+        self.replicated = False  # True inside `replicated_tokens` (generation): expert slicing + all-reduce
         self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[first:first + self.local].clone())
         self.down_proj = nn.Parameter(experts.down_proj.detach()[first:first + self.local].clone())
         self.act_fn = experts.act_fn
@@ -81,6 +91,8 @@ class ParallelExperts(nn.Module):
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+        if self.replicated:
+            return self._sliced(hidden, top_k_index, top_k_weights)
         tokens, k = top_k_index.shape
         expert_ids = top_k_index.reshape(-1)  # (T*k,)
         order = torch.argsort(expert_ids, stable=True)
@@ -99,6 +111,19 @@ class ParallelExperts(nn.Module):
         weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         out = weighted[torch.argsort(order)].view(tokens, k, -1).sum(dim=1)  # HF: reshape + sum over k
         return out.to(hidden.dtype)
+
+    def _sliced(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """Every ep rank holds the same tokens: this rank's experts on the pairs routed to them, the
+        weighted partial sums (T, h) all-reduced over ep (module docstring, Generation)."""
+        out = torch.zeros_like(hidden)
+        for e in range(self.local):
+            token_idx, slot = torch.where(top_k_index == self.first + e)
+            if token_idx.numel():
+                gate, up = F.linear(hidden[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[token_idx, slot, None]
+                out.index_add_(0, token_idx, y.to(out.dtype))
+        dist.all_reduce(out, group=self.group)
+        return out
 
     def _experts(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
         """Each local expert's gated MLP on its rows (x expert-major, `sizes` rows per expert)."""
@@ -131,6 +156,19 @@ def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_group: dist.Proc
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent), attr, ParallelExperts(experts, group=ep_group, ep=ep, ep_rank=ep_rank))
     return names
+
+
+@contextmanager
+def replicated_tokens(model: nn.Module) -> Iterator[None]:
+    """Within: every `ParallelExperts` of `model` slices its experts over identical tokens (generation)."""
+    layers = [m for m in model.modules() if isinstance(m, ParallelExperts)]
+    for m in layers:
+        m.replicated = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.replicated = False
 
 
 # -- gradients and optimizer: dense over dp x ep x cp, experts over dp x cp -------------------------------

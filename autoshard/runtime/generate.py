@@ -1,8 +1,9 @@
 """Greedy generation on one replica of a plan: tensor and pipeline parallel, cache kept sharded.
 
 Contract: `Generator(model, spec, chunks, placement, tp_group=..., pp_group=..., device=...)` is
-built on every rank of one replica (dp = cp = ep = 1); `chunks` are this rank's stage modules by
-model-chunk index and `placement` the pp rank of every chunk in model order (one chunk per rank,
+built on every rank of one replica (dp = cp = 1; ep > 1 for MoE models: every ep rank holds the
+same sequences, the caller slices the experts with `expert_parallel.replicated_tokens`); `chunks`
+are this rank's stage modules by model-chunk index and `placement` the pp rank of every chunk in model order (one chunk per rank,
 or several under virtual stages: `ir.stage_rank`). `generate(input_ids, max_new_tokens=N)` takes
 the same prompts (b, s) on every rank and returns prompt + new tokens (b, s + n), n <= N, the same
 tensor on every rank. The tokens are those of HF's single-process

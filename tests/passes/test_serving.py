@@ -137,5 +137,6 @@ def test_every_emitted_inference_plan_passes_generates_own_check():
                 assert generate_violation(spec, plan.mesh, sequence_parallel=plan.sequence_parallel) is None, (spec, lay)
     # what generate refuses: more than one replica, or context / expert parallelism
     assert "dp=2" in generate_violation(LLAMA, Mesh(dp=2))
-    assert "ep=2" in generate_violation(get_spec("mixtral-tiny"), Mesh(ep=2))
+    assert generate_violation(get_spec("mixtral-tiny"), Mesh(ep=2)) is None  # experts sliced over ep
+    assert "ep=2" in generate_violation(LLAMA, Mesh(ep=2))  # no experts to split
     assert "sequence parallelism" in generate_violation(LLAMA, Mesh(tp=2), sequence_parallel=True)

@@ -2,7 +2,7 @@
 
 Each world size is spawned once and runs every configuration inside (start-up costs seconds):
 LLaMA, Mamba-2 and Mixtral at tp, pp, tp x pp, virtual stages (interleaved and the V placement),
-and Mamba-2 with its groups kept whole (tp not dividing n_groups). Prompts avoid the special ids
+Mixtral and Qwen2-MoE at ep 2 (experts sliced over identical sequences), and Mamba-2 with its groups kept whole (tp not dividing n_groups). Prompts avoid the special ids
 (0-2), so HF infers no padding mask from them.
 """
 
@@ -61,7 +61,8 @@ INTERLEAVED = dict(pp=2, virtual_stages=2, schedule="interleaved-1f1b")  # chunk
 V_SHAPE = dict(pp=2, virtual_stages=2, schedule="zero-bubble")  # chunks 0, 3 on rank 0; 1, 2 on rank 1
 WORLD2 = (("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2)), ("llama-tiny", INTERLEAVED),
           ("mamba2-tiny", dict(tp=2)), ("mamba2-tiny", dict(pp=2)), ("mamba2-tiny", V_SHAPE),
-          ("mamba2-tiny-g1", dict(tp=2)), ("mixtral-tiny", dict(tp=2)), ("mixtral-tiny", dict(pp=2)))
+          ("mamba2-tiny-g1", dict(tp=2)), ("mixtral-tiny", dict(tp=2)), ("mixtral-tiny", dict(pp=2)),
+          ("mixtral-tiny", dict(ep=2)), ("qwen2-moe-tiny", dict(ep=2)))
 WORLD4 = (("llama-tiny", dict(tp=2, pp=2)), ("mamba2-tiny", dict(tp=2, pp=2)),
           ("llama-tiny", dict(tp=4)),  # 2 KV heads over tp 4: each rank caches one KV head
           ("mamba2-tiny", dict(tp=4)))  # 2 groups kept whole over tp 4: ranks 0-1 read group 0, 2-3 group 1
