@@ -64,8 +64,12 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
     for mesh in meshes:
         allowed = sequence_parallel_violation(spec, mesh, seq_len) is None  # else the mesh is priced without
         sps = {sp and allowed for sp in sequence_parallel}
+        # 1F1B needs m >= pp micro-batches (the validator's rule); with fewer the runtime runs GPipe
+        base = Layout(mesh=mesh, micro_batch=micro_batch)
+        schedule = "gpipe" if base.microbatches(global_batch) < mesh.pp else "1f1b"
         options = [estimate(ct, spec, hw, Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r,
-                                                 sequence_parallel=sp, moe_imbalance=moe_imbalance),
+                                                 sequence_parallel=sp, moe_imbalance=moe_imbalance,
+                                                 schedule=schedule),
                             global_batch=global_batch, seq_len=seq_len)
                    for z in zeros if zero_violation(mesh, z) is None for r in recomputes for sp in sorted(sps)]
         if not options:
