@@ -75,8 +75,7 @@ def _expert_line(plan, pred) -> str | None:
             f"over dp x cp ({plan.mesh.dp * plan.mesh.cp})")
     if ep > 1:
         line += (f"; dispatch/combine all-to-alls {time.get('ep_comm', 0):.3g} s/step, in exchange for 1/{ep} of "
-                 "the expert weights, gradients and optimizer state per rank; dm.save_checkpoint is refused "
-                 "under ep > 1 (runtime/checkpoint.py), full_state_dict() gathers the experts")
+                 "the expert weights, gradients and optimizer state per rank")
     for other in dict(plan.solver).get("other_eps", ()):  # why this ep won (passes/solve.py _other_eps)
         if "mesh" in other:
             mesh = " ".join(f"{k}{v}" for k, v in other["mesh"].items() if v > 1) or "single"

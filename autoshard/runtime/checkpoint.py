@@ -12,15 +12,16 @@ Contract:
   plus `autoshard.json` (model name, fingerprint, parameter shapes, optimizer class, steps, plan).
   The keys are torch's own flattened state-dict keys (`get_state_dict` + DCP), so a plain torch
   program can read the checkpoint too.
-  Each rank contributes the tensors of the parameters its pipeline stage holds, assembled over tp
-  (and over dp for ZeRO state); copies held by several ranks are written once (DCP deduplicates
+  Each rank contributes the tensors of the parameters its pipeline stage holds, assembled over tp,
+  the routed experts over ep (`dm.gather_shards`), and over dp for ZeRO state; copies held by several ranks are written once (DCP deduplicates
   equal keys). Memory: one stage's full parameters and optimizer state live on each rank while it saves.
 * Atomic: the checkpoint is written to `.<name>.partial` beside `path`; when every rank's files and
   `autoshard.json` are complete, rank 0 renames it to `path` (the previous checkpoint, if any, is
   first moved to `.<name>.old` and deleted last). A crash at any point leaves a loadable checkpoint:
   `path`, or `.<name>.old` when the crash fell between the two renames (`load_checkpoint` looks there).
 * `load_checkpoint(dm, path, missing_ok=False) -> steps` (collective) reads the keys this rank needs (its stage's
-  parameters and their optimizer state), cuts them to this rank's tp slice / ZeRO shard, and restores
+  parameters and their optimizer state), cuts them to this rank's experts, tp slice and ZeRO shard
+  (`dm.local_piece`), and restores
   steps and RNG. A checkpoint of another model, one that is incomplete (a missing or truncated file),
   or one whose optimizer differs raises `CheckpointError` naming both sides.
 * `save_pretrained(dm, path)`: HF `config.json` + `model.safetensors` of the full weights (rank 0
@@ -43,7 +44,7 @@ from torch import Tensor
 
 from autoshard.errors import CheckpointError
 from autoshard.runtime.data_parallel import ShardedOptimizer
-from autoshard.runtime.tensor_parallel import shard_tensor
+from autoshard.runtime.expert_parallel import ShardedOptimizers
 from autoshard.runtime.zero3 import full_tensor, like
 
 if TYPE_CHECKING:
@@ -88,17 +89,10 @@ def _resolve(path: Path) -> Path:
                           "dm.save_checkpoint(path), or give the directory it was saved to")
 
 
-def _check_supported(dm: DistributedModel) -> None:
-    if dm.plan.mesh.ep > 1:  # each ep rank holds other experts under the same names: not gathered here yet
-        raise CheckpointError(f"checkpoints under expert parallelism (ep={dm.plan.mesh.ep}) are not supported yet; "
-                              "save from a plan with ep=1 (full_state_dict() gathers the experts)")
-
-
 # -- save -------------------------------------------------------------------------------------------
 
 def save_checkpoint(dm: DistributedModel, path: str | os.PathLike) -> Path:
     """Write `dm`'s model, optimizer, steps and RNG to `path` (collective; see the module docstring)."""
-    _check_supported(dm)
     final = Path(path).absolute()
     tmp, old = _siblings(final)
     rank = dist.get_rank()
@@ -121,11 +115,11 @@ def save_checkpoint(dm: DistributedModel, path: str | os.PathLike) -> Path:
 
 def _state_to_save(dm: DistributedModel) -> dict[str, Tensor]:
     params = dm.master_weights()  # bf16-mixed: the fp32 masters, not the bf16 parameters
-    state = {f"model.{n}": t for n, t in dm.gather_tp(params).items()}
+    state = {f"model.{n}": t for n, t in dm.gather_shards(params).items()}
     optim = _optimizer_states(dm)
     for key in sorted({k for s in optim.values() for k in s}):
         shaped = {n: s[key] for n, s in sorted(optim.items()) if key in s and s[key].dim() > 0}
-        for name, tensor in dm.gather_tp(shaped).items():
+        for name, tensor in dm.gather_shards(shaped).items():
             state[f"optim.state.{name}.{key}"] = tensor
         for name, s in optim.items():
             if key in s and s[key].dim() == 0:
@@ -151,7 +145,6 @@ def _meta(dm: DistributedModel) -> dict:
 def load_checkpoint(dm: DistributedModel, path: str | os.PathLike, *, missing_ok: bool = False) -> int:
     """Restore `dm` from the checkpoint at `path`; the number of steps it had taken (collective).
     `missing_ok`: no checkpoint there (a first start) returns 0 and leaves `dm` as it is."""
-    _check_supported(dm)
     path = Path(path).absolute()
     if missing_ok and not path.exists() and not (_siblings(path)[1] / META_FILE).exists():
         return 0
@@ -255,6 +248,9 @@ def _check_files(reader, root: Path):
 # -- optimizer state in per-parameter terms ---------------------------------------------------------
 
 def _inner(optimizer):
+    """The torch optimizer (under ep: the dense group's; the expert group's is of the same class)."""
+    if isinstance(optimizer, ShardedOptimizers):
+        optimizer = optimizer.optimizers[0]
     return optimizer.optimizer if isinstance(optimizer, ShardedOptimizer) else optimizer
 
 
@@ -268,7 +264,7 @@ def _optimizer_states(dm: DistributedModel) -> dict[str, dict[str, Tensor]]:
     optimizer = dm.optimizer
     if optimizer is None:
         return {}
-    if isinstance(optimizer, ShardedOptimizer):  # ZeRO-1/2: gathered over dp, cut into parameters
+    if isinstance(optimizer, (ShardedOptimizer, ShardedOptimizers)):  # ZeRO-1/2: gathered over dp, cut
         by_id = optimizer.param_states()
     else:
         by_id = {id(p): {k: full_tensor(v) for k, v in optimizer.state.get(p, {}).items() if isinstance(v, Tensor)}
@@ -278,7 +274,7 @@ def _optimizer_states(dm: DistributedModel) -> dict[str, dict[str, Tensor]]:
 
 def _load_params(dm: DistributedModel, full: Mapping[str, Tensor]) -> None:
     """Parameters and (bf16-mixed, ZeRO-1/2) the fp32 masters from the full tensors."""
-    dm.load_weights({id(p): like(shard_tensor(full[dm.param_name(p)], dm.placement(dm.param_name(p))), p)
+    dm.load_weights({id(p): like(dm.local_piece(dm.param_name(p), full[dm.param_name(p)]), p)
                      for p in dm.local_params()})
 
 
@@ -288,10 +284,10 @@ def _load_optimizer(dm: DistributedModel, full: Mapping[str, Mapping[str, Tensor
     for p in dm.local_params():
         name = dm.param_name(p)
         held = full.get(name, {})
-        local[id(p)] = {k: v.clone() if v.dim() == 0 else like(shard_tensor(v, dm.placement(name)), p)
+        local[id(p)] = {k: v.clone() if v.dim() == 0 else like(dm.local_piece(name, v), p)
                         for k, v in held.items()}
     optimizer = dm.optimizer
-    if isinstance(optimizer, ShardedOptimizer):
+    if isinstance(optimizer, (ShardedOptimizer, ShardedOptimizers)):
         optimizer.load_param_states(local)
         return
     for p in dm.local_params():
@@ -314,7 +310,8 @@ def _hparams(optimizer) -> dict[str, Tensor]:
 
 
 def _set_hparams(optimizer, values: Mapping[str, Tensor]) -> None:
-    for group in _inner(optimizer).param_groups:
+    inners = [o.optimizer for o in optimizer.optimizers] if isinstance(optimizer, ShardedOptimizers) else [_inner(optimizer)]
+    for group in (g for inner in inners for g in inner.param_groups):
         for key, tensor in values.items():
             old = group.get(key)
             if isinstance(old, tuple):

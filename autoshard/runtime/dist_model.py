@@ -46,7 +46,7 @@ from autoshard.runtime.expert_parallel import GradSyncs, load_balancing_loss, re
 from autoshard.runtime.loss import causal_lm_loss, count_tokens
 from autoshard.runtime.mesh import Groups, peer_lost
 from autoshard.runtime.precision import autocast
-from autoshard.runtime.tensor_parallel import partial_grad_reducer, unshard
+from autoshard.runtime.tensor_parallel import partial_grad_reducer, shard_tensor, unshard
 from autoshard.runtime.zero3 import full_tensor
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -332,10 +332,23 @@ class DistributedModel:
     def _assemble(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if self._runner is not None:
             local = self._runner.gather(local)
-        if self.plan.mesh.ep > 1:  # every ep rank's experts, concatenated along the expert dim
+        return self.gather_shards(local)  # every ep rank's experts, concatenated along the expert dim
+
+    def gather_shards(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """{name: full tensor} of this stage from this rank's pieces: the experts gathered over ep,
+        then every tensor over tp (collective over ep and tp; checkpoints)."""
+        if self.plan.mesh.ep > 1:
             local = {name: self._gather_experts(t) if name in self._setup.expert_names else t
                      for name, t in local.items()}
         return self.gather_tp(local)
+
+    def local_piece(self, name: str, full: Tensor) -> Tensor:
+        """This rank's piece of parameter `name` (or a tensor shaped like it) from its full value:
+        its experts (ep > 1), then its tp slice. The inverse of `gather_shards` (local)."""
+        if self.plan.mesh.ep > 1 and name in self._setup.expert_names:
+            count = full.shape[0] // self.plan.mesh.ep
+            full = full.narrow(0, dist.get_rank(self._groups.ep) * count, count)
+        return shard_tensor(full, self.placement(name))
 
     def gather_tp(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """{name: full tensor} from this rank's tp slices (collective over tp; the same names on every tp rank)."""

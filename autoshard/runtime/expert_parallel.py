@@ -194,13 +194,16 @@ class GradSyncs:
     def reduced_grads(self) -> dict[int, Tensor]:
         return {k: v for sync in self.syncs for k, v in sync.reduced_grads().items()}
 
-    def sharded_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None) -> _Optimizers:
+    def sharded_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None) -> ShardedOptimizers:
         """ZeRO-1/2: the optimizer state of each group sharded over that group (and the fp32 masters under
         main gradients: runtime/data_parallel.py)."""
-        return _Optimizers(tuple(ShardedOptimizer(sync, factory) for sync in self.syncs))
+        return ShardedOptimizers(tuple(ShardedOptimizer(sync, factory) for sync in self.syncs))
 
 
-class _Optimizers:
+class ShardedOptimizers:
+    """The ShardedOptimizer of each sync group (dense over dp x ep x cp, experts over dp x cp), stepped
+    together; per-parameter state and masters merged over the groups (checkpoints)."""
+
     def __init__(self, optimizers: tuple[ShardedOptimizer, ...]):
         self.optimizers = optimizers
 
@@ -218,6 +221,14 @@ class _Optimizers:
     def set_params(self, values: dict[int, Tensor]) -> None:
         for opt in self.optimizers:
             opt.set_params(values)
+
+    # -- per-parameter state (checkpoints: runtime/checkpoint.py): each group's, in group order ------
+    def param_states(self) -> dict[int, dict[str, Tensor]]:
+        return {k: v for opt in self.optimizers for k, v in opt.param_states().items()}
+
+    def load_param_states(self, states: dict[int, dict[str, Tensor]]) -> None:
+        for opt in self.optimizers:
+            opt.load_param_states(states)
 
 
 # -- the router's auxiliary loss --------------------------------------------------------------------

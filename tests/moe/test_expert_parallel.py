@@ -1,6 +1,6 @@
 """Expert parallelism on gloo equals one process (Mixtral, Qwen2-MoE): the loss of two AdamW steps,
 every gradient, the weights; composed with dp, tp, pp and cp; dropless under skewed routing; the
-router auxiliary loss. Each world size is spawned once and runs all its configurations."""
+router auxiliary loss; checkpoints saved under ep that resume under another ep or dp. Each world size is spawned once and runs all its configurations."""
 
 from __future__ import annotations
 
@@ -69,13 +69,47 @@ def _bad_plans_raise_on_every_rank(rank: int, world: int) -> None:
             autoshard.parallelize(model, torch.zeros(2, 16, dtype=torch.long), plan=dict(ep=2))
 
 
-def _run_all(rank: int, world: int, configs) -> None:
+def _checkpoint_across_ep(rank: int, world: int, root: str) -> None:
+    """Qwen2-MoE (routed and shared experts) trains 2 steps at ep 2 ZeRO-1 and saves; the checkpoint
+    resumes at ep 2 (ZeRO 0) and at dp 2 ZeRO-1 (every expert on every rank), each from a model
+    initialised differently, and after 2 more steps the weights equal 4 single-process steps."""
+    import functools
+    import os
+
+    from tests.runtime.equivalence import ADAM, TOL, batches, reference
+
+    spec = get_spec("qwen2-moe-tiny")
+    data = batches(spec.vocab, global_batch=8, seq=16, steps=4)
+    ref, _, _ = reference(spec, data)
+    adamw = functools.partial(torch.optim.AdamW, **ADAM)
+
+    def parallel(plan, seed):
+        return autoshard.parallelize(build_model(spec, seed=seed), data[0][0], plan=plan, global_batch=8,
+                                     optimizer=adamw)
+
+    dm = parallel(dict(ep=2, zero=1), seed=0)
+    for ids, labels in data[:2]:
+        dm.train_step(ids, labels)
+    path = os.path.join(root, "ep2")
+    dm.save_checkpoint(path)
+    for plan in (dict(ep=2), dict(dp=2, zero=1)):
+        resumed = parallel(plan, seed=7)
+        assert resumed.load_checkpoint(path) == 2
+        for ids, labels in data[2:]:
+            resumed.train_step(ids, labels)
+        state = resumed.full_state_dict()
+        for name, param in ref.named_parameters():
+            torch.testing.assert_close(state[name], param.detach(), **TOL, msg=lambda m: f"{plan}: {name}: {m}")
+
+
+def _run_all(rank: int, world: int, configs, root: str) -> None:
     if world == 2:
         _bad_plans_raise_on_every_rank(rank, world)
+        _checkpoint_across_ep(rank, world, root)
     for preset, plan, prepare, logits in configs:
         check_plan(preset, plan, logits=logits, prepare=prepare)
 
 
 @pytest.mark.parametrize("world, configs", [(2, WORLD2), (4, WORLD4)], ids=["ws2", "ws4"])
-def test_expert_parallel_matches_single_process(world, configs):
-    run_ranks(world, _run_all, configs)
+def test_expert_parallel_matches_single_process(world, configs, tmp_path):
+    run_ranks(world, _run_all, configs, str(tmp_path))
