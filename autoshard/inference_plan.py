@@ -7,7 +7,8 @@ fingerprint, hardware, devices, mesh) plus:
 
 * `pools`: one `Pool` per role -- ("both",) when prefill and decode share the devices
   (colocated), ("prefill", "decode") when they are disaggregated. A pool is `replicas` copies
-  of a tp x pp replica serving `batch` sequences at once. `mesh` is the colocated pool's
+  of a tp x pp x ep replica serving `batch` sequences at once (ep 1 unless the model is a
+  mixture of experts; absent in older plan files: 1). `mesh` is the colocated pool's
   (dp = replicas), or the decode pool's when disaggregated.
 * `prompt_len`, `output_len`, `ttft_slo_s`, `tpot_slo_s`: what the plan was made for.
 * `predicted`: ttft_s, tpot_s, throughput_tokens_per_s, memory_gb and memory_breakdown_gb
@@ -15,7 +16,7 @@ fingerprint, hardware, devices, mesh) plus:
   `solver`: the runner-up and why it lost, layouts priced, seconds taken.
 
 Each replica runs `autoshard.parallelize(model, ids, plan=plan.replica_plan(role))` on its
-tp * pp ranks, then `dm.generate(...)`.
+tp * pp * ep ranks, then `dm.generate(...)`.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ class Pool:
     pp: int
     replicas: int
     batch: int
+    ep: int = 1
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.replicas
+        return self.tp * self.pp * self.ep * self.replicas
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,7 +77,7 @@ class InferencePlan:
     @property
     def mesh(self) -> Mesh:
         pool = self.pools[-1]
-        return Mesh(dp=pool.replicas, pp=pool.pp, tp=pool.tp)
+        return Mesh(dp=pool.replicas, pp=pool.pp, tp=pool.tp, ep=pool.ep)
 
     def pool(self, role: str) -> Pool:
         for p in self.pools:
@@ -86,7 +88,7 @@ class InferencePlan:
     def replica_plan(self, role: str = "decode") -> dict[str, int]:
         """The plan of one replica of pool `role` for `autoshard.parallelize` (dp = cp = 1)."""
         pool = self.pool(role)
-        return {"tp": pool.tp, "pp": pool.pp}
+        return {"tp": pool.tp, "pp": pool.pp, **({"ep": pool.ep} if pool.ep > 1 else {})}
 
     # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -96,7 +98,7 @@ class InferencePlan:
             "mesh": self.mesh.as_dict(), "mode": "disaggregated" if self.disaggregated else "colocated",
             "batch": self.pools[-1].batch, "prompt_len": self.prompt_len, "output_len": self.output_len,
             "ttft_slo_s": self.ttft_slo_s, "tpot_slo_s": self.tpot_slo_s,
-            "pools": [{"role": p.role, "tp": p.tp, "pp": p.pp, "replicas": p.replicas, "batch": p.batch}
+            "pools": [{"role": p.role, "tp": p.tp, "pp": p.pp, "ep": p.ep, "replicas": p.replicas, "batch": p.batch}
                       for p in self.pools],
             "predicted": _jsonable(self.predicted), "solver": _jsonable(self.solver),
         }
@@ -113,8 +115,8 @@ class InferencePlan:
             raise PlanFileError(f"{source}: inference plan schema version {data.get('schema_version')!r}, this "
                                 f"autoshard reads {INFERENCE_SCHEMA_VERSION}; make the plan again")
         try:
-            pools = tuple(Pool(role=str(p["role"]), tp=int(p["tp"]), pp=int(p["pp"]), replicas=int(p["replicas"]),
-                               batch=int(p["batch"])) for p in data["pools"])
+            pools = tuple(Pool(role=str(p["role"]), tp=int(p["tp"]), pp=int(p["pp"]), ep=int(p.get("ep", 1)),
+                               replicas=int(p["replicas"]), batch=int(p["batch"])) for p in data["pools"])
             return cls(model=str(data["model"]), fingerprint=str(data["fingerprint"]), hardware=str(data["hardware"]),
                        devices=int(data["devices"]), prompt_len=int(data["prompt_len"]),
                        output_len=int(data["output_len"]), ttft_slo_s=float(data["ttft_slo_s"]),

@@ -14,14 +14,12 @@ import time
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 
 PLOT_POINTS = 10
-EP_NOTE = ("ep is not searched: generate serves one replica with every expert whole on each tp rank (ep = 1); "
-           "a decode step reads the weights of the experts its tokens touch, E (1 - (1 - k/E)^batch) of E")
 
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("inference (with --inference)")
     g.add_argument("--inference", action="store_true",
-                   help="plan serving instead of training: tp x pp per replica, replicas, concurrent batch "
+                   help="plan serving instead of training: tp x pp (x ep for MoE) per replica, replicas, concurrent batch "
                    "(and prefill/decode disaggregation) for the most output tokens/s under --ttft-slo / --tpot-slo")
     g.add_argument("--prompt-len", type=_positive_int, metavar="P", help="prompt tokens per request")
     g.add_argument("--output-len", type=_positive_int, metavar="O", help="generated tokens per request")
@@ -92,15 +90,13 @@ def make_plan(spec, table, hw, args, *, tpot_slo: float | None = None, module=No
     choice = plan_serving(table, spec, hw, devices=args.devices, prompt_len=args.prompt_len,
                           output_len=args.output_len, ttft_slo_s=args.ttft_slo,
                           tpot_slo_s=tpot_slo or args.tpot_slo, disaggregation=not args.no_disaggregation)
-    pools = tuple(Pool(role=role, **{k: getattr(e.layout, k) for k in ("tp", "pp", "replicas", "batch")})
+    pools = tuple(Pool(role=role, **{k: getattr(e.layout, k) for k in ("tp", "pp", "ep", "replicas", "batch")})
                   for role, e in choice.best.pools)
     runner = choice.runner_up
     solver = {"layouts_priced": choice.layouts_priced, "solve_time_s": time.perf_counter() - t0,
               "runner_up": None if runner is None else {
                   "mode": runner.mode, "shape": runner.shape, "ttft_s": runner.ttft_s, "tpot_s": runner.tpot_s,
                   "throughput_tokens_per_s": runner.throughput_tokens_per_s, "why": choice.why_runner_up_lost}}
-    if spec.is_moe:
-        solver["notes"] = [EP_NOTE]
     return InferencePlan(model=spec.name, fingerprint=fingerprint_spec(spec) if module is None else fingerprint_module(module),
                          hardware=hw.name, devices=args.devices, prompt_len=args.prompt_len,
                          output_len=args.output_len, ttft_slo_s=args.ttft_slo, tpot_slo_s=tpot_slo or args.tpot_slo,
@@ -118,7 +114,8 @@ def render(plan) -> None:
     mode = "disaggregated prefill / decode pools" if plan.disaggregated else "colocated (prefill and decode share devices)"
     con.print(f"mode: {mode}")
     for p in plan.pools:
-        con.print(f"  {p.role:>7} pool: {p.replicas} replica(s) of tp{p.tp} x pp{p.pp} ({p.devices} devices), "
+        ep = f" x ep{p.ep}" if p.ep > 1 else ""
+        con.print(f"  {p.role:>7} pool: {p.replicas} replica(s) of tp{p.tp} x pp{p.pp}{ep} ({p.devices} devices), "
                   f"batch {p.batch} sequences per replica")
     if pred:
         con.print(f"predicted: TTFT {pred['ttft_s'] * 1e3:.1f} ms, TPOT {pred['tpot_s'] * 1e3:.2f} ms, "

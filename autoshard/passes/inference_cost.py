@@ -6,8 +6,8 @@ Contract
 
 * `table`: the model's `CostTable` (passes/shapes, the same one training is priced from) or the
   `InferenceTable` made from it once by `compile_inference_table(table, spec)` (do that when
-  pricing many layouts). `layout`: a `ServeLayout` -- tp and pp of one replica, the number of
-  replicas (data parallel), and `batch`, the sequences one replica serves at once.
+  pricing many layouts). `layout`: a `ServeLayout` -- tp, pp and ep of one replica, the number
+  of replicas (data parallel), and `batch`, the sequences one replica serves at once.
 * What is priced is what `DistributedModel.generate` runs (runtime/generate.py): the batch's
   prompts are prefilled together, then decoded together one token per step (static batching),
   the stages of a pipeline driven one after the other (no micro-batches in flight in decode).
@@ -38,11 +38,15 @@ position over tp (fp32) and broadcasts the next tokens over the pipeline; PP add
 of (batch, 1, hidden) per stage boundary.
 
 Mixture of experts (Mixtral, Qwen2-MoE): the experts run whole on every tp rank (the sharding
-table's `expert` role; ep is not searched: generate runs one replica with ep = 1). A step's
-routed-expert GEMMs read the weights of the experts its tokens touch only: E (1 - (1 - k/E)^T)
-of the E experts for T = batch x tokens routed top-k (`active_experts`: ~ batch x k in decode at
-small batch, all E in a prefill); the router, attention and shared expert as any dense node.
-Memory holds every expert's weights.
+table's `expert` role). A step's routed-expert GEMMs read the weights of the experts its tokens
+touch only: E (1 - (1 - k/E)^T) of the E experts for T = batch x tokens routed top-k
+(`active_experts`: ~ batch x k in decode at small batch, all E in a prefill); the router,
+attention and shared expert as any dense node. With ep > 1 (what generate runs: every ep rank
+holds the same sequences and E/ep experts, runtime/expert_parallel.py `replicated_tokens`) each
+rank reads 1/ep of the touched experts' weights and computes 1/ep of the routed rows (uniform
+routing: the mean rank, the busiest rank's excess over it not priced), then one all-reduce per
+MoE layer of the layer's output (batch, tokens, hidden) bf16 over the ep group (stride tp:
+latency-bound in decode, `collectives.best_time`). Memory holds E/ep experts per layer.
 
 Memory per device (the busiest stage): weights (bf16, sharded by tp as training shards them,
 cost.block_params), the cache -- KV at P + O tokens per sequence (LLaMA) or the constant conv +
@@ -89,19 +93,25 @@ class ServeLayout:
     pp: int = 1
     replicas: int = 1
     batch: int = 1
+    ep: int = 1  # mixture of experts: the experts of each layer split over ep ranks of the replica
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "replicas", "batch"):
+        for name in ("tp", "pp", "replicas", "batch", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.replicas
+        return self.tp * self.pp * self.ep * self.replicas
+
+    @property
+    def shape(self) -> str:
+        """One replica's layout, as the CLI prints it: tp2 pp1 (ep2)."""
+        return f"tp{self.tp} pp{self.pp}" + (f" ep{self.ep}" if self.ep > 1 else "")
 
     def as_dict(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "replicas": self.replicas, "batch": self.batch}
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "replicas": self.replicas, "batch": self.batch}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,13 +122,15 @@ class PhaseTime:
     core: float  # decode only: attention over the KV cache / the Mamba-2 recurrent step
     tp_comm: float
     pp_comm: float  # stage-to-stage hops and the token broadcast
+    ep_comm: float = 0.0  # ep > 1: the all-reduce of every MoE layer's output over the ep group
 
     @property
     def total(self) -> float:
-        return self.compute + self.core + self.tp_comm + self.pp_comm
+        return self.compute + self.core + self.tp_comm + self.pp_comm + self.ep_comm
 
     def as_dict(self) -> dict[str, float]:
-        return {"compute": self.compute, "core": self.core, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm}
+        return {"compute": self.compute, "core": self.core, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
+                "ep_comm": self.ep_comm}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -213,15 +225,16 @@ def _layout(spec: ModelSpec, tp: int, batch: int) -> Layout:
 
 
 def _block_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, kind: BlockKind, *, batch: int, seq_len: int,
-                   decode: bool) -> float:
+                   decode: bool, ep: int = 1) -> float:
     """Roofline seconds of one instance of `kind`'s forward nodes that inference runs (decode: the
-    sequence-mixing core left out, it is priced by `decode_core_seconds`)."""
+    sequence-mixing core left out, it is priced by `decode_core_seconds`; ep: each rank runs its
+    E/ep experts on the rows routed to them, 1/ep of the routed experts' bytes and FLOPs)."""
     blk = it.ct.block(kind)
     if not len(blk.fwd):
         return 0.0
     t = node_times(it.ct, hw, _layout(it.spec, tp, batch), kind, seq_len)
     if blk.expert is not None and blk.expert.any():  # the routed experts' GEMMs read only the experts touched
-        t = np.where(blk.expert, t * _expert_byte_fraction(it, kind, batch=batch, seq_len=seq_len), t)
+        t = np.where(blk.expert, t * _expert_byte_fraction(it, kind, batch=batch, seq_len=seq_len) / ep, t)
     run = blk.fwd & ~it.skip[kind]
     if decode:
         run &= ~it.core[kind]
@@ -306,7 +319,7 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
     decode = context is not None
     lay = _layout(spec, tp, b)
     kinds = {BlockKind.EMBED: tokens, BlockKind.LAYER: tokens, BlockKind.HEAD: 1}  # head: last position only
-    per = {k: _block_seconds(it, hw, tp, k, batch=b, seq_len=s, decode=decode) for k, s in kinds.items()}
+    per = {k: _block_seconds(it, hw, tp, k, batch=b, seq_len=s, decode=decode, ep=layout.ep) for k, s in kinds.items()}
     comm = {k: tp_comm_times(it.ct, hw, lay, k, tokens)[0] for k in (BlockKind.EMBED, BlockKind.LAYER)}
     comm[BlockKind.HEAD] = best_time(hw, Collective.ALL_GATHER, b * spec.vocab * LOGIT_BYTES, size=tp, stride=1)
     compute = spec.layers * per[BlockKind.LAYER] + per[BlockKind.EMBED] + per[BlockKind.HEAD]
@@ -317,7 +330,11 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
         hop = _hop_seconds(hw, layout, b * tokens * spec.hidden * ACT_BYTES)
         token = best_time(hw, Collective.ALL_GATHER, b * 8.0, size=layout.pp, stride=tp)  # broadcast of b ids
         pp_comm = (layout.pp - 1) * hop + token
-    return PhaseTime(compute=compute, core=core, tp_comm=tp_comm, pp_comm=pp_comm)
+    ep_comm = 0.0
+    if layout.ep > 1:  # the experts' partial outputs summed over the ep ranks (stride tp), every MoE layer
+        ep_comm = spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
+                                          size=layout.ep, stride=tp)
+    return PhaseTime(compute=compute, core=core, tp_comm=tp_comm, pp_comm=pp_comm, ep_comm=ep_comm)
 
 
 def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_len: int,
@@ -326,8 +343,8 @@ def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_l
     decode pool, which holds the cache at prompt_len + output_len tokens but runs no prefill
     (its activations are one decode step's)."""
     spec, tp, b = it.spec, layout.tp, layout.batch
-    lay = _layout(spec, tp, b)
-    prm = {k: block_params(it.ct, lay, k) for k in BlockKind}
+    held = Layout(mesh=Mesh(tp=tp, ep=layout.ep), micro_batch=b)  # E/ep experts per layer (cost.block_params)
+    prm = {k: block_params(it.ct, held, k) for k in BlockKind}
     act = _activation_bytes(it, tp, batch=b, tokens=1 if decode_only else prompt_len, decode=decode_only)
     cache_layer = cache_bytes_per_layer(spec, batch=b, tokens=prompt_len + output_len, tp=tp)
     best = None

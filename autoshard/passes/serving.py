@@ -5,9 +5,10 @@ disaggregation=True) -> ServingChoice`, or `InfeasiblePlanError` (one line: the 
 best TPOT any configuration reaches, and the constraint that binds).
 
 Search (exhaustive; every number from `passes/inference_cost.py`):
-* layouts: every (tp, pp) with tp * pp dividing `devices` that generate's own check accepts
-  (`layouts.generate_violation`, what `DistributedModel.generate` asks: tp as the sharding table
-  allows, pp <= layers); replicas = devices / (tp * pp).
+* layouts: every (tp, pp, ep) with tp * pp * ep dividing `devices` that generate's own check
+  accepts (`layouts.generate_violation`, what `DistributedModel.generate` asks: tp as the sharding
+  table allows, pp <= layers, ep dividing the experts of a MoE model, 1 for a dense one);
+  replicas = devices / (tp * pp * ep).
 * colocated (what `DistributedModel.generate` runs, per replica): for each layout the largest batch
   of concurrent sequences whose TTFT, TPOT and memory all hold. TTFT, TPOT and memory grow with
   the batch, so the feasible batches are 1..b_max (found by doubling, then bisection; capped at
@@ -19,8 +20,9 @@ Search (exhaustive; every number from `passes/inference_cost.py`):
   throughput = O * min(prefill requests/s, decode requests/s). Each pool's best batch per layout
   is found once (they do not depend on the split), then every split of the devices is priced.
   The runtime runs each pool's generate, not the hand-off between them: the plan says so.
-* mixture of experts: the same search (experts whole on every tp rank, priced by
-  inference_cost.py at the experts a step touches); ep is not searched, since generate runs ep = 1.
+* mixture of experts: ep searched with tp and pp (generate slices the experts over ep ranks
+  holding the same sequences; inference_cost.py prices 1/ep of the touched experts' weights per
+  rank, E/ep experts in memory, and one all-reduce of each MoE layer's output over ep).
 * the runner-up is the best configuration of another shape (another layout, or the other mode),
   reported with the constraint that capped its batch.
 """
@@ -59,7 +61,7 @@ class Candidate:
 
     @property
     def shape(self) -> str:
-        return " | ".join(f"{role} tp{e.layout.tp} pp{e.layout.pp} x{e.layout.replicas}" for role, e in self.pools)
+        return " | ".join(f"{role} {e.layout.shape} x{e.layout.replicas}" for role, e in self.pools)
 
     def summary(self) -> str:
         batches = ", ".join(f"{role} batch {e.layout.batch}" for role, e in self.pools)
@@ -87,19 +89,20 @@ class ServingChoice:
         return out
 
 
-def layouts(spec: ModelSpec, devices: int) -> tuple[tuple[int, int], ...]:
-    """Every (tp, pp) of one replica the runtime accepts, tp * pp dividing `devices`."""
+def layouts(spec: ModelSpec, devices: int) -> tuple[tuple[int, int, int], ...]:
+    """Every (tp, pp, ep) of one replica the runtime accepts, tp * pp * ep dividing `devices`."""
     out = []
     for tp in range(1, devices + 1):
         for pp in range(1, devices // tp + 1):
-            if devices % (tp * pp) == 0 and _runs(spec, tp, pp):
-                out.append((tp, pp))
+            for ep in range(1, devices // (tp * pp) + 1):
+                if devices % (tp * pp * ep) == 0 and _runs(spec, tp, pp, ep):
+                    out.append((tp, pp, ep))
     return tuple(out)
 
 
-def _runs(spec: ModelSpec, tp: int, pp: int) -> bool:
-    """Whether `DistributedModel.generate` runs one replica of tp x pp (the check it makes itself)."""
-    return generate_violation(spec, Mesh(tp=tp, pp=pp)) is None
+def _runs(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> bool:
+    """Whether `DistributedModel.generate` runs one replica of tp x pp x ep (the check it makes itself)."""
+    return generate_violation(spec, Mesh(tp=tp, pp=pp, ep=ep)) is None
 
 
 def transfer_seconds(spec: ModelSpec, hw: DeviceProfile, *, batch: int, prompt_len: int, devices: int) -> float:
@@ -118,11 +121,11 @@ class _Pricer:
         self.it, self.spec, self.hw, self.P, self.O = it, spec, hw, prompt_len, output_len
         self.memo: dict = {}
 
-    def __call__(self, tp: int, pp: int, replicas: int, batch: int) -> ServeEstimate:
-        key = (tp, pp, replicas, batch)
+    def __call__(self, tp: int, pp: int, ep: int, replicas: int, batch: int) -> ServeEstimate:
+        key = (tp, pp, ep, replicas, batch)
         if key not in self.memo:
             self.memo[key] = ic.estimate_serving(self.it, self.spec, self.hw,
-                                                 ServeLayout(tp=tp, pp=pp, replicas=replicas, batch=batch),
+                                                 ServeLayout(tp=tp, pp=pp, ep=ep, replicas=replicas, batch=batch),
                                                  prompt_len=self.P, output_len=self.O)
         return self.memo[key]
 
@@ -155,16 +158,16 @@ def _limit(est: ServeEstimate, hw: DeviceProfile, ttft: float, tpot: float, *, d
     return f"the batch cap {MAX_BATCH}"
 
 
-def _colocated(price: _Pricer, hw, tp, pp, replicas, ttft, tpot) -> Candidate | None:
+def _colocated(price: _Pricer, hw, tp, pp, ep, replicas, ttft, tpot) -> Candidate | None:
     def ok(b):
-        e = price(tp, pp, replicas, b)
+        e = price(tp, pp, ep, replicas, b)
         return e.fits and e.ttft_s <= ttft and e.tpot_s <= tpot
 
     b = _largest_batch(ok)
     if b == 0:
         return None
-    e = price(tp, pp, replicas, b)
-    limit = _limit(price(tp, pp, replicas, b + 1), hw, ttft, tpot) if b < MAX_BATCH else f"the batch cap {MAX_BATCH}"
+    e = price(tp, pp, ep, replicas, b)
+    limit = _limit(price(tp, pp, ep, replicas, b + 1), hw, ttft, tpot) if b < MAX_BATCH else f"the batch cap {MAX_BATCH}"
     return Candidate(mode="colocated", ttft_s=e.ttft_s, tpot_s=e.tpot_s,
                      throughput_tokens_per_s=e.throughput_tokens_per_s, pools=(("both", e),), limit=limit,
                      memories=(e.memory,))
@@ -173,42 +176,44 @@ def _colocated(price: _Pricer, hw, tp, pp, replicas, ttft, tpot) -> Candidate | 
 def _disaggregated(price: _Pricer, spec, hw, grid, devices, ttft, tpot) -> Candidate | None:
     """The best split into a prefill pool and a decode pool (see the module docstring)."""
     P, O = price.P, price.O
-    prefill, decode = {}, {}  # (tp, pp) -> (requests/s per replica, estimate, limit)
-    for tp, pp in grid:
-        def p_ok(b, tp=tp, pp=pp):
-            e = price(tp, pp, 1, b)
+    prefill, decode = {}, {}  # (tp, pp, ep) -> (requests/s per replica, estimate, limit)
+    for tp, pp, ep in grid:
+        def p_ok(b, tp=tp, pp=pp, ep=ep):
+            e = price(tp, pp, ep, 1, b)
             mem_ok = ic.memory(price.it, e.layout, prompt_len=P, output_len=0).total <= hw.memory_bytes
             return mem_ok and e.ttft_s + transfer_seconds(spec, hw, batch=b, prompt_len=P, devices=devices) <= ttft
 
         b = _largest_batch(p_ok)
         if b:
-            e = price(tp, pp, 1, b)
-            prefill[(tp, pp)] = (b / e.ttft_s, e)
+            e = price(tp, pp, ep, 1, b)
+            prefill[(tp, pp, ep)] = (b / e.ttft_s, e)
 
-        def d_ok(b, tp=tp, pp=pp):
-            e = price(tp, pp, 1, b)
+        def d_ok(b, tp=tp, pp=pp, ep=ep):
+            e = price(tp, pp, ep, 1, b)
             return e.tpot_s <= tpot and _decode_fits(price, e)
 
         b = _largest_batch(d_ok)
         if b:
-            e = price(tp, pp, 1, b)
-            nxt = price(tp, pp, 1, b + 1)
+            e = price(tp, pp, ep, 1, b)
+            nxt = price(tp, pp, ep, 1, b + 1)
             limit = _limit(nxt, hw, ttft, tpot, decode_only=True, fits=_decode_fits(price, nxt))
-            decode[(tp, pp)] = (b / (max(O - 1, 1) * e.tpot_s), e, limit)
+            decode[(tp, pp, ep)] = (b / (max(O - 1, 1) * e.tpot_s), e, limit)
     best = None
-    for (ptp, ppp), (p_rate, p_est) in prefill.items():
-        for n_p in range(1, devices // (ptp * ppp) + 1):
-            rest = devices - n_p * ptp * ppp
-            for (dtp, dpp), (d_rate, d_est, limit) in decode.items():
-                if rest <= 0 or rest % (dtp * dpp):
+    for (ptp, ppp, pep), (p_rate, p_est) in prefill.items():
+        p_size = ptp * ppp * pep
+        for n_p in range(1, devices // p_size + 1):
+            rest = devices - n_p * p_size
+            for (dtp, dpp, dep), (d_rate, d_est, limit) in decode.items():
+                d_size = dtp * dpp * dep
+                if rest <= 0 or rest % d_size:
                     continue
-                n_d = rest // (dtp * dpp)
+                n_d = rest // d_size
                 rate = min(n_p * p_rate, n_d * d_rate)  # requests per second through both pools
                 if best is not None and rate * O <= best.throughput_tokens_per_s:
                     continue
                 transfer = transfer_seconds(spec, hw, batch=p_est.layout.batch, prompt_len=P, devices=devices)
-                pools = (("prefill", price(ptp, ppp, n_p, p_est.layout.batch)),
-                         ("decode", price(dtp, dpp, n_d, d_est.layout.batch)))
+                pools = (("prefill", price(ptp, ppp, pep, n_p, p_est.layout.batch)),
+                         ("decode", price(dtp, dpp, dep, n_d, d_est.layout.batch)))
                 memories = (ic.memory(price.it, p_est.layout, prompt_len=P, output_len=0),
                             ic.memory(price.it, d_est.layout, prompt_len=P, output_len=O, decode_only=True))
                 best = Candidate(mode="disaggregated", ttft_s=p_est.ttft_s + transfer, tpot_s=d_est.tpot_s,
@@ -236,8 +241,8 @@ def plan_serving(table: CostTable | InferenceTable, spec: ModelSpec, hw: DeviceP
     grid = layouts(spec, devices)
     if not grid:
         raise InvalidConfigError(f"no tp x pp layout of {spec.name} fits {devices} devices under the sharding rules")
-    found = [c for tp, pp in grid
-             if (c := _colocated(price, hw, tp, pp, devices // (tp * pp), ttft_slo_s, tpot_slo_s)) is not None]
+    found = [c for tp, pp, ep in grid
+             if (c := _colocated(price, hw, tp, pp, ep, devices // (tp * pp * ep), ttft_slo_s, tpot_slo_s)) is not None]
     if disaggregation and devices > 1:
         d = _disaggregated(price, spec, hw, grid, devices, ttft_slo_s, tpot_slo_s)
         if d is not None:
@@ -257,16 +262,16 @@ def plan_serving(table: CostTable | InferenceTable, spec: ModelSpec, hw: DeviceP
 
 def _unmeetable(price: _Pricer, hw, grid, devices, ttft, tpot) -> str:
     """One line: the best TTFT and TPOT reachable (batch 1, any layout that fits) and what binds."""
-    ests = [price(tp, pp, devices // (tp * pp), 1) for tp, pp in grid]
+    ests = [price(tp, pp, ep, devices // (tp * pp * ep), 1) for tp, pp, ep in grid]
     fitting = [e for e in ests if e.fits]
     if not fitting:
         small = min(ests, key=lambda e: e.memory.total)
         return (f"no layout fits in memory even at batch 1: the smallest needs {small.memory.total / 1e9:.1f} GB "
-                f"per device (tp{small.layout.tp} pp{small.layout.pp}) > {hw.memory_gb:.1f} GB; use more devices")
+                f"per device ({small.layout.shape}) > {hw.memory_gb:.1f} GB; use more devices")
     best_ttft = min(fitting, key=lambda e: e.ttft_s)
     best_tpot = min(fitting, key=lambda e: e.tpot_s)
-    reach = (f"best reachable TTFT {best_ttft.ttft_s * 1e3:.1f} ms (tp{best_ttft.layout.tp} pp{best_ttft.layout.pp}), "
-             f"TPOT {best_tpot.tpot_s * 1e3:.2f} ms (tp{best_tpot.layout.tp} pp{best_tpot.layout.pp}) at batch 1")
+    reach = (f"best reachable TTFT {best_ttft.ttft_s * 1e3:.1f} ms ({best_ttft.layout.shape}), "
+             f"TPOT {best_tpot.tpot_s * 1e3:.2f} ms ({best_tpot.layout.shape}) at batch 1")
     if best_ttft.ttft_s > ttft:
         binding = f"the TTFT target {ttft * 1e3:.1f} ms binds"
     elif best_tpot.tpot_s > tpot:

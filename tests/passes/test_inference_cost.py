@@ -10,6 +10,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.hardware import load_hardware
 from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
 from autoshard.ir import BlockKind, OpKind
+from autoshard.passes.collectives import Collective, best_time
 from autoshard.models.presets import get_spec
 from autoshard.passes import inference_cost as ic
 from autoshard.passes.inference_cost import ServeLayout, compile_inference_table, estimate_serving
@@ -182,3 +183,26 @@ def test_moe_decode_reads_only_the_experts_its_tokens_touch():
     # tp keeps the experts whole on every rank: the expert time does not shrink with tp
     assert ic._block_seconds(it, HW, 2, BlockKind.LAYER, batch=1, seq_len=1, decode=True) == pytest.approx(
         ic._block_seconds(it, HW, 1, BlockKind.LAYER, batch=1, seq_len=1, decode=True))
+
+
+def test_moe_ep_reads_its_share_of_the_touched_experts_and_all_reduces_each_layer():
+    """ep (generate's expert slicing): each rank 1/ep of the touched experts' bytes and rows, E/ep
+    experts in memory, plus one all-reduce of every layer's (batch, 1, hidden) bf16 output over ep."""
+    it = compile_inference_table(_moe_table(), MOE)
+    for batch in (1, 64):
+        touched = ic.active_experts(MOE.experts, MOE.top_k, batch) / MOE.experts
+        flops = 2 * 3 * batch * MOE.top_k * H * 96
+        expected = 4 * batch * H / 1e11 + max(flops / 2 / 1e12, (W_EXPERTS * touched + 2 * batch * MOE.top_k * H) / 2 / 1e11)
+        got = ic._block_seconds(it, HW, 1, BlockKind.LAYER, batch=batch, seq_len=1, decode=True, ep=2)
+        assert got == pytest.approx(expected)
+    one, two = (estimate_serving(it, MOE, HW, ServeLayout(ep=ep, batch=BATCH), prompt_len=P, output_len=O)
+                for ep in (1, 2))
+    assert one.decode.ep_comm == 0.0
+    assert two.decode.ep_comm == pytest.approx(MOE.layers * best_time(HW, Collective.ALL_REDUCE, BATCH * H * 2.0,
+                                                                      size=2, stride=1))
+    assert two.prefill.ep_comm == pytest.approx(MOE.layers * best_time(HW, Collective.ALL_REDUCE,
+                                                                       BATCH * P * H * 2.0, size=2, stride=1))
+    assert one.memory.weights - two.memory.weights == pytest.approx(MOE.layers * W_EXPERTS / 2)
+    assert two.layout.devices == 2 and two.layout.as_dict()["ep"] == 2
+    with pytest.raises(InvalidConfigError, match="ep"):
+        ServeLayout(ep=0)

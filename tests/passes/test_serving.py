@@ -24,10 +24,10 @@ P, O = 256, 32
 
 def _brute_force(table, spec, devices, ttft, tpot, cap):
     best = None
-    for tp, pp in layouts(spec, devices):
+    for tp, pp, ep in layouts(spec, devices):
         for b in range(1, cap + 1):
-            e = estimate_serving(table, spec, HW, ServeLayout(tp=tp, pp=pp, replicas=devices // (tp * pp), batch=b),
-                                 prompt_len=P, output_len=O)
+            e = estimate_serving(table, spec, HW, ServeLayout(tp=tp, pp=pp, ep=ep, replicas=devices // (tp * pp * ep),
+                                                              batch=b), prompt_len=P, output_len=O)
             if e.fits and e.ttft_s <= ttft and e.tpot_s <= tpot and (
                     best is None or e.throughput_tokens_per_s > best.throughput_tokens_per_s):
                 best = e
@@ -51,7 +51,11 @@ def test_colocated_choice_is_the_brute_force_optimum(monkeypatch, table, spec):
 
 def test_layouts_are_the_ones_the_runtime_accepts():
     # llama-tiny: 4 heads, 2 KV heads, 4 layers: tp 8 divides no head count; pp <= 4
-    assert set(layouts(LLAMA, 8)) == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)}
+    assert set(layouts(LLAMA, 8)) == {(tp, pp, 1) for tp, pp in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4),
+                                                                  (4, 1), (4, 2))}
+    # mixtral-tiny, 4 experts: ep divides them (generate slices the experts over ep), 1 for a dense model
+    moe = layouts(get_spec("mixtral-tiny"), 8)
+    assert {ep for _, _, ep in moe} == {1, 2, 4} and (1, 1, 4) in moe and (2, 1, 2) in moe
 
 
 def test_disaggregated_pools_split_the_devices_and_price_the_transfer():
@@ -123,19 +127,23 @@ def test_every_emitted_inference_plan_passes_generates_own_check():
         spec, devices = _random_spec(rng), rng.randint(1, 12)
         table = MAMBA_TABLE if spec.family is Family.MAMBA2 else LLAMA_TABLE  # the rules read the spec only
         grid = set(layouts(spec, devices))
-        for tp, pp in itertools.product(range(1, devices + 1), repeat=2):
-            if devices % (tp * pp) == 0:
-                assert ((tp, pp) in grid) == (generate_violation(spec, Mesh(tp=tp, pp=pp)) is None), (spec, tp, pp)
+        for tp, pp, ep in itertools.product(range(1, devices + 1), repeat=3):
+            if devices % (tp * pp * ep) == 0:
+                assert ((tp, pp, ep) in grid) == (generate_violation(spec, Mesh(tp=tp, pp=pp, ep=ep)) is None), \
+                    (spec, tp, pp, ep)
         choice = plan_serving(table, spec, roomy, devices=devices, prompt_len=P, output_len=O, ttft_slo_s=1e3,
                               tpot_slo_s=1e3)
-        for cand in filter(None, (choice.best, choice.runner_up)):
-            for _, est in cand.pools:
-                lay = est.layout
-                plan = _resolve_plan({"tp": lay.tp, "pp": lay.pp}, spec=spec, world=lay.tp * lay.pp, seq_len=P,
-                                     global_batch=lay.batch, hardware="cpu")
-                check_plan(plan, spec, world_size=lay.tp * lay.pp)
-                assert generate_violation(spec, plan.mesh, sequence_parallel=plan.sequence_parallel) is None, (spec, lay)
-    # what generate refuses: more than one replica, or context / expert parallelism
+        # every pool of the best and runner-up plans, and every ep > 1 layout the planner may emit
+        # (the toy tables price no experts, so their winners seldom take ep > 1)
+        emitted = [e.layout for c in filter(None, (choice.best, choice.runner_up)) for _, e in c.pools]
+        for lay in emitted + [ServeLayout(tp=tp, pp=pp, ep=ep, batch=2) for tp, pp, ep in grid if ep > 1]:
+            world = lay.tp * lay.pp * lay.ep
+            # parallelize's global batch is the training one, split over ep; generate takes any batch
+            plan = _resolve_plan({"tp": lay.tp, "pp": lay.pp, "ep": lay.ep}, spec=spec, world=world, seq_len=P,
+                                 global_batch=lay.batch * lay.ep, hardware="cpu")
+            check_plan(plan, spec, world_size=world)
+            assert generate_violation(spec, plan.mesh, sequence_parallel=plan.sequence_parallel) is None, (spec, lay)
+    # what generate refuses: more than one replica, context parallelism, ep without experts
     assert "dp=2" in generate_violation(LLAMA, Mesh(dp=2))
     assert generate_violation(get_spec("mixtral-tiny"), Mesh(ep=2)) is None  # experts sliced over ep
     assert "ep=2" in generate_violation(LLAMA, Mesh(ep=2))  # no experts to split
