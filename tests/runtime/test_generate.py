@@ -2,7 +2,7 @@
 
 Each world size is spawned once and runs every configuration inside (start-up costs seconds):
 LLaMA, Mamba-2 and Mixtral at tp, pp, tp x pp, virtual stages (interleaved and the V placement),
-Mixtral and Qwen2-MoE at ep 2 (experts sliced over identical sequences), and Mamba-2 with its groups kept whole (tp not dividing n_groups). Prompts avoid the special ids
+Mixtral and Qwen2-MoE at ep 2 and with tp / pp (experts sliced over identical sequences), and Mamba-2 with its groups kept whole (tp not dividing n_groups). Prompts avoid the special ids
 (0-2), so HF infers no padding mask from them.
 """
 
@@ -44,7 +44,9 @@ def _check(preset: str, plan: dict, *, eos_first: bool = False) -> None:
             m.generation_config.eos_token_id = first
             m.generation_config.pad_token_id = 1
     expected = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-    dm = autoshard.parallelize(model, ids, plan=plan, global_batch=ids.shape[0])
+    # parallelize's global batch is the training one (ep splits its rows, pp its micro-batches);
+    # generate takes any batch
+    dm = autoshard.parallelize(model, ids, plan=plan, global_batch=ids.shape[0] * plan.get("ep", 1))
     got = dm.generate(ids, max_new_tokens=NEW_TOKENS)
     assert torch.equal(got, expected), f"{preset} {plan}:\n got {got.tolist()}\nwant {expected.tolist()}"
     if not eos_first:  # the cache holds this rank's heads of its stage's layers, as the cost model prices it
@@ -65,7 +67,8 @@ WORLD2 = (("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2)), ("llama-tiny",
           ("mixtral-tiny", dict(ep=2)), ("qwen2-moe-tiny", dict(ep=2)))
 WORLD4 = (("llama-tiny", dict(tp=2, pp=2)), ("mamba2-tiny", dict(tp=2, pp=2)),
           ("llama-tiny", dict(tp=4)),  # 2 KV heads over tp 4: each rank caches one KV head
-          ("mamba2-tiny", dict(tp=4)))  # 2 groups kept whole over tp 4: ranks 0-1 read group 0, 2-3 group 1
+          ("mamba2-tiny", dict(tp=4)),  # 2 groups kept whole over tp 4: ranks 0-1 read group 0, 2-3 group 1
+          ("mixtral-tiny", dict(tp=2, ep=2)), ("qwen2-moe-tiny", dict(pp=2, ep=2)))  # ep with tp / pp
 
 
 def _run(rank: int, world: int, configs) -> None:
