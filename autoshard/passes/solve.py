@@ -475,7 +475,9 @@ def _infeasible(ct, hw, spec, layouts, *, devices, global_batch, seq_len) -> Inf
     top = {}  # mesh -> the highest ZeRO level searched with it (ZeRO-2 only where pp = 1): its least memory
     for lay in layouts:
         top[lay.mesh] = max(top.get(lay.mesh, 0), lay.zero)
-    small = [lay for lay in layouts if lay.zero == top[lay.mesh] and lay.micro_batch == 1]
+    # without data parallelism ZeRO shards nothing (ZeRO-3 only adds its gather buffer): every level there
+    small = [lay for lay in layouts if lay.micro_batch == 1
+             and (lay.zero == top[lay.mesh] or lay.mesh.dp * lay.mesh.cp * lay.mesh.ep == 1)]
     best, where = math.inf, None
     for lay in small:
         need = min_peak_bytes(mesh_problem(ct, hw, lay, global_batch=global_batch, seq_len=seq_len))

@@ -138,7 +138,7 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     comp = blocks.compute_s @ counts  # [r, n]
     bwd_last = blocks.bwd_s[0] @ counts  # backward time does not depend on the recompute level
     time = comp + blocks.other_s @ counts + blocks.p2p_s + cost.zero_exposed_time(
-        hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts)
+        hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts, blocks=counts.sum(axis=0))
     state = cost.state_bytes(params, layout, expert=experts)
     other_mem = (state.weights + state.grads + state.optimizer + (blocks.logits_bytes if head else 0.0)
                  + cost.buffer_bytes(ct, layout, seq_len=seq_len))
