@@ -107,7 +107,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         requested = plan
 
         def given() -> Plan:
-            out = _resolve_plan(requested, spec=spec, world=world, seq_len=ids.shape[1],
+            out = _resolve_plan(requested, spec=spec, seq_len=ids.shape[1],
                                 global_batch=global_batch or ids.shape[0], hardware=hardware)
             if not isinstance(requested, Mapping):  # a Plan or a file: made for this model and world size?
                 source = f"plan file {requested}" if isinstance(requested, (str, Path)) else "the plan"
@@ -304,7 +304,7 @@ def _announce(plan: Plan) -> None:
              predicted.get("memory_gb", float("nan")), 100 * predicted.get("mfu", float("nan")))
 
 
-def _resolve_plan(plan: Any, *, spec, world: int, seq_len: int, global_batch: int, hardware: str) -> Plan:
+def _resolve_plan(plan: Any, *, spec, seq_len: int, global_batch: int, hardware: str) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, (str, Path)):
@@ -315,9 +315,6 @@ def _resolve_plan(plan: Any, *, spec, world: int, seq_len: int, global_batch: in
     if unknown:
         raise InvalidConfigError(f"unknown plan keys {unknown}; known keys: {', '.join(PLAN_KEYS)}")
     mesh = Mesh(**{axis: plan.get(axis, 1) for axis in AXES})
-    if mesh.size != world:
-        raise InvalidConfigError(f"the plan's mesh {mesh.as_dict()} multiplies to {mesh.size}, but the world "
-                                 f"size is {world}; choose dp*pp*tp*cp*ep = {world}")
     for key, default in (("micro_batch", 1), ("zero", 0)):
         value = plan.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool):
@@ -325,7 +322,8 @@ def _resolve_plan(plan: Any, *, spec, world: int, seq_len: int, global_batch: in
     options = {key: plan[key] for key in ("precision", "schedule", "virtual_stages", "offload_optimizer",
                                           "sequence_parallel", "strategies")
                if plan.get(key) is not None}
-    return Plan(model=spec.name, fingerprint="", hardware=hardware, devices=world, global_batch=global_batch,
+    # devices: the mesh's own size; check_plan (the one validator) compares it with the world size
+    return Plan(model=spec.name, fingerprint="", hardware=hardware, devices=mesh.size, global_batch=global_batch,
                 seq_len=seq_len, mesh=mesh, micro_batch=plan.get("micro_batch", 1), zero=plan.get("zero", 0),
                 recompute=plan.get("recompute") or "none", **options)
 
@@ -350,7 +348,7 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
     requested = {"dp": world} if plan is None else plan
 
     def resolve() -> Plan:
-        given = _resolve_plan(requested, spec=spec, world=world, seq_len=1,
+        given = _resolve_plan(requested, spec=spec, seq_len=1,
                               global_batch=global_batch or world, hardware="auto")
         _check_backend_supported(given, spec)
         return given

@@ -67,10 +67,10 @@ def test_bad_value_in_file(tmp_path, capsys):
 def test_hand_written_plan_keys():
     spec = get_spec("llama-tiny")
     plan = _resolve_plan(dict(pp=2, precision="bf16-mixed", schedule="zero-bubble", virtual_stages=2), spec=spec,
-                         world=2, seq_len=16, global_batch=8, hardware="cpu")
+                         seq_len=16, global_batch=8, hardware="cpu")
     assert (plan.precision, plan.schedule, plan.virtual_stages) == (Precision.BF16_MIXED, Schedule.ZERO_BUBBLE, 2)
     with pytest.raises(InvalidConfigError, match="unknown plan keys \\['schedul'\\]"):
-        _resolve_plan(dict(pp=2, schedul="gpipe"), spec=spec, world=2, seq_len=16, global_batch=8, hardware="cpu")
+        _resolve_plan(dict(pp=2, schedul="gpipe"), spec=spec, seq_len=16, global_batch=8, hardware="cpu")
 
 
 def test_stage_rank_placements():
@@ -97,7 +97,7 @@ def test_sequence_parallel_key():
     assert data["sequence_parallel"] is True and Plan.from_json(json.loads(json.dumps(data))) == plan
     assert Plan.from_json({k: v for k, v in data.items() if k != "sequence_parallel"}).sequence_parallel is False
     check_plan(plan, spec, world_size=2)
-    assert _resolve_plan(dict(tp=2, sequence_parallel=True), spec=spec, world=2, seq_len=16, global_batch=8,
+    assert _resolve_plan(dict(tp=2, sequence_parallel=True), spec=spec, seq_len=16, global_batch=8,
                          hardware="cpu").sequence_parallel
     with pytest.raises(InvalidConfigError, match="sequence_parallel must be true or false, got 1"):
         _plan(mesh=Mesh(tp=2), sequence_parallel=1)

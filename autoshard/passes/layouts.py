@@ -169,15 +169,26 @@ def axis_violation(spec: ModelSpec, axis: str, size: int, *, global_batch: int, 
 def _cp_violation(spec: ModelSpec, cp: int, seq: int) -> str | None:
     """LLaMA splits the sequence in 2*cp chunks (balanced causal layout), Mamba-2 in cp contiguous
     slices of at least conv_kernel-1 tokens (runtime/context_parallel.py)."""
+    if spec.family is Family.LLAMA:
+        return sequence_split_violation(seq, cp, balanced=True, model=spec.name)
+    return sequence_split_violation(seq, cp, balanced=False, min_local=spec.conv - 1, model=spec.name)
+
+
+def sequence_split_violation(seq: int, cp: int, *, balanced: bool, min_local: int = 1, model: str = "") -> str | None:
+    """Why `seq` tokens cannot be split over `cp` ranks, or None: the balanced causal layout (LLaMA)
+    cuts 2*cp chunks, the contiguous one (Mamba-2) cp slices of at least `min_local` tokens
+    (conv_kernel - 1, the conv halo). The plan rule above and the runtime's check of each batch it
+    splits (runtime/context_parallel.check_seq_len) both ask here."""
     if cp == 1:
         return None
-    parts, what = (2 * cp, "2*cp") if spec.family is Family.LLAMA else (cp, "cp")
+    parts, what = (2 * cp, "2*cp") if balanced else (cp, "cp")
+    where = f"cp={cp}, {model}" if model else f"cp={cp}"
     if seq % parts:
-        return (f"sequence length {seq} is not divisible by {what} = {parts} (cp={cp}, {spec.name}); pad the "
+        return (f"sequence length {seq} is not divisible by {what} = {parts} ({where}); pad the "
                 f"sequence to a multiple of {parts} or pick a smaller cp")
-    if spec.family is Family.MAMBA2 and seq // cp < spec.conv - 1:
+    if seq // cp < min_local:
         return (f"sequence length {seq} over cp={cp} leaves {seq // cp} tokens per rank, fewer than "
-                f"conv_kernel-1 = {spec.conv - 1} (Mamba-2 conv halo); use a smaller cp")
+                f"conv_kernel-1 = {min_local} (Mamba-2 conv halo); use a smaller cp")
     return None
 
 

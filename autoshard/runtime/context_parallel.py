@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError, UnsupportedOpError
+from autoshard.passes.layouts import sequence_split_violation
 
 IGNORE_INDEX = -100
 
@@ -77,18 +78,11 @@ def layout_of(model: nn.Module) -> SeqLayout:
 
 
 def check_seq_len(seq_len: int, cp: int, layout: SeqLayout, *, min_local: int = 1) -> None:
-    """Raise before any collective if `seq_len` cannot be split over `cp` ranks."""
-    parts = 2 * cp if layout is SeqLayout.BALANCED else cp
-    if seq_len % parts:
-        raise InvalidConfigError(
-            f"sequence length {seq_len} is not divisible by {parts} (= {'2*cp' if parts == 2 * cp else 'cp'}, "
-            f"cp={cp}, {layout.value} layout); pad the sequence to a multiple of {parts} or pick a smaller cp"
-        )
-    if seq_len // cp < min_local:
-        raise InvalidConfigError(
-            f"sequence length {seq_len} over cp={cp} leaves {seq_len // cp} tokens per rank, fewer than the "
-            f"{min_local} this model needs (Mamba-2 conv1d halo = conv_kernel - 1); use a smaller cp"
-        )
+    """Raise before any collective if `seq_len` cannot be split over `cp` ranks: the plan rule
+    (passes/layouts.sequence_split_violation) applied to the batch at hand."""
+    why = sequence_split_violation(seq_len, cp, balanced=layout is SeqLayout.BALANCED, min_local=min_local)
+    if why:
+        raise InvalidConfigError(why)
 
 
 def sequence_positions(seq_len: int, cp: int, rank: int, layout: SeqLayout) -> Tensor:

@@ -73,9 +73,7 @@ class ParallelExperts(nn.Module):
 
     def __init__(self, experts: nn.Module, *, group: dist.ProcessGroup, ep: int, ep_rank: int):
         super().__init__()
-        total = experts.num_experts
-        if total % ep:
-            raise InvalidConfigError(f"ep ({ep}) does not divide the {total} experts; use an ep that divides {total}")
+        total = experts.num_experts  # ep divides it: the plan rule, checked by apply_expert_parallel
         if (getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False)
                 or not getattr(experts, "has_gate", True)):
             raise InvalidConfigError(f"{type(experts).__name__}: expert parallelism runs gated experts without "
@@ -150,7 +148,12 @@ def _peer_to_expert_order(per_peer: list[list[int]], device: torch.device) -> Te
 def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_group: dist.ProcessGroup, *, ep: int,
                           ep_rank: int) -> frozenset[str]:
     """Swap every experts module for this rank's `ParallelExperts` (module docstring); the names of
-    the expert parameters."""
+    the expert parameters. The plan rule on ep (passes/layouts.ep_violation) is checked first."""
+    from autoshard.passes.layouts import ep_violation
+
+    why = ep_violation(spec, ep)
+    if why:
+        raise InvalidConfigError(why)
     names = expert_param_names(model, spec)
     for path, experts in experts_modules(model, spec):
         parent, _, attr = path.rpartition(".")

@@ -43,6 +43,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Precision, Schedule, Stage, check_schedule, stage_rank
 from autoshard.models.presets import ModelSpec
+from autoshard.passes.schedules import check_chunks
 from autoshard.runtime.data_parallel import take_grad
 from autoshard.runtime.loss import causal_lm_loss
 from autoshard.runtime.precision import Autocast
@@ -237,10 +238,9 @@ class PipelineRunner:
                                          f"choose a micro_batch that divides {batch}")
             pp, chunks = dist.get_world_size(self.pp_group), batch // micro
             schedule = self.options.schedule
-            if train and schedule is Schedule.ONE_F_ONE_B and chunks < pp:
-                raise InvalidConfigError(f"1f1b needs at least as many micro-batches as stages: batch {batch} / "
-                                         f"micro_batch {micro} = {chunks} < pp {pp}; use a smaller micro_batch, a "
-                                         "larger global batch, or schedule='gpipe'")
+            if train:  # the one rule (layouts.check_plan calls it too): what torch's schedules accept
+                check_chunks(schedule, self.options.virtual_stages, pp=pp, microbatches=chunks,
+                             layers=len(self.stages))
             stages = [PipelineStage(self._wrap(module), index, len(self.stages), self.device, group=self.pp_group)
                       for index, module in zip(self.local, self.chunks)]
             if self.options.precision is Precision.BF16_MIXED:

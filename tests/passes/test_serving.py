@@ -139,7 +139,7 @@ def test_every_emitted_inference_plan_passes_generates_own_check():
         for lay in emitted + [ServeLayout(tp=tp, pp=pp, ep=ep, batch=2) for tp, pp, ep in grid if ep > 1]:
             world = lay.tp * lay.pp * lay.ep
             # parallelize's global batch is the training one, split over ep; generate takes any batch
-            plan = _resolve_plan({"tp": lay.tp, "pp": lay.pp, "ep": lay.ep}, spec=spec, world=world, seq_len=P,
+            plan = _resolve_plan({"tp": lay.tp, "pp": lay.pp, "ep": lay.ep}, spec=spec, seq_len=P,
                                  global_batch=lay.batch * lay.ep, hardware="cpu")
             check_plan(plan, spec, world_size=world)
             assert generate_violation(spec, plan.mesh, sequence_parallel=plan.sequence_parallel) is None, (spec, lay)

@@ -38,9 +38,9 @@ def test_balanced_layout_covers_sequence_once():
 
 
 def test_bad_input_is_named():
-    with pytest.raises(InvalidConfigError, match=r"not divisible by 8 \(= 2\*cp"):
+    with pytest.raises(InvalidConfigError, match=r"not divisible by 2\*cp = 8 \(cp=4\)"):
         check_seq_len(20, 4, SeqLayout.BALANCED)
-    with pytest.raises(InvalidConfigError, match="conv_kernel - 1"):
+    with pytest.raises(InvalidConfigError, match="fewer than conv_kernel-1 = 3"):
         check_seq_len(8, 4, SeqLayout.CONTIGUOUS, min_local=3)
     with pytest.raises(UnsupportedOpError, match="no rule for model type 'gpt2'"):
         layout_of(_FakeModel("gpt2"))
