@@ -119,7 +119,9 @@ class _SSDScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, dt_bias, head_group, chunk, dt_limit, want_final):
-        with torch.no_grad():
+        # float32 throughout, as the fused kernels accumulate: under bf16-mixed the forward runs inside
+        # autocast, which would run these einsums in bf16 (and the backward, outside it, in float32)
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             y, final, entering = _scan(x, dt, A, B, C, D, dt_bias, head_group, chunk, dt_limit)
         ctx.save_for_backward(x, dt, A, B, C, D, dt_bias, head_group, entering)
         ctx.chunk, ctx.dt_limit, ctx.want_final = chunk, dt_limit, want_final

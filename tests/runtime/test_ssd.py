@@ -40,6 +40,24 @@ def test_scan_and_its_gradients_match_hf():
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, msg=lambda m: f"grad {name}: {m}")
 
 
+def test_scan_is_float32_under_bf16_autocast():
+    """bf16-mixed runs the forward under autocast; the scan stays in float32 (its backward too)."""
+    torch.manual_seed(0)
+    b, L, h, p, n, g, q = 2, 32, 4, 8, 6, 2, 16
+    x, dt, Bm, C = (torch.randn(*s, dtype=torch.bfloat16) for s in ((b, L, h, p), (b, L, h), (b, L, g, n),
+                                                                    (b, L, g, n)))
+    A, D = -torch.rand(h) * 2, torch.randn(h)
+    inputs = [t.requires_grad_() for t in (x, dt, A, Bm, C, D)]
+    ref = ssd_scan(*inputs[:5], chunk=q, D=D)
+    expected = torch.autograd.grad(ref.square().sum(), inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ssd_scan(*inputs[:5], chunk=q, D=D)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    for a, e in zip(torch.autograd.grad(y.square().sum(), inputs), expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
 def test_mixers_train_exactly_like_hf():
     spec = get_spec("mamba2-tiny")
     ref = build_model(spec, seed=0)

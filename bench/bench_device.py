@@ -1,0 +1,264 @@
+"""autoshard's runtime measured on one accelerator against the cost model's prediction for it.
+
+Two halves, so the device time is spent on measuring alone:
+
+    python bench/bench_device.py --measure --out measured.json      # on a CUDA machine (a world of one)
+    python bench/bench_device.py --report measured.json             # anywhere: joins estimate() to it
+
+`--measure` runs every configuration of CONFIGS (HF LlamaForCausalLM / Mamba2ForCausalLM presets,
+random weights, built on the device) through `autoshard.parallelize(..., plan=...)` with AdamW, one
+training step = `dm.train_step` (forward + backward of every micro-batch, the optimizer step).
+Per configuration: `--warmup` steps, then `--steps` timed steps (CUDA synchronised around each), the
+median step time and the peak of `torch.cuda.max_memory_allocated` over the timed steps (the peak
+counters are reset after the warm-up). "compiled" configurations also `torch.compile` each decoder
+layer in place after `parallelize` (what a production run such as torchtitan's `--compile` runs:
+Inductor fuses the norm, RoPE and SwiGLU element-wise ops), to tell eager from fused kernels.
+A configuration that runs out of memory is recorded as such. `--budget-s` stops before a
+configuration that might not finish in time; results are written after each one.
+
+`--report` prices each configuration with `estimate()` for the measured device's profile
+(h100/h200/a100-80g, read off the device name) and prints measured vs predicted step time and
+memory, their ratio, and how well the predictions rank the measured configurations (the fraction
+of pairs of the same model whose order the prediction gets right).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from itertools import combinations
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    seq: int
+    global_batch: int
+    micro_batch: int
+    recompute: str = "none"
+    compiled: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"{self.model} s{self.seq} gb{self.global_batch} mb{self.micro_batch} {self.recompute}"
+                f"{' compiled' if self.compiled else ''}")
+
+
+CONFIGS = (  # in order of what matters most, in case the device time runs out
+    # TinyLlama-shaped 1.1B: micro-batch and recompute sweeps at a fixed global batch
+    Config("llama-1b", 2048, 16, 1),
+    Config("llama-1b", 2048, 16, 4),
+    Config("llama-1b", 2048, 16, 4, "selective"),
+    Config("llama-1b", 2048, 16, 4, "full"),
+    # the same kernels compiled (Inductor-fused element-wise ops)
+    Config("llama-1b", 2048, 16, 4, compiled=True),
+    Config("llama-1b", 2048, 16, 4, "full", compiled=True),
+    # Mamba-2 1.3B through autoshard's SSD (runtime/ssd.py)
+    Config("mamba2-1b", 2048, 8, 1),
+    Config("mamba2-1b", 2048, 8, 4),
+    Config("mamba2-1b", 2048, 8, 4, "full"),
+    # LLaMA-7B: 16 B of state per parameter (108 GB) leaves room for full recompute only
+    Config("llama-7b", 2048, 4, 1, "full"),
+    Config("llama-1b", 2048, 16, 2),
+    Config("llama-1b", 2048, 16, 8),
+    Config("llama-1b", 4096, 8, 2),
+    Config("mamba2-1b", 2048, 8, 4, compiled=True),
+    Config("llama-7b", 2048, 4, 2, "full"),
+)
+
+
+SMOKE_CONFIGS = (
+    Config("llama-tiny", 64, 4, 2),
+    Config("llama-tiny", 64, 4, 2, "full"),
+    Config("mamba2-tiny", 64, 4, 2, "selective"),
+    Config("llama-tiny", 64, 4, 2, compiled=True),
+)
+
+
+def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    inner = getattr(model, "model", None) or getattr(model, "backbone")
+    return inner.layers
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure_one(cfg: Config, *, warmup: int, steps: int, device: str = "cuda:0") -> dict:
+    import autoshard
+    from autoshard.models.presets import build_model, get_spec
+
+    spec = get_spec(cfg.model)
+    model = build_model(spec, device=device, seed=0)
+    cuda = device.startswith("cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    batches = [torch.randint(0, spec.vocab, (cfg.global_batch, cfg.seq), generator=gen) for _ in range(2)]
+    plan = dict(micro_batch=cfg.micro_batch, recompute=cfg.recompute, precision="bf16-mixed")
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-5)
+    dm = autoshard.parallelize(model, batches[0], plan=plan, global_batch=cfg.global_batch, optimizer=adamw,
+                               device=device, hardware="h200" if cuda else "cpu")
+    if cfg.compiled:
+        for layer in _layers(dm.model):
+            layer.compile()
+    times = []
+    for i in range(warmup + steps):
+        if i == warmup and cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        ids = batches[i % 2].to(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = dm.train_step(ids, ids)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    out = dict(step_s=statistics.median(times), steps_s=times, loss=float(loss))
+    if cuda:
+        out.update(peak_bytes=torch.cuda.max_memory_allocated(), reserved_bytes=torch.cuda.max_memory_reserved())
+    return out
+
+
+def measure(args) -> None:
+    import torch.distributed as dist
+
+    smoke = args.smoke
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("--measure needs a CUDA device (--smoke runs tiny presets on the CPU to check this script)")
+    device = "cpu" if smoke else "cuda:0"
+    configs = SMOKE_CONFIGS if smoke else CONFIGS
+    started = time.perf_counter()
+    result = dict(device="cpu" if smoke else torch.cuda.get_device_name(0), torch=torch.__version__,
+                  warmup=args.warmup, steps=args.steps, runs=[])
+    for cfg in configs:
+        if args.only and args.only not in cfg.name:
+            continue
+        left = args.budget_s - (time.perf_counter() - started)
+        if left < 45:
+            result["runs"].append(dict(config=asdict(cfg), skipped="out of time budget"))
+            continue
+        print(f"--- {cfg.name} ({left:.0f} s left)", flush=True)
+        t0 = time.perf_counter()
+        try:
+            run = measure_one(cfg, warmup=args.warmup, steps=args.steps, device=device)
+        except torch.OutOfMemoryError as e:
+            run = dict(oom=str(e).splitlines()[0])
+        except Exception as e:  # noqa: BLE001 - recorded, the next configuration still runs
+            run = dict(error=f"{type(e).__name__}: {e}"[:2000])
+        gc.collect()
+        if not smoke:
+            torch.cuda.empty_cache()
+        run.update(config=asdict(cfg), wall_s=time.perf_counter() - t0)
+        print(json.dumps({k: v for k, v in run.items() if k != "steps_s"}), flush=True)
+        result["runs"].append(run)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _profile_name(device: str) -> str:
+    name = device.upper()
+    for key, profile in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80g"), ("CPU", "cpu")):
+        if key in name:
+            return profile
+    raise SystemExit(f"no autoshard device profile for {device!r}")
+
+
+def predict(cfg: Config, hw_name: str, tables: dict) -> dict:
+    from autoshard.commands.common import cost_table_for
+    from autoshard.hardware import load_hardware
+    from autoshard.ir import Mesh, Recompute
+    from autoshard.passes.cost import Layout, compile_table, estimate
+
+    hw = load_hardware(hw_name)
+    if cfg.model not in tables:
+        spec, table = cost_table_for(cfg.model, spinner=False, kernels=hw.kernels)
+        tables[cfg.model] = (spec, compile_table(table, spec))
+    spec, ct = tables[cfg.model]
+    layout = Layout(mesh=Mesh(), micro_batch=cfg.micro_batch, zero=0, recompute=Recompute(cfg.recompute),
+                    precision="bf16-mixed")
+    est = estimate(ct, spec, hw, layout, global_batch=cfg.global_batch, seq_len=cfg.seq)
+    return dict(step_s=est.step_time_s, memory_bytes=est.memory.total, memory=est.memory.as_gb(), fits=est.fits,
+                time={k: v for k, v in asdict(est.time).items()})
+
+
+def _pair_agreement(rows: list[tuple[float, float]]) -> tuple[int, int]:
+    right = total = 0
+    for (m1, p1), (m2, p2) in combinations(rows, 2):
+        if abs(m1 - m2) / max(m1, m2) < 0.03:  # a tie within noise: no order to get right
+            continue
+        total += 1
+        right += (m1 < m2) == (p1 < p2)
+    return right, total
+
+
+def report(args) -> None:
+    data = json.loads(Path(args.report).read_text())
+    hw_name = _profile_name(data["device"])
+    print(f"{data['device']} (profile {hw_name}), torch {data['torch']}, median of {data['steps']} steps")
+    print(f"{'configuration':44s} {'meas s':>8s} {'pred s':>8s} {'pred/meas':>9s} "
+          f"{'meas GB':>8s} {'pred GB':>8s} {'pred/meas':>9s}")
+    tables: dict = {}
+    by_model: dict[str, list] = {}
+    time_ratios, mem_ratios = [], []
+    for run in data["runs"]:
+        cfg = Config(**run["config"])
+        pred = predict(cfg, hw_name, tables)
+        if "step_s" not in run:
+            why = run.get("oom") and "out of memory" or run.get("skipped") or run.get("error", "")[:60]
+            print(f"{cfg.name:44s} {'-':>8s} {pred['step_s']:8.3f} {'':9s} {'-':>8s} "
+                  f"{pred['memory_bytes'] / 1e9:8.1f}   ({why}; predicted fits={pred['fits']})")
+            continue
+        tr = pred["step_s"] / run["step_s"]
+        time_ratios.append(tr)
+        peak = run.get("peak_bytes")  # none on the CPU (--smoke)
+        mr = pred["memory_bytes"] / peak if peak else float("nan")
+        if peak:
+            mem_ratios.append(mr)
+        by_model.setdefault((cfg.model, cfg.compiled), []).append((run["step_s"] / cfg.global_batch,
+                                                                   pred["step_s"] / cfg.global_batch))
+        print(f"{cfg.name:44s} {run['step_s']:8.3f} {pred['step_s']:8.3f} {tr:9.2f} "
+              f"{(peak or float('nan')) / 1e9:8.1f} {pred['memory_bytes'] / 1e9:8.1f} {mr:9.2f}")
+    if time_ratios:
+        right = total = 0
+        for rows in by_model.values():
+            r, t = _pair_agreement(rows)
+            right, total = right + r, total + t
+        print(f"\nstep time pred/meas: median {statistics.median(time_ratios):.2f}, "
+              f"range {min(time_ratios):.2f}-{max(time_ratios):.2f}")
+        if mem_ratios:
+            print(f"peak memory pred/meas: median {statistics.median(mem_ratios):.2f}, "
+                  f"range {min(mem_ratios):.2f}-{max(mem_ratios):.2f}")
+        print(f"pairs of one model (eager / compiled apart) ranked right by time per sequence: {right}/{total}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--measure", action="store_true", help="run CONFIGS on cuda:0 (needs a CUDA device)")
+    mode.add_argument("--report", metavar="MEASURED_JSON", help="price a --measure file's runs and compare")
+    p.add_argument("--out", default="measured.json", help="where --measure writes (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--budget-s", type=float, default=420.0, help="stop starting configurations after this")
+    p.add_argument("--smoke", action="store_true", help="--measure SMOKE_CONFIGS on the CPU (checks this script)")
+    p.add_argument("--only", default="", help="run only configurations whose name contains this")
+    args = p.parse_args()
+    measure(args) if args.measure else report(args)
+
+
+if __name__ == "__main__":
+    main()
