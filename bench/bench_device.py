@@ -29,6 +29,7 @@ import functools
 import gc
 import json
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,6 +41,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+RESULT = "RESULT "
 
 
 @dataclass(frozen=True)
@@ -60,23 +64,21 @@ class Config:
 CONFIGS = (  # in order of what matters most, in case the device time runs out
     # TinyLlama-shaped 1.1B: micro-batch and recompute sweeps at a fixed global batch
     Config("llama-1b", 2048, 16, 1),
+    Config("llama-1b", 2048, 16, 2),
     Config("llama-1b", 2048, 16, 4),
     Config("llama-1b", 2048, 16, 4, "selective"),
     Config("llama-1b", 2048, 16, 4, "full"),
     # the same kernels compiled (Inductor-fused element-wise ops)
     Config("llama-1b", 2048, 16, 4, compiled=True),
     Config("llama-1b", 2048, 16, 4, "full", compiled=True),
+    Config("llama-1b", 2048, 16, 1, compiled=True),
     # Mamba-2 1.3B through autoshard's SSD (runtime/ssd.py)
     Config("mamba2-1b", 2048, 8, 1),
-    Config("mamba2-1b", 2048, 8, 4),
     Config("mamba2-1b", 2048, 8, 4, "full"),
     # LLaMA-7B: 16 B of state per parameter (108 GB) leaves room for full recompute only
     Config("llama-7b", 2048, 4, 1, "full"),
-    Config("llama-1b", 2048, 16, 2),
     Config("llama-1b", 2048, 16, 8),
-    Config("llama-1b", 4096, 8, 2),
-    Config("mamba2-1b", 2048, 8, 4, compiled=True),
-    Config("llama-7b", 2048, 4, 2, "full"),
+    Config("mamba2-1b", 2048, 8, 4),
 )
 
 
@@ -103,8 +105,11 @@ def measure_one(cfg: Config, *, warmup: int, steps: int, device: str = "cuda:0")
     from autoshard.models.presets import build_model, get_spec
 
     spec = get_spec(cfg.model)
-    model = build_model(spec, device=device, seed=0)
     cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.init()
+        torch.cuda.set_device(device)
+    model = build_model(spec, device=device, seed=0)
     gen = torch.Generator(device="cpu").manual_seed(0)
     batches = [torch.randint(0, spec.vocab, (cfg.global_batch, cfg.seq), generator=gen) for _ in range(2)]
     plan = dict(micro_batch=cfg.micro_batch, recompute=cfg.recompute, precision="bf16-mixed")
@@ -133,17 +138,15 @@ def measure_one(cfg: Config, *, warmup: int, steps: int, device: str = "cuda:0")
 
 
 def measure(args) -> None:
-    import torch.distributed as dist
-
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
         sys.exit("--measure needs a CUDA device (--smoke runs tiny presets on the CPU to check this script)")
     device = "cpu" if smoke else "cuda:0"
     configs = SMOKE_CONFIGS if smoke else CONFIGS
     started = time.perf_counter()
-    result = dict(device="cpu" if smoke else torch.cuda.get_device_name(0), torch=torch.__version__,
+    result = dict(device="cpu", torch=torch.__version__,
                   warmup=args.warmup, steps=args.steps, runs=[])
-    for cfg in configs:
+    for index, cfg in enumerate(configs):
         if args.only and args.only not in cfg.name:
             continue
         left = args.budget_s - (time.perf_counter() - started)
@@ -152,21 +155,39 @@ def measure(args) -> None:
             continue
         print(f"--- {cfg.name} ({left:.0f} s left)", flush=True)
         t0 = time.perf_counter()
+        # a process per configuration: nothing (allocator cache, compiled code) outlives it
+        cmd = [sys.executable, __file__, "--measure", "--one", str(index), "--warmup", str(args.warmup),
+               "--steps", str(args.steps), *(["--smoke"] if smoke else [])]
         try:
-            run = measure_one(cfg, warmup=args.warmup, steps=args.steps, device=device)
-        except torch.OutOfMemoryError as e:
-            run = dict(oom=str(e).splitlines()[0])
-        except Exception as e:  # noqa: BLE001 - recorded, the next configuration still runs
-            run = dict(error=f"{type(e).__name__}: {e}"[:2000])
-        gc.collect()
-        if not smoke:
-            torch.cuda.empty_cache()
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+            run = json.loads(lines[-1][len(RESULT):]) if lines else dict(error=proc.stderr[-2000:])
+        except subprocess.TimeoutExpired:
+            run = dict(skipped="out of time budget (killed)")
         run.update(config=asdict(cfg), wall_s=time.perf_counter() - t0)
+        result["device"] = run.pop("device", result["device"])
         print(json.dumps({k: v for k, v in run.items() if k != "steps_s"}), flush=True)
         result["runs"].append(run)
         Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def measure_child(args) -> None:
+    """`--one INDEX`: one configuration in this process; prints RESULT and its JSON."""
+    import torch.distributed as dist
+
+    device = "cpu" if args.smoke else "cuda:0"
+    cfg = (SMOKE_CONFIGS if args.smoke else CONFIGS)[args.one]
+    try:
+        run = measure_one(cfg, warmup=args.warmup, steps=args.steps, device=device)
+    except torch.OutOfMemoryError as e:
+        run = dict(oom=str(e).splitlines()[0])
+    except Exception as e:  # noqa: BLE001 - recorded, the next configuration still runs
+        run = dict(error=f"{type(e).__name__}: {e}"[:2000])
+    if not args.smoke:
+        run["device"] = torch.cuda.get_device_name(0)
     if dist.is_initialized():
         dist.destroy_process_group()
+    print(RESULT + json.dumps(run), flush=True)
 
 
 def _profile_name(device: str) -> str:
@@ -255,9 +276,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting configurations after this")
     p.add_argument("--smoke", action="store_true", help="--measure SMOKE_CONFIGS on the CPU (checks this script)")
+    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # the per-configuration process
     p.add_argument("--only", default="", help="run only configurations whose name contains this")
     args = p.parse_args()
-    measure(args) if args.measure else report(args)
+    if args.measure and args.one is not None:
+        measure_child(args)
+    else:
+        measure(args) if args.measure else report(args)
 
 
 if __name__ == "__main__":
