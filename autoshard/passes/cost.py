@@ -567,9 +567,11 @@ def _recompute_time(ct: CompiledTable, layout: Layout, kind: BlockKind, t: np.nd
 def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, *,
                seq_len: int) -> BlockTime:
     """One instance of block `kind` (one layer / the embedding / the head), one micro-batch. Memoised
-    on what it depends on (not ZeRO, the schedule, nor the choices of the other blocks): the planner
-    asks for it for many layouts that share those."""
-    key = ("block_time", hw, layout.mesh, layout.micro_batch, layout.recompute, layout.precision,
+    on what it depends on (the mesh's tp, cp and ep, not its dp nor pp: every group it prices is
+    tp, cp or ep; not ZeRO, the schedule, nor the choices of the other blocks): the planner asks for
+    it for many layouts that share those."""
+    mesh = layout.mesh
+    key = ("block_time", hw, mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.recompute, layout.precision,
            layout.sequence_parallel, sharding.block_strategies(layout.strategies, kind), layout.moe_imbalance,
            seq_len)
     memo = ct.block(kind).memo

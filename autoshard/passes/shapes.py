@@ -120,15 +120,27 @@ def _build_for_layers(spec: ModelSpec, training: bool, dtype: torch.dtype, model
 @functools.lru_cache(maxsize=64)
 def _build_cached(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None,
                   kernels: tuple[str, ...]) -> CostTable:
-    key = _cache_key(spec, training, dtype, model, kernels)
     build = functools.partial(_build, spec, training, dtype, model, kernels)
+    if model is None:  # a spec: the package may ship its table (passes/table_cache.py, "Shipped tables")
+        return table_cache.cached_table(lambda: _cache_key(spec, training, dtype, model, kernels), build,
+                                        shipped=shipped_table_key(spec, training, dtype, kernels))
+    key = _cache_key(spec, training, dtype, model, kernels)
     return build() if key is None else table_cache.cached_table(key, build)
+
+
+def _options(training: bool, dtype: torch.dtype, kernels: tuple[str, ...]) -> dict:
+    return {"training": training, "dtype": str(dtype), "kernels": list(kernels)}
+
+
+def shipped_table_key(spec: ModelSpec, training: bool, dtype: torch.dtype, kernels: tuple[str, ...]) -> dict:
+    """The key of the shipped table of `spec` (no model: a preset's spec) traced with these options."""
+    return table_cache.shipped_key(spec, **_options(training, dtype, kernels))
 
 
 def _cache_key(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module | None,
                kernels: tuple[str, ...]) -> dict | None:
     """Everything the table of the 1-layer copy depends on (None: a model the cache cannot name)."""
-    key = {**table_cache.spec_key(spec), "training": training, "dtype": str(dtype), "kernels": list(kernels)}
+    key = {**table_cache.spec_key(spec), **_options(training, dtype, kernels)}
     if model is None:
         return key
     config = getattr(model, "config", None)

@@ -379,12 +379,12 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     as a cutoff. Deterministic: no wall clock decides anything."""
     kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
     layouts = [cost.resolved(lay, hw) for lay in layouts]  # precision AUTO: the device's default
-    block_s: dict = {}  # (mesh, micro-batch, strategy) -> {kind: seconds}: shared by the ZeRO levels
+    block_s: dict = {}  # (tp, cp, ep, micro-batch, strategy) -> {kind: seconds}: shared by dp, pp, ZeRO
     memo: dict = {}  # lower_bounds' parameters and p2p times
     order, pruned = [], 0
     ep_bounds: dict = {}  # ep -> [least step bound of the layouts that fit, least peak bound]
     for k, lay in enumerate(layouts):
-        key = (lay.mesh, lay.micro_batch, lay.sequence_parallel, lay.strategies)
+        key = (lay.mesh.tp, lay.mesh.cp, lay.mesh.ep, lay.micro_batch, lay.sequence_parallel, lay.strategies)
         if key not in block_s:
             base = replace(lay, recompute=Recompute.NONE)
             block_s[key] = {kd: cost.block_time(ct, hw, base, kd, seq_len=seq_len).total_s for kd in kinds}

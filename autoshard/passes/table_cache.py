@@ -20,6 +20,20 @@ its class and config). `cached_value(kind, key_parts, build)` does the same for 
   rebuilds the same SymPy expression (tests/passes/test_table_cache.py checks equality).
 * A file that cannot be read or decoded is a miss: the table is rebuilt and the file replaced.
   A directory that cannot be written only costs the speed-up; nothing fails.
+
+Shipped tables
+--------------
+The presets' tables and fingerprints ship inside the package (`autoshard/shipped/<kind>/<digest>.json`,
+the same file format), so a fresh machine plans a preset without a trace. They are read before the
+user cache and keyed by what they depend on (`shipped_key`): the spec's fields, the trace options
+(training, dtype, substituted kernels) and `SHIPPED_FORMAT`, not by the digest of autoshard's source,
+which changes on every edit; a fingerprint's key also names the transformers version (module names
+come from its modeling code, and a wrong fingerprint makes the runtime refuse the plan). Bump
+`SHIPPED_FORMAT` when capture / shapes change what a table holds, and rebuild them with
+`python -m autoshard.passes.table_cache --build-shipped` (every preset at its own layer count; the
+tables are those of the 1-layer copy, shared by every layer count). tests/passes/test_shipped_tables.py
+rebuilds a sample with the current code and fails, naming that command, when a shipped one is stale.
+A user model (`package.module:factory`) or a spec no preset has is traced and kept in the user cache.
 """
 
 from __future__ import annotations
@@ -38,13 +52,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import sympy
-import torch
 
 from autoshard.errors import InvalidConfigError
 from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
 from autoshard.ir import BlockKind, OpKind
 
 FORMAT = 1
+SHIPPED_FORMAT = 1  # of the shipped tables' contents: bump when capture / shapes semantics change, then rebuild
+SHIPPED = Path(__file__).resolve().parents[1] / "shipped"
+REBUILD_SHIPPED = "python -m autoshard.passes.table_cache --build-shipped"
 ENV = "AUTOSHARD_CACHE_DIR"
 OFF = "off"
 _log = logging.getLogger("autoshard.cache")
@@ -74,26 +90,49 @@ def digest(key_parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:40]
 
 
+def _spec_fields(spec: Any) -> dict[str, Any]:
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    return {k: v.value if isinstance(v, Enum) else v for k, v in fields.items()}
+
+
 def spec_key(spec: Any) -> dict[str, Any]:
     """The key parts every entry about a model spec starts from (see the module docstring)."""
-    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-    return {"spec": {k: v.value if isinstance(v, Enum) else v for k, v in fields.items()},
-            "torch": torch.__version__, "transformers": metadata.version("transformers"),
-            "autoshard": source_digest()}
+    import torch  # here, not at import: a shipped table is read without torch
+
+    return {"spec": _spec_fields(spec), "torch": torch.__version__,
+            "transformers": metadata.version("transformers"), "autoshard": source_digest()}
 
 
-def cached_table(key_parts: dict[str, Any], build: Callable[[], CostTable]) -> CostTable:
-    """The stored table for `key_parts`, or `build()` (stored for next time)."""
-    return cached_value("tables", key_parts, build, encode=table_to_json, decode=table_from_json)
+def shipped_key(spec: Any, **options: Any) -> dict[str, Any]:
+    """The key of a shipped entry about `spec` (see "Shipped tables" above): its fields, `options`
+    (JSON values) and `SHIPPED_FORMAT`."""
+    return {"shipped_format": SHIPPED_FORMAT, "spec": _spec_fields(spec), **options}
 
 
-def cached_value(kind: str, key_parts: dict[str, Any], build: Callable[[], Any], *,
-                 encode: Callable[[Any], Any] = lambda v: v, decode: Callable[[Any], Any] = lambda v: v) -> Any:
-    """The value stored under `kind/` for `key_parts`, or `build()` (stored for next time);
-    `encode` / `decode` map the value to and from JSON."""
+KeyParts = dict[str, Any] | Callable[[], dict[str, Any]]  # a callable: computed only when the shipped entry misses
+
+
+def cached_table(key_parts: KeyParts, build: Callable[[], CostTable], *,
+                 shipped: dict[str, Any] | None = None) -> CostTable:
+    """The shipped table for `shipped` (a `shipped_key`), else the stored table for `key_parts`, else
+    `build()` (stored for next time)."""
+    return cached_value("tables", key_parts, build, shipped=shipped, encode=table_to_json, decode=table_from_json)
+
+
+def cached_value(kind: str, key_parts: KeyParts, build: Callable[[], Any], *,
+                 shipped: dict[str, Any] | None = None, encode: Callable[[Any], Any] = lambda v: v,
+                 decode: Callable[[Any], Any] = lambda v: v) -> Any:
+    """The value shipped under `kind/` for `shipped` (when given), else the value stored under `kind/`
+    for `key_parts`, else `build()` (stored for next time); `encode` / `decode` map the value to and
+    from JSON."""
+    if shipped is not None:
+        value = _read(SHIPPED / kind / f"{digest(shipped)}.json", shipped, decode)
+        if value is not None:
+            return value
     root = cache_dir()
     if root is None:
         return build()
+    key_parts = key_parts() if callable(key_parts) else key_parts
     path = root / kind / f"{digest(key_parts)}.json"
     value = _read(path, key_parts, decode)
     if value is not None:
@@ -262,3 +301,71 @@ def _decode(encoded: Any) -> sympy.Expr:
             term *= sympy.ceiling(S / l) ** k
         out.append(term)
     return sympy.Add(*out)
+
+
+# -- the shipped tables -------------------------------------------------------------------------------
+
+def shipped_entries() -> list[tuple[str, dict[str, Any], Callable[[], Any], Callable[[Any], Any]]]:
+    """(kind, shipped key, build, encode) of every entry the package ships: per preset, the training
+    table of its 1-layer copy for each set of substituted kernels a built-in device profile (or the
+    default) asks for, and its fingerprint (transformers' version in the key: see the module docstring)."""
+    import torch
+
+    from autoshard.fingerprint import fingerprint_module
+    from autoshard.hardware import hardware_names, load_hardware
+    from autoshard.models.presets import PRESETS, build_model
+    from autoshard.passes import kernels as kernel_table
+    from autoshard.passes import shapes
+
+    out = []
+    for spec in PRESETS.values():
+        one = replace(spec, layers=1)
+        options = {kernel_table.kernel_for(one, names) for names in
+                   [kernel_table.KERNEL_NAMES, *(load_hardware(h).kernels for h in hardware_names())]}
+        for kernels in sorted(options):
+            key = shapes.shipped_table_key(one, True, torch.bfloat16, kernels)
+            out.append(("tables", key, functools.partial(shapes._build, one, True, torch.bfloat16, None, kernels),
+                        table_to_json))
+        out.append(("fingerprints", fingerprint_key(spec),
+                    functools.partial(lambda s: fingerprint_module(build_model(s, device="meta")), spec),
+                    lambda v: v))
+    return out
+
+
+def fingerprint_key(spec: Any) -> dict[str, Any]:
+    """The shipped key of `spec`'s fingerprint."""
+    return shipped_key(spec, transformers=metadata.version("transformers"))
+
+
+def build_shipped(root: Path = SHIPPED) -> list[Path]:
+    """Rebuild every shipped entry under `root` (tracing each preset) and delete the ones no preset
+    has any more; the paths written."""
+    written = []
+    for kind, key, build, encode in shipped_entries():
+        path = root / kind / f"{digest(key)}.json"
+        _write(path, key, build(), encode)
+        if not path.is_file():
+            raise OSError(f"could not write {path}")
+        path.chmod(0o644)  # package data: readable by everyone (the cache's files are private)
+        written.append(path)
+    for stale in set(root.glob("*/*.json")) - set(written):
+        stale.unlink()
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m autoshard.passes.table_cache",
+                                 description="Rebuild the cost tables and fingerprints shipped in the package.")
+    ap.add_argument("--build-shipped", action="store_true", required=True,
+                    help=f"trace every preset and write {SHIPPED.relative_to(SHIPPED.parents[1])}/<kind>/<digest>.json")
+    ap.parse_args(argv)
+    paths = build_shipped()
+    size = sum(p.stat().st_size for p in paths)
+    print(f"{len(paths)} shipped entries written under {SHIPPED} ({size / 1e6:.2f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,9 @@
 """The on-disk cost-table cache: exact round trip, hits skip the trace, bad files and the off switch."""
 
 import json
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from autoshard.passes import shapes, table_cache
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv(table_cache.ENV, str(tmp_path))
+    monkeypatch.setattr(table_cache, "SHIPPED", tmp_path / "none-shipped")  # these tests are about the user cache
     shapes._build_cached.cache_clear()
     shapes._build_for_layers.cache_clear()
     yield tmp_path / "tables"
@@ -32,6 +35,7 @@ def tiny_table():
 def count_builds(monkeypatch, tiny_table):
     """Stands in for the trace (these tests are about the cache): counts calls, returns a real table."""
     calls = []
+    monkeypatch.setattr(table_cache, "SHIPPED", Path(tempfile.mkdtemp()))  # nothing shipped: the user cache decides
 
     def counted(spec, *args):
         calls.append(spec.name)
