@@ -152,7 +152,8 @@ class ShardProgram:
     vocab_head: str | None = None
     attrs: tuple[tuple[str, str, int], ...] = ()
     checkpoint: tuple[str, ...] = ()
-    sequence_parallel: bool = False  # norms and residual on this rank's tp shard of the sequence
+    sequence_parallel: bool = False  # some stage runs its norms and residual on this rank's tp shard of the sequence
+    sequence_paths: tuple[str, ...] = ()  # the modules that do (regions, row-parallel, norms, embedding / head)
     sequence_grads: tuple[str, ...] = ()  # under it: parameters whose gradients are summed over tp
 
     def placement(self, name: str) -> Placement:
@@ -255,9 +256,32 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def strategy_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+def per_stage(value: Any, chunks: int) -> tuple:
+    """A per-stage plan value as one entry per model chunk: a single value means every chunk; a
+    tuple (one entry per chunk, checked by passes/layouts.py plan_violation) is returned as is."""
+    return tuple(value) if isinstance(value, tuple) else (value,) * chunks
+
+
+def _per_stage_value(value: Any, chunks: int, ok, what: str) -> Any:
+    """A plan field that may be given per stage: a list / tuple becomes a tuple (each entry passing
+    `ok`), and one whose `chunks` entries all agree becomes that single value (the same plan)."""
+    kind = "true or false" if what == "sequence_parallel" else "an option name"
+    if isinstance(value, (list, tuple)):
+        if not value or not all(ok(v) for v in value):
+            raise InvalidConfigError(f"{what} must be {kind}, or a list of them with one per pipeline stage (model "
+                                     f"chunk), got {value!r}")
+        value = tuple(value)
+        return value[0] if len(value) == chunks and len(set(value)) == 1 else value
+    if not ok(value):
+        raise InvalidConfigError(f"{what} must be {kind}, got {value!r} (or a list of them, one per pipeline stage)")
+    return value
+
+
+def strategy_pairs(value: Any, chunks: int = 1) -> tuple[tuple[str, str | tuple[str, ...]], ...]:
     """A plan's intra-op choices as sorted (choice, option) pairs, from a mapping or pairs; an
-    InvalidConfigError names a malformed entry (which choices a model has: passes/sharding.py)."""
+    option may be a list with one entry per model chunk (a layer choice made per stage, e.g. Mamba-2's
+    "groups"; one whose `chunks` entries agree becomes that option); an InvalidConfigError names a
+    malformed entry (which choices a model has, and which may differ per stage: passes/sharding.py)."""
     items = value.items() if isinstance(value, Mapping) else value
     try:
         if isinstance(value, (str, bytes)):
@@ -267,8 +291,11 @@ def strategy_pairs(value: Any) -> tuple[tuple[str, str], ...]:
         raise InvalidConfigError(f"strategies must be a mapping {{choice: option}}, e.g. {{'head': 'replicate'}}; "
                                  f"got {value!r}") from None
     for k, v in pairs:
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise InvalidConfigError(f"strategies must map choice names to option names (strings); got {k!r}: {v!r}")
+        if not isinstance(k, str) or not (isinstance(v, str) or (isinstance(v, (list, tuple)) and v and
+                                                                 all(isinstance(x, str) for x in v))):
+            raise InvalidConfigError(f"strategies must map choice names to option names (strings, or a list of them "
+                                     f"with one per pipeline stage); got {k!r}: {v!r}")
+    pairs = [(k, _per_stage_value(v, chunks, lambda x: isinstance(x, str), f"strategies[{k!r}]")) for k, v in pairs]
     if len({k for k, _ in pairs}) != len(pairs):
         raise InvalidConfigError(f"strategies names a choice twice: {pairs}")
     return tuple(sorted(pairs))
@@ -297,10 +324,13 @@ class Plan:
     precision: Precision = Precision.AUTO
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved / zero-bubble schedules)
-    sequence_parallel: bool = False  # Megatron SP: norms / residual on a tp shard of the sequence (needs tp > 1)
+    # Megatron SP: norms / residual on a tp shard of the sequence (needs tp > 1); one bool per model chunk when
+    # the stages differ (`stage_sequence_parallel`)
+    sequence_parallel: bool | tuple[bool, ...] = False
     # intra-op choices {choice: option} (passes/sharding.py CHOICES, e.g. ("head", "replicate")); absent: the
-    # table's default (Megatron's layout); checked against the model's table by passes/layouts.py check_plan
-    strategies: tuple[tuple[str, str], ...] = ()
+    # table's default (Megatron's layout); a layer choice ("groups") may name one option per model chunk
+    # (`stage_strategies`); checked against the model's table by passes/layouts.py check_plan
+    strategies: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
     stages: tuple[Stage, ...] = ()  # pp * virtual_stages chunks in model order (none: an even split)
     placements: tuple[tuple[str, str], ...] = ()
     predicted: Mapping[str, Any] = field(default_factory=dict)
@@ -323,12 +353,13 @@ class Plan:
         if self.offload_optimizer and self.zero != 3:
             raise InvalidConfigError(f"offload_optimizer needs zero=3 (FSDP2 offloads the ZeRO-3 shards), got "
                                      f"zero={self.zero}; set zero=3 or drop offload_optimizer")
-        if not isinstance(self.sequence_parallel, bool):
-            raise InvalidConfigError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        chunks = self.chunks if _is_int(self.virtual_stages) else self.mesh.pp
+        object.__setattr__(self, "sequence_parallel", _per_stage_value(
+            self.sequence_parallel, chunks, lambda x: isinstance(x, bool), "sequence_parallel"))
         object.__setattr__(self, "recompute", _enum_field(Recompute, self.recompute, "recompute"))
         object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
         object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
-        object.__setattr__(self, "strategies", strategy_pairs(self.strategies))
+        object.__setattr__(self, "strategies", strategy_pairs(self.strategies, chunks))
         check_schedule(self.schedule, self.virtual_stages, pp=self.mesh.pp)
         if self.stages and len(self.stages) != self.mesh.pp * self.virtual_stages:
             raise InvalidConfigError(
@@ -342,6 +373,20 @@ class Plan:
     def chunks(self) -> int:
         """Pipeline stages (model chunks) in all: pp * virtual_stages."""
         return self.mesh.pp * self.virtual_stages
+
+    @property
+    def stage_sequence_parallel(self) -> tuple[bool, ...]:
+        """Sequence parallelism of every model chunk (model order)."""
+        return per_stage(self.sequence_parallel, self.chunks)
+
+    @property
+    def per_stage(self) -> bool:
+        """Whether the stages differ in a layer choice (sequence parallelism, a strategies list)."""
+        return isinstance(self.sequence_parallel, tuple) or any(isinstance(v, tuple) for _, v in self.strategies)
+
+    def stage_strategies(self, index: int) -> tuple[tuple[str, str], ...]:
+        """The intra-op choices of model chunk `index`, one option each."""
+        return tuple((k, v[index] if isinstance(v, tuple) else v) for k, v in self.strategies)
 
     # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -361,8 +406,8 @@ class Plan:
             "precision": self.precision.value,
             "schedule": self.schedule.value,
             "virtual_stages": self.virtual_stages,
-            "sequence_parallel": self.sequence_parallel,
-            "strategies": dict(self.strategies),
+            "sequence_parallel": _jsonable(self.sequence_parallel),
+            "strategies": {k: _jsonable(v) for k, v in self.strategies},
             "stages": [
                 {**dataclasses.asdict(st), "recompute": st.recompute.value} for st in self.stages
             ],

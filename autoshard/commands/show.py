@@ -103,23 +103,31 @@ def render(plan) -> None:
                                         if plan.precision.value == "auto" else "")
     con.print(f"precision: {precision}; pipeline schedule: {plan.schedule.value}, "
               f"{plan.virtual_stages} virtual stage(s) per rank")
-    if plan.sequence_parallel:
-        con.print(f"sequence parallel: on (norms and residual stream on a 1/{plan.mesh.tp} shard of the sequence; "
-                  "all-gather / reduce-scatter in place of the TP all-reduces)")
+    sp = plan.stage_sequence_parallel
+    if any(sp):
+        where = "on" if all(sp) else "on in stages " + ", ".join(str(i) for i, on in enumerate(sp) if on) + \
+            " (a boundary next to one carries the whole sequence)"
+        con.print(f"sequence parallel: {where} (norms and residual stream on a 1/{plan.mesh.tp} shard of the "
+                  "sequence; all-gather / reduce-scatter in place of the TP all-reduces)")
     if plan.mesh.tp > 1:  # the intra-op choices (passes/sharding.py CHOICES); the placements below follow them
         chosen = dict(plan.strategies)
-        con.print("intra-op strategies: " + ", ".join(f"{k} {chosen.get(k, v[0])}"
+        named = {k: ("per stage " + " / ".join(v) if isinstance(v, tuple) else v) for k, v in chosen.items()}
+        con.print("intra-op strategies: " + ", ".join(f"{k} {named.get(k, v[0])}"
                                                       for k, v in CHOICES.items() if k in chosen or k != "groups")
                   + ("" if chosen else " (the sharding table's default)"))
     stages = Table(title="pipeline stages")
-    for col in ("stage", "layers", "holds", "recompute", "time/micro-batch s", "memory GB"):
+    columns = ("stage", "layers", "holds", "recompute") + (("strategy",) if plan.per_stage else ()) + (
+        "time/micro-batch s", "memory GB")
+    for col in columns:
         stages.add_column(col)
     times, mems = pred.get("stage_time_s", []), pred.get("stage_memory_gb", [])
     for i, st in enumerate(plan.stages):
         holds = " + ".join(x for x, on in (("embed", st.embed), ("head", st.head)) if on) or "-"
         layers = f"{st.first_layer}-{st.end_layer - 1}" if st.layers else "none"
+        mine = ", ".join(["sequence parallel" if sp[i] else "no SP"]
+                         + [f"{k} {v}" for k, v in plan.stage_strategies(i) if isinstance(dict(plan.strategies)[k], tuple)])
         stages.add_row(str(i), f"{layers} ({st.layers})", holds, st.recompute.value,
-                       _num(times, i), _num(mems, i))
+                       *((mine,) if plan.per_stage else ()), _num(times, i), _num(mems, i))
     con.print(stages)
     groups = defaultdict(list)
     for op, placement in plan.placements:

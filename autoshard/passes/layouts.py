@@ -33,9 +33,13 @@ Rules (the runtime's, see DESIGN.md):
         Mamba-2: cp divides the sequence, and each rank keeps at least conv_kernel - 1 tokens.
   SP    `sequence_parallel` (Megatron's sequence parallelism) needs tp > 1, and tp divides each cp
         rank's seq_len / cp tokens (`sequence_parallel_violation`); dense LLaMA and Mamba-2 only.
+        It may list one bool per model chunk (pp x virtual_stages of them); those rules then hold
+        when any chunk is on.
   strategies  the plan's intra-op choices are ones the family's table offers at its tp
         (`sharding.choice_violation`: vocab-parallel or replicated embedding / head, Mamba-2 groups
-        split or whole where tp divides them; a tied model's embedding and head alike).
+        split or whole where tp divides them; a tied model's embedding and head alike; a replicated
+        embedding / head not on a sequence-parallel first / last chunk). A layer choice ("groups")
+        may list one option per model chunk.
   ZeRO  0-3; levels 2 and 3 need pp = 1 (`zero_violation`): they reduce gradients after every
         micro-batch, which a pipeline schedule's accumulation does not allow (DeepSpeed's rule too).
         The runtime runs every level (`RUNTIME_ZERO`, what the planner searches): 1-2 in
@@ -221,12 +225,13 @@ _RULE_ORDER = ("ep", "tp", "pp", "dp", "cp")  # the order plan_violation reports
 
 
 def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: int, micro_batch: int = 1,
-                   zero: int = 0, zeros: tuple[int, ...] = (), sequence_parallel: bool = False,
-                   strategies=()) -> str | None:
+                   zero: int = 0, zeros: tuple[int, ...] = (), sequence_parallel: bool | tuple[bool, ...] = False,
+                   strategies=(), chunks: int | None = None) -> str | None:
     """The first rule (module docstring) that this plan breaks for `spec`, worded for the user
     (what was found, what to do), or None. `zeros`: the ZeRO levels allowed (default
     `RUNTIME_ZERO`; the cost model prices 0-3); `strategies`: the plan's intra-op choices
-    (`sharding.choice_violation`: each a choice the table offers at this tp)."""
+    (`sharding.choice_violation`: each a choice the table offers at this tp); `sequence_parallel`
+    and the layer choices of `strategies` may list one value per model chunk (`chunks`, default pp)."""
     for name, value in (("global batch", global_batch), ("sequence length", seq_len), ("micro_batch", micro_batch)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             return f"{name} must be a positive integer, got {value!r}"
@@ -239,8 +244,12 @@ def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: i
     if mesh.ep > 1 and global_batch % per_step:  # the ep peers take their own rows too
         return (f"global batch {global_batch} is not divisible by dp ({mesh.dp}) x ep ({mesh.ep}) x micro_batch "
                 f"({micro_batch}) = {per_step}; pick a global batch that is a multiple of {per_step}")
-    why = (zero_violation(mesh, zero) or (sequence_parallel_violation(spec, mesh, seq_len) if sequence_parallel else None)
-           or (choice_violation(spec, mesh.tp, strategies, sequence_parallel=sequence_parallel) if strategies else None))
+    chunks = mesh.pp if chunks is None else chunks
+    some = any(sequence_parallel) if isinstance(sequence_parallel, tuple) else sequence_parallel
+    per_stage = isinstance(sequence_parallel, tuple) or any(isinstance(v, tuple) for _, v in strategies)
+    why = (zero_violation(mesh, zero) or (sequence_parallel_violation(spec, mesh, seq_len) if some else None)
+           or (choice_violation(spec, mesh.tp, strategies, sequence_parallel=sequence_parallel, chunks=chunks)
+               if strategies or per_stage else None))
     if why:
         return why
     if zero not in (zeros or RUNTIME_ZERO):
@@ -259,7 +268,7 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None) ->
                                  f"is {world_size}; choose dp*pp*tp*cp*ep = {world_size}")
     why = plan_violation(spec, mesh, global_batch=plan.global_batch, seq_len=plan.seq_len,
                          micro_batch=plan.micro_batch, zero=plan.zero, sequence_parallel=plan.sequence_parallel,
-                         strategies=plan.strategies)
+                         strategies=plan.strategies, chunks=plan.chunks)
     if why:
         raise InvalidConfigError(why)
     if mesh.pp > 1:  # the schedule's micro-batch rules (torch's pipelining schedules); chunks vs layers below

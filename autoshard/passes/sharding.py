@@ -237,26 +237,43 @@ def choices(spec: ModelSpec, tp: int) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def choice_violation(spec: ModelSpec, tp: int, strategies, *, sequence_parallel: bool = False) -> str | None:
-    """Why the plan's `strategies` ({choice: option} pairs) cannot run `spec` at `tp`, or None. Under
-    sequence parallelism the embedding and head stay vocab-parallel (the runtime's reduce-scatter /
+def choice_violation(spec: ModelSpec, tp: int, strategies, *, sequence_parallel: bool | tuple[bool, ...] = False,
+                     chunks: int = 1) -> str | None:
+    """Why the plan's `strategies` ({choice: option} pairs) cannot run `spec` at `tp` on `chunks`
+    pipeline stages (model chunks), or None. A layer choice (`CHOICE_BLOCKS`: "groups") may name one
+    option per chunk; the embedding and head live on one chunk each and take one option.
+    `sequence_parallel`: the plan's, one bool or one per chunk. Under sequence parallelism the
+    embedding (first chunk) and head (last chunk) stay vocab-parallel (the runtime's reduce-scatter /
     all-gather to and from the sequence shard sits in them)."""
     have = choices(spec, tp)
     given = dict(strategies)
+    sp = sequence_parallel if isinstance(sequence_parallel, tuple) else (sequence_parallel,) * chunks
+    if len(sp) != chunks:
+        return (f"sequence_parallel lists {len(sp)} values, but the plan has {chunks} pipeline stages (pp x "
+                f"virtual_stages); give one per stage, or one true/false for all")
     for name, option in given.items():
         if name not in have:
             known = ", ".join(f"{k} ({' / '.join(v)})" for k, v in have.items()) or "none (tp = 1)"
             return (f"strategies: {name!r} is not an intra-op choice of {spec.name} at tp={tp}; its choices: "
                     f"{known}; drop {name!r} from strategies")
-        if option not in have[name]:
-            return (f"strategies: {name}={option!r} is not an option; use one of "
-                    f"{', '.join(repr(o) for o in have[name])}")
+        if isinstance(option, tuple):
+            if CHOICE_BLOCKS[name] is not BlockKind.LAYER:
+                return (f"strategies: {name} is decided once per plan (its block lives on one pipeline stage), "
+                        f"got the list {list(option)}; give one of {', '.join(repr(o) for o in have[name])}")
+            if len(option) != chunks:
+                return (f"strategies: {name} lists {len(option)} options, but the plan has {chunks} pipeline stages "
+                        f"(pp x virtual_stages); give one per stage, or one option for all")
+        for one in (option if isinstance(option, tuple) else (option,)):
+            if one not in have[name]:
+                return (f"strategies: {name}={one!r} is not an option; use one of "
+                        f"{', '.join(repr(o) for o in have[name])}")
     pick = {k: given.get(k, v[0]) for k, v in have.items()}
-    replicated = [k for k in ("embedding", "head") if pick.get(k) == "replicate"]
-    if sequence_parallel and replicated:
-        return (f"strategies: {replicated[0]}='replicate' with sequence_parallel: the runtime enters and leaves the "
-                f"sequence shard in the vocab-parallel embedding and head; drop {replicated[0]!r} from strategies "
-                "or set sequence_parallel to false")
+    for name, on in (("embedding", sp[0]), ("head", sp[-1])):
+        if on and pick.get(name) == "replicate":
+            where = "" if len(set(sp)) == 1 else f" on the {'first' if name == 'embedding' else 'last'} stage"
+            return (f"strategies: {name}='replicate' with sequence_parallel{where}: the runtime enters and leaves "
+                    f"the sequence shard in the vocab-parallel embedding and head; drop {name!r} from strategies "
+                    f"or set sequence_parallel to false{where}")
     if spec.tied and "embedding" in pick and pick["embedding"] != pick.get("head"):
         return (f"strategies: {spec.name} ties its embedding and LM head (one weight), so embedding "
                 f"({pick['embedding']}) and head ({pick['head']}) must take the same option")
@@ -511,22 +528,40 @@ def _paths(spec: ModelSpec, kind: BlockKind, keep: Callable[[Role], bool], strat
     return tuple(f"{layer_prefix(spec, i)}.{p}" for i in range(spec.layers) for p in paths)
 
 
-def block_placements(spec: ModelSpec, *, tp: int, sequence_parallel: bool = False,
-                     strategies=()) -> tuple[tuple[str, str], ...]:
+def block_placements(spec: ModelSpec, *, tp: int, sequence_parallel: bool | tuple[bool, ...] = False,
+                     strategies=(), stages=()) -> tuple[tuple[str, str], ...]:
     """(module role, strategy) of every role at `tp`, as the plan and `autoshard show` name them:
     layer roles as "layers.*.<path>", the loss as "loss"; a split shared by several ranks (KV heads
     at tp > kv_heads) reads "colwise (2 parts)"; everything at tp = 1 is "replicate"; the norms
-    under sequence parallelism "sequence"."""
+    under sequence parallelism "sequence". Stages that differ (`sequence_parallel` or a layer choice
+    of `strategies` listed per stage, `stages` the plan's model chunks): the layer roles of each
+    stage as "layers.<first>-<last>.<path>", the embedding's with the first stage's, the head's with
+    the last's."""
+    per_stage = isinstance(sequence_parallel, tuple) or any(isinstance(v, tuple) for _, v in strategies)
     if tp == 1:
         return (("all", Strategy.REPLICATE.value),)
+    if not per_stage:
+        return tuple(_role_placement(spec, r, tp, sequence_parallel) for r in table(spec, strategies))
+    n = len(stages)
+    sp = sequence_parallel if isinstance(sequence_parallel, tuple) else (sequence_parallel,) * n
     out = []
-    for role in table(spec, strategies):
-        name = f"layers.*.{role.path}" if role.block is BlockKind.LAYER else (role.path or "loss")
-        value = role_strategy(role, sequence_parallel=sequence_parallel).value
-        parts = role_parts(spec, role, tp)
-        if role.strategy is not Strategy.REPLICATE and role.pieces and parts < tp:
-            value = f"{value} ({parts} parts)"
-        if any(whole_pieces(spec, role, tp)):
-            value = f"{value} (groups whole)"
-        out.append((name, value))
+    for i, st in enumerate(stages):
+        mine = tuple((k, v[i] if isinstance(v, tuple) else v) for k, v in strategies)
+        for role in table(spec, mine):
+            name, value = _role_placement(spec, role, tp, sp[i])
+            if role.block is BlockKind.LAYER and st.end_layer > st.first_layer:
+                out.append((f"layers.{st.first_layer}-{st.end_layer - 1}.{role.path}", value))
+            elif (role.block is BlockKind.EMBED and i == 0) or (role.block is BlockKind.HEAD and i == n - 1):
+                out.append((name, value))
     return tuple(out)
+
+
+def _role_placement(spec: ModelSpec, role: Role, tp: int, sequence_parallel: bool) -> tuple[str, str]:
+    name = f"layers.*.{role.path}" if role.block is BlockKind.LAYER else (role.path or "loss")
+    value = role_strategy(role, sequence_parallel=sequence_parallel).value
+    parts = role_parts(spec, role, tp)
+    if role.strategy is not Strategy.REPLICATE and role.pieces and parts < tp:
+        value = f"{value} ({parts} parts)"
+    if any(whole_pieces(spec, role, tp)):
+        value = f"{value} (groups whole)"
+    return name, value

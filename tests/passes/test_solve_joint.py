@@ -142,6 +142,58 @@ def test_validator_names_a_bad_choice(preset, mesh, strategies, match):
         check_plan(_plan(spec, mesh, strategies), spec)
 
 
+@pytest.mark.parametrize("preset, mesh, extra, match", [
+    ("llama-tiny", Mesh(pp=2, tp=2), dict(sequence_parallel=[True, False, True]),
+     r"sequence_parallel lists 3 values, but the plan has 2 pipeline stages"),
+    ("mamba2-tiny", Mesh(pp=2, tp=2), dict(strategies={"groups": ["whole"]}),
+     r"groups lists 1 options, but the plan has 2 pipeline stages"),
+    ("mamba2-tiny", Mesh(pp=2, tp=2), dict(strategies={"groups": ["split", "halves"]}),
+     r"groups='halves' is not an option"),
+    ("llama-tiny", Mesh(pp=2, tp=2), dict(strategies={"head": ["vocab", "replicate"]}),
+     r"head is decided once per plan"),
+    ("llama-tiny", Mesh(pp=2, tp=2), dict(strategies={"head": "replicate"}, sequence_parallel=[False, True]),
+     r"head='replicate' with sequence_parallel on the last stage"),
+    ("llama-tiny", Mesh(pp=2), dict(sequence_parallel=[True, False]), r"sequence_parallel needs tp > 1"),
+    ("llama-tiny", Mesh(pp=2, tp=2), dict(sequence_parallel=[1, 0]), r"sequence_parallel must be"),
+])
+def test_validator_checks_every_stage(preset, mesh, extra, match):
+    """Per-stage values: one per model chunk, each valid for its stage (the embedding's and head's
+    with the first / last stage's sequence parallelism)."""
+    spec = get_spec(preset)
+    with pytest.raises(InvalidConfigError, match=match):
+        check_plan(Plan(model=spec.name, fingerprint="0" * 16, hardware="cpu", devices=mesh.size, global_batch=4,
+                        seq_len=64, mesh=mesh, **extra), spec)
+
+
+def test_per_stage_plan_round_trips_and_names_each_stage():
+    """A plan listing sequence parallelism and groups per stage: valid, saved and loaded as lists, its
+    placements name each stage's strategy; lists that agree are the single value; old files still load."""
+    from autoshard.ir import even_stages
+
+    spec = get_spec("mamba2-tiny")
+    mesh = Mesh(pp=2, tp=2)
+    stages = even_stages(spec.layers, 2)
+    plan = Plan(model=spec.name, fingerprint="0" * 16, hardware="cpu", devices=4, global_batch=4, seq_len=64,
+                mesh=mesh, sequence_parallel=[True, False], strategies={"groups": ["split", "whole"]}, stages=stages)
+    check_plan(plan, spec, world_size=4)
+    assert plan.per_stage and plan.stage_sequence_parallel == (True, False)
+    assert plan.stage_strategies(1) == (("groups", "whole"),)
+    data = plan.to_json()
+    assert data["sequence_parallel"] == [True, False] and data["strategies"] == {"groups": ["split", "whole"]}
+    assert Plan.from_json(data) == plan
+    placements = dict(sharding.block_placements(spec, tp=2, sequence_parallel=plan.sequence_parallel,
+                                                strategies=plan.strategies, stages=stages))
+    first, last = f"layers.0-{stages[0].end_layer - 1}", f"layers.{stages[1].first_layer}-{spec.layers - 1}"
+    assert placements[f"{first}.norm"] == "sequence" and placements[f"{last}.norm"] == "replicate"
+    assert placements[f"{first}.mixer.in_proj"] == "colwise"
+    assert placements[f"{last}.mixer.in_proj"] == "colwise (groups whole)"
+    assert placements["backbone.norm_f"] == "replicate" and placements["backbone.embeddings"] == "vocab"
+    same = Plan.from_json({**data, "sequence_parallel": [True, True], "strategies": {"groups": ["whole", "whole"]}})
+    assert same.sequence_parallel is True and same.strategies == (("groups", "whole"),) and not same.per_stage
+    old = Plan.from_json({**data, "sequence_parallel": True, "strategies": {"groups": "whole"}})
+    assert old.stage_sequence_parallel == (True, True) and old.stage_strategies(0) == (("groups", "whole"),)
+
+
 def test_plan_names_the_chosen_strategy_of_every_role():
     spec = get_spec("mamba2-tiny")
     chosen = (("embedding", "replicate"), ("groups", "whole"))
