@@ -152,9 +152,10 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                                 options=PipelineOptions(schedule=plan.schedule, micro_batch=plan.micro_batch,
                                                         virtual_stages=plan.virtual_stages,
                                                         precision=plan.precision.resolve(device.type),
-                                                        sequence_shards=plan.mesh.tp if plan.sequence_parallel
-                                                        else 1),
-                                tp_group=groups.tp if plan.mesh.tp > 1 and program.vocab_head else None, cp=cp)
+                                                        sequence_shards=tuple(plan.mesh.tp if on else 1 for on
+                                                                              in plan.stage_sequence_parallel)),
+                                tp_group=groups.tp if plan.mesh.tp > 1 and program.vocab_head else None, cp=cp,
+                                sequence_group=groups.tp if plan.mesh.tp > 1 else None)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp,
                       expert_names=experts, fingerprint=fingerprint, full_shapes=full_shapes)
     return DistributedModel(setup, optimizer=optimizer)

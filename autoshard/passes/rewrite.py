@@ -18,7 +18,10 @@ tensor-parallel rank `r` of the unmodified HF model whose parameters are `params
   keeps num_heads, n_groups, intermediate_size, conv_dim; LLaMA's num_key_value_groups).
 * `sequence_parallel` (plan key): the `sequence` roles of the sharding table (the norms) and the
   residual stream run on this rank's tp shard of the sequence; regions gather it, row-parallel
-  linears and the vocab embedding reduce-scatter to it, the LM head gathers it.
+  linears and the vocab embedding reduce-scatter to it, the LM head gathers it. Per stage
+  (a plan listing one value per model chunk): `sequence_paths`, the modules of the layers of the
+  sequence-parallel stages (and the embedding / head with the first / last stage's).
+* The plan's layer choices ("groups") may differ per stage: each layer is cut as its stage chose.
   `sequence_grads`: the parameters each rank then computes a partial gradient of from its shard
   (the norms' weights, row-parallel biases), summed over tp.
 
@@ -33,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import BlockKind, Placement, Plan, Recompute, Replicate, Shard, ShardProgram
+from autoshard.ir import BlockKind, Placement, Plan, Recompute, Replicate, Shard, ShardProgram, even_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes import sharding
 from autoshard.passes.sharding import Strategy
@@ -48,27 +51,65 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
     why = sharding.tp_violation(spec, tp)
     if why:
         raise InvalidConfigError(why)
-    chosen = sharding.canonical(spec, tp, plan.strategies)  # the plan's intra-op choices (checked by check_plan)
+    chunk_of = layer_chunks(plan, spec)  # each layer's model chunk: its stage's choices (checked by check_plan)
+    chosen = [sharding.canonical(spec, tp, plan.stage_strategies(c)) for c in range(plan.chunks)]
     placements, partial = [], []
     for name in params:
-        placement = _placement(spec, name, tp, tp_rank, chosen) if tp > 1 else Replicate()
+        layer = _layer_index(spec, name)
+        placement = (_placement(spec, name, tp, tp_rank, chosen[chunk_of[layer] if layer is not None else 0])
+                     if tp > 1 else Replicate())
         if isinstance(placement, Shard) and (placement.parts < tp or any(placement.whole)):
             partial.append(name)
         placements.append((name, placement))
     layers = [sharding.layer_prefix(spec, i) for i in range(spec.layers)]
-    sequence = plan.sequence_parallel and tp > 1
+    sp = plan.stage_sequence_parallel if tp > 1 else (False,) * plan.chunks
+    on = _sequence_paths(spec, layers, [sp[c] for c in chunk_of], first=sp[0], last=sp[-1])
     return ShardProgram(
         tp=tp, tp_rank=tp_rank, placements=tuple(placements), partial_grads=tuple(partial),
         checkpoint=_checkpointed(spec, layers, layer_recompute(plan, spec)),
-        sequence_parallel=sequence, sequence_grads=_sequence_grads(spec, params) if sequence else (),
-        **(_tp_modules(spec, layers, tp, tp_rank, chosen) if tp > 1 else {}),
+        sequence_parallel=any(sp), sequence_paths=on, sequence_grads=_sequence_grads(spec, params, on),
+        **(_tp_modules(spec, layers, tp, tp_rank, [chosen[c] for c in chunk_of]) if tp > 1 else {}),
     )
 
 
-def _sequence_grads(spec: ModelSpec, params: Mapping[str, tuple[int, ...]]) -> tuple[str, ...]:
-    """Parameters used on the sequence shard under sequence parallelism: the `sequence` roles'
-    (norm weights) and the row-parallel biases (added after the reduce-scatter)."""
-    norms, rows = set(sharding.sequence_modules(spec)), set(sharding.modules(spec, Strategy.ROWWISE))
+def layer_chunks(plan: Plan, spec: ModelSpec) -> tuple[int, ...]:
+    """The model chunk (pipeline stage, model order) that holds each layer: the plan's stages, or an
+    even split of the layers over pp x virtual_stages chunks."""
+    if plan.chunks == 1:
+        return (0,) * spec.layers
+    stages = plan.stages or even_stages(spec.layers, plan.chunks)
+    return tuple(c for c, st in enumerate(stages) for _ in range(st.layers))
+
+
+def _layer_index(spec: ModelSpec, name: str) -> int | None:
+    """The layer index of parameter `name` ("model.layers.3.mlp..." -> 3), None outside the layers."""
+    base = sharding.BASES[spec.family] + ".layers."
+    if not name.startswith(base):
+        return None
+    return int(name[len(base):].split(".", 1)[0])
+
+
+def _sequence_paths(spec: ModelSpec, layers: Sequence[str], on: Sequence[bool], *, first: bool,
+                    last: bool) -> tuple[str, ...]:
+    """The modules on the sequence shard under sequence parallelism: the `sequence` roles (norms), the
+    regions (which gather their input) and row-parallel linears (which reduce-scatter their output) of
+    every layer of a sequence-parallel stage; the embedding / final norm and LM head with the first /
+    last stage's."""
+    out = []
+    for kind, keep in ((BlockKind.EMBED, first), (BlockKind.HEAD, last)):
+        if keep:
+            out += [r.path for r in sharding.table(spec) if r.block is kind and r.path]
+    inner = [r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER and r.path
+             and (r.sequence or r.strategy in (Strategy.REGION, Strategy.ROWWISE))]
+    out += [f"{p}.{q}" for p, keep in zip(layers, on) if keep for q in inner]
+    return tuple(out)
+
+
+def _sequence_grads(spec: ModelSpec, params: Mapping[str, tuple[int, ...]], on: Sequence[str]) -> tuple[str, ...]:
+    """Parameters used on the sequence shard under sequence parallelism (modules `on` it): the
+    `sequence` roles' (norm weights) and the row-parallel biases (added after the reduce-scatter)."""
+    norms = set(sharding.sequence_modules(spec)) & set(on)
+    rows = set(sharding.modules(spec, Strategy.ROWWISE)) & set(on)
     split = [name.rpartition(".") for name in params]
     return tuple(f"{m}.{a}" for m, _, a in split if m in norms or (m in rows and a == "bias"))
 
@@ -86,11 +127,12 @@ def _placement(spec: ModelSpec, name: str, tp: int, tp_rank: int, strategies=())
                  segments=tuple(sharding.size(spec, p.length) for p in role.pieces), whole=whole if any(whole) else ())
 
 
-def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strategies=()) -> dict:
+def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strategies: list) -> dict:
     # a replicated embedding / LM head (the plan's "embedding" / "head" choice) is no VOCAB module: it stays
     # the plain HF module, and the loss runs on full logits (ShardProgram.vocab_head is None)
-    embed = sharding.modules(spec, Strategy.VOCAB, BlockKind.EMBED, strategies)
-    head = sharding.modules(spec, Strategy.VOCAB, BlockKind.HEAD, strategies)
+    # `strategies`: each layer's (its stage's); the embedding / head choices are the same on every stage
+    embed = sharding.modules(spec, Strategy.VOCAB, BlockKind.EMBED, strategies[0])
+    head = sharding.modules(spec, Strategy.VOCAB, BlockKind.HEAD, strategies[0])
     common = dict(regions=sharding.modules(spec, Strategy.REGION), rowwise=sharding.modules(spec, Strategy.ROWWISE),
                   vocab_embed=embed[0] if embed else None, vocab_head=head[0] if head else None)
     if spec.family is Family.LLAMA:
@@ -98,18 +140,18 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
         if spec.kv_heads < tp:  # one KV head per rank serves heads/tp query heads
             attrs = tuple((f"{p}.self_attn", "num_key_value_groups", spec.heads // tp) for p in layers)
         return dict(common, attrs=attrs)
-    split_groups = not sharding.groups_whole(spec, tp, strategies)  # else every rank keeps all groups (B, C
-    # whole) and its heads' own: where tp does not divide n_groups, or the plan chose "groups": "whole"
-    heads, groups, inner = spec.heads // tp, spec.groups // tp if split_groups else spec.groups, spec.intermediate // tp
-    conv_dim = inner + 2 * groups * spec.state
-    sizes = (("num_heads", heads), ("n_groups", groups), ("intermediate_size", inner), ("conv_dim", conv_dim))
-    if not split_groups:  # runtime/ssd.py: which group each local head reads, and the norm's group sync
-        sizes += (("ssd_heads_per_group", spec.heads // spec.groups), ("ssd_norm_group_size", spec.intermediate
-                                                                          // spec.groups))
-    attrs = [(f"{p}.mixer", k, v) for p in layers for k, v in sizes]
-    if not split_groups:
-        attrs += [(f"{p}.mixer", "ssd_head_offset", heads * tp_rank) for p in layers]
-    attrs += [(f"{p}.mixer.conv1d", k, conv_dim) for p in layers for k in ("in_channels", "out_channels", "groups")]
+    attrs = []
+    for p, chosen in zip(layers, strategies):
+        split_groups = not sharding.groups_whole(spec, tp, chosen)  # else every rank keeps all groups (B, C
+        # whole) and its heads' own: where tp does not divide n_groups, or the stage chose "groups": "whole"
+        heads, groups, inner = spec.heads // tp, spec.groups // tp if split_groups else spec.groups, spec.intermediate // tp
+        conv_dim = inner + 2 * groups * spec.state
+        sizes = (("num_heads", heads), ("n_groups", groups), ("intermediate_size", inner), ("conv_dim", conv_dim))
+        if not split_groups:  # runtime/ssd.py: which group each local head reads, and the norm's group sync
+            sizes += (("ssd_heads_per_group", spec.heads // spec.groups),
+                      ("ssd_norm_group_size", spec.intermediate // spec.groups), ("ssd_head_offset", heads * tp_rank))
+        attrs += [(f"{p}.mixer", k, v) for k, v in sizes]
+        attrs += [(f"{p}.mixer.conv1d", k, conv_dim) for k in ("in_channels", "out_channels", "groups")]
     return dict(common, attrs=tuple(attrs))
 
 

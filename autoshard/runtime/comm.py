@@ -13,6 +13,11 @@ on the group, so a model split over tp computes the same gradients as the unspli
     gather_from_sequence          forward all-gather along the sequence   backward reduce-scatter
     reduce_scatter_to_sequence    forward reduce-scatter along it         backward all-gather
                         (sequence parallelism: Megatron-LM's conjugate pair of the same names)
+    gather_sequence     forward all-gather along the sequence   backward keep own slice
+    split_sequence      forward keep own slice                  backward all-gather
+                        (a pipeline boundary between a sequence-parallel stage and one that is
+                        not: the full tensor, the same on every tp rank, crosses it; Megatron-LM's
+                        gather / scatter_to_sequence_parallel_region)
 
 They call torch.distributed directly, not `_c10d_functional.all_reduce`, whose autograd in
 torch 2.13 all-reduces again in backward (the trap in DESIGN.md). With a group of size 1 they
@@ -117,6 +122,43 @@ class _SequenceCollective(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         return (reduce_scatter_dim if ctx.gather else all_gather_dim)(grad, ctx.group, ctx.dim), None, None, None
+
+
+class _SliceCollective(torch.autograd.Function):
+    """All-gather along `dim` (`gather`) with backward keeping this rank's slice, or keeping the
+    slice with backward all-gathering (the full tensor and its gradient the same on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, dim: int, gather: bool) -> Tensor:
+        ctx.group, ctx.dim, ctx.gather = group, dim, gather
+        return all_gather_dim(x, group, dim) if gather else _own_slice(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out = _own_slice(grad, ctx.group, ctx.dim) if ctx.gather else all_gather_dim(grad, ctx.group, ctx.dim)
+        return out, None, None, None
+
+
+def _own_slice(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
+    n = _size(group)
+    if x.shape[dim] % n:
+        from autoshard.errors import InvalidConfigError
+
+        raise InvalidConfigError(f"sequence_parallel: {x.shape[dim]} tokens along dim {dim} cannot be split over "
+                                 f"tp={n}; give a sequence length that tp (x cp) divides")
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def gather_sequence(x: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:
+    """Leave the sequence shard for a stage that runs on the whole sequence: all-gather along `dim`,
+    the (whole, same on every rank) gradient cut back to this rank's slice."""
+    return x if _size(group) == 1 else _SliceCollective.apply(x, group, dim, True)
+
+
+def split_sequence(x: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:
+    """Enter the sequence shard from the whole sequence (the same on every rank): this rank's slice
+    along `dim`, the gradient all-gathered."""
+    return x if _size(group) == 1 else _SliceCollective.apply(x, group, dim, False)
 
 
 def gather_from_sequence(x: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:

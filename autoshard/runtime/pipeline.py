@@ -57,7 +57,9 @@ class PipelineOptions:
     virtual_stages: int = 1  # model chunks per rank (interleaved-1f1b, zero-bubble)
     precision: Precision = Precision.FP32  # resolved for the device; bf16-mixed: each chunk's forward autocasts
     free_other_stages: bool = True  # replace the parameters of other ranks' stages by meta tensors
-    sequence_shards: int = 1  # tp under sequence parallelism: stages exchange 1/tp of the sequence
+    # tp under sequence parallelism: stages exchange 1/tp of the sequence; one per model chunk when they differ
+    # (each sequence-parallel chunk then converts to and from the whole sequence at its boundaries, stages.py)
+    sequence_shards: int | tuple[int, ...] = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, Schedule):
@@ -91,7 +93,7 @@ class PipelineRunner:
     def __init__(self, model: nn.Module, spec: ModelSpec, stages: Sequence[Stage], *,
                  pp_group: dist.ProcessGroup, device: torch.device | str,
                  options: PipelineOptions = PipelineOptions(), tp_group: dist.ProcessGroup | None = None,
-                 cp=None) -> None:
+                 cp=None, sequence_group: dist.ProcessGroup | None = None) -> None:
         pp, virtual = dist.get_world_size(pp_group), options.virtual_stages
         check_schedule(options.schedule, virtual, pp=pp)
         self.stages = check_stages(stages, num_layers=model.config.num_hidden_layers, pp=pp * virtual)
@@ -107,8 +109,13 @@ class PipelineRunner:
         self.has_first, self.has_last = self.rank == self.first_rank, self.rank == self.last_rank
         self.cp = cp  # context parallelism (issue 6): runtime.context_parallel.CPRuntime or None
         positions = cp.positions if cp is not None else None
+        shards = options.sequence_shards
+        shards = shards if isinstance(shards, tuple) else (shards,) * len(self.stages)
+        mixed = len(set(shards)) > 1  # the boundaries carry the whole sequence (build_stage_module)
         self.chunks = [build_stage_module(model, spec, self.stages[i], positions=positions,
-                                          sequence_shards=options.sequence_shards) for i in self.local]
+                                          sequence_shards=shards[i],
+                                          boundary_group=sequence_group if mixed and shards[i] > 1 else None)
+                       for i in self.local]
         self.module = nn.ModuleList(self.chunks)  # every parameter of this rank's chunks
         self.names = original_names(model, self.module)  # stage name -> original name
         # what every pp rank holds, by original name, for gather(); shapes/dtypes from this rank's model

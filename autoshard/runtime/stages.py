@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Stage, check_stages, even_stages  # noqa: F401  (re-exported)
 from autoshard.models.presets import Family, ModelSpec
+from autoshard.runtime.comm import gather_sequence, split_sequence
 
 
 class StageModule(nn.Module):
@@ -54,9 +55,13 @@ class StageModule(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.sequence_shards = 1  # sequence parallelism: hidden states hold 1/tp of the sequence (set by the builder)
+        self.boundary_group = None  # a sequence-parallel stage of a mixed pipeline: its tp group (see the builder)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(x) if self.embed is not None else x  # (b, s, h)
+        if self.embed is not None:
+            hidden = self.embed(x)  # (b, s, h)
+        else:  # a mixed pipeline hands a sequence-parallel stage the whole sequence: keep this rank's shard
+            hidden = split_sequence(x, self.boundary_group)
         kwargs = self.layer_kwargs(hidden)
         for layer in self.layers.values():
             # a layer whose forward the rewrite already wrapped in a checkpoint (plan.recompute) is not wrapped twice
@@ -64,7 +69,9 @@ class StageModule(nn.Module):
                 hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
             else:
                 hidden = layer(hidden, **kwargs)
-        return self.head(hidden) if self.lm_head is not None else hidden
+        if self.lm_head is not None:
+            return self.head(hidden)
+        return gather_sequence(hidden, self.boundary_group)  # mixed pipeline: the whole sequence crosses
 
     def layer_kwargs(self, hidden: torch.Tensor) -> dict:
         return {}
@@ -105,16 +112,21 @@ class Mamba2Stage(StageModule):
 
 def build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
                        positions: Callable[[int], torch.Tensor] | None = None,
-                       sequence_shards: int = 1) -> StageModule:
+                       sequence_shards: int = 1, boundary_group=None) -> StageModule:
     """The module of `stage`, sharing `model`'s submodules (see the module docstring).
 
     positions: local sequence length -> (1, s) position ids of this rank's tokens (context
     parallelism); default 0..s-1. Only LLaMA uses positions (rotary embeddings, causal mask).
     sequence_shards: tp under sequence parallelism (the hidden states between layers, and so
     between stages, hold 1/tp of the sequence: runtime/tensor_parallel.py), else 1.
+    boundary_group: a sequence-parallel stage in a pipeline whose stages differ in sequence
+    parallelism (the plan lists it per stage): every boundary then carries the whole sequence, so
+    this stage keeps its shard of what it receives (`split_sequence`) and all-gathers what it sends
+    (`gather_sequence`) over this tp group; None: the boundary carries the stage's own layout.
     """
     module = _build_stage_module(model, spec, stage, positions=positions)
     module.sequence_shards = sequence_shards
+    module.boundary_group = boundary_group
     return module
 
 

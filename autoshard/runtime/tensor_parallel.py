@@ -20,7 +20,9 @@ again when backward needs it (saved-tensor hooks, `_ShardSaved`), as Megatron ke
 input of its column-parallel linears; a region under recompute keeps its shard as the checkpoint's
 input and gathers again in the rerun. Row-parallel linears and the vocab-parallel embedding
 reduce-scatter along the sequence (`reduce_scatter_to_sequence`) instead of all-reducing; the LM
-head all-gathers its input. The gather is in the region's forward (not a pre-hook) so that a
+head all-gathers its input. Per stage: only the modules of `program.sequence_paths` (the layers of
+the sequence-parallel stages; the embedding / head with the first / last stage's) do so; the
+pipeline converts at a boundary between stages that differ (runtime/stages.py). The gather is in the region's forward (not a pre-hook) so that a
 checkpoint wrapped around it holds the shard.
 
 A model built on the meta device is materialised here one module at a time (HF's own
@@ -125,8 +127,9 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
         setattr(model.get_submodule(path), attr, value)
         if attr == "ssd_norm_group_size":  # a Mamba-2 norm group spans ranks: runtime/ssd.py gated_norm syncs
             model.get_submodule(path).ssd_tp_group = group
+    on = set(program.sequence_paths)  # the modules of the sequence-parallel stages (every one when uniform)
     for path in program.regions:
-        if program.sequence_parallel:
+        if path in on:
             _gather_in_forward(model.get_submodule(path), group, keep_shard=not _recomputed(path, program))
         else:
             model.get_submodule(path).register_forward_pre_hook(
@@ -138,7 +141,7 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
         module = model.get_submodule(path)
         module.__class__ = cls
         module.tp_group = group
-        module.sequence_parallel = program.sequence_parallel
+        module.sequence_parallel = path in on
         if cls is VocabParallelEmbedding:
             module.vocab_start = program.placement(f"{path}.weight").index * module.weight.shape[0]
             module.num_embeddings = module.weight.shape[0]

@@ -121,8 +121,11 @@ def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, step
     for (ids, labels), expected in zip(data, ref_losses):
         assert_close(dm.train_step(ids, labels), expected, **(BF16_LOSS if bf16 else TOL),
                      msg=lambda m: f"{preset} {plan} loss: {m}")
-    if norm_tokens is not None:  # the norms ran on this rank's 1/tp shard of its cp chunk
-        assert norm_tokens == {seq // (dm.plan.mesh.cp * dm.plan.mesh.tp)}, f"{preset} {plan}: {norm_tokens}"
+    if norm_tokens is not None:  # the norms of a sequence-parallel stage ran on this rank's 1/tp shard of its cp
+        on = set(dm._setup.program.sequence_paths)  # chunk, the others (a plan mixing stages) on the whole chunk
+        local = seq // dm.plan.mesh.cp
+        want = {path: local // dm.plan.mesh.tp if path in on else local for path in norm_tokens}
+        assert norm_tokens == {p: {n} for p, n in want.items()}, f"{preset} {plan}: {norm_tokens}"
     expected_dtype = torch.bfloat16 if bf16 else torch.float32
     assert gemm_dtypes == {expected_dtype}, f"{preset} {plan}: linears output {gemm_dtypes}, expected {expected_dtype}"
     if bf16:
@@ -166,12 +169,14 @@ def _check_bf16(dm, grads_ref, grads32, what: str) -> None:
 
 
 def _record_norm_tokens(model, spec) -> set:
-    """The sequence lengths the norms outside the TP regions see from now on (sequence parallelism)."""
+    """{norm path: the sequence lengths it sees from now on} of the norms outside the TP regions that run on
+    this rank (sequence parallelism)."""
     from autoshard.passes.sharding import sequence_modules
 
-    seen = set()
+    seen: dict[str, set] = {}
     for path in sequence_modules(spec):
-        model.get_submodule(path).register_forward_hook(lambda mod, args, out: seen.add(args[0].shape[1]))
+        model.get_submodule(path).register_forward_hook(
+            lambda mod, args, out, path=path: seen.setdefault(path, set()).add(args[0].shape[1]))
     return seen
 
 

@@ -85,11 +85,16 @@ WORLD4 = (
     ("llama-tiny", dict(cp=2, tp=2, sequence_parallel=True), True),
     ("mamba2-tiny", dict(cp=2, tp=2, sequence_parallel=True), False),
     ("llama-tiny", dict(dp=2, tp=2, sequence_parallel=True, zero=3), False),  # FSDP2 on the tp slices
+    # per-stage choices: stage 0 sequence-parallel, stage 1 not (the boundary carries the whole sequence)
+    ("llama-tiny", dict(pp=2, tp=2, micro_batch=2, sequence_parallel=[True, False]), True),
 )
 # groups kept whole where tp divides them (the plan's "groups": "whole"), stepped with SGD: the gradients agree
 # with one process to 3e-6 of their norm, as the split groups' do, but in_proj / embedding elements whose
 # gradient is ~1e-6 (Adam's eps) take an AdamW step that differs by 1-2% of lr (equivalence.optimizer_factory)
-WHOLE_GROUPS = (("mamba2-tiny", dict(dp=2, tp=2, strategies={"groups": "whole"}), True),)
+WHOLE_GROUPS = (("mamba2-tiny", dict(dp=2, tp=2, strategies={"groups": "whole"}), True),
+                # per stage: groups split on stage 0, whole on stage 1; sequence parallelism on stage 1 only
+                ("mamba2-tiny", dict(pp=2, tp=2, micro_batch=2, strategies={"groups": ["split", "whole"]},
+                                     sequence_parallel=[False, True]), True))
 WORLD8 = (
     ("llama-tiny", dict(dp=2, pp=2, tp=2, micro_batch=2), True),
 )
