@@ -110,8 +110,10 @@ class Layout:
         if not isinstance(self.moe_imbalance, (int, float)) or not self.moe_imbalance >= 1.0:
             raise InvalidConfigError(f"moe_imbalance is the busiest expert's load over the mean, so a number, at least 1.0; "
                                      f"got {self.moe_imbalance!r}")
-        object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
-        object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
+        if not isinstance(self.precision, Precision):  # (the planner builds ~10^5 layouts: members pass as they are)
+            object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
+        if not isinstance(self.schedule, Schedule):
+            object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise InvalidConfigError(f"virtual_stages must be a positive integer, got {self.virtual_stages!r}")
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
@@ -870,7 +872,8 @@ def _chunk_compute(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len
     """(forward, backward) compute seconds of the smallest model chunk (layers // (pp x v) layers) for
     one micro-batch: what an asynchronous stage-to-stage send overlaps."""
     per_chunk = max(1, ct.spec.layers // (layout.mesh.pp * layout.virtual_stages))
-    bt = block_time(ct, hw, replace(layout, recompute=Recompute.NONE), BlockKind.LAYER, seq_len=seq_len)
+    base = layout if layout.recompute is Recompute.NONE else replace(layout, recompute=Recompute.NONE)
+    bt = block_time(ct, hw, base, BlockKind.LAYER, seq_len=seq_len)
     return per_chunk * bt.fwd_s, per_chunk * bt.bwd_s
 
 
@@ -917,8 +920,9 @@ def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
 
 def resolved(layout: Layout, hw: DeviceProfile) -> Layout:
     """`layout` with precision AUTO replaced by the device's default (fp32 on cpu, else bf16-mixed)."""
-    precision = resolve_precision(layout.precision, hw)
-    return layout if precision is layout.precision else replace(layout, precision=precision)
+    if layout.precision is not Precision.AUTO:  # concrete already (resolve_precision would keep it)
+        return layout
+    return replace(layout, precision=resolve_precision(layout.precision, hw))
 
 
 def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfile, layout: Layout, *,

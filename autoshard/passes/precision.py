@@ -53,8 +53,11 @@ _NUMBERS = {
 def precision_numbers(precision: Precision | str) -> PrecisionNumbers:
     """The numbers of a concrete precision; AUTO prices as bf16-mixed, the accelerator default
     (resolve it against the device first: `resolve_precision`)."""
-    precision = Precision(precision)
-    return _NUMBERS[Precision.BF16_MIXED if precision is Precision.AUTO else precision]
+    numbers = _NUMBERS.get(precision)  # a concrete Precision: the planner asks ~10^5 times
+    if numbers is None:
+        precision = Precision(precision)
+        numbers = _NUMBERS[Precision.BF16_MIXED if precision is Precision.AUTO else precision]
+    return numbers
 
 
 def resolve_precision(precision: Precision | str, hw) -> Precision:

@@ -44,6 +44,7 @@ from autoshard.passes.layouts import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALL
                                      sequence_parallel_violation, zero_violation)
 from autoshard.passes.precision import resolve_precision
 from autoshard.passes.schedules import bubble_fraction, check_chunks
+from autoshard.passes import sharding
 from autoshard.passes.sharding import strategy_options
 from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, block_numbers, evaluate,
                                           mesh_problem, min_stage_sum, split_search)
@@ -85,10 +86,11 @@ def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assign
     if math.isfinite(cutoff_s):
         ok &= problem.time_s * m_mb <= cutoff_s * (1 + 1e-12)
     domains = []
+    mins = [problem.min_layers(i) for i in range(p)]
     for i in range(p):
-        lo = problem.min_layers(i)
-        hi = L - sum(problem.min_layers(j) for j in range(p) if j != i)
-        allowed = [r * (L + 1) + k for r in range(R) for k in range(lo, hi + 1) if ok[i, r, k]]
+        lo, hi = mins[i], L - (sum(mins) - mins[i])
+        rs, ks = np.nonzero(ok[i, :, lo:hi + 1])  # row-major: by recompute level, then layer count
+        allowed = (rs * (L + 1) + ks + lo).tolist()
         if not allowed:
             status = "infeasible" if not ok.any(axis=(1, 2))[i] or not math.isfinite(cutoff_s) else "cut"
             return MeshResult(status=status, assignment=None, step_s=math.inf, bound_s=math.inf, wall_s=0.0)
@@ -322,8 +324,9 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
                  block_s: dict | None = None, memo: dict | None = None) -> Bounds:
     """`Bounds` of `layout`. `block_s`: {kind: BlockTime without recompute} when already known
     (they depend on the mesh, micro-batch and intra-op strategy only); `memo`: a dict the caller
-    keeps over many layouts, for the model's parameters per device and the p2p time, which depend
-    on fewer coordinates than the layout (tp and strategies; not ZeRO)."""
+    keeps over many layouts, for what depends on fewer coordinates than the layout: the p2p time
+    (not ZeRO), the bubble fraction (the schedule), the parameters per device (tp and strategies)
+    and the ZeRO-dependent terms (not the schedule nor sequence parallelism)."""
     kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
     if block_s is None:
         base = replace(layout, recompute=Recompute.NONE)
@@ -331,14 +334,32 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     bt = block_s
     mesh, spec = layout.mesh, ct.spec
     memo = {} if memo is None else memo
-    key = ("p2p", mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.schedule,
-           layout.virtual_stages)
-    if key not in memo:
-        memo[key] = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
-    p2p = memo[key]
+    key = ("p2p", mesh, layout.micro_batch, layout.sequence_parallel,  # the layers' choices: their compute
+           sharding.block_strategies(layout.strategies, cost.BlockKind.LAYER), layout.schedule, layout.virtual_stages)
+    p2p = memo.get(key)
+    if p2p is None:
+        p2p = memo[key] = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
     work = sum(bt.values()) + (spec.layers - 1) * bt[cost.BlockKind.LAYER] + mesh.pp * p2p
     m = layout.microbatches(global_batch)
     heaviest = max(bt.values()) + p2p
+    key = ("bubble", layout.schedule, layout.virtual_stages, m < mesh.pp)  # all bubble_fraction reads of m, pp
+    f = memo.get(key)
+    if f is None:
+        f = memo[key] = float(bubble_fraction(layout.schedule, layout.virtual_stages, microbatches=m, pp=mesh.pp))
+    # the ZeRO-dependent terms: of the mesh, the parameters (tp, strategies) and the buffers (micro-batch)
+    key = ("state", mesh, layout.micro_batch, layout.strategies, layout.zero, layout.offload, layout.precision)
+    state = memo.get(key)
+    if state is None:
+        state = memo[key] = _state_bounds(ct, hw, layout, seq_len=seq_len, memo=memo)
+    optimizer_s, peak = state
+    step = f * work + (m - f) * max(work / mesh.pp, heaviest) + optimizer_s
+    return Bounds(step_s=step, peak_bytes=peak)
+
+
+def _state_bounds(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: dict) -> tuple[float, float]:
+    """(optimizer seconds, peak bytes without activations) of the average stage of `layout` (`Bounds`)."""
+    kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
+    mesh, spec = layout.mesh, ct.spec
     key = ("params", mesh.tp, mesh.ep, mesh.pp > 1, layout.strategies)
     if key not in memo:
         params = sum(cost.block_params(ct, layout, k) for k in kinds) + \
@@ -346,13 +367,10 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
         if spec.tied and mesh.pp > 1:
             params += cost.block_params(ct, layout, cost.BlockKind.EMBED)  # the head's copy
         memo[key] = params
-    params = memo[key]
-    avg = params / mesh.pp  # the stage with the most parameters holds at least the average
+    avg = memo[key] / mesh.pp  # the stage with the most parameters holds at least the average
     experts = spec.layers * cost.expert_block_params(ct, layout, cost.BlockKind.LAYER) / mesh.pp
-    f = float(bubble_fraction(layout.schedule, layout.virtual_stages, microbatches=m, pp=mesh.pp))
-    step = f * work + (m - f) * max(work / mesh.pp, heaviest) + cost.optimizer_time(hw, avg, layout, expert=experts)
     peak = cost.state_bytes(avg, layout, expert=experts).total + cost.buffer_bytes(ct, layout, seq_len=seq_len)
-    return Bounds(step_s=step, peak_bytes=peak)
+    return cost.optimizer_time(hw, avg, layout, expert=experts), peak
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -397,7 +415,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
             pruned += 1
             continue
         order.append((b.step_s, k, lay))
-    order.sort(key=lambda x: (x[0], x[1]))
+    order.sort()  # by (bound, index): the indices are distinct, so layouts are never compared
     numbers: dict = {}
     best: dict = {}  # mesh -> best Candidate on it
     visited = 0
