@@ -7,8 +7,9 @@ Contract:
   whose gradients are all ready is flattened and its reduction launched asynchronously
   (buckets launch strictly in order, so every dp rank issues the same collectives in the same
   order) while backward continues. `finish()` launches what is left and waits.
-  * zero=0: an all-reduce (sum) on the last micro-batch; `p.grad` holds the reduced gradient
-    (a group of one flattens and copies nothing: the gradients stay in `p.grad`).
+  * zero=0: an all-reduce (sum) on the last micro-batch; `p.grad` holds the reduced gradient, a
+    view of the all-reduced bucket (DDP's `gradient_as_bucket_view`: no second copy; a group of one
+    flattens and copies nothing: the gradients stay in `p.grad`).
   * zero=1: a reduce-scatter on the last micro-batch: dp rank i receives slice i of every (padded)
     bucket; `p.grad` keeps the local (unreduced) gradient, as in Megatron's distributed optimizer.
   * zero=2 (DeepSpeed stage 2): a reduce-scatter on EVERY micro-batch, summed into this rank's
@@ -25,8 +26,9 @@ Contract:
 `begin(last=False)` (an earlier micro-batch of gradient accumulation) lets the hooks do nothing
 except under zero=2.
 
-Main gradients (`main_grads=True`, bf16-mixed: runtime/precision.py; Megatron-LM's `main_grad`):
-the parameters are bf16 and each has an fp32 `main_grad`. The hook adds every micro-batch's
+Main gradients (`main_grads=True`, Megatron-LM's `main_grad` in its contiguous grad buffer;
+`DistributedModel` asks for them under bf16-mixed, runtime/precision.py, and under ZeRO-1/2 at any
+precision): each parameter has an fp32 `main_grad` (under bf16-mixed the parameters are bf16). The hook adds every micro-batch's
 `.grad` into it in fp32 and drops `.grad` (`take_grad`), so the gradient lives in fp32 only.
 Under zero=0/1 a bucket's main gradients are views of one persistent flat fp32 buffer (padded to
 a multiple of dp), all-reduced in place (zero=0) or reduce-scattered, this rank's reduced slice
@@ -35,6 +37,10 @@ exists only until its bucket is reduce-scattered into the fp32 slices. Reduction
 `ShardedOptimizer` then holds the fp32 MASTER weights: this rank's slice of every bucket
 (zero=1/2), or every bucket whole (zero=0: a shard world of one); it steps them on the fp32
 gradient slices and all-gathers the result over dp in the parameters' dtype (bf16) into them.
+With fp32 parameters (`masters=False`) there is no copy: each bucket's parameters become views of
+one flat buffer (Megatron-LM's param buffer), the optimizer steps this rank's slice of it in place
+and the other slices are all-gathered into it. Between steps a rank then keeps what the cost model
+prices (passes/cost.py `state_bytes`; tests/runtime/test_state_bytes.py, both precisions).
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ class _Bucket:
         self.work = None
         self.acc: Tensor | None = None  # zero=2: this rank's slice summed over finished micro-batches
         self.main: Tensor | None = None  # main gradients under zero 0/1: the flat fp32 buffer they are views of
+        self.weights: Tensor | None = None  # weights that are their own masters (fp32 ZeRO-1/2): their flat buffer
 
     def hold_main_grads(self) -> None:
         """One flat fp32 buffer for the bucket; each parameter's `main_grad` is its view into it."""
@@ -90,6 +97,16 @@ class _Bucket:
         for p in self.params:
             p.main_grad = self.main[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+
+    def hold_params(self) -> Tensor:
+        """One flat buffer holding the bucket's parameters (padded); each parameter becomes its view
+        (Megatron-LM's param buffer: the optimizer then steps slices of it in place)."""
+        self.weights = self.flatten_params().contiguous()
+        offset = 0
+        for p in self.params:
+            p.data = self.weights[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return self.weights
 
     def flatten_grads(self) -> Tensor:
         grads = [g.reshape(-1) if (g := take_grad(p)) is not None else p.new_zeros(p.numel(), dtype=torch.float32)
@@ -106,8 +123,8 @@ class _Bucket:
         for p in self.params:
             chunk = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-            if into_grad:
-                p.grad = chunk.clone()
+            if into_grad:  # a view: the bucket is the gradient's storage (DDP's gradient_as_bucket_view)
+                p.grad = chunk
             else:
                 with torch.no_grad():
                     p.copy_(chunk)
@@ -232,6 +249,12 @@ class GradSync:
                 bucket.acc = bucket.out if bucket.acc is None else bucket.acc.add_(bucket.out)
                 bucket.flat = bucket.out = None
 
+    def buffers(self) -> list[Tensor]:
+        """The flat gradient tensors this sync holds (buffers, reduced slices, buckets in flight): with
+        the parameters' `.grad` / `main_grad`, what a rank keeps of its gradients between steps
+        (tests/runtime/test_state_bytes.py measures them against the cost model)."""
+        return [t for b in self.buckets for t in (b.main, b.flat, b.out, b.acc) if t is not None]
+
     def shard_grads(self) -> list[Tensor]:
         """ZeRO: this rank's slice of every bucket's reduced gradient (after `finish`)."""
         if self.every_micro_batch:
@@ -260,18 +283,26 @@ class GradSync:
 
 
 class ShardedOptimizer:
-    """ZeRO-1/2: the optimizer state of each dp rank covers 1/dp of every gradient bucket. Under main
-    gradients its fp32 slices are the master weights (zero=0: whole buckets), `factory` may then be
-    None (no optimizer: the masters are still what `full_params` and checkpoints read)."""
+    """ZeRO-1/2: the optimizer state of each dp rank covers 1/dp of every gradient bucket. `masters`
+    (bf16-mixed): its fp32 slices are copies, the master weights (zero=0: whole buckets), and
+    `factory` may be None (no optimizer: the masters are still what `full_params` and checkpoints
+    read). Without (fp32: the weights are their own masters) each bucket's parameters become views
+    of one flat buffer and the slices are views of it, stepped in place, as Megatron-LM's
+    distributed optimizer does for fp32 parameters (its param buffer; no second copy)."""
 
-    def __init__(self, sync: GradSync, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None):
+    def __init__(self, sync: GradSync, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None, *,
+                 masters: bool = True):
         self.sync = sync
         self.world, self.rank = sync.shard_world, sync.shard_rank
+        self.masters = masters
         self.shards = []
         for bucket in sync.buckets:
             length = bucket.padded // self.world
-            flat = bucket.flatten_params().float()  # fp32 masters (a copy: built before the params turn bf16)
-            self.shards.append(nn.Parameter(flat[self.rank * length:(self.rank + 1) * length].clone()))
+            mine = slice(self.rank * length, (self.rank + 1) * length)
+            if masters:  # fp32 copies (built before the params turn bf16)
+                self.shards.append(nn.Parameter(bucket.flatten_params().float()[mine].clone()))
+            else:
+                self.shards.append(nn.Parameter(bucket.hold_params()[mine]))
         self.optimizer = factory(self.shards) if factory is not None else None
 
     def step(self) -> None:
@@ -279,6 +310,10 @@ class ShardedOptimizer:
             shard.grad = grad
         self.optimizer.step()
         for shard, bucket in zip(self.shards, self.sync.buckets):
+            if not self.masters:  # stepped in place: gather the other ranks' slices into the param buffer
+                if self.world > 1:
+                    _all_gather(bucket.weights, shard.detach().clone(), group=self.sync.group)
+                continue
             piece = shard.detach().to(bucket.params[0].dtype)  # the all-gather moves the parameters' dtype
             full = piece
             if self.world > 1:

@@ -98,6 +98,9 @@ class DistributedModel:
         # bf16-mixed under ZeRO 0-2: Megatron's layout (runtime/precision.py): bf16 parameters, fp32 main
         # gradients, fp32 masters in the (sharded) optimizer; ZeRO-3 is FSDP2's own (runtime/zero3.py)
         self._main_grads = self.precision is Precision.BF16_MIXED and not self._zero3
+        # the gradients live in one flat buffer per bucket (Megatron-LM's grad buffer, `main_grad`) under
+        # bf16-mixed, and under ZeRO-1/2 at any precision (fp32: the reduced slice in place of its part)
+        grad_buffer = self._main_grads or zero
         if self._zero3:
             self._sync = GradSync(self._params, None, zero=0, prepare=prepare)
             self._loss_group = self._grad_group
@@ -105,21 +108,24 @@ class DistributedModel:
             expert_ids = {id(p) for n, p in self.model.named_parameters() if n in setup.expert_names}
             self._sync = GradSyncs(self._params, expert_ids, dense_group=setup.groups.replicas,
                                    expert_group=self._grad_group, zero=setup.plan.zero, prepare=prepare,
-                                   main_grads=self._main_grads)
+                                   main_grads=grad_buffer)
             self._loss_group = setup.groups.replicas
         else:
             self._sync = GradSync(self._params, self._grad_group, zero=setup.plan.zero, prepare=prepare,
-                                  main_grads=self._main_grads)
+                                  main_grads=grad_buffer)
             self._loss_group = self._grad_group
         # HF keeps the coefficient on the model (read from the config when it was built)
         self._aux_coef = getattr(self.model, "router_aux_loss_coef", getattr(self.model.config, "router_aux_loss_coef", 0))
         self._optimizer = None
-        self._masters = None  # the ShardedOptimizer holding fp32 masters (ZeRO-1/2, or bf16-mixed at any ZeRO < 3)
+        # the ShardedOptimizer (ZeRO-1/2, or bf16-mixed at any ZeRO < 3); it holds fp32 masters under bf16-mixed,
+        # while fp32 weights are their own masters (stepped in place as slices of a flat buffer)
+        self._masters = None
         self._generator = None  # runtime.generate.Generator, built on the first generate()
         if zero or self._main_grads:
             if optimizer is not None or self._main_grads:
-                self._masters = (self._sync.sharded_optimizer(optimizer) if mesh.ep > 1
-                                 else ShardedOptimizer(self._sync, optimizer))
+                masters = self._main_grads
+                self._masters = (self._sync.sharded_optimizer(optimizer, masters=masters) if mesh.ep > 1
+                                 else ShardedOptimizer(self._sync, optimizer, masters=masters))
             self._optimizer = self._masters if optimizer is not None else None
         elif optimizer is not None:
             self._optimizer = optimizer(self._params)

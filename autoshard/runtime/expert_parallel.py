@@ -197,10 +197,14 @@ class GradSyncs:
     def reduced_grads(self) -> dict[int, Tensor]:
         return {k: v for sync in self.syncs for k, v in sync.reduced_grads().items()}
 
-    def sharded_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None) -> ShardedOptimizers:
+    def buffers(self) -> list[Tensor]:
+        return [t for sync in self.syncs for t in sync.buffers()]
+
+    def sharded_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None, *,
+                          masters: bool = True) -> ShardedOptimizers:
         """ZeRO-1/2: the optimizer state of each group sharded over that group (and the fp32 masters under
-        main gradients: runtime/data_parallel.py)."""
-        return ShardedOptimizers(tuple(ShardedOptimizer(sync, factory) for sync in self.syncs))
+        bf16-mixed: runtime/data_parallel.py)."""
+        return ShardedOptimizers(tuple(ShardedOptimizer(sync, factory, masters=masters) for sync in self.syncs))
 
 
 class ShardedOptimizers:

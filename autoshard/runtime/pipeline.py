@@ -250,9 +250,8 @@ class PipelineRunner:
                              layers=len(self.stages))
             stages = [PipelineStage(self._wrap(module), index, len(self.stages), self.device, group=self.pp_group)
                       for index, module in zip(self.local, self.chunks)]
-            if self.options.precision is Precision.BF16_MIXED:
-                for stage in stages:
-                    _main_grads_after_weight_pass(stage)
+            for stage in stages:  # (a no-op for parameters without main gradients)
+                _main_grads_after_weight_pass(stage)
             cls = _schedule_class(schedule, self.options.virtual_stages)
             if not train and cls in (ScheduleGPipe, Schedule1F1B):
                 cls = ScheduleGPipe  # forward only
@@ -284,7 +283,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def _main_grads_after_weight_pass(stage: PipelineStage) -> None:
     """Zero-bubble schedules run a separate weight pass that writes `.grad` itself (torch's
     `stage_backward_weight`), past the main-gradient hook (runtime/data_parallel.py): after each
-    such pass, add `.grad` into the fp32 main gradients, so micro-batches still sum in fp32."""
+    such pass, add `.grad` into the fp32 main gradients, so micro-batches still sum in fp32 (bf16-mixed) and
+    in the gradient buffer (ZeRO-1/2)."""
     run, params = stage.backward_weight_one_chunk, list(stage.submod.parameters())
 
     def backward_weight_one_chunk(*args, **kwargs):
