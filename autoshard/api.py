@@ -57,6 +57,7 @@ from autoshard.passes.layouts import check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
 from autoshard.runtime.shard_graph import shard_graph
 from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
+from autoshard.runtime.compiled import compile_backend, compile_layers
 from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup
 from autoshard.runtime.expert_parallel import apply_expert_parallel
@@ -75,7 +76,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                 global_batch: int | None = None,
                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                 hardware: str = "auto", device: str | torch.device | None = None, seed: int = 0,
-                schedule: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedModel:
+                schedule: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                compile: bool | str | None = None) -> DistributedModel:
     """This rank's `DistributedModel` for `model` under `plan` (see the module docstring).
 
     example_inputs: input_ids (b, s), a tuple starting with them, or a dict with "input_ids";
@@ -84,6 +86,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     seed: initialisation seed for a model built on the meta device (the same on every rank).
     timeout_s: the longest any collective may wait (a hung peer ends the job after that; a dead one at once).
     schedule: the pipeline schedule, overriding the plan's (the plan key `schedule` says the same).
+    compile: the decoder layers under torch.compile (runtime/compiled.py): None (auto) compiles them with
+    Inductor on CUDA for dense LLaMA models, the fused kernels the GPU cost model prices; False runs eager;
+    True or a backend name compiles them anywhere.
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -123,7 +128,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         _check_router_aux(model, out)
         return out
 
-    settings = dict(seed=seed, device_type=device.type, optimizer=optimizer is not None)
+    layers_backend = compile_backend(compile, spec, device.type)
+    settings = dict(seed=seed, device_type=device.type, optimizer=optimizer is not None, compile=layers_backend)
     plan, groups, program = _rank_program(model, spec, resolve, world=world, device=device,
                                           fingerprint=fingerprint, settings=settings, solved=plan is None,
                                           timeout_s=timeout_s)
@@ -137,6 +143,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     experts = frozenset()
     if plan.mesh.ep > 1:  # this rank's experts; tokens dispatched by all-to-all (runtime/expert_parallel.py)
         experts = apply_expert_parallel(model, spec, groups.ep, ep=plan.mesh.ep, ep_rank=groups.coords.ep)
+    if layers_backend is not None:  # fused element-wise kernels, as the GPU cost model prices; before FSDP2
+        compile_layers(model, layers_backend)
     if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices
         from autoshard.runtime.zero3 import apply_zero3
 

@@ -8,13 +8,14 @@ Two halves, so the device time is spent on measuring alone:
 `--measure` runs every configuration of CONFIGS (HF LlamaForCausalLM / Mamba2ForCausalLM presets,
 random weights, built on the device) through `autoshard.parallelize(..., plan=...)` with AdamW, one
 training step = `dm.train_step` (forward + backward of every micro-batch, the optimizer step).
+Eager configurations pass `compile=False`; "compiled" ones `compile=True` (runtime/compiled.py: the
+decoder layers under Inductor, whose fused element-wise kernels the GPU profiles price; the default
+on CUDA for dense LLaMA models).
 Per configuration: `--warmup` steps, then `--steps` timed steps (CUDA synchronised around each), the
 median step time and the peak of `torch.cuda.max_memory_allocated` over the timed steps (the peak
-counters are reset after the warm-up). "compiled" configurations also `torch.compile` each decoder
-layer in place after `parallelize` (what a production run such as torchtitan's `--compile` runs:
-Inductor fuses the norm, RoPE and SwiGLU element-wise ops), to tell eager from fused kernels.
-A configuration that runs out of memory is recorded as such. `--budget-s` stops before a
-configuration that might not finish in time; results are written after each one.
+counters are reset after the warm-up), each configuration in a process of its own. A configuration
+that runs out of memory is recorded as such. `--budget-s` stops before a configuration that might
+not finish in time; results are written after each one.
 
 `--report` prices each configuration with `estimate()` for the measured device's profile
 (h100/h200/a100-80g, read off the device name) and prints measured vs predicted step time and
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import statistics
 import subprocess
@@ -78,6 +78,7 @@ CONFIGS = (  # in order of what matters most, in case the device time runs out
     # LLaMA-7B: 16 B of state per parameter (108 GB) leaves room for full recompute only
     Config("llama-7b", 2048, 4, 1, "full"),
     Config("llama-1b", 2048, 16, 8),
+    Config("llama-7b", 2048, 4, 1, "full", compiled=True),
     Config("mamba2-1b", 2048, 8, 4),
 )
 
@@ -90,17 +91,13 @@ SMOKE_CONFIGS = (
 )
 
 
-def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    inner = getattr(model, "model", None) or getattr(model, "backbone")
-    return inner.layers
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
-def measure_one(cfg: Config, *, warmup: int, steps: int, device: str = "cuda:0") -> dict:
+def measure_one(cfg: Config, *, warmup: int, steps: int, device: str = "cuda:0", fused_adamw: bool = False,
+                profile: bool = False) -> dict:
     import autoshard
     from autoshard.models.presets import build_model, get_spec
 
@@ -113,20 +110,26 @@ def measure_one(cfg: Config, *, warmup: int, steps: int, device: str = "cuda:0")
     gen = torch.Generator(device="cpu").manual_seed(0)
     batches = [torch.randint(0, spec.vocab, (cfg.global_batch, cfg.seq), generator=gen) for _ in range(2)]
     plan = dict(micro_batch=cfg.micro_batch, recompute=cfg.recompute, precision="bf16-mixed")
-    adamw = functools.partial(torch.optim.AdamW, lr=1e-5)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-5, **({"fused": True} if fused_adamw else {}))
     dm = autoshard.parallelize(model, batches[0], plan=plan, global_batch=cfg.global_batch, optimizer=adamw,
-                               device=device, hardware="h200" if cuda else "cpu")
-    if cfg.compiled:
-        for layer in _layers(dm.model):
-            layer.compile()
+                               device=device, hardware="h200" if cuda else "cpu",
+                               compile=(True if cuda else "aot_eager") if cfg.compiled else False)
     times = []
-    for i in range(warmup + steps):
+    for i in range(warmup + steps + int(profile)):
         if i == warmup and cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         ids = batches[i % 2].to(device)
         _sync(device)
         t0 = time.perf_counter()
+        if profile and i == warmup:
+            activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+            with torch.profiler.profile(activities=[activity]) as prof:
+                loss = dm.train_step(ids, ids)
+                _sync(device)
+            kernels = prof.key_averages().table(sort_by=f"{'cuda' if cuda else 'cpu'}_time_total", row_limit=15)
+            print(kernels, flush=True)
+            continue
         loss = dm.train_step(ids, ids)
         _sync(device)
         if i >= warmup:
@@ -144,10 +147,10 @@ def measure(args) -> None:
     device = "cpu" if smoke else "cuda:0"
     configs = SMOKE_CONFIGS if smoke else CONFIGS
     started = time.perf_counter()
-    result = dict(device="cpu", torch=torch.__version__,
-                  warmup=args.warmup, steps=args.steps, runs=[])
+    result = dict(device="cpu", torch=torch.__version__, warmup=args.warmup, steps=args.steps,
+                  optimizer="AdamW(fused=True)" if args.fused_adamw else "AdamW (foreach)", runs=[])
     for index, cfg in enumerate(configs):
-        if args.only and args.only not in cfg.name:
+        if args.only and not any(part in cfg.name for part in args.only.split(",")):
             continue
         left = args.budget_s - (time.perf_counter() - started)
         if left < 45:
@@ -157,11 +160,14 @@ def measure(args) -> None:
         t0 = time.perf_counter()
         # a process per configuration: nothing (allocator cache, compiled code) outlives it
         cmd = [sys.executable, __file__, "--measure", "--one", str(index), "--warmup", str(args.warmup),
-               "--steps", str(args.steps), *(["--smoke"] if smoke else [])]
+               "--steps", str(args.steps), *(["--smoke"] if smoke else []),
+               *(["--fused-adamw"] if args.fused_adamw else []), *(["--profile"] if args.profile else [])]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
             run = json.loads(lines[-1][len(RESULT):]) if lines else dict(error=proc.stderr[-2000:])
+            if args.profile:
+                print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith(RESULT)), flush=True)
         except subprocess.TimeoutExpired:
             run = dict(skipped="out of time budget (killed)")
         run.update(config=asdict(cfg), wall_s=time.perf_counter() - t0)
@@ -178,7 +184,8 @@ def measure_child(args) -> None:
     device = "cpu" if args.smoke else "cuda:0"
     cfg = (SMOKE_CONFIGS if args.smoke else CONFIGS)[args.one]
     try:
-        run = measure_one(cfg, warmup=args.warmup, steps=args.steps, device=device)
+        run = measure_one(cfg, warmup=args.warmup, steps=args.steps, device=device, fused_adamw=args.fused_adamw,
+                          profile=args.profile)
     except torch.OutOfMemoryError as e:
         run = dict(oom=str(e).splitlines()[0])
     except Exception as e:  # noqa: BLE001 - recorded, the next configuration still runs
@@ -276,8 +283,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting configurations after this")
     p.add_argument("--smoke", action="store_true", help="--measure SMOKE_CONFIGS on the CPU (checks this script)")
+    p.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True), as production runs (default: "
+                   "torch's foreach AdamW, which allocates fp32 temporaries the size of the parameters)")
+    p.add_argument("--profile", action="store_true", help="print each configuration's 15 costliest CUDA kernels "
+                   "(one extra profiled step)")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # the per-configuration process
-    p.add_argument("--only", default="", help="run only configurations whose name contains this")
+    p.add_argument("--only", default="",
+                   help="run only configurations whose name contains one of these (comma-separated)")
     args = p.parse_args()
     if args.measure and args.one is not None:
         measure_child(args)

@@ -106,7 +106,7 @@ def _built(spec, prepare):
 
 
 def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, steps: int = 2,
-               logits: bool = False, prepare=None, sgd: bool = False) -> None:
+               logits: bool = False, prepare=None, sgd: bool = False, compile=None) -> None:
     """`preset`: a preset name or a ModelSpec (e.g. of a user-built config). `prepare(model)`: applied
     to the reference model and the distributed one before anything runs."""
     spec = get_spec(preset) if isinstance(preset, str) else preset
@@ -115,7 +115,7 @@ def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, step
     bf16 = isinstance(plan, dict) and plan.get("precision") == "bf16-mixed"
     ref, ref_losses, ref_grads = reference(spec, data, bf16=bf16, prepare=prepare, sgd=sgd)
     dm = autoshard.parallelize(_built(spec, prepare), data[0][0], plan=plan, global_batch=global_batch,
-                               optimizer=optimizer_factory(sgd))
+                               optimizer=optimizer_factory(sgd), compile=compile)
     gemm_dtypes = _record_linear_outputs(dm.model)
     norm_tokens = _record_norm_tokens(dm.model, spec) if dm.plan.sequence_parallel else None
     for (ids, labels), expected in zip(data, ref_losses):

@@ -51,6 +51,13 @@ WORLD2 = (
     ("mamba2-tiny", dict(tp=2, sequence_parallel=True, recompute="selective"), True),
     ("llama-tiny", dict(tp=2, sequence_parallel=True, precision="bf16-mixed"), False),
 )
+# decoder layers under torch.compile (runtime/compiled.py; on CUDA Inductor, here aot_eager): Dynamo
+# traces through the tp / sequence-parallel collectives, the recompute wrappers and FSDP2's hooks
+COMPILED = (
+    ("llama-tiny", dict(tp=2, sequence_parallel=True, recompute="selective")),
+    ("llama-tiny", dict(dp=2, zero=3)),
+    ("llama-tiny", dict(pp=2, micro_batch=2)),
+)
 WORLD4 = (
     ("llama-tiny", dict(dp=2, tp=2, micro_batch=2), True),
     ("mamba2-tiny", dict(dp=2, tp=2), False),
@@ -103,6 +110,8 @@ WORLD8 = (
 def _run_all(rank: int, world: int, configs) -> None:
     if world == 2:
         _check_shard_saved()
+        for preset, plan in COMPILED:
+            check_plan(preset, plan, compile="aot_eager")
     for preset, plan, logits in configs:
         check_plan(preset, plan, logits=logits)
     if world == 4:
