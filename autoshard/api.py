@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from autoshard import errors
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.fingerprint import check_plan_matches, fingerprint_module
+from autoshard.inference_plan import InferencePlan, is_inference_plan
 from autoshard.ir import AXES, Mesh, Plan, Precision
 from autoshard.models.presets import Family, spec_from_hf_config
 from autoshard.passes.layouts import check_plan
@@ -72,7 +73,8 @@ PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "pr
              "sequence_parallel", "strategies")
 
 
-def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping | str | Path | None = None,
+def parallelize(model: nn.Module, example_inputs: Any, *,
+                plan: Plan | InferencePlan | Mapping | str | Path | None = None,
                 global_batch: int | None = None,
                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                 hardware: str = "auto", device: str | torch.device | None = None, seed: int = 0,
@@ -89,6 +91,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     compile: the decoder layers under torch.compile (runtime/compiled.py): None (auto) compiles them with
     Inductor on CUDA for dense LLaMA models, the fused kernels the GPU cost model prices; False runs eager;
     True or a backend name compiles them anywhere.
+    plan may be an `InferencePlan` (or its file, `autoshard plan --inference --out`): this world is one
+    replica of its served pool, checked by the generation rules (any batch; `dm.generate` and
+    evaluation, no `train_step`; docs/inference.md).
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -99,6 +104,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
     device = _device(model, device, hardware)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     fingerprint = fingerprint_module(model)
+    serving = plan is not None and is_inference_plan(plan)  # one generation replica: generate's own rules
     if plan is None:  # rank 0 solves, every rank runs what it broadcasts
         init_default_group(backend=backend_for(device), env=dict(os.environ), device=device, timeout_s=timeout_s)
         # first, that every rank asked for it: a rank given a plan meets this, not the solver's broadcast
@@ -112,6 +118,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
         requested = plan
 
         def given() -> Plan:
+            if serving:
+                inference = requested if isinstance(requested, InferencePlan) else InferencePlan.load(requested)
+                return inference.replica_training_plan(world=world, seq_len=ids.shape[1], fingerprint=fingerprint)
             out = _resolve_plan(requested, spec=spec, seq_len=ids.shape[1],
                                 global_batch=global_batch or ids.shape[0], hardware=hardware)
             if not isinstance(requested, Mapping):  # a Plan or a file: made for this model and world size?
@@ -125,14 +134,15 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
             out = dataclasses.replace(out, schedule=schedule)
         if out.sequence_parallel:
             _check_sequence_attention(model)
-        _check_router_aux(model, out)
+        if not serving:  # generation asks for no router logits
+            _check_router_aux(model, out)
         return out
 
     layers_backend = compile_backend(compile, spec, device.type)
     settings = dict(seed=seed, device_type=device.type, optimizer=optimizer is not None, compile=layers_backend)
     plan, groups, program = _rank_program(model, spec, resolve, world=world, device=device,
                                           fingerprint=fingerprint, settings=settings, solved=plan is None,
-                                          timeout_s=timeout_s)
+                                          timeout_s=timeout_s, generate=serving)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     install_ssd_mixers(model)  # the SSD as the cost model prices it (passes/kernels.py, runtime/ssd.py)
     # CP first: its Mamba-2 mixers replace the mixer's forward, which TP's wrappers (checkpoint, the
@@ -165,7 +175,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *, plan: Plan | Mapping |
                                 tp_group=groups.tp if plan.mesh.tp > 1 and program.vocab_head else None, cp=cp,
                                 sequence_group=groups.tp if plan.mesh.tp > 1 else None)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp,
-                      expert_names=experts, fingerprint=fingerprint, full_shapes=full_shapes)
+                      expert_names=experts, fingerprint=fingerprint, full_shapes=full_shapes, generate_only=serving)
     return DistributedModel(setup, optimizer=optimizer)
 
 
@@ -191,14 +201,15 @@ def _check_router_aux(model: nn.Module, plan: Plan) -> None:
 
 def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world: int, device: torch.device,
                   fingerprint: str, settings: Mapping[str, Any], solved: bool = False,
-                  timeout_s: float = DEFAULT_TIMEOUT_S):
+                  timeout_s: float = DEFAULT_TIMEOUT_S, generate: bool = False):
     """The plan `resolve()` gives, checked on this rank with no communication; then every rank compares
     its plan (or the error its checks raised) with the others' in one small all-gather, so a rank given
     another plan or a bad one ends every rank with the same error instead of a hang
-    (runtime/agreement.py); then this rank's groups and shard table: (plan, groups, program)."""
+    (runtime/agreement.py); then this rank's groups and shard table: (plan, groups, program).
+    `generate`: a generation replica's plan, checked by generate's rules (layouts.check_plan)."""
     try:
         plan, error = resolve(), None
-        check_plan(plan, spec, world_size=world)
+        check_plan(plan, spec, world_size=world, generate=generate)
     except AutoshardError as e:
         if world == 1 and not dist.is_initialized():
             raise  # nobody to tell: no process group is made just to report it

@@ -15,8 +15,11 @@ fingerprint, hardware, devices, mesh) plus:
   (weights, cache, activations) of the busiest device, batch, the time breakdowns;
   `solver`: the runner-up and why it lost, layouts priced, seconds taken.
 
-Each replica runs `autoshard.parallelize(model, ids, plan=plan.replica_plan(role))` on its
-tp * pp * ep ranks, then `dm.generate(...)`.
+Each replica runs `autoshard.parallelize(model, ids, plan=plan)` (the `InferencePlan` or its
+file) on its tp * pp * ep ranks, then `dm.generate(...)`: `parallelize` takes the replica's
+`Plan` from `replica_training_plan` and checks it with the generation rules (`layouts.check_plan(...,
+generate=True)`), not the training batch rules, so any batch generates; such a model generates and
+evaluates but does not train. `replica_plan(role)` is the bare {"tp", "pp", "ep"} of a replica.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoshard.errors import PlanFileError
-from autoshard.ir import Mesh, _jsonable
+from autoshard.ir import Mesh, Plan, _jsonable
 
 INFERENCE_SCHEMA_VERSION = 1
 ROLES = ("both", "prefill", "decode")
@@ -90,6 +93,24 @@ class InferencePlan:
         pool = self.pool(role)
         return {"tp": pool.tp, "pp": pool.pp, **({"ep": pool.ep} if pool.ep > 1 else {})}
 
+    def replica_training_plan(self, *, world: int, seq_len: int, fingerprint: str) -> Plan:
+        """The `Plan` one replica of the served pool runs under `parallelize` (the colocated pool, or
+        the decode pool of a disaggregated plan: the one autoshard's runtime serves): mesh tp x pp x
+        ep, global batch the pool's batch (informative: generation takes any batch). PlanFileError
+        when `world` ranks are not one replica or the plan was made for another model."""
+        from autoshard.fingerprint import check_plan_matches
+
+        pool = self.pools[-1]
+        size = pool.tp * pool.pp * pool.ep
+        if world != size:
+            raise PlanFileError(f"the inference plan's {pool.role} replicas are tp{pool.tp} x pp{pool.pp} x ep{pool.ep} "
+                                f"= {size} ranks each, but this world has {world}; start {size} ranks per replica "
+                                f"(the plan has {pool.replicas} replica(s))")
+        plan = Plan(model=self.model, fingerprint=self.fingerprint, hardware=self.hardware, devices=size,
+                    global_batch=pool.batch, seq_len=seq_len, mesh=Mesh(tp=pool.tp, pp=pool.pp, ep=pool.ep))
+        check_plan_matches(plan, fingerprint=fingerprint, devices=world, source="the inference plan")
+        return plan
+
     # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return {
@@ -128,6 +149,20 @@ class InferencePlan:
     @classmethod
     def load(cls, path: str | Path) -> InferencePlan:
         return cls.from_json(read_plan_json(path), source=str(path))
+
+
+def is_inference_plan(plan: Any) -> bool:
+    """Whether `plan` is an `InferencePlan` or names a file of one ("kind": "inference"). Never
+    raises: a file that cannot be read is left to the loader, which names the problem."""
+    if isinstance(plan, InferencePlan):
+        return True
+    if not isinstance(plan, (str, Path)):
+        return False
+    try:
+        data = read_plan_json(plan)
+    except PlanFileError:
+        return False
+    return isinstance(data, Mapping) and data.get("kind") == "inference"
 
 
 def read_plan_json(path: str | Path) -> Any:

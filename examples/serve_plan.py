@@ -4,11 +4,13 @@
     python examples/serve_plan.py plan --out serve.json
     #    (the same as: autoshard plan --model llama-tiny --hardware h100 --devices 8 --inference \
     #                   --prompt-len 512 --output-len 64 --ttft-slo 0.05 --tpot-slo 0.005 --out serve.json)
-    # 2. one replica of the plan's (decode) pool, here on gloo: tp * pp processes
-    torchrun --nproc-per-node <tp*pp> examples/serve_plan.py run serve.json
+    # 2. one replica of the plan's (decode) pool, here on gloo: tp * pp * ep processes
+    torchrun --nproc-per-node <tp*pp*ep> examples/serve_plan.py run serve.json
 
-`run` builds the model under the replica's tp x pp, generates greedily with the KV cache sharded
-like the weights, and checks the tokens against HF's single-process `generate` on rank 0.
+`run` builds the model under the plan file itself (`parallelize(model, ids, plan="serve.json")`:
+one replica, checked by generation's rules, so no global batch is needed), generates greedily with
+the KV cache sharded like the weights, and checks the tokens against HF's single-process
+`generate` on rank 0.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def run_replica(args) -> None:
     spec = get_spec(plan.model)
     batch = min(plan.pools[-1].batch, args.max_batch)
     prompt = torch.randint(3, spec.vocab, (batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
-    dm = autoshard.parallelize(build_model(spec, seed=0), prompt, plan=replica, global_batch=batch)
+    dm = autoshard.parallelize(build_model(spec, seed=0), prompt, plan=args.plan_file)  # any batch generates
     out = dm.generate(prompt, max_new_tokens=args.new_tokens)
     if dist.get_rank() == 0:
         expected = build_model(spec, seed=0).generate(prompt, max_new_tokens=args.new_tokens, do_sample=False)

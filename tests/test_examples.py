@@ -81,5 +81,5 @@ def test_serve_plan_example(tmp_path, monkeypatch, capsys):
     import json
 
     pool = json.loads(plan.read_text())["pools"][-1]
-    out = _torchrun(pool["tp"] * pool["pp"], "serve_plan.py", "run", str(plan))
+    out = _torchrun(pool["tp"] * pool["pp"] * pool["ep"], "serve_plan.py", "run", str(plan))
     assert "matches HF generate: True" in out

@@ -129,9 +129,11 @@ def render(plan) -> None:
             con.print(f"  KV / state transfer prefill -> decode: {pred['kv_transfer_s'] * 1e3:.2f} ms (in TTFT)")
     if solver.get("runner_up"):
         con.print(f"runner-up: {solver['runner_up']['why']}")
+    pool = plan.pools[-1]
     con.print(f"priced {solver.get('layouts_priced', '?')} (layout, batch) points in "
-              f"{solver.get('solve_time_s', 0):.1f} s; each replica runs autoshard.parallelize(model, ids, "
-              f"plan={plan.replica_plan(plan.pools[-1].role)}) then dm.generate")
+              f"{solver.get('solve_time_s', 0):.1f} s; each {'decode-pool ' if plan.disaggregated else ''}replica "
+              f"(tp x pp x ep = {pool.tp * pool.pp * pool.ep} ranks) runs autoshard.parallelize(model, ids, "
+              "plan=<this plan file>), then dm.generate (any batch)")
     if plan.disaggregated:
         con.print("note: autoshard's runtime runs each pool's generate; the KV hand-off between pools is priced, "
                   "not run (deploy the disaggregated plan on a serving engine)")

@@ -8,7 +8,9 @@ Contract
   `show` and the cost model all call them, so the planner never emits a plan the runtime refuses
   (tests/passes/test_plan_validity.py).
   `generate_violation(spec, mesh)`: the rules `DistributedModel.generate` adds (one replica:
-  dp = cp = ep = 1); the inference planner searches only layouts that pass it.
+  dp = cp = 1); the inference planner searches only layouts that pass it, and `check_plan(...,
+  generate=True)` (`parallelize` of an inference plan) checks by it instead of the training batch
+  and schedule rules.
   `valid_meshes(spec, devices, *, global_batch, seq_len, micro_batch=1) -> tuple[Mesh, ...]`
   lists every mesh with dp*pp*tp*cp*ep == devices that passes them, in a fixed order (dp
   descending, then pp, tp, cp); if none passes it raises `InvalidConfigError` saying which rule
@@ -258,20 +260,25 @@ def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: i
     return None
 
 
-def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None) -> None:
+def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None, generate: bool = False) -> None:
     """InvalidConfigError if `plan` cannot run `spec` (on `world_size` ranks, when given). No
     communication: every rank raises the same error before any collective. `sweep`, `plan`,
-    `show` and `parallelize` all check plans here."""
+    `show` and `parallelize` all check plans here. `generate`: the plan of a generation replica
+    (`parallelize` of an inference plan): `generate_violation`'s rules instead of the training
+    batch and schedule rules (generation runs no micro-batches: any batch, any pipeline)."""
     mesh = plan.mesh
     if world_size is not None and mesh.size != world_size:
         raise InvalidConfigError(f"the plan's mesh {mesh.as_dict()} multiplies to {mesh.size}, but the world size "
                                  f"is {world_size}; choose dp*pp*tp*cp*ep = {world_size}")
-    why = plan_violation(spec, mesh, global_batch=plan.global_batch, seq_len=plan.seq_len,
-                         micro_batch=plan.micro_batch, zero=plan.zero, sequence_parallel=plan.sequence_parallel,
-                         strategies=plan.strategies, chunks=plan.chunks)
+    if generate:
+        why = generate_violation(spec, mesh, sequence_parallel=plan.sequence_parallel)
+    else:
+        why = plan_violation(spec, mesh, global_batch=plan.global_batch, seq_len=plan.seq_len,
+                             micro_batch=plan.micro_batch, zero=plan.zero, sequence_parallel=plan.sequence_parallel,
+                             strategies=plan.strategies, chunks=plan.chunks)
     if why:
         raise InvalidConfigError(why)
-    if mesh.pp > 1:  # the schedule's micro-batch rules (torch's pipelining schedules); chunks vs layers below
+    if mesh.pp > 1 and not generate:  # the schedule's micro-batch rules (torch's pipelining schedules); chunks vs layers below
         check_chunks(plan.schedule, plan.virtual_stages, pp=mesh.pp, layers=plan.chunks,
                      microbatches=plan.global_batch // (mesh.dp * mesh.ep * plan.micro_batch))
     if plan.stages:

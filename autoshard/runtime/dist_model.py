@@ -17,6 +17,8 @@ Contract (DESIGN.md, "Entry points"): built by `autoshard.parallelize` on every 
 * `generate(input_ids, max_new_tokens=N)`: greedy generation on a plan with dp = cp = 1 (tp,
   pp and, for MoE models, ep any), prompt + new tokens on every rank, equal to HF's single-process
   greedy `generate`; the KV cache / Mamba-2 state stays sharded as the weights are (see `runtime/generate.py`).
+  A model built from an inference plan (`RankSetup.generate_only`: checked by generation's rules,
+  not training's batch rules) generates and evaluates; its `train_step` refuses.
 
 Expert parallelism (ep > 1, runtime/expert_parallel.py): the batch is split over dp x ep (the ep
 peers are data-parallel replicas of the dense layers), dense gradients and the loss are reduced
@@ -66,6 +68,7 @@ class RankSetup:
     expert_names: frozenset[str] = frozenset()  # ep > 1: parameters of this rank's experts
     fingerprint: str = ""  # of the model before it was sliced (fingerprint.fingerprint_module)
     full_shapes: Mapping[str, tuple[int, ...]] | None = None  # original name -> global shape
+    generate_only: bool = False  # built from an inference plan: checked by generate's rules, not training's
 
 
 class DistributedModel:
@@ -142,6 +145,10 @@ class DistributedModel:
     def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         """One training step on the global batch; the global mean loss on every rank. The batch is checked
         first, on every rank alike (runtime/agreement.py): shape, vocabulary, and that all ranks hold it."""
+        if self._setup.generate_only:  # the same on every rank: nothing hangs
+            raise InvalidConfigError("this model runs an inference plan (one replica for dm.generate and evaluation, "
+                                     "checked by generation's rules, not training's); train under a training plan "
+                                     "(`autoshard plan`, or plan=dict(dp=..., tp=..., ...))")
         try:
             self._check_batch(input_ids, labels, global_batch=self.plan.global_batch)
             return self._step(input_ids, labels)

@@ -3,7 +3,10 @@
 Each world size is spawned once and runs every configuration inside (start-up costs seconds):
 LLaMA, Mamba-2 and Mixtral at tp, pp, tp x pp, virtual stages (interleaved and the V placement),
 Mixtral and Qwen2-MoE at ep 2 and with tp / pp (experts sliced over identical sequences), and Mamba-2 with its groups kept whole (tp not dividing n_groups). Prompts avoid the special ids
-(0-2), so HF infers no padding mask from them.
+(0-2), so HF infers no padding mask from them. Inference plans (`autoshard plan --inference`'s
+`InferencePlan`, as an object or its file) load under `parallelize` with no global batch and
+generate at batch 1, which the training rules refuse under pp (1F1B: a micro-batch per stage) and ep
+(ep splits the rows).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.errors import InvalidConfigError
+from autoshard.errors import InvalidConfigError, PlanFileError
+from autoshard.fingerprint import fingerprint_module
+from autoshard.inference_plan import InferencePlan, Pool
 from autoshard.models.presets import build_model, get_spec
 from autoshard.passes.inference_cost import cache_bytes_per_layer
 from tests.runtime.dist_harness import run_ranks
@@ -59,6 +64,44 @@ def _check(preset: str, plan: dict, *, eos_first: bool = False) -> None:
     assert torch.equal(dm.generate(ids, max_new_tokens=0), ids)
 
 
+def _inference_plan(name: str, model, *pools: Pool, prompt_len: int) -> InferencePlan:
+    """What `autoshard plan --inference` writes, with these pools for this model (targets unused here)."""
+    return InferencePlan(model=name, fingerprint=fingerprint_module(model), hardware="cpu",
+                         devices=sum(p.devices for p in pools), prompt_len=prompt_len, output_len=NEW_TOKENS,
+                         ttft_slo_s=1.0, tpot_slo_s=1.0, pools=pools)
+
+
+def _check_inference_plan(preset: str, *pools: Pool, as_file: bool) -> None:
+    """A replica of an inference plan generates one sequence (no global batch given) as HF does, and
+    does not train."""
+    import tempfile
+    from pathlib import Path
+
+    spec = _spec(preset)
+    ids = _prompts(spec.vocab, batch=1)
+    expected = build_model(spec, seed=0).generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    model = build_model(spec, seed=0)
+    plan = _inference_plan(preset, model, *pools, prompt_len=ids.shape[1])
+    if as_file:
+        path = Path(tempfile.mkdtemp()) / "serve.json"
+        plan.save(path)
+        plan = path
+    dm = autoshard.parallelize(model, ids, plan=plan)
+    got = dm.generate(ids, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(got, expected), f"{preset} {pools}:\n got {got.tolist()}\nwant {expected.tolist()}"
+    with pytest.raises(InvalidConfigError, match="runs an inference plan"):
+        dm.train_step(ids, ids)
+
+
+def test_an_inference_plan_names_its_replica_size():
+    """Refused before any process group exists: the world is not one replica of the served pool."""
+    model = build_model(get_spec("llama-tiny"), seed=0)
+    plan = _inference_plan("llama-tiny", model, Pool(role="both", tp=1, pp=2, replicas=2, batch=1), prompt_len=20)
+    with pytest.raises(PlanFileError, match=r"tp1 x pp2 x ep1 = 2 ranks each, but this world has 1"):
+        autoshard.parallelize(model, _prompts(256, batch=1), plan=plan)
+    assert not torch.distributed.is_initialized()
+
+
 INTERLEAVED = dict(pp=2, virtual_stages=2, schedule="interleaved-1f1b")  # chunks 0, 2 on rank 0; 1, 3 on rank 1
 V_SHAPE = dict(pp=2, virtual_stages=2, schedule="zero-bubble")  # chunks 0, 3 on rank 0; 1, 2 on rank 1
 WORLD2 = (("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2)), ("llama-tiny", INTERLEAVED),
@@ -74,6 +117,12 @@ WORLD4 = (("llama-tiny", dict(tp=2, pp=2)), ("mamba2-tiny", dict(tp=2, pp=2)),
 def _run(rank: int, world: int, configs) -> None:
     for preset, plan in configs:
         _check(preset, plan)
+    if world == 2:  # inference plans: pp 2 (from its file), ep 2 (the object), at batch 1
+        _check_inference_plan("llama-tiny", Pool(role="both", tp=1, pp=2, replicas=1, batch=1), as_file=True)
+        _check_inference_plan("mixtral-tiny", Pool(role="both", tp=1, pp=1, ep=2, replicas=1, batch=1), as_file=False)
+    if world == 4:  # disaggregated: the world is a replica of the decode pool, the one the runtime serves
+        _check_inference_plan("qwen2-moe-tiny", Pool(role="prefill", tp=2, pp=1, replicas=2, batch=4),
+                              Pool(role="decode", tp=1, pp=2, ep=2, replicas=1, batch=1), as_file=True)
     if world == 2:
         _check("llama-tiny", dict(tp=2), eos_first=True)
         spec = get_spec("llama-tiny")
