@@ -44,7 +44,7 @@ from autoshard.passes.layouts import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALL
                                      sequence_parallel_violation, zero_violation)
 from autoshard.passes.precision import resolve_precision
 from autoshard.passes.schedules import bubble_fraction, check_chunks
-from autoshard.passes import sharding
+from autoshard.passes.bounds import Bounds, lower_bounds, refined_step_bound
 from autoshard.passes.sharding import strategy_options
 from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, block_numbers, evaluate,
                                           mesh_problem, min_stage_sum, split_search)
@@ -311,69 +311,6 @@ def pipeline_schedules(spec, pp: int, microbatches: int, options=RUNTIME_SCHEDUL
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Bounds:
-    """What no plan of a layout beats, computed before any table: step time (all work without
-    recompute perfectly balanced, the 1F1B fill, the optimizer step of an average stage) and
-    peak memory (the weights, gradients and optimizer state of an average stage, the buffers)."""
-
-    step_s: float
-    peak_bytes: float
-
-
-def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, seq_len: int,
-                 block_s: dict | None = None, memo: dict | None = None) -> Bounds:
-    """`Bounds` of `layout`. `block_s`: {kind: BlockTime without recompute} when already known
-    (they depend on the mesh, micro-batch and intra-op strategy only); `memo`: a dict the caller
-    keeps over many layouts, for what depends on fewer coordinates than the layout: the p2p time
-    (not ZeRO), the bubble fraction (the schedule), the parameters per device (tp and strategies)
-    and the ZeRO-dependent terms (not the schedule nor sequence parallelism)."""
-    kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
-    if block_s is None:
-        base = replace(layout, recompute=Recompute.NONE)
-        block_s = {k: cost.block_time(ct, hw, base, k, seq_len=seq_len).total_s for k in kinds}
-    bt = block_s
-    mesh, spec = layout.mesh, ct.spec
-    memo = {} if memo is None else memo
-    key = ("p2p", mesh, layout.micro_batch, layout.sequence_parallel,  # the layers' choices: their compute
-           sharding.block_strategies(layout.strategies, cost.BlockKind.LAYER), layout.schedule, layout.virtual_stages)
-    p2p = memo.get(key)
-    if p2p is None:
-        p2p = memo[key] = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
-    work = sum(bt.values()) + (spec.layers - 1) * bt[cost.BlockKind.LAYER] + mesh.pp * p2p
-    m = layout.microbatches(global_batch)
-    heaviest = max(bt.values()) + p2p
-    key = ("bubble", layout.schedule, layout.virtual_stages, m < mesh.pp)  # all bubble_fraction reads of m, pp
-    f = memo.get(key)
-    if f is None:
-        f = memo[key] = float(bubble_fraction(layout.schedule, layout.virtual_stages, microbatches=m, pp=mesh.pp))
-    # the ZeRO-dependent terms: of the mesh, the parameters (tp, strategies) and the buffers (micro-batch)
-    key = ("state", mesh, layout.micro_batch, layout.strategies, layout.zero, layout.offload, layout.precision)
-    state = memo.get(key)
-    if state is None:
-        state = memo[key] = _state_bounds(ct, hw, layout, seq_len=seq_len, memo=memo)
-    optimizer_s, peak = state
-    step = f * work + (m - f) * max(work / mesh.pp, heaviest) + optimizer_s
-    return Bounds(step_s=step, peak_bytes=peak)
-
-
-def _state_bounds(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: dict) -> tuple[float, float]:
-    """(optimizer seconds, peak bytes without activations) of the average stage of `layout` (`Bounds`)."""
-    kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
-    mesh, spec = layout.mesh, ct.spec
-    key = ("params", mesh.tp, mesh.ep, mesh.pp > 1, layout.strategies)
-    if key not in memo:
-        params = sum(cost.block_params(ct, layout, k) for k in kinds) + \
-            (spec.layers - 1) * cost.block_params(ct, layout, cost.BlockKind.LAYER)
-        if spec.tied and mesh.pp > 1:
-            params += cost.block_params(ct, layout, cost.BlockKind.EMBED)  # the head's copy
-        memo[key] = params
-    avg = memo[key] / mesh.pp  # the stage with the most parameters holds at least the average
-    experts = spec.layers * cost.expert_block_params(ct, layout, cost.BlockKind.LAYER) / mesh.pp
-    peak = cost.state_bytes(avg, layout, expert=experts).total + cost.buffer_bytes(ct, layout, seq_len=seq_len)
-    return cost.optimizer_time(hw, avg, layout, expert=experts), peak
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Candidate:
     layout: Layout
     result: MeshResult
@@ -414,7 +351,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         if b.peak_bytes > hw.memory_bytes:
             pruned += 1
             continue
-        order.append((b.step_s, k, lay))
+        order.append((b.step_s, k, lay, b, block_s[key]))
     order.sort()  # by (bound, index): the indices are distinct, so layouts are never compared
     numbers: dict = {}
     best: dict = {}  # mesh -> best Candidate on it
@@ -424,12 +361,14 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         ranked = sorted(best.values(), key=lambda c: c.result.step_s)
         return (ranked[0] if ranked else None), (ranked[1].result.step_s if len(ranked) > 1 else math.inf)
 
-    for done, (bound, _, layout) in enumerate(order):
+    for done, (bound, _, layout, bounds, layout_block_s) in enumerate(order):
         first, second = top2()
         if bound >= second * (1 - 1e-9):
             break
         cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
-        if bound >= cutoff * (1 - 1e-9):
+        if bound >= cutoff * (1 - 1e-9) or refined_step_bound(
+                ct, hw, layout, bounds, global_batch=global_batch, seq_len=seq_len, block_s=layout_block_s,
+                memo=memo) >= cutoff * (1 - 1e-9):  # nothing on it beats the cutoff: skip its tables
             continue
         key = (layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.schedule,
                layout.virtual_stages)  # p2p depends on v

@@ -1,0 +1,185 @@
+"""Lower bounds on a layout's step time and peak memory, before its cost tables are built.
+
+Contract
+  `lower_bounds(ct, hw, layout, *, global_batch, seq_len, block_s=None, memo=None) -> Bounds`: what
+  no plan of the layout beats (step: all work without recompute perfectly balanced over the stages,
+  the schedule's fill, the optimizer step of an average stage; peak: the weights, gradients and
+  optimizer state of an average stage, the buffers). The planner (passes/solve.py `search`) computes
+  it for every candidate layout (~33k for llama-70b on 1024 devices), orders the layouts by it and
+  stops once it reaches the runner-up; `memo` shares what depends on fewer coordinates than the layout.
+  `refined_step_bound(ct, hw, layout, bounds, *, global_batch, seq_len, block_s, memo) -> float`:
+  a tighter bound, asked only for the layouts the search is about to solve (a few hundred): with
+  pp > 1 the slowest stage is at least the least slowest stage over every split of the whole layers
+  (`slowest_stage_floor`: layers are not divisible); with pp = 1 the one stage's step at its fastest
+  recompute level, ZeRO traffic and the exposed gradient sync included (no split to choose: only
+  memory is left out). A layout whose refined bound does not beat the value it must beat is skipped
+  without building its tables: the plan is the same, found sooner.
+  Every term is read off `passes/cost.py`'s component functions, composed as `solve_model` composes them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from autoshard.ir import BlockKind, Recompute
+from autoshard.passes import cost, sharding
+from autoshard.passes.cost import CompiledTable, Layout
+from autoshard.passes.schedules import bubble_fraction
+
+KINDS = (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bounds:
+    """What no plan of a layout beats, computed before any table: step time (all work without
+    recompute perfectly balanced, the 1F1B fill, the optimizer step of an average stage) and
+    peak memory (the weights, gradients and optimizer state of an average stage, the buffers)."""
+
+    step_s: float
+    peak_bytes: float
+
+
+def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, seq_len: int,
+                 block_s: dict | None = None, memo: dict | None = None) -> Bounds:
+    """`Bounds` of `layout`. `block_s`: {kind: BlockTime without recompute} when already known
+    (they depend on the mesh, micro-batch and intra-op strategy only); `memo`: a dict the caller
+    keeps over many layouts, for what depends on fewer coordinates than the layout: the p2p time
+    (not ZeRO), the bubble fraction (the schedule), the parameters per device (tp and strategies)
+    and the ZeRO-dependent terms (not the schedule nor sequence parallelism)."""
+    kinds = KINDS
+    if block_s is None:
+        base = replace(layout, recompute=Recompute.NONE)
+        block_s = {k: cost.block_time(ct, hw, base, k, seq_len=seq_len).total_s for k in kinds}
+    bt = block_s
+    mesh, spec = layout.mesh, ct.spec
+    memo = {} if memo is None else memo
+    key = _p2p_key(layout)
+    p2p = memo.get(key)
+    if p2p is None:
+        p2p = memo[key] = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
+    work = sum(bt.values()) + (spec.layers - 1) * bt[BlockKind.LAYER] + mesh.pp * p2p
+    m = layout.microbatches(global_batch)
+    heaviest = max(bt.values()) + p2p
+    key = _bubble_key(layout, m)
+    f = memo.get(key)
+    if f is None:
+        f = memo[key] = float(bubble_fraction(layout.schedule, layout.virtual_stages, microbatches=m, pp=mesh.pp))
+    key = _state_key(layout)
+    state = memo.get(key)
+    if state is None:
+        state = memo[key] = _state_bounds(ct, hw, layout, seq_len=seq_len, memo=memo)
+    optimizer_s, peak = state
+    step = f * work + (m - f) * max(work / mesh.pp, heaviest) + optimizer_s
+    return Bounds(step_s=step, peak_bytes=peak)
+
+
+def _p2p_key(layout: Layout) -> tuple:
+    return ("p2p", layout.mesh, layout.micro_batch, layout.sequence_parallel,  # the layers' choices: their compute
+            sharding.block_strategies(layout.strategies, BlockKind.LAYER), layout.schedule, layout.virtual_stages)
+
+
+def _bubble_key(layout: Layout, microbatches: int) -> tuple:
+    return ("bubble", layout.schedule, layout.virtual_stages, microbatches < layout.mesh.pp)  # all it reads of m, pp
+
+
+def _state_key(layout: Layout) -> tuple:
+    """The ZeRO-dependent terms: of the mesh, the parameters (tp, strategies) and the buffers (micro-batch)."""
+    return ("state", layout.mesh, layout.micro_batch, layout.strategies, layout.zero, layout.offload, layout.precision)
+
+
+def _state_bounds(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: dict) -> tuple[float, float]:
+    """(optimizer seconds, peak bytes without activations) of the average stage of `layout` (`Bounds`)."""
+    kinds = KINDS
+    mesh, spec = layout.mesh, ct.spec
+    key = ("params", mesh.tp, mesh.ep, mesh.pp > 1, layout.strategies)
+    if key not in memo:
+        params = sum(cost.block_params(ct, layout, k) for k in kinds) + \
+            (spec.layers - 1) * cost.block_params(ct, layout, BlockKind.LAYER)
+        if spec.tied and mesh.pp > 1:
+            params += cost.block_params(ct, layout, BlockKind.EMBED)  # the head's copy
+        memo[key] = params
+    avg = memo[key] / mesh.pp  # the stage with the most parameters holds at least the average
+    experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER) / mesh.pp
+    peak = cost.state_bytes(avg, layout, expert=experts).total + cost.buffer_bytes(ct, layout, seq_len=seq_len)
+    return cost.optimizer_time(hw, avg, layout, expert=experts), peak
+
+
+def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *, global_batch: int, seq_len: int,
+                       block_s: dict, memo: dict) -> float:
+    """A lower bound on `layout`'s step at least `bounds.step_s` (see the module docstring); `block_s`
+    and `memo` as `lower_bounds` had them."""
+    mesh, spec = layout.mesh, ct.spec
+    m = layout.microbatches(global_batch)
+    if mesh.pp == 1:
+        key = ("single", mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.zero,
+               layout.offload, layout.precision, layout.moe_imbalance)
+        if key not in memo:
+            memo[key] = _single_stage_step(ct, hw, layout, microbatches=m, seq_len=seq_len)
+        return max(bounds.step_s, memo[key])
+    p2p = memo[_p2p_key(layout)]
+    f = memo[_bubble_key(layout, m)]
+    optimizer_s = memo[_state_key(layout)][0]
+    e, l, h = (block_s[k] for k in KINDS)
+    work = sum(block_s.values()) + (spec.layers - 1) * l + mesh.pp * p2p
+    key = ("floor", mesh.pp, layout.virtual_stages, e, l, h, p2p)
+    if key not in memo:
+        memo[key] = slowest_stage_floor(mesh.pp, spec.layers, first_s=e + p2p, middle_s=p2p, last_s=h + p2p,
+                                        layer_s=l, min_layers=(layout.virtual_stages - 1, layout.virtual_stages))
+    return max(bounds.step_s, f * work + (m - f) * memo[key] + optimizer_s)
+
+
+def slowest_stage_floor(pp: int, layers: int, *, first_s: float, middle_s: float, last_s: float, layer_s: float,
+                        min_layers: tuple[int, int] = (0, 1)) -> float:
+    """The least slowest-stage time over every split of `layers` layers on `pp` >= 2 stages, stage i
+    taking `fixed_i + n_i * layer_s` (fixed: `first_s`, `middle_s` for the pp - 2 middle stages,
+    `last_s`), the first and last holding at least `min_layers[0]` layers, the middle ones
+    `min_layers[1]`. Any stage time that is at least this (recompute, ZeRO traffic: only more) keeps it
+    a lower bound. Counting is made generous by 1e-6 of a layer, and the result lowered by as much,
+    so rounding in the callers' sums never lifts it above a split's true slowest stage."""
+    if layer_s <= 0:
+        return max(first_s, last_s, middle_s if pp > 2 else first_s)
+    tol = 1e-6
+    stages = ((first_s, min_layers[0], 1), (last_s, min_layers[0], 1), (middle_s, min_layers[1], pp - 2))
+
+    def held(cap: float) -> int:  # most layers the stages hold with none slower than cap (-1: none can)
+        total = 0
+        for fixed, least, count in stages:
+            most = math.floor((cap - fixed) / layer_s + tol)
+            if count and most < least:
+                return -1
+            total += count * most
+        return total
+
+    caps = sorted({fixed + k * layer_s for fixed, _, _ in stages for k in range(layers + 1)})
+    lo, hi = 0, len(caps) - 1
+    if held(caps[hi]) < layers:
+        return caps[hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if held(caps[mid]) >= layers else (mid + 1, hi)
+    return caps[lo] - tol * layer_s
+
+
+def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: int, seq_len: int) -> float:
+    """pp = 1: the step of the one stage (every block) at its fastest recompute level, memory aside:
+    m (compute + recompute + communication + exposed ZeRO traffic) + exposed gradient sync + optimizer,
+    as `solve_model` tabulates it."""
+    spec = ct.spec
+    counts = {BlockKind.EMBED: 1, BlockKind.LAYER: spec.layers, BlockKind.HEAD: 1}
+    params = sum(cost.block_params(ct, layout, k) * c for k, c in counts.items())
+    experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER)
+    times = []
+    for r in Recompute:
+        lay = layout if layout.recompute is r else replace(layout, recompute=r)
+        bt = {k: cost.block_time(ct, hw, lay, k, seq_len=seq_len) for k in KINDS}
+        comp = sum(bt[k].compute_s * c for k, c in counts.items())
+        other = sum((bt[k].recompute_s + bt[k].comm_s) * c for k, c in counts.items())
+        bwd = sum(bt[k].bwd_s * c for k, c in counts.items())
+        zexp = float(cost.zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd, expert=experts,
+                                            blocks=sum(counts.values())))
+        times.append((comp + other + zexp, bwd, sum(bt[k].fwd_s * c for k, c in counts.items())))
+    t, bwd, fwd = min(times)
+    tail = (float(cost.dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts))
+            + cost.optimizer_time(hw, params, layout, expert=experts))
+    return microbatches * t + tail
