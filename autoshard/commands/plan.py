@@ -49,7 +49,7 @@ def run(args) -> int:
     hw = load_hardware(args.hardware)
     spec, module = model_for(args.model)
     valid_meshes(spec, args.devices, global_batch=args.global_batch, seq_len=args.seq_len)  # none: say why, at once
-    from autoshard.passes.solve import solve  # (imports OR-Tools)
+    from autoshard.passes.solve import solve
 
     table = fingerprint = None  # a preset: solve builds (or reads) the table once the layouts are known valid
     if module is not None:

@@ -1,6 +1,6 @@
 """The CP-SAT planner: `solve(spec, hw, *, devices, global_batch, seq_len) -> Plan`.
 
-This is the only module that imports OR-Tools.
+This is the only module that imports OR-Tools (when CP-SAT first runs: `_cpsat`).
 
 Contract
   For every candidate layout (mesh DP x PP x TP x CP x EP = devices, micro-batch size, ZeRO
@@ -33,7 +33,6 @@ from fractions import Fraction
 from typing import Callable
 
 import numpy as np
-from ortools.sat.python import cp_model
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 from autoshard.ir import Plan, Precision, Recompute, Schedule, Stage, check_schedule, even_stages, stage_rank
@@ -49,8 +48,6 @@ from autoshard.passes.sharding import strategy_options
 from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, block_numbers, evaluate,
                                           mesh_problem, min_stage_sum, split_search)
 
-_STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
-           cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
 Progress = Callable[[int, int, float], None]  # (layouts visited, layouts in total, best step so far)
 
 
@@ -131,7 +128,13 @@ def _merge(cp: MeshResult, exact: SplitSearch | None) -> MeshResult:
 
 def _cpsat(problem: MeshProblem, domains: list, *, floor: float, cutoff_s: float, hint: Assignment | None,
            time_limit_s: float) -> MeshResult:
-    """The CP-SAT model of one layout over the allowed table entries `domains` (see `solve_mesh`)."""
+    """The CP-SAT model of one layout over the allowed table entries `domains` (see `solve_mesh`).
+    OR-Tools is imported here, when a layout first needs it (~1.5 s: the exact split search proves
+    most optima without it, and a plan that never calls CP-SAT does not pay for the import)."""
+    from ortools.sat.python import cp_model
+
+    statuses = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
+                cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
     p, L, R = problem.pp, problem.layers, len(problem.recomputes)
     m_mb = problem.microbatches
     unit = float(problem.time_s.max()) * 1e-6 or 1.0
@@ -173,7 +176,7 @@ def _cpsat(problem: MeshProblem, domains: list, *, floor: float, cutoff_s: float
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     status = solver.Solve(m)
-    name = _STATUS.get(status, "unknown")
+    name = statuses.get(status, "unknown")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         name = "cut" if status == cp_model.INFEASIBLE and math.isfinite(cutoff_s) else name
         return MeshResult(status=name, assignment=None, step_s=math.inf, bound_s=math.inf, wall_s=solver.WallTime())
