@@ -138,7 +138,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
             _check_router_aux(model, out)
         return out
 
-    layers_backend = compile_backend(compile, spec, device.type)
+    layers_backend = compile_backend(compile, spec, device.type, training=not serving)
     settings = dict(seed=seed, device_type=device.type, optimizer=optimizer is not None, compile=layers_backend)
     plan, groups, program = _rank_program(model, spec, resolve, world=world, device=device,
                                           fingerprint=fingerprint, settings=settings, solved=plan is None,

@@ -4,7 +4,9 @@ Contract
 --------
 * `compile_backend(setting, spec, device_type) -> str | None`: the `torch.compile` backend the
   decoder layers run under, or None for eager. `setting` is `parallelize(compile=...)`: None
-  ("auto") compiles with Inductor on CUDA for dense LLaMA-family models and runs eager elsewhere;
+  ("auto") compiles with Inductor on CUDA for dense LLaMA-family models in training and runs eager
+  elsewhere (a generation replica, `training=False`, too: decode reads weights, and a compiled
+  layer would recompile as the cache grows);
   False: eager; True: Inductor; a string: that backend (the tests use "aot_eager" on the CPU).
 * `compile_layers(model, backend) -> int`: `torch.compile` each decoder layer of the HF model in
   place (`nn.Module.compile`, regional compilation: one graph reused by every layer), after tensor
@@ -28,10 +30,11 @@ from autoshard.errors import InvalidConfigError
 from autoshard.models.presets import Family, ModelSpec
 
 
-def compile_backend(setting: bool | str | None, spec: ModelSpec, device_type: str) -> str | None:
+def compile_backend(setting: bool | str | None, spec: ModelSpec, device_type: str, *,
+                    training: bool = True) -> str | None:
     if setting is None:
         dense_llama = spec.family is Family.LLAMA and not spec.is_moe
-        return "inductor" if device_type == "cuda" and dense_llama else None
+        return "inductor" if training and device_type == "cuda" and dense_llama else None
     if setting is True:
         return "inductor"
     if setting is False:

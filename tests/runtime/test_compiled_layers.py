@@ -31,6 +31,12 @@ def test_compile_backend(setting, preset, device, expected):
     assert compile_backend(setting, get_spec(preset), device) == expected
 
 
+def test_generation_replicas_stay_eager_unless_asked():
+    spec = get_spec("llama-tiny")
+    assert compile_backend(None, spec, "cuda", training=False) is None
+    assert compile_backend(True, spec, "cuda", training=False) == "inductor"
+
+
 def test_bad_compile_setting_is_named():
     with pytest.raises(InvalidConfigError, match="compile must be None"):
         compile_backend(3, get_spec("llama-tiny"), "cuda")
