@@ -176,7 +176,10 @@ _FUSED_SOURCE = ("Megatron-Core / Transformer Engine production runs: fused RMSN
                  "fusion, fused RoPE, flash / cuDNN fused attention, fused vocab-parallel cross-entropy "
                  "(cross_entropy_loss_fusion: gradient written in place of the fp32 softmax); priced in "
                  "passes/fused_regions.py and cost.logits_bytes; the Mamba-2 SSD as mamba_ssm's "
-                 "mamba_chunk_scan_combined / autoshard runtime/ssd.py (passes/kernels.py)")
+                 "mamba_chunk_scan_combined (passes/kernels.py). autoshard's runtime runs the element-wise "
+                 "fusions through compiled layers (runtime/compiled.py); its own SSD (runtime/ssd.py, torch "
+                 "ops) saves what the fused kernel saves but ran 4-6x slower than this price on an H200 "
+                 "(docs/cost_model.md, 'Measured on an H200')")
 _RESERVE = 2 * GB  # CUDA context (~0.5-1 GB) + NCCL channel buffers and cuBLAS workspaces (~1 GB)
 _RESERVE_SOURCE = "; less 2 GB for the CUDA context (~0.5-1 GB) and NCCL / cuBLAS workspaces"
 
