@@ -54,7 +54,7 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     bt = block_s
     mesh, spec = layout.mesh, ct.spec
     memo = {} if memo is None else memo
-    key = _p2p_key(layout)
+    key = _p2p_key(layout, memo)
     p2p = memo.get(key)
     if p2p is None:
         p2p = memo[key] = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
@@ -74,9 +74,9 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     return Bounds(step_s=step, peak_bytes=peak)
 
 
-def _p2p_key(layout: Layout) -> tuple:
+def _p2p_key(layout: Layout, memo: dict) -> tuple:
     return ("p2p", layout.mesh, layout.micro_batch, layout.sequence_parallel,  # the layers' choices: their compute
-            sharding.block_strategies(layout.strategies, BlockKind.LAYER), layout.schedule, layout.virtual_stages)
+            _layer_choices(layout.strategies, memo), layout.schedule, layout.virtual_stages)
 
 
 def _bubble_key(layout: Layout, microbatches: int) -> tuple:
@@ -86,6 +86,14 @@ def _bubble_key(layout: Layout, microbatches: int) -> tuple:
 def _state_key(layout: Layout) -> tuple:
     """The ZeRO-dependent terms: of the mesh, the parameters (tp, strategies) and the buffers (micro-batch)."""
     return ("state", layout.mesh, layout.micro_batch, layout.strategies, layout.zero, layout.offload, layout.precision)
+
+
+def _layer_choices(strategies: tuple, memo: dict) -> tuple:
+    """`sharding.block_strategies(strategies, LAYER)`, memoised (asked once per layout)."""
+    key = ("layer choices", strategies)
+    if key not in memo:
+        memo[key] = sharding.block_strategies(strategies, BlockKind.LAYER)
+    return memo[key]
 
 
 def _state_bounds(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: dict) -> tuple[float, float]:
@@ -100,9 +108,13 @@ def _state_bounds(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: 
             params += cost.block_params(ct, layout, BlockKind.EMBED)  # the head's copy
         memo[key] = params
     avg = memo[key] / mesh.pp  # the stage with the most parameters holds at least the average
-    experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER) / mesh.pp
-    peak = cost.state_bytes(avg, layout, expert=experts).total + cost.buffer_bytes(ct, layout, seq_len=seq_len)
-    return cost.optimizer_time(hw, avg, layout, expert=experts), peak
+    key = ("state bytes", mesh, layout.strategies, layout.zero, layout.offload, layout.precision)  # not the micro-batch
+    if key not in memo:
+        experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER) / mesh.pp
+        memo[key] = (cost.state_bytes(avg, layout, expert=experts).total,
+                     cost.optimizer_time(hw, avg, layout, expert=experts))
+    state, optimizer_s = memo[key]
+    return optimizer_s, state + cost.buffer_bytes(ct, layout, seq_len=seq_len)
 
 
 def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *, global_batch: int, seq_len: int,
@@ -117,7 +129,7 @@ def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *,
         if key not in memo:
             memo[key] = _single_stage_step(ct, hw, layout, microbatches=m, seq_len=seq_len)
         return max(bounds.step_s, memo[key])
-    p2p = memo[_p2p_key(layout)]
+    p2p = memo[_p2p_key(layout, memo)]
     f = memo[_bubble_key(layout, m)]
     optimizer_s = memo[_state_key(layout)][0]
     e, l, h = (block_s[k] for k in KINDS)
