@@ -182,7 +182,9 @@ def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: i
     params = sum(cost.block_params(ct, layout, k) * c for k, c in counts.items())
     experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER)
     times = []
-    for r in Recompute:
+    # recompute only adds time, save under sequence parallelism, where it changes the TP traffic too
+    levels = tuple(Recompute) if layout.sequence_parallel and layout.mesh.tp > 1 else (Recompute.NONE,)
+    for r in levels:
         lay = layout if layout.recompute is r else replace(layout, recompute=r)
         bt = {k: cost.block_time(ct, hw, lay, k, seq_len=seq_len) for k in KINDS}
         comp = sum(bt[k].compute_s * c for k, c in counts.items())
