@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
+from autoshard.passes.layouts import sequence_split_violation
 from autoshard.runtime.context_parallel import CPContext, all_gather_autograd
 from autoshard.runtime.ssd import gated_norm, head_groups, local_sizes, ssd_chunk_scan, ssd_scan
 
@@ -56,9 +57,9 @@ def conv_with_halo(xbc: Tensor, conv: nn.Conv1d, ctx: CPContext) -> Tensor:
     """Causal depthwise conv1d of this rank's slice (b, L, c), continuing rank r-1's tokens."""
     b, L, channels = xbc.shape
     halo = conv.weight.shape[-1] - 1
-    if L < halo:
-        raise InvalidConfigError(f"CP Mamba-2 needs at least conv_kernel-1 = {halo} tokens per rank, got {L}; "
-                                 "use a longer sequence or a smaller cp")
+    why = sequence_split_violation(L * ctx.size, ctx.size, balanced=False, min_local=halo)  # the plan's cp rule
+    if why:
+        raise InvalidConfigError(why)
     tails = xbc[:, L - halo:].contiguous()  # (b, k-1, c)
     tails = all_gather_autograd(tails, ctx).view(ctx.size, b, halo, channels)
     prev = tails[(ctx.rank - 1) % ctx.size] * float(ctx.rank > 0)  # zeros on rank 0, still in the graph
