@@ -11,7 +11,9 @@ Contract:
     view of the all-reduced bucket (DDP's `gradient_as_bucket_view`: no second copy; a group of one
     flattens and copies nothing: the gradients stay in `p.grad`).
   * zero=1: a reduce-scatter on the last micro-batch: dp rank i receives slice i of every (padded)
-    bucket; `p.grad` keeps the local (unreduced) gradient, as in Megatron's distributed optimizer.
+    bucket, written back into its part of the gradient buffer (main gradients, below: ZeRO-1/2
+    always use them); the rest of the buffer keeps the local (unreduced) gradient, as in Megatron's
+    distributed optimizer.
   * zero=2 (DeepSpeed stage 2): a reduce-scatter on EVERY micro-batch, summed into this rank's
     slices; `p.grad` is dropped as soon as its bucket is flattened, so a full gradient lives only
     while its bucket is in flight. The price is one reduce-scatter per micro-batch (the cost model
@@ -26,9 +28,9 @@ Contract:
 `begin(last=False)` (an earlier micro-batch of gradient accumulation) lets the hooks do nothing
 except under zero=2.
 
-Main gradients (`main_grads=True`, Megatron-LM's `main_grad` in its contiguous grad buffer;
-`DistributedModel` asks for them under bf16-mixed, runtime/precision.py, and under ZeRO-1/2 at any
-precision): each parameter has an fp32 `main_grad` (under bf16-mixed the parameters are bf16). The hook adds every micro-batch's
+Main gradients (Megatron-LM's `main_grad` in its contiguous grad buffer: `main_grads=True`, which
+`DistributedModel` asks for under bf16-mixed, runtime/precision.py, and always under zero=1/2, at
+any precision): each parameter has an fp32 `main_grad` (under bf16-mixed the parameters are bf16). The hook adds every micro-batch's
 `.grad` into it in fp32 and drops `.grad` (`take_grad`), so the gradient lives in fp32 only.
 Under zero=0/1 a bucket's main gradients are views of one persistent flat fp32 buffer (padded to
 a multiple of dp), all-reduced in place (zero=0) or reduce-scattered, this rank's reduced slice
@@ -144,7 +146,7 @@ class GradSync:
             raise ValueError(f"GradSync runs ZeRO levels 0, 1 and 2, got {zero!r}")
         self.zero = zero > 0  # gradients end as this rank's slices (reduce-scatter)
         self.every_micro_batch = zero == 2
-        self.main_grads = main_grads
+        self.main_grads = main_grads or self.zero  # ZeRO-1/2: the gradients live in the buffer at any precision
         self.enabled = False
         self.buckets: list[_Bucket] = []
         current, size = [], 0
@@ -156,7 +158,7 @@ class GradSync:
                 current, size = [], 0
         if current:
             self.buckets.append(_Bucket(current, self.world))
-        if main_grads:
+        if self.main_grads:
             for b in self.buckets:
                 if self.every_micro_batch:
                     for p in b.params:

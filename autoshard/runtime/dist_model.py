@@ -102,8 +102,7 @@ class DistributedModel:
         # gradients, fp32 masters in the (sharded) optimizer; ZeRO-3 is FSDP2's own (runtime/zero3.py)
         self._main_grads = self.precision is Precision.BF16_MIXED and not self._zero3
         # the gradients live in one flat buffer per bucket (Megatron-LM's grad buffer, `main_grad`) under
-        # bf16-mixed, and under ZeRO-1/2 at any precision (fp32: the reduced slice in place of its part)
-        grad_buffer = self._main_grads or zero
+        # bf16-mixed, and under ZeRO-1/2 at any precision (GradSync's own rule)
         if self._zero3:
             self._sync = GradSync(self._params, None, zero=0, prepare=prepare)
             self._loss_group = self._grad_group
@@ -111,11 +110,11 @@ class DistributedModel:
             expert_ids = {id(p) for n, p in self.model.named_parameters() if n in setup.expert_names}
             self._sync = GradSyncs(self._params, expert_ids, dense_group=setup.groups.replicas,
                                    expert_group=self._grad_group, zero=setup.plan.zero, prepare=prepare,
-                                   main_grads=grad_buffer)
+                                   main_grads=self._main_grads)
             self._loss_group = setup.groups.replicas
         else:
             self._sync = GradSync(self._params, self._grad_group, zero=setup.plan.zero, prepare=prepare,
-                                  main_grads=grad_buffer)
+                                  main_grads=self._main_grads)
             self._loss_group = self._grad_group
         # HF keeps the coefficient on the model (read from the config when it was built)
         self._aux_coef = getattr(self.model, "router_aux_loss_coef", getattr(self.model.config, "router_aux_loss_coef", 0))
