@@ -105,6 +105,12 @@ class Layout:
     # passes/sharding.py CHOICES): what the sharding table splits, hence every TP divisor and collective
     strategies: tuple[tuple[str, str], ...] = ()
     moe_imbalance: float = 1.0  # mixture of experts: the busiest expert's load over the mean (passes/moe_cost.py)
+    # layer choices each pipeline stage makes on its own (the planner's tables, passes/solve_model.py
+    # `stage_variants`): "sequence_parallel" (on or off per stage; where they differ every stage boundary
+    # carries the whole sequence, `sequence_boundary_time`) and "groups" (Mamba-2 split or whole per stage);
+    # the layout's own sequence_parallel / groups are then off / split, the first of each stage's variants.
+    # What estimate() prices of such a layout is that first variant on every stage
+    stage_choices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.moe_imbalance, (int, float)) or not self.moe_imbalance >= 1.0:
@@ -125,6 +131,11 @@ class Layout:
         if self.offload and self.zero != 3:
             raise InvalidConfigError(f"optimizer offload needs zero=3 (FSDP2 offloads the ZeRO-3 shards), got "
                                      f"zero={self.zero}")
+        if self.stage_choices and not set(self.stage_choices) <= {"sequence_parallel", "groups"} or self.stage_choices and (
+                self.sequence_parallel and "sequence_parallel" in self.stage_choices) or (
+                "groups" in self.stage_choices and "groups" in dict(self.strategies)):
+            raise InvalidConfigError(f"stage_choices {self.stage_choices!r}: per-stage sequence_parallel / groups, "
+                                     "with the layout's own off / split")
         if not isinstance(self.recompute, Recompute):
             object.__setattr__(self, "recompute", Recompute(self.recompute))
 
@@ -866,6 +877,18 @@ def p2p_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, *, seq_len: i
         return 2 * send
     fwd, bwd = _chunk_compute(ct, hw, layout, seq_len)
     return crossings * (max(0.0, send - fwd) + max(0.0, send - bwd))
+
+
+def sequence_boundary_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, *, seq_len: int,
+                           boundaries: int) -> float:
+    """A sequence-parallel stage of a pipeline whose stages differ in sequence parallelism, per
+    micro-batch: every boundary carries the whole (tokens, hidden) activation, so at each of its
+    `boundaries` stage boundaries it all-gathers over tp (what it sends forward; the gradient of what
+    it received, backward) and keeps its slice of the other direction for free
+    (runtime/stages.py; Megatron-LM's gather / scatter_to_sequence_parallel_region). Blocking:
+    on the critical path."""
+    act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
+    return boundaries * best_time(hw, Collective.ALL_GATHER, act, size=layout.mesh.tp, stride=1)
 
 
 def _chunk_compute(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: int) -> tuple[float, float]:

@@ -44,9 +44,9 @@ from autoshard.passes.layouts import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALL
 from autoshard.passes.precision import resolve_precision
 from autoshard.passes.schedules import bubble_fraction, check_chunks
 from autoshard.passes.bounds import Bounds, lower_bounds, refined_step_bound
-from autoshard.passes.sharding import strategy_options
-from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, block_numbers, evaluate,
-                                          mesh_problem, min_stage_sum, split_search)
+from autoshard.passes.sharding import choices, strategy_options
+from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, evaluate, mesh_problem,
+                                          min_stage_sum, split_search, stage_numbers, stage_variants)
 
 Progress = Callable[[int, int, float], None]  # (layouts visited, layouts in total, best step so far)
 
@@ -77,7 +77,7 @@ def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assign
     removed from the domains before the model is built; "cut" means nothing beats the cutoff.
     `max_steps`: min-plus passes the exact split search may run first (0: CP-SAT alone); when it
     proves its assignment optimal CP-SAT is not called."""
-    p, L, R = problem.pp, problem.layers, len(problem.recomputes)
+    p, L, R = problem.pp, problem.layers, len(problem.options)
     m_mb = problem.microbatches
     ok = problem.mem_bytes <= problem.capacity_bytes
     if math.isfinite(cutoff_s):
@@ -135,7 +135,7 @@ def _cpsat(problem: MeshProblem, domains: list, *, floor: float, cutoff_s: float
 
     statuses = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible",
                 cp_model.MODEL_INVALID: "invalid", cp_model.UNKNOWN: "unknown"}
-    p, L, R = problem.pp, problem.layers, len(problem.recomputes)
+    p, L, R = problem.pp, problem.layers, len(problem.options)
     m_mb = problem.microbatches
     unit = float(problem.time_s.max()) * 1e-6 or 1.0
     time_int = np.rint(problem.time_s / unit).astype(np.int64)
@@ -151,9 +151,9 @@ def _cpsat(problem: MeshProblem, domains: list, *, floor: float, cutoff_s: float
         table = time_int[i].reshape(-1).tolist()
         t = m.NewIntVar(0, max(table[v] for v in allowed), f"t{i}")
         m.AddElement(idx, table, t)
-        tail_table = tail_int[i].tolist()
-        tail = m.NewIntVar(0, max(tail_table[k] for k in ks), f"tail{i}")
-        m.AddElement(n_i, tail_table, tail)
+        tail_table = tail_int[i].reshape(-1).tolist()  # per (option, layer count), as the times
+        tail = m.NewIntVar(0, max(tail_table[v] for v in allowed), f"tail{i}")
+        m.AddElement(idx, tail_table, tail)
         n.append(n_i), times.append(t), tails.append(tail), recs.append(r_i)
     m.Add(sum(n) == L)
     t_max = m.NewIntVar(max(0, int(floor / unit) - 1), int(time_int.max()), "t_max")
@@ -170,7 +170,7 @@ def _cpsat(problem: MeshProblem, domains: list, *, floor: float, cutoff_s: float
     if hint is not None:
         for i in range(p):
             m.AddHint(n[i], hint.layers[i])
-            m.AddHint(recs[i], problem.recomputes.index(hint.recompute[i]))
+            m.AddHint(recs[i], problem.option(hint.recompute[i], hint.variant_of(i)))
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = max(0.01, float(time_limit_s))
     solver.parameters.num_workers = 1
@@ -180,8 +180,7 @@ def _cpsat(problem: MeshProblem, domains: list, *, floor: float, cutoff_s: float
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         name = "cut" if status == cp_model.INFEASIBLE and math.isfinite(cutoff_s) else name
         return MeshResult(status=name, assignment=None, step_s=math.inf, bound_s=math.inf, wall_s=solver.WallTime())
-    a = Assignment(layers=tuple(solver.Value(v) for v in n),
-                   recompute=tuple(problem.recomputes[solver.Value(r)] for r in recs))
+    a = problem.assignment([solver.Value(v) for v in n], [solver.Value(r) for r in recs])
     step = evaluate(problem, a).step_s
     bound = min(step, solver.BestObjectiveBound() * unit / q)
     return MeshResult(status=name, assignment=a, step_s=step, bound_s=bound, wall_s=solver.WallTime())
@@ -224,14 +223,13 @@ def _bottleneck(problem: MeshProblem, ok: np.ndarray) -> tuple[float | None, Ass
         extra -= take
     if any(fastest[i, k] > cap for i, k in enumerate(layers)):
         return cap, None
-    rec = tuple(problem.recomputes[int(np.argmin(t[i, :, k]))] for i, k in enumerate(layers))
-    return cap, Assignment(layers=tuple(layers), recompute=rec)
+    return cap, problem.assignment(layers, [int(np.argmin(t[i, :, k])) for i, k in enumerate(layers)])
 
 
 def _min_tail(problem: MeshProblem, ok: np.ndarray) -> float:
-    """max over stages of the smallest tail a stage can have: a lower bound on max tail_i."""
-    fits = ok.any(axis=1)  # [i, n]
-    return float(max(problem.tail_s[i][fits[i]].min() for i in range(problem.pp)))
+    """max over stages of the smallest tail a stage can have (over its fitting options and layer
+    counts): a lower bound on max tail_i."""
+    return float(max(problem.tail_s[i][ok[i]].min() for i in range(problem.pp)))
 
 
 def min_peak_bytes(problem: MeshProblem) -> float:
@@ -276,21 +274,35 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
     device's resolved one)."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
-    intra = {}  # mesh -> its (sequence_parallel, strategies) options
+    intra = {}  # mesh -> its (sequence_parallel, strategies, stage choices) options
     for mesh in {mesh for mesh, _ in pairs}:
         sps = [sp for sp in sequence_parallel
                if not sp or sequence_parallel_violation(spec, mesh, seq_len) is None]
-        intra[mesh] = [(sp, st) for sp in sps for st in strategy_options(spec, mesh.tp, sequence_parallel=sp)]
+        intra[mesh] = [(sp, st, per) for sp in sps for st in strategy_options(spec, mesh.tp, sequence_parallel=sp)
+                       for per in [_stage_choices(spec, mesh, sp, sps)] if "groups" not in per or
+                       "groups" not in dict(st)]
     schedules_of = {}  # (pp, micro-batches) -> the schedules that go with them
     for mesh, mb in pairs:
         key = (mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))
         if key not in schedules_of:
             schedules_of[key] = pipeline_schedules(spec, *key, schedules)
     return [Layout(mesh=mesh, micro_batch=mb, zero=z, offload=o, schedule=sched, virtual_stages=v,
-                   sequence_parallel=sp, strategies=st, moe_imbalance=moe_imbalance, precision=precision)
-            for mesh, mb in pairs for sp, st in intra[mesh] for z in zeros if zero_violation(mesh, z) is None
+                   sequence_parallel=sp, strategies=st, stage_choices=per, moe_imbalance=moe_imbalance,
+                   precision=precision)
+            for mesh, mb in pairs for sp, st, per in intra[mesh] for z in zeros if zero_violation(mesh, z) is None
             for o in ((False, True) if offload and z == 3 else (False,))
             for sched, v in schedules_of[(mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))]]
+
+
+def _stage_choices(spec, mesh, sp: bool, sps) -> tuple[str, ...]:
+    """The layer choices the stages of a pipeline (pp > 1) make each on its own (`Layout.stage_choices`):
+    sequence parallelism, in the layout that is otherwise off, where both values are searched (the one
+    that is on everywhere stays its own layout: its boundaries carry the shard); Mamba-2 groups where
+    tp divides them (`sharding.choices`)."""
+    if mesh.pp == 1:
+        return ()
+    out = ("sequence_parallel",) if not sp and True in sps else ()
+    return out + (("groups",) if "groups" in choices(spec, mesh.tp) else ())
 
 
 def pipeline_schedules(spec, pp: int, microbatches: int, options=RUNTIME_SCHEDULES) -> list:
@@ -342,10 +354,12 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     order, pruned = [], 0
     ep_bounds: dict = {}  # ep -> [least step bound of the layouts that fit, least peak bound]
     for k, lay in enumerate(layouts):
-        key = (lay.mesh.tp, lay.mesh.cp, lay.mesh.ep, lay.micro_batch, lay.sequence_parallel, lay.strategies)
-        if key not in block_s:
-            base = replace(lay, recompute=Recompute.NONE)
-            block_s[key] = {kd: cost.block_time(ct, hw, base, kd, seq_len=seq_len).total_s for kd in kinds}
+        key = (lay.mesh.tp, lay.mesh.cp, lay.mesh.ep, lay.micro_batch, lay.sequence_parallel, lay.strategies,
+               lay.stage_choices)
+        if key not in block_s:  # stages choosing their variant: the least over the variants (a lower bound)
+            block_s[key] = {kd: min(cost.block_time(ct, hw, replace(v, recompute=Recompute.NONE), kd,
+                                                    seq_len=seq_len).total_s for v in stage_variants(lay))
+                            for kd in kinds}
         b = lower_bounds(ct, hw, lay, global_batch=global_batch, seq_len=seq_len, block_s=block_s[key], memo=memo)
         least = ep_bounds.setdefault(lay.mesh.ep, [math.inf, math.inf])
         least[1] = min(least[1], b.peak_bytes)
@@ -373,14 +387,14 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
                 ct, hw, layout, bounds, global_batch=global_batch, seq_len=seq_len, block_s=layout_block_s,
                 memo=memo) >= cutoff * (1 - 1e-9):  # nothing on it beats the cutoff: skip its tables
             continue
-        key = (layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.schedule,
-               layout.virtual_stages)  # p2p depends on v
+        key = (layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.stage_choices,
+               layout.schedule, layout.virtual_stages)  # p2p depends on v
         if key not in numbers:
-            numbers[key] = block_numbers(ct, hw, layout, seq_len=seq_len)
+            numbers[key] = stage_numbers(ct, hw, layout, seq_len=seq_len)
         problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key])
         result = solve_mesh(problem, time_limit_s=time_limit_s, hint=_even(problem), cutoff_s=cutoff)
         visited += 1
-        if result.assignment is not None:
+        if result.assignment is not None and not _all_sequence_parallel(problem, result.assignment):
             mine = best.get(layout.mesh)
             if mine is None or result.step_s < mine.result.step_s:
                 best[layout.mesh] = Candidate(layout=layout, result=result)
@@ -391,10 +405,17 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
                         ep_bounds=tuple((ep, s, p) for ep, (s, p) in sorted(ep_bounds.items())))
 
 
+def _all_sequence_parallel(problem: MeshProblem, a: Assignment) -> bool:
+    """Whether every stage of a layout whose stages choose their sequence parallelism took it: the layout
+    with sequence parallelism everywhere runs (and prices lower) that plan, its boundaries carrying the shard."""
+    return "sequence_parallel" in problem.layout.stage_choices and all(
+        problem.variants[a.variant_of(i)].sequence_parallel for i in range(problem.pp))
+
+
 def _even(problem: MeshProblem) -> Assignment:
     stages = even_stages(problem.layers, problem.pp) if problem.pp <= problem.layers else ()
     layers = tuple(st.layers for st in stages) or (problem.layers,) + (0,) * (problem.pp - 1)
-    return Assignment(layers=layers, recompute=(problem.recomputes[0],) * problem.pp)
+    return problem.assignment(layers, [0] * problem.pp)
 
 
 def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit_s: float = 10.0,
@@ -460,9 +481,11 @@ def _predict(ct, hw, spec, cand: Candidate, *, global_batch: int, seq_len: int) 
     problem = mesh_problem(ct, hw, cand.layout, global_batch=global_batch, seq_len=seq_len)
     ev = evaluate(problem, a)
     slow = max(range(len(ev.stage_s)), key=lambda i: ev.stage_s[i])
-    layout = replace(cand.layout, recompute=a.recompute[slow])
+    variants = stage_variants(cand.layout)
+    layout = replace(variants[a.variant_of(slow)], recompute=a.recompute[slow])
     est = cost.estimate(ct, spec, hw, layout, global_batch=global_batch, seq_len=seq_len, stages=a.stages())
-    uniform = len(set(a.recompute)) == 1
+    uniform = len(set(a.recompute)) == 1 and len({a.variant_of(i) for i in range(len(a.layers))}) == 1 and not (
+        "sequence_parallel" in cand.layout.stage_choices and layout.sequence_parallel)
     step = est.step_time_s if uniform else ev.step_s
     tokens = global_batch * seq_len
     return {
@@ -471,7 +494,7 @@ def _predict(ct, hw, spec, cand: Candidate, *, global_batch: int, seq_len: int) 
         "stage_memory_gb": [b / 1e9 for b in ev.stage_bytes], "stage_time_s": list(ev.stage_s),
         "microbatches": problem.microbatches, "time_breakdown_s": est.time.as_dict(),
         "memory_breakdown_gb": est.memory.as_gb(), "fits": ev.peak_bytes <= hw.memory_bytes,
-        "source": "cost.estimate(stages=)" if uniform else "cost component tables (mixed recompute)",
+        "source": "cost.estimate(stages=)" if uniform else "cost component tables (per-stage recompute / strategy)",
     }
 
 
@@ -525,14 +548,32 @@ def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len,
         solver["other_eps"] = _other_eps(ct, hw, spec, result, layout.mesh.ep, pred,
                                          global_batch=global_batch, seq_len=seq_len)
     rec = a.recompute[0] if len(set(a.recompute)) == 1 else max(a.recompute, key=list(Recompute).index)
-    return Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
+    stages = chunk_stages(a, layout)
+    sp, strategies = chunk_strategies(a, layout)
+    plan = Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
                 global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,
                 zero=layout.zero, offload_optimizer=layout.offload, recompute=rec, schedule=layout.schedule,
-                virtual_stages=layout.virtual_stages, sequence_parallel=layout.sequence_parallel,
-                strategies=layout.strategies, stages=chunk_stages(a, layout),
-                placements=block_placements(spec, tp=layout.mesh.tp, sequence_parallel=layout.sequence_parallel,
-                                            strategies=layout.strategies),
+                virtual_stages=layout.virtual_stages, sequence_parallel=sp, strategies=strategies, stages=stages,
                 predicted=pred, solver=solver)
+    return replace(plan, placements=block_placements(spec, tp=layout.mesh.tp, sequence_parallel=plan.sequence_parallel,
+                                                     strategies=plan.strategies, stages=stages))
+
+
+def chunk_strategies(a: Assignment, layout: Layout) -> tuple[bool | tuple[bool, ...], tuple]:
+    """The plan's `sequence_parallel` and `strategies` for assignment `a`: with per-stage choices
+    (`layout.stage_choices`) one value per model chunk, each chunk its rank's variant (a list whose
+    entries agree collapses to one value, `ir.Plan`)."""
+    if not layout.stage_choices:
+        return layout.sequence_parallel, layout.strategies
+    variants = stage_variants(layout)
+    ranks = [stage_rank(i, pp=layout.mesh.pp, virtual_stages=layout.virtual_stages, schedule=layout.schedule)
+             for i in range(layout.mesh.pp * layout.virtual_stages)]
+    mine = [variants[a.variant_of(r)] for r in ranks]
+    strategies = dict(layout.strategies)
+    groups = [dict(v.strategies).get("groups", "split") for v in mine]
+    if "groups" in layout.stage_choices and set(groups) != {"split"}:  # all split: the default, unnamed
+        strategies["groups"] = groups
+    return [v.sequence_parallel for v in mine], strategies
 
 
 def chunk_stages(a: Assignment, layout: Layout) -> tuple[Stage, ...]:

@@ -4,8 +4,10 @@ Contract
   `mesh_problem(ct, hw, layout, *, global_batch, seq_len, recomputes, blocks)` tabulates, for one
   layout (mesh, micro-batch, ZeRO level), what every possible pipeline stage costs: for stage
   i (0-based, fixing its activations in flight and whether it holds the embedding / head),
-  every layer count n and recompute level r, its time per micro-batch, its peak memory and
-  its tail (exposed gradient sync + optimizer step). The entries are compositions of
+  every layer count n and option o (a recompute level, and with `Layout.stage_choices` the
+  stage's own sequence parallelism / Mamba-2 groups, `stage_variants`), its time per micro-batch,
+  its peak memory and its tail (exposed gradient sync + optimizer step; it depends on the variant:
+  groups kept whole hold more parameters). The entries are compositions of
   `passes/cost.py`'s public component functions (block_time, block_activation_bytes,
   block_params, state_bytes, zero_exposed_time, dp_exposed_time, optimizer_time, p2p_time, logits_bytes,
   buffer_bytes, pipeline_time), composed the way `cost.estimate` composes them, so with one
@@ -15,7 +17,7 @@ Contract
   so the per-(kind, n) terms are evaluated once for all n = 0..layers (the collective model
   takes arrays). `block_numbers` (per mesh and micro-batch) is shared by its ZeRO levels.
 
-  `evaluate(problem, assignment)` prices one assignment (layers and recompute per stage):
+  `evaluate(problem, assignment)` prices one assignment (layers, recompute and variant per stage):
       step = pipeline_time(t_i, m) + max_i tail_i     (m max t_i + f (sum t_i - max t_i), f the
                                                       schedule's bubble fraction, passes/schedules.py)
   `brute_force(problem)` enumerates every assignment; the test compares it with CP-SAT.
@@ -24,6 +26,7 @@ Terms: n = layers of a stage; r = its recompute level; m = micro-batches per ste
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from itertools import product
@@ -31,8 +34,8 @@ from typing import Iterator
 
 import numpy as np
 
-from autoshard.ir import BlockKind, Recompute, Stage
-from autoshard.passes import cost, schedules
+from autoshard.ir import BlockKind, Recompute, Stage, stage_rank
+from autoshard.passes import cost, schedules, sharding
 from autoshard.passes.cost import CompiledTable, Layout
 
 KINDS = (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD)
@@ -48,14 +51,31 @@ class MeshProblem:
     microbatches: int
     capacity_bytes: float
     recomputes: tuple[Recompute, ...]
-    time_s: np.ndarray  # (pp, R, layers + 1) seconds per micro-batch
-    mem_bytes: np.ndarray  # (pp, R, layers + 1) peak bytes per device
-    tail_s: np.ndarray  # (pp, layers + 1) exposed DP sync + optimizer step
+    time_s: np.ndarray  # (pp, O, layers + 1) seconds per micro-batch
+    mem_bytes: np.ndarray  # (pp, O, layers + 1) peak bytes per device (inf: the option cannot go on the stage)
+    tail_s: np.ndarray  # (pp, O, layers + 1) exposed DP sync + optimizer step
     bubble: float = 1.0  # the schedule's bubble fraction f: step = m max t + f (sum t - max t) + tail
+    # the layouts a stage may take (`stage_variants`: one, or the per-stage sequence parallelism / groups of
+    # `layout.stage_choices`); the options O are (recompute level, variant) pairs, `options`
+    variants: tuple[Layout, ...] = ()
 
     @property
     def pp(self) -> int:
         return self.layout.mesh.pp
+
+    @property
+    def options(self) -> tuple[tuple[Recompute, int], ...]:
+        """(recompute level, variant index) of every option, in the order of the tables' second axis."""
+        return tuple((r, v) for v in range(max(1, len(self.variants))) for r in self.recomputes)
+
+    def option(self, recompute: Recompute, variant: int = 0) -> int:
+        return variant * len(self.recomputes) + self.recomputes.index(recompute)
+
+    def assignment(self, layers, options) -> Assignment:
+        """The assignment with `layers` per stage, stage i at option index `options[i]`."""
+        opts = [self.options[int(o)] for o in options]
+        return Assignment(layers=tuple(int(n) for n in layers), recompute=tuple(r for r, _ in opts),
+                          variant=tuple(v for _, v in opts) if len(self.variants) > 1 else ())
 
     def min_layers(self, i: int) -> int:
         """Every model chunk holds a layer, except that the first and last may hold only the
@@ -68,6 +88,10 @@ class MeshProblem:
 class Assignment:
     layers: tuple[int, ...]  # layers per stage
     recompute: tuple[Recompute, ...]  # per stage
+    variant: tuple[int, ...] = ()  # per stage: its index in MeshProblem.variants (none: 0 everywhere)
+
+    def variant_of(self, i: int) -> int:
+        return self.variant[i] if self.variant else 0
 
     def stages(self) -> tuple[Stage, ...]:
         out, start, p = [], 0, len(self.layers)
@@ -126,10 +150,12 @@ def block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
 
 
 def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, *, embed: bool, head: bool,
-                   seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                   seq_len: int, p2p_s: float | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(time [r, n], activations per micro-batch [r, n], other memory [n], tail [n], params [n]) of
     a stage holding n = 0..layers layers, with or without the embedding / head: cost.estimate's
-    per-stage terms, evaluated for every n at once."""
+    per-stage terms, evaluated for every n at once. `p2p_s`: the stage's boundary traffic when not
+    the layout's own (a sequence-parallel stage among stages that are not)."""
     n = np.arange(ct.spec.layers + 1, dtype=float)
     counts = np.stack([np.full_like(n, float(embed)), n, np.full_like(n, float(head))])  # [kind, n]
     tied = blocks.params[0] if head and ct.spec.tied and not embed else 0.0
@@ -137,7 +163,7 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     experts = n * cost.expert_block_params(ct, layout, BlockKind.LAYER)  # MoE: reduced over dp x cp apart
     comp = blocks.compute_s @ counts  # [r, n]
     bwd_last = blocks.bwd_s[0] @ counts  # backward time does not depend on the recompute level
-    time = comp + blocks.other_s @ counts + blocks.p2p_s + cost.zero_exposed_time(
+    time = comp + blocks.other_s @ counts + (blocks.p2p_s if p2p_s is None else p2p_s) + cost.zero_exposed_time(
         hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts, blocks=counts.sum(axis=0))
     state = cost.state_bytes(params, layout, expert=experts)
     other_mem = (state.weights + state.grads + state.optimizer + (blocks.logits_bytes if head else 0.0)
@@ -148,41 +174,92 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     return time, blocks.act_bytes @ counts, np.broadcast_to(other_mem, n.shape), np.broadcast_to(tail, n.shape), params
 
 
+@functools.lru_cache(maxsize=4096)
+def stage_variants(layout: Layout) -> tuple[Layout, ...]:
+    """The uniform layouts a pipeline stage of `layout` may take: `layout` itself, or with
+    `layout.stage_choices` each combination of sequence parallelism off / on and Mamba-2 groups
+    split / whole, the layout's own (off, split) first."""
+    if not layout.stage_choices:
+        return (layout,)
+    base = replace(layout, stage_choices=())
+    sps = (False, True) if "sequence_parallel" in layout.stage_choices else (layout.sequence_parallel,)
+    groups = ((), (("groups", "whole"),)) if "groups" in layout.stage_choices else ((),)
+    return tuple(replace(base, sequence_parallel=sp, strategies=tuple(sorted(base.strategies + g)))
+                 for sp in sps for g in groups)
+
+
+def stage_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
+                  recomputes: tuple[Recompute, ...] = tuple(Recompute)) -> tuple[BlockNumbers, ...]:
+    """`block_numbers` of every variant of `layout` (`stage_variants`)."""
+    return tuple(block_numbers(ct, hw, v, seq_len=seq_len, recomputes=recomputes) for v in stage_variants(layout))
+
+
 def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, seq_len: int,
-                 recomputes: tuple[Recompute, ...] = tuple(Recompute), blocks: BlockNumbers | None = None
-                 ) -> MeshProblem:
-    """Tabulate every stage's cost for `layout` (see the module docstring). `blocks`: the
-    layout's `block_numbers`, when the caller already has them (they are shared by ZeRO levels)."""
+                 recomputes: tuple[Recompute, ...] = tuple(Recompute),
+                 blocks: BlockNumbers | tuple[BlockNumbers, ...] | None = None) -> MeshProblem:
+    """Tabulate every stage's cost for `layout` (see the module docstring), for every option (recompute
+    level, variant) of a stage. `blocks`: the layout's `block_numbers` / `stage_numbers`, when the
+    caller already has them (they are shared by ZeRO levels).
+
+    Stages that choose their sequence parallelism (`layout.stage_choices`): a sequence-parallel stage
+    pays the whole sequence's p2p (the boundaries of a pipeline whose stages differ carry it) and
+    `cost.sequence_boundary_time` at its boundaries; an assignment where every stage is on is what the
+    layout with `sequence_parallel=True` prices lower (the shard crosses): the planner takes it from
+    there. A variant the plan validator refuses on a stage (a replicated embedding / head with the
+    first / last stage sequence-parallel) has infinite memory there."""
     layout = cost.resolved(layout, hw)
-    mesh, layers = layout.mesh, ct.spec.layers
+    mesh, layers, spec = layout.mesh, ct.spec.layers, ct.spec
     m = layout.microbatches(global_batch)
-    blocks = blocks if blocks is not None else block_numbers(ct, hw, layout, seq_len=seq_len, recomputes=recomputes)
-    if blocks.recomputes != tuple(recomputes):
-        raise ValueError(f"block numbers for {blocks.recomputes}, tables asked for {tuple(recomputes)}")
-    kinds = {(i == 0, i == mesh.pp - 1) for i in range(mesh.pp)}  # first, middle, last: at most three
-    cols = {k: _stage_columns(ct, hw, layout, blocks, embed=k[0], head=k[1], seq_len=seq_len) for k in kinds}
-    times, mems, tails = [], [], []
-    for i in range(mesh.pp):
-        time, act, other, tail, _ = cols[(i == 0, i == mesh.pp - 1)]
-        times.append(time)
-        # activations of the micro-batches in flight under the layout's schedule
-        mems.append(act * schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages) + other)
-        tails.append(tail)
-    arrays = [np.array(x, dtype=float) for x in (times, mems, tails)]
-    for a in arrays:
+    variants = stage_variants(layout)
+    if blocks is None:
+        blocks = stage_numbers(ct, hw, layout, seq_len=seq_len, recomputes=recomputes)
+    blocks = (blocks,) if isinstance(blocks, BlockNumbers) else tuple(blocks)
+    if len(blocks) != len(variants) or any(b.recomputes != tuple(recomputes) for b in blocks):
+        raise ValueError(f"block numbers for {len(blocks)} variants x {blocks[0].recomputes}, tables asked for "
+                         f"{len(variants)} x {tuple(recomputes)}")
+    chunks = mesh.pp * layout.virtual_stages
+    ranks = [stage_rank(c, pp=mesh.pp, virtual_stages=layout.virtual_stages, schedule=layout.schedule)
+             for c in range(chunks)]
+    mixed = "sequence_parallel" in layout.stage_choices
+    times, mems, tails = (np.empty((mesh.pp, len(variants) * len(recomputes), layers + 1)) for _ in range(3))
+    cols: dict = {}
+    for v, (lay, blk) in enumerate(zip(variants, blocks)):
+        o = slice(v * len(recomputes), (v + 1) * len(recomputes))
+        for i in range(mesh.pp):
+            p2p, valid = None, True
+            if mixed and lay.sequence_parallel:
+                mine = [c for c in range(chunks) if ranks[c] == i]
+                crossings = sum((c > 0) + (c < chunks - 1) for c in mine)
+                p2p = blocks[0].p2p_s + cost.sequence_boundary_time(ct, hw, lay, seq_len=seq_len, boundaries=crossings)
+                sp = tuple(ranks[c] == i for c in range(chunks))
+                valid = sharding.choice_violation(spec, mesh.tp, lay.strategies, sequence_parallel=sp,
+                                                  chunks=chunks) is None
+            key = (v, i == 0, i == mesh.pp - 1, p2p)
+            if key not in cols:
+                cols[key] = _stage_columns(ct, hw, lay, blk, embed=i == 0, head=i == mesh.pp - 1, seq_len=seq_len,
+                                           p2p_s=p2p)
+            time, act, other, tail, _ = cols[key]
+            times[i, o] = time
+            # activations of the micro-batches in flight under the layout's schedule
+            mems[i, o] = act * schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages) + other
+            if not valid:
+                mems[i, o] = np.inf
+            tails[i, o] = tail
+    for a in (times, mems, tails):
         a.flags.writeable = False
     return MeshProblem(layout=layout, layers=layers, microbatches=m, capacity_bytes=hw.memory_bytes,
-                       recomputes=tuple(recomputes), time_s=arrays[0], mem_bytes=arrays[1], tail_s=arrays[2],
+                       recomputes=tuple(recomputes), time_s=times, mem_bytes=mems, tail_s=tails,
                        bubble=float(schedules.bubble_fraction(layout.schedule, layout.virtual_stages,
-                                                                 microbatches=m, pp=mesh.pp)))
+                                                                 microbatches=m, pp=mesh.pp)),
+                       variants=variants if len(variants) > 1 else ())
 
 
 def evaluate(problem: MeshProblem, a: Assignment) -> Evaluation:
     """Step time and per-stage memory of one assignment, from the tables."""
-    idx = {r: k for k, r in enumerate(problem.recomputes)}
-    times = tuple(float(problem.time_s[i, idx[r], n]) for i, (n, r) in enumerate(zip(a.layers, a.recompute)))
-    mems = tuple(float(problem.mem_bytes[i, idx[r], n]) for i, (n, r) in enumerate(zip(a.layers, a.recompute)))
-    tail = max(float(problem.tail_s[i, n]) for i, n in enumerate(a.layers))
+    opts = [problem.option(r, a.variant_of(i)) for i, r in enumerate(a.recompute)]
+    times = tuple(float(problem.time_s[i, o, n]) for i, (n, o) in enumerate(zip(a.layers, opts)))
+    mems = tuple(float(problem.mem_bytes[i, o, n]) for i, (n, o) in enumerate(zip(a.layers, opts)))
+    tail = max(float(problem.tail_s[i, o, n]) for i, (n, o) in enumerate(zip(a.layers, opts)))
     lay = problem.layout
     step = cost.pipeline_time(times, problem.microbatches, schedule=lay.schedule,
                               virtual_stages=lay.virtual_stages) + tail
@@ -213,8 +290,8 @@ def brute_force(problem: MeshProblem) -> tuple[Assignment, Evaluation] | None:
     for split in stage_splits(problem.layers, problem.pp):
         if any(n < problem.min_layers(i) for i, n in enumerate(split)):
             continue  # a model chunk would hold no layer (virtual stages)
-        for rec in product(problem.recomputes, repeat=problem.pp):
-            a = Assignment(layers=split, recompute=rec)
+        for opts in product(range(len(problem.options)), repeat=problem.pp):
+            a = problem.assignment(split, opts)
             ev = evaluate(problem, a)
             if ev.peak_bytes <= problem.capacity_bytes and (best is None or ev.step_s < best[1].step_s):
                 best = (a, ev)
@@ -263,37 +340,44 @@ def min_stage_sum(fastest: np.ndarray, layers: int) -> tuple[float, tuple[int, .
 def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s: float = math.inf,
                  max_steps: int = 1000) -> SplitSearch:
     """The fastest assignment, exactly, by branch and bound over the slowest-stage time T and the
-    largest tail U. `ok[i, r, n]`: the entries allowed (they fit, and are not too slow for the
+    largest tail U. `ok[i, o, n]`: the entries allowed (they fit, and are not too slow for the
     cutoff); `floor`: the smallest T any assignment has (`solve._bottleneck`).
 
     For caps (T, U), with every entry slower than T or whose tail exceeds U removed, each stage
-    takes its fastest allowed recompute level, and `min_stage_sum` gives the smallest sum S(T, U).
-    value(T, U) = (m - f) T + f S(T, U) + U (f the schedule's bubble fraction, 1 for 1F1B) is at
-    least the step time of the assignment found, and at an optimum's own (max t, max tail) at most
-    the optimum, so min over (T, U) is the optimum. T runs up the distinct table times from
-    `floor`; it stops once (m - f) T + f S(inf, inf) + min tail reaches the best step found (or the
-    cutoff); for each T, U runs up the distinct tails below the found assignment's max tail while
+    takes its fastest allowed option (recompute level, variant), and `min_stage_sum` gives the
+    smallest sum S(T, U). value(T, U) = (m - f) T + f S(T, U) + U (f the schedule's bubble fraction,
+    1 for 1F1B) is at least the step time of the assignment found, and at an optimum's own (max t,
+    max tail) at most the optimum, so min over (T, U) is the optimum. T runs up the distinct table
+    times from `floor` (where the tail depends on the layer count alone, only each (stage, count)'s
+    fastest: an optimum may take it; where a stage's variants differ in tail, every entry's time);
+    it stops once (m - f) T + f S(inf, inf) + min tail reaches the best step found (or the cutoff);
+    for each T, U runs up the distinct tails below the found assignment's max tail while
     (m - f) T + f S(T, inf) + U is below it. After `max_steps` min-plus passes it stops unproven,
     with the bound (m - f) T + f S + min tail."""
     m, L, p, f = problem.microbatches, problem.layers, problem.pp, problem.bubble
     short = np.arange(L + 1)[None, :] < np.array([problem.min_layers(i) for i in range(p)])[:, None]  # [i, n]
-    t = np.where(ok & ~short[:, None, :], problem.time_s, np.inf)
+    t = np.where(ok & ~short[:, None, :], problem.time_s, np.inf)  # [i, o, n]
+    tail = problem.tail_s
     fastest, level = t.min(axis=1), t.argmin(axis=1)  # [i, n]
-    tail = np.where(np.isfinite(fastest), problem.tail_s, np.inf)
+    varied = len(problem.variants) > 1  # a stage's tail depends on its variant, not only its layer count
+    if not varied:  # one option per (stage, count) matters, its fastest: search over those alone
+        t, tail = fastest[:, None, :], tail[:, :1, :]
     total, _ = min_stage_sum(fastest, L)
-    tail_lo = float(max(row[np.isfinite(row)].min(initial=math.inf) for row in tail))
+    live = np.isfinite(t)
+    tail_lo = float(max(row[mask].min(initial=math.inf) for row, mask in zip(tail, live)))
     best_a, best = None, math.inf
     steps = 1
 
-    def found(layers) -> float:
+    def found(layers, arg) -> float:
         nonlocal best_a, best
-        a = Assignment(layers=layers, recompute=tuple(problem.recomputes[level[i, n]] for i, n in enumerate(layers)))
-        step = evaluate(problem, a).step_s
-        if step < best and step < cutoff_s:
-            best_a, best = a, step
-        return max(float(problem.tail_s[i, n]) for i, n in enumerate(layers))
+        pick = arg if varied else level
+        a = problem.assignment(layers, [pick[i, n] for i, n in enumerate(layers)])
+        ev = evaluate(problem, a)
+        if ev.step_s < best and ev.step_s < cutoff_s:
+            best_a, best = a, ev.step_s
+        return ev.tail_s
 
-    times = np.unique(fastest[np.isfinite(fastest) & (fastest >= floor)])
+    times = np.unique(t[live & (t >= floor)])
     for cap in times:
         goal = min(best, cutoff_s)
         if (m - f) * cap + f * total + tail_lo >= goal:
@@ -302,12 +386,12 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
         if steps >= max_steps:
             return SplitSearch(assignment=best_a, step_s=best, bound_s=(m - f) * cap + f * total + tail_lo,
                                proven=False, steps=steps)
-        capped = np.where(fastest <= cap, fastest, np.inf)
-        s_t, layers = min_stage_sum(capped, L)
+        capped = np.where(t <= cap, t, np.inf)  # [i, o, n]
+        s_t, layers = min_stage_sum(capped.min(axis=1), L)
         steps += 1
         if layers is None:
             continue
-        top = found(layers)
+        top = found(layers, capped.argmin(axis=1))
         tails = np.unique(tail[np.isfinite(capped) & (tail < top)])
         for u in tails[tails >= tail_lo]:
             if (m - f) * cap + f * s_t + u >= min(best, cutoff_s):
@@ -315,9 +399,10 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
             if steps >= max_steps:  # every (T', U) left has T' >= cap
                 return SplitSearch(assignment=best_a, step_s=best, bound_s=(m - f) * cap + f * total + tail_lo,
                                    proven=False, steps=steps)
-            s_u, layers = min_stage_sum(np.where(tail <= u, capped, np.inf), L)
+            under = np.where(tail <= u, capped, np.inf)
+            s_u, layers = min_stage_sum(under.min(axis=1), L)
             steps += 1
             if layers is not None:
-                found(layers)
+                found(layers, under.argmin(axis=1))
     goal = min(best, cutoff_s)
     return SplitSearch(assignment=best_a, step_s=best, bound_s=goal, proven=True, steps=steps)

@@ -48,11 +48,46 @@ def random_spec(rng: random.Random) -> ModelSpec:
     return spec_from_hf_config(config, name="user-mamba2")
 
 
-def _plan(spec: ModelSpec, layout, *, devices: int, global_batch: int, seq_len: int) -> Plan:
+def _plan(spec: ModelSpec, layout, *, devices: int, global_batch: int, seq_len: int, variant=()) -> Plan:
+    """The plan of `layout`; with per-stage choices (`Layout.stage_choices`), each pipeline rank at its
+    entry of `variant` (indices into `solve_model.stage_variants`), as the planner writes it."""
+    from autoshard.passes.solve import chunk_strategies
+    from autoshard.passes.solve_model import Assignment
+
+    a = Assignment(layers=(0,) * layout.mesh.pp, recompute=(), variant=tuple(variant))
+    sp, strategies = chunk_strategies(a, layout)
     return Plan(model=spec.name, fingerprint="", hardware="cpu", devices=devices, global_batch=global_batch,
                 seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch, zero=layout.zero,
                 offload_optimizer=layout.offload, schedule=layout.schedule, virtual_stages=layout.virtual_stages,
-                sequence_parallel=layout.sequence_parallel, strategies=layout.strategies)
+                sequence_parallel=sp, strategies=strategies)
+
+
+def _variants(rng: random.Random, layout) -> list:
+    """Per-stage variant tuples to check for `layout`: none without per-stage choices; else every stage
+    at the first variant, and three random mixes (the planner may pick any one per stage)."""
+    from autoshard.passes.solve_model import stage_variants
+
+    count = len(stage_variants(layout))
+    if count == 1:
+        return [()]
+    return [(0,) * layout.mesh.pp] + [tuple(rng.randrange(count) for _ in range(layout.mesh.pp)) for _ in range(3)]
+
+
+def _valid_mix(spec, layout, variant) -> bool:
+    """Whether the planner can emit this mix: a replicated embedding / head only with its stage not
+    sequence-parallel (the tables give such a stage no memory to fit in, `solve_model.mesh_problem`)."""
+    from autoshard.passes.solve_model import stage_variants
+
+    from autoshard.ir import stage_rank
+
+    if not variant:
+        return True
+    variants = stage_variants(layout)
+    chosen = dict(layout.strategies)
+    pp, v = layout.mesh.pp, layout.virtual_stages
+    first, last = (stage_rank(c, pp=pp, virtual_stages=v, schedule=layout.schedule) for c in (0, pp * v - 1))
+    return not ((chosen.get("embedding") == "replicate" and variants[variant[first]].sequence_parallel) or
+                (chosen.get("head") == "replicate" and variants[variant[last]].sequence_parallel))
 
 
 def _slices_evenly(spec: ModelSpec, plan: Plan, shapes: dict) -> None:
@@ -65,8 +100,8 @@ def _slices_evenly(spec: ModelSpec, plan: Plan, shapes: dict) -> None:
 
 
 def test_every_candidate_layout_passes_the_runtime_check():
-    rng = random.Random(13)
-    seen_tp = 0
+    rng, mix = random.Random(13), random.Random(1)  # (the mixes draw from their own generator)
+    seen_tp = seen_mixed = 0
     for _ in range(25):
         spec = random_spec(rng)
         shapes = {n: tuple(p.shape) for n, p in build_model(spec, device="meta").named_parameters()}
@@ -79,9 +114,15 @@ def test_every_candidate_layout_passes_the_runtime_check():
                            shapes)
             seen_tp += tp > 1
         for lay in layouts:
-            check_plan(_plan(spec, lay, devices=devices, global_batch=global_batch, seq_len=seq_len), spec,
-                       world_size=devices)
+            for variant in _variants(mix, lay):
+                plan = _plan(spec, lay, devices=devices, global_batch=global_batch, seq_len=seq_len, variant=variant)
+                if _valid_mix(spec, lay, variant):
+                    check_plan(plan, spec, world_size=devices)
+                    seen_mixed += plan.per_stage
+                    if plan.per_stage and seen_mixed % 50 == 1:  # a sample: each stage's slices even too
+                        _slices_evenly(spec, plan, shapes)
     assert seen_tp >= 4  # the sample reaches tensor parallelism (5 (spec, tp > 1) pairs with this seed)
+    assert seen_mixed >= 10  # and per-stage mixes of sequence parallelism / groups
 
 
 def test_llama13b_on_5_devices_never_gets_tp5():

@@ -17,8 +17,8 @@ from autoshard.passes import cost, sharding
 from autoshard.passes.cost import Layout
 from autoshard.passes.layouts import check_plan
 from autoshard.passes.shapes import build_cost_table
-from autoshard.passes.solve import candidate_layouts, search, solve
-from autoshard.passes.solve_model import Assignment, brute_force, evaluate, mesh_problem
+from autoshard.passes.solve import candidate_layouts, search, solve, solve_mesh
+from autoshard.passes.solve_model import Assignment, brute_force, evaluate, mesh_problem, stage_variants
 
 
 @pytest.fixture(scope="module", params=["llama-tiny", "mamba2-tiny"])
@@ -59,6 +59,7 @@ def test_planner_reaches_the_joint_brute_force_optimum(tiny, hw_name, global_bat
     kw = dict(global_batch=global_batch, seq_len=seq_len)
     layouts = candidate_layouts(spec, devices=4, **kw)
     assert any(lay.strategies for lay in layouts)
+    assert any(len(stage_variants(lay)) > 1 for lay in layouts)  # per-stage SP (and groups) mixes are in it
     if memory is not None:
         peaks = sorted(evaluate(p, brute_force(p)[0]).peak_bytes
                        for p in (mesh_problem(ct, hw, lay, **kw) for lay in layouts[::7]))
@@ -89,8 +90,70 @@ def test_strategies_decide_the_optimum_under_tp(tiny, hw_name):
     assert found.result.step_s == pytest.approx(step, rel=1e-9)
     if hw_name == "h100":
         assert dict(found.layout.strategies).get("head") == "replicate"
-        default = _brute(ct, hw, [lay for lay in layouts if not lay.strategies and not lay.sequence_parallel], **kw)[0]
+        default = _brute(ct, hw, [lay for lay in layouts if not lay.strategies and not lay.sequence_parallel
+                                  and not lay.stage_choices], **kw)[0]
         assert step < default
+
+
+def test_stages_choose_their_strategy(tiny):
+    """pp x tp layouts let each stage choose sequence parallelism (and Mamba-2 its groups) on its own:
+    the tables hold one option per (recompute level, variant), the tail depends on the variant, and the
+    exact split search and CP-SAT alone both reach the brute force over every per-stage mix."""
+    spec, ct = tiny
+    kw = dict(global_batch=2, seq_len=128)
+    mamba = spec.family.value == "mamba2"
+    expect = {"sequence_parallel"} | ({"groups"} if mamba else set())
+    layouts = candidate_layouts(spec, devices=4, **kw)
+    per = [lay for lay in layouts if lay.stage_choices]
+    assert per and all(lay.mesh.pp > 1 for lay in per)
+    assert {c for lay in per for c in lay.stage_choices} == expect
+    assert not any(lay.mesh.pp > 1 and ("groups", "whole") in lay.strategies for lay in layouts)  # per stage there
+    for hw_name, memory in (("h100", None), ("cpu", 0.3)):
+        hw = load_hardware(hw_name)
+        problems = [mesh_problem(ct, hw, lay, **kw) for lay in per if lay.mesh.tp == 2][::3]
+        if memory is not None:  # a cap between the smallest and largest stage memory: it binds
+            finite = [float(x) for p in problems for x in p.mem_bytes.reshape(-1) if math.isfinite(x)]
+            problems = [replace(p, capacity_bytes=min(finite) + memory * (max(finite) - min(finite))) for p in problems]
+        for problem in problems:
+            assert len(problem.variants) == 2 ** len(set(problem.layout.stage_choices))
+            assert problem.tail_s.shape == problem.time_s.shape
+            best = brute_force(problem)
+            for steps in (1000, 0):
+                got = solve_mesh(problem, max_steps=steps)
+                if best is None:
+                    assert got.assignment is None
+                    continue
+                assert got.step_s == pytest.approx(best[1].step_s, rel=1e-9), (problem.layout, steps)
+        if mamba:  # groups whole hold more parameters: a larger DP sync / optimizer tail
+            p = problems[0]
+            whole = next(v for v, lay in enumerate(p.variants) if ("groups", "whole") in lay.strategies)
+            assert p.tail_s[0, p.option(Recompute.NONE, whole), 2] > p.tail_s[0, p.option(Recompute.NONE, 0), 2]
+
+
+def test_mixed_sequence_parallel_is_priced_as_it_runs():
+    """A stage of a pipeline whose stages differ in sequence parallelism: off, exactly the SP-off layout's
+    stage; on, the SP layout's stage with the whole sequence's p2p in place of the shard's and one all-gather
+    per boundary (runtime/stages.py: the boundaries carry the whole sequence)."""
+    spec = get_spec("llama-tiny")
+    ct = cost.compile_table(build_cost_table(spec), spec)
+    hw = load_hardware("h100")
+    kw = dict(global_batch=4, seq_len=64)
+    base = Layout(mesh=Mesh(pp=2, tp=2), micro_batch=1, zero=1)
+    off, on = (mesh_problem(ct, hw, replace(base, sequence_parallel=sp), **kw) for sp in (False, True))
+    mixed = mesh_problem(ct, hw, replace(base, stage_choices=("sequence_parallel",)), **kw)
+    assert [lay.sequence_parallel for lay in mixed.variants] == [False, True]
+    r = len(mixed.recomputes)
+    for table in ("time_s", "mem_bytes", "tail_s"):
+        assert (getattr(mixed, table)[:, :r] == getattr(off, table)).all()
+    assert (mixed.mem_bytes[:, r:] == on.mem_bytes).all() and (mixed.tail_s[:, r:] == on.tail_s).all()
+    lay = cost.resolved(replace(base, sequence_parallel=True), hw)
+    shard, whole = (cost.p2p_time(ct, hw, cost.resolved(replace(base, sequence_parallel=sp), hw), seq_len=64)
+                    for sp in (True, False))
+    gather = cost.sequence_boundary_time(ct, hw, lay, seq_len=64, boundaries=1)  # first and last: one boundary
+    assert gather > 0 and whole > shard
+    assert mixed.time_s[:, r:] == pytest.approx(on.time_s - shard + whole + gather, rel=1e-12)
+    a = Assignment(layers=(2, 2), recompute=(Recompute.NONE,) * 2, variant=(1, 0))
+    assert evaluate(mixed, a).stage_s[0] == pytest.approx(on.time_s[0, 0, 2] - shard + whole + gather)
 
 
 def test_tables_agree_with_estimate_for_every_strategy(tiny):
@@ -165,7 +228,7 @@ def test_validator_checks_every_stage(preset, mesh, extra, match):
                         seq_len=64, mesh=mesh, **extra), spec)
 
 
-def test_per_stage_plan_round_trips_and_names_each_stage():
+def test_per_stage_plan_round_trips_and_names_each_stage(tmp_path, capsys):
     """A plan listing sequence parallelism and groups per stage: valid, saved and loaded as lists, its
     placements name each stage's strategy; lists that agree are the single value; old files still load."""
     from autoshard.ir import even_stages
@@ -192,6 +255,14 @@ def test_per_stage_plan_round_trips_and_names_each_stage():
     assert same.sequence_parallel is True and same.strategies == (("groups", "whole"),) and not same.per_stage
     old = Plan.from_json({**data, "sequence_parallel": True, "strategies": {"groups": "whole"}})
     assert old.stage_sequence_parallel == (True, True) and old.stage_strategies(0) == (("groups", "whole"),)
+    from autoshard.cli import main
+
+    path = tmp_path / "plan.json"
+    replace(plan, placements=tuple(placements.items())).save(path)
+    assert main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "sequence parallel: on in stages 0" in out and "groups per stage split / whole" in out
+    assert "strategy" in out and "groups whole" in out and f"{last}.mixer.in_proj" in out  # (rich wraps cells)
 
 
 def test_plan_names_the_chosen_strategy_of_every_role():
