@@ -7,6 +7,8 @@ Contract
   optimizer state of an average stage, the buffers). The planner (passes/solve.py `search`) computes
   it for every candidate layout (~33k for llama-70b on 1024 devices), orders the layouts by it and
   stops once it reaches the runner-up; `memo` shares what depends on fewer coordinates than the layout.
+  `least_block_s(ct, hw, layout, *, seq_len)`: the block times both take, with per-stage choices the
+  least over a stage's variants.
   `refined_step_bound(ct, hw, layout, bounds, *, global_batch, seq_len, block_s, memo) -> float`:
   a tighter bound, asked only for the layouts the search is about to solve (a few hundred): with
   pp > 1 the slowest stage is at least the least slowest stage over every split of the whole layers
@@ -49,8 +51,7 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     and the ZeRO-dependent terms (not the schedule nor sequence parallelism)."""
     kinds = KINDS
     if block_s is None:
-        base = replace(layout, recompute=Recompute.NONE)
-        block_s = {k: cost.block_time(ct, hw, base, k, seq_len=seq_len).total_s for k in kinds}
+        block_s = least_block_s(ct, hw, layout, seq_len=seq_len)
     bt = block_s
     mesh, spec = layout.mesh, ct.spec
     memo = {} if memo is None else memo
@@ -72,6 +73,16 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     optimizer_s, peak = state
     step = f * work + (m - f) * max(work / mesh.pp, heaviest) + optimizer_s
     return Bounds(step_s=step, peak_bytes=peak)
+
+
+def least_block_s(ct: CompiledTable, hw, layout: Layout, *, seq_len: int) -> dict:
+    """{kind: seconds of one block without recompute} that bound `layout`'s blocks from below: its own,
+    or with per-stage choices (`Layout.stage_choices`) the least over the variants a stage may take
+    (`solve_model.stage_variants`): every stage of such a plan runs one of them."""
+    from autoshard.passes.solve_model import stage_variants
+
+    variants = [replace(v, recompute=Recompute.NONE) for v in stage_variants(layout)]
+    return {k: min(cost.block_time(ct, hw, v, k, seq_len=seq_len).total_s for v in variants) for k in KINDS}
 
 
 def _p2p_key(layout: Layout, memo: dict) -> tuple:

@@ -43,7 +43,7 @@ from autoshard.passes.layouts import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALL
                                      sequence_parallel_violation, zero_violation)
 from autoshard.passes.precision import resolve_precision
 from autoshard.passes.schedules import bubble_fraction, check_chunks
-from autoshard.passes.bounds import Bounds, lower_bounds, refined_step_bound
+from autoshard.passes.bounds import Bounds, least_block_s, lower_bounds, refined_step_bound
 from autoshard.passes.sharding import choices, strategy_options
 from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, evaluate, mesh_problem,
                                           min_stage_sum, split_search, stage_numbers, stage_variants)
@@ -347,7 +347,6 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     """Solve layouts in order of their step-time bound until the bound reaches the runner-up
     (the best plan on a mesh other than the best one), each with the best value it must beat
     as a cutoff. Deterministic: no wall clock decides anything."""
-    kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
     layouts = [cost.resolved(lay, hw) for lay in layouts]  # precision AUTO: the device's default
     block_s: dict = {}  # (tp, cp, ep, micro-batch, strategy) -> {kind: seconds}: shared by dp, pp, ZeRO
     memo: dict = {}  # lower_bounds' parameters and p2p times
@@ -357,9 +356,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         key = (lay.mesh.tp, lay.mesh.cp, lay.mesh.ep, lay.micro_batch, lay.sequence_parallel, lay.strategies,
                lay.stage_choices)
         if key not in block_s:  # stages choosing their variant: the least over the variants (a lower bound)
-            block_s[key] = {kd: min(cost.block_time(ct, hw, replace(v, recompute=Recompute.NONE), kd,
-                                                    seq_len=seq_len).total_s for v in stage_variants(lay))
-                            for kd in kinds}
+            block_s[key] = least_block_s(ct, hw, lay, seq_len=seq_len)
         b = lower_bounds(ct, hw, lay, global_batch=global_batch, seq_len=seq_len, block_s=block_s[key], memo=memo)
         least = ep_bounds.setdefault(lay.mesh.ep, [math.inf, math.inf])
         least[1] = min(least[1], b.peak_bytes)

@@ -9,7 +9,7 @@ import pytest
 from autoshard.hardware import load_hardware
 from autoshard.models.presets import get_spec
 from autoshard.passes import cost
-from autoshard.passes.bounds import lower_bounds, refined_step_bound, slowest_stage_floor
+from autoshard.passes.bounds import least_block_s, lower_bounds, refined_step_bound, slowest_stage_floor
 from autoshard.passes.precision import resolve_precision
 from autoshard.passes.shapes import build_cost_table
 from autoshard.passes.solve import candidate_layouts, solve_mesh
@@ -47,8 +47,7 @@ def test_bounds_never_exceed_a_layouts_optimum(name, hardware):
     # ValueError of numpy's, reported; the planner's search has not reached such a layout so far)
     for lay in [lay for lay in layouts if lay.mesh.ep == 1 or lay.mesh.dp * lay.mesh.cp > 1][::2]:
         b = lower_bounds(ct, hw, lay, memo=memo, **kw)
-        kinds = (cost.BlockKind.EMBED, cost.BlockKind.LAYER, cost.BlockKind.HEAD)
-        block_s = {k: cost.block_time(ct, hw, lay, k, seq_len=kw["seq_len"]).total_s for k in kinds}
+        block_s = least_block_s(ct, hw, lay, seq_len=kw["seq_len"])  # (per-stage choices: the least variant)
         refined = refined_step_bound(ct, hw, lay, b, block_s=block_s, memo=memo, **kw)
         problem = mesh_problem(ct, hw, lay, **kw)
         best = solve_mesh(problem, cutoff_s=float("inf"))
