@@ -286,9 +286,9 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
         key = (mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))
         if key not in schedules_of:
             schedules_of[key] = pipeline_schedules(spec, *key, schedules)
-    return [Layout(mesh=mesh, micro_batch=mb, zero=z, offload=o, schedule=sched, virtual_stages=v,
-                   sequence_parallel=sp, strategies=st, stage_choices=per, moe_imbalance=moe_imbalance,
-                   precision=precision)
+    return [_layout(mesh=mesh, micro_batch=mb, zero=z, offload=o, schedule=sched, virtual_stages=v,
+                    sequence_parallel=sp, strategies=st, stage_choices=per, moe_imbalance=moe_imbalance,
+                    precision=precision)
             for mesh, mb in pairs for sp, st, per in intra[mesh] for z in zeros if zero_violation(mesh, z) is None
             for o in ((False, True) if offload and z == 3 else (False,))
             for sched, v in schedules_of[(mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))]]
@@ -303,6 +303,21 @@ def _stage_choices(spec, mesh, sp: bool, sps) -> tuple[str, ...]:
         return ()
     out = ("sequence_parallel",) if not sp and True in sps else ()
     return out + (("groups",) if "groups" in choices(spec, mesh.tp) else ())
+
+
+_LAYOUTS: dict = {}  # candidate_layouts' Layouts by their fields: a re-plan in process reuses most of them
+
+
+def _layout(**fields) -> Layout:
+    """`Layout(**fields)`, the same object for the same fields (they are frozen): building one costs
+    ~8 us of validation, and a plan builds ~30k of them."""
+    key = tuple(fields.items())
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        if len(_LAYOUTS) > 1_000_000:  # many device counts planned in one process: start over
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[key] = Layout(**fields)
+    return layout
 
 
 def pipeline_schedules(spec, pp: int, microbatches: int, options=RUNTIME_SCHEDULES) -> list:
