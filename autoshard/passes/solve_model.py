@@ -312,6 +312,14 @@ class SplitSearch:
     steps: int  # min-plus passes run
 
 
+@functools.lru_cache(maxsize=16)
+def _minplus_index(size: int) -> tuple[np.ndarray, np.ndarray]:
+    k, n = np.arange(size)[:, None], np.arange(size)[None, :]
+    before, gap = np.maximum(k - n, 0), n > k
+    before.flags.writeable = gap.flags.writeable = False  # shared by every call
+    return before, gap
+
+
 def min_stage_sum(fastest: np.ndarray, layers: int) -> tuple[float, tuple[int, ...] | None]:
     """The smallest sum over stages of fastest[i, n_i] with sum n_i = layers (min-plus DP over the
     stages, visiting only each stage's finite entries), and the layer counts reaching it (on ties
@@ -320,13 +328,12 @@ def min_stage_sum(fastest: np.ndarray, layers: int) -> tuple[float, tuple[int, .
     best = np.full(size, np.inf)
     best[0] = 0.0
     choices = []
+    before, gap = _minplus_index(size)  # [k, n]: k - n (clipped), and n > k
     for row in fastest:
-        new, arg = np.full(size, np.inf), np.zeros(size, dtype=np.int64)
-        for n in np.flatnonzero(np.isfinite(row)):
-            cand = best[:size - n] + row[n]
-            better = cand < new[n:]
-            new[n:][better], arg[n:][better] = cand[better], n
-        best = new
+        cand = best[before] + row  # [k, n]: the first stages holding k - n layers, this one n
+        cand[gap] = np.inf
+        arg = cand.argmin(axis=1)  # the smallest n on ties
+        best = cand[np.arange(size), arg]
         choices.append(arg)
     if not np.isfinite(best[layers]):
         return math.inf, None
