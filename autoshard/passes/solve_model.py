@@ -355,8 +355,12 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
     smallest sum S(T, U). value(T, U) = (m - f) T + f S(T, U) + U (f the schedule's bubble fraction,
     1 for 1F1B) is at least the step time of the assignment found, and at an optimum's own (max t,
     max tail) at most the optimum, so min over (T, U) is the optimum. T runs up the distinct table
-    times from `floor` (where the tail depends on the layer count alone, only each (stage, count)'s
-    fastest: an optimum may take it; where a stage's variants differ in tail, every entry's time);
+    times from `floor` that an optimum's slowest stage can have: some optimum has every stage at its
+    fastest option among those with a tail no larger than its own max tail (making each stage faster
+    under that cap never raises the step), so T runs over each (stage, count)'s fastest times, and
+    where a stage's options differ in tail (its variants: the DP sync overlaps another backward, groups
+    whole hold more parameters) over the times of the options no other option beats in both time and
+    tail (U likewise over their tails);
     it stops once (m - f) T + f S(inf, inf) + min tail reaches the best step found (or the cutoff);
     for each T, U runs up the distinct tails below the found assignment's max tail while
     (m - f) T + f S(T, inf) + U is below it. After `max_steps` min-plus passes it stops unproven,
@@ -366,7 +370,8 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
     t = np.where(ok & ~short[:, None, :], problem.time_s, np.inf)  # [i, o, n]
     tail = problem.tail_s
     fastest, level = t.min(axis=1), t.argmin(axis=1)  # [i, n]
-    varied = len(problem.variants) > 1  # a stage's tail depends on its variant, not only its layer count
+    # a stage's tail depends on its option (groups kept whole hold more parameters), not only its layer count
+    varied = len(problem.variants) > 1 and bool((tail != tail[:, :1, :]).any())
     if not varied:  # one option per (stage, count) matters, its fastest: search over those alone
         t, tail = fastest[:, None, :], tail[:, :1, :]
     total, _ = min_stage_sum(fastest, L)
@@ -384,6 +389,14 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
             best_a, best = a, ev.step_s
         return ev.tail_s
 
+    if varied:  # an optimum takes, per stage, its fastest option under the optimum's max tail: only the options
+        # no other beats in both time and tail (each a new running minimum of the times in tail order) matter
+        order = np.argsort(tail, axis=1, kind="stable")
+        ranked = np.take_along_axis(t, order, axis=1)
+        before = np.concatenate([np.full_like(ranked[:, :1], np.inf),
+                                 np.minimum.accumulate(ranked, axis=1)[:, :-1]], axis=1)
+        live = np.zeros_like(live)
+        np.put_along_axis(live, order, np.isfinite(ranked) & (ranked < before), axis=1)
     times = np.unique(t[live & (t >= floor)])
     for cap in times:
         goal = min(best, cutoff_s)
@@ -399,7 +412,7 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
         if layers is None:
             continue
         top = found(layers, capped.argmin(axis=1))
-        tails = np.unique(tail[np.isfinite(capped) & (tail < top)])
+        tails = np.unique(tail[np.isfinite(capped) & live & (tail < top)])
         for u in tails[tails >= tail_lo]:
             if (m - f) * cap + f * s_t + u >= min(best, cutoff_s):
                 break
