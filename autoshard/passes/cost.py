@@ -66,6 +66,8 @@ sharded parameters (the masters), fp32 gradients and Adam m + v, (4 + 4 + 8) B /
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -779,8 +781,9 @@ def _dp_sync_exposed(hw: DeviceProfile, op: Collective, groups: tuple, bytes_per
     bucket (the larger of the groups' last buckets)."""
     v = layout.virtual_stages
     whole = sum(bucketed_time(hw, op, p / v, bytes_per_param, size=n, stride=s) for p, n, s in groups)
-    last = np.maximum.reduce([np.asarray(best_time(hw, op, np.minimum(p / v, _bucket_params(n)) * bytes_per_param,
-                                                   size=n, stride=s)) for p, n, s in groups])
+    # a group of one rank costs a scalar 0 beside the others' arrays: broadcast, not stack
+    last = functools.reduce(np.maximum, [np.asarray(best_time(hw, op, np.minimum(p / v, _bucket_params(n)) *
+                                                              bytes_per_param, size=n, stride=s)) for p, n, s in groups])
     out = np.maximum(last, whole - overlap_s / v)
     return out if isinstance(out, np.ndarray) and out.ndim else float(out)
 

@@ -187,3 +187,20 @@ def test_expert_gradients_sync_over_dp_on_their_own_link():
     assert got == pytest.approx(want)
     assert best_time(H100, Collective.ALL_REDUCE, 1e9, size=2, stride=8) > \
         best_time(H100, Collective.ALL_REDUCE, 1e9, size=2, stride=1)  # stride 8 leaves the node
+
+
+def test_expert_sync_over_one_rank_prices_stage_arrays():
+    """dp x cp = 1 < ep: the routed experts' sync group is one rank (free) beside the dense group's
+    ring; the planner passes one entry per stage split as arrays (it once raised numpy's ValueError)."""
+    import numpy as np
+
+    from autoshard.hardware import load_hardware
+    from autoshard.ir import Mesh
+    from autoshard.passes.cost import Layout, dp_exposed_time
+
+    hw, lay = load_hardware("h100"), Layout(mesh=Mesh(tp=2, ep=4), zero=1)
+    params, experts = np.array([1e9, 2e9]), np.array([5e8, 1e9])
+    arrays = dp_exposed_time(hw, params, lay, backward_s=np.zeros(2), forward_s=np.zeros(2), expert=experts)
+    singles = [dp_exposed_time(hw, p, lay, backward_s=0.0, forward_s=0.0, expert=e) for p, e in zip(params, experts)]
+    np.testing.assert_allclose(arrays, singles)
+    assert singles[1] > singles[0] > 0  # the dense group's ring, over ep = 4 ranks, is paid
