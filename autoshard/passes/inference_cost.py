@@ -197,7 +197,7 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
                            sympy.Integer(0))
         core[block.kind] = np.array(is_core, dtype=bool)
         skip[block.kind] = np.array([block.kind is BlockKind.HEAD and n.module_path == "" for n in nodes], dtype=bool)
-    return InferenceTable(ct=ct, core=core, skip=skip, attention_flops=sympy.lambdify((B, C), attn, "numpy"))
+    return InferenceTable(ct=ct, core=core, skip=skip, attention_flops=sympy.lambdify((B, C), attn, modules=[np]))
 
 
 def _in_core(path: str, spec: ModelSpec) -> bool:
