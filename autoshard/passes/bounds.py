@@ -16,6 +16,12 @@ Contract
   recompute level, ZeRO traffic and the exposed gradient sync included (no split to choose: only
   memory is left out). A layout whose refined bound does not beat the value it must beat is skipped
   without building its tables: the plan is the same, found sooner.
+  `bound_columns(ct, hw, layouts, *, global_batch, seq_len, memo) -> BoundColumns`: `lower_bounds` of
+  every layout at once, as numpy columns (what the planner asks): each distinct block / p2p / ZeRO-state
+  / schedule key is priced once with the same functions, the keys of a layout are read once per process
+  (the planner reuses its Layouts across plans), and the sums are the same float operations in the same
+  order, so every bound equals `lower_bounds`' (tests/passes/test_bounds.py checks it). `memo` is left
+  filled as `lower_bounds` fills it, so `refined_step_bound` reads it.
   Every term is read off `passes/cost.py`'s component functions, composed as `solve_model` composes them.
 """
 
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from autoshard.ir import BlockKind, Recompute
 from autoshard.passes import cost, sharding
@@ -83,6 +91,102 @@ def least_block_s(ct: CompiledTable, hw, layout: Layout, *, seq_len: int) -> dic
 
     variants = [replace(v, recompute=Recompute.NONE) for v in stage_variants(layout)]
     return {k: min(cost.block_time(ct, hw, v, k, seq_len=seq_len).total_s for v in variants) for k in KINDS}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoundColumns:
+    """`bound_columns`' answer: per layout (in the order given) its bounds and its block times' key."""
+
+    step_s: np.ndarray  # float64, `Bounds.step_s` of each layout
+    peak_bytes: np.ndarray  # float64, `Bounds.peak_bytes`
+    block_code: np.ndarray  # int64, the key of the layout's block times in `block_s`
+    block_s: dict  # block code -> {kind: seconds} (`least_block_s`), what `refined_step_bound` takes
+
+
+def bound_columns(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch: int, seq_len: int,
+                  memo: dict) -> BoundColumns:
+    """`lower_bounds` of every layout of `layouts` (see the module docstring); `memo` as `lower_bounds`'."""
+    if not layouts:
+        empty = np.zeros(0)
+        return BoundColumns(step_s=empty, peak_bytes=empty, block_code=np.zeros(0, dtype=np.int64), block_s={})
+    cols = np.array([_layout_codes(lay)[1:] for lay in layouts], dtype=np.int64)
+    block, p2p_code, state_code, sched_code, pp, rows = cols.T
+    m = global_batch // rows  # Layout.microbatches
+    reps = _CODES.reps
+    block_s, e, l, h = {}, *(np.zeros(len(reps)) for _ in KINDS)
+    for c in np.unique(block).tolist():
+        bt = block_s[c] = least_block_s(ct, hw, reps[c], seq_len=seq_len)
+        e[c], l[c], h[c] = (bt[k] for k in KINDS)
+    p2p = np.zeros(len(reps))
+    for c in np.unique(p2p_code).tolist():
+        key = _CODES.keys[c][0]  # lower_bounds' memo key
+        if key not in memo:
+            memo[key] = cost.p2p_time(ct, hw, reps[c], seq_len=seq_len)
+        p2p[c] = memo[key]
+    optimizer_s, peak = np.zeros(len(reps)), np.zeros(len(reps))
+    for c in np.unique(state_code).tolist():
+        key = _CODES.keys[c][0]
+        if key not in memo:
+            memo[key] = _state_bounds(ct, hw, reps[c], seq_len=seq_len, memo=memo)
+        optimizer_s[c], peak[c] = memo[key]
+    fewer = m < pp
+    bubble = sched_code * 2 + fewer
+    f = np.zeros(2 * len(reps))
+    for c in np.unique(bubble).tolist():
+        lay = reps[c // 2]
+        key = _bubble_key(lay, 0 if c % 2 else lay.mesh.pp)  # all it reads of m, pp: m < pp
+        if key not in memo:
+            i = int(np.flatnonzero(bubble == c)[0])
+            memo[key] = float(bubble_fraction(lay.schedule, lay.virtual_stages, microbatches=int(m[i]),
+                                              pp=int(pp[i])))
+        f[c] = memo[key]
+    e, l, h, p, f = e[block], l[block], h[block], p2p[p2p_code], f[bubble]
+    work = e + l + h + (ct.spec.layers - 1) * l + pp * p  # lower_bounds' sums, in its order
+    heaviest = np.maximum(np.maximum(e, l), h) + p
+    step = f * work + (m - f) * np.maximum(work / pp, heaviest) + optimizer_s[state_code]
+    return BoundColumns(step_s=step, peak_bytes=peak[state_code], block_code=block, block_s=block_s)
+
+
+class _Codes:
+    """Small integer codes for the keys a layout's bound reads, and a layout of each code; kept over plans."""
+
+    def __init__(self) -> None:
+        self.of: dict = {}  # (memo key, what one plan's layouts share) -> code
+        self.keys: list = []  # code -> key
+        self.reps: list = []  # code -> a layout with that key
+        self.layouts: dict = {}  # id(layout) -> (layout, block, p2p, state, schedule codes, pp, dp x ep x micro-batch)
+        self.choices: dict = {}  # `_layer_choices`' memo
+
+    def code(self, key: tuple, layout: Layout) -> int:
+        c = self.of.get(key)
+        if c is None:
+            c = self.of[key] = len(self.keys)
+            self.keys.append(key)
+            self.reps.append(layout)
+        return c
+
+
+_CODES = _Codes()
+
+
+def _layout_codes(layout: Layout) -> tuple:
+    """(layout, block code, p2p code, state code, schedule code, pp, dp x ep x micro-batch), once per layout
+    object (held here, so its id is not reused)."""
+    entry = _CODES.layouts.get(id(layout))
+    if entry is None or entry[0] is not layout:
+        if len(_CODES.layouts) > 1_000_000:  # many device counts planned in one process: start over
+            _CODES.__init__()
+        mesh = layout.mesh
+        # what every layout of one plan shares, so the memo keys leave it out: a code is for any plan
+        plan = (layout.precision, layout.moe_imbalance, layout.recompute)
+        block = ("block", mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.sequence_parallel, layout.strategies,
+                 layout.stage_choices)
+        entry = _CODES.layouts[id(layout)] = (
+            layout, _CODES.code((block, plan), layout), _CODES.code((_p2p_key(layout, _CODES.choices), plan), layout),
+            _CODES.code((_state_key(layout), plan), layout),
+            _CODES.code((("schedule", layout.schedule, layout.virtual_stages), ()), layout), mesh.pp,
+            mesh.dp * mesh.ep * layout.micro_batch)
+    return entry
 
 
 def _p2p_key(layout: Layout, memo: dict) -> tuple:

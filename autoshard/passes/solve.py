@@ -43,7 +43,7 @@ from autoshard.passes.layouts import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALL
                                      sequence_parallel_violation, zero_violation)
 from autoshard.passes.precision import resolve_precision
 from autoshard.passes.schedules import bubble_fraction, check_chunks
-from autoshard.passes.bounds import Bounds, least_block_s, lower_bounds, refined_step_bound
+from autoshard.passes.bounds import Bounds, bound_columns, lower_bounds, refined_step_bound  # noqa: F401 (lower_bounds: tests)
 from autoshard.passes.sharding import choices, strategy_options
 from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, evaluate, mesh_problem,
                                           min_stage_sum, split_search, stage_numbers, stage_variants)
@@ -363,25 +363,18 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     (the best plan on a mesh other than the best one), each with the best value it must beat
     as a cutoff. Deterministic: no wall clock decides anything."""
     layouts = [cost.resolved(lay, hw) for lay in layouts]  # precision AUTO: the device's default
-    block_s: dict = {}  # (tp, cp, ep, micro-batch, strategy) -> {kind: seconds}: shared by dp, pp, ZeRO
     memo: dict = {}  # lower_bounds' parameters and p2p times
-    order, pruned = [], 0
+    cols = bound_columns(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len, memo=memo)
+    fits = cols.peak_bytes <= hw.memory_bytes
+    pruned = len(layouts) - int(fits.sum())
+    ep = np.array([lay.mesh.ep for lay in layouts], dtype=np.int64)
     ep_bounds: dict = {}  # ep -> [least step bound of the layouts that fit, least peak bound]
-    for k, lay in enumerate(layouts):
-        key = (lay.mesh.tp, lay.mesh.cp, lay.mesh.ep, lay.micro_batch, lay.sequence_parallel, lay.strategies,
-               lay.stage_choices)
-        if key not in block_s:  # stages choosing their variant: the least over the variants (a lower bound)
-            block_s[key] = least_block_s(ct, hw, lay, seq_len=seq_len)
-        b = lower_bounds(ct, hw, lay, global_batch=global_batch, seq_len=seq_len, block_s=block_s[key], memo=memo)
-        least = ep_bounds.setdefault(lay.mesh.ep, [math.inf, math.inf])
-        least[1] = min(least[1], b.peak_bytes)
-        if b.peak_bytes <= hw.memory_bytes:
-            least[0] = min(least[0], b.step_s)
-        if b.peak_bytes > hw.memory_bytes:
-            pruned += 1
-            continue
-        order.append((b.step_s, k, lay, b, block_s[key]))
-    order.sort()  # by (bound, index): the indices are distinct, so layouts are never compared
+    for e in np.unique(ep).tolist():
+        mine = ep == e
+        ep_bounds[e] = [float(cols.step_s[mine & fits].min()) if (mine & fits).any() else math.inf,
+                        float(cols.peak_bytes[mine].min())]
+    kept = np.flatnonzero(fits)
+    order = kept[np.argsort(cols.step_s[kept], kind="stable")].tolist()  # by (bound, index)
     numbers: dict = {}
     best: dict = {}  # mesh -> best Candidate on it
     visited = 0
@@ -390,14 +383,15 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         ranked = sorted(best.values(), key=lambda c: c.result.step_s)
         return (ranked[0] if ranked else None), (ranked[1].result.step_s if len(ranked) > 1 else math.inf)
 
-    for done, (bound, _, layout, bounds, layout_block_s) in enumerate(order):
+    for done, k in enumerate(order):
+        layout, bound = layouts[k], float(cols.step_s[k])
         first, second = top2()
         if bound >= second * (1 - 1e-9):
             break
         cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
         if bound >= cutoff * (1 - 1e-9) or refined_step_bound(
-                ct, hw, layout, bounds, global_batch=global_batch, seq_len=seq_len, block_s=layout_block_s,
-                memo=memo) >= cutoff * (1 - 1e-9):  # nothing on it beats the cutoff: skip its tables
+                ct, hw, layout, Bounds(step_s=bound, peak_bytes=float(cols.peak_bytes[k])), global_batch=global_batch,
+                seq_len=seq_len, block_s=cols.block_s[int(cols.block_code[k])], memo=memo) >= cutoff * (1 - 1e-9):  # nothing on it beats the cutoff: skip its tables
             continue
         key = (layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.stage_choices,
                layout.schedule, layout.virtual_stages)  # p2p depends on v

@@ -1,0 +1,55 @@
+"""The planner's vectorised bounds (passes/bounds.py `bound_columns`) are `lower_bounds` of each layout,
+to the bit, at two (batch, seq) shapes in one process (the layouts' keys are kept over plans), and leave
+the memo `refined_step_bound` reads as `lower_bounds` leaves it: the search visits the same layouts in
+the same order, so it finds the same plan."""
+
+import numpy as np
+import pytest
+
+from autoshard.hardware import load_hardware
+from autoshard.models.presets import get_spec
+from autoshard.passes import cost
+from autoshard.passes.bounds import bound_columns, least_block_s, lower_bounds, refined_step_bound
+from autoshard.passes.precision import resolve_precision
+from autoshard.passes.shapes import build_cost_table
+from autoshard.passes.solve import candidate_layouts, solve
+
+CASES = [("llama-tiny", "h100", 16), ("mamba2-tiny", "cpu", 8), ("mixtral-tiny", "h100", 8)]
+SHAPES = [(32, 256), (64, 128), (32, 256)]  # the last: a re-plan at the first shape
+
+
+@pytest.mark.parametrize("name, hardware, devices", CASES)
+def test_bound_columns_equal_lower_bounds_of_each_layout(name, hardware, devices):
+    spec, hw = get_spec(name), load_hardware(hardware)
+    ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    for batch, seq in SHAPES:
+        kw = dict(global_batch=batch, seq_len=seq)
+        layouts = candidate_layouts(spec, devices=devices, offload=True, moe_imbalance=1.25,
+                                    precision=resolve_precision(cost.Precision.AUTO, hw), **kw)
+        assert len({lay.mesh.pp for lay in layouts}) > 1 and len({lay.mesh.ep for lay in layouts}) > (name == "mixtral-tiny")
+        memo, alone = {}, {}
+        cols = bound_columns(ct, hw, layouts, memo=memo, **kw)
+        for k, lay in enumerate(layouts):
+            b = lower_bounds(ct, hw, lay, memo=alone, **kw)
+            assert (cols.step_s[k], cols.peak_bytes[k]) == (b.step_s, b.peak_bytes), lay
+            block_s = cols.block_s[int(cols.block_code[k])]
+            assert block_s == least_block_s(ct, hw, lay, seq_len=seq), lay
+            if k % 7 == 0:  # the memo the search hands refined_step_bound
+                assert refined_step_bound(ct, hw, lay, b, block_s=block_s, memo=memo, **kw) == \
+                    refined_step_bound(ct, hw, lay, b, block_s=block_s, memo=alone, **kw), lay
+        order = np.argsort(cols.step_s, kind="stable").tolist()
+        assert order == sorted(range(len(layouts)), key=lambda k: (lower_bounds(ct, hw, layouts[k], **kw).step_s, k))
+
+
+@pytest.mark.parametrize("name, hardware, devices", CASES)
+def test_a_re_plan_in_process_gives_the_first_plan(name, hardware, devices):
+    spec, hw = get_spec(name), load_hardware(hardware)
+    ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    def plan(b, s, table):
+        p = solve(spec, hw, devices=devices, global_batch=b, seq_len=s, table=table, fingerprint="t").to_json()
+        p["solver"].pop("solve_time_s")
+        return p
+
+    plans = [plan(b, s, ct) for b, s in SHAPES]
+    fresh = plan(32, 256, cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec))
+    assert plans[0] == plans[2] == fresh
