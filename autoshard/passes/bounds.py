@@ -20,7 +20,7 @@ Contract
   every layout at once, as numpy columns (what the planner asks): each distinct block / p2p / ZeRO-state
   / schedule key is priced once with the same functions, the keys of a layout are read once per process
   (the planner reuses its Layouts across plans), and the sums are the same float operations in the same
-  order, so every bound equals `lower_bounds`' (tests/passes/test_bounds.py checks it). `memo` is left
+  order, so every bound equals `lower_bounds`' (tests/passes/test_bound_columns.py checks it). `memo` is left
   filled as `lower_bounds` fills it, so `refined_step_bound` reads it.
   Every term is read off `passes/cost.py`'s component functions, composed as `solve_model` composes them.
 """

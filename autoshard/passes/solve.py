@@ -10,8 +10,8 @@ Contract
   recomputation level of every stage, minimising the step time of `passes/cost.py` (read off
   its component functions through `solve_model.mesh_problem`) subject to peak memory per
   device <= capacity on every stage. Layouts are ruled out by a memory bound before any table
-  is built, then visited by a lower bound on their step time (`lower_bounds`); each layout gets
-  the value it must beat as a cutoff. Per layout the exact split search
+  is built, then visited by a lower bound on their step time (`lower_bounds`, for all layouts at once:
+  `bounds.bound_columns`); each layout gets the value it must beat as a cutoff. Per layout the exact split search
   (`solve_model.split_search`: branch and bound over the slowest-stage time and the largest tail,
   a min-plus DP over the stages for each) finds and proves the optimum in milliseconds; only when
   it stops unproven (`max_steps`) does CP-SAT decide, with its assignment as the hint and its bound
