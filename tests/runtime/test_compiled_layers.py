@@ -42,8 +42,18 @@ def test_bad_compile_setting_is_named():
         compile_backend(3, get_spec("llama-tiny"), "cuda")
 
 
+@pytest.fixture
+def world_of_one():
+    """parallelize creates this process's world of one; later tests expect none (they check that bad
+    plans fail before any process group exists), so it goes when the test ends."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_compiled_layers_train_like_one_process(recompute):
+def test_compiled_layers_train_like_one_process(recompute, world_of_one):
     spec = get_spec("llama-tiny")
     data = batches(spec.vocab, global_batch=4, seq=16, steps=2)
     ref, ref_losses, ref_grads = reference(spec, data)
@@ -56,4 +66,3 @@ def test_compiled_layers_train_like_one_process(recompute):
     for name, p in ref.named_parameters():
         assert_close(grads[name], ref_grads[name], **TOL, msg=lambda m: f"grad {name}: {m}")
         assert_close(dm.model.get_parameter(name), p, **TOL, msg=lambda m: f"weight {name}: {m}")
-    torch._dynamo.reset()
