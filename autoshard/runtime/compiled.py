@@ -46,11 +46,7 @@ def compile_backend(setting: bool | str | None, spec: ModelSpec, device_type: st
 
 
 def compile_layers(model: nn.Module, backend: str) -> int:
-    base = getattr(model, "model", None) or getattr(model, "backbone", None)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise InvalidConfigError(f"{type(model).__name__} has no decoder layers at .model.layers or "
-                                 ".backbone.layers to compile; pass compile=False")
+    layers = getattr(model, model.base_model_prefix).layers  # HF's body, as runtime/zero3.py finds the blocks
     for layer in layers:
         layer.compile(backend=backend)
     return len(layers)
