@@ -329,6 +329,15 @@ def _capture_error(model: nn.Module, e: Exception, path: str) -> CaptureError:
             "routing data and cannot be traced on fake tensors; use HF's fixed-shape 'grouped_mm' experts: "
             "build the config with experts_implementation='grouped_mm' (or set "
             "model.config._experts_implementation = 'grouped_mm')")
+    if "multiple of 16 bytes" in str(e) and path.split(".")[-1] == "experts":
+        config = getattr(model, "config", None)
+        sizes = {k: getattr(config, k) for k in ("hidden_size", "intermediate_size", "moe_intermediate_size")
+                 if isinstance(getattr(config, k, None), int)}
+        return CaptureError(
+            f"cannot trace {type(model).__name__}: the experts at {path!r} multiply with torch._grouped_mm "
+            f"(HF's 'grouped_mm' experts), which needs every row of its operands aligned to 16 bytes, i.e. in "
+            f"bf16 a multiple of 8 elements; this config has {sizes}; the model cannot run its experts in bf16 "
+            "either: make the hidden and expert sizes multiples of 8")
     where = f"module {path!r} ({type(_get_submodule(model, path)).__name__})" if path else \
         f"the top level of {type(model).__name__}.forward"
     first = (str(e).strip().splitlines() or [""])[0][:300]

@@ -36,6 +36,14 @@ def test_eager_experts_routing_is_a_clear_capture_error():
         capture_model(model, (torch.zeros(1, 8, dtype=torch.long),))
 
 
+def test_misaligned_expert_width_is_a_clear_capture_error():
+    """torch._grouped_mm needs 16-byte rows: an expert width of 36 in bf16 (72 bytes) cannot run."""
+    spec = get_spec("mixtral-tiny").__class__(**{**_fields(get_spec("mixtral-tiny")), "layers": 1, "ffn": 36})
+    model = build_model(spec, device="meta", dtype=torch.bfloat16)
+    with pytest.raises(CaptureError, match=r"16 bytes.*'intermediate_size': 36.*multiples of 8"):
+        capture_model(model, (torch.zeros(1, 8, dtype=torch.long),))
+
+
 def _fields(spec):
     return {f: getattr(spec, f) for f in spec.__dataclass_fields__}
 
