@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from autoshard.errors import InvalidConfigError
 from autoshard.passes.layouts import sequence_split_violation
 from autoshard.runtime.context_parallel import CPContext, all_gather_autograd
-from autoshard.runtime.ssd import gated_norm, head_groups, local_sizes, ssd_chunk_scan, ssd_scan
+from autoshard.runtime.ssd import (gated_norm, head_groups, local_sizes, scan_head_group, ssd_chunk_scan,
+                                   ssd_scan)
 
 __all__ = ["conv_with_halo", "cp_mixer_forward", "install_cp_mixers", "prefix_state", "ssd_chunk_scan"]
 
@@ -91,7 +92,7 @@ def cp_mixer_forward(mixer: nn.Module, ctx: CPContext, hidden_states: Tensor, ca
     # the local scan from a zero state: runtime/ssd.py's memory-efficient kernel (D skip included)
     y, final = ssd_scan(x.view(b, L, heads, head_dim), dt, A, B.view(b, L, groups, n), C.view(b, L, groups, n),
                         chunk=mixer.chunk_size, D=mixer.D, dt_bias=mixer.dt_bias, dt_limit=mixer.time_step_limit,
-                        head_group=group_of, final_state=True)
+                        head_group=scan_head_group(mixer, heads, groups, x.device), final_state=True)
     lo, hi = mixer.time_step_limit
     dt = F.softplus(dt + mixer.dt_bias.to(dt.dtype)).clamp(min=lo, max=hi).float()  # (b, L, h), as HF
     log_decay = (dt * A).cumsum(1)  # (b, L, h)

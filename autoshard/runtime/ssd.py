@@ -13,6 +13,10 @@ Contract
   the chunk-local tensors (the l x l masks and scores, B and C repeated to heads) one phase at a
   time: outputs from the saved chunk states, then the chunk states themselves. That is the
   contract of mamba_ssm's / Ascend's fused kernels and of `passes/kernels.py` `ssd_cost`.
+* Where it runs: `fused_scan(device)` is mamba_ssm's `mamba_chunk_scan_combined` on CUDA where
+  mamba_ssm is installed (production Mamba-2 training's kernel, the same math and arguments as HF's
+  `mamba2_chunk_scan`, and what the GPU profiles price), else None and `ssd_scan` runs the torch
+  Function above (on CUDA with a one-time warning: 4.4-6.5x slower than priced on an H200).
 * `mixer_forward(mixer, hidden_states, ...)`: HF `Mamba2Mixer.forward` (training path, no cache)
   with the scan above; every op outside the scan is HF's own, so what they save for backward is
   what the captured graph says. `install_ssd_mixers(model)` puts it on every `Mamba2Mixer`.
@@ -25,6 +29,9 @@ Contract
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -169,11 +176,51 @@ def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
 def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk: int, D: Tensor | None = None,
              dt_bias: Tensor | None = None, dt_limit: tuple[float, float] = (0.0, float("inf")),
              head_group: Tensor | None = None, final_state: bool = False):
-    """See the module docstring. x (b, L, h, p), dt (b, L, h) before softplus, A (h,), B, C (b, L, g, n)."""
+    """See the module docstring. x (b, L, h, p), dt (b, L, h) before softplus, A (h,), B, C (b, L, g, n);
+    `head_group` None: head i reads group i // (h / g). On CUDA with mamba_ssm installed, its fused
+    kernel runs instead (`fused_scan`)."""
+    kernel = fused_scan(x.device)
+    if kernel is not None:
+        if head_group is not None:  # a grouping the kernel's i // (h / g) does not express: B, C per head
+            B, C = B.index_select(2, head_group), C.index_select(2, head_group)
+        out = kernel(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=tuple(dt_limit),
+                     return_final_states=final_state)
+        return out
     h, g = x.shape[2], B.shape[2]
     if head_group is None:
         head_group = torch.arange(h, device=x.device) // (h // g)
     return _SSDScan.apply(x, dt, A, B, C, D, dt_bias, head_group, chunk, tuple(dt_limit), final_state)
+
+
+@functools.cache
+def _mamba_ssm_scan():
+    """mamba_ssm's `mamba_chunk_scan_combined` (Triton), or None where it is not installed."""
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception:  # not installed, or installed without a usable CUDA / Triton build
+        return None
+    return mamba_chunk_scan_combined
+
+
+def fused_scan(device: torch.device):
+    """The fused SSD kernel that runs on `device`, or None for `_SSDScan`'s torch ops: mamba_ssm's
+    `mamba_chunk_scan_combined` on CUDA where it is installed (what production Mamba-2 training runs,
+    and what the GPU profiles price: passes/kernels.py `ssd_chunk_scan`). Without it the torch scan
+    runs, measured 4.4-6.5x slower than the priced kernel on an H200 (docs/cost_model.md): warned once."""
+    if device.type != "cuda":
+        return None
+    kernel = _mamba_ssm_scan()
+    if kernel is None:
+        _warn_unfused()
+    return kernel
+
+
+@functools.cache
+def _warn_unfused() -> None:
+    warnings.warn("Mamba-2's SSD scan runs as torch ops on CUDA because mamba_ssm is not installed: a step "
+                  "takes several times what the plan predicts (the plan prices mamba_ssm's fused "
+                  "mamba_chunk_scan_combined; 4.4-6.5x measured on an H200); pip install mamba-ssm",
+                  stacklevel=3)
 
 
 # -- the HF mixer ---------------------------------------------------------------------------------------
@@ -192,6 +239,15 @@ def head_groups(mixer: nn.Module, heads: int, groups: int, device) -> Tensor:
     offset = getattr(mixer, "ssd_head_offset", 0)
     per_group = getattr(mixer, "ssd_heads_per_group", heads // groups)
     return (torch.arange(heads, device=device) + offset) // per_group
+
+
+def scan_head_group(mixer: nn.Module, heads: int, groups: int, device) -> Tensor | None:
+    """`head_groups` as `ssd_scan` takes it: None where it is the even split i // (heads / groups), which
+    the fused kernel reads from B and C per group without gathering them to heads."""
+    per_group = heads // groups
+    if getattr(mixer, "ssd_head_offset", 0) == 0 and getattr(mixer, "ssd_heads_per_group", per_group) == per_group:
+        return None
+    return head_groups(mixer, heads, groups, device)
 
 
 def mixer_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
@@ -215,7 +271,7 @@ def mixer_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention
     x, B, C = torch.split(xbc, [inner, groups * n, groups * n], dim=-1)
     y = ssd_scan(x.view(b, L, heads, head_dim), dt, A, B.view(b, L, groups, n), C.view(b, L, groups, n),
                  chunk=mixer.chunk_size, D=mixer.D, dt_bias=mixer.dt_bias, dt_limit=mixer.time_step_limit,
-                 head_group=head_groups(mixer, heads, groups, x.device))
+                 head_group=scan_head_group(mixer, heads, groups, x.device))
     y = gated_norm(mixer, y.reshape(b, L, -1), gate)
     return mixer.out_proj(y.to(dtype))
 

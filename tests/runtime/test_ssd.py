@@ -121,3 +121,41 @@ def test_cached_mixer_is_hfs_cached_path():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     for get in ("get_conv_state", "get_recurrent_state"):
         torch.testing.assert_close(getattr(ours, get)(0), getattr(theirs, get)(0), rtol=1e-4, atol=1e-5)
+
+
+def test_the_fused_kernel_gets_the_arguments_of_the_torch_scan(monkeypatch):
+    """On CUDA with mamba_ssm, `ssd_scan` calls `mamba_chunk_scan_combined`; HF's `mamba2_chunk_scan`
+    is its reference with the same signature, so standing it in for the kernel checks the arguments,
+    the per-head gather of a grouping the kernel cannot express, and the gradients through it."""
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    import autoshard.runtime.ssd as ssd
+
+    torch.manual_seed(1)
+    b, L, h, p, n, g, q = 2, 24, 4, 4, 6, 2, 8
+    for head_group in (None, torch.tensor([1, 1, 0, 1])):
+        x, dt, Bm, C = torch.randn(b, L, h, p), torch.randn(b, L, h), torch.randn(b, L, g, n), torch.randn(b, L, g, n)
+        A, bias, D = -torch.rand(h) * 2, torch.randn(h), torch.randn(h)
+        inputs = [t.requires_grad_() for t in (x, dt, A, Bm, C, D, bias)]
+        results = []
+        for kernel in (None, mamba2_chunk_scan):
+            monkeypatch.setattr(ssd, "fused_scan", lambda device, k=kernel: k)
+            y, final = ssd.ssd_scan(x, dt, A, Bm, C, chunk=q, D=D, dt_bias=bias, dt_limit=(0.0, 5.0),
+                                    head_group=head_group, final_state=True)
+            loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + final.square().sum()
+            results.append((y, final, torch.autograd.grad(loss, inputs)))
+        (y0, f0, g0), (y1, f1, g1) = results
+        torch.testing.assert_close(y1.float(), y0, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(f1.float(), f0, rtol=1e-4, atol=1e-5)
+        for name, a, e in zip(("x", "dt", "A", "B", "C", "D", "dt_bias"), g1, g0):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, msg=lambda m: f"grad {name}: {m}")
+
+
+def test_the_torch_scan_runs_where_no_fused_kernel_is_installed():
+    import autoshard.runtime.ssd as ssd
+
+    assert ssd.fused_scan(torch.device("cpu")) is None
+    if ssd._mamba_ssm_scan() is None:  # CUDA without mamba_ssm: warned, since the plan prices the kernel
+        ssd._warn_unfused.cache_clear()
+        with pytest.warns(UserWarning, match="pip install mamba-ssm"):
+            assert ssd.fused_scan(torch.device("cuda")) is None
