@@ -9,8 +9,10 @@ model on CPU. The runtime compares it with `Plan.fingerprint` when it loads a pl
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # a preset's fingerprint ships in the package: reading it needs no torch
+    from torch import nn
 
 
 def fingerprint_module(model: nn.Module) -> str:

@@ -21,11 +21,13 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, replace
 from enum import Enum
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
+
+if TYPE_CHECKING:  # torch is imported where a model is built: planning a preset needs only its spec
+    import torch
+    from torch import nn
 
 
 class Family(str, Enum):
@@ -188,10 +190,14 @@ def get_spec(name: str, *, layers: int | None = None) -> ModelSpec:
     return spec
 
 
-def build_model(spec: ModelSpec, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+def build_model(spec: ModelSpec, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                 seed: int | None = 0) -> nn.Module:
-    """An unmodified HF model for `spec` with random weights; `device="meta"` allocates none."""
+    """An unmodified HF model for `spec` with random weights (`dtype` None: float32); `device="meta"`
+    allocates none."""
+    import torch
     from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if dtype is None else dtype
 
     if seed is not None and str(device) != "meta":
         torch.manual_seed(seed)
@@ -244,6 +250,9 @@ def resolve_model(name_or_factory: str, *, device: str = "meta") -> tuple[ModelS
     if ":" not in name_or_factory:
         spec = get_spec(name_or_factory)
         return spec, build_model(spec, device=device)
+    import torch
+    from torch import nn
+
     module_name, _, attr = name_or_factory.partition(":")
     if not module_name or not attr:
         raise InvalidConfigError(f"model {name_or_factory!r}: expected package.module:factory with both parts "

@@ -34,14 +34,16 @@ import heapq
 import math
 import operator
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
-from torch import fx
+from typing import TYPE_CHECKING, Callable
 
 from autoshard.errors import InvalidConfigError
 from autoshard.models.presets import Family, ModelSpec
-from autoshard.passes.capture import BWD, FWD, Captured
+
+if TYPE_CHECKING:  # torch is imported by the functions that walk a graph: reading a table needs none
+    import torch
+    from torch import fx
+
+    from autoshard.passes.capture import Captured
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,6 +95,8 @@ class Region:
 def _is_segsum_exp(node: fx.Node) -> bool:
     """exp of a log-decay masked with -inf: the semiseparable mask L = exp(segsum(A dt)) of the
     chunked SSD (arXiv 2405.21060 sec. 6), within a chunk or across chunks."""
+    import torch
+
     if node.op != "call_function" or node.target is not torch.ops.aten.exp.default:
         return False
     src = _through_views(node.args[0])
@@ -152,6 +156,8 @@ def find_regions(cap: Captured, *, kernels: tuple[str, ...] = KERNEL_NAMES) -> t
 
 
 def _through_views(node):
+    from torch import fx
+
     while isinstance(node, fx.Node) and node.op == "call_function" and _is_view(node) and node.args \
             and isinstance(node.args[0], fx.Node):
         node = node.args[0]
@@ -159,6 +165,8 @@ def _through_views(node):
 
 
 def _is_view(node: fx.Node) -> bool:
+    import torch
+
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return target is operator.getitem
@@ -172,6 +180,8 @@ class _GraphView:
     """Indexes over the captured graph that region finding needs."""
 
     def __init__(self, cap: Captured) -> None:
+        from autoshard.passes.capture import BWD, FWD
+
         self.cap = cap
         nodes = list(cap.graph_module.graph.nodes)
         self.index = {n: i for i, n in enumerate(nodes)}
@@ -186,6 +196,8 @@ class _GraphView:
 
     def _forward_live(self, nodes, fwd_set) -> set[fx.Node]:
         """Forward nodes whose value reaches the loss or logits through forward ops."""
+        from torch import fx
+
         out = next(n for n in reversed(nodes) if n.op == "output")
         results = out.args[0] if isinstance(out.args[0], (list, tuple)) else (out.args[0],)
         heads = [r for r, what in zip(results, self.cap.outputs) if not what.startswith("grad:")
@@ -282,6 +294,8 @@ class _GraphView:
     def region(self, kernel: str, out: fx.Node, body: set[fx.Node], inputs, params, *, where: fx.Node) -> Region:
         """The Region record; it runs in the module of its anchor `where` (its output may be a view
         taken as the next module's input)."""
+        import torch
+
         seqs = {n.meta.get("seq_nr") for n in body} - {None}
         bwd: set[fx.Node] = set()
         for n in self.bwd:
@@ -309,6 +323,8 @@ def _ancestors(nodes) -> set[fx.Node]:
 
 def _is_matrix(node: fx.Node) -> bool:
     """A placeholder holding a tensor of two or more dims (a weight matrix or conv kernel)."""
+    import torch
+
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.dim() >= 2
 

@@ -12,7 +12,7 @@ from autoshard.cost_table import B, S
 from autoshard.ir import BlockKind, OpKind
 from autoshard.models import PRESETS, build_model, get_spec
 from autoshard.models.presets import Family
-from autoshard.passes import shapes
+from autoshard.passes import shapes, shapes_trace
 from autoshard.passes.capture import capture_model
 from autoshard.passes.kernels import KERNEL_NAMES, kernel_for
 
@@ -25,8 +25,8 @@ def _at(expr, b, s):
 
 def _retrace(spec, b, s):
     """One concrete trace measured as the table is (fused kernels substituted)."""
-    cap = shapes._trace(shapes._truncated(spec, torch.bfloat16, None), b, s, True)
-    return shapes.measure(cap, spec, (b, s), kernel_for(spec, KERNEL_NAMES))
+    cap = shapes_trace._trace(shapes_trace._truncated(spec, torch.bfloat16, None), b, s, True)
+    return shapes_trace.measure(cap, spec, (b, s), kernel_for(spec, KERNEL_NAMES))
 
 
 @pytest.mark.parametrize("name,b,s", [("llama-tiny", 5, 80), ("mamba2-tiny", 5, 80)])
@@ -74,7 +74,7 @@ def test_micro_batch_1_flops_are_exact_and_bytes_close():
     # table, sampled at b >= 2, still counts them; they move bytes but do no arithmetic
     spec = get_spec("llama-tiny")
     table = shapes.build_cost_table(spec)
-    retraced = shapes._measure_graph(shapes._trace(shapes._truncated(spec, torch.bfloat16, None), 1, 96, True))
+    retraced = shapes_trace._measure_graph(shapes_trace._trace(shapes_trace._truncated(spec, torch.bfloat16, None), 1, 96, True))
     nodes = [n for blk in table.blocks for n in blk.nodes]
     for i, field in enumerate(FIELDS):
         ours = sum(_at(getattr(n, field), 1, 96) for n in nodes)
@@ -85,7 +85,7 @@ def test_micro_batch_1_flops_are_exact_and_bytes_close():
 def test_one_traced_layer_times_count_equals_the_full_model():
     spec = get_spec("llama-tiny")  # 4 layers
     table = shapes.build_cost_table(spec)
-    full = shapes._measure_graph(capture_model(build_model(spec, device="meta", dtype=torch.bfloat16),
+    full = shapes_trace._measure_graph(capture_model(build_model(spec, device="meta", dtype=torch.bfloat16),
                                                (torch.zeros(2, 48, dtype=torch.long),)))
     for i, field in enumerate(FIELDS):
         traced = sum(m.values[i] for m in full.values())
@@ -122,8 +122,8 @@ def test_mamba2_ssd_flops_within_5pct_of_the_paper(name):
     # are checked against re-tracing on mamba2-tiny above)
     spec = get_spec(name)
     s = 4096
-    cap = shapes._trace(shapes._truncated(spec, torch.bfloat16, None), 1, s, True)
-    measured = shapes._measure_graph(cap)
+    cap = shapes_trace._trace(shapes_trace._truncated(spec, torch.bfloat16, None), 1, s, True)
+    measured = shapes_trace._measure_graph(cap)
     # the SSD: the mixer's own ops (its projections, gated norm and conv1d are submodules or excluded)
     ssd = [(cap.site(name).phase, m.values[0]) for name, m in measured.items()
            if cap.site(name).module_path.endswith(".mixer") and not name.startswith("convolution")]
