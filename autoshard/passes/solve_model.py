@@ -322,26 +322,62 @@ def _minplus_index(size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def min_stage_sum(fastest: np.ndarray, layers: int) -> tuple[float, tuple[int, ...] | None]:
     """The smallest sum over stages of fastest[i, n_i] with sum n_i = layers (min-plus DP over the
-    stages, visiting only each stage's finite entries), and the layer counts reaching it (on ties
-    each stage keeps the smallest count, deciding from the last stage back), or (inf, None)."""
-    size = layers + 1
-    best = np.full(size, np.inf)
-    best[0] = 0.0
+    stages), and the layer counts reaching it (on ties each stage keeps the smallest count, deciding
+    from the last stage back), or (inf, None)."""
+    return min_stage_sums(fastest[None], layers)[0]
+
+
+def min_stage_sums(fastest: np.ndarray, layers: int) -> list[tuple[float, tuple[int, ...] | None]]:
+    """`min_stage_sum` of each table fastest[j] ([j, i, n]), the DPs run side by side. A stage's pass
+    visits only its counts n finite in some table (a column range) and the running totals k of layers
+    the stages so far can hold and the rest can complete (a row range): every other candidate is
+    infinite or leads to no split, and a choice outside these ranges is never read. So each value is
+    the same float sum, and each choice the same count, as a pass over every (k, n)."""
+    size, count = layers + 1, len(fastest)
+    spans = []  # per stage: [lo, hi), the counts finite in some table
+    for i in range(fastest.shape[1]):
+        finite = np.flatnonzero(np.isfinite(fastest[:, i]).any(axis=0))
+        if not len(finite):
+            return [(math.inf, None)] * count
+        spans.append((int(finite[0]), int(finite[-1]) + 1))
+    least = np.cumsum([lo for lo, _ in spans]).tolist()  # [i]: the fewest / most layers stages 0..i hold
+    most = np.cumsum([hi - 1 for _, hi in spans]).tolist()
+    if not least[-1] <= layers <= most[-1]:
+        return [(math.inf, None)] * count
+    best = np.full((count, size), np.inf)
+    best[:, 0] = 0.0
     choices = []
     before, gap = _minplus_index(size)  # [k, n]: k - n (clipped), and n > k
-    for row in fastest:
-        cand = best[before] + row  # [k, n]: the first stages holding k - n layers, this one n
-        cand[gap] = np.inf
-        arg = cand.argmin(axis=1)  # the smallest n on ties
-        best = cand[np.arange(size), arg]
-        choices.append(arg)
-    if not np.isfinite(best[layers]):
-        return math.inf, None
-    out, k = [], layers
-    for arg in reversed(choices):
-        out.append(int(arg[k]))
-        k -= out[-1]
-    return float(best[layers]), tuple(reversed(out))
+    for i, (lo, hi) in enumerate(spans):
+        k0 = max(least[i], layers - (most[-1] - most[i]))  # the running totals the later stages can complete
+        k1 = min(most[i], layers - (least[-1] - least[i])) + 1
+        cand = best[:, before[k0:k1, lo:hi]] + fastest[:, i, None, lo:hi]  # [j, k, n]: stages so far k - n, this one n
+        cand[:, gap[k0:k1, lo:hi]] = np.inf
+        arg = cand.argmin(axis=2)  # the smallest n on ties
+        best = np.full((count, size), np.inf)
+        best[:, k0:k1] = np.take_along_axis(cand, arg[:, :, None], axis=2)[:, :, 0]
+        choice = np.zeros((count, size), dtype=np.int64)
+        choice[:, k0:k1] = arg + lo
+        choices.append(choice)
+    counts, k, tables = [], np.full(count, layers), np.arange(count)
+    for choice in reversed(choices):  # each table's counts, from the last stage back (an infinite one's are not read)
+        counts.append(choice[tables, k])
+        k = np.maximum(k - counts[-1], 0)
+    counts = np.stack(counts[::-1], axis=1).tolist()
+    return [(float(best[j, layers]), tuple(counts[j])) if np.isfinite(best[j, layers]) else (math.inf, None)
+            for j in range(count)]
+
+
+def _passes(tables, values: np.ndarray, layers: int):
+    """Lazily, for each value v of `values` in order: (the table `tables(v)` [i, o, n], `min_stage_sum` of
+    its fastest option per (stage, count)). The tables are built and their DPs run a chunk of values at a
+    time (1, 2, 4, ... 64: a search that stops early wastes little; one that runs long makes few numpy
+    calls): `tables(vs)` takes the chunk's values as an array [j, 1, 1, 1] and returns [j, i, o, n]."""
+    start, size = 0, 1
+    while start < len(values):
+        chunk = tables(values[start:start + size, None, None, None])
+        yield from zip(chunk, min_stage_sums(chunk.min(axis=2), layers))
+        start, size = start + size, min(2 * size, 64)
 
 
 def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s: float = math.inf,
@@ -398,7 +434,7 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
         live = np.zeros_like(live)
         np.put_along_axis(live, order, np.isfinite(ranked) & (ranked < before), axis=1)
     times = np.unique(t[live & (t >= floor)])
-    for cap in times:
+    for cap, (capped, (s_t, layers)) in zip(times, _passes(lambda caps: np.where(t <= caps, t, np.inf), times, L)):
         goal = min(best, cutoff_s)
         if (m - f) * cap + f * total + tail_lo >= goal:
             return SplitSearch(assignment=best_a, step_s=best,
@@ -406,21 +442,18 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
         if steps >= max_steps:
             return SplitSearch(assignment=best_a, step_s=best, bound_s=(m - f) * cap + f * total + tail_lo,
                                proven=False, steps=steps)
-        capped = np.where(t <= cap, t, np.inf)  # [i, o, n]
-        s_t, layers = min_stage_sum(capped.min(axis=1), L)
-        steps += 1
+        steps += 1  # capped: every entry slower than cap removed
         if layers is None:
             continue
         top = found(layers, capped.argmin(axis=1))
         tails = np.unique(tail[np.isfinite(capped) & live & (tail < top)])
-        for u in tails[tails >= tail_lo]:
+        tails = tails[tails >= tail_lo]
+        for u, (under, (s_u, layers)) in zip(tails, _passes(lambda us: np.where(tail <= us, capped, np.inf), tails, L)):
             if (m - f) * cap + f * s_t + u >= min(best, cutoff_s):
                 break
             if steps >= max_steps:  # every (T', U) left has T' >= cap
                 return SplitSearch(assignment=best_a, step_s=best, bound_s=(m - f) * cap + f * total + tail_lo,
                                    proven=False, steps=steps)
-            under = np.where(tail <= u, capped, np.inf)
-            s_u, layers = min_stage_sum(under.min(axis=1), L)
             steps += 1
             if layers is not None:
                 found(layers, under.argmin(axis=1))

@@ -12,7 +12,7 @@ from autoshard.passes import cost
 from autoshard.passes.cost import Layout
 from autoshard.passes.shapes import build_cost_table
 from autoshard.passes.solve import candidate_layouts, min_peak_bytes, solve, solve_mesh
-from autoshard.passes.solve_model import Assignment, brute_force, evaluate, mesh_problem
+from autoshard.passes.solve_model import Assignment, brute_force, evaluate, mesh_problem, min_stage_sums
 
 
 @pytest.fixture(scope="module", params=["llama-tiny", "mamba2-tiny"])
@@ -66,6 +66,30 @@ def test_schedules_search_finds_the_brute_force_optimum(tiny, schedule, v):
                         stages=best[0].stages())
     if len(set(best[0].recompute)) == 1:
         assert best[1].step_s == pytest.approx(est.step_time_s, rel=1e-9)
+
+
+def test_min_stage_sums_equal_every_split_enumerated():
+    """The split search's min-plus DP (several tables side by side, each stage's pass over its finite
+    counts and the running totals that can still complete) gives, per table, the least sum over every
+    split and, on ties, the split whose last stage holds the fewest layers, then the one before...
+    (small integers: sums are exact, so ties are ties)."""
+    from itertools import product
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        stages, layers, count = int(rng.integers(1, 5)), int(rng.integers(0, 7)), int(rng.integers(1, 4))
+        tables = rng.integers(0, 4, size=(count, stages, layers + 1)).astype(float)
+        tables[rng.random(tables.shape) < rng.random()] = np.inf
+        for table, got in zip(tables, min_stage_sums(tables, layers)):
+            splits = [s for s in product(range(layers + 1), repeat=stages) if sum(s) == layers]
+            sums = {s: sum(table[i, n] for i, n in enumerate(s)) for s in splits}
+            least = min(sums.values())
+            if least == np.inf:
+                assert got == (np.inf, None)
+            else:
+                assert got == (least, min((s for s in splits if sums[s] == least), key=lambda s: s[::-1]))
 
 
 def test_planner_chooses_the_schedule_and_emits_its_chunks(tiny):
