@@ -87,10 +87,18 @@ def least_block_s(ct: CompiledTable, hw, layout: Layout, *, seq_len: int) -> dic
     """{kind: seconds of one block without recompute} that bound `layout`'s blocks from below: its own,
     or with per-stage choices (`Layout.stage_choices`) the least over the variants a stage may take
     (`solve_model.stage_variants`): every stage of such a plan runs one of them."""
+    return least_block_s_many(ct, hw, (layout,), seq_len=seq_len)[0]
+
+
+def least_block_s_many(ct: CompiledTable, hw, layouts, *, seq_len: int) -> list[dict]:
+    """`least_block_s` of each of `layouts`, their block times priced together (`cost.block_times`)."""
     from autoshard.passes.solve_model import stage_variants
 
-    variants = [replace(v, recompute=Recompute.NONE) for v in stage_variants(layout)]
-    return {k: min(cost.block_time(ct, hw, v, k, seq_len=seq_len).total_s for v in variants) for k in KINDS}
+    variants = [[v if v.recompute is Recompute.NONE else replace(v, recompute=Recompute.NONE)
+                 for v in stage_variants(lay)] for lay in layouts]
+    flat = [v for vs in variants for v in vs]
+    times = {k: iter(cost.block_times(ct, hw, flat, k, seq_len=seq_len)) for k in KINDS}
+    return [{k: min(next(times[k]).total_s for _ in vs) for k in KINDS} for vs in variants]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,8 +122,9 @@ def bound_columns(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch:
     m = global_batch // rows  # Layout.microbatches
     reps = _CODES.reps
     block_s, e, l, h = {}, *(np.zeros(len(reps)) for _ in KINDS)
-    for c in np.unique(block).tolist():
-        bt = block_s[c] = least_block_s(ct, hw, reps[c], seq_len=seq_len)
+    codes = np.unique(block).tolist()
+    for c, bt in zip(codes, least_block_s_many(ct, hw, [reps[c] for c in codes], seq_len=seq_len)):
+        block_s[c] = bt
         e[c], l[c], h[c] = (bt[k] for k in KINDS)
     p2p = np.zeros(len(reps))
     for c in np.unique(p2p_code).tolist():

@@ -451,31 +451,47 @@ def _flash(ct: CompiledTable, hw: DeviceProfile) -> bool:
 
 def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> np.ndarray:
     """Roofline seconds per node of one block instance and one micro-batch on one device."""
+    return _node_times_many(ct, hw, (layout,), kind, seq_len)[0]
+
+
+def _node_times_many(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Layout], kind: BlockKind,
+                     seq_len: int) -> np.ndarray:
+    """`_node_times` of each of `layouts` (which share the micro-batch and precision), [layout, node]: one
+    numpy pass for them all, each entry the same float operations as for its layout alone (elementwise; a
+    layout without expert parallelism has its expert factors at 1.0, which changes no bit)."""
     blk = ct.block(kind)
     if not len(blk.fwd):
-        return np.zeros(0)
-    vals = blk.evaluate(layout.micro_batch, seq_len)
-    tp, cp = layout.mesh.tp, layout.mesh.cp
-    div = _tp_divisor(blk, ct.spec, tp, layout.sequence_parallel, layout.strategies)
-    flops = vals[0] / div / cp * np.where(blk.quadratic, cp_attention_overwork(ct.spec, cp), 1.0)
-    byte_scale, _ = _fused_scales(ct, hw, layout, kind, seq_len)
+        return np.zeros((len(layouts), 0))
+    first = layouts[0]
+    vals = blk.evaluate(first.micro_batch, seq_len)
+
+    def column(values) -> np.ndarray:  # one value per layout, [layout, 1]
+        return np.array(values, dtype=np.float64)[:, None]
+
+    cp = column([lay.mesh.cp for lay in layouts])
+    div = np.stack([_tp_divisor(blk, ct.spec, lay.mesh.tp, lay.sequence_parallel, lay.strategies) for lay in layouts])
+    overwork = column([cp_attention_overwork(ct.spec, lay.mesh.cp) for lay in layouts])
+    flops = vals[0] / div / cp * np.where(blk.quadratic, overwork, 1.0)
+    byte_scale, _ = _fused_scales(ct, hw, first, kind, seq_len)
     nbytes = vals[1] * byte_scale / div / cp
-    peak = hw.peak_flops * layout.numbers.flops_scale
-    dims = vals[3:7].copy()
-    idx = np.arange(dims.shape[1])
+    peak = hw.peak_flops * first.numbers.flops_scale
+    dims = np.repeat(vals[None, 3:7], len(layouts), axis=0)  # [layout, (batch, m, n, k), node]
+    idx = np.arange(dims.shape[2])
     has_tp = blk.tp_dim >= 0
-    dims[blk.tp_dim[has_tp], idx[has_tp]] /= div[has_tp]
+    dims[:, blk.tp_dim[has_tp], idx[has_tp]] /= div[:, has_tp]
     has_cp = blk.cp_dim >= 0
-    dims[blk.cp_dim[has_cp], idx[has_cp]] /= cp
-    if layout.mesh.ep > 1 and blk.expert is not None and blk.expert.any():  # passes/moe_cost.py
-        busiest = np.where(blk.expert, moe_cost.expert_flops_factor(layout.mesh, layout.moe_imbalance), 1.0)
+    dims[:, blk.cp_dim[has_cp], idx[has_cp]] /= cp
+    if blk.expert is not None and blk.expert.any() and any(lay.mesh.ep > 1 for lay in layouts):  # passes/moe_cost.py
+        busiest = np.where(blk.expert, column([moe_cost.expert_flops_factor(lay.mesh, lay.moe_imbalance)
+                                               for lay in layouts]), 1.0)
         flops, nbytes = flops * busiest, nbytes * busiest  # the busiest rank's rows set the pace
-        per_expert, rows = moe_cost.expert_gemm_scale(layout.mesh, layout.moe_imbalance)
+        per_expert, rows = (column(x) for x in zip(*(moe_cost.expert_gemm_scale(lay.mesh, lay.moe_imbalance)
+                                                        for lay in layouts)))
         grow = blk.expert & blk.is_gemm & has_cp  # E/ep experts, each receiving ep x imbalance the rows
-        dims[0, grow] /= per_expert
-        dims[blk.cp_dim[grow], idx[grow]] *= rows
+        dims[:, 0, grow] /= per_expert
+        dims[:, blk.cp_dim[grow], idx[grow]] *= rows
     mem_t = nbytes / (hw.hbm_bandwidth * hw.vector_efficiency)
-    eff = gemm_efficiency(hw, dims[1], dims[2], dims[3])
+    eff = gemm_efficiency(hw, dims[:, 1], dims[:, 2], dims[:, 3])
     gemm_t = np.where(blk.is_gemm, flops / (peak * eff), 0.0)
     if _flash(ct, hw):  # the attention nodes as the flash kernel runs them (passes/fused_regions.py)
         attn = blk.is_gemm & blk.quadratic
@@ -587,28 +603,48 @@ def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Block
     on what it depends on (the mesh's tp, cp and ep, not its dp nor pp: every group it prices is
     tp, cp or ep; not ZeRO, the schedule, nor the choices of the other blocks): the planner asks for
     it for many layouts that share those."""
-    mesh = layout.mesh
-    key = ("block_time", hw, mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.recompute, layout.precision,
-           layout.sequence_parallel, sharding.block_strategies(layout.strategies, kind), layout.moe_imbalance,
-           seq_len)
+    return block_times(ct, hw, (layout,), kind, seq_len=seq_len)[0]
+
+
+def block_times(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Layout], kind: BlockKind, *,
+                seq_len: int) -> list[BlockTime]:
+    """`block_time` of each of `layouts`; those not memoised yet are priced together, the node times of
+    the ones that share a micro-batch and precision in one numpy pass (`_node_times_many`)."""
     memo = ct.block(kind).memo
-    if key not in memo:
-        memo[key] = _block_time(ct, hw, layout, kind, seq_len)
-    return memo[key]
+    keys = [_block_key(hw, lay, kind, seq_len) for lay in layouts]
+    todo: dict = {}  # (micro-batch, precision) -> {key: layout} not memoised yet
+    for key, lay in zip(keys, layouts):
+        if key not in memo:
+            todo.setdefault((lay.micro_batch, lay.precision), {})[key] = lay
+    for group in todo.values():
+        times = _node_times_many(ct, hw, tuple(group.values()), kind, seq_len)
+        for (key, lay), t in zip(group.items(), times):
+            memo[key] = _block_time(ct, hw, lay, kind, seq_len, t)
+    return [memo[key] for key in keys]
 
 
-def _block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> BlockTime:
+def _block_key(hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> tuple:
+    """What `block_time` depends on."""
+    mesh = layout.mesh
+    return ("block_time", hw, mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.recompute, layout.precision,
+            layout.sequence_parallel, sharding.block_strategies(layout.strategies, kind), layout.moe_imbalance,
+            seq_len)
+
+
+def _block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int,
+                t: np.ndarray) -> BlockTime:
+    """`block_time` from the block's node times `t` (`_node_times`)."""
     blk = ct.block(kind)
-    t = _node_times(ct, hw, layout, kind, seq_len)
     fwd = float(t[blk.fwd].sum()) if len(t) else 0.0
     bwd = float(t[~blk.fwd].sum()) if len(t) else 0.0
-    tp_f, tp_b = _tp_comm(ct, hw, layout, kind, seq_len)
     cp_f, cp_b = _cp_comm(ct, hw, layout, kind, seq_len)
     if layout.sequence_parallel and layout.mesh.tp > 1:
         tp_f, tp_b = _sequence_tp_comm(ct, hw, layout, kind, seq_len, t)
-    elif kind is BlockKind.LAYER and tp_b > 0:
-        n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
-        tp_b = _tp_backward_exposed(blk, t, tp_b / n, n)
+    else:
+        tp_f, tp_b = _tp_comm(ct, hw, layout, kind, seq_len)
+        if kind is BlockKind.LAYER and tp_b > 0:
+            n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
+            tp_b = _tp_backward_exposed(blk, t, tp_b / n, n)
     ep_f, ep_b = (0.0, 0.0) if kind is not BlockKind.LAYER else moe_cost.ep_comm_time(
         hw, ct.spec, layout.mesh, tokens=_tokens(layout, seq_len), imbalance=layout.moe_imbalance,
         act_bytes=layout.numbers.act_bytes)

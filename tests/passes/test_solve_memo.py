@@ -1,5 +1,5 @@
 """The planner's shared memos give exactly what pricing each layout alone gives: block times keyed
-on (tp, cp, ep) rather than the mesh, and lower_bounds' p2p / bubble / ZeRO terms shared over layouts."""
+on (tp, cp, ep) rather than the mesh and priced many at once, and lower_bounds' p2p / bubble / ZeRO terms shared over layouts."""
 
 import pytest
 
@@ -25,12 +25,16 @@ def _layouts(name, hardware, devices):
 
 @pytest.mark.parametrize("name, hardware, devices", CASES)
 def test_memoised_block_times_equal_each_priced_alone(name, hardware, devices):
+    """Block times priced together (`block_times`: the node times of many layouts in one numpy pass, then
+    memoised) are each layout's priced alone, to the bit."""
     ct, hw, layouts = _layouts(name, hardware, devices)
-    for lay in layouts[::3]:
-        for r in Recompute:
-            for kind in cost.BlockKind:
-                lay_r = cost.replace(lay, recompute=r)
-                assert cost.block_time(ct, hw, lay_r, kind, seq_len=256) == cost._block_time(ct, hw, lay_r, kind, 256)
+    for r in Recompute:
+        lays = [cost.replace(lay, recompute=r) for lay in layouts[::3]]
+        for kind in cost.BlockKind:
+            together = cost.block_times(ct, hw, lays, kind, seq_len=256)
+            for lay, bt in zip(lays, together):
+                alone = cost._block_time(ct, hw, lay, kind, 256, cost._node_times(ct, hw, lay, kind, 256))
+                assert bt == alone == cost.block_time(ct, hw, lay, kind, seq_len=256)
 
 
 @pytest.mark.parametrize("name, hardware, devices", CASES)
