@@ -53,8 +53,8 @@ from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.fingerprint import check_plan_matches, fingerprint_module
 from autoshard.inference_plan import InferencePlan, is_inference_plan
 from autoshard.ir import AXES, Mesh, Plan, Precision
-from autoshard.models.presets import Family, spec_from_hf_config
-from autoshard.passes.layouts import check_plan
+from autoshard.models.presets import spec_from_hf_config
+from autoshard.passes.layouts import backend_violation, check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
 from autoshard.runtime.shard_graph import shard_graph
 from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
@@ -370,7 +370,9 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
     def resolve() -> Plan:
         given = _resolve_plan(requested, spec=spec, seq_len=1,
                               global_batch=global_batch or world, hardware="auto")
-        _check_backend_supported(given, spec)
+        why = backend_violation(spec, given)  # what the backend adds to the plan rules (check_plan, below)
+        if why:
+            raise InvalidConfigError(why)
         return given
 
     plan, groups, program = _rank_program(model, spec, resolve, world=world, device=device,
@@ -388,25 +390,6 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
     compile_fn.plan = plan
     compile_fn.groups = groups
     return compile_fn
-
-
-def _check_backend_supported(plan: Plan, spec) -> None:
-    mesh = plan.mesh
-    for axis in ("pp", "cp", "ep"):
-        if getattr(mesh, axis) > 1:
-            raise InvalidConfigError(f"{axis}={getattr(mesh, axis)} is not supported by the torch.compile backend "
-                                     "(it shards data and tensors only); use autoshard.parallelize for pipeline "
-                                     "and context parallelism")
-    if plan.sequence_parallel:
-        raise InvalidConfigError("sequence_parallel: the torch.compile backend runs tensor parallelism without it; "
-                                 "use autoshard.parallelize for sequence parallelism, or drop sequence_parallel here")
-    if plan.zero:
-        raise InvalidConfigError(f"zero={plan.zero}: the torch.compile backend keeps optimizer state whole; use "
-                                 "zero=0 here or autoshard.parallelize for ZeRO-1/2")
-    if mesh.tp > 1 and spec.family is not Family.LLAMA:
-        raise InvalidConfigError(f"tp={mesh.tp} for {spec.family.value}: Dynamo bakes the Mamba-2 mixer's head "
-                                 "counts into the graph, so the backend cannot shard it; use "
-                                 "autoshard.parallelize for Mamba-2 tensor parallelism, or tp=1 here")
 
 
 def _replace_placements(program, overrides: Mapping[str, Any]):

@@ -108,3 +108,51 @@ def test_sequence_parallel(capsys):
             assert row["peak_memory_gb"] < off[key]["peak_memory_gb"]
     auto = run_json(capsys, argv + ["--sequence-parallel", "auto"])
     assert len(auto) == len(on)
+
+
+def test_sequence_parallel_per_stage(capsys, tmp_path):
+    """--sequence-parallel auto also chooses it per pipeline stage. llama-tiny on 4 h100s cut to 9.9 MB
+    (global batch 4, seq 1024, micro-batch 2): pp2 x tp2 runs SP on stage 0 only (it holds the most
+    micro-batches in flight and needs SP's smaller activations; stage 1 fits without and runs faster so),
+    faster than either uniform choice. The row is the best of every per-stage choice of its ZeRO level
+    and recompute (a brute force over the planner's tables), and a plan the one validator passes."""
+    from dataclasses import replace
+
+    from autoshard.commands.sweep import stage_mix, sweep
+    from autoshard.hardware import load_hardware
+    from autoshard.ir import Mesh, Plan, Recompute
+    from autoshard.models.presets import get_spec
+    from autoshard.passes import cost
+    from autoshard.passes.layouts import check_plan
+    from autoshard.passes.shapes import build_cost_table
+    from autoshard.passes.solve_model import Assignment, evaluate, mesh_problem
+
+    spec, hw = get_spec("llama-tiny"), replace(load_hardware("h100"), memory_bytes=9.9e6)
+    kw = dict(global_batch=4, seq_len=1024)
+    ct = cost.compile_table(build_cost_table(spec), spec)
+    rows = sweep(spec, ct, hw, devices=4, micro_batch=2, zeros=(0, 1), recomputes=tuple(Recompute),
+                 sequence_parallel=(False, True), **kw)
+    row = next(e for e in rows if e.layout.mesh == Mesh(pp=2, tp=2))
+    assert row.stage_sequence_parallel == (True, False) and row.fits
+    lay = row.layout
+    uniform = [cost.estimate(ct, spec, hw, replace(lay, sequence_parallel=sp), **kw) for sp in (False, True)]
+    assert all(row.step_time_s < u.step_time_s * (1 - 1e-3) for u in uniform if u.fits)
+    problem = mesh_problem(ct, hw, replace(lay, stage_choices=("sequence_parallel",)), recomputes=(lay.recompute,),
+                           **kw)
+    evs = [evaluate(problem, Assignment(layers=(2, 2), recompute=(lay.recompute,) * 2, variant=v))
+           for v in ((0, 0), (0, 1), (1, 0), (1, 1))]
+    best = min((e for e in evs if e.peak_bytes <= hw.memory_bytes), key=lambda e: e.step_s)
+    assert row.step_time_s == pytest.approx(best.step_s, rel=1e-12)
+    assert stage_mix(ct, hw, lay, dict(zip((False, True), uniform)), **kw) == row
+    check_plan(Plan(model=spec.name, fingerprint="x", hardware=hw.name, devices=4, mesh=lay.mesh, micro_batch=2,
+                    zero=lay.zero, recompute=lay.recompute, sequence_parallel=list(row.stage_sequence_parallel),
+                    **kw), spec, world_size=4)
+    # the command: JSON lists each stage's choice, the table shows it
+    data = load_hardware("h100").to_json()
+    data.update(name="h100-9.9MB", memory_bytes=9.9e6)
+    (tmp_path / "hw.json").write_text(json.dumps(data))
+    argv = ["sweep", "--model", "llama-tiny", "--hardware", str(tmp_path / "hw.json"), "--devices", "4",
+            "--global-batch", "4", "--seq-len", "1024", "--micro-batch", "2", "--sequence-parallel", "auto"]
+    got = next(r for r in run_json(capsys, argv) if (r["pp"], r["tp"]) == (2, 2))
+    assert got["sequence_parallel"] == [True, False]
+    assert main(argv) == 0 and "on/-" in capsys.readouterr().out

@@ -3,6 +3,9 @@
 Builds the model's cost table once (passes/shapes), then runs the cost model (passes/cost) on
 every mesh that passes the divisibility rules (passes/layouts), for the given or every ZeRO level
 and recompute mode ("auto" keeps, per mesh, the fastest option that fits, else the smallest).
+Sequence parallelism: off, on every stage, or with `--sequence-parallel auto` also chosen per
+pipeline stage (`stage_mix`: the plan key's per-stage list, docs/plan_format.md), as `autoshard plan`
+chooses it.
 Prints a table best first (fitting layouts by step time, then the rest), or `--json`, and can
 plot MFU against memory per device (`--plot f.png`).
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import Sequence
 
 from autoshard.commands.common import MOE_IMBALANCE_HELP, check_output_path, cost_table_for, imbalance, model_for, positive_int
@@ -40,8 +44,9 @@ def add_parser(sub) -> None:
                    help="activation recomputation, or auto: the fastest that fits per layout (default auto)")
     p.add_argument("--sequence-parallel", choices=("off", "on", "auto"), default="off",
                    help="Megatron-LM sequence parallelism (norms and residual stream on a 1/tp shard of the "
-                   "sequence) on every layout with tp > 1 that allows it, or auto: with and without, the better "
-                   "per layout (default off)")
+                   "sequence) on every layout with tp > 1 that allows it, or auto: off, on, and under pp chosen "
+                   "per pipeline stage (the column then lists each stage's, e.g. on/-), the best per layout "
+                   "(default off)")
     p.add_argument("--moe-imbalance", type=imbalance, default=1.0, metavar="X", help=MOE_IMBALANCE_HELP)
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per layout, best first")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of MFU against memory per device")
@@ -67,11 +72,17 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
         # 1F1B needs m >= pp micro-batches (the validator's rule); with fewer the runtime runs GPipe
         base = Layout(mesh=mesh, micro_batch=micro_batch)
         schedule = "gpipe" if base.microbatches(global_batch) < mesh.pp else "1f1b"
-        options = [estimate(ct, spec, hw, Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r,
-                                                 sequence_parallel=sp, moe_imbalance=moe_imbalance,
-                                                 schedule=schedule),
-                            global_batch=global_batch, seq_len=seq_len)
-                   for z in zeros if zero_violation(mesh, z) is None for r in recomputes for sp in sorted(sps)]
+        options = []
+        for z in (z for z in zeros if zero_violation(mesh, z) is None):
+            for r in recomputes:
+                lay = Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r, moe_imbalance=moe_imbalance,
+                             schedule=schedule)
+                uniform = {sp: estimate(ct, spec, hw, replace(lay, sequence_parallel=sp), global_batch=global_batch,
+                                        seq_len=seq_len) for sp in sorted(sps)}
+                options += uniform.values()
+                if mesh.pp > 1 and len(uniform) == 2:  # both asked for and allowed: also per stage
+                    options += filter(None, [stage_mix(ct, hw, lay, uniform, global_batch=global_batch,
+                                                       seq_len=seq_len)])
         if not options:
             continue
         fitting = [e for e in options if e.fits]
@@ -79,6 +90,43 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
     if not out:
         raise InvalidConfigError(f"no valid mesh goes with ZeRO-{max(zeros)}: {zero_violation(meshes[0], max(zeros))}")
     return sorted(out, key=lambda e: (not e.fits, e.step_time_s))
+
+
+def stage_mix(ct, hw, layout, uniform: dict, *, global_batch: int, seq_len: int):
+    """`layout` (sequence parallelism off, pp > 1, an even split) with sequence parallelism chosen per
+    pipeline stage: an `Estimate` whose `stage_sequence_parallel` lists each stage's choice, or None where
+    the best choice is the same on every stage (`uniform` {False: estimate, True: estimate} has those).
+    Each stage takes the option that fits and is faster there (ties: off); the step time grows with
+    every stage's time and the DP tail does not depend on the choice, so no other per-stage choice of
+    this split and recompute level is faster. Priced by the planner's per-stage tables
+    (passes/solve_model.py `mesh_problem`: where the stages differ every boundary carries the whole
+    sequence, a sequence-parallel stage gathers what it sends, runtime/stages.py); the time and memory
+    breakdowns are the uniform layout's of the slowest stage's choice, as `autoshard plan` reports a
+    per-stage plan."""
+    from autoshard.ir import even_stages
+    from autoshard.passes.solve_model import Assignment, evaluate, mesh_problem
+
+    r, pp = layout.recompute, layout.mesh.pp
+    problem = mesh_problem(ct, hw, replace(layout, stage_choices=("sequence_parallel",)), global_batch=global_batch,
+                           seq_len=seq_len, recomputes=(r,))
+    layers = tuple(st.layers for st in even_stages(ct.spec.layers, pp))
+    picks = []
+    for i, n in enumerate(layers):
+        cells = [(float(problem.time_s[i, problem.option(r, v), n]), v) for v in (0, 1)  # variant 1: on
+                 if problem.mem_bytes[i, problem.option(r, v), n] <= hw.memory_bytes]
+        if not cells:
+            return None
+        picks.append(min(cells)[1])
+    if len(set(picks)) == 1:
+        return None
+    ev = evaluate(problem, Assignment(layers=layers, recompute=(r,) * pp, variant=tuple(picks)))
+    base = uniform[bool(picks[max(range(pp), key=lambda i: ev.stage_s[i])])]
+    step = ev.step_s
+    return replace(base, layout=layout, step_time_s=step, tokens_per_s=global_batch * seq_len / step,
+                   mfu=base.mfu * base.step_time_s / step, memory_gb=ev.peak_bytes / 1e9,
+                   mean_memory_gb=sum(ev.stage_bytes) / pp / 1e9, fits=ev.peak_bytes <= hw.memory_bytes,
+                   stage_times_s=ev.stage_s, stage_memory_gb=tuple(b / 1e9 for b in ev.stage_bytes),
+                   stage_sequence_parallel=tuple(bool(v) for v in picks))
 
 
 def run(args) -> int:
@@ -123,7 +171,7 @@ def _print_table(results, hw, spec, args) -> None:
     for i, e in enumerate(rows, 1):
         m, lay = e.layout.mesh, e.layout
         table.add_row(str(i), str(m.dp), str(m.pp), str(m.tp), str(m.cp), str(m.ep),
-                      "on" if lay.sequence_parallel else "-", str(lay.zero),
+                      _sp_cell(e), str(lay.zero),
                       lay.recompute.value, str(lay.micro_batch), f"{e.step_time_s:.2f}",
                       f"{e.tokens_per_s / 1e3:.1f}",
                       f"{e.mean_memory_gb:.1f}", f"{e.memory_gb:.1f}", f"{100 * e.mfu:.1f}", "yes" if e.fits else "[red]no[/red]")
@@ -134,6 +182,11 @@ def _print_table(results, hw, spec, args) -> None:
         print(f"ep={ep} excluded: {why}")
     if results and not results[0].fits:
         print(f"no layout fits in {hw.memory_gb:.0f} GB; the smallest needs {min(e.memory_gb for e in results):.1f} GB")
+
+
+def _sp_cell(e) -> str:
+    """The sp column: on / -, or each stage's where they differ (on/-)."""
+    return "/".join("on" if x else "-" for x in e.stage_sequence_parallel or (e.layout.sequence_parallel,))
 
 
 def write_plot(results, hw, path: str, *, title: str) -> None:

@@ -233,6 +233,9 @@ class Estimate:
     stages: tuple[Stage, ...]
     stage_times_s: tuple[float, ...]  # per micro-batch, fwd + bwd, per stage
     stage_memory_gb: tuple[float, ...] = ()  # peak bytes / 1e9 of each stage's devices
+    # sequence parallelism per pipeline stage when the stages differ (a `sweep` row, commands/sweep.py); empty:
+    # the layout's own on every stage
+    stage_sequence_parallel: tuple[bool, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """One sweep row. `memory_gb` is the device average (the convention of published tables,
@@ -241,7 +244,7 @@ class Estimate:
         return {
             **mesh.as_dict(), "zero": lay.zero, "offload": lay.offload, "recompute": lay.recompute.value, "micro_batch": lay.micro_batch,
             "precision": lay.precision.value, "schedule": lay.schedule.value, "virtual_stages": lay.virtual_stages,
-            "sequence_parallel": lay.sequence_parallel,
+            "sequence_parallel": list(self.stage_sequence_parallel) or lay.sequence_parallel,
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             # the paper's tables report memory averaged over the devices; `fits` judges the peak
             "memory_gb": self.mean_memory_gb, "peak_memory_gb": self.memory_gb,

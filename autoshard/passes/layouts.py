@@ -11,6 +11,9 @@ Contract
   dp = cp = 1); the inference planner searches only layouts that pass it, and `check_plan(...,
   generate=True)` (`parallelize` of an inference plan) checks by it instead of the training batch
   and schedule rules.
+  `backend_violation(spec, plan)`: what the torch.compile backend (`autoshard.backend`) runs on top
+  (dp x tp only, ZeRO-0, no sequence parallelism, tp for LLaMA); `backend` asks here first. The
+  planner plans for `parallelize`, not for the backend.
   `valid_meshes(spec, devices, *, global_batch, seq_len, micro_batch=1) -> tuple[Mesh, ...]`
   lists every mesh with dp*pp*tp*cp*ep == devices that passes them, in a fixed order (dp
   descending, then pp, tp, cp); if none passes it raises `InvalidConfigError` saying which rule
@@ -271,7 +274,7 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None, ge
         raise InvalidConfigError(f"the plan's mesh {mesh.as_dict()} multiplies to {mesh.size}, but the world size "
                                  f"is {world_size}; choose dp*pp*tp*cp*ep = {world_size}")
     if generate:
-        why = generate_violation(spec, mesh, sequence_parallel=plan.sequence_parallel)
+        why = generate_violation(spec, mesh)
     else:
         why = plan_violation(spec, mesh, global_batch=plan.global_batch, seq_len=plan.seq_len,
                              micro_batch=plan.micro_batch, zero=plan.zero, sequence_parallel=plan.sequence_parallel,
@@ -290,23 +293,52 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None, ge
                                  "chunks allowed)")
 
 
-def generate_violation(spec: ModelSpec, mesh: Mesh, *, sequence_parallel: bool = False) -> str | None:
+def generate_violation(spec: ModelSpec, mesh: Mesh) -> str | None:
     """Why `DistributedModel.generate` (runtime/generate.py) cannot run one replica of `mesh`, or None.
     Generation runs one model replica: dp = cp = 1 (serve more replicas by starting one such world
     each; the prompt's context parallelism is not run in decode), with any tp, pp and ep the plan
     rules allow (virtual stages and Mamba-2 groups kept whole included; ep > 1 for MoE models: every
-    ep rank holds the same sequences and slices the experts, runtime/expert_parallel.py), and no
-    sequence parallelism (a decode step's one token cannot be split over tp).
+    ep rank holds the same sequences and slices the experts, runtime/expert_parallel.py), and any
+    sequence parallelism, uniform or per stage: a decode step's one token cannot be split over tp, so
+    generation runs those layers on the whole sequence (runtime/tensor_parallel.py
+    `sequence_parallel_off`; the same weights, all-reduce for reduce-scatter + all-gather).
     The runtime's `generate` and the inference planner (passes/serving.py) both ask here."""
     if mesh.dp != 1 or mesh.cp != 1:
         return (f"generate runs one model replica: the plan has dp={mesh.dp}, cp={mesh.cp}; use a plan with "
                 "dp = cp = 1 (tp, pp and ep as you like) and start one such world per replica")
-    if sequence_parallel:
-        return ("generate decodes one token at a time, which sequence parallelism cannot split over tp; generate "
-                "under the same plan with sequence_parallel false")
     # generation does not split the batch over ep (every ep rank holds the same sequences): the
     # training rule that ep divides the batch is met by asking with a batch of ep
     return plan_violation(spec, mesh, global_batch=mesh.ep, seq_len=1)
+
+
+def backend_violation(spec: ModelSpec, plan: Plan) -> str | None:
+    """Why the torch.compile backend (`autoshard.backend`, runtime/shard_graph.py) cannot run `plan`,
+    or None. It rewrites the graph Dynamo traced: the weights sliced over tp with an all-reduce after
+    each row-parallel matmul, the batch split over dp. So dp x tp only (no pipeline, context or expert
+    parallelism, hence no per-stage choices), ZeRO-0, tp for LLaMA (Dynamo bakes the Mamba-2 mixer's
+    head counts into the graph), and no sequence parallelism: the graph's norms and residual stream
+    stay whole (a plan with it off computes the same numbers, with more activation memory).
+    `parallelize` runs all of these."""
+    mesh = plan.mesh
+    for axis in ("pp", "cp", "ep"):
+        if getattr(mesh, axis) > 1:
+            per_stage = " (and with it per-stage choices)" if axis == "pp" and plan.per_stage else ""
+            return (f"{axis}={getattr(mesh, axis)}{per_stage} is not supported by the torch.compile backend (it "
+                    "shards data and tensors only); use autoshard.parallelize for pipeline, context and expert "
+                    "parallelism")
+    if plan.sequence_parallel:
+        return ("sequence_parallel is not supported by the torch.compile backend: it slices the traced graph's "
+                "weights over tp and all-reduces their partial sums (runtime/shard_graph.py), keeping the norms "
+                "and residual stream whole; use autoshard.parallelize, which runs sequence parallelism, or "
+                "sequence_parallel false here (the same numbers, more activation memory per device)")
+    if plan.zero:
+        return (f"zero={plan.zero}: the torch.compile backend keeps optimizer state whole; use zero=0 here or "
+                "autoshard.parallelize for ZeRO-1/2/3")
+    if mesh.tp > 1 and spec.family is not Family.LLAMA:
+        return (f"tp={mesh.tp} for {spec.family.value}: Dynamo bakes the Mamba-2 mixer's head counts into the "
+                "graph, so the backend cannot shard it; use autoshard.parallelize for Mamba-2 tensor parallelism, "
+                "or tp=1 here")
+    return None
 
 
 RUNTIME_ZERO = (0, 1, 2, 3)  # the ZeRO levels the runtime runs (3: FSDP2, runtime/zero3.py)

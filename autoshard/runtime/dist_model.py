@@ -48,7 +48,7 @@ from autoshard.runtime.expert_parallel import GradSyncs, load_balancing_loss, re
 from autoshard.runtime.loss import causal_lm_loss, count_tokens
 from autoshard.runtime.mesh import Groups, peer_lost
 from autoshard.runtime.precision import autocast
-from autoshard.runtime.tensor_parallel import partial_grad_reducer, shard_tensor, unshard
+from autoshard.runtime.tensor_parallel import partial_grad_reducer, sequence_parallel_off, shard_tensor, unshard
 from autoshard.runtime.zero3 import full_tensor
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -253,7 +253,7 @@ class DistributedModel:
 
         mesh, spec = self.plan.mesh, self._setup.spec
         # the rule the inference planner checks its layouts with
-        why = generate_violation(spec, mesh, sequence_parallel=self.plan.sequence_parallel)
+        why = generate_violation(spec, mesh)
         if why:
             raise InvalidConfigError(why)
         self._check_batch(input_ids, None, global_batch=None)  # prompt ids in the vocabulary, the same on every rank
@@ -271,8 +271,10 @@ class DistributedModel:
             self._generator = Generator(self.model, spec, chunks, placement, tp_group=self._logits_group,
                                         pp_group=self._groups.pp if mesh.pp > 1 else None, device=self._groups.device)
         # bf16-mixed plans decode in bf16 too; ep > 1: every ep rank holds the same sequences, so the
-        # experts are sliced over ep and summed by all-reduce (expert_parallel.replicated_tokens)
-        with autocast(self.precision, self._groups.device), replicated_tokens(self.model):
+        # experts are sliced over ep and summed by all-reduce (expert_parallel.replicated_tokens); a
+        # sequence-parallel plan (any stage) runs with the sequence whole (tensor_parallel.sequence_parallel_off)
+        with autocast(self.precision, self._groups.device), replicated_tokens(self.model), \
+                sequence_parallel_off(self.model):
             return self._generator.generate(input_ids, max_new_tokens=max_new_tokens)
 
     def full_grads(self) -> dict[str, Tensor]:

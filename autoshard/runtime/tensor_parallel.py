@@ -23,7 +23,11 @@ reduce-scatter along the sequence (`reduce_scatter_to_sequence`) instead of all-
 head all-gathers its input. Per stage: only the modules of `program.sequence_paths` (the layers of
 the sequence-parallel stages; the embedding / head with the first / last stage's) do so; the
 pipeline converts at a boundary between stages that differ (runtime/stages.py). The gather is in the region's forward (not a pre-hook) so that a
-checkpoint wrapped around it holds the shard.
+checkpoint wrapped around it holds the shard. Every module that does so carries `sequence_parallel =
+True`; `sequence_parallel_off(model)` turns them all off for a while (generation: a decode step's one
+token cannot be split over tp, so `DistributedModel.generate` runs a sequence-parallel plan's layers
+on the whole sequence, all-reducing where training reduce-scatters and all-gathers: the same weights
+and the same sums).
 
 A model built on the meta device is materialised here one module at a time (HF's own
 `_init_weights`, same seed on every rank) and sliced at once, so no rank holds more than one
@@ -33,8 +37,9 @@ the original HF names (what `full_state_dict` reports).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -230,6 +235,9 @@ def _gather_in_forward(module: nn.Module, group, *, keep_shard: bool) -> None:
     forward = module.forward
 
     def gathered(*args, **kwargs):
+        if not module.sequence_parallel:  # `sequence_parallel_off`: the input is the whole sequence
+            args, kwargs = _enter_region(module, args, kwargs, group=group)
+            return forward(*args, **kwargs)
         local = args[0] if args else kwargs["hidden_states"]
         full = gather_from_sequence(local, group, SEQ_DIM)
         args, kwargs = ((full, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": full})
@@ -239,6 +247,22 @@ def _gather_in_forward(module: nn.Module, group, *, keep_shard: bool) -> None:
             return forward(*args, **kwargs)
 
     module.forward = gathered
+    module.sequence_parallel = True
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model: nn.Module) -> Iterator[None]:
+    """Within: every module of `model` that runs sequence parallelism (a region's gather, a row-parallel
+    linear's or the vocab embedding's reduce-scatter, the head's gather) takes and gives the whole
+    sequence instead, as without sequence parallelism (module docstring); restored on exit."""
+    on = [m for m in model.modules() if getattr(m, "sequence_parallel", False) is True]
+    for m in on:
+        m.sequence_parallel = False
+    try:
+        yield
+    finally:
+        for m in on:
+            m.sequence_parallel = True
 
 
 class _ShardSaved(torch.autograd.graph.saved_tensors_hooks):

@@ -84,6 +84,14 @@ def test_backend_refuses_what_it_cannot_shard(monkeypatch):
         autoshard.backend(model, plan=dict(tp=2))
     with pytest.raises(InvalidConfigError, match="pipeline"):
         autoshard.backend(model, plan=dict(pp=2))
+    llama = build_model(get_spec("llama-tiny"), device="meta")
+    with pytest.raises(InvalidConfigError, match="sequence_parallel is not supported by the torch.compile backend.*"
+                                                 "autoshard.parallelize, which runs sequence parallelism"):
+        autoshard.backend(llama, plan=dict(tp=2, sequence_parallel=True))
+    monkeypatch.setenv("WORLD_SIZE", "4")  # a per-stage plan (layouts.backend_violation): pp is named first
+    with pytest.raises(InvalidConfigError, match=r"pp=2 \(and with it per-stage choices\) is not supported"):
+        autoshard.backend(llama, plan=dict(tp=2, pp=2, sequence_parallel=[True, False]))
+    assert not torch.distributed.is_initialized()  # refused before any process group exists
 
 
 def test_backend_without_a_plan_is_data_parallel_over_the_world(monkeypatch):

@@ -2,7 +2,9 @@
 
 Each world size is spawned once and runs every configuration inside (start-up costs seconds):
 LLaMA, Mamba-2 and Mixtral at tp, pp, tp x pp, virtual stages (interleaved and the V placement),
-Mixtral and Qwen2-MoE at ep 2 and with tp / pp (experts sliced over identical sequences), and Mamba-2 with its groups kept whole (tp not dividing n_groups). Prompts avoid the special ids
+Mixtral and Qwen2-MoE at ep 2 and with tp / pp (experts sliced over identical sequences), and Mamba-2 with its groups kept whole (tp not dividing n_groups);
+training plans with sequence parallelism, on every stage or per stage (generation runs those layers on
+the whole sequence and leaves the plan's sequence parallelism in place for training). Prompts avoid the special ids
 (0-2), so HF infers no padding mask from them. Inference plans (`autoshard plan --inference`'s
 `InferencePlan`, as an object or its file) load under `parallelize` with no global batch and
 generate at batch 1, which the training rules refuse under pp (1F1B: a micro-batch per stage) and ep
@@ -52,7 +54,11 @@ def _check(preset: str, plan: dict, *, eos_first: bool = False) -> None:
     # parallelize's global batch is the training one (ep splits its rows, pp its micro-batches);
     # generate takes any batch
     dm = autoshard.parallelize(model, ids, plan=plan, global_batch=ids.shape[0] * plan.get("ep", 1))
+    sequence = sorted(n for n, m in dm.model.named_modules() if getattr(m, "sequence_parallel", False) is True)
+    sp = plan.get("sequence_parallel", False)
+    assert bool(sequence) == (any(sp) if isinstance(sp, list) else sp), f"{preset} {plan}: {sequence}"
     got = dm.generate(ids, max_new_tokens=NEW_TOKENS)
+    assert sequence == sorted(n for n, m in dm.model.named_modules() if getattr(m, "sequence_parallel", False) is True)
     assert torch.equal(got, expected), f"{preset} {plan}:\n got {got.tolist()}\nwant {expected.tolist()}"
     if not eos_first:  # the cache holds this rank's heads of its stage's layers, as the cost model prices it
         tp, pp = plan.get("tp", 1), plan.get("pp", 1)
@@ -107,11 +113,15 @@ V_SHAPE = dict(pp=2, virtual_stages=2, schedule="zero-bubble")  # chunks 0, 3 on
 WORLD2 = (("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2)), ("llama-tiny", INTERLEAVED),
           ("mamba2-tiny", dict(tp=2)), ("mamba2-tiny", dict(pp=2)), ("mamba2-tiny", V_SHAPE),
           ("mamba2-tiny-g1", dict(tp=2)), ("mixtral-tiny", dict(tp=2)), ("mixtral-tiny", dict(pp=2)),
-          ("mixtral-tiny", dict(ep=2)), ("qwen2-moe-tiny", dict(ep=2)))
+          ("mixtral-tiny", dict(ep=2)), ("qwen2-moe-tiny", dict(ep=2)),
+          ("llama-tiny", dict(tp=2, sequence_parallel=True)), ("mamba2-tiny", dict(tp=2, sequence_parallel=True)))
 WORLD4 = (("llama-tiny", dict(tp=2, pp=2)), ("mamba2-tiny", dict(tp=2, pp=2)),
           ("llama-tiny", dict(tp=4)),  # 2 KV heads over tp 4: each rank caches one KV head
           ("mamba2-tiny", dict(tp=4)),  # 2 groups kept whole over tp 4: ranks 0-1 read group 0, 2-3 group 1
-          ("mixtral-tiny", dict(tp=2, ep=2)), ("qwen2-moe-tiny", dict(pp=2, ep=2)))  # ep with tp / pp
+          ("mixtral-tiny", dict(tp=2, ep=2)), ("qwen2-moe-tiny", dict(pp=2, ep=2)),  # ep with tp / pp
+          # sequence parallelism per stage (plan key lists, docs/plan_format.md "Per-stage choices")
+          ("llama-tiny", dict(tp=2, pp=2, sequence_parallel=[True, False])),
+          ("mamba2-tiny", dict(tp=2, pp=2, sequence_parallel=[False, True])))
 
 
 def _run(rank: int, world: int, configs) -> None:
