@@ -287,7 +287,8 @@ def slowest_stage_floor(pp: int, layers: int, *, first_s: float, middle_s: float
             total += count * most
         return total
 
-    caps = sorted({fixed + k * layer_s for fixed, _, _ in stages for k in range(layers + 1)})
+    k = np.arange(layers + 1, dtype=np.float64)
+    caps = np.unique(np.concatenate([fixed + k * layer_s for fixed, _, _ in stages])).tolist()  # sorted
     lo, hi = 0, len(caps) - 1
     if held(caps[hi]) < layers:
         return caps[hi]

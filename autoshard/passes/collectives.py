@@ -30,6 +30,7 @@ member per node (a DP group of stride >= devices_per_node) sees one NIC: inter_b
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -124,12 +125,22 @@ def best_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: int, st
     """The faster of ring and tree (what NCCL / HCCL pick by message size), tree only where the
     device's library has one for `op` (`hw.log_collectives`: NCCL's tree is AllReduce's alone).
     `nbytes` may be a numpy array: the result is then elementwise (the planner prices every stage
-    size at once)."""
+    size at once). Memoised on its arguments for a scalar `nbytes`: the planner asks for the same
+    collective for many layouts."""
+    if isinstance(nbytes, np.ndarray):
+        return _best_time(hw, op, nbytes, size, stride)
+    return _best_time_memo(hw, op, nbytes, size, stride)
+
+
+def _best_time(hw: DeviceProfile, op: Collective, nbytes, size: int, stride: int):
     ring = collective_time(hw, op, nbytes, size=size, stride=stride, algo=Algorithm.RING)
     if op.value not in hw.log_collectives:
         return ring
     tree = collective_time(hw, op, nbytes, size=size, stride=stride, algo=Algorithm.TREE)
     return np.minimum(ring, tree) if isinstance(ring, np.ndarray) else min(ring, tree)
+
+
+_best_time_memo = functools.lru_cache(maxsize=1 << 16)(_best_time)
 
 
 def _check_size(size: int) -> None:

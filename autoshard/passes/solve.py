@@ -26,6 +26,7 @@ Contract
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, replace
@@ -77,21 +78,15 @@ def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assign
     removed from the domains before the model is built; "cut" means nothing beats the cutoff.
     `max_steps`: min-plus passes the exact split search may run first (0: CP-SAT alone); when it
     proves its assignment optimal CP-SAT is not called."""
-    p, L, R = problem.pp, problem.layers, len(problem.options)
+    L = problem.layers
     m_mb = problem.microbatches
     ok = problem.mem_bytes <= problem.capacity_bytes
     if math.isfinite(cutoff_s):
         ok &= problem.time_s * m_mb <= cutoff_s * (1 + 1e-12)
-    domains = []
-    mins = [problem.min_layers(i) for i in range(p)]
-    for i in range(p):
-        lo, hi = mins[i], L - (sum(mins) - mins[i])
-        rs, ks = np.nonzero(ok[i, :, lo:hi + 1])  # row-major: by recompute level, then layer count
-        allowed = (rs * (L + 1) + ks + lo).tolist()
-        if not allowed:
+    for i, (lo, hi) in enumerate(_layer_ranges(problem)):
+        if not ok[i, :, lo:hi + 1].any():
             status = "infeasible" if not ok.any(axis=(1, 2))[i] or not math.isfinite(cutoff_s) else "cut"
             return MeshResult(status=status, assignment=None, step_s=math.inf, bound_s=math.inf, wall_s=0.0)
-        domains.append(allowed)
     floor, hint_b = _bottleneck(problem, ok)
     if floor is None:
         return MeshResult(status="cut" if math.isfinite(cutoff_s) else "infeasible", assignment=None,
@@ -113,8 +108,23 @@ def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assign
         lower = (m_mb - f) * floor + f * min_stage_sum(fastest, L)[0] + _min_tail(problem, ok)
     if lower >= cutoff_s * (1 - 1e-12):  # no assignment can beat the cutoff: skip CP-SAT
         return MeshResult(status="cut", assignment=None, step_s=math.inf, bound_s=lower, wall_s=0.0)
-    return _merge(_cpsat(problem, domains, floor=floor, cutoff_s=cutoff_s, hint=hint, time_limit_s=time_limit_s),
-                  exact)
+    return _merge(_cpsat(problem, _domains(problem, ok), floor=floor, cutoff_s=cutoff_s, hint=hint,
+                         time_limit_s=time_limit_s), exact)
+
+
+def _layer_ranges(problem: MeshProblem) -> list[tuple[int, int]]:
+    """Per stage, the least and most layers it can hold (the others at their least)."""
+    mins = [problem.min_layers(i) for i in range(problem.pp)]
+    return [(lo, problem.layers - (sum(mins) - lo)) for lo in mins]
+
+
+def _domains(problem: MeshProblem, ok: np.ndarray) -> list[list[int]]:
+    """Per stage, the allowed table entries `ok` within its layer range, as CP-SAT's indices r * (L + 1) + n."""
+    out = []
+    for i, (lo, hi) in enumerate(_layer_ranges(problem)):
+        rs, ks = np.nonzero(ok[i, :, lo:hi + 1])  # row-major: by recompute level, then layer count
+        out.append((rs * (problem.layers + 1) + ks + lo).tolist())
+    return out
 
 
 def _merge(cp: MeshResult, exact: SplitSearch | None) -> MeshResult:
@@ -274,24 +284,25 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
     device's resolved one)."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
+    options: dict = {}  # (tp, sequence parallel) -> the sharding table's intra-op options
     intra = {}  # mesh -> its (sequence_parallel, strategies, stage choices) options
     for mesh in {mesh for mesh, _ in pairs}:
         sps = [sp for sp in sequence_parallel
                if not sp or sequence_parallel_violation(spec, mesh, seq_len) is None]
-        intra[mesh] = [(sp, st, per) for sp in sps for st in strategy_options(spec, mesh.tp, sequence_parallel=sp)
-                       for per in [_stage_choices(spec, mesh, sp, sps)] if "groups" not in per or
-                       "groups" not in dict(st)]
+        for sp in sps:
+            if (mesh.tp, sp) not in options:
+                options[mesh.tp, sp] = strategy_options(spec, mesh.tp, sequence_parallel=sp)
+        intra[mesh] = tuple((sp, st, per) for sp in sps for st in options[mesh.tp, sp]
+                            for per in [_stage_choices(spec, mesh, sp, sps)] if "groups" not in per or
+                            "groups" not in dict(st))
     schedules_of = {}  # (pp, micro-batches) -> the schedules that go with them
+    out = []
     for mesh, mb in pairs:
         key = (mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))
         if key not in schedules_of:
-            schedules_of[key] = pipeline_schedules(spec, *key, schedules)
-    return [_layout(mesh=mesh, micro_batch=mb, zero=z, offload=o, schedule=sched, virtual_stages=v,
-                    sequence_parallel=sp, strategies=st, stage_choices=per, moe_imbalance=moe_imbalance,
-                    precision=precision)
-            for mesh, mb in pairs for sp, st, per in intra[mesh] for z in zeros if zero_violation(mesh, z) is None
-            for o in ((False, True) if offload and z == 3 else (False,))
-            for sched, v in schedules_of[(mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))]]
+            schedules_of[key] = tuple(pipeline_schedules(spec, *key, schedules))
+        out.extend(_pair_layouts(mesh, mb, intra[mesh], zeros, offload, schedules_of[key], moe_imbalance, precision))
+    return out
 
 
 def _stage_choices(spec, mesh, sp: bool, sps) -> tuple[str, ...]:
@@ -305,19 +316,18 @@ def _stage_choices(spec, mesh, sp: bool, sps) -> tuple[str, ...]:
     return out + (("groups",) if "groups" in choices(spec, mesh.tp) else ())
 
 
-_LAYOUTS: dict = {}  # candidate_layouts' Layouts by their fields: a re-plan in process reuses most of them
-
-
-def _layout(**fields) -> Layout:
-    """`Layout(**fields)`, the same object for the same fields (they are frozen): building one costs
-    ~8 us of validation, and a plan builds ~30k of them."""
-    key = tuple(fields.items())
-    layout = _LAYOUTS.get(key)
-    if layout is None:
-        if len(_LAYOUTS) > 1_000_000:  # many device counts planned in one process: start over
-            _LAYOUTS.clear()
-        layout = _LAYOUTS[key] = Layout(**fields)
-    return layout
+@functools.lru_cache(maxsize=1 << 16)
+def _pair_layouts(mesh, micro_batch: int, intra: tuple, zeros: tuple, offload: bool, schedules: tuple,
+                  moe_imbalance: float, precision: Precision) -> tuple[Layout, ...]:
+    """`candidate_layouts`' layouts of one (mesh, micro-batch): its intra-op options x the ZeRO levels that go
+    with the mesh (and offload) x the schedules. The same objects for the same arguments, so a re-plan in
+    process builds only the pairs whose options changed (building one Layout validates it, ~8 us; a plan
+    has ~30k), and `bounds.bound_columns` reads each layout's keys once."""
+    return tuple(Layout(mesh=mesh, micro_batch=micro_batch, zero=z, offload=o, schedule=sched, virtual_stages=v,
+                        sequence_parallel=sp, strategies=st, stage_choices=per, moe_imbalance=moe_imbalance,
+                        precision=precision)
+                 for sp, st, per in intra for z in zeros if zero_violation(mesh, z) is None
+                 for o in ((False, True) if offload and z == 3 else (False,)) for sched, v in schedules)
 
 
 def pipeline_schedules(spec, pp: int, microbatches: int, options=RUNTIME_SCHEDULES) -> list:
