@@ -28,7 +28,7 @@ MIB = 2**20
 TFLOPS = 1e12
 
 # Kernels a device profile may list in `kernels` (their cost rules: passes/fused_regions.py)
-KERNEL_NAMES = ("flash_attention", "rmsnorm", "swiglu", "rope", "cross_entropy",
+KERNEL_NAMES = ("flash_attention", "rmsnorm", "swiglu", "rope",
                 "ssd_chunk_scan")  # the Mamba-2 chunked SSD: substituted in the cost table (passes/kernels.py)
 
 
@@ -91,6 +91,10 @@ class DeviceProfile:
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'log_collectives' must be a list of "
                                      f"{', '.join(LOG_COLLECTIVES)}, got {self.log_collectives!r}")
         object.__setattr__(self, "log_collectives", tuple(self.log_collectives))
+        if "cross_entropy" in self.kernels:
+            raise InvalidConfigError(f"hardware profile {self.name!r}: 'cross_entropy' is no longer a profile kernel: "
+                                     "autoshard's runtime runs its in-place cross-entropy (runtime/loss.py) on every "
+                                     "device and prices it so; remove it from 'kernels'")
         unknown = [k for k in self.kernels if k not in KERNEL_NAMES]
         if unknown:
             raise InvalidConfigError(f"hardware profile {self.name!r}: unknown fused kernel(s) {unknown}; "
@@ -171,15 +175,14 @@ ASCEND_910B = DeviceProfile(
 # best shapes 6912x16384x2048 and 6144x17920x2816); capacity from what nvidia-smi reports, less the
 # CUDA context and NCCL / cuBLAS workspaces. `gemm_efficiency` is the MAMF share divided by the
 # shape factor at the MAMF best shape (so the model gives the MAMF there), see docs/hardware.md.
-_GPU_FUSED = KERNEL_NAMES  # flash attention (FA2 / FA3 / cuDNN), TE / Apex fused RMSNorm, SwiGLU, RoPE, CE
+_GPU_FUSED = KERNEL_NAMES  # flash attention (FA2 / FA3 / cuDNN), TE / Apex fused RMSNorm, SwiGLU, RoPE, Mamba-2 SSD
 _FUSED_SOURCE = ("Megatron-Core / Transformer Engine production runs: fused RMSNorm (TE), bias-SwiGLU "
-                 "fusion, fused RoPE, flash / cuDNN fused attention, fused vocab-parallel cross-entropy "
-                 "(cross_entropy_loss_fusion: gradient written in place of the fp32 softmax); priced in "
-                 "passes/fused_regions.py and cost.logits_bytes; the Mamba-2 SSD as mamba_ssm's "
+                 "fusion, fused RoPE, flash / cuDNN fused attention, priced in "
+                 "passes/fused_regions.py; the Mamba-2 SSD as mamba_ssm's "
                  "mamba_chunk_scan_combined (passes/kernels.py). autoshard's runtime runs the element-wise "
-                 "fusions through compiled layers (runtime/compiled.py); its own SSD (runtime/ssd.py, torch "
-                 "ops) saves what the fused kernel saves but ran 4-6x slower than this price on an H200 "
-                 "(docs/cost_model.md, 'Measured on an H200')")
+                 "fusions through compiled layers (runtime/compiled.py) and mamba_ssm's SSD where it is installed; "
+                 "without it its own SSD (runtime/ssd.py, torch ops) saves what the fused kernel saves but ran "
+                 "4-6x slower than this price on an H200 (docs/cost_model.md, 'Measured on an H200')")
 _RESERVE = 2 * GB  # CUDA context (~0.5-1 GB) + NCCL channel buffers and cuBLAS workspaces (~1 GB)
 _RESERVE_SOURCE = "; less 2 GB for the CUDA context (~0.5-1 GB) and NCCL / cuBLAS workspaces"
 

@@ -946,10 +946,12 @@ def _chunk_compute(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len
 
 def logits_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int, hw: DeviceProfile | None = None) -> float:
     """Transient peak of the loss on the head stage (vocab-parallel over TP, tokens split over CP),
-    beyond the fp32 log-softmax the graph saves: the fp32 logits and their gradient; with a fused
-    cross-entropy (`hw` lists "cross_entropy": Megatron's fused vocab-parallel CE writes the
-    gradient in place of the softmax it keeps) only the bf16 logits the LM head writes."""
-    per_value = 2.0 if hw is not None and hw.fuses("cross_entropy") else 4.0 * 2
+    beyond the fp32 log-softmax the graph saves: the logits the LM head writes (activation bytes:
+    2 B in bf16). runtime/loss.py's in-place cross-entropy (Megatron-LM's fused vocab-parallel one)
+    holds them and one fp32 copy, which becomes the softmax it keeps (the graph's log-softmax bytes)
+    and then the gradient, on every device; `hw` resolves an AUTO precision."""
+    precision = layout.precision if hw is None else resolve_precision(layout.precision, hw)
+    per_value = 2.0 if precision is Precision.AUTO else precision_numbers(precision).act_bytes
     vocab_parallel = sharding.vocab_parallel(ct.spec, BlockKind.HEAD, layout.strategies)
     return _tokens(layout, seq_len) * ct.spec.vocab / (layout.mesh.tp if vocab_parallel else 1) * per_value
 

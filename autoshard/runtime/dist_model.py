@@ -203,6 +203,7 @@ class DistributedModel:
                 logits, router_logits = self._forward(mb_ids, **kwargs)
             loss = causal_lm_loss(logits, mb_labels, num_tokens=num_tokens,
                                   tp_group=self._logits_group, shifted=self._cp is not None)
+            del logits  # the loss keeps its own fp32 copy (runtime/loss.py), not the logits
             if router_logits:  # HF's router auxiliary loss, statistics over all replicas, mean over micro-batches
                 spec = self._setup.spec
                 aux = load_balancing_loss(router_logits, experts=spec.experts, top_k=spec.top_k,

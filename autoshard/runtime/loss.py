@@ -13,9 +13,16 @@ the denominator is this call's own count (HF's ``reduction="mean"``).
 
 Vocab parallelism: with ``tp_group`` the logits are this rank's contiguous vocab slice
 ``[rank * V_local, (rank + 1) * V_local)`` of the tp group (the LM head split column-wise over
-the vocab); the cross-entropy is computed with two all-reduces of (tokens,) vectors and no
+the vocab); the cross-entropy is computed with three all-reduces of (tokens,) vectors and no
 rank ever holds the full logits. The loss is then the same on every rank of the group and its
 gradient is this rank's slice of the full gradient.
+
+Memory (what `passes/cost.py` `logits_bytes` prices): the cross-entropy runs in place on one
+float32 copy of the logits, as Megatron-LM's fused vocab-parallel cross-entropy does: the copy
+becomes the softmax, which is all it keeps for backward, and backward turns it into the gradient
+in place. Per logit: the logits as the head wrote them (2 B in bf16) and 4 B, never the
+float32 logits, log-softmax and gradient side by side that ``F.cross_entropy(logits.float())``
+holds. Backward runs once (a second one raises autograd's in-place error).
 """
 
 from __future__ import annotations
@@ -51,11 +58,8 @@ def causal_lm_loss(logits: Tensor, labels: Tensor, *, num_tokens: int | Tensor |
                          "expected logits (b, s, vocab) and labels (b, s)")
     # shifted=True: `labels` are already targets (context parallelism shifts over the whole sequence)
     target = (labels if shifted else shift_labels(labels)).reshape(-1)  # (b*s,)
-    flat = logits.float().reshape(-1, logits.shape[-1])  # (b*s, V_local)
-    if tp_group is None or dist.get_world_size(tp_group) == 1:
-        total = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum")
-    else:
-        total = _VocabParallelCrossEntropy.apply(flat, target, tp_group).sum()
+    group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+    total = _CrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target, group).sum()
     if num_tokens is None:
         num_tokens = int((target != IGNORE_INDEX).sum())
     if isinstance(num_tokens, Tensor):
@@ -63,40 +67,46 @@ def causal_lm_loss(logits: Tensor, labels: Tensor, *, num_tokens: int | Tensor |
     return total / num_tokens
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of vocab-sharded logits; 0 at ignored tokens.
+class _CrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy, 0 at ignored tokens, in place on one float32 copy of the logits.
 
-    forward: global max and sum of exp by all-reduce over the tp group; the target logit
-    comes from the one rank whose slice holds it (all-reduce of a masked gather).
-    backward: d loss / d logits = softmax - one_hot(target), restricted to this slice; no
-    communication (each rank owns its slice of the gradient).
+    forward: the copy minus the row max, exponentiated and divided by the row sum: the softmax,
+    saved; loss = log(sum of exps) - (target logit - max). With `group` (vocab-parallel logits) the
+    max, the sum of exps and the target logit (from the one rank whose slice holds it, a masked
+    gather) are all-reduced over the group.
+    backward: d loss / d logits = softmax - one_hot(target), written over the saved softmax, in
+    the logits' dtype; no communication (each rank owns its slice of the gradient).
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, group: dist.ProcessGroup) -> Tensor:
-        local_vocab = logits.shape[-1]
-        start = dist.get_rank(group) * local_vocab
-        row_max = logits.max(dim=-1).values  # (N,)
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - row_max.unsqueeze(-1)  # (N, V_local)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)  # (N,)
-        dist.all_reduce(sum_exp, group=group)
+    def forward(ctx, logits: Tensor, target: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        work = logits.float() if logits.dtype != torch.float32 else logits.clone()  # (N, V_local)
+        local_vocab = work.shape[-1]
+        start = dist.get_rank(group) * local_vocab if group is not None else 0
+        row_max = work.max(dim=-1).values  # (N,)
+        if group is not None:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        work.sub_(row_max.unsqueeze(-1))
         valid = target != IGNORE_INDEX
         local_target = target - start
         mine = valid & (local_target >= 0) & (local_target < local_vocab)
         safe = torch.where(mine, local_target, torch.zeros_like(local_target))
-        target_logit = shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1) * mine  # (N,)
-        dist.all_reduce(target_logit, group=group)
-        loss = (sum_exp.log() - target_logit) * valid
-        ctx.save_for_backward(exp, sum_exp, safe, mine, valid)
-        return loss
+        target_logit = work.gather(-1, safe.unsqueeze(-1)).squeeze(-1) * mine  # (N,)
+        work.exp_()
+        sum_exp = work.sum(dim=-1)  # (N,)
+        if group is not None:
+            dist.all_reduce(sum_exp, group=group)
+            dist.all_reduce(target_logit, group=group)
+        work.div_(sum_exp.unsqueeze(-1))  # the softmax
+        ctx.save_for_backward(work, safe, mine, valid)
+        ctx.dtype = logits.dtype
+        return (sum_exp.log() - target_logit) * valid
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        exp, sum_exp, safe, mine, valid = ctx.saved_tensors
+        softmax, safe, mine, valid = ctx.saved_tensors
         scale = (grad_loss * valid).unsqueeze(-1)  # (N, 1)
-        grad = exp / sum_exp.unsqueeze(-1) * scale
+        grad = softmax.mul_(scale)
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, safe] -= scale.squeeze(-1) * mine
-        return grad, None, None
+        return grad.to(ctx.dtype), None, None

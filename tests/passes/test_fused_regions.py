@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from autoshard.hardware import load_hardware
-from autoshard.ir import BlockKind, Mesh
+from autoshard.ir import BlockKind, Mesh, Precision
 from autoshard.models.presets import get_spec
 from autoshard.passes import cost, fused_regions
 from autoshard.passes.cost import Layout, compile_table
@@ -71,3 +71,16 @@ def test_unknown_fused_kernel_is_a_clear_error():
 
     with pytest.raises(InvalidConfigError, match="unknown fused kernel"):
         dataclasses.replace(H100, kernels=("warp_drive",))
+    with pytest.raises(InvalidConfigError, match="'cross_entropy' is no longer a profile kernel.*remove it"):
+        dataclasses.replace(H100, kernels=("flash_attention", "cross_entropy"))
+
+
+def test_the_logits_peak_is_what_the_in_place_loss_holds_on_every_device(ct):
+    """runtime/loss.py runs the same in-place cross-entropy everywhere: the logits the head writes
+    (activation bytes) beside its fp32 softmax, which the graph's log-softmax already prices."""
+    layout = Layout(mesh=Mesh(dp=1), micro_batch=2, zero=0, precision=Precision.BF16_MIXED)
+    tokens_vocab = 2 * 64 * ct.spec.vocab
+    for hw in ("h100", "ascend-910b", "cpu"):
+        assert cost.logits_bytes(ct, layout, seq_len=64, hw=load_hardware(hw)) == 2 * tokens_vocab
+    fp32 = dataclasses.replace(layout, precision=Precision.FP32)
+    assert cost.logits_bytes(ct, fp32, seq_len=64, hw=load_hardware("cpu")) == 4 * tokens_vocab
