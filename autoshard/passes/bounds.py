@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autoshard.ir import BlockKind, Recompute
-from autoshard.passes import cost, sharding
+from autoshard.passes import cost, schedules, sharding
 from autoshard.passes.cost import CompiledTable, Layout
 from autoshard.passes.schedules import bubble_fraction
 
@@ -55,8 +55,9 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     """`Bounds` of `layout`. `block_s`: {kind: BlockTime without recompute} when already known
     (they depend on the mesh, micro-batch and intra-op strategy only); `memo`: a dict the caller
     keeps over many layouts, for what depends on fewer coordinates than the layout: the p2p time
-    (not ZeRO), the bubble fraction (the schedule), the parameters per device (tp and strategies)
-    and the ZeRO-dependent terms (not the schedule nor sequence parallelism)."""
+    (not ZeRO), the bubble fraction (the schedule) and the ZeRO-dependent terms (not the schedule nor
+    sequence parallelism; their shape-independent part, the parameters and ZeRO state per device, is
+    kept in `ct.memo` over plans)."""
     kinds = KINDS
     if block_s is None:
         block_s = least_block_s(ct, hw, layout, seq_len=seq_len)
@@ -77,7 +78,7 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     key = _state_key(layout)
     state = memo.get(key)
     if state is None:
-        state = memo[key] = _state_bounds(ct, hw, layout, seq_len=seq_len, memo=memo)
+        state = memo[key] = _state_bounds(ct, hw, layout, seq_len=seq_len)
     optimizer_s, peak = state
     step = f * work + (m - f) * max(work / mesh.pp, heaviest) + optimizer_s
     return Bounds(step_s=step, peak_bytes=peak)
@@ -136,7 +137,7 @@ def bound_columns(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch:
     for c in np.unique(state_code).tolist():
         key = _CODES.keys[c][0]
         if key not in memo:
-            memo[key] = _state_bounds(ct, hw, reps[c], seq_len=seq_len, memo=memo)
+            memo[key] = _state_bounds(ct, hw, reps[c], seq_len=seq_len)
         optimizer_s[c], peak[c] = memo[key]
     fewer = m < pp
     bubble = sched_code * 2 + fewer
@@ -199,8 +200,10 @@ def _layout_codes(layout: Layout) -> tuple:
 
 
 def _p2p_key(layout: Layout, memo: dict) -> tuple:
+    """What `cost.p2p_time` reads: of the schedule, the boundaries each micro-batch crosses and v."""
     return ("p2p", layout.mesh, layout.micro_batch, layout.sequence_parallel,  # the layers' choices: their compute
-            _layer_choices(layout.strategies, memo), layout.schedule, layout.virtual_stages)
+            _layer_choices(layout.strategies, memo), schedules.p2p_factor(layout.schedule, layout.virtual_stages),
+            layout.virtual_stages)
 
 
 def _bubble_key(layout: Layout, microbatches: int) -> tuple:
@@ -220,24 +223,25 @@ def _layer_choices(strategies: tuple, memo: dict) -> tuple:
     return memo[key]
 
 
-def _state_bounds(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: dict) -> tuple[float, float]:
-    """(optimizer seconds, peak bytes without activations) of the average stage of `layout` (`Bounds`)."""
+def _state_bounds(ct: CompiledTable, hw, layout: Layout, *, seq_len: int) -> tuple[float, float]:
+    """(optimizer seconds, peak bytes without activations) of the average stage of `layout` (`Bounds`). What
+    does not depend on the shape (all but the buffers) is kept in the table's memo, over plans."""
     kinds = KINDS
     mesh, spec = layout.mesh, ct.spec
     key = ("params", mesh.tp, mesh.ep, mesh.pp > 1, layout.strategies)
-    if key not in memo:
+    if key not in ct.memo:
         params = sum(cost.block_params(ct, layout, k) for k in kinds) + \
             (spec.layers - 1) * cost.block_params(ct, layout, BlockKind.LAYER)
         if spec.tied and mesh.pp > 1:
             params += cost.block_params(ct, layout, BlockKind.EMBED)  # the head's copy
-        memo[key] = params
-    avg = memo[key] / mesh.pp  # the stage with the most parameters holds at least the average
-    key = ("state bytes", mesh, layout.strategies, layout.zero, layout.offload, layout.precision)  # not the micro-batch
-    if key not in memo:
+        ct.memo[key] = params
+    avg = ct.memo[key] / mesh.pp  # the stage with the most parameters holds at least the average
+    key = ("state bytes", hw, mesh, layout.strategies, layout.zero, layout.offload, layout.precision)  # not the micro-batch
+    if key not in ct.memo:
         experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER) / mesh.pp
-        memo[key] = (cost.state_bytes(avg, layout, expert=experts).total,
-                     cost.optimizer_time(hw, avg, layout, expert=experts))
-    state, optimizer_s = memo[key]
+        ct.memo[key] = (cost.state_bytes(avg, layout, expert=experts).total,
+                        cost.optimizer_time(hw, avg, layout, expert=experts))
+    state, optimizer_s = ct.memo[key]
     return optimizer_s, state + cost.buffer_bytes(ct, layout, seq_len=seq_len)
 
 

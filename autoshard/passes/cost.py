@@ -294,6 +294,9 @@ class CompiledTable:
 
     spec: ModelSpec
     blocks: dict  # BlockKind -> CompiledBlock
+    # what the planner computes once per model and keeps over plans (passes/bounds.py: the ZeRO state of a
+    # layout), each entry keyed on all it depends on besides the table
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def block(self, kind: BlockKind) -> CompiledBlock:
         return self.blocks[kind]
@@ -612,24 +615,27 @@ def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Block
 def block_times(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Layout], kind: BlockKind, *,
                 seq_len: int) -> list[BlockTime]:
     """`block_time` of each of `layouts`; those not memoised yet are priced together, the node times of
-    the ones that share a micro-batch and precision in one numpy pass (`_node_times_many`)."""
+    the ones that share a micro-batch and precision in one numpy pass (`_node_times_many`). The node
+    times are memoised too (they do not depend on the recompute level)."""
     memo = ct.block(kind).memo
-    keys = [_block_key(hw, lay, kind, seq_len) for lay in layouts]
-    todo: dict = {}  # (micro-batch, precision) -> {key: layout} not memoised yet
+    keys = [(_node_key(hw, lay, kind, seq_len), lay.recompute) for lay in layouts]
+    todo: dict = {}  # (micro-batch, precision) -> {node times key: layout} not memoised yet
+    for (node, rec), lay in zip(keys, layouts):
+        if (node, rec) not in memo and node not in memo:
+            todo.setdefault((lay.micro_batch, lay.precision), {})[node] = lay
+    for group in todo.values():
+        for node, t in zip(group, _node_times_many(ct, hw, tuple(group.values()), kind, seq_len)):
+            memo[node] = t
     for key, lay in zip(keys, layouts):
         if key not in memo:
-            todo.setdefault((lay.micro_batch, lay.precision), {})[key] = lay
-    for group in todo.values():
-        times = _node_times_many(ct, hw, tuple(group.values()), kind, seq_len)
-        for (key, lay), t in zip(group.items(), times):
-            memo[key] = _block_time(ct, hw, lay, kind, seq_len, t)
+            memo[key] = _block_time(ct, hw, lay, kind, seq_len, memo[key[0]])
     return [memo[key] for key in keys]
 
 
-def _block_key(hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> tuple:
-    """What `block_time` depends on."""
+def _node_key(hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> tuple:
+    """What a block's node times depend on; its `block_time` depends on the recompute level too."""
     mesh = layout.mesh
-    return ("block_time", hw, mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.recompute, layout.precision,
+    return ("node_times", hw, mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.precision,
             layout.sequence_parallel, sharding.block_strategies(layout.strategies, kind), layout.moe_imbalance,
             seq_len)
 
