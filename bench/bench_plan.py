@@ -8,7 +8,10 @@ AUTOSHARD_CACHE_DIR: the presets' cost tables ship in the package, so nothing is
 re-planning in process at a new (batch, seq) with the table loaded in under 1 s. Every figure is
 given as wall seconds and CPU seconds (time.process_time, or the child's user + system time for the
 CLI runs): the machine this runs on may be shared, and the load average (printed) inflates wall
-time, CPU time much less. The curve runs in one process with the table loaded (in-process memos of
+time, CPU time much less. The fresh-machine row is the median of three runs, each with its own empty
+cache dir (the warm row: three more with one), and names what the CLI process spent importing (one
+more run under `python -X importtime`; a shipped preset's plan imports neither torch nor
+transformers, tests/test_cli_imports.py). The curve runs in one process with the table loaded (in-process memos of
 the cost model are cleared per row by compiling the table again).
 """
 
@@ -30,18 +33,34 @@ def _load() -> str:
     return "load average " + " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def cli_plan(cache_dir: str) -> tuple[float, float, dict]:
-    """(wall s, CPU s, plan JSON) of one `autoshard plan` process with AUTOSHARD_CACHE_DIR=cache_dir."""
+def cli_plan(cache_dir: str, *, python_flags: tuple[str, ...] = ()) -> tuple[float, float, dict, str]:
+    """(wall s, CPU s, plan JSON, stderr) of one `autoshard plan` process with AUTOSHARD_CACHE_DIR=cache_dir."""
     import json
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "autoshard.cli", *CLI], capture_output=True, text=True, check=True,
-                         env={**os.environ, "AUTOSHARD_CACHE_DIR": cache_dir})
+    out = subprocess.run([sys.executable, *python_flags, "-m", "autoshard.cli", *CLI], capture_output=True, text=True,
+                         check=True, env={**os.environ, "AUTOSHARD_CACHE_DIR": cache_dir})
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu, json.loads(out.stdout)
+    return wall, cpu, json.loads(out.stdout), out.stderr
+
+
+HEAVY = ("torch", "transformers", "sympy", "numpy", "ortools")
+
+
+def cli_imports() -> str:
+    """What the fresh CLI spends importing the heavy packages (`python -X importtime`, cumulative s of
+    each top-level import; an importtime run is itself a little slower)."""
+    with tempfile.TemporaryDirectory(prefix="autoshard-bench-cache-") as empty:
+        err = cli_plan(empty, python_flags=("-X", "importtime"))[3]
+    spent = {}
+    for line in err.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[2].strip() in HEAVY:
+            spent[parts[2].strip()] = spent.get(parts[2].strip(), 0) + int(parts[1]) / 1e6
+    return ", ".join(f"{m} {spent[m]:.2f} s" if m in spent else f"{m} not imported" for m in HEAVY)
 
 
 def timed(fn):
@@ -63,12 +82,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the llama-70b / 1024 H100 figures only, no curve")
     args = ap.parse_args()
     print(_load(), f"on {os.cpu_count()} CPUs")
+    runs = []
+    for _ in range(3):
+        with tempfile.TemporaryDirectory(prefix="autoshard-bench-cache-") as empty:
+            runs.append(cli_plan(empty)[:3])
+    wall, cpu, plan = sorted(runs, key=lambda r: r[1])[1]
+    print(f"fresh machine, `autoshard {' '.join(CLI)}` (empty cache), median of 3 by CPU: {wall:.1f} s wall, "
+          f"{cpu:.1f} s CPU (runs: {', '.join(f'{w:.1f} / {c:.1f}' for w, c, _ in runs)} s wall / CPU); "
+          f"{_describe(plan)}")
+    print(f"fresh machine, imports (python -X importtime): {cli_imports()}")
     with tempfile.TemporaryDirectory(prefix="autoshard-bench-cache-") as empty:
-        wall, cpu, plan = cli_plan(empty)
-        print(f"fresh machine, `autoshard {' '.join(CLI)}` (empty cache): {wall:.1f} s wall, {cpu:.1f} s CPU; "
-              f"{_describe(plan)}")
-        wall, cpu, _ = cli_plan(empty)
-        print(f"warm (the same command again, same cache dir): {wall:.1f} s wall, {cpu:.1f} s CPU")
+        cli_plan(empty)
+        runs = [cli_plan(empty)[:2] for _ in range(3)]
+        wall, cpu = sorted(runs, key=lambda r: r[1])[1]
+        print(f"warm (the same command again, same cache dir), median of 3 by CPU: {wall:.1f} s wall, {cpu:.1f} s CPU")
 
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import get_spec
