@@ -156,3 +156,37 @@ def test_sequence_parallel_per_stage(capsys, tmp_path):
     got = next(r for r in run_json(capsys, argv) if (r["pp"], r["tp"]) == (2, 2))
     assert got["sequence_parallel"] == [True, False]
     assert main(argv) == 0 and "on/-" in capsys.readouterr().out
+
+
+def test_every_sweep_row_is_a_plan_the_runtime_runs():
+    """What sweep lists (per-stage sequence parallelism included) passes the one validator, as the plan it
+    names: tiny LLaMA and Mamba-2, several device counts, global batch 4, every ZeRO level and recompute,
+    full memory and cut to 9.9 MB (where a per-stage row appears)."""
+    from dataclasses import replace
+
+    from autoshard.commands.sweep import sweep
+    from autoshard.hardware import load_hardware
+    from autoshard.ir import Plan, Recompute
+    from autoshard.models.presets import get_spec
+    from autoshard.passes import cost
+    from autoshard.passes.layouts import check_plan
+    from autoshard.passes.shapes import build_cost_table
+
+    h100 = load_hardware("h100")
+    mixed = 0
+    for preset, devices, seq_len in (("llama-tiny", 4, 1024), ("llama-tiny", 8, 256), ("mamba2-tiny", 4, 512)):
+        spec = get_spec(preset)
+        ct = cost.compile_table(build_cost_table(spec), spec)
+        for hw in (h100, replace(h100, memory_bytes=9.9e6)):
+            for mb in (1, 2):
+                rows = sweep(spec, ct, hw, devices=devices, global_batch=4, seq_len=seq_len, micro_batch=mb,
+                             zeros=(0, 1, 2, 3), recomputes=tuple(Recompute), sequence_parallel=(False, True))
+                for e in rows:
+                    lay = e.layout
+                    plan = Plan(model=spec.name, fingerprint="x", hardware=hw.name, devices=devices, global_batch=4,
+                                seq_len=seq_len, mesh=lay.mesh, micro_batch=lay.micro_batch, zero=lay.zero,
+                                recompute=lay.recompute, schedule=lay.schedule,
+                                sequence_parallel=list(e.stage_sequence_parallel) or lay.sequence_parallel)
+                    check_plan(plan, spec, world_size=devices)
+                    mixed += plan.per_stage
+    assert mixed >= 1  # llama-tiny pp2 x tp2 at 9.9 MB, micro-batch 2 (test_sequence_parallel_per_stage)
