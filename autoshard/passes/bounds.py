@@ -239,7 +239,8 @@ def _state_bounds(ct: CompiledTable, hw, layout: Layout, *, seq_len: int) -> tup
     key = ("state bytes", hw, mesh, layout.strategies, layout.zero, layout.offload, layout.precision)  # not the micro-batch
     if key not in ct.memo:
         experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER) / mesh.pp
-        ct.memo[key] = (cost.state_bytes(avg, layout, expert=experts).total,
+        ct.memo[key] = (cost.state_bytes(avg, layout, expert=experts).total
+                        + cost.zero2_staging_bytes(avg, layout, expert=experts),
                         cost.optimizer_time(hw, avg, layout, expert=experts))
     state, optimizer_s = ct.memo[key]
     return optimizer_s, state + cost.buffer_bytes(ct, layout, seq_len=seq_len)

@@ -36,6 +36,7 @@ Component functions (public, stable names; the CP-SAT planner builds its model f
   block_params(ct, layout, kind) -> float              parameters of one instance on one device
   expert_block_params(ct, layout, kind) -> float       the routed-expert part of block_params
   state_bytes(params, layout, *, expert=0) -> MemoryBreakdown  weights, grads, optimizer under ZeRO
+  zero2_staging_bytes(params, layout, *, expert=0)     ZeRO-2's gradient staging buckets (a stage's buffers)
   p2p_time(ct, hw, layout, *, seq_len) -> float        stage-to-stage sends per micro-batch
   dp_exposed_time(hw, params, layout, *, backward_s, forward_s) -> float
                                                        gradient sync of one stage left exposed
@@ -81,7 +82,7 @@ from autoshard.ir import (BlockKind, Mesh, OpKind, Precision, Recompute, Schedul
                           check_schedule, even_stages)
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes import fused_regions, moe_cost, schedules
-from autoshard.passes.collectives import Collective, best_time, collective_time
+from autoshard.passes.collectives import Collective, best_time, collective_time, gradient_bucket_params
 from autoshard.passes import sequence_cost, sharding
 from autoshard.passes.layouts import plan_violation
 from autoshard.passes.precision import PrecisionNumbers, precision_numbers, resolve_precision
@@ -765,7 +766,8 @@ def state_bytes(params: float, layout: Layout, *, expert: float = 0.0) -> Memory
     """Weights, gradients and optimizer state of `params` parameters under the ZeRO level,
     sharded over the dp x ep x cp group (Rajbhandari et al. 2020, ZeRO, sec. 5), the `expert` of
     them that are routed experts over dp x cp; none of it on the device under offload (FSDP2's
-    CPUOffloadPolicy keeps the ZeRO-3 shards in host memory)."""
+    CPUOffloadPolicy keeps the ZeRO-3 shards in host memory). What a rank keeps between steps; the
+    transient ZeRO-2 adds while a step runs is `zero2_staging_bytes`."""
     if layout.offload:  # the shards live in host memory; a block is gathered on the device as it runs (buffer_bytes)
         return MemoryBreakdown(weights=0.0, grads=0.0, optimizer=0.0)
     groups, z, nb = _sync_groups(params, layout, expert), layout.zero, layout.numbers
@@ -778,6 +780,17 @@ def state_bytes(params: float, layout: Layout, *, expert: float = 0.0) -> Memory
                                optimizer=held(nb.optim_bytes - nb.master_bytes, 3))
     return MemoryBreakdown(weights=params * nb.param_bytes, grads=held(nb.grad_bytes, 2),
                            optimizer=held(nb.optim_bytes, 1))
+
+
+def zero2_staging_bytes(params, layout: Layout, *, expert=0.0):
+    """ZeRO-2's gradient staging during a micro-batch's backward (runtime/data_parallel.py GradSync; DeepSpeed
+    stage 2's double-buffered `ipg_buffer` under overlap_comm): each sync group holds at most two buckets'
+    fp32 gradients at once (`gradient_bucket_params`), one filling while the other is reduce-scattered in
+    place, never more than its own parameters. The other levels reduce inside the persistent gradient buffer."""
+    if layout.zero != 2:
+        return _zeros_like(params)
+    return sum(np.minimum(p, 2 * _bucket_params(n)) * layout.numbers.grad_bytes
+               for p, n, _ in _sync_groups(params, layout, expert))
 
 
 def dp_exposed_time(hw: DeviceProfile, params, layout: Layout, *, backward_s, forward_s, expert=0.0):
@@ -815,7 +828,7 @@ def dp_bucket_params(layout: Layout, *, experts: bool = False) -> float:
 
 
 def _bucket_params(group: int) -> float:
-    return max(40e6, 1e6 * group)
+    return float(gradient_bucket_params(group))
 
 
 def _dp_sync_exposed(hw: DeviceProfile, op: Collective, groups: tuple, bytes_per_param: float, layout: Layout, *,
@@ -1047,10 +1060,10 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
         in_flight = schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages)
         stage_act = sum(act[k] * c for k, c in counts.items()) * in_flight
         mem = state_bytes(params, layout, expert=experts)
-        buffers = buffer_bytes(ct, layout, seq_len=seq_len)
+        buffers = buffer_bytes(ct, layout, seq_len=seq_len) + zero2_staging_bytes(params, layout, expert=experts)
         logit = logits_bytes(ct, layout, seq_len=seq_len, hw=hw) if st.head else 0.0
         peaks.append(MemoryBreakdown(weights=mem.weights, grads=mem.grads, optimizer=mem.optimizer,
-                                     activations=stage_act, logits=logit, buffers=buffers))
+                                     activations=stage_act, logits=logit, buffers=float(buffers)))
 
     slow = int(np.argmax(times))
     comp, reco, tpc, cpc, epc, p2p_s, zexp = parts[slow][:7]

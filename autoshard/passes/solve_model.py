@@ -10,7 +10,7 @@ Contract
   groups kept whole hold more parameters). The entries are compositions of
   `passes/cost.py`'s public component functions (block_time, block_activation_bytes,
   block_params, state_bytes, zero_exposed_time, dp_exposed_time, optimizer_time, p2p_time, logits_bytes,
-  buffer_bytes, pipeline_time), composed the way `cost.estimate` composes them, so with one
+  buffer_bytes, zero2_staging_bytes, pipeline_time), composed the way `cost.estimate` composes them, so with one
   recompute level for every stage `evaluate` equals `estimate(..., stages=)` (tested).
   The tables are numpy arrays built column-wise: a stage's cost depends only on whether it holds
   the embedding / head (first, middle, last) and, for memory, on its micro-batches in flight,
@@ -167,6 +167,7 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
         hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts, blocks=counts.sum(axis=0))
     state = cost.state_bytes(params, layout, expert=experts)
     other_mem = (state.weights + state.grads + state.optimizer + (blocks.logits_bytes if head else 0.0)
+                 + cost.zero2_staging_bytes(params, layout, expert=experts)
                  + cost.buffer_bytes(ct, layout, seq_len=seq_len))
     fwd_first = blocks.fwd_s[0] @ counts
     tail = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)

@@ -2,47 +2,51 @@
 
 Contract:
 * `GradSync(params, group, zero=0|1|2)` groups the parameters (in reverse order, the order
-  backward produces their gradients) into buckets of about `bucket_bytes`. Between `begin(...)`
-  and `finish()`, a post-accumulate-grad hook counts each parameter's gradient as ready; a bucket
-  whose gradients are all ready is flattened and its reduction launched asynchronously
+  backward produces their gradients) into buckets of `gradient_bucket_params(dp)` parameters
+  (Megatron-Core DDP's max(40M, 1M x dp), passes/collectives.py: the cost model's buckets too).
+  Between `begin(...)` and `finish()`, a post-accumulate-grad hook counts each parameter's gradient
+  as ready; a bucket whose gradients are all ready has its reduction launched asynchronously
   (buckets launch strictly in order, so every dp rank issues the same collectives in the same
   order) while backward continues. `finish()` launches what is left and waits.
-  * zero=0: an all-reduce (sum) on the last micro-batch; `p.grad` holds the reduced gradient, a
-    view of the all-reduced bucket (DDP's `gradient_as_bucket_view`: no second copy; a group of one
-    flattens and copies nothing: the gradients stay in `p.grad`).
-  * zero=1: a reduce-scatter on the last micro-batch: dp rank i receives slice i of every (padded)
-    bucket, written back into its part of the gradient buffer (main gradients, below: ZeRO-1/2
-    always use them); the rest of the buffer keeps the local (unreduced) gradient, as in Megatron's
-    distributed optimizer.
-  * zero=2 (DeepSpeed stage 2): a reduce-scatter on EVERY micro-batch, summed into this rank's
-    slices; `p.grad` is dropped as soon as its bucket is flattened, so a full gradient lives only
-    while its bucket is in flight. The price is one reduce-scatter per micro-batch (the cost model
-    charges it, passes/cost.py). Needs pp = 1 (passes/layouts.py; DeepSpeed has the same rule):
-    a pipeline schedule accumulates gradients over micro-batches inside its own loop.
+* Gradients live in flat fp32 buffers (Megatron-LM's contiguous grad buffer): each parameter's
+  `main_grad` is a view into its bucket's buffer, and the hook adds every micro-batch's `.grad`
+  into it and drops `.grad` (`take_grad`), so no second copy of a gradient is ever made:
+  * zero=0: the persistent buffer is all-reduced (sum) in place on the last micro-batch. Without
+    main gradients (fp32) `p.grad` is then the parameter's view of it (DDP's
+    `gradient_as_bucket_view`); a group of one reduces nothing and keeps autograd's `p.grad`.
+  * zero=1: the persistent buffer is reduce-scattered in place on the last micro-batch: dp rank i
+    receives slice i of every (padded) bucket in its own part of the buffer (Megatron's
+    distributed optimizer; the rest of the buffer is not read again before the next step zeroes it).
+  * zero=2 (DeepSpeed stage 2): no persistent full buffer. A bucket gets a zeroed staging buffer
+    when its first gradient of a micro-batch arrives, is reduce-scattered in place on EVERY
+    micro-batch, and its slice is added into this rank's persistent fp32 slice (`acc`) before
+    the buffer is freed. At most STAGING_BUFFERS (2) are held: one filling while the previous
+    one is reduced (DeepSpeed's double-buffered ipg_buffer); a third bucket first waits for the
+    oldest in flight (one more is made only if both held still wait for gradients, which come
+    out of bucket order). The cost model prices the two buckets (passes/cost.py
+    `zero2_staging_bytes`) and the reduce-scatter per micro-batch (`zero2_time`). Needs pp = 1
+    (passes/layouts.py; DeepSpeed has the same rule): a pipeline schedule accumulates gradients
+    over micro-batches inside its own loop.
 * Gradients are summed, not averaged: the loss is already divided by the global token count
   (`runtime/loss.py`), so the sum over dp ranks is the gradient of the global mean.
-* `ShardedOptimizer` (ZeRO-1/2): the optimizer is built over this rank's slices of the flat
-  buckets; `step()` steps them and all-gathers the updated parameters. Element-wise optimizers
-  (SGD, Adam, AdamW) then give the same weights as one process stepping everything.
+* `ShardedOptimizer` (ZeRO-1/2, and bf16-mixed at any level < 3): each bucket's parameters
+  become views of one flat buffer (Megatron-LM's param buffer); the optimizer is built over this
+  rank's slices of the buckets; `step()` steps them and all-gathers the updated parameters in
+  place into the param buffer, this rank's slice already there. Element-wise optimizers (SGD,
+  Adam, AdamW) then give the same weights as one process stepping everything.
 
 `begin(last=False)` (an earlier micro-batch of gradient accumulation) lets the hooks do nothing
-except under zero=2.
+but add into the main gradients (zero=2: also reduce).
 
-Main gradients (Megatron-LM's `main_grad` in its contiguous grad buffer: `main_grads=True`, which
-`DistributedModel` asks for under bf16-mixed, runtime/precision.py, and always under zero=1/2, at
-any precision): each parameter has an fp32 `main_grad` (under bf16-mixed the parameters are bf16). The hook adds every micro-batch's
-`.grad` into it in fp32 and drops `.grad` (`take_grad`), so the gradient lives in fp32 only.
-Under zero=0/1 a bucket's main gradients are views of one persistent flat fp32 buffer (padded to
-a multiple of dp), all-reduced in place (zero=0) or reduce-scattered, this rank's reduced slice
-written back into its part of the buffer (zero=1); under zero=2 a micro-batch's fp32 gradient
-exists only until its bucket is reduce-scattered into the fp32 slices. Reductions are fp32.
-`ShardedOptimizer` then holds the fp32 MASTER weights: this rank's slice of every bucket
-(zero=1/2), or every bucket whole (zero=0: a shard world of one); it steps them on the fp32
-gradient slices and all-gathers the result over dp in the parameters' dtype (bf16) into them.
-With fp32 parameters (`masters=False`) there is no copy: each bucket's parameters become views of
-one flat buffer (Megatron-LM's param buffer), the optimizer steps this rank's slice of it in place
-and the other slices are all-gathered into it. Between steps a rank then keeps what the cost model
-prices (passes/cost.py `state_bytes`; tests/runtime/test_state_bytes.py, both precisions).
+Precision. Under bf16-mixed (`main_grads=True`, which `DistributedModel` asks for,
+runtime/precision.py) the parameters are bf16 and `ShardedOptimizer` holds the fp32 MASTER weights:
+this rank's slice of every bucket (zero=1/2) or every bucket whole (zero=0: a shard world of one);
+it steps them on the fp32 gradient slices, casts them into this rank's slice of the bf16 param
+buffer and all-gathers that in place. With fp32 parameters (`masters=False`) there is no copy: the
+optimizer steps this rank's slice of the param buffer in place. Reductions are fp32. Between steps
+a rank keeps what the cost model prices (passes/cost.py `state_bytes`); while a step runs, the
+sync allocates only ZeRO-2's staging buffers (tests/runtime/test_state_bytes.py measures both,
+both precisions).
 """
 
 from __future__ import annotations
@@ -53,8 +57,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-# flat-tensor collectives: the *_single names from torch 2.13 on (the old ones warn there), same signatures
+from autoshard.passes.collectives import gradient_bucket_params
+
+# zero=2: buckets holding a staging buffer at once (DeepSpeed stage 2's double-buffered `ipg_buffer`
+# under overlap_comm): one filling while the previous one is reduce-scattered (passes/cost.py prices them)
+STAGING_BUFFERS = 2
+# flat-tensor collectives: the *_single names from torch 2.13 on (the old ones warn there), same signatures.
+# Both run in place here, as Megatron-LM's do (NCCL: "in-place" when the output is the input's own slice,
+# reduce-scatter, or the input is the output's own slice, all-gather; gloo does the same)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -65,18 +75,12 @@ def take_grad(param: nn.Parameter) -> Tensor | None:
     if not hasattr(param, "main_grad"):
         return param.grad
     if param.grad is not None:
-        if param.main_grad is None:  # zero=2: this micro-batch's fp32 gradient, until its bucket is reduced
+        if param.main_grad is None:  # (not reached by GradSync, which gives every gradient a buffer first)
             param.main_grad = param.grad.float()
         else:
             param.main_grad.add_(param.grad)
         param.grad = None
     return param.main_grad
-
-
-def _drop_grad(param: nn.Parameter) -> None:
-    param.grad = None
-    if hasattr(param, "main_grad"):
-        param.main_grad = None
 
 
 class _Bucket:
@@ -85,58 +89,45 @@ class _Bucket:
         self.numel = sum(p.numel() for p in params)
         self.padded = -(-self.numel // world) * world
         self.ready = 0
-        self.flat: Tensor | None = None  # the buffer being reduced
-        self.out: Tensor | None = None  # all-reduce: == flat; reduce-scatter: this rank's slice
         self.work = None
-        self.acc: Tensor | None = None  # zero=2: this rank's slice summed over finished micro-batches
-        self.main: Tensor | None = None  # main gradients under zero 0/1: the flat fp32 buffer they are views of
-        self.weights: Tensor | None = None  # weights that are their own masters (fp32 ZeRO-1/2): their flat buffer
+        self.main: Tensor | None = None  # zero 0/1: the persistent flat fp32 gradient buffer (main gradients' storage)
+        self.staging: Tensor | None = None  # zero=2: this micro-batch's flat fp32 gradient buffer, until reduced
+        self.launched = False  # zero=2: its reduce-scatter was issued this micro-batch
+        self.acc: Tensor | None = None  # zero=2: this rank's slice summed over the step's micro-batches
+        self.weights: Tensor | None = None  # ShardedOptimizer: the flat buffer the parameters are views of
 
-    def hold_main_grads(self) -> None:
-        """One flat fp32 buffer for the bucket; each parameter's `main_grad` is its view into it."""
-        self.main = torch.zeros(self.padded, dtype=torch.float32, device=self.params[0].device)
+    def mine(self, flat: Tensor, rank: int, world: int) -> Tensor:
+        """Rank `rank`'s slice of a flat (padded) tensor of the bucket: a view."""
+        length = self.padded // world
+        return flat[rank * length:(rank + 1) * length]
+
+    def grads_into(self, flat: Tensor) -> None:
+        """Make each parameter's `main_grad` its view into `flat` (Megatron-LM's grad buffer)."""
         offset = 0
         for p in self.params:
-            p.main_grad = self.main[offset:offset + p.numel()].view_as(p)
+            p.main_grad = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
-    def hold_params(self) -> Tensor:
-        """One flat buffer holding the bucket's parameters (padded); each parameter becomes its view
-        (Megatron-LM's param buffer: the optimizer then steps slices of it in place)."""
-        self.weights = self.flatten_params().contiguous()
+    def hold_params(self, flat: Tensor) -> Tensor:
+        """Make each parameter a view of `flat` (padded; Megatron-LM's param buffer: the optimizer
+        steps slices of it in place and the all-gather writes into it)."""
+        self.weights = flat
         offset = 0
         for p in self.params:
-            p.data = self.weights[offset:offset + p.numel()].view_as(p)
+            p.data = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-        return self.weights
-
-    def flatten_grads(self) -> Tensor:
-        grads = [g.reshape(-1) if (g := take_grad(p)) is not None else p.new_zeros(p.numel(), dtype=torch.float32)
-                 for p in self.params]
-        flat = torch.cat(grads)
-        return torch.nn.functional.pad(flat, (0, self.padded - self.numel)) if self.padded > self.numel else flat
+        return flat
 
     def flatten_params(self) -> Tensor:
         flat = torch.cat([p.detach().reshape(-1) for p in self.params])
         return torch.nn.functional.pad(flat, (0, self.padded - self.numel)) if self.padded > self.numel else flat
-
-    def scatter_back(self, flat: Tensor, *, into_grad: bool) -> None:
-        offset = 0
-        for p in self.params:
-            chunk = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if into_grad:  # a view: the bucket is the gradient's storage (DDP's gradient_as_bucket_view)
-                p.grad = chunk
-            else:
-                with torch.no_grad():
-                    p.copy_(chunk)
 
 
 class GradSync:
     """Bucketed, overlapped gradient all-reduce (or ZeRO reduce-scatter) over the dp group."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, *, zero: int,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 bucket_params: int | None = None,
                  prepare: Callable[[Sequence[nn.Parameter]], None] | None = None, main_grads: bool = False):
         self.group = group
         self.prepare = prepare  # called on a bucket's parameters just before it is reduced
@@ -146,27 +137,35 @@ class GradSync:
             raise ValueError(f"GradSync runs ZeRO levels 0, 1 and 2, got {zero!r}")
         self.zero = zero > 0  # gradients end as this rank's slices (reduce-scatter)
         self.every_micro_batch = zero == 2
-        self.main_grads = main_grads or self.zero  # ZeRO-1/2: the gradients live in the buffer at any precision
+        # the gradients live in the flat buffers whenever there is something to reduce (or main gradients are
+        # asked for); fp32 ZeRO 0 then shows them as `p.grad`, views of the buffer (DDP's gradient_as_bucket_view)
+        self.expose_grads = not (main_grads or self.zero) and self.world > 1
+        self.main_grads = main_grads or self.zero or self.world > 1
         self.enabled = False
         self.buckets: list[_Bucket] = []
+        limit = gradient_bucket_params(self.world) if bucket_params is None else bucket_params
         current, size = [], 0
         for p in reversed([p for p in params if p.requires_grad]):
             current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
+            size += p.numel()
+            if size >= limit:
                 self.buckets.append(_Bucket(current, self.world))
                 current, size = [], 0
         if current:
             self.buckets.append(_Bucket(current, self.world))
         if self.main_grads:
             for b in self.buckets:
+                device = b.params[0].device
                 if self.every_micro_batch:
                     for p in b.params:
-                        p.main_grad = None
+                        p.main_grad = None  # a view of the bucket's staging buffer while one is held
+                    b.acc = torch.zeros(b.padded // self.world, dtype=torch.float32, device=device)
                 else:
-                    b.hold_main_grads()
+                    b.main = torch.zeros(b.padded, dtype=torch.float32, device=device)
+                    b.grads_into(b.main)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
+        self._staged: list[_Bucket] = []  # zero=2: the buckets holding a staging buffer, oldest first
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
 
     def begin(self, *, last: bool, first: bool = True) -> None:
@@ -181,10 +180,10 @@ class GradSync:
         self._next = 0
         for b in self.buckets:
             if first:
-                b.acc = None
-                if b.main is not None:
-                    b.main.zero_()
-            b.ready, b.flat, b.out, b.work = 0, None, None, None
+                for buffer in (b.main, b.acc):
+                    if buffer is not None:
+                        buffer.zero_()
+            b.ready, b.work = 0, None
 
     @property
     def shard_world(self) -> int:
@@ -196,35 +195,60 @@ class GradSync:
         return self.rank if self.zero else 0
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        if self.every_micro_batch and bucket.staging is None:
+            self._stage(bucket)
         if self.main_grads:  # every micro-batch: into the fp32 main gradient
             take_grad(param)
         if not self.enabled:
             return
-        self._bucket_of[id(param)].ready += 1
+        bucket.ready += 1
         while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
             self._launch(self.buckets[self._next])
             self._next += 1
 
+    def _stage(self, bucket: _Bucket) -> None:
+        """zero=2: give `bucket` a zeroed staging buffer, its parameters' main gradients views of it; with
+        STAGING_BUFFERS held already, first finish the oldest bucket in flight (its buffer is freed). Only
+        when every held buffer still waits for gradients (they come out of bucket order) is one more made."""
+        while len(self._staged) >= STAGING_BUFFERS:
+            oldest = next((b for b in self._staged if b.launched), None)
+            if oldest is None:
+                break
+            self._retire(oldest)
+        bucket.staging = torch.zeros(bucket.padded, dtype=torch.float32, device=bucket.params[0].device)
+        bucket.grads_into(bucket.staging)
+        self._staged.append(bucket)
+
+    def _retire(self, bucket: _Bucket) -> None:
+        """zero=2: wait for the bucket's reduce-scatter, add its slice into the sum and free the buffer."""
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        bucket.acc.add_(bucket.mine(bucket.staging, self.rank, self.world))
+        bucket.staging, bucket.launched = None, False
+        self._staged.remove(bucket)
+
     def _launch(self, bucket: _Bucket) -> None:
+        if self.every_micro_batch and bucket.staging is None:  # none of its parameters got a gradient
+            self._stage(bucket)
         if self.main_grads:  # what autograd left in `.grad` (zero-bubble's weight pass writes it directly)
             for p in bucket.params:
                 take_grad(p)
         if self.prepare is not None:
             self.prepare(bucket.params)
-        if self.world == 1 and not self.zero:  # nothing to reduce: `p.grad` / `main_grad` already holds the result
-            return
-        bucket.flat = bucket.main if bucket.main is not None else bucket.flatten_grads()
-        if self.every_micro_batch:  # the flat copy is all that is kept of the full gradient
+        if self.every_micro_batch:  # the staging buffer now belongs to the reduce-scatter (into its own slice)
             for p in bucket.params:
-                _drop_grad(p)
-        if self.world == 1:
-            bucket.out = bucket.flat
-        elif self.zero:
-            bucket.out = bucket.flat.new_empty(bucket.padded // self.world)
-            bucket.work = _reduce_scatter(bucket.out, bucket.flat, group=self.group, async_op=True)
-        else:
-            bucket.out = bucket.flat
-            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+                p.main_grad = None
+            bucket.launched = True
+            if self.world > 1:
+                bucket.work = _reduce_scatter(bucket.mine(bucket.staging, self.rank, self.world), bucket.staging,
+                                              group=self.group, async_op=True)
+        elif self.world > 1 and self.zero:  # this rank's reduced slice lands in its own part of the buffer
+            bucket.work = _reduce_scatter(bucket.mine(bucket.main, self.rank, self.world), bucket.main,
+                                          group=self.group, async_op=True)
+        elif self.world > 1:
+            bucket.work = dist.all_reduce(bucket.main, group=self.group, async_op=True)
 
     def finish(self) -> None:
         """Launch the buckets not launched yet, wait for all; then gradients are reduced."""
@@ -233,48 +257,46 @@ class GradSync:
         self._next = len(self.buckets)
         self.enabled = False
         self._drain()
-        for bucket in self.buckets:
-            if bucket.main is not None:  # reduced in place; ZeRO: the reduced slice back into the buffer
-                if self.zero and bucket.out is not None and bucket.out is not bucket.main:
-                    length = bucket.padded // self.world
-                    bucket.out = bucket.main[self.rank * length:(self.rank + 1) * length].copy_(bucket.out)
-            elif not self.zero and bucket.out is not None:
-                bucket.scatter_back(bucket.out, into_grad=True)
+        if self.expose_grads:
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    p.grad = p.main_grad
 
     def _drain(self) -> None:
         """Wait for the reductions in flight; under zero=2 add them to the slices summed so far."""
+        for bucket in list(self._staged):
+            if bucket.launched:
+                self._retire(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            if self.every_micro_batch and bucket.out is not None:
-                bucket.acc = bucket.out if bucket.acc is None else bucket.acc.add_(bucket.out)
-                bucket.flat = bucket.out = None
 
     def buffers(self) -> list[Tensor]:
-        """The flat gradient tensors this sync holds (buffers, reduced slices, buckets in flight): with
+        """The flat gradient tensors this sync holds (buffers, summed slices, staging buffers in flight): with
         the parameters' `.grad` / `main_grad`, what a rank keeps of its gradients between steps
         (tests/runtime/test_state_bytes.py measures them against the cost model)."""
-        return [t for b in self.buckets for t in (b.main, b.flat, b.out, b.acc) if t is not None]
+        return [t for b in self.buckets for t in (b.main, b.staging, b.acc) if t is not None]
 
     def shard_grads(self) -> list[Tensor]:
-        """ZeRO: this rank's slice of every bucket's reduced gradient (after `finish`)."""
+        """ZeRO: this rank's slice of every bucket's reduced gradient (after `finish`); else the buffers."""
         if self.every_micro_batch:
             return [b.acc for b in self.buckets]
         if not self.zero:  # main gradients under zero=0: the whole all-reduced buffers
             return [b.main for b in self.buckets]
-        return [b.out if self.world > 1 else b.flat for b in self.buckets]
+        return [b.mine(b.main, self.rank, self.world) for b in self.buckets]
 
     def reduced_grads(self) -> dict[int, Tensor]:
-        """id(param) -> its dp-reduced gradient (collective over dp under ZeRO)."""
-        if self.main_grads and not self.zero:
+        """id(param) -> its dp-reduced gradient (collective over dp under ZeRO); {} for a group of one
+        without main gradients (the gradients are `.grad`)."""
+        if not self.main_grads:
+            return {}
+        if not self.zero:
             return {id(p): p.main_grad for b in self.buckets for p in b.params}
         out = {}
-        for bucket, shard in zip(self.buckets, self.shard_grads() if self.zero else [b.out for b in self.buckets]):
-            if shard is None:
-                continue
+        for bucket, shard in zip(self.buckets, self.shard_grads()):
             flat = shard
-            if self.zero and self.world > 1:
+            if self.world > 1:
                 flat = shard.new_empty(bucket.padded)
                 _all_gather(flat, shard, group=self.group)
             offset = 0
@@ -285,26 +307,28 @@ class GradSync:
 
 
 class ShardedOptimizer:
-    """ZeRO-1/2: the optimizer state of each dp rank covers 1/dp of every gradient bucket. `masters`
-    (bf16-mixed): its fp32 slices are copies, the master weights (zero=0: whole buckets), and
-    `factory` may be None (no optimizer: the masters are still what `full_params` and checkpoints
-    read). Without (fp32: the weights are their own masters) each bucket's parameters become views
-    of one flat buffer and the slices are views of it, stepped in place, as Megatron-LM's
-    distributed optimizer does for fp32 parameters (its param buffer; no second copy)."""
+    """ZeRO-1/2: the optimizer state of each dp rank covers 1/dp of every gradient bucket, and each
+    bucket's parameters become views of one flat buffer (Megatron-LM's param buffer) that the step's
+    all-gather writes into in place. `masters` (bf16-mixed): the optimizer steps fp32 copies of this
+    rank's slices, the master weights (zero=0: whole buckets), and the parameters are held in
+    `param_dtype`; `factory` may be None (no optimizer: the masters are still what `full_params` and
+    checkpoints read). Without (fp32: the weights are their own masters) the slices are views of the
+    param buffer, stepped in place, as Megatron-LM's distributed optimizer does for fp32 parameters
+    (no second copy)."""
 
     def __init__(self, sync: GradSync, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None, *,
-                 masters: bool = True):
+                 masters: bool = True, param_dtype: torch.dtype = torch.bfloat16):
         self.sync = sync
         self.world, self.rank = sync.shard_world, sync.shard_rank
         self.masters = masters
         self.shards = []
         for bucket in sync.buckets:
-            length = bucket.padded // self.world
-            mine = slice(self.rank * length, (self.rank + 1) * length)
-            if masters:  # fp32 copies (built before the params turn bf16)
-                self.shards.append(nn.Parameter(bucket.flatten_params().float()[mine].clone()))
+            flat = bucket.flatten_params()
+            if masters:  # fp32 copies of this rank's slice; the parameters turn `param_dtype`
+                self.shards.append(nn.Parameter(bucket.mine(flat.float(), self.rank, self.world).clone()))
+                bucket.hold_params(flat.to(param_dtype))
             else:
-                self.shards.append(nn.Parameter(bucket.hold_params()[mine]))
+                self.shards.append(nn.Parameter(bucket.mine(bucket.hold_params(flat), self.rank, self.world)))
         self.optimizer = factory(self.shards) if factory is not None else None
 
     def step(self) -> None:
@@ -312,16 +336,12 @@ class ShardedOptimizer:
             shard.grad = grad
         self.optimizer.step()
         for shard, bucket in zip(self.shards, self.sync.buckets):
-            if not self.masters:  # stepped in place: gather the other ranks' slices into the param buffer
-                if self.world > 1:
-                    _all_gather(bucket.weights, shard.detach().clone(), group=self.sync.group)
-                continue
-            piece = shard.detach().to(bucket.params[0].dtype)  # the all-gather moves the parameters' dtype
-            full = piece
-            if self.world > 1:
-                full = piece.new_empty(bucket.padded)
-                _all_gather(full, piece, group=self.sync.group)
-            bucket.scatter_back(full, into_grad=False)
+            mine = bucket.mine(bucket.weights, self.rank, self.world)
+            if self.masters:  # the stepped masters into this rank's slice of the param buffer (cast)
+                with torch.no_grad():
+                    mine.copy_(shard)
+            if self.world > 1:  # the other ranks' slices, in place (fp32: `mine` is what the optimizer stepped)
+                _all_gather(bucket.weights, mine, group=self.sync.group)
 
     def zero_grad(self) -> None:
         for shard in self.shards:
@@ -340,10 +360,9 @@ class ShardedOptimizer:
         for shard, bucket in zip(self.shards, self.sync.buckets):
             flat = torch.cat([values[id(p)].reshape(-1).to(shard.device, torch.float32) for p in bucket.params])
             flat = torch.nn.functional.pad(flat, (0, bucket.padded - bucket.numel))
-            length = bucket.padded // self.world
             with torch.no_grad():
-                shard.copy_(flat[self.rank * length:(self.rank + 1) * length])
-            bucket.scatter_back(flat, into_grad=False)
+                shard.copy_(bucket.mine(flat, self.rank, self.world))
+                bucket.weights.copy_(flat)
 
     def param_states(self) -> dict[int, dict[str, Tensor]]:
         """id(param) -> {state key: tensor shaped like the param, or the shard's scalar} (collective over dp).
