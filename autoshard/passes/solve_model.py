@@ -369,15 +369,14 @@ def min_stage_sums(fastest: np.ndarray, layers: int) -> list[tuple[float, tuple[
             for j in range(count)]
 
 
-def _passes(tables, values: np.ndarray, layers: int):
-    """Lazily, for each value v of `values` in order: (the table `tables(v)` [i, o, n], `min_stage_sum` of
-    its fastest option per (stage, count)). The tables are built and their DPs run a chunk of values at a
-    time (1, 2, 4, ... 64: a search that stops early wastes little; one that runs long makes few numpy
-    calls): `tables(vs)` takes the chunk's values as an array [j, 1, 1, 1] and returns [j, i, o, n]."""
+def _passes(fastest, values: np.ndarray, layers: int):
+    """Lazily, for each value v of `values` in order, `min_stage_sum(fastest(v), layers)`: the tables are
+    built and their DPs run a chunk of values at a time (1, 2, 4, ... 64: a search that stops early wastes
+    little; one that runs long makes few numpy calls). `fastest(vs)` takes the chunk's values as an array
+    [j, 1, 1] and returns the tables [j, i, n]."""
     start, size = 0, 1
     while start < len(values):
-        chunk = tables(values[start:start + size, None, None, None])
-        yield from zip(chunk, min_stage_sums(chunk.min(axis=2), layers))
+        yield from min_stage_sums(fastest(values[start:start + size, None, None]), layers)
         start, size = start + size, min(2 * size, 64)
 
 
@@ -435,7 +434,9 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
         live = np.zeros_like(live)
         np.put_along_axis(live, order, np.isfinite(ranked) & (ranked < before), axis=1)
     times = np.unique(t[live & (t >= floor)])
-    for cap, (capped, (s_t, layers)) in zip(times, _passes(lambda caps: np.where(t <= caps, t, np.inf), times, L)):
+    # with every entry slower than a cap T removed, a (stage, count)'s fastest option is its fastest one if that
+    # is at most T (else none is)
+    for cap, (s_t, layers) in zip(times, _passes(lambda caps: np.where(fastest <= caps, fastest, np.inf), times, L)):
         goal = min(best, cutoff_s)
         if (m - f) * cap + f * total + tail_lo >= goal:
             return SplitSearch(assignment=best_a, step_s=best,
@@ -443,13 +444,18 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
         if steps >= max_steps:
             return SplitSearch(assignment=best_a, step_s=best, bound_s=(m - f) * cap + f * total + tail_lo,
                                proven=False, steps=steps)
-        steps += 1  # capped: every entry slower than cap removed
+        steps += 1
         if layers is None:
             continue
+        capped = np.where(t <= cap, t, np.inf)  # [i, o, n]
         top = found(layers, capped.argmin(axis=1))
         tails = np.unique(tail[np.isfinite(capped) & live & (tail < top)])
         tails = tails[tails >= tail_lo]
-        for u, (under, (s_u, layers)) in zip(tails, _passes(lambda us: np.where(tail <= us, capped, np.inf), tails, L)):
+
+        def under(us, capped=capped):  # the entries whose tail exceeds us removed too
+            return np.where(tail <= us, capped, np.inf)
+
+        for u, (s_u, layers) in zip(tails, _passes(lambda us: under(us[..., None]).min(axis=2), tails, L)):
             if (m - f) * cap + f * s_t + u >= min(best, cutoff_s):
                 break
             if steps >= max_steps:  # every (T', U) left has T' >= cap
@@ -457,6 +463,6 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
                                    proven=False, steps=steps)
             steps += 1
             if layers is not None:
-                found(layers, under.argmin(axis=1))
+                found(layers, under(u).argmin(axis=1))
     goal = min(best, cutoff_s)
     return SplitSearch(assignment=best_a, step_s=best, bound_s=goal, proven=True, steps=steps)
