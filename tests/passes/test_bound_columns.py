@@ -42,7 +42,9 @@ def test_bound_columns_equal_lower_bounds_of_each_layout(name, hardware, devices
 
 
 @pytest.mark.parametrize("name, hardware, devices", CASES)
-def test_a_re_plan_in_process_gives_the_first_plan(name, hardware, devices):
+def test_a_re_plan_in_process_gives_the_fresh_plan(name, hardware, devices):
+    """Planning shape after shape with one table (the planner's memos, its Layouts and their keys kept over
+    plans) gives at each shape the plan a table of its own gives."""
     spec, hw = get_spec(name), load_hardware(hardware)
     ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
     def plan(b, s, table):
@@ -51,5 +53,7 @@ def test_a_re_plan_in_process_gives_the_first_plan(name, hardware, devices):
         return p
 
     plans = [plan(b, s, ct) for b, s in SHAPES]
-    fresh = plan(32, 256, cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec))
-    assert plans[0] == plans[2] == fresh
+    fresh = {(b, s): plan(b, s, cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec))
+             for b, s in SHAPES[:2]}  # each shape planned in a table of its own: no memo of another shape
+    assert plans[0] == plans[2] == fresh[SHAPES[0]]
+    assert plans[1] == fresh[SHAPES[1]]  # a re-plan at a new shape in the same process: the fresh plan
