@@ -1,7 +1,9 @@
 """Plan time for llama-70b on 1024 H100s (global batch 1024, seq 4096): a fresh machine, a warm one, a
-re-plan in process at a new (batch, seq), and the curve over device counts and layer counts.
+re-plan in process at each new (batch, seq) of issue 13 (512 / 8192, 2048 / 2048, 4096 / 1024, 256 / 16384,
+then 1024 / 4096 again), and the curve over device counts and layer counts.
 
 Run: python bench/bench_plan.py [--quick]
+     python bench/bench_plan.py --against CHECKOUT [--rounds N]   (A/B of the re-plans against another commit)
 
 Issue 13 item 6's targets: `autoshard plan` in at most 10 s on a fresh machine (an empty
 AUTOSHARD_CACHE_DIR: the presets' cost tables ship in the package, so nothing is traced), and
@@ -77,10 +79,66 @@ def _describe(plan) -> str:
             f"{p['solver']['status']}, {p['solver']['layouts_solved']} of {p['solver']['layouts']} layouts solved")
 
 
+SHAPES = ((512, 8192), (2048, 2048), (4096, 1024), (256, 16384), (1024, 4096))  # the re-plans, in order
+
+
+def replans() -> dict:
+    """CPU seconds of the first solve (1024 / 4096) and of each re-plan of SHAPES in this process, with the
+    predicted step times (a checkout's plans, to compare A with B to the bit)."""
+    from autoshard.hardware import load_hardware
+    from autoshard.models.presets import get_spec
+    from autoshard.passes import cost
+    from autoshard.passes.shapes import build_cost_table
+    from autoshard.passes.solve import solve
+
+    hw, spec = load_hardware("h100"), get_spec("llama-70b")
+    ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    out = {}
+    for name, (b, s) in (("first solve 1024/4096", (1024, 4096)), *((f"re-plan {b}/{s}", (b, s)) for b, s in SHAPES)):
+        _, cpu, plan = timed(lambda: solve(spec, hw, devices=1024, global_batch=b, seq_len=s, table=ct,
+                                           fingerprint="bench"))
+        out[name] = (cpu, plan.predicted["step_time_s"])
+    return out
+
+
+def against(baseline: str, rounds: int) -> None:
+    """A/B in one sitting: `replans` in a fresh process of this checkout and of `baseline` (a checkout of
+    another commit, e.g. a `git worktree`), alternately, `rounds` times each; medians and their ratio."""
+    import json
+    import statistics
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs: dict = {here: [], baseline: []}
+    for _ in range(rounds):
+        for tree in runs:
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--replans-json"], capture_output=True,
+                                 text=True, check=True, env={**os.environ, "PYTHONPATH": tree})
+            runs[tree].append(json.loads(out.stdout))
+            print(f"{_load()}: {tree}: " + ", ".join(f"{k} {cpu:.2f}" for k, (cpu, _) in runs[tree][-1].items()),
+                  flush=True)
+    mine, base = runs[here], runs[baseline]
+    for key in mine[0]:
+        a, b = (statistics.median(r[key][0] for r in rs) for rs in (mine, base))
+        same = {r[key][1] for r in mine} == {r[key][1] for r in base}
+        print(f"{key}: median {a:.2f} s CPU here, {b:.2f} s at the baseline, ratio {a / b:.2f}; "
+              f"{'the same' if same else 'DIFFERENT'} predicted step time")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the llama-70b / 1024 H100 figures only, no curve")
+    ap.add_argument("--against", metavar="CHECKOUT", help="A/B of the re-plans only: this checkout against another")
+    ap.add_argument("--rounds", type=int, default=5, help="with --against: fresh processes per checkout")
+    ap.add_argument("--replans-json", action="store_true", help=argparse.SUPPRESS)  # --against's child
     args = ap.parse_args()
+    if args.replans_json:
+        import json
+
+        print(json.dumps(replans()))
+        return
+    if args.against:
+        against(os.path.abspath(args.against), args.rounds)
+        return
     print(_load(), f"on {os.cpu_count()} CPUs")
     runs = []
     for _ in range(3):
@@ -111,7 +169,7 @@ def main() -> None:
                                                        fingerprint="bench")
     wall, cpu, plan = timed(lambda: run(1024, 4096))
     print(f"in process, first solve (global batch 1024, seq 4096): {wall:.2f} s wall, {cpu:.2f} s CPU; {_describe(plan)}")
-    for b, s in ((512, 8192), (2048, 2048), (1024, 4096)):
+    for b, s in SHAPES:
         wall, cpu, plan = timed(lambda: run(b, s))
         print(f"re-plan in process at global batch {b}, seq {s}: {wall:.2f} s wall, {cpu:.2f} s CPU; {_describe(plan)}")
     print(_load())

@@ -284,7 +284,7 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
     device's resolved one)."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
-    options: dict = {}  # (tp, sequence parallel) -> the sharding table's intra-op options
+    options: dict = {}  # tp -> the sharding table's choices; (tp, sequence parallel) -> their valid combinations
     intra = {}  # mesh -> its (sequence_parallel, strategies, stage choices) options
     for mesh in {mesh for mesh, _ in pairs}:
         sps = [sp for sp in sequence_parallel
@@ -292,8 +292,10 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
         for sp in sps:
             if (mesh.tp, sp) not in options:
                 options[mesh.tp, sp] = strategy_options(spec, mesh.tp, sequence_parallel=sp)
+        if mesh.tp not in options:
+            options[mesh.tp] = choices(spec, mesh.tp)
         intra[mesh] = tuple((sp, st, per) for sp in sps for st in options[mesh.tp, sp]
-                            for per in [_stage_choices(spec, mesh, sp, sps)] if "groups" not in per or
+                            for per in [_stage_choices(mesh, sp, sps, options[mesh.tp])] if "groups" not in per or
                             "groups" not in dict(st))
     schedules_of = {}  # (pp, micro-batches) -> the schedules that go with them
     out = []
@@ -305,15 +307,15 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
     return out
 
 
-def _stage_choices(spec, mesh, sp: bool, sps) -> tuple[str, ...]:
+def _stage_choices(mesh, sp: bool, sps, have: dict) -> tuple[str, ...]:
     """The layer choices the stages of a pipeline (pp > 1) make each on its own (`Layout.stage_choices`):
     sequence parallelism, in the layout that is otherwise off, where both values are searched (the one
     that is on everywhere stays its own layout: its boundaries carry the shard); Mamba-2 groups where
-    tp divides them (`sharding.choices`)."""
+    tp divides them (`have`: `sharding.choices` at the mesh's tp)."""
     if mesh.pp == 1:
         return ()
     out = ("sequence_parallel",) if not sp and True in sps else ()
-    return out + (("groups",) if "groups" in choices(spec, mesh.tp) else ())
+    return out + (("groups",) if "groups" in have else ())
 
 
 @functools.lru_cache(maxsize=1 << 16)
