@@ -19,10 +19,12 @@ gradient is this rank's slice of the full gradient.
 
 Memory (what `passes/cost.py` `logits_bytes` prices): the cross-entropy runs in place on one
 float32 copy of the logits, as Megatron-LM's fused vocab-parallel cross-entropy does: the copy
-becomes the softmax, which is all it keeps for backward, and backward turns it into the gradient
-in place. Per logit: the logits as the head wrote them (2 B in bf16) and 4 B, never the
-float32 logits, log-softmax and gradient side by side that ``F.cross_entropy(logits.float())``
-holds. Backward runs once (a second one raises autograd's in-place error).
+becomes the log-softmax, which is all it keeps for backward, and backward turns it into the
+gradient in place (float32 temporaries a block of rows at a time). Per logit: the logits as the
+head wrote them (2 B in bf16) and 4 B, never the float32 logits, log-softmax and gradient side by
+side that ``F.cross_entropy(logits.float())`` holds; without vocab parallelism the loss and the
+gradient are that call's (the gradient to the bit). Backward runs once (a second one raises
+autograd's in-place error).
 """
 
 from __future__ import annotations
@@ -70,12 +72,13 @@ def causal_lm_loss(logits: Tensor, labels: Tensor, *, num_tokens: int | Tensor |
 class _CrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy, 0 at ignored tokens, in place on one float32 copy of the logits.
 
-    forward: the copy minus the row max, exponentiated and divided by the row sum: the softmax,
-    saved; loss = log(sum of exps) - (target logit - max). With `group` (vocab-parallel logits) the
-    max, the sum of exps and the target logit (from the one rank whose slice holds it, a masked
-    gather) are all-reduced over the group.
-    backward: d loss / d logits = softmax - one_hot(target), written over the saved softmax, in
-    the logits' dtype; no communication (each rank owns its slice of the gradient).
+    forward: the copy becomes its log-softmax (`_log_softmax_`), saved; the loss is minus its
+    value at the target (with `group`, vocab-parallel logits: from the one rank whose slice holds
+    it, a masked gather all-reduced).
+    backward: d loss / d logits = softmax - one_hot(target), written over the saved log-softmax,
+    in the logits' dtype; no communication (each rank owns its slice of the gradient). Without a
+    group it is torch's own log-softmax backward a block of rows at a time: the gradient of
+    `F.cross_entropy(logits.float())`, to the bit.
     """
 
     @staticmethod
@@ -83,30 +86,55 @@ class _CrossEntropy(torch.autograd.Function):
         work = logits.float() if logits.dtype != torch.float32 else logits.clone()  # (N, V_local)
         local_vocab = work.shape[-1]
         start = dist.get_rank(group) * local_vocab if group is not None else 0
-        row_max = work.max(dim=-1).values  # (N,)
-        if group is not None:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        work.sub_(row_max.unsqueeze(-1))
+        _log_softmax_(work, group)
         valid = target != IGNORE_INDEX
         local_target = target - start
         mine = valid & (local_target >= 0) & (local_target < local_vocab)
         safe = torch.where(mine, local_target, torch.zeros_like(local_target))
-        target_logit = work.gather(-1, safe.unsqueeze(-1)).squeeze(-1) * mine  # (N,)
-        work.exp_()
-        sum_exp = work.sum(dim=-1)  # (N,)
+        picked = work.gather(-1, safe.unsqueeze(-1)).squeeze(-1) * mine  # (N,) log p(target)
         if group is not None:
-            dist.all_reduce(sum_exp, group=group)
-            dist.all_reduce(target_logit, group=group)
-        work.div_(sum_exp.unsqueeze(-1))  # the softmax
+            dist.all_reduce(picked, group=group)
         ctx.save_for_backward(work, safe, mine, valid)
-        ctx.dtype = logits.dtype
-        return (sum_exp.log() - target_logit) * valid
+        ctx.dtype, ctx.vocab_parallel = logits.dtype, group is not None
+        return -picked * valid
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        softmax, safe, mine, valid = ctx.saved_tensors
-        scale = (grad_loss * valid).unsqueeze(-1)  # (N, 1)
-        grad = softmax.mul_(scale)
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, safe] -= scale.squeeze(-1) * mine
-        return grad.to(ctx.dtype), None, None
+        work, safe, mine, valid = ctx.saved_tensors  # work: the log-softmax
+        scale = grad_loss * valid  # (N,)
+        rows = _block_rows(work)
+        for i, block in enumerate(work.split(rows)):
+            at = slice(i * rows, i * rows + block.shape[0])
+            index = torch.arange(block.shape[0], device=block.device)
+            if ctx.vocab_parallel:  # softmax x scale, minus scale at the target (this rank's slice)
+                block.exp_().mul_(scale[at].unsqueeze(-1))
+                block[index, safe[at]] -= scale[at] * mine[at]
+            else:  # what nll_loss's backward hands log_softmax's: -scale at the target
+                grad_out = torch.zeros_like(block)
+                grad_out[index, safe[at]] = -scale[at]
+                block.copy_(torch._log_softmax_backward_data(grad_out, block, -1, torch.float32))
+        return work.to(ctx.dtype), None, None
+
+
+_BLOCK_BYTES = 64 * 2**20  # the float32 temporaries of `_log_softmax_`, a block of rows at a time
+
+
+def _block_rows(work: Tensor) -> int:
+    return max(1, _BLOCK_BYTES // (4 * work.shape[-1]))
+
+
+def _log_softmax_(work: Tensor, group: dist.ProcessGroup | None) -> None:
+    """`work` (N, V_local) float32 becomes its log-softmax over the vocab, in place: torch's own
+    log_softmax a block of rows at a time (the values F.cross_entropy computes), or with `group`
+    over the vocab slices of the group (the global row max and sum of exps by all-reduce)."""
+    rows = _block_rows(work)
+    if group is None:
+        for block in work.split(rows):
+            block.copy_(torch.log_softmax(block, dim=-1))
+        return
+    row_max = work.max(dim=-1).values  # (N,)
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    work.sub_(row_max.unsqueeze(-1))
+    sum_exp = torch.cat([block.exp().sum(dim=-1) for block in work.split(rows)])  # (N,)
+    dist.all_reduce(sum_exp, group=group)
+    work.sub_(sum_exp.log_().unsqueeze(-1))
