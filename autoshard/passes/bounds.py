@@ -13,8 +13,8 @@ Contract
   a tighter bound, asked only for the layouts the search is about to solve (a few hundred): with
   pp > 1 the slowest stage is at least the least slowest stage over every split of the whole layers
   (`slowest_stage_floor`: layers are not divisible); with pp = 1 the one stage's step at its fastest
-  recompute level, ZeRO traffic and the exposed gradient sync included (no split to choose: only
-  memory is left out). A layout whose refined bound does not beat the value it must beat is skipped
+  recompute level among those whose state, buffers and one micro-batch's activations fit the device, ZeRO
+  traffic and the exposed gradient sync included (no split to choose; inf when no level can fit). A layout whose refined bound does not beat the value it must beat is skipped
   without building its tables: the plan is the same, found sooner.
   `bound_columns(ct, hw, layouts, *, global_batch, seq_len, memo) -> BoundColumns`: `lower_bounds` of
   every layout at once, as numpy columns (what the planner asks): each distinct block / p2p / ZeRO-state
@@ -256,7 +256,8 @@ def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *,
         key = ("single", mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.zero,
                layout.offload, layout.precision, layout.moe_imbalance)
         if key not in memo:
-            memo[key] = _single_stage_step(ct, hw, layout, microbatches=m, seq_len=seq_len)
+            memo[key] = _single_stage_step(ct, hw, layout, microbatches=m, seq_len=seq_len,
+                                           fixed_bytes=bounds.peak_bytes)
         return max(bounds.step_s, memo[key])
     p2p = memo[_p2p_key(layout, memo)]
     f = memo[_bubble_key(layout, m)]
@@ -303,19 +304,24 @@ def slowest_stage_floor(pp: int, layers: int, *, first_s: float, middle_s: float
     return caps[lo] - tol * layer_s
 
 
-def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: int, seq_len: int) -> float:
-    """pp = 1: the step of the one stage (every block) at its fastest recompute level, memory aside:
+def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: int, seq_len: int,
+                       fixed_bytes: float) -> float:
+    """pp = 1: the step of the one stage (every block) at its fastest recompute level among those that can fit,
     m (compute + recompute + communication + exposed ZeRO traffic) + exposed gradient sync + optimizer,
-    as `solve_model` tabulates it."""
+    as `solve_model` tabulates it; inf when none can. A level cannot fit when `fixed_bytes` (`Bounds.peak_bytes`:
+    for one stage its weights, gradients, optimizer state and buffers, the bytes the tables count besides the
+    activations and the logits) plus one micro-batch's activations at that level exceed the device (the
+    tables hold at least one micro-batch in flight; 1e-9 of slack for the sums' order)."""
     spec = ct.spec
     counts = {BlockKind.EMBED: 1, BlockKind.LAYER: spec.layers, BlockKind.HEAD: 1}
     params = sum(cost.block_params(ct, layout, k) * c for k, c in counts.items())
     experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER)
     times = []
-    # recompute only adds time, save under sequence parallelism, where it changes the TP traffic too
-    levels = tuple(Recompute) if layout.sequence_parallel and layout.mesh.tp > 1 else (Recompute.NONE,)
-    for r in levels:
+    for r in Recompute:
         lay = layout if layout.recompute is r else replace(layout, recompute=r)
+        act = sum(cost.block_activation_bytes(ct, lay, k, seq_len=seq_len, hw=hw) * c for k, c in counts.items())
+        if fixed_bytes + act > hw.memory_bytes * (1 + 1e-9):
+            continue
         bt = {k: cost.block_time(ct, hw, lay, k, seq_len=seq_len) for k in KINDS}
         comp = sum(bt[k].compute_s * c for k, c in counts.items())
         other = sum((bt[k].recompute_s + bt[k].comm_s) * c for k, c in counts.items())
@@ -323,6 +329,8 @@ def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: i
         zexp = float(cost.zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd, expert=experts,
                                             blocks=sum(counts.values())))
         times.append((comp + other + zexp, bwd, sum(bt[k].fwd_s * c for k, c in counts.items())))
+    if not times:
+        return math.inf
     t, bwd, fwd = min(times)
     tail = (float(cost.dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts))
             + cost.optimizer_time(hw, params, layout, expert=experts))

@@ -56,3 +56,32 @@ def test_bounds_never_exceed_a_layouts_optimum(name, hardware):
         assert refined <= best.step_s * (1 + 1e-12), lay
         checked, tighter = checked + 1, tighter + (refined > b.step_s * (1 + 1e-9))
     assert checked > 50 and tighter > checked // 4  # the refinement bites on many layouts
+
+
+@pytest.mark.parametrize("name, hardware", [("llama-tiny", "h100"), ("mamba2-tiny", "cpu")])
+def test_single_stage_bound_with_memory_binding_never_exceeds_the_optimum(name, hardware):
+    """pp = 1 on a device whose memory binds (the median no-recompute peak of the layouts): the refined bound
+    takes the fastest recompute level that can fit, so it never exceeds a layout's optimum, and it bites (above
+    the bound with memory aside, or infinite where no level fits) on some layouts."""
+    from dataclasses import replace
+
+    spec, roomy = get_spec(name), load_hardware(hardware)
+    ct = cost.compile_table(build_cost_table(spec, kernels=roomy.kernels), spec)
+    kw = dict(global_batch=32, seq_len=256)
+    layouts = [lay for lay in candidate_layouts(spec, devices=8, precision=resolve_precision(cost.Precision.AUTO,
+                                                                                             roomy), **kw)
+               if lay.mesh.pp == 1]
+    peaks = sorted(float(mesh_problem(ct, roomy, lay, **kw).mem_bytes[0, 0, -1]) for lay in layouts)
+    hw = replace(roomy, memory_bytes=peaks[len(peaks) // 2])
+    memo, aside, bites = {}, {}, 0
+    for lay in layouts:
+        b = lower_bounds(ct, hw, lay, memo=memo, **kw)
+        block_s = least_block_s(ct, hw, lay, seq_len=kw["seq_len"])
+        refined = refined_step_bound(ct, hw, lay, b, block_s=block_s, memo=memo, **kw)
+        loose = refined_step_bound(ct, roomy, lay, lower_bounds(ct, roomy, lay, memo=aside, **kw), block_s=block_s,
+                                   memo=aside, **kw)
+        best = solve_mesh(mesh_problem(ct, hw, lay, **kw), cutoff_s=float("inf"))
+        if best.assignment is not None:
+            assert refined <= best.step_s * (1 + 1e-12), lay
+        bites += refined > loose * (1 + 1e-9)
+    assert bites > len(layouts) // 10, (bites, len(layouts))
