@@ -8,6 +8,11 @@ holds: its buckets, reduce-scatter outputs and reduced slices; FSDP2's gradient 
 and optimizer (fp32 master weights where they are a copy, and Adam m, v; scalar `step` counters
 left out). Each part must equal `cost.estimate(...).memory` for the same plan: the cost model's
 `state_bytes` on its own per-rank parameter count (passes/sharding.py).
+
+While a step runs (the second: the optimizer state exists), `Allocations` charges every allocation
+to the code that made it; the peak of what the gradient sync and the ZeRO step (`GradSync`,
+`ShardedOptimizer`) hold must equal `estimate(...).memory.buffers` (ZeRO-2's staging buckets, else 0).
+One world of 2 runs both checks.
 """
 
 from __future__ import annotations
@@ -100,30 +105,18 @@ def measured(dm) -> dict[str, float]:
     return out
 
 
-def _measure_all(rank: int, world: int, expected: list[dict[str, float]]) -> None:
+def _measure_all(rank: int, world: int, expected: list[dict[str, float]], built: dict) -> None:
+    """Each plan's state after a step against the price; `built`: {repr(plan): a model that has run steps}."""
     spec = get_spec(PRESET)
     data = batches(spec.vocab, global_batch=GLOBAL_BATCH, seq=SEQ, steps=1)
     for plan, price in zip(PLANS, expected):
-        dm = autoshard.parallelize(build_model(spec, seed=0), data[0][0], plan=plan,
-                                   global_batch=GLOBAL_BATCH, optimizer=functools.partial(torch.optim.AdamW, **ADAM))
-        dm.train_step(*data[0])
+        dm = built.get(repr(plan))
+        if dm is None:
+            dm = autoshard.parallelize(build_model(spec, seed=0), data[0][0], plan=plan, global_batch=GLOBAL_BATCH,
+                                       optimizer=functools.partial(torch.optim.AdamW, **ADAM))
+            dm.train_step(*data[0])
         got = measured(dm)
         assert got == price, f"{plan} rank {rank}: the runtime keeps {got} bytes, the cost model prices {price}"
-
-
-def test_a_rank_keeps_what_the_cost_model_prices():
-    expected = [priced(plan) for plan in PLANS]
-    # bf16-mixed at ZeRO 0-2: 2 B weights + 4 B main grads + 12 B masters and Adam, sharded as ZeRO says
-    n = expected[0]["weights"] / 2
-    assert expected[0] == dict(weights=2 * n, grads=4 * n, optimizer=12 * n)
-    assert expected[2] == dict(weights=2 * n, grads=4 * n / 2, optimizer=12 * n / 2)
-    assert expected[4] == expected[1]
-    assert expected[5] == dict(weights=4 * n / 2, grads=4 * n / 2, optimizer=8 * n / 2)  # FSDP2: fp32 shards
-    # fp32 at ZeRO 0-2: 4 B weights + 4 B gradients + 8 B Adam (no master copy), sharded as ZeRO says
-    assert expected[6] == dict(weights=4 * n, grads=4 * n, optimizer=8 * n)
-    assert expected[7] == dict(weights=4 * n, grads=4 * n, optimizer=8 * n / 2)
-    assert expected[8] == dict(weights=4 * n, grads=4 * n / 2, optimizer=8 * n / 2)
-    run_ranks(2, _measure_all, expected)
 
 
 # -- transient peaks: what the gradient sync and the optimizer step allocate while a step runs --------------------
@@ -217,28 +210,31 @@ def _run_measured(preset: str, plan: dict, data):
     return dm, mode
 
 
-def _peaks(rank: int, world: int, expected: list[float]) -> None:
+def _peaks(rank: int, world: int, expected: list[float]) -> dict:
+    """Each plan's sync peak against the price; returns {repr(plan): its model} of the llama-tiny plans."""
     data = {preset: batches(get_spec(preset).vocab, global_batch=GLOBAL_BATCH, seq=SEQ, steps=2)
             for preset in dict(PEAK_PLANS)}
+    built = {}
     for (preset, plan), price in zip(PEAK_PLANS, expected):
         dm, mode = _run_measured(preset, plan, data[preset])
         got = mode.peak.get("sync", 0)
         assert got == price, f"{preset} {plan} rank {rank}: the gradient sync allocates {got} bytes at its peak, " \
                              f"the cost model prices {price}"
-        if preset == PRESET and plan == dict(dp=2, zero=2, micro_batch=2, precision="fp32"):
-            one_bucket = dm
+        if preset == PRESET:
+            built[repr(plan)] = dm
     # ZeRO-2 in several buckets: two staging buffers at most, and the same training as in one bucket
     plan = dict(dp=2, zero=2, micro_batch=2, precision="fp32")
     with unittest.mock.patch.object(data_parallel, "gradient_bucket_params", lambda group: SMALL_BUCKETS):
         dm, mode = _run_measured(PRESET, plan, data[PRESET])
     sizes = [b.padded * 4 for b in dm._sync.buckets]
     assert len(sizes) > 2 and mode.peak["sync"] == max(a + b for a, b in zip(sizes, sizes[1:])), (sizes, mode.peak)
-    got, want = dm.full_state_dict(), one_bucket.full_state_dict()
+    got, want = dm.full_state_dict(), built[repr(plan)].full_state_dict()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    return built
 
 
-def test_the_gradient_sync_allocates_what_the_cost_model_prices():
+def _peak_expected() -> list[float]:
     """While a step runs, the gradient sync and the ZeRO optimizer step allocate nothing but ZeRO-2's
     staging buffers (the persistent grad / param buffers are reduced and gathered in place, as
     Megatron-LM does), which the cost model prices as `buffers`: llama-tiny at ZeRO 0-2 in both
@@ -247,4 +243,30 @@ def test_the_gradient_sync_allocates_what_the_cost_model_prices():
     n = priced(PLANS[0])["weights"] / 2  # llama-tiny's parameters (bf16 weights)
     assert expected[2] == expected[5] == 4 * n  # ZeRO-2: one bucket (< 40M parameters) of fp32 gradients
     assert expected[0] == expected[1] == expected[3] == expected[4] == expected[6] == 0
-    run_ranks(2, _peaks, expected)
+    return expected
+
+
+def _state_expected() -> list[dict[str, float]]:
+    """What the cost model prices for PLANS, checked against the per-parameter accounting first."""
+    expected = [priced(plan) for plan in PLANS]
+    # bf16-mixed at ZeRO 0-2: 2 B weights + 4 B main grads + 12 B masters and Adam, sharded as ZeRO says
+    n = expected[0]["weights"] / 2
+    assert expected[0] == dict(weights=2 * n, grads=4 * n, optimizer=12 * n)
+    assert expected[2] == dict(weights=2 * n, grads=4 * n / 2, optimizer=12 * n / 2)
+    assert expected[4] == expected[1]
+    assert expected[5] == dict(weights=4 * n / 2, grads=4 * n / 2, optimizer=8 * n / 2)  # FSDP2: fp32 shards
+    # fp32 at ZeRO 0-2: 4 B weights + 4 B gradients + 8 B Adam (no master copy), sharded as ZeRO says
+    assert expected[6] == dict(weights=4 * n, grads=4 * n, optimizer=8 * n)
+    assert expected[7] == dict(weights=4 * n, grads=4 * n, optimizer=8 * n / 2)
+    assert expected[8] == dict(weights=4 * n, grads=4 * n / 2, optimizer=8 * n / 2)
+    return expected
+
+
+def _both(rank: int, world: int, state: list[dict[str, float]], peaks: list[float]) -> None:
+    _measure_all(rank, world, state, _peaks(rank, world, peaks))
+
+
+def test_a_rank_keeps_and_allocates_what_the_cost_model_prices():
+    """Both checks in one world of 2 (spawned once): the state a rank keeps after a step, part by part,
+    and the peak the gradient sync allocates while a step runs."""
+    run_ranks(2, _both, _state_expected(), _peak_expected())
