@@ -257,7 +257,7 @@ def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *,
                layout.offload, layout.precision, layout.moe_imbalance)
         if key not in memo:
             memo[key] = _single_stage_step(ct, hw, layout, microbatches=m, seq_len=seq_len,
-                                           fixed_bytes=bounds.peak_bytes)
+                                           fixed_bytes=bounds.peak_bytes, memo=memo)
         return max(bounds.step_s, memo[key])
     p2p = memo[_p2p_key(layout, memo)]
     f = memo[_bubble_key(layout, m)]
@@ -305,33 +305,43 @@ def slowest_stage_floor(pp: int, layers: int, *, first_s: float, middle_s: float
 
 
 def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: int, seq_len: int,
-                       fixed_bytes: float) -> float:
+                       fixed_bytes: float, memo: dict) -> float:
     """pp = 1: the step of the one stage (every block) at its fastest recompute level among those that can fit,
     m (compute + recompute + communication + exposed ZeRO traffic) + exposed gradient sync + optimizer,
     as `solve_model` tabulates it; inf when none can. A level cannot fit when `fixed_bytes` (`Bounds.peak_bytes`:
     for one stage its weights, gradients, optimizer state and buffers, the bytes the tables count besides the
     activations and the logits) plus one micro-batch's activations at that level exceed the device (the
-    tables hold at least one micro-batch in flight; 1e-9 of slack for the sums' order)."""
+    tables hold at least one micro-batch in flight; 1e-9 of slack for the sums' order). `memo`: the blocks'
+    sums per level, shared by the ZeRO levels of a mesh."""
     spec = ct.spec
     counts = {BlockKind.EMBED: 1, BlockKind.LAYER: spec.layers, BlockKind.HEAD: 1}
     params = sum(cost.block_params(ct, layout, k) * c for k, c in counts.items())
     experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER)
+    key = ("single blocks", layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies,
+           layout.precision, layout.moe_imbalance)  # what block times and activations read: not ZeRO
+    if key not in memo:
+        memo[key] = [_single_stage_blocks(ct, hw, replace(layout, recompute=r), counts, seq_len=seq_len)
+                     for r in Recompute]
     times = []
-    for r in Recompute:
-        lay = layout if layout.recompute is r else replace(layout, recompute=r)
-        act = sum(cost.block_activation_bytes(ct, lay, k, seq_len=seq_len, hw=hw) * c for k, c in counts.items())
+    for act, comp, other, bwd, fwd in memo[key]:
         if fixed_bytes + act > hw.memory_bytes * (1 + 1e-9):
             continue
-        bt = {k: cost.block_time(ct, hw, lay, k, seq_len=seq_len) for k in KINDS}
-        comp = sum(bt[k].compute_s * c for k, c in counts.items())
-        other = sum((bt[k].recompute_s + bt[k].comm_s) * c for k, c in counts.items())
-        bwd = sum(bt[k].bwd_s * c for k, c in counts.items())
         zexp = float(cost.zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd, expert=experts,
                                             blocks=sum(counts.values())))
-        times.append((comp + other + zexp, bwd, sum(bt[k].fwd_s * c for k, c in counts.items())))
+        times.append((comp + other + zexp, bwd, fwd))
     if not times:
         return math.inf
     t, bwd, fwd = min(times)
     tail = (float(cost.dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts))
             + cost.optimizer_time(hw, params, layout, expert=experts))
     return microbatches * t + tail
+
+
+def _single_stage_blocks(ct: CompiledTable, hw, layout: Layout, counts: dict, *, seq_len: int) -> tuple:
+    """(activation bytes of one micro-batch, compute, recompute + communication, backward, forward seconds) of
+    `counts` blocks at `layout`'s recompute level."""
+    act = sum(cost.block_activation_bytes(ct, layout, k, seq_len=seq_len, hw=hw) * c for k, c in counts.items())
+    bt = {k: cost.block_time(ct, hw, layout, k, seq_len=seq_len) for k in KINDS}
+    return (act, sum(bt[k].compute_s * c for k, c in counts.items()),
+            sum((bt[k].recompute_s + bt[k].comm_s) * c for k, c in counts.items()),
+            sum(bt[k].bwd_s * c for k, c in counts.items()), sum(bt[k].fwd_s * c for k, c in counts.items()))
