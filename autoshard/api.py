@@ -101,6 +101,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                                  "LlamaForCausalLM or Mamba2ForCausalLM")
     spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
     ids = _input_ids(example_inputs)
+    _check_arguments(global_batch=global_batch, optimizer=optimizer, seed=seed, hardware=hardware)
+    optimizer = _checked_optimizer(optimizer)
     device = _device(model, device, hardware)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     fingerprint = fingerprint_module(model)
@@ -228,6 +230,40 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
     return plan, groups, shard_program(plan, spec, shapes, tp_rank=groups.coords.tp)
 
 
+def _check_arguments(*, global_batch, optimizer, seed, hardware) -> None:
+    """parallelize's own arguments, on every rank alike before any process group (a world of one raises
+    here; a wrong one would otherwise be ignored, e.g. global_batch=0 taken as 'not given')."""
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or global_batch <= 0):
+        raise InvalidConfigError(f"global_batch must be a positive integer (sequences per optimizer step), got "
+                                 f"{global_batch!r}; or leave it out to use the example batch's size")
+    if optimizer is not None and not callable(optimizer):
+        raise InvalidConfigError(f"optimizer must be a callable taking the parameters and returning a "
+                                 f"torch.optim.Optimizer (e.g. functools.partial(torch.optim.AdamW, lr=1e-3)), got "
+                                 f"{type(optimizer).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidConfigError(f"seed must be an integer, got {seed!r}")
+    if hardware != "auto":
+        from autoshard.hardware import load_hardware
+
+        load_hardware(hardware)  # an unknown name or a bad profile file: its own one-line error
+
+
+def _checked_optimizer(factory):
+    """`factory`, refusing what does not build a torch.optim.Optimizer (the runtime steps and checkpoints it)."""
+    if factory is None:
+        return None
+
+    def build(params):
+        optimizer = factory(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidConfigError(f"the optimizer factory returned {type(optimizer).__name__}, expected a "
+                                     "torch.optim.Optimizer (e.g. functools.partial(torch.optim.AdamW, lr=1e-3))")
+        return optimizer
+
+    return build
+
+
 def _input_ids(example_inputs: Any) -> Tensor:
     if isinstance(example_inputs, Mapping):
         example_inputs = example_inputs.get("input_ids")
@@ -241,7 +277,13 @@ def _input_ids(example_inputs: Any) -> Tensor:
 
 def _device(model: nn.Module, device: str | torch.device | None, hardware: str) -> torch.device:
     if device is not None:
-        return _npu() if str(device) == "npu" else torch.device(device)
+        if str(device) == "npu":
+            return _npu()
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise InvalidConfigError(f"device {device!r} is not a torch device ({e}); give e.g. 'cpu', 'cuda:0' "
+                                     "or 'npu', or leave it out to use the model's own") from None
     if hardware.startswith("ascend"):
         return _npu()
     first = next(model.parameters(), None)

@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except AutoshardError as e:
-        print(f"autoshard {args.command}: error: {e}", file=sys.stderr)
+        # one line, whatever the message holds (a model factory's own multi-line exception, say)
+        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"autoshard {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

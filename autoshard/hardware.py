@@ -83,11 +83,12 @@ class DeviceProfile:
                                       or not 0 < value < math.inf):
                 raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a positive finite "
                                          f"number (or absent), got {value!r}")
-        if isinstance(self.kernels, str) or not all(isinstance(k, str) for k in self.kernels):
+        if not isinstance(self.kernels, (list, tuple)) or not all(isinstance(k, str) for k in self.kernels):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'kernels' must be a list of "
                                      f"kernel names, got {self.kernels!r}")
         object.__setattr__(self, "kernels", tuple(self.kernels))
-        if isinstance(self.log_collectives, str) or not all(c in LOG_COLLECTIVES for c in self.log_collectives):
+        if not isinstance(self.log_collectives, (list, tuple)) or not all(
+                isinstance(c, str) and c in LOG_COLLECTIVES for c in self.log_collectives):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'log_collectives' must be a list of "
                                      f"{', '.join(LOG_COLLECTIVES)}, got {self.log_collectives!r}")
         object.__setattr__(self, "log_collectives", tuple(self.log_collectives))

@@ -31,6 +31,10 @@ def raising_factory():
     raise RuntimeError("weights server unreachable")
 
 
+def multiline_factory():  # as HF's config validators raise: the message spans lines
+    raise ValueError("Class validation error:\n    hidden_size * expand (128) must equal num_heads * head_dim (64)")
+
+
 def tiny_llama():
     from autoshard.models.presets import build_model, get_spec
 
@@ -155,6 +159,7 @@ MODEL_CASES = [
     ("tests.test_cli_bad_input:raising_factory", "RuntimeError: weights server unreachable"),
     ("sys:exit", "failed with SystemExit"),
     ("os:getcwd", "returned str, expected an nn.Module"),
+    ("tests.test_cli_bad_input:multiline_factory", "Class validation error:; hidden_size * expand (128)"),
 ]
 
 
@@ -174,6 +179,35 @@ def test_plan_takes_a_factory(tmp_path, capsys):
 
     assert json.loads(out.read_text())["fingerprint"] == fingerprint_module(tiny_llama())
     _fails(capsys, ["plan", "--model", "llama-nope", "--devices", "2", *PLAN], "unknown model preset 'llama-nope'")
+
+
+INFERENCE = ["--prompt-len", "16", "--output-len", "4", "--ttft-slo", "1", "--tpot-slo", "1"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*PLAN, "--inference", *INFERENCE], "--global-batch, --seq-len only apply to training plans"),
+    (["--hardware", "cpu", "--time-limit", "3", "--inference", *INFERENCE], "--time-limit only applies to training"),
+    (["--hardware", "cpu", "--moe-imbalance", "2", "--inference", *INFERENCE], "--moe-imbalance only applies"),
+    ([*PLAN, "--no-disaggregation"], "--no-disaggregation only applies with --inference"),
+    ([*PLAN, "--plot", "x.png", "--prompt-len", "5"], "--prompt-len, --plot only apply with --inference"),
+    ([*PLAN, "--ttft-slo", "1", "--tpot-slo", "1"], "--ttft-slo, --tpot-slo only apply with --inference"),
+])
+def test_plan_flags_of_the_other_kind_of_plan_are_refused(capsys, argv, needle):
+    # before: silently ignored (a training plan with --plot drew nothing, a serving plan ignored --seq-len)
+    _fails(capsys, ["plan", "--model", "llama-tiny", "--devices", "2", *argv], needle)
+
+
+@pytest.mark.parametrize("field, value", [("kernels", 5), ("kernels", None), ("kernels", {"rope": 1}),
+                                          ("log_collectives", 5), ("log_collectives", None),
+                                          ("log_collectives", [1])])
+def test_hardware_file_lists_of_the_wrong_type(tmp_path, capsys, field, value):
+    from autoshard.hardware import load_hardware
+
+    data = load_hardware("cpu").to_json() | {field: value}
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(data))
+    _fails(capsys, ["sweep", "--model", "llama-tiny", "--hardware", str(path), "--devices", "2", *PLAN[2:]],
+           f"field {field!r} must be a list of")
 
 
 def test_hardware_file_with_infinity(tmp_path, capsys):

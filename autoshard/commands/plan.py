@@ -34,9 +34,28 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+# flags that only one kind of plan reads: given to the other kind they would be silently ignored
+TRAINING_ONLY = ("global_batch", "seq_len", "time_limit", "moe_imbalance")
+INFERENCE_ONLY = ("prompt_len", "output_len", "ttft_slo", "tpot_slo", "no_disaggregation", "plot")
+DEFAULTS = {"time_limit": 10.0, "moe_imbalance": 1.0, "no_disaggregation": False}
+
+
+def _flags_given(args, names) -> list[str]:
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) not in (None, DEFAULTS.get(n))]
+
+
 def run(args) -> int:
     if args.inference:
+        stray = _flags_given(args, TRAINING_ONLY)
+        if stray:
+            raise InvalidConfigError(f"{', '.join(stray)} only appl{'ies' if len(stray) == 1 else 'y'} to training "
+                                     f"plans: drop {'it' if len(stray) == 1 else 'them'} with --inference (serving takes --prompt-len, --output-len, "
+                                     "--ttft-slo, --tpot-slo), or drop --inference to plan training")
         return plan_inference.run(args)
+    stray = _flags_given(args, INFERENCE_ONLY)
+    if stray:
+        raise InvalidConfigError(f"{', '.join(stray)} only appl{'ies' if len(stray) == 1 else 'y'} with --inference "
+                                 f"(serving plans); add --inference, or drop {'it' if len(stray) == 1 else 'them'} to plan training")
     missing = [f"--{n.replace('_', '-')}" for n in ("global_batch", "seq_len") if getattr(args, n) is None]
     if missing:
         raise InvalidConfigError(f"a training plan needs {' and '.join(missing)} (or give --inference with "

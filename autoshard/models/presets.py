@@ -270,7 +270,8 @@ def resolve_model(name_or_factory: str, *, device: str = "meta") -> tuple[ModelS
     except (Exception, SystemExit) as e:  # sys:exit raises SystemExit: a failed factory, not a finished run
         raise InvalidConfigError(f"calling the model factory {name_or_factory}() failed with "
                                  f"{type(e).__name__}: {e}; it must take no arguments and return an nn.Module "
-                                 "(a HF LlamaForCausalLM or Mamba2ForCausalLM)") from None
+                                 "(a HF LlamaForCausalLM, Mamba2ForCausalLM, MixtralForCausalLM or "
+                                 "Qwen2MoeForCausalLM)") from None
     if not isinstance(model, nn.Module):
         raise InvalidConfigError(f"{name_or_factory} returned {type(model).__name__}, expected an nn.Module")
     config = getattr(model, "config", None)

@@ -41,7 +41,7 @@ from autoshard.models.presets import ModelSpec
 from autoshard.passes import inference_cost as ic
 from autoshard.passes.collectives import group_link
 from autoshard.passes.inference_cost import InferenceTable, ServeEstimate, ServeLayout
-from autoshard.passes.layouts import generate_violation
+from autoshard.passes.layouts import divisors, generate_violation
 
 MAX_BATCH = 4096  # concurrent sequences per replica searched at most
 
@@ -92,10 +92,10 @@ class ServingChoice:
 def layouts(spec: ModelSpec, devices: int) -> tuple[tuple[int, int, int], ...]:
     """Every (tp, pp, ep) of one replica the runtime accepts, tp * pp * ep dividing `devices`."""
     out = []
-    for tp in range(1, devices + 1):
-        for pp in range(1, devices // tp + 1):
-            for ep in range(1, devices // (tp * pp) + 1):
-                if devices % (tp * pp * ep) == 0 and _runs(spec, tp, pp, ep):
+    for tp in divisors(devices):  # ascending, from the prime factors: milliseconds even for 1e9 devices
+        for pp in divisors(devices // tp):
+            for ep in divisors(devices // (tp * pp)):
+                if _runs(spec, tp, pp, ep):
                     out.append((tp, pp, ep))
     return tuple(out)
 
@@ -201,25 +201,47 @@ def _disaggregated(price: _Pricer, spec, hw, grid, devices, ttft, tpot) -> Candi
     best = None
     for (ptp, ppp, pep), (p_rate, p_est) in prefill.items():
         p_size = ptp * ppp * pep
-        for n_p in range(1, devices // p_size + 1):
-            rest = devices - n_p * p_size
-            for (dtp, dpp, dep), (d_rate, d_est, limit) in decode.items():
-                d_size = dtp * dpp * dep
-                if rest <= 0 or rest % d_size:
-                    continue
-                n_d = rest // d_size
-                rate = min(n_p * p_rate, n_d * d_rate)  # requests per second through both pools
-                if best is not None and rate * O <= best.throughput_tokens_per_s:
-                    continue
-                transfer = transfer_seconds(spec, hw, batch=p_est.layout.batch, prompt_len=P, devices=devices)
-                pools = (("prefill", price(ptp, ppp, pep, n_p, p_est.layout.batch)),
-                         ("decode", price(dtp, dpp, dep, n_d, d_est.layout.batch)))
-                memories = (ic.memory(price.it, p_est.layout, prompt_len=P, output_len=0),
-                            ic.memory(price.it, d_est.layout, prompt_len=P, output_len=O, decode_only=True))
-                best = Candidate(mode="disaggregated", ttft_s=p_est.ttft_s + transfer, tpot_s=d_est.tpot_s,
-                                 throughput_tokens_per_s=rate * O, pools=pools, limit=limit, transfer_s=transfer,
-                                 memories=memories)
+        for n_p, (dtp, dpp, dep) in _splits(devices, p_size, p_rate, decode):
+            d_rate, d_est, limit = decode[(dtp, dpp, dep)]
+            d_size = dtp * dpp * dep
+            n_d = (devices - n_p * p_size) // d_size
+            rate = min(n_p * p_rate, n_d * d_rate)  # requests per second through both pools
+            if best is not None and rate * O <= best.throughput_tokens_per_s:
+                continue
+            transfer = transfer_seconds(spec, hw, batch=p_est.layout.batch, prompt_len=P, devices=devices)
+            pools = (("prefill", price(ptp, ppp, pep, n_p, p_est.layout.batch)),
+                     ("decode", price(dtp, dpp, dep, n_d, d_est.layout.batch)))
+            memories = (ic.memory(price.it, p_est.layout, prompt_len=P, output_len=0),
+                        ic.memory(price.it, d_est.layout, prompt_len=P, output_len=O, decode_only=True))
+            best = Candidate(mode="disaggregated", ttft_s=p_est.ttft_s + transfer, tpot_s=d_est.tpot_s,
+                             throughput_tokens_per_s=rate * O, pools=pools, limit=limit, transfer_s=transfer,
+                             memories=memories)
     return best
+
+
+def _splits(devices: int, p_size: int, p_rate: float, decode: dict) -> list[tuple[int, tuple[int, int, int]]]:
+    """The (prefill replicas, decode layout) pairs worth pricing, in the order of a scan over every
+    n_p = 1, 2, ... and then every decode layout. n_p * p_size + n_d * d_size = devices with n_p, n_d >= 1
+    holds for n_p in one residue class modulo d_size / gcd; on it min(n_p * p_rate, n_d * d_rate) rises
+    strictly up to the balance point and falls strictly after, so the best n_p of a decode layout is one of
+    the two next to that point (two more kept against rounding): O(layouts) pairs, not O(devices)."""
+    out = []
+    last = (devices - 1) // p_size  # n_d >= 1
+    for key, (d_rate, _, _) in decode.items():
+        d_size = key[0] * key[1] * key[2]
+        g = math.gcd(p_size, d_size)
+        if devices % g:
+            continue
+        step = d_size // g  # n_p * (p_size / g) = devices / g (mod step)
+        first = (devices // g) * pow(p_size // g, -1, step) % step if step > 1 else 0
+        first = first or step  # n_p >= 1
+        if first > last:
+            continue
+        balance = devices * d_rate / (p_rate * d_size + d_rate * p_size)  # n_p * p_rate = n_d * d_rate
+        below = first + max(0, math.floor((balance - first) / step)) * step
+        out += [(n, key) for n in (below - step, below, below + step, below + 2 * step) if first <= n <= last]
+    order = {key: i for i, key in enumerate(decode)}
+    return sorted(set(out), key=lambda pair: (pair[0], order[pair[1]]))
 
 
 def _decode_fits(price: _Pricer, e: ServeEstimate) -> bool:

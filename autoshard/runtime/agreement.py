@@ -66,16 +66,21 @@ def plan_facts(plan, *, fingerprint: str, settings: Mapping[str, object], solved
             "global_batch": plan.global_batch, "seq_len": plan.seq_len}
 
 
-def batch_facts(input_ids: Tensor, labels: Tensor | None, *, vocab: int, global_batch: int | None) -> dict[str, int]:
+def batch_facts(input_ids: Tensor, labels: Tensor | None, *, vocab: int, global_batch: int | None,
+                training: bool = False) -> dict[str, int]:
     """The shape and checksums of a global batch, after checking it: InvalidConfigError for a shape that is
-    not (global_batch, seq), a non-integer dtype, or a token id / label outside the vocabulary (labels
-    may also be -100). One host sync."""
+    not (global_batch, seq), a dtype other than int64 / int32 (what an embedding takes), a token id / label
+    outside the vocabulary (labels may also be -100), and for `training` missing labels or labels with
+    no token to predict (the loss would divide by zero and turn every weight into NaN). One host sync."""
+    if training and labels is None:
+        raise InvalidConfigError("train_step needs labels: a (global_batch, seq) integer tensor, usually input_ids "
+                                 "itself (the model predicts token t + 1 from tokens up to t; -100 skips a position)")
     tensors = {"input_ids": input_ids} if labels is None else {"input_ids": input_ids, "labels": labels}
     for name, t in tensors.items():
-        if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype.is_floating_point or t.dtype.is_complex \
-                or t.dtype == torch.bool:
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype not in (torch.int64, torch.int32):
             what = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-            raise InvalidConfigError(f"{name} must be an integer tensor of shape (batch, seq), got {what}")
+            raise InvalidConfigError(f"{name} must be an integer tensor (torch.long or torch.int32) of shape "
+                                     f"(batch, seq), got {what}")
     if labels is not None and input_ids.shape != labels.shape:
         raise InvalidConfigError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in "
                                  "shape; give both as (global_batch, seq)")
@@ -90,11 +95,18 @@ def batch_facts(input_ids: Tensor, labels: Tensor | None, *, vocab: int, global_
         flat = t.reshape(-1).to(torch.int64)
         valid = flat if name == "input_ids" else torch.where(flat == IGNORE_INDEX, 0, flat)
         stats += [flat.sum(), (flat * weights).sum(), valid.min(), valid.max()]
+    if labels is not None:  # the tokens the loss counts (runtime/loss.count_tokens: shifted labels != -100)
+        stats.append((labels[:, 1:] != IGNORE_INDEX).sum())
     values = torch.stack(stats).tolist()  # the one host sync
     for i, (name, t) in enumerate(tensors.items()):
         low, high = values[4 * i + 2], values[4 * i + 3]
         if low < 0 or high >= vocab:
             raise InvalidConfigError(_out_of_vocabulary(name, t, vocab))
+    if training and values[-1] == 0:
+        raise InvalidConfigError(f"labels of shape {tuple(labels.shape)} hold no token to predict: every label after "
+                                 "the first position is -100 (a causal LM's loss skips labels[:, 0]), so the mean loss "
+                                 "would be 0 / 0 and the step would turn every weight into NaN; skip this batch or "
+                                 "give it unmasked labels")
     facts = {"rows": input_ids.shape[0], "columns": input_ids.shape[1],
              "input_ids sum": values[0], "input_ids weighted sum": values[1]}
     if labels is not None:

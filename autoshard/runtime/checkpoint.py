@@ -56,6 +56,18 @@ META_FILE = "autoshard.json"
 
 # -- paths and atomic publication -------------------------------------------------------------------
 
+def _directory(path, what: str, *, writing: bool) -> Path:
+    """`path` as an absolute Path, refused (CheckpointError, on every rank alike) when it is not a path, or,
+    `writing`, when a file that is not a directory stands there."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise CheckpointError(f"{what} takes a directory path (a str or pathlib.Path), got {path!r}")
+    final = Path(path).absolute()
+    if writing and final.exists() and not final.is_dir():
+        raise CheckpointError(f"{what} writes a directory, but {final} is a file; give a directory path "
+                              "(it is created, and replaced atomically when it exists)")
+    return final
+
+
 def _siblings(path: Path) -> tuple[Path, Path]:
     return path.parent / f".{path.name}.partial", path.parent / f".{path.name}.old"
 
@@ -93,7 +105,7 @@ def _resolve(path: Path) -> Path:
 
 def save_checkpoint(dm: DistributedModel, path: str | os.PathLike) -> Path:
     """Write `dm`'s model, optimizer, steps and RNG to `path` (collective; see the module docstring)."""
-    final = Path(path).absolute()
+    final = _directory(path, "save_checkpoint", writing=True)
     tmp, old = _siblings(final)
     rank = dist.get_rank()
     if rank == 0:
@@ -145,7 +157,7 @@ def _meta(dm: DistributedModel) -> dict:
 def load_checkpoint(dm: DistributedModel, path: str | os.PathLike, *, missing_ok: bool = False) -> int:
     """Restore `dm` from the checkpoint at `path`; the number of steps it had taken (collective).
     `missing_ok`: no checkpoint there (a first start) returns 0 and leaves `dm` as it is."""
-    path = Path(path).absolute()
+    path = _directory(path, "load_checkpoint", writing=False)
     if missing_ok and not path.exists() and not (_siblings(path)[1] / META_FILE).exists():
         return 0
     root = _resolve(path)
@@ -326,7 +338,7 @@ def save_pretrained(dm: DistributedModel, path: str | os.PathLike) -> Path:
     """HF `config.json` + `model.safetensors` of the full weights at `path` (collective)."""
     from safetensors.torch import save_file
 
-    final = Path(path).absolute()
+    final = _directory(path, "save_pretrained", writing=True)
     state = dm.full_state_dict()  # every rank takes part in the gather
     if dist.get_rank() == 0:
         tmp, old = _siblings(final)

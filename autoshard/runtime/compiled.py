@@ -40,6 +40,15 @@ def compile_backend(setting: bool | str | None, spec: ModelSpec, device_type: st
     if setting is False:
         return None
     if isinstance(setting, str) and setting:
+        from torch._dynamo.backends.registry import lookup_backend
+        from torch._dynamo.exc import InvalidBackend
+
+        try:
+            lookup_backend(setting)
+        except InvalidBackend:
+            raise InvalidConfigError(f"compile={setting!r} is not a torch.compile backend; use True (Inductor), "
+                                     "False, or one of torch._dynamo.list_backends() (e.g. 'inductor', "
+                                     "'aot_eager')") from None
         return setting
     raise InvalidConfigError(f"compile must be None (auto: Inductor on CUDA for dense LLaMA models), True, False "
                              f"or the name of a torch.compile backend; got {setting!r}")

@@ -149,16 +149,18 @@ class DistributedModel:
                                      "checked by generation's rules, not training's); train under a training plan "
                                      "(`autoshard plan`, or plan=dict(dp=..., tp=..., ...))")
         try:
-            self._check_batch(input_ids, labels, global_batch=self.plan.global_batch)
+            self._check_batch(input_ids, labels, global_batch=self.plan.global_batch, training=True)
             return self._step(input_ids, labels)
         except RuntimeError as e:  # a collective that failed: name the ranks that are gone
             if isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "NCCL", "HCCL", "Connection")):
                 raise peer_lost(e) from e
             raise
 
-    def _check_batch(self, input_ids: Tensor, labels: Tensor | None, *, global_batch: int | None) -> None:
+    def _check_batch(self, input_ids: Tensor, labels: Tensor | None, *, global_batch: int | None,
+                     training: bool = False) -> None:
         try:
-            facts = batch_facts(input_ids, labels, vocab=self._setup.spec.vocab, global_batch=global_batch)
+            facts = batch_facts(input_ids, labels, vocab=self._setup.spec.vocab, global_batch=global_batch,
+                                training=training)
             error = None
         except AutoshardError as e:
             facts, error = None, e

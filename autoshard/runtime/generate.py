@@ -80,8 +80,8 @@ class Generator:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise InvalidConfigError(f"generate expects integer input_ids of shape (batch, prompt length), got "
                                      f"{input_ids.dtype} {tuple(input_ids.shape)}")
-        if max_new_tokens < 0:
-            raise InvalidConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise InvalidConfigError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         from transformers import DynamicCache
 
         ids = input_ids.to(self.device, torch.int64)

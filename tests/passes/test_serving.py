@@ -148,3 +148,45 @@ def test_every_emitted_inference_plan_passes_generates_own_check():
     assert generate_violation(get_spec("mixtral-tiny"), Mesh(ep=2)) is None  # experts sliced over ep
     assert "ep=2" in generate_violation(LLAMA, Mesh(ep=2))  # no experts to split
     # (sequence parallelism is not refused: generate runs those layers on the whole sequence, test_generate.py)
+
+
+def _scan(devices, p_size, p_rate, decode):
+    """What _disaggregated once priced: every n_p = 1, 2, ..., then every decode layout (O(devices))."""
+    out = []
+    for n_p in range(1, devices // p_size + 1):
+        rest = devices - n_p * p_size
+        out += [(n_p, key, min(n_p * p_rate, rest // (key[0] * key[1] * key[2]) * d_rate))
+                for key, (d_rate, _, _) in decode.items() if rest > 0 and rest % (key[0] * key[1] * key[2]) == 0]
+    return out
+
+
+def test_disaggregated_splits_keep_the_scan_s_best():
+    """_splits prices O(layouts) splits of the devices instead of every n_p: the first best (the scan's
+    tie-break) is among them, for random pool sizes and rates."""
+    rng = random.Random(0)
+    for _ in range(400):
+        devices = rng.choice([2, 6, 8, 12, 16, 24, 30, 36, 64, 96, 360])
+        sizes = [d for d in range(1, devices + 1) if devices % d == 0]
+        p_size = rng.choice(sizes)
+        decode = {(d, 1, 1): (rng.choice([0.5, 1.0, 3.0, rng.uniform(0.01, 50)]), None, "")
+                  for d in rng.sample(sizes, rng.randint(1, min(4, len(sizes))))}
+        p_rate = rng.choice([1.0, 2.0, rng.uniform(0.01, 50)])
+        scan = _scan(devices, p_size, p_rate, decode)
+        kept = [(n, key, min(n * p_rate, (devices - n * p_size) // key[0] * decode[key][0]))
+                for n, key in serving._splits(devices, p_size, p_rate, decode)]
+        assert set(kept) <= set(scan)
+        if scan:
+            best = max(r for *_, r in scan)
+            assert next(x for x in scan if x[2] == best) == next(x for x in kept if x[2] == best)
+        else:
+            assert not kept
+
+
+def test_serving_a_billion_devices_answers_at_once():
+    # the layouts come from the prime factors and the disaggregated splits from the balance point:
+    # before, `plan --inference --devices 1000000000` looped over every tp, pp and prefill replica count
+    assert set(layouts(LLAMA, 8)) == {(tp, pp, ep) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8) for ep in (1,)
+                                      if 8 % (tp * pp) == 0 and generate_violation(LLAMA, Mesh(tp=tp, pp=pp)) is None}
+    choice = plan_serving(LLAMA_TABLE, LLAMA, HW, devices=10**9, prompt_len=P, output_len=O, ttft_slo_s=1.0,
+                          tpot_slo_s=0.05)
+    assert choice.best.throughput_tokens_per_s > 0

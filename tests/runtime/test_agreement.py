@@ -161,6 +161,24 @@ def test_batch_checksums_see_every_change():
         assert facts["input_ids weighted sum"] != base["input_ids weighted sum"]
 
 
+@pytest.mark.parametrize("change, needle", [
+    (lambda ids, labels: (ids.to(torch.uint8), labels), "input_ids must be an integer tensor (torch.long or "
+     "torch.int32) of shape (batch, seq), got torch.uint8"),  # the embedding would raise a bare RuntimeError
+    (lambda ids, labels: (ids, None), "train_step needs labels"),
+    (lambda ids, labels: (ids, torch.full_like(labels, -100)), "hold no token to predict"),  # 0 / 0: NaN weights
+    (lambda ids, labels: (ids, torch.cat([labels[:, :1], torch.full_like(labels[:, 1:], -100)], 1)),
+     "hold no token to predict"),  # only labels[:, 0], which the shifted loss never reads
+    (lambda ids, labels: (ids[:, :1], labels[:, :1]), "labels of shape (4, 1) hold no token to predict"),
+])
+def test_a_batch_the_step_cannot_train_is_refused(change, needle):
+    ids, labels = change(*_batch())
+    with pytest.raises(InvalidConfigError) as err:
+        batch_facts(ids, labels, vocab=SPEC.vocab, global_batch=BATCH, training=True)
+    assert needle in str(err.value)
+    assert batch_facts(*_batch(), vocab=SPEC.vocab, global_batch=BATCH, training=True)["rows"] == BATCH
+    assert batch_facts(_batch()[0][:, :1], None, vocab=SPEC.vocab, global_batch=None)["columns"] == 1  # dm(ids)
+
+
 def test_a_world_of_one_refuses_a_bad_plan_without_a_process_group():
     with pytest.raises(InvalidConfigError, match="plan key 'zero' must be an integer, got 'one'"):
         autoshard.parallelize(build_model(SPEC, seed=0), _batch()[0], plan=dict(zero="one"), global_batch=BATCH)

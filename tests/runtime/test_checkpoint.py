@@ -152,6 +152,27 @@ def _world1(rank, world, root):
         dm.load_checkpoint(cut)
     with pytest.raises(CheckpointError, match="not an autoshard checkpoint"):
         dm.load_checkpoint(os.path.join(root, "hf"))
+    _bad_calls(dm, spec, data, root)
+
+
+def _bad_calls(dm, spec, data, root):
+    """QA probes at a world of one: each a one-line autoshard error, not a bare TypeError / OSError."""
+    from autoshard.errors import InvalidConfigError
+
+    a_file = os.path.join(root, "a_file")
+    with open(a_file, "w") as f:
+        f.write("not a directory")
+    for call, what in ((dm.save_checkpoint, "save_checkpoint"), (dm.save_pretrained, "save_pretrained")):
+        with pytest.raises(CheckpointError, match=f"{what} writes a directory, but .*a_file is a file"):
+            call(a_file)
+    with pytest.raises(CheckpointError, match="load_checkpoint takes a directory path .*got None"):
+        dm.load_checkpoint(None)
+    prompt = data[0][0][:2]
+    for bad in ("3", 2.5, True, -1):
+        with pytest.raises(InvalidConfigError, match=f"max_new_tokens must be an integer >= 0, got {bad!r}"):
+            dm.generate(prompt, max_new_tokens=bad)
+    with pytest.raises(InvalidConfigError, match="the optimizer factory returned NoneType, expected a torch.optim"):
+        autoshard.parallelize(build_model(spec), data[0][0], plan=dict(dp=1), optimizer=lambda params: None)
 
 
 def test_checkpoint_reshards_across_plans_and_world_sizes(tmp_path):

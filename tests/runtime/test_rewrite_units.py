@@ -58,6 +58,25 @@ def test_parallelize_rejects_before_any_collective():
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(global_batch=0), "global_batch must be a positive integer (sequences per optimizer step), got 0"),
+    (dict(global_batch=True), "global_batch must be a positive integer"),
+    (dict(device="bogus"), "device 'bogus' is not a torch device"),
+    (dict(compile="no_such_backend"), "compile='no_such_backend' is not a torch.compile backend"),
+    (dict(optimizer=5), "optimizer must be a callable taking the parameters"),
+    (dict(seed="x"), "seed must be an integer, got 'x'"),
+    (dict(hardware="bogus"), "unknown hardware 'bogus'"),
+])
+def test_parallelize_arguments_are_checked_before_any_process_group(kwargs, needle):
+    from autoshard.errors import AutoshardError
+
+    model = build_model(get_spec("llama-tiny"), device="meta")
+    with pytest.raises(AutoshardError) as err:
+        autoshard.parallelize(model, torch.zeros(8, 16, dtype=torch.long), plan=dict(dp=1), **kwargs)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert not torch.distributed.is_initialized()
+
+
 def test_mesh_rank_order_tp_innermost():
     mesh = Mesh(pp=2, dp=2, tp=2)
     assert coords_of(5, mesh).pp == 1 and coords_of(5, mesh).dp == 0 and coords_of(5, mesh).tp == 1
