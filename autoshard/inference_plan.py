@@ -135,6 +135,9 @@ class InferencePlan:
         if data.get("schema_version") != INFERENCE_SCHEMA_VERSION:
             raise PlanFileError(f"{source}: inference plan schema version {data.get('schema_version')!r}, this "
                                 f"autoshard reads {INFERENCE_SCHEMA_VERSION}; make the plan again")
+        why = _fields_violation(data)
+        if why:
+            raise PlanFileError(f"{source}: {why}; make the plan again with `autoshard plan --inference --out`")
         try:
             pools = tuple(Pool(role=str(p["role"]), tp=int(p["tp"]), pp=int(p["pp"]), ep=int(p.get("ep", 1)),
                                replicas=int(p["replicas"]), batch=int(p["batch"])) for p in data["pools"])
@@ -149,6 +152,43 @@ class InferencePlan:
     @classmethod
     def load(cls, path: str | Path) -> InferencePlan:
         return cls.from_json(read_plan_json(path), source=str(path))
+
+
+FILE_KEYS = frozenset(("schema_version", "kind", "model", "fingerprint", "hardware", "devices", "mesh", "mode", "batch",
+                       "prompt_len", "output_len", "ttft_slo_s", "tpot_slo_s", "pools", "predicted", "solver"))
+POOL_KEYS = frozenset(("role", "tp", "pp", "ep", "replicas", "batch"))
+
+
+def _fields_violation(data: Mapping) -> str | None:
+    """What is wrong with an inference plan's fields (None: nothing): unknown keys (a misspelt one would
+    take its default), sizes that are not positive integers (`true`, 2.5 and "2" included: int() would
+    take them), targets that are not positive finite seconds."""
+    import math
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    unknown = sorted(set(data) - FILE_KEYS)
+    if unknown:
+        return f"unknown field(s) {unknown}; an inference plan has {', '.join(sorted(FILE_KEYS))}"
+    for key in ("devices", "prompt_len", "output_len"):
+        if key in data and not count(data[key]):
+            return f"field {key!r} must be a positive integer, found {data[key]!r}"
+    for key in ("ttft_slo_s", "tpot_slo_s"):
+        value = data.get(key)
+        if key in data and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
+            return f"field {key!r} must be a positive finite number of seconds, found {value!r}"
+    pools = data.get("pools")
+    if not isinstance(pools, list) or not all(isinstance(p, Mapping) for p in pools):
+        return f"field 'pools' must be a list of pool objects, found {pools!r}"
+    for i, pool in enumerate(pools):
+        unknown = sorted(set(pool) - POOL_KEYS)
+        if unknown:
+            return f"pool {i}: unknown field(s) {unknown}; a pool has {', '.join(sorted(POOL_KEYS))}"
+        for key in ("tp", "pp", "ep", "replicas", "batch"):
+            if key in pool and not count(pool[key]):
+                return f"pool {i}: field {key!r} must be a positive integer, found {pool[key]!r}"
+    return None
 
 
 def is_inference_plan(plan: Any) -> bool:

@@ -455,6 +455,12 @@ def _jsonable(value: Any) -> Any:
     return float(value) if hasattr(value, "__float__") else str(value)  # a SymPy number, numpy scalar
 
 
+PLAN_FILE_KEYS = frozenset((
+    "schema_version", "model", "fingerprint", "hardware", "devices", "global_batch", "seq_len", "mesh", "micro_batch",
+    "zero", "offload_optimizer", "recompute", "precision", "schedule", "virtual_stages", "sequence_parallel",
+    "strategies", "stages", "placements", "predicted", "solver"))  # what Plan.to_json writes
+
+
 def _plan_from_json(data: Any, *, source: str) -> Plan:
     def bad(msg: str) -> PlanFileError:
         return PlanFileError(f"{source}: {msg}")
@@ -468,6 +474,9 @@ def _plan_from_json(data: Any, *, source: str) -> Plan:
     if version > SCHEMA_VERSION:
         raise bad(f"schema_version {version} is newer than this autoshard understands ({SCHEMA_VERSION}); "
                   "upgrade autoshard or re-export the plan with this version")
+    unknown = sorted(set(data) - PLAN_FILE_KEYS)
+    if unknown:  # a misspelt field would silently take its default
+        raise bad(f"unknown field(s) {unknown}; a plan file has {', '.join(sorted(PLAN_FILE_KEYS))}")
     required = {"model": str, "fingerprint": str, "hardware": str, "devices": int, "global_batch": int,
                 "seq_len": int, "mesh": dict}
     for key, typ in required.items():
@@ -515,6 +524,9 @@ def _plan_from_json(data: Any, *, source: str) -> Plan:
 def _stage_from_json(st: Any, i: int) -> Stage:
     fields = {"first_layer": _is_int, "end_layer": _is_int, "embed": lambda v: isinstance(v, bool),
               "head": lambda v: isinstance(v, bool)}
+    if isinstance(st, dict) and set(st) - {*fields, "recompute"}:
+        raise InvalidConfigError(f"stage {i} has unknown field(s) {sorted(set(st) - {*fields, 'recompute'})}; a stage "
+                                 "has first_layer, end_layer, embed, head, recompute")
     if not isinstance(st, dict) or not all(k in st and ok(st[k]) for k, ok in fields.items()):
         raise InvalidConfigError(f"stage {i} must be an object with integer first_layer, end_layer and boolean "
                                  f"embed, head; found {st!r}")

@@ -124,6 +124,13 @@ SHOW_CASES = [
     ("schema_version", True, "'schema_version' must be a positive integer, found True"),
     ("schema_version", -1, "'schema_version' must be a positive integer, found -1"),
     ("schema_version", 1.0, "'schema_version' must be a positive integer"),
+    # a misspelt field once took its default silently (micro-batch 1, no recompute)
+    ("micro_batchs", 2, "unknown field(s) ['micro_batchs']; a plan file has"),
+    ("kind", "training", "unknown field(s) ['kind']"),
+    ("stages.0.recompue", "full", "stage 0 has unknown field(s) ['recompue']"),
+    # the fingerprint of another model (mamba2-tiny's) under this model's name: parallelize would refuse it
+    ("fingerprint", "fb918840d625ea60", "names model 'llama-tiny', but its fingerprint fb918840d625ea60 is not that "
+     "model's (caf040d3ceb36fe0)"),
 ]
 
 
@@ -139,6 +146,29 @@ def test_show_refuses_every_malformed_field(tmp_path, capsys):
     nonfinite = tmp_path / "inf.json"  # Python's json reads Infinity and NaN; a plan may not hold them
     nonfinite.write_text(json.dumps(_good_plan()).replace("0.5", "Infinity"))
     _fails(capsys, ["show", str(nonfinite)], "'predicted.step_time_s' must be a finite number")
+
+
+def test_show_refuses_a_malformed_inference_plan(tmp_path, capsys):
+    good = tmp_path / "serve.json"
+    assert main(["plan", "--model", "llama-tiny", "--hardware", "cpu", "--devices", "2", "--inference",
+                 "--prompt-len", "16", "--output-len", "4", "--ttft-slo", "1", "--tpot-slo", "1", "--out",
+                 str(good), "--json"]) == 0
+    capsys.readouterr()
+    data = json.loads(good.read_text())
+    pool = data["pools"][0]
+    for i, (change, needle) in enumerate([
+        ({"pools": [{**pool, "batch": -1}]}, "pool 0: field 'batch' must be a positive integer, found -1"),
+        ({"pools": [{**pool, "tp": 1.5}]}, "pool 0: field 'tp' must be a positive integer, found 1.5"),  # int() took 1
+        ({"pools": [{**pool, "replicas": True}]}, "field 'replicas' must be a positive integer, found True"),
+        ({"pools": [{**pool, "tpp": 2}]}, "pool 0: unknown field(s) ['tpp']"),
+        ({"pools": "both"}, "field 'pools' must be a list of pool objects"),
+        ({"prompt_len": "16"}, "field 'prompt_len' must be a positive integer, found '16'"),
+        ({"tpot_slo_s": 0}, "field 'tpot_slo_s' must be a positive finite number of seconds"),
+        ({"extra": 1}, "unknown field(s) ['extra']"),
+    ]):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(json.dumps(data | change))
+        _fails(capsys, ["show", str(bad)], str(bad), needle)
 
 
 def test_show_with_a_zero_predicted_step_time(tmp_path, capsys):

@@ -36,7 +36,7 @@ def run(args) -> int:
             render_inference(plan)
         return 0
     plan = Plan.load(args.plan)
-    validate(plan)
+    validate(plan, source=args.plan)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
@@ -44,19 +44,27 @@ def run(args) -> int:
     return 0
 
 
-def validate(plan) -> None:
+def validate(plan, *, source: str = "the plan") -> None:
     """The plan validator (passes/layouts.py `check_plan`, what `parallelize` runs) on the plan's
     model, when it is a preset or a `package.module:factory` that imports; InvalidConfigError
-    (one line, exit 2) when the runtime would refuse the plan."""
-    from autoshard.errors import UnknownNameError
+    (one line, exit 2) when the runtime would refuse the plan, and PlanFileError when its fingerprint
+    (not blank) is not that model's: `parallelize` would refuse it as made for another model."""
+    from autoshard.errors import PlanFileError, UnknownNameError
+    from autoshard.fingerprint import fingerprint_module, fingerprint_spec
     from autoshard.models.presets import get_spec, resolve_model
     from autoshard.passes.layouts import check_plan
 
     try:
-        spec = resolve_model(plan.model, device="meta")[0] if ":" in plan.model else get_spec(plan.model)
+        spec, module = resolve_model(plan.model, device="meta") if ":" in plan.model else (get_spec(plan.model), None)
     except UnknownNameError:
         return  # a user model this machine cannot build: nothing to check it against
     check_plan(plan, spec)
+    if plan.fingerprint.strip():
+        expected = fingerprint_spec(spec) if module is None else fingerprint_module(module)
+        if plan.fingerprint != expected:
+            raise PlanFileError(f"{source} names model {plan.model!r}, but its fingerprint {plan.fingerprint} is not "
+                                f"that model's ({expected}): it was made for another model or edited, and "
+                                f"parallelize would refuse it; make it again with `autoshard plan --model {plan.model}`")
 
 
 def _expert_line(plan, pred) -> str | None:
