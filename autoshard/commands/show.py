@@ -47,9 +47,11 @@ def run(args) -> int:
 def validate(plan, *, source: str = "the plan") -> None:
     """The plan validator (passes/layouts.py `check_plan`, what `parallelize` runs) on the plan's
     model, when it is a preset or a `package.module:factory` that imports; InvalidConfigError
-    (one line, exit 2) when the runtime would refuse the plan, and PlanFileError when its fingerprint
-    (not blank) is not that model's: `parallelize` would refuse it as made for another model."""
-    from autoshard.errors import PlanFileError, UnknownNameError
+    (one line, exit 2) when the runtime would refuse the plan; a warning on stderr when its fingerprint
+    (not blank) is not that model's: `parallelize` will refuse it as made for another model."""
+    import sys
+
+    from autoshard.errors import UnknownNameError
     from autoshard.fingerprint import fingerprint_module, fingerprint_spec
     from autoshard.models.presets import get_spec, resolve_model
     from autoshard.passes.layouts import check_plan
@@ -62,9 +64,10 @@ def validate(plan, *, source: str = "the plan") -> None:
     if plan.fingerprint.strip():
         expected = fingerprint_spec(spec) if module is None else fingerprint_module(module)
         if plan.fingerprint != expected:
-            raise PlanFileError(f"{source} names model {plan.model!r}, but its fingerprint {plan.fingerprint} is not "
-                                f"that model's ({expected}): it was made for another model or edited, and "
-                                f"parallelize would refuse it; make it again with `autoshard plan --model {plan.model}`")
+            print(f"autoshard show: warning: {source} names model {plan.model!r}, but its fingerprint "
+                  f"{plan.fingerprint} is not that model's ({expected}): it was made for another model or edited, "
+                  f"and parallelize will refuse it; make it again with `autoshard plan --model {plan.model}`",
+                  file=sys.stderr)
 
 
 def _expert_line(plan, pred) -> str | None:
