@@ -73,6 +73,12 @@ class ModelSpec:
         return self.experts * 3 * self.hidden * self.ffn
 
     @property
+    def attention_head_dim(self) -> int:
+        """LLaMA family: one attention head's width, HF's head_dim (hidden / heads unless the config sets
+        another, e.g. Gemma-style head_dim=256 at hidden 3072: q_proj then has heads x head_dim rows)."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
     def intermediate(self) -> int:
         """Mamba-2 inner width (expand * hidden); LLaMA's ffn width."""
         return self.expand * self.hidden if self.family is Family.MAMBA2 else self.ffn
@@ -91,6 +97,7 @@ class ModelSpec:
                 num_hidden_layers=self.layers,
                 num_attention_heads=self.heads,
                 num_key_value_heads=self.kv_heads,
+                **({"head_dim": self.head_dim} if self.head_dim else {}),  # absent: hidden / heads
                 tie_word_embeddings=self.tied,
                 max_position_embeddings=max(4096, 2 * 65536),
                 attn_implementation="sdpa",
@@ -121,7 +128,8 @@ def _moe_config(spec: ModelSpec):
                   num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
                   num_experts_per_tok=spec.top_k, tie_word_embeddings=spec.tied,
                   max_position_embeddings=max(4096, 2 * 65536), attn_implementation="sdpa",
-                  experts_implementation=EXPERTS_IMPLEMENTATION)
+                  experts_implementation=EXPERTS_IMPLEMENTATION,
+                  **({"head_dim": spec.head_dim} if spec.head_dim else {}))  # absent: hidden / heads
     if spec.moe == "mixtral":
         from transformers import MixtralConfig
 
@@ -215,7 +223,8 @@ def spec_from_hf_config(config, *, name: str) -> ModelSpec:
     if model_type == "llama":
         return ModelSpec(name=name, family=Family.LLAMA, vocab=config.vocab_size, hidden=config.hidden_size,
                          ffn=config.intermediate_size, layers=config.num_hidden_layers,
-                         heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, tied=tied)
+                         heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, tied=tied,
+                         head_dim=_attention_head_dim(config))
     if model_type == "mamba2":
         return ModelSpec(name=name, family=Family.MAMBA2, vocab=config.vocab_size, hidden=config.hidden_size,
                          layers=config.num_hidden_layers, state=config.state_size, expand=config.expand,
@@ -225,6 +234,14 @@ def spec_from_hf_config(config, *, name: str) -> ModelSpec:
         f"model type {model_type!r} is not supported yet; autoshard knows 'llama', 'mamba2', 'mixtral' and "
         "'qwen2_moe' (LlamaForCausalLM, Mamba2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM)"
     )
+
+
+def _attention_head_dim(config) -> int:
+    """A LLaMA-family config's head_dim when it is not hidden / heads (HF lets it differ), else 0, so
+    that a model of the usual shape has the spec (and the cache keys) it always had."""
+    usual = config.hidden_size // config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or usual
+    return 0 if head_dim == usual else head_dim
 
 
 def _moe_spec(config, *, name: str, tied: bool) -> ModelSpec:
@@ -241,7 +258,8 @@ def _moe_spec(config, *, name: str, tied: bool) -> ModelSpec:
         experts, ffn, shared = config.num_local_experts, config.intermediate_size, 0
     return ModelSpec(name=name, family=Family.LLAMA, vocab=config.vocab_size, hidden=config.hidden_size, ffn=ffn,
                      layers=config.num_hidden_layers, heads=config.num_attention_heads,
-                     kv_heads=config.num_key_value_heads, tied=tied, moe=config.model_type, experts=experts,
+                     kv_heads=config.num_key_value_heads, tied=tied, head_dim=_attention_head_dim(config),
+                     moe=config.model_type, experts=experts,
                      top_k=config.num_experts_per_tok, shared_ffn=shared)
 
 

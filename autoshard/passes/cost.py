@@ -567,7 +567,7 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
         return 0.0, 0.0
     b = layout.micro_batch
     if spec.family is Family.LLAMA:
-        head_dim = spec.hidden // spec.heads
+        head_dim = spec.attention_head_dim
         kv_local = spec.kv_heads / sharding.parts(spec, "self_attn.k_proj", tp)
         kv_full = 2 * b * seq_len * kv_local * head_dim * layout.numbers.act_bytes
         ag = best_time(hw, Collective.ALL_GATHER, kv_full, size=cp, stride=tp)
@@ -713,7 +713,7 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
     total = float(saved[keep].sum())
     if kind is BlockKind.LAYER and mesh.cp > 1 and spec.family is Family.LLAMA:
         # the gathered K/V of the other CP ranks stay alive for the attention backward
-        head_dim = spec.hidden // spec.heads
+        head_dim = spec.attention_head_dim
         kv_local = spec.kv_heads / sharding.parts(spec, "self_attn.k_proj", mesh.tp)
         total += 2 * layout.micro_batch * seq_len * kv_local * head_dim * layout.numbers.act_bytes * (mesh.cp - 1) / mesh.cp
     return total

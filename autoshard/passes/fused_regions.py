@@ -82,11 +82,12 @@ def region_kinds(paths, vector, spec: ModelSpec) -> tuple[np.ndarray, tuple[str,
 def _fused_per_token(kernel: str, spec: ModelSpec, a: float) -> tuple[float, float, float]:
     """(forward bytes, backward bytes, saved bytes) per token of one fused region (module docstring)."""
     h = spec.hidden
-    h_kv = spec.kv_heads * (h // spec.heads) if spec.heads else h
+    h_q = spec.heads * spec.attention_head_dim if spec.heads else h  # = h unless the config sets head_dim
+    h_kv = spec.kv_heads * spec.attention_head_dim if spec.heads else h
     if kernel == RMSNORM:
         return 2 * a * h + 4, 6 * a * h, 2 * a * h + 4
     if kernel == ROPE:
-        return 2 * a * (h + h_kv), 2 * a * (h + h_kv), a * (h + 2 * h_kv)
+        return 2 * a * (h_q + h_kv), 2 * a * (h_q + h_kv), a * (h_q + 2 * h_kv)
     return 3 * a * spec.ffn, 5 * a * spec.ffn, a * spec.ffn  # SWIGLU
 
 

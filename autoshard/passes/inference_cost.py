@@ -275,7 +275,7 @@ def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
     KV heads: kv_heads / min(tp, kv_heads)), or Mamba-2's conv state (model dtype) and fp32 SSM
     state (constant in tokens). `dtype_bytes`: the model's element size (bf16 when serving)."""
     if spec.family is Family.LLAMA:
-        head_dim = spec.hidden // spec.heads
+        head_dim = spec.attention_head_dim
         kv_local = spec.kv_heads // sharding.parts(spec, "self_attn.k_proj", tp)
         return 2.0 * batch * tokens * kv_local * head_dim * dtype_bytes
     ssm = batch * (spec.heads // tp) * spec.head_dim * spec.state * SSM_STATE_BYTES

@@ -111,8 +111,8 @@ _SIZES: dict[str, Callable[[ModelSpec], int]] = {
     "heads": lambda s: s.heads,
     "kv_heads": lambda s: s.kv_heads,
     "ffn": lambda s: s.ffn,
-    "q": lambda s: s.heads * (s.hidden // s.heads),  # LLaMA: heads x head_dim
-    "kv": lambda s: s.kv_heads * (s.hidden // s.heads),
+    "q": lambda s: s.heads * s.attention_head_dim,  # LLaMA: heads x head_dim
+    "kv": lambda s: s.kv_heads * s.attention_head_dim,
     "inner": lambda s: s.intermediate,  # Mamba-2: expand x hidden = heads x head_dim
     "groups": lambda s: s.groups,
     "group_state": lambda s: s.groups * s.state,  # Mamba-2 B or C

@@ -113,6 +113,33 @@ def test_mamba_in_proj_slices_every_piece():
     assert ("backbone.layers.0.mixer", "n_groups", 1) in tables[0].attrs
 
 
+def test_tp_slices_follow_the_config_s_head_dim():
+    """A LLaMA whose head_dim is not hidden / heads (HF allows it): q_proj has heads x head_dim rows. The
+    sharding table once sliced hidden / heads per head and tp=2 died in HF's reshape (a bare RuntimeError)."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from autoshard.models.presets import spec_from_hf_config
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    spec = spec_from_hf_config(config, name="wide-heads")
+    assert spec.attention_head_dim == 32 and spec.hf_config().head_dim == 32
+    assert spec_from_hf_config(get_spec("llama-tiny").hf_config(), name="t").head_dim == 0  # the usual shape: as before
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for rank in range(2):
+        program = shard_program(_plan(2, tp=2), spec, shapes, tp_rank=rank)
+        for name, rows in (("q_proj", 4 * 32), ("k_proj", 2 * 32), ("o_proj", 4 * 32)):
+            full = torch.randn(shapes[f"model.layers.0.self_attn.{name}.weight"])
+            part = shard_tensor(full, program.placement(f"model.layers.0.self_attn.{name}.weight"))
+            dim = 1 if name == "o_proj" else 0
+            assert part.shape[dim] == rows // 2, (name, part.shape)
+    check_plan(dataclasses.replace(_plan(2, tp=2), sequence_parallel=True), spec, world_size=2)
+
+
 def test_recompute_is_applied_per_stage():
     """The planner picks recompute per pipeline stage; the rewrite checkpoints each layer at its
     stage's level (the plan-wide `recompute` only when the plan names no stages)."""
