@@ -60,3 +60,29 @@ def test_it_saves_one_float32_copy_of_the_logits():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="inplace"):  # backward turned the log-softmax into the gradient
         loss.backward()
+
+
+def test_its_peak_is_one_float32_copy_and_the_gradient(monkeypatch):
+    """Forward and backward allocate the fp32 copy (4 B per logit), the gradient in the logits' dtype
+    (2 B) and float32 temporaries of a block of rows: what `cost.logits_bytes` prices beside the graph's
+    log-softmax, where `F.cross_entropy(logits.float())` holds fp32 logits, log-softmax and gradient
+    (here: 6.5 B per logit against 12)."""
+    from autoshard.runtime import loss as loss_module
+    from tests.runtime.test_state_bytes import Allocations
+
+    n, vocab, rows = 64, 1000, 8
+    monkeypatch.setattr(loss_module, "_BLOCK_BYTES", rows * vocab * 4)
+    logits = torch.randn(1, n, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, n))
+
+    def peak(loss_fn) -> int:
+        logits.grad = None
+        mode = Allocations()
+        with mode, mode.region("loss"):
+            loss_fn(logits, labels).backward()
+        return mode.peak["loss"]
+
+    ours, plain = peak(causal_lm_loss), peak(_reference)
+    per_logit = n * vocab
+    assert ours <= per_logit * (4 + 2) + 2 * rows * vocab * 4 + 64 * n, ours / per_logit
+    assert plain >= per_logit * (4 + 4 + 4), plain / per_logit
