@@ -967,7 +967,7 @@ def logits_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int, hw: DeviceP
     """Transient peak of the loss on the head stage (vocab-parallel over TP, tokens split over CP),
     beyond the fp32 log-softmax the graph saves: the logits the LM head writes (activation bytes:
     2 B in bf16). runtime/loss.py's in-place cross-entropy (Megatron-LM's fused vocab-parallel one)
-    holds them and one fp32 copy, which becomes the softmax it keeps (the graph's log-softmax bytes)
+    holds them and one fp32 copy, which becomes the log-softmax it keeps (the graph's log-softmax bytes)
     and then the gradient, on every device; `hw` resolves an AUTO precision."""
     precision = layout.precision if hw is None else resolve_precision(layout.precision, hw)
     per_value = 2.0 if precision is Precision.AUTO else precision_numbers(precision).act_bytes

@@ -183,9 +183,8 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk: i
     if kernel is not None:
         if head_group is not None:  # a grouping the kernel's i // (h / g) does not express: B, C per head
             B, C = B.index_select(2, head_group), C.index_select(2, head_group)
-        out = kernel(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=tuple(dt_limit),
-                     return_final_states=final_state)
-        return out
+        return kernel(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=tuple(dt_limit),
+                      return_final_states=final_state)
     h, g = x.shape[2], B.shape[2]
     if head_group is None:
         head_group = torch.arange(h, device=x.device) // (h // g)
