@@ -62,24 +62,24 @@ class Config:
 
 
 CONFIGS = (  # in order of what matters most, in case the device time runs out
-    # TinyLlama-shaped 1.1B: micro-batch and recompute sweeps at a fixed global batch
-    Config("llama-1b", 2048, 16, 1),
-    Config("llama-1b", 2048, 16, 2),
+    # Mamba-2 1.3B: its SSD through mamba_ssm's fused kernel where installed (runtime/ssd.py fused_scan)
+    Config("mamba2-1b", 2048, 8, 1),
+    Config("mamba2-1b", 2048, 8, 4),
+    # TinyLlama-shaped 1.1B, decoder layers compiled (the CUDA default): micro-batch sweep at a fixed batch
+    Config("llama-1b", 2048, 16, 4, compiled=True),
+    Config("llama-1b", 2048, 16, 1, compiled=True),
+    # LLaMA-7B: 16 B of state per parameter (108 GB) leaves room for full recompute only
+    Config("llama-7b", 2048, 4, 1, "full", compiled=True),
+    Config("mamba2-1b", 2048, 8, 4, "full"),
+    Config("llama-1b", 2048, 16, 2, compiled=True),
+    Config("llama-1b", 2048, 16, 4, "full", compiled=True),
+    Config("llama-1b", 2048, 16, 8, compiled=True),
+    Config("mamba2-1b", 2048, 8, 2),
+    # eager HF layers (compile=False)
     Config("llama-1b", 2048, 16, 4),
+    Config("llama-1b", 2048, 16, 1),
     Config("llama-1b", 2048, 16, 4, "selective"),
     Config("llama-1b", 2048, 16, 4, "full"),
-    # the same kernels compiled (Inductor-fused element-wise ops)
-    Config("llama-1b", 2048, 16, 4, compiled=True),
-    Config("llama-1b", 2048, 16, 4, "full", compiled=True),
-    Config("llama-1b", 2048, 16, 1, compiled=True),
-    # Mamba-2 1.3B through autoshard's SSD (runtime/ssd.py)
-    Config("mamba2-1b", 2048, 8, 1),
-    Config("mamba2-1b", 2048, 8, 4, "full"),
-    # LLaMA-7B: 16 B of state per parameter (108 GB) leaves room for full recompute only
-    Config("llama-7b", 2048, 4, 1, "full"),
-    Config("llama-1b", 2048, 16, 8),
-    Config("llama-7b", 2048, 4, 1, "full", compiled=True),
-    Config("mamba2-1b", 2048, 8, 4),
 )
 
 
@@ -114,7 +114,7 @@ def measure_one(cfg: Config, *, warmup: int, steps: int, device: str = "cuda:0",
     dm = autoshard.parallelize(model, batches[0], plan=plan, global_batch=cfg.global_batch, optimizer=adamw,
                                device=device, hardware="h200" if cuda else "cpu",
                                compile=(True if cuda else "aot_eager") if cfg.compiled else False)
-    times = []
+    times, profiled = [], {}
     for i in range(warmup + steps + int(profile)):
         if i == warmup and cuda:
             torch.cuda.synchronize()
@@ -129,15 +129,25 @@ def measure_one(cfg: Config, *, warmup: int, steps: int, device: str = "cuda:0",
                 _sync(device)
             kernels = prof.key_averages().table(sort_by=f"{'cuda' if cuda else 'cpu'}_time_total", row_limit=15)
             print(kernels, flush=True)
+            profiled = _kernel_totals(prof, cuda, time.perf_counter() - t0)
             continue
         loss = dm.train_step(ids, ids)
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    out = dict(step_s=statistics.median(times), steps_s=times, loss=float(loss))
+    out = dict(step_s=statistics.median(times), steps_s=times, loss=float(loss), **profiled)
     if cuda:
         out.update(peak_bytes=torch.cuda.max_memory_allocated(), reserved_bytes=torch.cuda.max_memory_reserved())
     return out
+
+
+def _kernel_totals(prof, cuda: bool, wall_s: float) -> dict:
+    """The profiled step's device kernels: how many, their summed time, and the step's wall time under
+    the profiler (the gap is time the device waited on the host)."""
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    kernels = [e for e in prof.events() if e.device_type == kind]
+    return dict(profiled_kernels=len(kernels), profiled_busy_s=sum(e.time_range.elapsed_us() for e in kernels) / 1e6,
+                profiled_step_s=wall_s)
 
 
 def measure(args) -> None:
