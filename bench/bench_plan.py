@@ -82,9 +82,19 @@ def _describe(plan) -> str:
 SHAPES = ((512, 8192), (2048, 2048), (4096, 1024), (256, 16384), (1024, 4096))  # the re-plans, in order
 
 
+def _plan_json(plan) -> str:
+    """The whole plan JSON less what may differ between two runs of the same plan (the solve's wall time)."""
+    import json
+
+    p = plan.to_json()
+    p["solver"].pop("solve_time_s")
+    return json.dumps(p, sort_keys=True)
+
+
 def replans() -> dict:
     """CPU seconds of the first solve (1024 / 4096) and of each re-plan of SHAPES in this process, with the
-    predicted step times (a checkout's plans, to compare A with B to the bit)."""
+    predicted step times and the whole plan JSON (`_plan_json`: a checkout's plans, to compare A with B to the
+    bit)."""
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import get_spec
     from autoshard.passes import cost
@@ -97,7 +107,7 @@ def replans() -> dict:
     for name, (b, s) in (("first solve 1024/4096", (1024, 4096)), *((f"re-plan {b}/{s}", (b, s)) for b, s in SHAPES)):
         _, cpu, plan = timed(lambda: solve(spec, hw, devices=1024, global_batch=b, seq_len=s, table=ct,
                                            fingerprint="bench"))
-        out[name] = (cpu, plan.predicted["step_time_s"])
+        out[name] = (cpu, plan.predicted["step_time_s"], _plan_json(plan))
     return out
 
 
@@ -114,14 +124,17 @@ def against(baseline: str, rounds: int) -> None:
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--replans-json"], capture_output=True,
                                  text=True, check=True, env={**os.environ, "PYTHONPATH": tree})
             runs[tree].append(json.loads(out.stdout))
-            print(f"{_load()}: {tree}: " + ", ".join(f"{k} {cpu:.2f}" for k, (cpu, _) in runs[tree][-1].items()),
+            print(f"{_load()}: {tree}: " + ", ".join(f"{k} {r[0]:.2f}" for k, r in runs[tree][-1].items()),
                   flush=True)
     mine, base = runs[here], runs[baseline]
     for key in mine[0]:
         a, b = (statistics.median(r[key][0] for r in rs) for rs in (mine, base))
         same = {r[key][1] for r in mine} == {r[key][1] for r in base}
+        plans = {r[key][2] for r in mine + base if len(r[key]) > 2}  # (a baseline before the JSON was written: none)
+        whole = "" if all(len(r[key]) <= 2 for r in base) else (
+            ", the same plan JSON" if len(plans) == 1 else ", DIFFERENT plan JSON")
         print(f"{key}: median {a:.2f} s CPU here, {b:.2f} s at the baseline, ratio {a / b:.2f}; "
-              f"{'the same' if same else 'DIFFERENT'} predicted step time")
+              f"{'the same' if same else 'DIFFERENT'} predicted step time{whole}")
 
 
 def main() -> None:

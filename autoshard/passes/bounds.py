@@ -22,11 +22,15 @@ Contract
   (the planner reuses its Layouts across plans), and the sums are the same float operations in the same
   order, so every bound equals `lower_bounds`' (tests/passes/test_bound_columns.py checks it). `memo` is left
   filled as `lower_bounds` fills it, so `refined_step_bound` reads it.
+  `LazyBounds(ct, hw, layouts, *, global_batch, seq_len, memo)`: what the planner reads: the same bounds,
+  the step bounds priced a block key at a time as `ordered` reaches them (a floor under each, from the node
+  times alone, says when), so the block times of layouts beyond the runner-up are never priced.
   Every term is read off `passes/cost.py`'s component functions, composed as `solve_model` composes them.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, replace
 
@@ -114,47 +118,162 @@ class BoundColumns:
 
 def bound_columns(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch: int, seq_len: int,
                   memo: dict) -> BoundColumns:
-    """`lower_bounds` of every layout of `layouts` (see the module docstring); `memo` as `lower_bounds`'."""
-    if not layouts:
-        empty = np.zeros(0)
-        return BoundColumns(step_s=empty, peak_bytes=empty, block_code=np.zeros(0, dtype=np.int64), block_s={})
-    cols = np.array([_layout_codes(lay)[1:] for lay in layouts], dtype=np.int64)
-    block, p2p_code, state_code, sched_code, pp, rows = cols.T
-    m = global_batch // rows  # Layout.microbatches
-    reps = _CODES.reps
-    block_s, e, l, h = {}, *(np.zeros(len(reps)) for _ in KINDS)
-    codes = np.unique(block).tolist()
-    for c, bt in zip(codes, least_block_s_many(ct, hw, [reps[c] for c in codes], seq_len=seq_len)):
-        block_s[c] = bt
-        e[c], l[c], h[c] = (bt[k] for k in KINDS)
-    p2p = np.zeros(len(reps))
-    for c in np.unique(p2p_code).tolist():
-        key = _CODES.keys[c][0]  # lower_bounds' memo key
-        if key not in memo:
-            memo[key] = cost.p2p_time(ct, hw, reps[c], seq_len=seq_len)
-        p2p[c] = memo[key]
-    optimizer_s, peak = np.zeros(len(reps)), np.zeros(len(reps))
-    for c in np.unique(state_code).tolist():
-        key = _CODES.keys[c][0]
-        if key not in memo:
-            memo[key] = _state_bounds(ct, hw, reps[c], seq_len=seq_len)
-        optimizer_s[c], peak[c] = memo[key]
-    fewer = m < pp
-    bubble = sched_code * 2 + fewer
-    f = np.zeros(2 * len(reps))
-    for c in np.unique(bubble).tolist():
-        lay = reps[c // 2]
-        key = _bubble_key(lay, 0 if c % 2 else lay.mesh.pp)  # all it reads of m, pp: m < pp
-        if key not in memo:
-            i = int(np.flatnonzero(bubble == c)[0])
-            memo[key] = float(bubble_fraction(lay.schedule, lay.virtual_stages, microbatches=int(m[i]),
-                                              pp=int(pp[i])))
-        f[c] = memo[key]
-    e, l, h, p, f = e[block], l[block], h[block], p2p[p2p_code], f[bubble]
-    work = e + l + h + (ct.spec.layers - 1) * l + pp * p  # lower_bounds' sums, in its order
-    heaviest = np.maximum(np.maximum(e, l), h) + p
-    step = f * work + (m - f) * np.maximum(work / pp, heaviest) + optimizer_s[state_code]
-    return BoundColumns(step_s=step, peak_bytes=peak[state_code], block_code=block, block_s=block_s)
+    """`lower_bounds` of every layout of `layouts` (see the module docstring); `memo` as `lower_bounds'`."""
+    lazy = LazyBounds(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len, memo=memo)
+    lazy.expand(np.unique(lazy.block_code).tolist())
+    return BoundColumns(step_s=lazy.step_s, peak_bytes=lazy.peak_bytes, block_code=lazy.block_code,
+                        block_s=lazy.block_s)
+
+
+class LazyBounds:
+    """`bound_columns`, the step bounds computed as the search asks for them. The peak bounds, and a floor under
+    every step bound, are computed for all layouts at once: the floor is the step bound's sum with each block at
+    the least compute (forward + backward node times) of its variants and no p2p, less 1e-9 of itself (the
+    step bound adds recompute, communication and p2p, none negative, and every operation of its sum is monotone,
+    so the floor is at most the bound). `ordered` yields the layouts in the order of their step bounds (ties by
+    index), pricing a block key's layouts exactly (`expand`: `bound_columns`' own sums) only once the floor of
+    the next layout not priced is at most the least bound priced and not yet yielded; most layouts of a plan
+    lie beyond the runner-up, where the search stops, and their block times are never priced. `step_s` holds
+    the bounds priced so far (nan elsewhere)."""
+
+    def __init__(self, ct: CompiledTable, hw, layouts: list[Layout], *, global_batch: int, seq_len: int,
+                 memo: dict) -> None:
+        self.ct, self.hw, self.seq_len, self.memo = ct, hw, seq_len, memo
+        n = len(layouts)
+        cols = np.array([_layout_codes(lay)[1:] for lay in layouts], dtype=np.int64).reshape(n, 6)
+        block, self._p2p_code, state_code, sched_code, self._pp, rows = cols.T
+        self.block_code = block
+        self._m = m = global_batch // rows  # Layout.microbatches
+        reps = _CODES.reps
+        optimizer_s, peak = np.zeros(len(reps)), np.zeros(len(reps))
+        for c in np.unique(state_code).tolist():
+            key = _CODES.keys[c][0]
+            if key not in memo:
+                memo[key] = _state_bounds(ct, hw, reps[c], seq_len=seq_len)
+            optimizer_s[c], peak[c] = memo[key]
+        bubble = sched_code * 2 + (m < self._pp)
+        f = np.zeros(2 * len(reps))
+        for c in np.unique(bubble).tolist():
+            lay = reps[c // 2]
+            key = _bubble_key(lay, 0 if c % 2 else lay.mesh.pp)  # all it reads of m, pp: m < pp
+            if key not in memo:
+                i = int(np.flatnonzero(bubble == c)[0])
+                memo[key] = float(bubble_fraction(lay.schedule, lay.virtual_stages, microbatches=int(m[i]),
+                                                  pp=int(self._pp[i])))
+            f[c] = memo[key]
+        self._f, self._optimizer = f[bubble], optimizer_s[state_code]
+        self.peak_bytes = peak[state_code]
+        floor = _compute_floors(ct, hw, np.unique(block).tolist(), seq_len=seq_len)  # [code, kind]
+        e, l, h = floor[block].T
+        self.floor_s = np.where(self._m >= self._f, self._step(e, l, h, 0.0, slice(None)) * (1 - 1e-9), -np.inf)
+        self.step_s = np.full(n, np.nan)
+        self.block_s: dict = {}  # block code -> {kind: seconds} (`least_block_s`), of the codes priced
+        self._blocks = np.zeros((len(reps), len(KINDS)))
+        self._p2p = np.full(len(reps), np.nan)  # p2p code -> seconds, of the codes priced
+        self._done = np.zeros(len(reps), dtype=bool)  # block codes priced
+        by_code = np.argsort(block, kind="stable")
+        self._by_code, self._starts = by_code, np.searchsorted(block[by_code], np.arange(len(reps) + 1))
+
+    def _step(self, e, l, h, p, idx):
+        """`lower_bounds`' step sums of the layouts `idx` with these block and p2p seconds, in its order."""
+        pp, m, f = self._pp[idx], self._m[idx], self._f[idx]
+        work = e + l + h + (self.ct.spec.layers - 1) * l + pp * p
+        heaviest = np.maximum(np.maximum(e, l), h) + p
+        return f * work + (m - f) * np.maximum(work / pp, heaviest) + self._optimizer[idx]
+
+    def expand(self, codes: list[int]) -> np.ndarray:
+        """Price the step bounds of the layouts of block codes `codes` (those not priced yet); their indices."""
+        codes = [c for c in codes if not self._done[c]]
+        if not codes:
+            return np.zeros(0, dtype=np.int64)
+        for c, bt in zip(codes, least_block_s_many(self.ct, self.hw, [_CODES.reps[c] for c in codes],
+                                                   seq_len=self.seq_len)):
+            self.block_s[c] = bt
+            self._blocks[c] = [bt[k] for k in KINDS]
+        self._done[codes] = True
+        idx = np.concatenate([self._by_code[self._starts[c]:self._starts[c + 1]] for c in codes])
+        p2p_code = self._p2p_code[idx]
+        for c in np.unique(p2p_code[np.isnan(self._p2p[p2p_code])]).tolist():
+            key = _CODES.keys[c][0]  # lower_bounds' memo key
+            if key not in self.memo:
+                self.memo[key] = cost.p2p_time(self.ct, self.hw, _CODES.reps[c], seq_len=self.seq_len)
+            self._p2p[c] = self.memo[key]
+        e, l, h = self._blocks[self.block_code[idx]].T
+        self.step_s[idx] = self._step(e, l, h, self._p2p[p2p_code], idx)
+        return idx
+
+    def ordered(self, kept: np.ndarray):
+        """The layouts `kept` (ascending indices) in the order of (step bound, index), lazily (see the class)."""
+        kept = np.asarray(kept, dtype=np.int64)
+        mine = np.zeros(len(self.step_s), dtype=bool)
+        mine[kept] = True
+        lazy = kept[np.argsort(self.floor_s[kept], kind="stable")]
+        codes = self.block_code[lazy]
+        known = kept[self._done[self.block_code[kept]]]
+        heap = list(zip(self.step_s[known].tolist(), known.tolist()))
+        heapq.heapify(heap)
+        pos, size, floor = 0, 16, None  # floor: of the next layout not priced (None: to find)
+        while True:
+            if floor is None:
+                rest = self._done[codes[pos:]]
+                pos = len(lazy) if rest.all() else pos + int(np.argmin(rest))
+                floor = float(self.floor_s[lazy[pos]]) if pos < len(lazy) else math.inf
+            if pos < len(lazy) and (not heap or floor <= heap[0][0]):
+                window = codes[pos:pos + 8 * size]
+                window = window[~self._done[window]]
+                _, first = np.unique(window, return_index=True)
+                new = self.expand(window[np.sort(first)[:size]].tolist())
+                new = new[mine[new]]
+                for item in zip(self.step_s[new].tolist(), new.tolist()):
+                    heapq.heappush(heap, item)
+                size, floor = min(2 * size, 256), None
+                continue
+            if not heap:
+                return
+            yield heapq.heappop(heap)[1]
+
+    def least(self, kept: np.ndarray) -> float:
+        """The least step bound of the layouts `kept` (inf when none)."""
+        k = next(self.ordered(kept), None)
+        return math.inf if k is None else float(self.step_s[k])
+
+
+def _compute_floors(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) -> np.ndarray:
+    """[block code, kind]: for each of `codes` and block kind, the least over the code's variants
+    (`least_block_s`) of the sum of the block's node times, the forward and backward compute `block_time` adds
+    recompute and communication to (any order of the sum: the caller lowers it by 1e-9 of itself). The node
+    times go in the block's memo, where `cost.block_times` reads them."""
+    out = np.zeros((len(_CODES.reps), len(KINDS)))
+    for ki, kind in enumerate(KINDS):
+        owner, ids = [], []
+        for c in codes:
+            stems = _variant_stems(c)[ki]
+            owner.extend([c] * len(stems)), ids.extend(stems)
+        ids = np.array(ids, dtype=np.int64)
+        uniq = np.unique(ids).tolist()
+        keys = [cost.node_key(hw, _CODES.stems[i][0], seq_len) for i in uniq]
+        cost.memo_node_times(ct, hw, kind, {key: _CODES.stems[i][1] for key, i in zip(keys, uniq)}, seq_len=seq_len)
+        memo = ct.block(kind).memo
+        sums = np.zeros(len(_CODES.stems))
+        sums[uniq] = [float(memo[key].sum()) for key in keys]
+        least = np.full(len(_CODES.reps), np.inf)
+        np.minimum.at(least, np.array(owner, dtype=np.int64), sums[ids])
+        out[codes, ki] = least[codes]
+    return out
+
+
+def _variant_stems(code: int) -> tuple:
+    """Per block kind, the node-time stems (`cost.node_stem`, as ids in `_CODES.stems`) of the variants of block
+    code `code`'s layouts (`least_block_s`); kept over plans."""
+    stems = _CODES.variant_stems.get(code)
+    if stems is None:
+        from autoshard.passes.solve_model import stage_variants
+
+        variants = [v if v.recompute is Recompute.NONE else replace(v, recompute=Recompute.NONE)
+                    for v in stage_variants(_CODES.reps[code])]
+        stems = _CODES.variant_stems[code] = tuple(tuple(_CODES.stem((cost.node_stem(v, k)), v) for v in variants)
+                                                    for k in KINDS)
+    return stems
 
 
 class _Codes:
@@ -166,6 +285,16 @@ class _Codes:
         self.reps: list = []  # code -> a layout with that key
         self.layouts: dict = {}  # id(layout) -> (layout, block, p2p, state, schedule codes, pp, dp x ep x micro-batch)
         self.choices: dict = {}  # `_layer_choices`' memo
+        self.variant_stems: dict = {}  # `_variant_stems`' memo
+        self.stem_of: dict = {}  # node-time stem -> id
+        self.stems: list = []  # id -> (stem, a layout with it)
+
+    def stem(self, stem: tuple, layout: Layout) -> int:
+        i = self.stem_of.get(stem)
+        if i is None:
+            i = self.stem_of[stem] = len(self.stems)
+            self.stems.append((stem, layout))
+        return i
 
     def code(self, key: tuple, layout: Layout) -> int:
         c = self.of.get(key)

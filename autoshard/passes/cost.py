@@ -620,25 +620,44 @@ def block_times(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Layout],
     times are memoised too (they do not depend on the recompute level)."""
     memo = ct.block(kind).memo
     keys = [(_node_key(hw, lay, kind, seq_len), lay.recompute) for lay in layouts]
-    todo: dict = {}  # (micro-batch, precision) -> {node times key: layout} not memoised yet
-    for (node, rec), lay in zip(keys, layouts):
-        if (node, rec) not in memo and node not in memo:
-            todo.setdefault((lay.micro_batch, lay.precision), {})[node] = lay
-    for group in todo.values():
-        for node, t in zip(group, _node_times_many(ct, hw, tuple(group.values()), kind, seq_len)):
-            memo[node] = t
+    memo_node_times(ct, hw, kind, {node: lay for (node, rec), lay in zip(keys, layouts)
+                                   if (node, rec) not in memo and node not in memo}, seq_len=seq_len)
     for key, lay in zip(keys, layouts):
         if key not in memo:
             memo[key] = _block_time(ct, hw, lay, kind, seq_len, memo[key[0]])
     return [memo[key] for key in keys]
 
 
+def memo_node_times(ct: CompiledTable, hw: DeviceProfile, kind: BlockKind, todo: dict, *, seq_len: int) -> None:
+    """Memoise the node times (`_node_times`) of block `kind` for each key of `todo` ({`node_key`: a layout with
+    that key}) not memoised yet, those of the layouts that share a micro-batch and precision in one numpy pass
+    (`_node_times_many`); `ct.block(kind).memo[key]` then holds them."""
+    memo = ct.block(kind).memo
+    groups: dict = {}  # (micro-batch, precision) -> {node times key: layout}
+    for node, lay in todo.items():
+        if node not in memo:
+            groups.setdefault((lay.micro_batch, lay.precision), {})[node] = lay
+    for group in groups.values():
+        for node, t in zip(group, _node_times_many(ct, hw, tuple(group.values()), kind, seq_len)):
+            memo[node] = t
+
+
 def _node_key(hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> tuple:
     """What a block's node times depend on; its `block_time` depends on the recompute level too."""
+    return node_key(hw, node_stem(layout, kind), seq_len)
+
+
+def node_stem(layout: Layout, kind: BlockKind) -> tuple:
+    """What of `layout` block `kind`'s node times depend on (`node_key` adds the device and the sequence length):
+    the same for every plan, so the planner keeps it over plans (passes/bounds.py)."""
     mesh = layout.mesh
-    return ("node_times", hw, mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.precision,
-            layout.sequence_parallel, sharding.block_strategies(layout.strategies, kind), layout.moe_imbalance,
-            seq_len)
+    return (mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.precision, layout.sequence_parallel,
+            sharding.block_strategies(layout.strategies, kind), layout.moe_imbalance)
+
+
+def node_key(hw: DeviceProfile, stem: tuple, seq_len: int) -> tuple:
+    """The memo key of the node times of a block whose layout has `node_stem` `stem`."""
+    return ("node_times", hw, *stem, seq_len)
 
 
 def _block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int,

@@ -11,7 +11,7 @@ Contract
   its component functions through `solve_model.mesh_problem`) subject to peak memory per
   device <= capacity on every stage. Layouts are ruled out by a memory bound before any table
   is built, then visited by a lower bound on their step time (`lower_bounds`, for all layouts at once:
-  `bounds.bound_columns`); each layout gets the value it must beat as a cutoff. Per layout the exact split search
+  `bounds.LazyBounds`, priced as the search reaches them); each layout gets the value it must beat as a cutoff. Per layout the exact split search
   (`solve_model.split_search`: branch and bound over the slowest-stage time and the largest tail,
   a min-plus DP over the stages for each) finds and proves the optimum in milliseconds; only when
   it stops unproven (`max_steps`) does CP-SAT decide, with its assignment as the hint and its bound
@@ -44,7 +44,7 @@ from autoshard.passes.layouts import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALL
                                      sequence_parallel_violation, zero_violation)
 from autoshard.passes.precision import resolve_precision
 from autoshard.passes.schedules import bubble_fraction, check_chunks
-from autoshard.passes.bounds import Bounds, bound_columns, lower_bounds, refined_step_bound  # noqa: F401 (lower_bounds: tests)
+from autoshard.passes.bounds import Bounds, LazyBounds, lower_bounds, refined_step_bound  # noqa: F401 (lower_bounds: tests)
 from autoshard.passes.sharding import choices, strategy_options
 from autoshard.passes.solve_model import (Assignment, MeshProblem, SplitSearch, evaluate, mesh_problem,
                                           min_stage_sum, split_search, stage_numbers, stage_variants)
@@ -376,17 +376,15 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     as a cutoff. Deterministic: no wall clock decides anything."""
     layouts = [cost.resolved(lay, hw) for lay in layouts]  # precision AUTO: the device's default
     memo: dict = {}  # lower_bounds' parameters and p2p times
-    cols = bound_columns(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len, memo=memo)
+    cols = LazyBounds(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len, memo=memo)
     fits = cols.peak_bytes <= hw.memory_bytes
     pruned = len(layouts) - int(fits.sum())
     ep = np.array([lay.mesh.ep for lay in layouts], dtype=np.int64)
     ep_bounds: dict = {}  # ep -> [least step bound of the layouts that fit, least peak bound]
     for e in np.unique(ep).tolist():
         mine = ep == e
-        ep_bounds[e] = [float(cols.step_s[mine & fits].min()) if (mine & fits).any() else math.inf,
-                        float(cols.peak_bytes[mine].min())]
+        ep_bounds[e] = [cols.least(np.flatnonzero(mine & fits)), float(cols.peak_bytes[mine].min())]
     kept = np.flatnonzero(fits)
-    order = kept[np.argsort(cols.step_s[kept], kind="stable")].tolist()  # by (bound, index)
     numbers: dict = {}
     best: dict = {}  # mesh -> best Candidate on it
     visited = 0
@@ -395,7 +393,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         ranked = sorted(best.values(), key=lambda c: c.result.step_s)
         return (ranked[0] if ranked else None), (ranked[1].result.step_s if len(ranked) > 1 else math.inf)
 
-    for done, k in enumerate(order):
+    for done, k in enumerate(cols.ordered(kept)):  # by (bound, index)
         layout, bound = layouts[k], float(cols.step_s[k])
         first, second = top2()
         if bound >= second * (1 - 1e-9):
@@ -417,7 +415,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
             if mine is None or result.step_s < mine.result.step_s:
                 best[layout.mesh] = Candidate(layout=layout, result=result)
         if progress is not None:
-            progress(done + 1, len(order), top2()[0].result.step_s if best else math.inf)
+            progress(done + 1, len(kept), top2()[0].result.step_s if best else math.inf)
     found = tuple(sorted(best.values(), key=lambda c: (c.result.step_s, str(c.layout))))
     return SearchResult(found=found, visited=visited, pruned_memory=pruned, layouts=len(layouts),
                         ep_bounds=tuple((ep, s, p) for ep, (s, p) in sorted(ep_bounds.items())))

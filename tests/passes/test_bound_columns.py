@@ -1,7 +1,8 @@
 """The planner's vectorised bounds (passes/bounds.py `bound_columns`) are `lower_bounds` of each layout,
 to the bit, at two (batch, seq) shapes in one process (the layouts' keys are kept over plans), and leave
-the memo `refined_step_bound` reads as `lower_bounds` leaves it: the search visits the same layouts in
-the same order, so it finds the same plan."""
+the memo `refined_step_bound` reads as `lower_bounds` leaves it; the lazy bounds the search reads
+(`LazyBounds`) give the same bounds in the same order: the search visits the same layouts in the same
+order, so it finds the same plan."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from autoshard.hardware import load_hardware
 from autoshard.models.presets import get_spec
 from autoshard.passes import cost
-from autoshard.passes.bounds import bound_columns, least_block_s, lower_bounds, refined_step_bound
+from autoshard.passes.bounds import LazyBounds, bound_columns, least_block_s, lower_bounds, refined_step_bound
 from autoshard.passes.precision import resolve_precision
 from autoshard.passes.shapes import build_cost_table
 from autoshard.passes.solve import candidate_layouts, solve
@@ -39,6 +40,14 @@ def test_bound_columns_equal_lower_bounds_of_each_layout(name, hardware, devices
                     refined_step_bound(ct, hw, lay, b, block_s=block_s, memo=alone, **kw), lay
         order = np.argsort(cols.step_s, kind="stable").tolist()
         assert order == sorted(range(len(layouts)), key=lambda k: (lower_bounds(ct, hw, layouts[k], **kw).step_s, k))
+        # the search's lazy bounds: a floor under every bound, the same bounds in the same order, priced as asked
+        lazy = LazyBounds(ct, hw, layouts, memo={}, **kw)
+        assert (lazy.floor_s <= cols.step_s).all() and (lazy.peak_bytes == cols.peak_bytes).all()
+        odd = np.arange(1, len(layouts), 2)
+        assert lazy.least(odd) == cols.step_s[odd].min()  # a subset first: some codes priced, others not
+        assert np.isnan(lazy.step_s).any()
+        assert list(lazy.ordered(np.arange(len(layouts)))) == order
+        assert (lazy.step_s == cols.step_s).all()
 
 
 @pytest.mark.parametrize("name, hardware, devices", CASES)
