@@ -140,17 +140,13 @@ class LazyBounds:
                  memo: dict) -> None:
         self.ct, self.hw, self.seq_len, self.memo = ct, hw, seq_len, memo
         n = len(layouts)
-        cols = np.array([_layout_codes(lay)[1:] for lay in layouts], dtype=np.int64).reshape(n, 6)
-        block, self._p2p_code, state_code, sched_code, self._pp, rows = cols.T
+        block, self._p2p_code, state_code, sched_code, self._pp, rows, self.ep = layout_codes(layouts).T
         self.block_code = block
         self._m = m = global_batch // rows  # Layout.microbatches
         reps = _CODES.reps
         optimizer_s, peak = np.zeros(len(reps)), np.zeros(len(reps))
-        for c in np.unique(state_code).tolist():
-            key = _CODES.keys[c][0]
-            if key not in memo:
-                memo[key] = _state_bounds(ct, hw, reps[c], seq_len=seq_len)
-            optimizer_s[c], peak[c] = memo[key]
+        codes = np.unique(state_code)
+        optimizer_s[codes], peak[codes] = _state_columns(ct, hw, codes, seq_len=seq_len)
         bubble = sched_code * 2 + (m < self._pp)
         f = np.zeros(2 * len(reps))
         for c in np.unique(bubble).tolist():
@@ -285,6 +281,8 @@ class _Codes:
         self.reps: list = []  # code -> a layout with that key
         self.layouts: dict = {}  # id(layout) -> (layout, block, p2p, state, schedule codes, pp, dp x ep x micro-batch)
         self.choices: dict = {}  # `_layer_choices`' memo
+        self.parts: dict = {}  # id(part) -> (part, `layout_codes` of it)
+        self.epoch = object()  # what the codes mean: a new one when they start over
         self.variant_stems: dict = {}  # `_variant_stems`' memo
         self.stem_of: dict = {}  # node-time stem -> id
         self.stems: list = []  # id -> (stem, a layout with it)
@@ -306,6 +304,25 @@ class _Codes:
 
 
 _CODES = _Codes()
+
+
+def layout_codes(layouts) -> np.ndarray:
+    """[layout, (block, p2p, state, schedule code, pp, dp x ep x micro-batch, ep)] of `layouts`; when they are
+    `parts`' concatenation (an attribute: the planner's candidates, `solve.CandidateLayouts`), read a part at a
+    time, once per part object per process (held here, so its id is not reused)."""
+    epoch, parts = _CODES.epoch, getattr(layouts, "parts", None)
+    if parts is None:
+        out = np.array([(*_layout_codes(lay)[1:], lay.mesh.ep) for lay in layouts],
+                       dtype=np.int64).reshape(len(layouts), 7)
+    else:
+        out = []
+        for part in parts:
+            entry = _CODES.parts.get(id(part))
+            if entry is None or entry[0] is not part:
+                entry = _CODES.parts[id(part)] = (part, layout_codes(list(part)))
+            out.append(entry[1])
+        out = np.concatenate(out) if out else np.zeros((0, 7), dtype=np.int64)
+    return out if _CODES.epoch is epoch else layout_codes(layouts)  # the codes started over midway: read again
 
 
 def _layout_codes(layout: Layout) -> tuple:
@@ -355,6 +372,12 @@ def _layer_choices(strategies: tuple, memo: dict) -> tuple:
 def _state_bounds(ct: CompiledTable, hw, layout: Layout, *, seq_len: int) -> tuple[float, float]:
     """(optimizer seconds, peak bytes without activations) of the average stage of `layout` (`Bounds`). What
     does not depend on the shape (all but the buffers) is kept in the table's memo, over plans."""
+    state, optimizer_s = _fixed_state(ct, hw, layout)
+    return optimizer_s, state + cost.buffer_bytes(ct, layout, seq_len=seq_len)
+
+
+def _fixed_state(ct: CompiledTable, hw, layout: Layout) -> tuple[float, float]:
+    """(state bytes, optimizer seconds) of the average stage of `layout`, kept in the table's memo over plans."""
     kinds = KINDS
     mesh, spec = layout.mesh, ct.spec
     key = ("params", mesh.tp, mesh.ep, mesh.pp > 1, layout.strategies)
@@ -371,8 +394,26 @@ def _state_bounds(ct: CompiledTable, hw, layout: Layout, *, seq_len: int) -> tup
         ct.memo[key] = (cost.state_bytes(avg, layout, expert=experts).total
                         + cost.zero2_staging_bytes(avg, layout, expert=experts),
                         cost.optimizer_time(hw, avg, layout, expert=experts))
-    state, optimizer_s = ct.memo[key]
-    return optimizer_s, state + cost.buffer_bytes(ct, layout, seq_len=seq_len)
+    return ct.memo[key]
+
+
+def _state_columns(ct: CompiledTable, hw, codes: np.ndarray, *, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(optimizer seconds, peak bytes) of the state codes `codes` (`_state_bounds` of each code's layout, the
+    same float operations over arrays: `cost.staging_bytes`). Their shape-independent terms are kept in the
+    table's memo over plans (per device, and per `_CODES` epoch: the codes' meaning)."""
+    table = ct.memo.setdefault(("state columns", hw, _CODES.epoch), {})
+    rows = []
+    for c in codes.tolist():
+        row = table.get(c)
+        if row is None:
+            lay = _CODES.reps[c]
+            mb, cp, act_bytes, staged, z3 = cost.buffer_terms(ct, lay)
+            row = table[c] = (*_fixed_state(ct, hw, lay)[::-1], mb, cp, act_bytes, float(staged), z3)
+        rows.append(row)
+    optimizer_s, state, mb, cp, act_bytes, staged, z3 = np.array(rows, dtype=np.float64).reshape(-1, 7).T
+    buffers = cost.staging_bytes(ct, mb.astype(np.int64), cp.astype(np.int64), act_bytes, staged, z3,
+                                 seq_len=seq_len)
+    return optimizer_s, state + buffers
 
 
 def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *, global_batch: int, seq_len: int,
@@ -390,7 +431,10 @@ def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *,
         return max(bounds.step_s, memo[key])
     p2p = memo[_p2p_key(layout, memo)]
     f = memo[_bubble_key(layout, m)]
-    optimizer_s = memo[_state_key(layout)][0]
+    key = _state_key(layout)
+    if key not in memo:  # (the lazy bounds keep the state terms in columns)
+        memo[key] = _state_bounds(ct, hw, layout, seq_len=seq_len)
+    optimizer_s = memo[key][0]
     e, l, h = (block_s[k] for k in KINDS)
     work = sum(block_s.values()) + (spec.layers - 1) * l + mesh.pp * p2p
     key = ("floor", mesh.pp, layout.virtual_stages, e, l, h, p2p)

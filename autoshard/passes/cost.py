@@ -1112,11 +1112,23 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
 def buffer_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int) -> float:
     """Communication staging: two activation-sized TP/p2p buffers, and the gathered weights of
     one layer in flight (twice, prefetch) under ZeRO-3."""
-    act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
+    return staging_bytes(ct, *buffer_terms(ct, layout), seq_len=seq_len)
+
+
+def buffer_terms(ct: CompiledTable, layout: Layout) -> tuple:
+    """What `buffer_bytes` reads of `layout`, which does not depend on the shape: (micro-batch, cp, activation
+    bytes per value, whether the TP / p2p buffers exist, ZeRO-3's gathered-weight bytes)."""
     z3 = 0.0
     if layout.zero == 3:
         z3 = 2 * block_params(ct, layout, BlockKind.LAYER) * layout.numbers.param_bytes
-    return 2 * act * (layout.mesh.tp > 1 or layout.mesh.pp > 1) + z3
+    return layout.micro_batch, layout.mesh.cp, layout.numbers.act_bytes, layout.mesh.tp > 1 or layout.mesh.pp > 1, z3
+
+
+def staging_bytes(ct: CompiledTable, micro_batch, cp, act_bytes, staged, z3, *, seq_len: int):
+    """`buffer_bytes` from its `buffer_terms` (numbers, or numpy arrays of them: the planner's bounds price
+    many layouts at once, with the same float operations)."""
+    act = micro_batch * seq_len / cp * ct.spec.hidden * act_bytes  # _tokens(layout, seq_len) * hidden * bytes
+    return 2 * act * staged + z3
 
 
 def _check(spec: ModelSpec, layout: Layout, global_batch: int, seq_len: int) -> None:

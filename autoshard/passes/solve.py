@@ -270,7 +270,7 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
                       zeros: tuple[int, ...] = RUNTIME_ZERO, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
                       schedules: tuple = RUNTIME_SCHEDULES, offload: bool = False,
                       sequence_parallel: tuple[bool, ...] = RUNTIME_SEQUENCE_PARALLEL,
-                      moe_imbalance: float = 1.0, precision: Precision = Precision.AUTO) -> list[Layout]:
+                      moe_imbalance: float = 1.0, precision: Precision = Precision.AUTO) -> CandidateLayouts:
     """Every (mesh, micro-batch, intra-op strategy, ZeRO, schedule) the planner searches: the valid
     (mesh, micro-batch) pairs of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses)
     times, under tp > 1, sequence parallelism on / off (`sequence_parallel`, the values the runtime
@@ -298,13 +298,24 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
                             for per in [_stage_choices(mesh, sp, sps, options[mesh.tp])] if "groups" not in per or
                             "groups" not in dict(st))
     schedules_of = {}  # (pp, micro-batches) -> the schedules that go with them
-    out = []
+    parts = []
     for mesh, mb in pairs:
         key = (mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))
         if key not in schedules_of:
             schedules_of[key] = tuple(pipeline_schedules(spec, *key, schedules))
-        out.extend(_pair_layouts(mesh, mb, intra[mesh], zeros, offload, schedules_of[key], moe_imbalance, precision))
-    return out
+        parts.append(_pair_layouts(mesh, mb, intra[mesh], zeros, offload, schedules_of[key], moe_imbalance, precision))
+    return CandidateLayouts(parts, precision=precision)
+
+
+class CandidateLayouts(tuple):
+    """`candidate_layouts`' answer: the layouts, a tuple that is the concatenation of `parts` (the
+    `_pair_layouts` tuples, the same objects in every plan of the process: `bounds.layout_codes` reads the
+    layouts' keys a part at a time), all of precision `precision`."""
+
+    def __new__(cls, parts: list[tuple[Layout, ...]], *, precision: Precision) -> CandidateLayouts:
+        self = super().__new__(cls, (lay for part in parts for lay in part))
+        self.parts, self.precision = tuple(parts), precision
+        return self
 
 
 def _stage_choices(mesh, sp: bool, sps, have: dict) -> tuple[str, ...]:
@@ -374,12 +385,13 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     """Solve layouts in order of their step-time bound until the bound reaches the runner-up
     (the best plan on a mesh other than the best one), each with the best value it must beat
     as a cutoff. Deterministic: no wall clock decides anything."""
-    layouts = [cost.resolved(lay, hw) for lay in layouts]  # precision AUTO: the device's default
+    if not isinstance(layouts, CandidateLayouts) or layouts.precision is Precision.AUTO:
+        layouts = [cost.resolved(lay, hw) for lay in layouts]  # precision AUTO: the device's default
     memo: dict = {}  # lower_bounds' parameters and p2p times
     cols = LazyBounds(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len, memo=memo)
     fits = cols.peak_bytes <= hw.memory_bytes
     pruned = len(layouts) - int(fits.sum())
-    ep = np.array([lay.mesh.ep for lay in layouts], dtype=np.int64)
+    ep = cols.ep
     ep_bounds: dict = {}  # ep -> [least step bound of the layouts that fit, least peak bound]
     for e in np.unique(ep).tolist():
         mine = ep == e
