@@ -80,7 +80,8 @@ def agreement(kernel, device) -> list[dict]:
 
 
 def _rel(a, b) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _time(fn, repeat=10, warmup=3) -> float:
