@@ -51,3 +51,21 @@ def test_fingerprint_spec_equals_the_full_model_one(name, layers):
 
     spec = replace(get_spec(name), layers=layers)
     assert fingerprint_spec(spec) == fingerprint_module(build_model(spec, device="meta"))
+
+
+def test_show_interleaved_plan_prices_each_chunk_by_its_rank(tmp_path, capsys):
+    """Interleaved 1F1B: a row per model chunk, with the time and memory of the rank that runs it
+    (the predictions are per rank; chunk i runs on rank i mod pp)."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-7b", "--hardware", "ascend-910b", "--devices", "8", "--global-batch",
+                 "1024", "--seq-len", "4096", "--out", str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    pp, v = data["mesh"]["pp"], data["virtual_stages"]
+    assert pp > 1 and v > 1 and len(data["stages"]) == pp * v  # the README's plan interleaves
+    assert main(["show", str(out)]) == 0
+    rows = [line.split("│")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    rows = [[cell.strip() for cell in row] for row in rows if row[0].strip().isdigit()]
+    assert len(rows) == pp * v
+    times = data["predicted"]["stage_time_s"]
+    for chunk, row in enumerate(rows):
+        assert int(row[-3]) == chunk % pp and float(row[-2]) == pytest.approx(times[chunk % pp], rel=1e-3)

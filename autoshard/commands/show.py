@@ -126,9 +126,11 @@ def render(plan) -> None:
         con.print("intra-op strategies: " + ", ".join(f"{k} {named.get(k, v[0])}"
                                                       for k, v in CHOICES.items() if k in chosen or k != "groups")
                   + ("" if chosen else " (the sharding table's default)"))
-    stages = Table(title="pipeline stages")
-    columns = ("stage", "layers", "holds", "recompute") + (("strategy",) if plan.per_stage else ()) + (
-        "time/micro-batch s", "memory GB")
+    pp, chunked = plan.mesh.pp, plan.virtual_stages > 1
+    # interleaved schedules: a row per model chunk, the time and memory of the rank that runs it
+    stages = Table(title="pipeline stages" + (f" (model chunks; chunk i runs on rank i mod {pp})" if chunked else ""))
+    columns = ("chunk" if chunked else "stage", "layers", "holds", "recompute") + (("strategy",) if plan.per_stage else ()) + (
+        ("rank", "rank's s/micro-batch", "rank's GB") if chunked else ("time/micro-batch s", "memory GB"))
     for col in columns:
         stages.add_column(col)
     times, mems = pred.get("stage_time_s", []), pred.get("stage_memory_gb", [])
@@ -137,8 +139,10 @@ def render(plan) -> None:
         layers = f"{st.first_layer}-{st.end_layer - 1}" if st.layers else "none"
         mine = ", ".join(["sequence parallel" if sp[i] else "no SP"]
                          + [f"{k} {v}" for k, v in plan.stage_strategies(i) if isinstance(dict(plan.strategies)[k], tuple)])
+        rank = i % pp if chunked else i
         stages.add_row(str(i), f"{layers} ({st.layers})", holds, st.recompute.value,
-                       *((mine,) if plan.per_stage else ()), _num(times, i), _num(mems, i))
+                       *((mine,) if plan.per_stage else ()), *((str(rank),) if chunked else ()),
+                       _num(times, rank), _num(mems, rank))
     con.print(stages)
     groups = defaultdict(list)
     for op, placement in plan.placements:
