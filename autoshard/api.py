@@ -54,7 +54,7 @@ from autoshard.fingerprint import check_plan_matches, fingerprint_module
 from autoshard.inference_plan import InferencePlan, is_inference_plan
 from autoshard.ir import AXES, Mesh, Plan, Precision
 from autoshard.models.presets import spec_from_hf_config
-from autoshard.passes.layouts import backend_violation, check_plan
+from autoshard.passes.layouts import MIN_SEQ_LEN, backend_violation, check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
 from autoshard.runtime.shard_graph import shard_graph
 from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
@@ -410,7 +410,8 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
     requested = {"dp": world} if plan is None else plan
 
     def resolve() -> Plan:
-        given = _resolve_plan(requested, spec=spec, seq_len=1,
+        # the backend takes any sequence (no cp, no sequence parallelism): MIN_SEQ_LEN stands for it
+        given = _resolve_plan(requested, spec=spec, seq_len=MIN_SEQ_LEN,
                               global_batch=global_batch or world, hardware="auto")
         why = backend_violation(spec, given)  # what the backend adds to the plan rules (check_plan, below)
         if why:

@@ -69,6 +69,9 @@ class DeviceProfile:
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip() or not self.name.isprintable():
+            raise InvalidConfigError(f"hardware profile: field 'name' must be a non-empty one-line name (plans, "
+                                     f"tables and `autoshard show` print it), got {self.name!r}; e.g. \"my-gpu\"")
         for f in _NUMERIC_FIELDS:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
@@ -374,8 +377,6 @@ def _load_profile_file(path: Path) -> DeviceProfile:
     if missing:
         raise InvalidConfigError(f"hardware profile {path}: missing field(s) {missing}; "
                                  f"required: {', '.join(_REQUIRED_FIELDS)} (SI units, see docs/hardware.md)")
-    if not isinstance(data["name"], str):
-        raise InvalidConfigError(f"hardware profile {path}: field 'name' must be a string, got {data['name']!r}")
     sources = data.get("sources", {})
     if not isinstance(sources, dict):
         raise InvalidConfigError(f"hardware profile {path}: field 'sources' must be an object {{field: source}}")

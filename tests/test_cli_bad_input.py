@@ -109,6 +109,7 @@ SHOW_CASES = [
     ("solver.runner_up.mesh", {"dp": "two"}, "'solver.runner_up.mesh'"),
     ("solver.runner_up.step_time_s", None, "'solver.runner_up.step_time_s'"),
     ("seq_len", -16, "seq_len must be a positive integer, got -16"),
+    ("seq_len", 1, "sequence length 1: training predicts each next token, so a sequence needs at least 2 tokens"),
     ("global_batch", -4, "global_batch must be a positive integer, got -4"),
     ("global_batch", 0, "global_batch must be a positive integer, got 0"),
     ("devices", True, "field 'devices' must be a int"),
@@ -305,3 +306,10 @@ def test_cache_clear_without_permission(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(pathlib.Path, "unlink", refuse)  # as a user who does not own the directory
     _fails(capsys, ["cache", "--clear"], "cannot clear the cache: Permission denied", table_cache.ENV)
+
+
+@pytest.mark.parametrize("command", ["sweep", "plan"])
+def test_a_sequence_of_one_token_is_refused(capsys, command):
+    # a next-token loss has nothing to predict in one token (plan used to accept --seq-len 1)
+    _fails(capsys, [command, "--model", "llama-tiny", "--devices", "2", "--hardware", "cpu", "--global-batch", "8",
+                    "--seq-len", "1"], "sequence length 1", "at least 2 tokens")

@@ -52,6 +52,18 @@ def test_auto_options_and_non_fitting_layouts(capsys, tmp_path):
     assert rows and not any(r["fits"] for r in rows)
     assert all(r["peak_memory_gb"] > 1e5 / 1e9 for r in rows)
     assert {r["zero"] for r in rows} <= {0, 1, 2, 3}
+    assert main(BASE[:4] + [str(hw)] + BASE[5:]) == 0  # the table: megabytes, not "0.0 GB" (it printed that)
+    out = capsys.readouterr().out
+    assert "0.0 GB" not in out and "0 GB" not in out and "(100 kB)" in out
+    assert "no layout fits in 100 kB; the smallest needs" in out and " MB" in out
+
+
+def test_memory_and_seconds_text():
+    from autoshard.commands.common import memory_text, seconds_text
+
+    assert [memory_text(x) for x in (49.6, 1.0, 0.782, 7.82e-4, 3.5e-6, 0)] == [
+        "49.6 GB", "1.0 GB", "782 MB", "782 kB", "3.5 kB", "0 B"]
+    assert [seconds_text(x) for x in (107.72, 1.0, 0.000166)] == ["107.72", "1.00", "0.000166"]
 
 
 def test_table_and_plot(capsys, tmp_path):

@@ -51,6 +51,11 @@ def test_json_profile_round_trip(tmp_path):
     ({"set": ("intra_bandwidth", "fast")}, "intra_bandwidth"),
     ({"set": ("gemm_efficiency", 1.5)}, "gemm_efficiency"),
     ({"set": ("bogus_field", 1)}, "bogus_field"),
+    # a nameless profile was accepted (plans and tables then named the device '')
+    ({"set": ("name", "")}, "field 'name' must be a non-empty one-line name"),
+    ({"set": ("name", "  ")}, "field 'name' must be a non-empty one-line name"),
+    ({"set": ("name", "a\nb")}, "field 'name' must be a non-empty one-line name"),
+    ({"set": ("name", 5)}, "field 'name' must be a non-empty one-line name"),
 ])
 def test_bad_json_profile_names_the_field(tmp_path, change, needle):
     data = load_hardware("a100-80g").to_json()

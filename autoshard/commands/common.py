@@ -29,6 +29,24 @@ def positive_float(text: str) -> float:
     return value
 
 
+def memory_text(gb: float) -> str:
+    """Memory given in GB (1e9 bytes), printed in a unit that shows it: 49.6 GB, 782 MB, 3.5 kB, 0 B (a tiny
+    model or device profile printed "0.0 GB")."""
+    value = gb * 1e9
+    if abs(value) >= 1e9:
+        return f"{gb:.1f} GB"
+    for factor, unit in ((1e6, "MB"), (1e3, "kB")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {unit}"
+    return f"{value:.3g} B"
+
+
+def seconds_text(s: float) -> str:
+    """A time in seconds for a table cell: two decimals from 1 s, three significant digits below (0.00 hid
+    a tiny model's step)."""
+    return f"{s:.2f}" if abs(s) >= 1 else f"{s:.3g}"
+
+
 def check_output_path(path: str, flag: str) -> None:
     """Refuse an output file whose directory does not exist, before any slow work is done."""
     parent = Path(path).expanduser().parent

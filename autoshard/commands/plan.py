@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--hardware", required=True, help="device profile name (e.g. ascend-910b, h100) or a JSON file")
     p.add_argument("--devices", required=True, type=positive_int, help="number of devices (world size)")
     p.add_argument("--global-batch", type=positive_int, help="sequences per training step (training plans)")
-    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (training plans)")
+    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence, at least 2 (training plans)")
     p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="SEC",
                    help="CP-SAT work budget per layout in deterministic seconds (default 10); the result "
                    "does not depend on the machine or its load, and the search over layouts always finishes")

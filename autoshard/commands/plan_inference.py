@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 
+from autoshard.commands.common import memory_text
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 
 PLOT_POINTS = 10
@@ -119,10 +120,10 @@ def render(plan) -> None:
                   f"batch {p.batch} sequences per replica")
     if pred:
         con.print(f"predicted: TTFT {pred['ttft_s'] * 1e3:.1f} ms, TPOT {pred['tpot_s'] * 1e3:.2f} ms, "
-                  f"{pred['throughput_tokens_per_s']:.4g} output tokens/s, {pred['memory_gb']:.1f} GB on the "
+                  f"{pred['throughput_tokens_per_s']:.4g} output tokens/s, {memory_text(pred['memory_gb'])} on the "
                   f"busiest device; batch limited by {pred.get('batch_limited_by', '-')}")
         parts = pred.get("memory_breakdown_gb", {})
-        con.print("  memory: " + ", ".join(f"{k} {v:.3g} GB" for k, v in parts.items()))
+        con.print("  memory: " + ", ".join(f"{k} {memory_text(v)}" for k, v in parts.items()))
         for title, key in (("prefill", "prefill_breakdown_s"), ("decode step", "decode_breakdown_s")):
             con.print(f"  {title}: " + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in pred.get(key, {}).items() if v))
         if "kv_transfer_s" in pred:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from autoshard.commands.common import memory_text
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("show", help="explain a plan file: mesh, stages, placements, predicted cost",
@@ -51,7 +53,7 @@ def validate(plan, *, source: str = "the plan") -> None:
     (not blank) is not that model's: `parallelize` will refuse it as made for another model."""
     import sys
 
-    from autoshard.errors import UnknownNameError
+    from autoshard.errors import InvalidConfigError, UnknownNameError
     from autoshard.fingerprint import fingerprint_module, fingerprint_spec
     from autoshard.models.presets import get_spec, resolve_model
     from autoshard.passes.layouts import check_plan
@@ -60,7 +62,10 @@ def validate(plan, *, source: str = "the plan") -> None:
         spec, module = resolve_model(plan.model, device="meta") if ":" in plan.model else (get_spec(plan.model), None)
     except UnknownNameError:
         return  # a user model this machine cannot build: nothing to check it against
-    check_plan(plan, spec)
+    try:
+        check_plan(plan, spec)
+    except InvalidConfigError as e:  # which file, and that parallelize would refuse it
+        raise InvalidConfigError(f"{source}: parallelize would refuse this plan: {e}") from None
     if plan.fingerprint.strip():
         expected = fingerprint_spec(spec) if module is None else fingerprint_module(module)
         if plan.fingerprint != expected:
@@ -130,7 +135,7 @@ def render(plan) -> None:
     # interleaved schedules: a row per model chunk, the time and memory of the rank that runs it
     stages = Table(title="pipeline stages" + (f" (model chunks; chunk i runs on rank i mod {pp})" if chunked else ""))
     columns = ("chunk" if chunked else "stage", "layers", "holds", "recompute") + (("strategy",) if plan.per_stage else ()) + (
-        ("rank", "rank's s/micro-batch", "rank's GB") if chunked else ("time/micro-batch s", "memory GB"))
+        ("rank", "rank's s/micro-batch", "rank's memory") if chunked else ("time/micro-batch s", "memory"))
     for col in columns:
         stages.add_column(col)
     times, mems = pred.get("stage_time_s", []), pred.get("stage_memory_gb", [])
@@ -142,7 +147,7 @@ def render(plan) -> None:
         rank = i % pp if chunked else i
         stages.add_row(str(i), f"{layers} ({st.layers})", holds, st.recompute.value,
                        *((mine,) if plan.per_stage else ()), *((str(rank),) if chunked else ()),
-                       _num(times, rank), _num(mems, rank))
+                       _num(times, rank), memory_text(mems[rank]) if rank < len(mems) else "-")
     con.print(stages)
     groups = defaultdict(list)
     for op, placement in plan.placements:
@@ -152,10 +157,11 @@ def render(plan) -> None:
         con.print(f"  {placement:>12}: {', '.join(ops)}")
     if pred:
         con.print(f"predicted: step {pred.get('step_time_s', 0):.4g} s, {pred.get('tokens_per_s', 0):.4g} tokens/s, "
-                  f"MFU {100 * pred.get('mfu', 0):.1f}%, peak memory {pred.get('memory_gb', 0):.2f} GB")
-        for title, key, unit in (("time", "time_breakdown_s", "s"), ("memory", "memory_breakdown_gb", "GB")):
+                  f"MFU {100 * pred.get('mfu', 0):.1f}%, peak memory {memory_text(pred.get('memory_gb', 0))}")
+        for title, key, text in (("time", "time_breakdown_s", lambda v: f"{v:.3g} s"),
+                                 ("memory", "memory_breakdown_gb", memory_text)):
             parts = pred.get(key, {})
-            con.print(f"  {title}: " + ", ".join(f"{k} {v:.3g} {unit}" for k, v in parts.items() if v))
+            con.print(f"  {title}: " + ", ".join(f"{k} {text(v)}" for k, v in parts.items() if v))
     expert = _expert_line(plan, pred)
     if expert:
         con.print(expert)

@@ -17,7 +17,8 @@ import sys
 from dataclasses import replace
 from typing import Sequence
 
-from autoshard.commands.common import MOE_IMBALANCE_HELP, check_output_path, cost_table_for, imbalance, model_for, positive_int
+from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_output_path, cost_table_for, imbalance, memory_text,
+                                       model_for, positive_int, seconds_text)
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute
 
@@ -36,7 +37,7 @@ def add_parser(sub) -> None:
                    help="device profile: ascend-910b, a100-80g, h100, h200, cpu, or a JSON profile file")
     p.add_argument("--devices", required=True, type=positive_int, help="number of devices (world size)")
     p.add_argument("--global-batch", required=True, type=positive_int, help="sequences per optimizer step")
-    p.add_argument("--seq-len", required=True, type=positive_int, help="tokens per sequence")
+    p.add_argument("--seq-len", required=True, type=positive_int, help="tokens per sequence (at least 2: the loss predicts each next token)")
     p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch (default 1)")
     p.add_argument("--zero", choices=ZERO_CHOICES, default="auto",
                    help="ZeRO level (2 and 3 need pp = 1), or auto: the fastest that fits per layout (default auto)")
@@ -62,13 +63,18 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
     the mesh allows it; `moe_imbalance` for a mixture of experts). Returns `Estimate`s, best first."""
     from autoshard.passes.cost import Layout, compile_table, estimate
     from autoshard.passes.layouts import sequence_parallel_violation, valid_meshes, zero_violation
+    from autoshard.passes.sharding import strategy_options
 
     meshes = valid_meshes(spec, devices, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
     ct = compile_table(table, spec)
     out = []
     for mesh in meshes:
         allowed = sequence_parallel_violation(spec, mesh, seq_len) is None  # else the mesh is priced without
-        sps = {sp and allowed for sp in sequence_parallel}
+        # the table's default layout where it runs, else the first intra-op choices that do (a vocabulary
+        # tp does not divide: embedding and head replicated, which sequence parallelism does not go with)
+        layouts = {sp: options[0] for sp in {sp and allowed for sp in sequence_parallel}
+                   for options in [strategy_options(spec, mesh.tp, sequence_parallel=sp)] if options}
+        sps = set(layouts)
         # 1F1B needs m >= pp micro-batches (the validator's rule); with fewer the runtime runs GPipe
         base = Layout(mesh=mesh, micro_batch=micro_batch)
         schedule = "gpipe" if base.microbatches(global_batch) < mesh.pp else "1f1b"
@@ -77,8 +83,8 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
             for r in recomputes:
                 lay = Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r, moe_imbalance=moe_imbalance,
                              schedule=schedule)
-                uniform = {sp: estimate(ct, spec, hw, replace(lay, sequence_parallel=sp), global_batch=global_batch,
-                                        seq_len=seq_len) for sp in sorted(sps)}
+                uniform = {sp: estimate(ct, spec, hw, replace(lay, sequence_parallel=sp, strategies=layouts[sp]),
+                                        global_batch=global_batch, seq_len=seq_len) for sp in sorted(sps)}
                 options += uniform.values()
                 if mesh.pp > 1 and len(uniform) == 2:  # both asked for and allowed: also per stage
                     options += filter(None, [stage_mix(ct, hw, lay, uniform, global_batch=global_batch,
@@ -163,25 +169,26 @@ def _print_table(results, hw, spec, args) -> None:
     from rich.table import Table
 
     rows = results[: args.limit] if args.limit else results
-    table = Table(title=f"{spec.name} on {args.devices}x {hw.name} ({hw.memory_gb:.0f} GB), global batch "
+    table = Table(title=f"{spec.name} on {args.devices}x {hw.name} ({memory_text(hw.memory_gb)}), global batch "
                   f"{args.global_batch}, seq {args.seq_len}: {len(results)} layouts, best first")
-    for col in ("#", "dp", "pp", "tp", "cp", "ep", "sp", "zero", "recompute", "mb", "step s", "ktok/s", "mem GB avg", "peak",
+    for col in ("#", "dp", "pp", "tp", "cp", "ep", "sp", "zero", "recompute", "mb", "step s", "ktok/s", "mem avg", "peak",
                 "MFU %", "fits"):
         table.add_column(col, justify="left" if col == "recompute" else "right")
     for i, e in enumerate(rows, 1):
         m, lay = e.layout.mesh, e.layout
         table.add_row(str(i), str(m.dp), str(m.pp), str(m.tp), str(m.cp), str(m.ep),
                       _sp_cell(e), str(lay.zero),
-                      lay.recompute.value, str(lay.micro_batch), f"{e.step_time_s:.2f}",
+                      lay.recompute.value, str(lay.micro_batch), seconds_text(e.step_time_s),
                       f"{e.tokens_per_s / 1e3:.1f}",
-                      f"{e.mean_memory_gb:.1f}", f"{e.memory_gb:.1f}", f"{100 * e.mfu:.1f}", "yes" if e.fits else "[red]no[/red]")
+                      memory_text(e.mean_memory_gb), memory_text(e.memory_gb), f"{100 * e.mfu:.1f}", "yes" if e.fits else "[red]no[/red]")
     Console(width=140).print(table)
     from autoshard.passes.layouts import excluded_eps
 
     for ep, why in excluded_eps(spec, args.devices, [e.layout.mesh for e in results]):
         print(f"ep={ep} excluded: {why}")
     if results and not results[0].fits:
-        print(f"no layout fits in {hw.memory_gb:.0f} GB; the smallest needs {min(e.memory_gb for e in results):.1f} GB")
+        print(f"no layout fits in {memory_text(hw.memory_gb)}; the smallest needs "
+              f"{memory_text(min(e.memory_gb for e in results))}")
 
 
 def _sp_cell(e) -> str:
@@ -202,7 +209,7 @@ def write_plot(results, hw, path: str, *, title: str) -> None:
     for fits, color, label in ((True, "tab:blue", "fits"), (False, "tab:gray", "does not fit")):
         pts = [e for e in results if e.fits is fits]
         ax.scatter([e.memory_gb for e in pts], [100 * e.mfu for e in pts], c=color, s=18, label=label)
-    ax.axvline(hw.memory_gb, color="tab:red", linestyle="--", label=f"device memory {hw.memory_gb:.0f} GB")
+    ax.axvline(hw.memory_gb, color="tab:red", linestyle="--", label=f"device memory {memory_text(hw.memory_gb)}")
     best = next((e for e in results if e.fits), None)
     if best is not None:
         m = best.layout.mesh

@@ -31,7 +31,10 @@ Rules (the runtime's, see DESIGN.md):
         micro_batch divides the global batch (a rule of two axes: checked in `plan_violation`).
   tp    splits every count the family's sharding table splits (`sharding.tp_violation`): LLaMA's
         heads, MLP width and vocabulary, and its KV heads or a multiple of them (each KV head
-        then kept by tp / kv_heads ranks); Mamba-2's heads, groups and vocabulary.
+        then kept by tp / kv_heads ranks); Mamba-2's heads, groups and vocabulary. The vocabulary
+        only where the plan keeps the embedding or head vocab-parallel: with both replicated
+        (strategies) any tp may go with any vocabulary, so the tp axis alone passes a tp that
+        only the vocabulary rules out, and the plan's strategies are checked against it.
   pp    at most the number of layers (every stage holds at least one layer).
   dp    dp x micro_batch divides the global batch.
   cp    LLaMA: 2*cp divides the sequence (load-balanced causal split, chunks i and 2cp-1-i).
@@ -155,12 +158,14 @@ def factorizations(devices: int) -> tuple[Mesh, ...]:
 
 
 def axis_violation(spec: ModelSpec, axis: str, size: int, *, global_batch: int, seq_len: int,
-                   micro_batch: int = 1) -> str | None:
-    """The rule of the module docstring that `size` on mesh axis `axis` alone breaks, or None."""
+                   micro_batch: int = 1, strategies=None) -> str | None:
+    """The rule of the module docstring that `size` on mesh axis `axis` alone breaks, or None.
+    `strategies`: the plan's intra-op choices (tp's rule depends on them: `sharding.tp_violation`);
+    None: whether some choices pass (the search's prune)."""
     if axis == "ep":
         return ep_violation(spec, size)
     if axis == "tp":
-        return tp_violation(spec, size)
+        return tp_violation(spec, size, strategies)
     if axis == "pp":
         if size > spec.layers:
             return (f"pp ({size}) is larger than the number of blocks (layers) of {spec.name} ({spec.layers}); "
@@ -235,14 +240,16 @@ def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: i
     """The first rule (module docstring) that this plan breaks for `spec`, worded for the user
     (what was found, what to do), or None. `zeros`: the ZeRO levels allowed (default
     `RUNTIME_ZERO`; the cost model prices 0-3); `strategies`: the plan's intra-op choices
-    (`sharding.choice_violation`: each a choice the table offers at this tp); `sequence_parallel`
-    and the layer choices of `strategies` may list one value per model chunk (`chunks`, default pp)."""
-    for name, value in (("global batch", global_batch), ("sequence length", seq_len), ("micro_batch", micro_batch)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            return f"{name} must be a positive integer, got {value!r}"
+    (`sharding.choice_violation`: each a choice the table offers at this tp; () the table's default
+    layout), None for "some choices" (the search's question: a tp that only the vocabulary rules out
+    passes, as the replicated embedding and head run it); `sequence_parallel` and the layer choices of
+    `strategies` may list one value per model chunk (`chunks`, default pp)."""
+    why = sizes_violation(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
+    if why:
+        return why
     for axis in _RULE_ORDER:
         why = axis_violation(spec, axis, getattr(mesh, axis), global_batch=global_batch, seq_len=seq_len,
-                             micro_batch=micro_batch)
+                             micro_batch=micro_batch, strategies=strategies)
         if why:
             return why
     per_step = mesh.dp * mesh.ep * micro_batch
@@ -250,6 +257,7 @@ def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: i
         return (f"global batch {global_batch} is not divisible by dp ({mesh.dp}) x ep ({mesh.ep}) x micro_batch "
                 f"({micro_batch}) = {per_step}; pick a global batch that is a multiple of {per_step}")
     chunks = mesh.pp if chunks is None else chunks
+    strategies = () if strategies is None else strategies
     some = any(sequence_parallel) if isinstance(sequence_parallel, tuple) else sequence_parallel
     per_stage = isinstance(sequence_parallel, tuple) or any(isinstance(v, tuple) for _, v in strategies)
     why = (zero_violation(mesh, zero) or (sequence_parallel_violation(spec, mesh, seq_len) if some else None)
@@ -260,6 +268,21 @@ def plan_violation(spec: ModelSpec, mesh: Mesh, *, global_batch: int, seq_len: i
     if zero not in (zeros or RUNTIME_ZERO):
         return (f"zero={zero} (parameter sharding) is not supported by the runtime yet; use zero="
                 f"{max(RUNTIME_ZERO)} (gradients and optimizer state sharded over dp) or lower")
+    return None
+
+
+MIN_SEQ_LEN = 2  # a next-token loss predicts token i + 1 from tokens 0..i: one token leaves nothing to predict
+
+
+def sizes_violation(*, global_batch, seq_len, micro_batch=1) -> str | None:
+    """Why a training step's sizes cannot be (not positive integers; fewer than `MIN_SEQ_LEN` tokens a
+    sequence), or None. `plan_violation`, `valid_meshes` and the command line (`seq_len` type) ask here."""
+    for name, value in (("global batch", global_batch), ("sequence length", seq_len), ("micro_batch", micro_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            return f"{name} must be a positive integer, got {value!r}"
+    if seq_len < MIN_SEQ_LEN:
+        return (f"sequence length {seq_len}: training predicts each next token, so a sequence needs at least "
+                f"{MIN_SEQ_LEN} tokens; give a sequence length >= {MIN_SEQ_LEN}")
     return None
 
 
@@ -308,7 +331,9 @@ def generate_violation(spec: ModelSpec, mesh: Mesh) -> str | None:
                 "dp = cp = 1 (tp, pp and ep as you like) and start one such world per replica")
     # generation does not split the batch over ep (every ep rank holds the same sequences): the
     # training rule that ep divides the batch is met by asking with a batch of ep
-    return plan_violation(spec, mesh, global_batch=mesh.ep, seq_len=1)
+    # and the sequence rules (cp = 1 here) hold for any prompt: MIN_SEQ_LEN stands for its length;
+    # generation runs the table's default layout (vocab-parallel embedding and head)
+    return plan_violation(spec, mesh, global_batch=mesh.ep, seq_len=MIN_SEQ_LEN)
 
 
 def backend_violation(spec: ModelSpec, plan: Plan) -> str | None:
@@ -387,13 +412,13 @@ def zero_violation(mesh: Mesh, zero: int) -> str | None:
 def valid_meshes(spec: ModelSpec, devices: int, *, global_batch: int, seq_len: int,
                  micro_batch: int = 1) -> tuple[Mesh, ...]:
     """Every valid mesh; raises InvalidConfigError naming each candidate's broken rule if none."""
-    for name, value in (("global batch", global_batch), ("sequence length", seq_len), ("micro-batch", micro_batch)):
-        if not isinstance(value, int) or value <= 0:
-            raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
+    why = sizes_violation(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
+    if why:
+        raise InvalidConfigError(why)
     if global_batch % micro_batch:
         raise InvalidConfigError(f"micro-batch {micro_batch} does not divide the global batch {global_batch}; "
                                  "no dp x micro-batch can divide it: pick a micro-batch that divides it")
-    rules = dict(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
+    rules = dict(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch, strategies=None)  # some choices
     good = tuple(m for m in _meshes(devices, lambda axis, size: axis_violation(spec, axis, size, **rules) is None)
                  if plan_violation(spec, m, **rules) is None)  # the rules of two axes (dp x ep x micro-batch)
     if good:
@@ -422,7 +447,7 @@ def mesh_micro_batches(spec: ModelSpec, devices: int, *, global_batch: int, seq_
     finds no broken rule (so dp x ep x micro-batch divides the global batch; ep > 1 only for a
     mixture of experts whose experts it divides).
     Empty when no pair is valid (the caller words the error)."""
-    rules = dict(global_batch=global_batch, seq_len=seq_len)
+    rules = dict(global_batch=global_batch, seq_len=seq_len, strategies=None)  # some intra-op choices pass
     out = []
     for mesh in _meshes(devices, lambda axis, size: axis_violation(spec, axis, size, **rules) is None):
         for mb in micro_batches:

@@ -48,7 +48,7 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
     Every placement, region, row-parallel linear and vocab-parallel module comes from the family's
     sharding table (`passes/sharding.py`)."""
     tp = plan.mesh.tp
-    why = sharding.tp_violation(spec, tp)
+    why = sharding.tp_violation(spec, tp, plan.strategies)
     if why:
         raise InvalidConfigError(why)
     chunk_of = layer_chunks(plan, spec)  # each layer's model chunk: its stage's choices (checked by check_plan)

@@ -282,15 +282,18 @@ def choice_violation(spec: ModelSpec, tp: int, strategies, *, sequence_parallel:
 
 def strategy_options(spec: ModelSpec, tp: int, *, sequence_parallel: bool = False
                      ) -> tuple[tuple[tuple[str, str], ...], ...]:
-    """Every valid combination of the choices at `tp` (`choice_violation` passes), each as the sorted
-    (choice, option) pairs that differ from the default (the default layout: ())."""
+    """Every valid combination of the choices at `tp` (`choice_violation` and `tp_violation` pass), each as
+    the sorted (choice, option) pairs that differ from the default (the default layout: ()). Empty when none
+    is valid (a vocabulary tp does not divide, which only replicated embedding and head allow, under
+    sequence parallelism, which needs them vocab-parallel)."""
     have = choices(spec, tp)
     out = []
     for combo in itertools.product(*have.values()):
         pairs = tuple(sorted((k, o) for (k, v), o in zip(have.items(), combo) if o != v[0]))
-        if choice_violation(spec, tp, pairs, sequence_parallel=sequence_parallel) is None:
+        if (choice_violation(spec, tp, pairs, sequence_parallel=sequence_parallel) is None
+                and tp_violation(spec, tp, pairs) is None):
             out.append(pairs)
-    return tuple(out) or ((),)
+    return tuple(out)
 
 
 def canonical(spec: ModelSpec, tp: int, strategies) -> tuple[tuple[str, str], ...]:
@@ -393,19 +396,41 @@ def parts(spec: ModelSpec, path: str, tp: int) -> int:
     return role_parts(spec, role, tp)
 
 
-def tp_violation(spec: ModelSpec, tp: int) -> str | None:
-    """The first count of `spec` that tp cannot split, worded for the user, or None."""
+def tp_violation(spec: ModelSpec, tp: int, strategies=None) -> str | None:
+    """The first count of `spec` that tp cannot split, worded for the user, or None. `strategies`: the
+    plan's intra-op choices; a replicated role splits nothing, so with the embedding and head both
+    replicated the vocabulary need not divide by tp (a user config's vocab of 32001). None: the most
+    permissive choices (both replicated): the rule of the tp axis alone, which the search prunes by; the
+    plan's own choices are then checked by `plan_violation` with them."""
     if tp == 1:
         return None
-    for role in table(spec):
+    chosen = _REPLICATED_VOCAB if strategies is None else _vocab_choices(strategies)
+    for role in table(spec, chosen):
+        if role.strategy is Strategy.REPLICATE:
+            continue
         for piece in role.pieces:
             if piece_parts(spec, piece, tp) is None:
                 count, what = size(spec, piece.count), _COUNT_NAMES.get(piece.count, piece.count)
                 if piece.share:
                     return (f"tp ({tp}) and the {what} of {spec.name} ({count}) must divide one another "
                             f"(split, or each rank keeps one); use a tp that divides {count} or a multiple of it")
+                if role.strategy is Strategy.VOCAB:
+                    name = next(k for k, b in CHOICE_BLOCKS.items() if b is role.block)
+                    return (f"tp ({tp}) does not divide the {what} of {spec.name} ({count}), which the "
+                            f"vocab-parallel {name} splits; use a tp that divides {count}, or replicate the "
+                            "embedding and LM head on every tp rank: strategies {\"embedding\": \"replicate\", "
+                            "\"head\": \"replicate\"}")
                 return f"tp ({tp}) does not divide the {what} of {spec.name} ({count}); use a tp that divides {count}"
     return None
+
+
+_REPLICATED_VOCAB = (("embedding", "replicate"), ("head", "replicate"))
+
+
+def _vocab_choices(strategies) -> tuple[tuple[str, str], ...]:
+    """The embedding / head options among a plan's `strategies` (pairs or a mapping; others ignored)."""
+    given = dict(strategies)
+    return tuple((k, given[k]) for k in ("embedding", "head") if isinstance(given.get(k), str))
 
 
 def role_of(spec: ModelSpec, kind: BlockKind, path: str, strategies=()) -> Role | None:

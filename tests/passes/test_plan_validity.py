@@ -158,7 +158,8 @@ def gloo_sample(world: int, count: int, seed: int) -> list:
                    if lay.mesh.tp > 1]
         if layouts:
             lay = rng.choice(layouts)
-            plan = dict(lay.mesh.as_dict(), micro_batch=lay.micro_batch, zero=lay.zero)
+            plan = dict(lay.mesh.as_dict(), micro_batch=lay.micro_batch, zero=lay.zero,
+                        sequence_parallel=lay.sequence_parallel, strategies=dict(lay.strategies))
             out.append((spec, plan))
     return out
 
@@ -198,3 +199,33 @@ def test_plan_placements_say_what_the_runtime_shards():
             name = f"model.layers.0.{role[len('layers.*.'):]}.weight"
             assert isinstance(program.placement(name), Shard), role
     assert block_placements(spec, tp=1) == (("all", "replicate"),)
+
+
+def test_a_vocabulary_tp_does_not_divide_runs_with_embedding_and_head_replicated():
+    """A user config's vocab of 32001: tp 2 is refused with the vocab-parallel embedding or head (the
+    message names both ways out), allowed with both replicated, and the planner's tp layouts are
+    exactly those (sequence parallelism, which needs them vocab-parallel, only on middle stages)."""
+    import dataclasses
+
+    spec = dataclasses.replace(get_spec("llama-tiny"), name="user-llama-32001", vocab=32001)
+    both = (("embedding", "replicate"), ("head", "replicate"))
+    for strategies in ((), both[:1], both[1:]):
+        why = plan_violation(spec, Mesh(tp=2), global_batch=8, seq_len=16, strategies=strategies)
+        assert "vocabulary size of user-llama-32001 (32001)" in why and '"head": "replicate"' in why
+    assert plan_violation(spec, Mesh(tp=2), global_batch=8, seq_len=16, strategies=both) is None
+    plan = Plan(model=spec.name, fingerprint="", hardware="cpu", devices=2, global_batch=8, seq_len=16,
+                mesh=Mesh(tp=2), strategies=dict(both))
+    check_plan(plan, spec, world_size=2)
+    shapes = {n: tuple(p.shape) for n, p in build_model(spec, device="meta").named_parameters()}
+    program = shard_program(plan, spec, shapes, tp_rank=1)
+    assert not program.vocab_head and not isinstance(program.placement("lm_head.weight"), Shard)
+    with pytest.raises(Exception, match="vocabulary"):
+        check_plan(dataclasses.replace(plan, strategies=()), spec, world_size=2)
+    layouts = candidate_layouts(spec, devices=4, global_batch=8, seq_len=16)
+    tp = [lay for lay in layouts if lay.mesh.tp > 1]
+    assert {lay.mesh.tp for lay in tp} == {2, 4}
+    assert all(lay.strategies == both and not lay.sequence_parallel for lay in tp)
+    # a tied model (one weight for both) takes the same replicated option
+    tied = dataclasses.replace(spec, tied=True)
+    assert all(dict(lay.strategies) == dict(both) for lay in candidate_layouts(tied, devices=2, global_batch=8,
+                                                                                seq_len=16) if lay.mesh.tp > 1)

@@ -17,6 +17,8 @@ from tests.runtime.equivalence import check_plan
 
 # mamba2-tiny with one group (as mamba2-1b): tp does not divide the groups, so B/C are kept whole
 ONE_GROUP = dataclasses.replace(get_spec("mamba2-tiny"), name="mamba2-tiny-1group", groups=1)
+# a vocabulary tp does not divide (a user config's 32001, here 257): tp runs with embedding and head replicated
+ODD_VOCAB = dataclasses.replace(get_spec("llama-tiny"), name="llama-tiny-vocab257", vocab=257)
 WORLD2 = (
     ("llama-tiny", dict(dp=2), True),
     ("llama-tiny", dict(tp=2), True),
@@ -46,6 +48,7 @@ WORLD2 = (
     # intra-op choices (passes/sharding.py CHOICES): replicated embedding / LM head + plain loss on full logits
     ("llama-tiny", dict(tp=2, strategies={"embedding": "replicate", "head": "replicate"}), True),
     ("mamba2-tiny", dict(tp=2, strategies={"head": "replicate"}), False),
+    (ODD_VOCAB, dict(tp=2, strategies={"embedding": "replicate", "head": "replicate"}), True),
     # sequence parallelism: norms and residual on half the sequence (check_plan asserts the shard)
     ("llama-tiny", dict(tp=2, sequence_parallel=True), True),
     ("mamba2-tiny", dict(tp=2, sequence_parallel=True, recompute="selective"), True),

@@ -55,6 +55,8 @@ def test_parallelize_rejects_before_any_collective():
         autoshard.parallelize(model, ids, plan=dict(dp=2, tp=2))
     with pytest.raises(InvalidConfigError, match="unknown plan keys"):
         autoshard.parallelize(model, ids, plan=dict(dq=1))
+    with pytest.raises(InvalidConfigError, match="sequence length 1: training predicts each next token"):
+        autoshard.parallelize(model, ids[:, :1], plan=dict(dp=1))  # as plan and sweep refuse --seq-len 1
     assert not torch.distributed.is_initialized()
 
 
