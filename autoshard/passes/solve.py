@@ -418,7 +418,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         key = (layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.stage_choices,
                layout.schedule, layout.virtual_stages)  # p2p depends on v
         if key not in numbers:
-            numbers[key] = stage_numbers(ct, hw, layout, seq_len=seq_len)
+            numbers[key] = stage_numbers(ct, hw, layout, seq_len=seq_len, memo=numbers)
         problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key])
         result = solve_mesh(problem, time_limit_s=time_limit_s, hint=_even(problem), cutoff_s=cutoff)
         visited += 1

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Iterator
 
@@ -128,12 +128,30 @@ class BlockNumbers:
     params: np.ndarray  # [kind] parameters on one device (TP-sharded, before ZeRO)
     p2p_s: float
     logits_bytes: float
+    # `_stage_columns`' terms that do not depend on the p2p (shared by the copies `replace` makes)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
-                  recomputes: tuple[Recompute, ...] = tuple(Recompute)) -> BlockNumbers:
-    """The block numbers of `layout`'s mesh and micro-batch (its ZeRO / recompute are ignored)."""
+                  recomputes: tuple[Recompute, ...] = tuple(Recompute), memo: dict | None = None) -> BlockNumbers:
+    """The block numbers of `layout`'s mesh and micro-batch (its ZeRO / recompute are ignored). `memo`: a dict
+    the caller keeps over layouts: all but the p2p depend on the mesh's tp, cp and ep only (not dp, pp, nor
+    the schedule), so layouts that share those share them."""
     layout = cost.resolved(layout, hw)
+    if memo is None:
+        return _block_numbers(ct, hw, layout, seq_len=seq_len, recomputes=recomputes)
+    mesh = layout.mesh
+    key = ("block numbers", hw, seq_len, recomputes, mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.precision,
+           layout.sequence_parallel, layout.strategies, layout.moe_imbalance)
+    core = memo.get(key)
+    if core is None:
+        core = memo[key] = _block_numbers(ct, hw, layout, seq_len=seq_len, recomputes=recomputes)
+    p2p = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
+    return core if p2p == core.p2p_s else replace(core, p2p_s=p2p)
+
+
+def _block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
+                   recomputes: tuple[Recompute, ...]) -> BlockNumbers:
     comp, other, bwd, fwd, act = (np.zeros((len(recomputes), len(KINDS))) for _ in range(5))
     for ri, r in enumerate(recomputes):
         lay = replace(layout, recompute=r)
@@ -156,23 +174,35 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     a stage holding n = 0..layers layers, with or without the embedding / head: cost.estimate's
     per-stage terms, evaluated for every n at once. `p2p_s`: the stage's boundary traffic when not
     the layout's own (a sequence-parallel stage among stages that are not)."""
-    n = np.arange(ct.spec.layers + 1, dtype=float)
-    counts = np.stack([np.full_like(n, float(embed)), n, np.full_like(n, float(head))])  # [kind, n]
-    tied = blocks.params[0] if head and ct.spec.tied and not embed else 0.0
-    params = blocks.params @ counts + tied
-    experts = n * cost.expert_block_params(ct, layout, BlockKind.LAYER)  # MoE: reduced over dp x cp apart
-    comp = blocks.compute_s @ counts  # [r, n]
-    bwd_last = blocks.bwd_s[0] @ counts  # backward time does not depend on the recompute level
-    time = comp + blocks.other_s @ counts + (blocks.p2p_s if p2p_s is None else p2p_s) + cost.zero_exposed_time(
-        hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts, blocks=counts.sum(axis=0))
-    state = cost.state_bytes(params, layout, expert=experts)
-    other_mem = (state.weights + state.grads + state.optimizer + (blocks.logits_bytes if head else 0.0)
-                 + cost.zero2_staging_bytes(params, layout, expert=experts)
-                 + cost.buffer_bytes(ct, layout, seq_len=seq_len))
-    fwd_first = blocks.fwd_s[0] @ counts
-    tail = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)
-            + cost.optimizer_time(hw, params, layout, expert=experts))
-    return time, blocks.act_bytes @ counts, np.broadcast_to(other_mem, n.shape), np.broadcast_to(tail, n.shape), params
+    memo = blocks.memo  # what depends on the blocks (not their p2p) and the layout's fields named in each key
+    key = ("counts", embed, head, ct.spec.layers)
+    if key not in memo:
+        n = np.arange(ct.spec.layers + 1, dtype=float)
+        counts = np.stack([np.full_like(n, float(embed)), n, np.full_like(n, float(head))])  # [kind, n]
+        tied = blocks.params[0] if head and ct.spec.tied and not embed else 0.0
+        comp = blocks.compute_s @ counts  # [r, n]
+        memo[key] = (n, blocks.params @ counts + tied, n * cost.expert_block_params(ct, layout, BlockKind.LAYER), comp,
+                     blocks.bwd_s[0] @ counts, blocks.fwd_s[0] @ counts, comp + blocks.other_s @ counts,
+                     blocks.act_bytes @ counts, counts.sum(axis=0))
+    # experts: MoE, reduced over dp x cp apart; bwd_last: backward time does not depend on the recompute level
+    n, params, experts, comp, bwd_last, fwd_first, comp_other, act, units = memo[key]
+    mesh = layout.mesh
+    key = ("zero", embed, head, mesh, layout.zero, layout.offload)
+    if key not in memo:
+        state = cost.state_bytes(params, layout, expert=experts)
+        memo[key] = (cost.zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts,
+                                            blocks=units),
+                     state.weights + state.grads + state.optimizer + (blocks.logits_bytes if head else 0.0)
+                     + cost.zero2_staging_bytes(params, layout, expert=experts)
+                     + cost.buffer_bytes(ct, layout, seq_len=seq_len))
+    zexp, other_mem = memo[key]
+    time = comp_other + (blocks.p2p_s if p2p_s is None else p2p_s) + zexp
+    key = ("tail", embed, head, mesh, layout.zero, layout.offload, layout.virtual_stages)
+    if key not in memo:
+        memo[key] = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)
+                     + cost.optimizer_time(hw, params, layout, expert=experts))
+    tail = memo[key]
+    return time, act, np.broadcast_to(other_mem, n.shape), np.broadcast_to(tail, n.shape), params
 
 
 @functools.lru_cache(maxsize=4096)
@@ -190,9 +220,11 @@ def stage_variants(layout: Layout) -> tuple[Layout, ...]:
 
 
 def stage_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
-                  recomputes: tuple[Recompute, ...] = tuple(Recompute)) -> tuple[BlockNumbers, ...]:
-    """`block_numbers` of every variant of `layout` (`stage_variants`)."""
-    return tuple(block_numbers(ct, hw, v, seq_len=seq_len, recomputes=recomputes) for v in stage_variants(layout))
+                  recomputes: tuple[Recompute, ...] = tuple(Recompute), memo: dict | None = None
+                  ) -> tuple[BlockNumbers, ...]:
+    """`block_numbers` of every variant of `layout` (`stage_variants`); `memo` as `block_numbers`'."""
+    return tuple(block_numbers(ct, hw, v, seq_len=seq_len, recomputes=recomputes, memo=memo)
+                 for v in stage_variants(layout))
 
 
 def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, seq_len: int,
