@@ -15,13 +15,13 @@ rate at which one device can push bytes to its neighbour in a ring.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
+from autoshard.json_file import load_json
 
 GB = 1e9
 MIB = 2**20
@@ -360,11 +360,10 @@ def load_hardware(name_or_path: str | Path | DeviceProfile) -> DeviceProfile:
 
 def _load_profile_file(path: Path) -> DeviceProfile:
     try:
-        data = json.loads(path.read_text())
+        raw = path.read_bytes()
     except OSError as e:
         raise InvalidConfigError(f"cannot read hardware profile {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidConfigError(f"hardware profile {path} is not valid JSON: {e}") from None
+    data = load_json(raw, source=f"hardware profile {path}")
     if not isinstance(data, dict):
         raise InvalidConfigError(f"hardware profile {path}: expected a JSON object of fields, "
                                  f"found {type(data).__name__}")

@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 from autoshard.errors import PlanFileError
 from autoshard.ir import Mesh, Plan, _jsonable
+from autoshard.json_file import read_plan_json
 
 INFERENCE_SCHEMA_VERSION = 1
 ROLES = ("both", "prefill", "decode")
@@ -203,16 +204,3 @@ def is_inference_plan(plan: Any) -> bool:
     except PlanFileError:
         return False
     return isinstance(data, Mapping) and data.get("kind") == "inference"
-
-
-def read_plan_json(path: str | Path) -> Any:
-    """The JSON of a plan file (training or inference), or PlanFileError."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise PlanFileError(f"cannot read plan file {path}: {e.strerror}") from None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PlanFileError(f"{path} is not a valid JSON plan file: {e}") from None

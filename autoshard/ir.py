@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoshard.errors import InvalidConfigError, PlanFileError
+from autoshard.json_file import read_plan_json
 
 AXES = ("dp", "pp", "tp", "cp", "ep")
 SCHEMA_VERSION = 2  # 2: precision, schedule, virtual_stages (a version-1 file loads with their defaults)
@@ -428,19 +429,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        path = Path(path)
-        try:
-            raw = path.read_bytes()
-        except OSError as e:
-            raise PlanFileError(f"cannot read plan file {path}: {e.strerror}") from None
-        if raw[:1] == b"\x80" or raw[:2] in (b"PK",):
-            raise PlanFileError(f"{path} looks like a pickle/zip, not JSON; autoshard plan files are JSON only "
-                                "(write one with `autoshard plan ... --out plan.json`)")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise PlanFileError(f"{path} is not a valid JSON plan file: {e}") from None
-        return _plan_from_json(data, source=str(path))
+        return _plan_from_json(read_plan_json(path), source=str(path))
 
 
 def _jsonable(value: Any) -> Any:

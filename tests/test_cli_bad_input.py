@@ -313,3 +313,32 @@ def test_a_sequence_of_one_token_is_refused(capsys, command):
     # a next-token loss has nothing to predict in one token (plan used to accept --seq-len 1)
     _fails(capsys, [command, "--model", "llama-tiny", "--devices", "2", "--hardware", "cpu", "--global-batch", "8",
                     "--seq-len", "1"], "sequence length 1", "at least 2 tokens")
+
+
+def test_a_key_given_twice_is_refused(tmp_path, capsys):
+    # Python's json keeps the last of a repeated key silently: a hand-edited "zero": 3, ..., "zero": 0 ran ZeRO-0
+    text = json.dumps(_good_plan())
+    path = tmp_path / "twice.json"
+    path.write_text(text.replace('"zero": 1', '"zero": 3, "zero": 1'))
+    _fails(capsys, ["show", str(path)], str(path), "key 'zero' appears twice in one object (3 and 1)")
+    path.write_text(text.replace('"dp": 1', '"dp": 2, "dp": 1'))  # inside the mesh too
+    _fails(capsys, ["show", str(path)], "key 'dp' appears twice")
+    from autoshard.errors import PlanFileError
+    from autoshard.ir import Plan
+
+    with pytest.raises(PlanFileError, match="appears twice"):  # parallelize(plan=path) loads it so
+        Plan.load(path)
+    from autoshard.hardware import load_hardware
+
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps(load_hardware("cpu").to_json()).replace('"name": "cpu"', '"name": "a", "name": "b"'))
+    _fails(capsys, ["sweep", "--model", "llama-tiny", "--hardware", str(hw), "--devices", "2", *PLAN[2:]],
+           "key 'name' appears twice")
+
+
+def test_show_says_when_it_cannot_check_a_plan(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_with("model", "llama-huge")))
+    assert main(["show", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "warning" in err and "shown unchecked" in err and "'llama-huge'" in err

@@ -21,7 +21,8 @@ def run(args) -> int:
     import json
 
     from autoshard.errors import PlanFileError
-    from autoshard.inference_plan import InferencePlan, read_plan_json
+    from autoshard.inference_plan import InferencePlan
+    from autoshard.json_file import read_plan_json
     from autoshard.ir import Plan
 
     try:
@@ -60,8 +61,9 @@ def validate(plan, *, source: str = "the plan") -> None:
 
     try:
         spec, module = resolve_model(plan.model, device="meta") if ":" in plan.model else (get_spec(plan.model), None)
-    except UnknownNameError:
-        return  # a user model this machine cannot build: nothing to check it against
+    except UnknownNameError as e:  # a user model this machine cannot build: nothing to check it against
+        print(f"autoshard show: warning: {source}: the plan is shown unchecked: {e}", file=sys.stderr)
+        return
     try:
         check_plan(plan, spec)
     except InvalidConfigError as e:  # which file, and that parallelize would refuse it
