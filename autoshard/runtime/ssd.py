@@ -14,8 +14,8 @@ Contract
   time: outputs from the saved chunk states, then the chunk states themselves. That is the
   contract of mamba_ssm's / Ascend's fused kernels and of `passes/kernels.py` `ssd_cost`.
 * Where it runs: `fused_scan(device)` is mamba_ssm's `mamba_chunk_scan_combined` on CUDA where
-  mamba_ssm is installed (production Mamba-2 training's kernel, the same math and arguments as HF's
-  `mamba2_chunk_scan`, and what the GPU profiles price), else None and `ssd_scan` runs the torch
+  mamba_ssm is installed, with or without its CUDA extensions (production Mamba-2 training's kernel,
+  the same math and arguments as HF's `mamba2_chunk_scan`, and what the GPU profiles price), else None and `ssd_scan` runs the torch
   Function above (on CUDA with a one-time warning: 4.4-6.5x slower than priced on an H200).
 * `mixer_forward(mixer, hidden_states, ...)`: HF `Mamba2Mixer.forward` (training path, no cache)
   with the scan above; every op outside the scan is HF's own, so what they save for backward is
@@ -31,6 +31,9 @@ Contract
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import sys
 import warnings
 
 import torch
@@ -191,14 +194,40 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk: i
     return _SSDScan.apply(x, dt, A, B, C, D, dt_bias, head_group, chunk, tuple(dt_limit), final_state)
 
 
+_SSD_MODULE = "mamba_ssm.ops.triton.ssd_combined"
+
+
 @functools.cache
 def _mamba_ssm_scan():
-    """mamba_ssm's `mamba_chunk_scan_combined` (Triton), or None where it is not installed."""
+    """mamba_ssm's `mamba_chunk_scan_combined` (Triton), or None where it is not installed.
+
+    The kernel is Triton alone, but mamba_ssm's package `__init__` imports its compiled CUDA
+    extensions (`selective_scan_cuda`, Mamba-1's scan), which a Triton-only install
+    (`MAMBA_SKIP_CUDA_BUILD=TRUE pip install mamba-ssm`, seconds instead of a long nvcc build) lacks:
+    then the package is registered without running its `__init__` and the Triton module imported
+    from it (`_without_package_init`)."""
     try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception:  # not installed, or installed without a usable CUDA / Triton build
+        return importlib.import_module(_SSD_MODULE).mamba_chunk_scan_combined
+    except ImportError:
+        pass
+    except Exception:  # installed, but without a usable Triton / CUDA build
         return None
-    return mamba_chunk_scan_combined
+    return _without_package_init("mamba_ssm", _SSD_MODULE, "mamba_chunk_scan_combined")
+
+
+def _without_package_init(package: str, module: str, name: str):
+    """`module`.`name` of an installed `package` whose `__init__` fails to import, imported with the
+    package registered but its `__init__` not run; None (and nothing left registered) where that fails."""
+    spec = importlib.util.find_spec(package) if package not in sys.modules else None
+    if spec is None or spec.submodule_search_locations is None:
+        return None
+    sys.modules[package] = importlib.util.module_from_spec(spec)  # its __path__, not its __init__
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception:
+        for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
+            del sys.modules[key]
+        return None
 
 
 def fused_scan(device: torch.device):
@@ -218,7 +247,8 @@ def fused_scan(device: torch.device):
 def _warn_unfused() -> None:
     warnings.warn("Mamba-2's SSD scan runs as torch ops on CUDA because mamba_ssm is not installed: a step "
                   "takes several times what the plan predicts (the plan prices mamba_ssm's fused "
-                  "mamba_chunk_scan_combined; 4.4-6.5x measured on an H200); pip install mamba-ssm",
+                  "mamba_chunk_scan_combined; 4.4-6.5x measured on an H200); pip install mamba-ssm "
+                  "(MAMBA_SKIP_CUDA_BUILD=TRUE installs the Triton kernels alone, without a CUDA build)",
                   stacklevel=3)
 
 

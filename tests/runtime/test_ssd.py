@@ -159,3 +159,42 @@ def test_the_torch_scan_runs_where_no_fused_kernel_is_installed():
         ssd._warn_unfused.cache_clear()
         with pytest.warns(UserWarning, match="pip install mamba-ssm"):
             assert ssd.fused_scan(torch.device("cuda")) is None
+
+
+def test_a_triton_only_mamba_ssm_install_gives_the_fused_kernel(tmp_path, monkeypatch):
+    """mamba_ssm's package __init__ imports its CUDA extensions, which an install without the CUDA build
+    lacks; the Triton SSD is still found (its module imported with the package's __init__ not run).
+    A stand-in package with the same layout: an __init__ that fails as the real one does there."""
+    import sys
+
+    import autoshard.runtime.ssd as ssd
+
+    pkg = tmp_path / "mamba_ssm"
+    (pkg / "ops" / "triton").mkdir(parents=True)
+    (pkg / "utils").mkdir()
+    (pkg / "__init__.py").write_text("from mamba_ssm.utils.torch import helper\nimport selective_scan_cuda\n")
+    for d in (pkg / "ops", pkg / "ops" / "triton", pkg / "utils"):
+        (d / "__init__.py").write_text("")
+    (pkg / "utils" / "torch.py").write_text("def helper():\n    return 'helped'\n")
+    (pkg / "ops" / "triton" / "ssd_combined.py").write_text(
+        "from mamba_ssm.utils.torch import helper\n\ndef mamba_chunk_scan_combined(*a, **k):\n    return helper()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for key in [k for k in sys.modules if k.split(".")[0] == "mamba_ssm"]:
+        monkeypatch.delitem(sys.modules, key)
+    ssd._mamba_ssm_scan.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="selective_scan_cuda"):
+            import mamba_ssm  # noqa: F401  (the package as such does not import)
+        kernel = ssd._mamba_ssm_scan()
+        assert kernel is not None and kernel() == "helped"
+        # a package whose Triton module is missing too: nothing found, nothing left registered
+        (pkg / "ops" / "triton" / "ssd_combined.py").unlink()
+        for key in [k for k in sys.modules if k.split(".")[0] == "mamba_ssm"]:
+            del sys.modules[key]
+        ssd._mamba_ssm_scan.cache_clear()
+        assert ssd._mamba_ssm_scan() is None
+        assert not [k for k in sys.modules if k.split(".")[0] == "mamba_ssm"]
+    finally:
+        for key in [k for k in sys.modules if k.split(".")[0] == "mamba_ssm"]:
+            del sys.modules[key]
+        ssd._mamba_ssm_scan.cache_clear()
