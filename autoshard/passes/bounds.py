@@ -189,11 +189,13 @@ class LazyBounds:
         self._done[codes] = True
         idx = np.concatenate([self._by_code[self._starts[c]:self._starts[c + 1]] for c in codes])
         p2p_code = self._p2p_code[idx]
-        for c in np.unique(p2p_code[np.isnan(self._p2p[p2p_code])]).tolist():
-            key = _CODES.keys[c][0]  # lower_bounds' memo key
-            if key not in self.memo:
-                self.memo[key] = cost.p2p_time(self.ct, self.hw, _CODES.reps[c], seq_len=self.seq_len)
-            self._p2p[c] = self.memo[key]
+        todo = np.unique(p2p_code[np.isnan(self._p2p[p2p_code])]).tolist()
+        keys = [_CODES.keys[c][0] for c in todo]  # lower_bounds' memo keys
+        fresh = [c for c, key in zip(todo, keys) if key not in self.memo]
+        if fresh:
+            for c, p2p in zip(fresh, _p2p_columns(self.ct, self.hw, fresh, seq_len=self.seq_len).tolist()):
+                self.memo[_CODES.keys[c][0]] = p2p
+        self._p2p[todo] = [self.memo[key] for key in keys]
         e, l, h = self._blocks[self.block_code[idx]].T
         self.step_s[idx] = self._step(e, l, h, self._p2p[p2p_code], idx)
         return idx
@@ -232,6 +234,43 @@ class LazyBounds:
         """The least step bound of the layouts `kept` (inf when none)."""
         k = next(self.ordered(kept), None)
         return math.inf if k is None else float(self.step_s[k])
+
+
+def _p2p_columns(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) -> np.ndarray:
+    """`cost.p2p_time` of the p2p codes `codes` (of each code's layout), the same float operations over arrays
+    (`cost.p2p_seconds`); their shape-independent terms (`cost.p2p_terms`, the layer's node-time stem) kept in
+    the table's memo over plans, per device and `_CODES` epoch."""
+    table = ct.memo.setdefault(("p2p columns", hw, _CODES.epoch), {})
+    rows = []
+    for c in codes:
+        row = table.get(c)
+        if row is None:
+            lay = _CODES.reps[c]
+            if lay.mesh.pp == 1:
+                row = (0.0, 1, 1, 1.0, 1, 0.0, 1.0, 1, 0, -1)  # p2p 0 (the pipelined flag first)
+            else:
+                base = lay if lay.recompute is Recompute.NONE else replace(lay, recompute=Recompute.NONE)
+                per_chunk = max(1, ct.spec.layers // (lay.mesh.pp * lay.virtual_stages))  # cost._chunk_compute's
+                row = (1.0, *cost.p2p_terms(hw, lay), per_chunk,
+                       _CODES.stem(cost.node_stem(base, BlockKind.LAYER), base))
+            row = table[c] = row
+        rows.append(row)
+    cols = np.array(rows, dtype=np.float64).reshape(-1, 10)
+    piped, mb, cp, act_bytes, shard, latency, bandwidth, crossings, per_chunk, stem = cols.T
+    fwd, bwd = np.zeros(len(rows)), np.zeros(len(rows))
+    chunked = np.flatnonzero((crossings != 1) & (piped > 0))
+    if len(chunked):  # cost._chunk_compute: the layer's forward / backward node-time sums (`cost.block_time`'s)
+        blk, stems = ct.block(BlockKind.LAYER), stem[chunked].astype(np.int64)
+        uniq = np.unique(stems).tolist()
+        keys = [cost.node_key(hw, _CODES.stems[i][0], seq_len) for i in uniq]
+        cost.memo_node_times(ct, hw, BlockKind.LAYER, {key: _CODES.stems[i][1] for key, i in zip(keys, uniq)},
+                             seq_len=seq_len)
+        sums = {i: cost.fwd_bwd_s(blk, blk.memo[key]) for i, key in zip(uniq, keys)}
+        pairs = np.array([sums[i] for i in stems.tolist()]).reshape(-1, 2)
+        fwd[chunked], bwd[chunked] = per_chunk[chunked] * pairs[:, 0], per_chunk[chunked] * pairs[:, 1]
+    p2p = cost.p2p_seconds(ct, mb.astype(np.int64), cp.astype(np.int64), act_bytes, shard.astype(np.int64), latency,
+                           bandwidth, crossings.astype(np.int64), fwd, bwd, seq_len=seq_len)
+    return np.where(piped > 0, p2p, 0.0)
 
 
 def _compute_floors(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) -> np.ndarray:
@@ -283,6 +322,7 @@ class _Codes:
         self.choices: dict = {}  # `_layer_choices`' memo
         self.parts: dict = {}  # id(part) -> (part, `layout_codes` of it)
         self.epoch = object()  # what the codes mean: a new one when they start over
+        self.read = 0  # layouts whose codes were read (each once per process, held here or in `parts`)
         self.variant_stems: dict = {}  # `_variant_stems`' memo
         self.stem_of: dict = {}  # node-time stem -> id
         self.stems: list = []  # id -> (stem, a layout with it)
@@ -319,7 +359,10 @@ def layout_codes(layouts) -> np.ndarray:
         for part in parts:
             entry = _CODES.parts.get(id(part))
             if entry is None or entry[0] is not part:
-                entry = _CODES.parts[id(part)] = (part, layout_codes(list(part)))
+                codes = np.array([_codes_of(lay) for lay in part], dtype=np.int64).reshape(len(part), 7)
+                if _CODES.epoch is not epoch:  # the codes started over midway: read again
+                    return layout_codes(layouts)
+                entry = _CODES.parts[id(part)] = (part, codes)
             out.append(entry[1])
         out = np.concatenate(out) if out else np.zeros((0, 7), dtype=np.int64)
     return out if _CODES.epoch is epoch else layout_codes(layouts)  # the codes started over midway: read again
@@ -330,19 +373,24 @@ def _layout_codes(layout: Layout) -> tuple:
     object (held here, so its id is not reused)."""
     entry = _CODES.layouts.get(id(layout))
     if entry is None or entry[0] is not layout:
-        if len(_CODES.layouts) > 1_000_000:  # many device counts planned in one process: start over
-            _CODES.__init__()
-        mesh = layout.mesh
-        # what every layout of one plan shares, so the memo keys leave it out: a code is for any plan
-        plan = (layout.precision, layout.moe_imbalance, layout.recompute)
-        block = ("block", mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.sequence_parallel, layout.strategies,
-                 layout.stage_choices)
-        entry = _CODES.layouts[id(layout)] = (
-            layout, _CODES.code((block, plan), layout), _CODES.code((_p2p_key(layout, _CODES.choices), plan), layout),
+        entry = _CODES.layouts[id(layout)] = (layout, *_codes_of(layout)[:6])
+    return entry
+
+
+def _codes_of(layout: Layout) -> tuple:
+    """(block code, p2p code, state code, schedule code, pp, dp x ep x micro-batch, ep) of `layout`."""
+    _CODES.read += 1
+    if _CODES.read > 1_000_000:  # many device counts planned in one process: start over
+        _CODES.__init__()
+    mesh = layout.mesh
+    # what every layout of one plan shares, so the memo keys leave it out: a code is for any plan
+    plan = (layout.precision, layout.moe_imbalance, layout.recompute)
+    block = ("block", mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.sequence_parallel, layout.strategies,
+             layout.stage_choices)
+    return (_CODES.code((block, plan), layout), _CODES.code((_p2p_key(layout, _CODES.choices), plan), layout),
             _CODES.code((_state_key(layout), plan), layout),
             _CODES.code((("schedule", layout.schedule, layout.virtual_stages), ()), layout), mesh.pp,
-            mesh.dp * mesh.ep * layout.micro_batch)
-    return entry
+            mesh.dp * mesh.ep * layout.micro_batch, mesh.ep)
 
 
 def _p2p_key(layout: Layout, memo: dict) -> tuple:

@@ -82,7 +82,7 @@ from autoshard.ir import (BlockKind, Mesh, OpKind, Precision, Recompute, Schedul
                           check_schedule, even_stages)
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes import fused_regions, moe_cost, schedules
-from autoshard.passes.collectives import Collective, best_time, collective_time, gradient_bucket_params
+from autoshard.passes.collectives import Collective, best_time, gradient_bucket_params, group_link
 from autoshard.passes import sequence_cost, sharding
 from autoshard.passes.layouts import plan_violation
 from autoshard.passes.precision import PrecisionNumbers, precision_numbers, resolve_precision
@@ -664,8 +664,7 @@ def _block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
                 t: np.ndarray) -> BlockTime:
     """`block_time` from the block's node times `t` (`_node_times`)."""
     blk = ct.block(kind)
-    fwd = float(t[blk.fwd].sum()) if len(t) else 0.0
-    bwd = float(t[~blk.fwd].sum()) if len(t) else 0.0
+    fwd, bwd = fwd_bwd_s(blk, t)
     cp_f, cp_b = _cp_comm(ct, hw, layout, kind, seq_len)
     if layout.sequence_parallel and layout.mesh.tp > 1:
         tp_f, tp_b = _sequence_tp_comm(ct, hw, layout, kind, seq_len, t)
@@ -679,6 +678,13 @@ def _block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
         act_bytes=layout.numbers.act_bytes)
     return BlockTime(fwd_s=fwd, bwd_s=bwd, recompute_s=_recompute_time(ct, layout, kind, t, tp_f, cp_f, ep_f),
                      tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b, ep_comm_s=ep_f + ep_b)
+
+
+def fwd_bwd_s(blk: CompiledBlock, t: np.ndarray) -> tuple[float, float]:
+    """(forward, backward) seconds of a block instance from its node times `t` (`BlockTime.fwd_s`, `bwd_s`)."""
+    if not len(t):
+        return 0.0, 0.0
+    return float(t[blk.fwd].sum()), float(t[~blk.fwd].sum())
 
 
 def _sequence_tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int,
@@ -947,18 +953,31 @@ def p2p_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, *, seq_len: i
     interleaved recipes): each send runs while the next chunk computes, so only what outlasts one
     chunk's forward (backward) compute is exposed (`_chunk_compute`). autoshard's runtime (torch
     pipelining) waits for each step's sends: it is slower than this when p2p outlasts compute."""
-    mesh = layout.mesh
-    if mesh.pp == 1:
+    if layout.mesh.pp == 1:
         return 0.0
-    act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
-    if layout.sequence_parallel:  # the stages exchange the sequence shard
-        act /= mesh.tp
-    send = collective_time(hw, Collective.SEND_RECV, act, size=2, stride=mesh.dp * mesh.ep * mesh.cp * mesh.tp)
-    crossings = schedules.p2p_factor(layout.schedule, layout.virtual_stages)  # interleaving: v x the sends
-    if crossings == 1:
-        return 2 * send
-    fwd, bwd = _chunk_compute(ct, hw, layout, seq_len)
-    return crossings * (max(0.0, send - fwd) + max(0.0, send - bwd))
+    terms = p2p_terms(hw, layout)
+    fwd, bwd = (0.0, 0.0) if terms[-1] == 1 else _chunk_compute(ct, hw, layout, seq_len)
+    return float(p2p_seconds(ct, *terms, fwd, bwd, seq_len=seq_len))
+
+
+def p2p_terms(hw: DeviceProfile, layout: Layout) -> tuple:
+    """What `p2p_time` reads of a pipelined (pp > 1) `layout` besides the chunk compute, which does not depend on
+    the shape: (micro-batch, cp, activation bytes per value, the shard the stages exchange (tp under sequence
+    parallelism, else 1), the send's link latency and bandwidth, boundary crossings per micro-batch)."""
+    mesh = layout.mesh
+    link = group_link(hw, size=2, stride=mesh.dp * mesh.ep * mesh.cp * mesh.tp)  # a send: collective_time's link
+    return (layout.micro_batch, mesh.cp, layout.numbers.act_bytes, mesh.tp if layout.sequence_parallel else 1,
+            link.latency, link.bandwidth, schedules.p2p_factor(layout.schedule, layout.virtual_stages))
+
+
+def p2p_seconds(ct: CompiledTable, micro_batch, cp, act_bytes, shard, latency, bandwidth, crossings, fwd, bwd, *,
+                seq_len: int):
+    """`p2p_time` from its `p2p_terms` and the chunk's forward / backward compute (`_chunk_compute`, read only
+    where crossings > 1); numbers or numpy arrays (the planner's bounds price many layouts at once)."""
+    act = micro_batch * seq_len / cp * ct.spec.hidden * act_bytes / shard  # the sequence shard under SP (/ tp)
+    send = 1 * latency + act / bandwidth  # collective_time(SEND_RECV): one step, the bytes once
+    # blocking sends (v = 1) both ways; interleaving: v x the sends, each exposed beyond a chunk's compute
+    return np.where(crossings == 1, 2 * send, crossings * (np.maximum(0.0, send - fwd) + np.maximum(0.0, send - bwd)))
 
 
 def sequence_boundary_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, *, seq_len: int,

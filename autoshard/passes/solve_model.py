@@ -345,14 +345,6 @@ class SplitSearch:
     steps: int  # min-plus passes run
 
 
-@functools.lru_cache(maxsize=16)
-def _minplus_index(size: int) -> tuple[np.ndarray, np.ndarray]:
-    k, n = np.arange(size)[:, None], np.arange(size)[None, :]
-    before, gap = np.maximum(k - n, 0), n > k
-    before.flags.writeable = gap.flags.writeable = False  # shared by every call
-    return before, gap
-
-
 def min_stage_sum(fastest: np.ndarray, layers: int) -> tuple[float, tuple[int, ...] | None]:
     """The smallest sum over stages of fastest[i, n_i] with sum n_i = layers (min-plus DP over the
     stages), and the layer counts reaching it (on ties each stage keeps the smallest count, deciding
@@ -365,30 +357,33 @@ def min_stage_sums(fastest: np.ndarray, layers: int) -> list[tuple[float, tuple[
     visits only its counts n finite in some table (a column range) and the running totals k of layers
     the stages so far can hold and the rest can complete (a row range): every other candidate is
     infinite or leads to no split, and a choice outside these ranges is never read. So each value is
-    the same float sum, and each choice the same count, as a pass over every (k, n)."""
+    the same float sum, and each choice the same count, as a pass over every (k, n). The candidates
+    best[k - n] + fastest[n] are read through a sliding window over best padded with inf (k - n < 0:
+    infinite, as no split)."""
     size, count = layers + 1, len(fastest)
-    spans = []  # per stage: [lo, hi), the counts finite in some table
-    for i in range(fastest.shape[1]):
-        finite = np.flatnonzero(np.isfinite(fastest[:, i]).any(axis=0))
-        if not len(finite):
-            return [(math.inf, None)] * count
-        spans.append((int(finite[0]), int(finite[-1]) + 1))
-    least = np.cumsum([lo for lo, _ in spans]).tolist()  # [i]: the fewest / most layers stages 0..i hold
-    most = np.cumsum([hi - 1 for _, hi in spans]).tolist()
+    finite = np.isfinite(fastest).any(axis=0)  # [i, n]: finite in some table
+    if not finite.any(axis=1).all():
+        return [(math.inf, None)] * count
+    los, his = finite.argmax(axis=1), size - finite[:, ::-1].argmax(axis=1)  # per stage: [lo, hi), the finite counts
+    least = np.cumsum(los).tolist()  # [i]: the fewest / most layers stages 0..i hold
+    most = np.cumsum(his - 1).tolist()
     if not least[-1] <= layers <= most[-1]:
         return [(math.inf, None)] * count
     best = np.full((count, size), np.inf)
     best[:, 0] = 0.0
     choices = []
-    before, gap = _minplus_index(size)  # [k, n]: k - n (clipped), and n > k
-    for i, (lo, hi) in enumerate(spans):
+    for i, (lo, hi) in enumerate(zip(los.tolist(), his.tolist())):
         k0 = max(least[i], layers - (most[-1] - most[i]))  # the running totals the later stages can complete
         k1 = min(most[i], layers - (least[-1] - least[i])) + 1
-        cand = best[:, before[k0:k1, lo:hi]] + fastest[:, i, None, lo:hi]  # [j, k, n]: stages so far k - n, this one n
-        cand[:, gap[k0:k1, lo:hi]] = np.inf
+        padded = np.empty((count, hi + size))  # padded[:, hi + x] = best[:, x], inf before
+        padded[:, :hi] = np.inf
+        padded[:, hi:] = best
+        window = np.lib.stride_tricks.sliding_window_view(padded, hi - lo, axis=1)  # [j, s, u] = padded[j, s + u]
+        # [j, k, n]: stages so far k - n, this one n (s = k + 1, u = hi - 1 - (n - lo): padded[hi + k - n])
+        cand = window[:, k0 + 1:k1 + 1, ::-1] + fastest[:, i, None, lo:hi]
         arg = cand.argmin(axis=2)  # the smallest n on ties
         best = np.full((count, size), np.inf)
-        best[:, k0:k1] = np.take_along_axis(cand, arg[:, :, None], axis=2)[:, :, 0]
+        best[:, k0:k1] = cand.min(axis=2)
         choice = np.zeros((count, size), dtype=np.int64)
         choice[:, k0:k1] = arg + lo
         choices.append(choice)
@@ -401,14 +396,23 @@ def min_stage_sums(fastest: np.ndarray, layers: int) -> list[tuple[float, tuple[
             for j in range(count)]
 
 
-def _passes(fastest, values: np.ndarray, layers: int):
+def _passes(fastest, values: np.ndarray, layers: int, needed=None):
     """Lazily, for each value v of `values` in order, `min_stage_sum(fastest(v), layers)`: the tables are
     built and their DPs run a chunk of values at a time (1, 2, 4, ... 64: a search that stops early wastes
     little; one that runs long makes few numpy calls). `fastest(vs)` takes the chunk's values as an array
-    [j, 1, 1] and returns the tables [j, i, n]."""
+    [j, 1, 1] and returns the tables [j, i, n]. `needed(vs)`: how many of the chunk's leading values the caller
+    may still read (it stops at the first it would not; what it decides on stays true of every later value):
+    the passes stop there."""
     start, size = 0, 1
     while start < len(values):
-        yield from min_stage_sums(fastest(values[start:start + size, None, None]), layers)
+        chunk = values[start:start + size]
+        if needed is not None:
+            chunk = chunk[:needed(chunk)]
+            if not len(chunk):
+                return
+        yield from min_stage_sums(fastest(chunk[:, None, None]), layers)
+        if len(chunk) < size:  # cut short by `needed`: no later value is read
+            return
         start, size = start + size, min(2 * size, 64)
 
 
@@ -468,7 +472,11 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
     times = np.unique(t[live & (t >= floor)])
     # with every entry slower than a cap T removed, a (stage, count)'s fastest option is its fastest one if that
     # is at most T (else none is)
-    for cap, (s_t, layers) in zip(times, _passes(lambda caps: np.where(fastest <= caps, fastest, np.inf), times, L)):
+    def open_caps(caps):  # the leading caps whose value can still beat the goal: the loop below stops at the others
+        return int(np.count_nonzero((m - f) * caps + f * total + tail_lo < min(best, cutoff_s)))
+
+    for cap, (s_t, layers) in zip(times, _passes(lambda caps: np.where(fastest <= caps, fastest, np.inf), times, L,
+                                                 open_caps)):
         goal = min(best, cutoff_s)
         if (m - f) * cap + f * total + tail_lo >= goal:
             return SplitSearch(assignment=best_a, step_s=best,
@@ -487,7 +495,11 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
         def under(us, capped=capped):  # the entries whose tail exceeds us removed too
             return np.where(tail <= us, capped, np.inf)
 
-        for u, (s_u, layers) in zip(tails, _passes(lambda us: under(us[..., None]).min(axis=2), tails, L)):
+        def open_tails(us, cap=cap, s_t=s_t):  # likewise, the tails whose value can still beat it
+            return int(np.count_nonzero((m - f) * cap + f * s_t + us < min(best, cutoff_s)))
+
+        for u, (s_u, layers) in zip(tails, _passes(lambda us: under(us[..., None]).min(axis=2), tails, L,
+                                                   open_tails)):
             if (m - f) * cap + f * s_t + u >= min(best, cutoff_s):
                 break
             if steps >= max_steps:  # every (T', U) left has T' >= cap
