@@ -62,7 +62,7 @@ from autoshard.runtime.compiled import compile_backend, compile_layers
 from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup
 from autoshard.runtime.expert_parallel import apply_expert_parallel
-from autoshard.runtime.mesh import DEFAULT_TIMEOUT_S, backend_for, build_groups, init_default_group
+from autoshard.runtime.mesh import DEFAULT_TIMEOUT_S, backend_for, build_groups, check_timeout, init_default_group
 from autoshard.runtime.ssd import install_ssd_mixers
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -101,7 +101,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                                  "LlamaForCausalLM or Mamba2ForCausalLM")
     spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
     ids = _input_ids(example_inputs)
-    _check_arguments(global_batch=global_batch, optimizer=optimizer, seed=seed, hardware=hardware)
+    _check_arguments(global_batch=global_batch, optimizer=optimizer, seed=seed, hardware=hardware, timeout_s=timeout_s)
     optimizer = _checked_optimizer(optimizer)
     device = _device(model, device, hardware)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -230,7 +230,7 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
     return plan, groups, shard_program(plan, spec, shapes, tp_rank=groups.coords.tp)
 
 
-def _check_arguments(*, global_batch, optimizer, seed, hardware) -> None:
+def _check_arguments(*, global_batch, optimizer, seed, hardware, timeout_s) -> None:
     """parallelize's own arguments, on every rank alike before any process group (a world of one raises
     here; a wrong one would otherwise be ignored, e.g. global_batch=0 taken as 'not given')."""
     if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
@@ -243,6 +243,7 @@ def _check_arguments(*, global_batch, optimizer, seed, hardware) -> None:
                                  f"{type(optimizer).__name__}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InvalidConfigError(f"seed must be an integer, got {seed!r}")
+    check_timeout(timeout_s)
     if hardware != "auto":
         from autoshard.hardware import load_hardware
 
@@ -269,9 +270,11 @@ def _input_ids(example_inputs: Any) -> Tensor:
         example_inputs = example_inputs.get("input_ids")
     elif isinstance(example_inputs, (tuple, list)) and example_inputs:
         example_inputs = example_inputs[0]
-    if not isinstance(example_inputs, Tensor) or example_inputs.dim() != 2:
-        raise InvalidConfigError("example_inputs must be input_ids of shape (batch, seq) (a tensor, a tuple "
-                                 f"starting with it, or a dict with 'input_ids'), got {type(example_inputs).__name__}")
+    if not isinstance(example_inputs, Tensor) or example_inputs.dim() != 2 or 0 in example_inputs.shape:
+        got = (f"a tensor of shape {tuple(example_inputs.shape)}" if isinstance(example_inputs, Tensor)
+               else type(example_inputs).__name__)
+        raise InvalidConfigError("example_inputs must be input_ids of shape (batch, seq), neither empty (a tensor, a "
+                                 f"tuple starting with it, or a dict with 'input_ids'), got {got}")
     return example_inputs
 
 

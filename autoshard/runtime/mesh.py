@@ -115,6 +115,13 @@ def backend_for(device: torch.device | str) -> str:
 DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer than this ends the job (see init_default_group)
 
 
+def check_timeout(timeout_s) -> None:
+    """InvalidConfigError unless `timeout_s` is a positive finite number of seconds (a string or inf
+    reached timedelta as a TypeError / OverflowError)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e9:
+        raise InvalidConfigError(f"timeout_s must be a positive number of seconds (below 1e9), got {timeout_s!r}")
+
+
 def init_default_group(*, backend: str, env: dict[str, str], device: torch.device,
                        timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Create the default process group from the torchrun environment unless one exists.
@@ -134,8 +141,7 @@ def init_default_group(*, backend: str, env: dict[str, str], device: torch.devic
                                      "launch with torchrun or call torch.distributed.init_process_group first")
         # a plain `python script.py`: a world of one
         env = {**env, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
-    if not timeout_s > 0:
-        raise InvalidConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    check_timeout(timeout_s)
     timeout = timedelta(seconds=timeout_s)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if world == 1 and env.get("MASTER_PORT", "0") == "0":

@@ -57,6 +57,10 @@ def test_parallelize_rejects_before_any_collective():
         autoshard.parallelize(model, ids, plan=dict(dq=1))
     with pytest.raises(InvalidConfigError, match="sequence length 1: training predicts each next token"):
         autoshard.parallelize(model, ids[:, :1], plan=dict(dp=1))  # as plan and sweep refuse --seq-len 1
+    for bad in (ids[:0], ids[:, :0], ids[None]):  # said 'global_batch ... got 0', 'seq_len ... 0', 'got Tensor'
+        with pytest.raises(InvalidConfigError, match=r"example_inputs must be input_ids of shape \(batch, seq\), "
+                                                     r"neither empty .* got a tensor of shape"):
+            autoshard.parallelize(model, bad, plan=dict(dp=1))
     assert not torch.distributed.is_initialized()
 
 
@@ -68,6 +72,8 @@ def test_parallelize_rejects_before_any_collective():
     (dict(optimizer=5), "optimizer must be a callable taking the parameters"),
     (dict(seed="x"), "seed must be an integer, got 'x'"),
     (dict(hardware="bogus"), "unknown hardware 'bogus'"),
+    (dict(timeout_s="10"), "timeout_s must be a positive number of seconds (below 1e9), got '10'"),  # a TypeError
+    (dict(timeout_s=float("inf")), "timeout_s must be a positive number of seconds"),  # timedelta's OverflowError
 ])
 def test_parallelize_arguments_are_checked_before_any_process_group(kwargs, needle):
     from autoshard.errors import AutoshardError
