@@ -342,3 +342,11 @@ def test_show_says_when_it_cannot_check_a_plan(tmp_path, capsys):
     assert main(["show", str(path)]) == 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "warning" in err and "shown unchecked" in err and "'llama-huge'" in err
+
+
+@pytest.mark.parametrize("command", ["sweep", "plan"])
+def test_moe_imbalance_of_a_dense_model_is_refused(capsys, command):
+    # it was ignored silently: a dense model has no experts to be imbalanced
+    _fails(capsys, [command, "--model", "llama-tiny", "--devices", "2", *PLAN, "--moe-imbalance", "2"],
+           "--moe-imbalance 2: llama-tiny has no experts")
+    assert main([command, "--model", "llama-tiny", "--devices", "2", *PLAN, "--moe-imbalance", "1", "--json"]) == 0

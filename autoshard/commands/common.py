@@ -67,9 +67,17 @@ def imbalance(text: str) -> float:
     return value
 
 
+def check_moe_imbalance(spec, value: float) -> None:
+    """--moe-imbalance prices a mixture of experts' busiest expert: given (not 1.0) for a dense model it
+    would be ignored, so it is refused."""
+    if value != 1.0 and not spec.is_moe:
+        raise InvalidConfigError(f"--moe-imbalance {value:g}: {spec.name} has no experts (not a mixture-of-experts "
+                                 "model), so nothing would use it; drop it")
+
+
 MOE_IMBALANCE_HELP = ("mixture of experts: the busiest expert's load over the mean, which paces each MoE layer's "
                       "expert GEMMs and all-to-alls under ep (default 1.0, even routing); memory is always "
-                      "bounded at the worst case of dropless routing")
+                      "bounded at the worst case of dropless routing; refused for a dense model")
 
 
 def status(message: str, *, enabled: bool = True):

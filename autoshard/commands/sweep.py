@@ -17,7 +17,8 @@ import sys
 from dataclasses import replace
 from typing import Sequence
 
-from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_output_path, cost_table_for, imbalance, memory_text,
+from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_output_path, cost_table_for,
+                                       imbalance, memory_text,
                                        model_for, positive_int, seconds_text)
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute
@@ -144,6 +145,7 @@ def run(args) -> int:
 
     hw = load_hardware(args.hardware)
     spec, module = model_for(args.model)
+    check_moe_imbalance(spec, args.moe_imbalance)
     valid_meshes(spec, args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
                  micro_batch=args.micro_batch)  # no valid layout: say so before tracing the model
     _, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module, kernels=hw.kernels)
@@ -184,7 +186,10 @@ def _print_table(results, hw, spec, args) -> None:
     Console(width=140).print(table)
     from autoshard.passes.layouts import excluded_eps
 
-    for ep, why in excluded_eps(spec, args.devices, [e.layout.mesh for e in results]):
+    excluded = excluded_eps(spec, args.devices, [e.layout.mesh for e in results])
+    if excluded and not spec.is_moe:  # one line: every ep > 1 is out for the same reason
+        print(f"ep > 1 excluded: {spec.name} has no experts (not a mixture-of-experts model)")
+    for ep, why in excluded if spec.is_moe else ():
         print(f"ep={ep} excluded: {why}")
     if results and not results[0].fits:
         print(f"no layout fits in {memory_text(hw.memory_gb)}; the smallest needs "
