@@ -99,4 +99,25 @@ def install_cp_attention(model: nn.Module, ctx: CPContext) -> int:
         raise InvalidConfigError(f"{type(model).__name__} has no attention module with q_proj/k_proj; "
                                  "CP attention cannot be installed")
     model.config._attn_implementation = ATTN_NAME
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        if isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope"):
+            _rotary_over_whole_sequence(module, ctx)
     return count
+
+
+def _rotary_over_whole_sequence(rotary: nn.Module, ctx: CPContext) -> None:
+    """HF's dynamic and longrope RoPE rescale their frequencies from the largest position a forward sees
+    (`transformers.modeling_rope_utils.dynamic_rope_update`). A CP rank sees only its chunks (rank 1 of 2:
+    at most 3/4 of the sequence), so it would rotate by other frequencies than one process does (a
+    silent wrong answer: 25% of the logits off at cp 2). Each forward therefore first updates the
+    frequencies from the whole sequence's positions (this rank's count x cp), as one process would,
+    then rotates this rank's own positions without updating again."""
+    forward, plain = rotary.forward, type(rotary).forward.__wrapped__  # HF's decorated / undecorated rope
+
+    def whole_sequence_forward(x: Tensor, position_ids: Tensor, **kwargs):
+        whole = torch.arange(position_ids.shape[-1] * ctx.size, device=position_ids.device)[None]  # (1, S)
+        forward(x, whole, **kwargs)  # the frequency update, as for the whole sequence
+        return plain(rotary, x, position_ids, **kwargs)
+
+    rotary.forward = whole_sequence_forward
