@@ -350,3 +350,11 @@ def test_moe_imbalance_of_a_dense_model_is_refused(capsys, command):
     _fails(capsys, [command, "--model", "llama-tiny", "--devices", "2", *PLAN, "--moe-imbalance", "2"],
            "--moe-imbalance 2: llama-tiny has no experts")
     assert main([command, "--model", "llama-tiny", "--devices", "2", *PLAN, "--moe-imbalance", "1", "--json"]) == 0
+
+
+def test_serving_plan_within_max_position_embeddings(capsys):
+    # dm.generate refuses prompt + new tokens past max_position_embeddings, so the planner may not plan them
+    args = ["plan", "--model", "llama-tiny", "--hardware", "cpu", "--devices", "2", "--inference", "--ttft-slo", "1",
+            "--tpot-slo", "1", "--prompt-len", "131000", "--output-len"]
+    _fails(capsys, [*args, "100"], "131000 tokens + 100 new tokens = 131100 positions", "(131072)",
+           "at most 72 new tokens")

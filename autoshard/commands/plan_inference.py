@@ -52,6 +52,7 @@ def _seconds(text: str) -> float:
 def run(args) -> int:
     from autoshard.commands.common import check_output_path, cost_table_for, model_for
     from autoshard.hardware import load_hardware
+    from autoshard.models.presets import max_positions, position_violation
 
     missing = [f"--{n.replace('_', '-')}" for n in ("prompt_len", "output_len", "ttft_slo", "tpot_slo")
                if getattr(args, n) is None]
@@ -63,6 +64,10 @@ def run(args) -> int:
             check_output_path(path, flag)
     hw = load_hardware(args.hardware)
     spec, module = model_for(args.model)
+    why = position_violation(max_positions(spec, getattr(module, "config", None)), prompt=args.prompt_len,
+                             new=args.output_len, where="--prompt-len + --output-len")  # dm.generate's rule
+    if why:
+        raise InvalidConfigError(why)
     spec, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module)
     plan = make_plan(spec, table, hw, args, module=module)
     if args.out:

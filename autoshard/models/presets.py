@@ -99,7 +99,7 @@ class ModelSpec:
                 num_key_value_heads=self.kv_heads,
                 **({"head_dim": self.head_dim} if self.head_dim else {}),  # absent: hidden / heads
                 tie_word_embeddings=self.tied,
-                max_position_embeddings=max(4096, 2 * 65536),
+                max_position_embeddings=MAX_POSITIONS,
                 attn_implementation="sdpa",
             )
         from transformers import Mamba2Config
@@ -120,6 +120,36 @@ class ModelSpec:
 
 
 MOE_ARCHS = ("mixtral", "qwen2_moe")
+MAX_POSITIONS = 2 * 65536  # the presets' max_position_embeddings (LLaMA family): 128k-token sequences
+
+
+def max_positions(spec: ModelSpec, config=None) -> int | None:
+    """The most positions (prompt + generated tokens) the model was made for: its HF config's
+    max_position_embeddings (`config`; a preset's when None: `MAX_POSITIONS`); None where nothing caps
+    them: Mamba-2 (no positions) and HF's dynamic RoPE, whose max_position_embeddings is the original
+    length it rescales past (transformers.modeling_rope_utils.dynamic_rope_update)."""
+    if config is None:
+        return None if spec.family is Family.MAMBA2 else MAX_POSITIONS
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    rope_type = rope.get("rope_type", rope.get("type", "")) if isinstance(rope, dict) else ""
+    if "dynamic" in str(rope_type):
+        return None
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def position_violation(limit: int | None, *, prompt: int, new: int, where: str = "generate") -> str | None:
+    """Why a prompt of `prompt` tokens cannot grow by `new` tokens under `limit` (`max_positions`), or
+    None. HF's `generate` only warns past max_position_embeddings ("friendly reminder") and goes on with
+    positions the model never saw; `dm.generate` and the inference planner refuse (`where` names which)."""
+    if limit is None or prompt + new <= limit:
+        return None
+    if prompt >= limit:
+        return (f"{where}: the prompt has {prompt} tokens, and the model's max_position_embeddings is {limit}, so no "
+                f"new token fits; shorten the prompt to fewer than {limit} tokens")
+    return (f"{where}: the prompt's {prompt} tokens + {new} new tokens = {prompt + new} positions, more than the "
+            f"model's max_position_embeddings ({limit}); ask for at most {limit - prompt} new tokens or shorten the "
+            "prompt")
 EXPERTS_IMPLEMENTATION = "grouped_mm"  # fixed shapes: traces on fake tensors (module docstring)
 
 
@@ -127,7 +157,7 @@ def _moe_config(spec: ModelSpec):
     common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
                   num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
                   num_experts_per_tok=spec.top_k, tie_word_embeddings=spec.tied,
-                  max_position_embeddings=max(4096, 2 * 65536), attn_implementation="sdpa",
+                  max_position_embeddings=MAX_POSITIONS, attn_implementation="sdpa",
                   experts_implementation=EXPERTS_IMPLEMENTATION,
                   **({"head_dim": spec.head_dim} if spec.head_dim else {}))  # absent: hidden / heads
     if spec.moe == "mixtral":

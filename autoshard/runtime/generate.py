@@ -6,8 +6,8 @@ same sequences, the caller slices the experts with `expert_parallel.replicated_t
 are this rank's stage modules by model-chunk index and `placement` the pp rank of every chunk in model order (one chunk per rank,
 or several under virtual stages: `ir.stage_rank`). `generate(input_ids, max_new_tokens=N)` takes
 the same prompts (b, s) on every rank and returns prompt + new tokens (b, s + n), n <= N, the same
-tensor on every rank; prompt + N may not exceed the model's max_position_embeddings (`position_violation`:
-HF only warns there). The tokens are those of HF's single-process
+tensor on every rank; prompt + N may not exceed the model's max_position_embeddings
+(`presets.position_violation`: HF only warns there). The tokens are those of HF's single-process
 `model.generate(input_ids, max_new_tokens=N, do_sample=False)` on unpadded prompts: argmax of
 the float32 logits of the last position, and once a sequence has produced an end-of-sequence
 token (`model.generation_config.eos_token_id`) it is padded with `pad_token_id` (the first
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.models.presets import Family, ModelSpec, max_positions, position_violation
 from autoshard.runtime.comm import gather_last_dim
 from autoshard.runtime.stages import StageModule
 
@@ -57,22 +57,6 @@ def stop_tokens(model: nn.Module) -> tuple[tuple[int, ...], int | None]:
     eos = () if eos is None else tuple(eos) if isinstance(eos, Sequence) else (int(eos),)
     pad = getattr(config, "pad_token_id", None)
     return eos, (pad if pad is not None else (eos[0] if eos else None))
-
-
-def position_violation(config, *, prompt: int, new: int) -> str | None:
-    """Why a prompt of `prompt` tokens cannot grow by `new` tokens, or None: a model with
-    max_position_embeddings (LLaMA and the MoE models; Mamba-2 has no positions) has no trained position
-    past it. HF's `generate` only warns there ("friendly reminder") and goes on with positions the model
-    never saw (RoPE extrapolated); autoshard refuses, so a long request is not silently degraded."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0 or prompt + new <= limit:
-        return None
-    if prompt >= limit:
-        return (f"generate: the prompt has {prompt} tokens, and the model's max_position_embeddings is {limit}, "
-                f"so no new token fits; shorten the prompt to fewer than {limit} tokens")
-    return (f"generate: the prompt's {prompt} tokens + max_new_tokens {new} = {prompt + new} positions, more than "
-            f"the model's max_position_embeddings ({limit}); ask for at most {limit - prompt} new tokens or "
-            "shorten the prompt")
 
 
 class Generator:
@@ -99,7 +83,7 @@ class Generator:
                                      f"{input_ids.dtype} {tuple(input_ids.shape)}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidConfigError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        why = position_violation(self.config, prompt=input_ids.shape[1], new=max_new_tokens)
+        why = position_violation(max_positions(self.spec, self.config), prompt=input_ids.shape[1], new=max_new_tokens)
         if why:
             raise InvalidConfigError(why)
         from transformers import DynamicCache

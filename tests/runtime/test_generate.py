@@ -150,24 +150,28 @@ def test_generate_matches_hf(world, configs):
 
 def test_generate_stops_at_max_position_embeddings():
     """prompt + max_new_tokens may not pass the model's max_position_embeddings: HF only warns there and
-    decodes positions the model never saw; generate refuses, naming the most new tokens that fit."""
+    decodes positions the model never saw; generate refuses, naming the most new tokens that fit (HF's
+    dynamic RoPE rescales past it: no cap; Mamba-2 has no positions)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Mamba2Config
 
     from autoshard.ir import Stage
-    from autoshard.models.presets import spec_from_hf_config
-    from autoshard.runtime.generate import Generator, position_violation
+    from autoshard.models.presets import max_positions, position_violation, spec_from_hf_config
+    from autoshard.runtime.generate import Generator
     from autoshard.runtime.stages import build_stage_module
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=24)
-    assert position_violation(config, prompt=20, new=4) is None
-    assert "20 tokens + max_new_tokens 5 = 25 positions, more than the model's max_position_embeddings (24); " \
-           "ask for at most 4 new tokens" in position_violation(config, prompt=20, new=5)
-    assert "shorten the prompt to fewer than 24 tokens" in position_violation(config, prompt=24, new=1)
-    assert position_violation(Mamba2Config(), prompt=10**6, new=10**6) is None  # no positions to run out of
+    spec = spec_from_hf_config(config, name="user-llama")
+    assert max_positions(spec, config) == 24 and max_positions(get_spec("llama-tiny")) == 2 * 65536
+    assert max_positions(get_spec("mamba2-tiny")) is None and max_positions(get_spec("mamba2-tiny"), Mamba2Config()) is None
+    dynamic = LlamaConfig(max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert max_positions(spec, dynamic) is None
+    assert position_violation(24, prompt=20, new=4) is None
+    assert "20 tokens + 5 new tokens = 25 positions, more than the model's max_position_embeddings (24); " \
+           "ask for at most 4 new tokens" in position_violation(24, prompt=20, new=5)
+    assert "shorten the prompt to fewer than 24 tokens" in position_violation(24, prompt=24, new=1)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    spec = spec_from_hf_config(config, name="user-llama")
     stage = build_stage_module(model, spec, Stage(first_layer=0, end_layer=1, embed=True, head=True))
     gen = Generator(model, spec, {0: stage}, (0,), tp_group=None, pp_group=None, device=torch.device("cpu"))
     ids = _prompts(64)  # 20 tokens
