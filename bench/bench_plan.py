@@ -83,11 +83,13 @@ SHAPES = ((512, 8192), (2048, 2048), (4096, 1024), (256, 16384), (1024, 4096))  
 
 
 def _plan_json(plan) -> str:
-    """The whole plan JSON less what may differ between two runs of the same plan (the solve's wall time)."""
+    """The whole plan JSON less what may differ between two searches that find the same plan: the solve's wall
+    time and the count of layouts whose tables were solved (a tighter bound skips more; reported apart)."""
     import json
 
     p = plan.to_json()
     p["solver"].pop("solve_time_s")
+    p["solver"].pop("layouts_solved")
     return json.dumps(p, sort_keys=True)
 
 
@@ -107,13 +109,15 @@ def replans() -> dict:
     for name, (b, s) in (("first solve 1024/4096", (1024, 4096)), *((f"re-plan {b}/{s}", (b, s)) for b, s in SHAPES)):
         _, cpu, plan = timed(lambda: solve(spec, hw, devices=1024, global_batch=b, seq_len=s, table=ct,
                                            fingerprint="bench"))
-        out[name] = (cpu, plan.predicted["step_time_s"], _plan_json(plan))
+        out[name] = (cpu, plan.predicted["step_time_s"], _plan_json(plan), plan.solver["layouts_solved"])
     return out
 
 
 def against(baseline: str, rounds: int) -> None:
     """A/B in one sitting: `replans` in a fresh process of this checkout and of `baseline` (a checkout of
-    another commit, e.g. a `git worktree`), alternately, `rounds` times each; medians and their ratio."""
+    another commit, e.g. a `git worktree`), alternately, `rounds` times each; medians and their ratio, whether
+    the plans agree (`_plan_json`: the whole plan JSON but the solve time and the layouts solved) and the layouts
+    solved on each side."""
     import json
     import statistics
 
@@ -133,8 +137,9 @@ def against(baseline: str, rounds: int) -> None:
         plans = {r[key][2] for r in mine + base if len(r[key]) > 2}  # (a baseline before the JSON was written: none)
         whole = "" if all(len(r[key]) <= 2 for r in base) else (
             ", the same plan JSON" if len(plans) == 1 else ", DIFFERENT plan JSON")
+        solved = " -> ".join(str(sorted({r[key][3] for r in rs if len(r[key]) > 3})) for rs in (base, mine))
         print(f"{key}: median {a:.2f} s CPU here, {b:.2f} s at the baseline, ratio {a / b:.2f}; "
-              f"{'the same' if same else 'DIFFERENT'} predicted step time{whole}")
+              f"{'the same' if same else 'DIFFERENT'} predicted step time{whole}; layouts solved {solved}")
 
 
 def main() -> None:

@@ -465,9 +465,11 @@ def _state_columns(ct: CompiledTable, hw, codes: np.ndarray, *, seq_len: int) ->
 
 
 def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *, global_batch: int, seq_len: int,
-                       block_s: dict, memo: dict) -> float:
+                       block_s: dict, memo: dict, cutoff_s: float = math.inf) -> float:
     """A lower bound on `layout`'s step at least `bounds.step_s` (see the module docstring); `block_s`
-    and `memo` as `lower_bounds` had them."""
+    and `memo` as `lower_bounds` had them. With pp > 1, where the slowest-stage floor alone does not reach
+    `cutoff_s` (the value the layout must beat), the tail the floor takes is the least largest stage tail over
+    the splits (`_tail_floor`), not the optimizer step of the average stage."""
     mesh, spec = layout.mesh, ct.spec
     m = layout.microbatches(global_batch)
     if mesh.pp == 1:
@@ -489,7 +491,64 @@ def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *,
     if key not in memo:
         memo[key] = slowest_stage_floor(mesh.pp, spec.layers, first_s=e + p2p, middle_s=p2p, last_s=h + p2p,
                                         layer_s=l, min_layers=(layout.virtual_stages - 1, layout.virtual_stages))
-    return max(bounds.step_s, f * work + (m - f) * memo[key] + optimizer_s)
+    step = max(bounds.step_s, f * work + (m - f) * memo[key] + optimizer_s)
+    if step >= cutoff_s * (1 - 1e-9):
+        return step
+    return max(step, f * work + (m - f) * memo[key] + _tail_floor(ct, hw, layout, seq_len=seq_len, memo=memo))
+
+
+def _tail_floor(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: dict) -> float:
+    """pp > 1: the least largest stage tail (exposed gradient sync + optimizer step, as `solve_model.stage_tails`
+    tabulates it, at each layer count the least over a stage's variants) over the splits of the layers, relaxed
+    as `solve._bottleneck`'s spread is (a cap is reachable when the fewest and most layers the stages can hold
+    under it bracket the layers): at most the largest tail of every assignment, inf when no split exists.
+    Memoised on what the tails read (not the schedule but its v)."""
+    from autoshard.passes.solve_model import stage_variants
+
+    key = ("tail floor", layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies,
+           layout.stage_choices, layout.zero, layout.offload, layout.precision, layout.virtual_stages,
+           layout.moe_imbalance)
+    if key in memo:
+        return memo[key]
+    mesh, v, spec = layout.mesh, layout.virtual_stages, ct.spec
+    places = ((True, False), (False, True), (False, False))[:3 if mesh.pp > 2 else 2]  # first, last, middle stages
+    n = np.arange(spec.layers + 1, dtype=float)
+    sums = []  # per (variant, place): `solve_model._stage_sums`' params, backward and forward (recompute none)
+    for var in stage_variants(layout):
+        bt = {k: cost.block_time(ct, hw, var, k, seq_len=seq_len) for k in KINDS}  # (the bounds priced them)
+        prm = np.array([cost.block_params(ct, var, k) for k in KINDS])
+        bwd, fwd = np.array([bt[k].bwd_s for k in KINDS]), np.array([bt[k].fwd_s for k in KINDS])
+        for embed, head in places:
+            counts = np.stack([np.full_like(n, float(embed)), n, np.full_like(n, float(head))])  # [kind, n]
+            tied = prm[0] if head and spec.tied and not embed else 0.0
+            sums.append((prm @ counts + tied, bwd @ counts, fwd @ counts))
+    params, bwd, fwd = (np.stack(x) for x in zip(*sums))
+    experts = n * cost.expert_block_params(ct, layout, BlockKind.LAYER)
+    tails = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts)
+             + cost.optimizer_time(hw, params, layout, expert=experts))  # every place and variant at once
+    least = np.broadcast_to(tails, params.shape).reshape(-1, len(places), len(n)).min(axis=0)
+    stages = [(tail, v - 1 if embed or head else v, 1 if embed or head else mesh.pp - 2)
+              for tail, (embed, head) in zip(least, places)]  # (tails, fewest layers, stages)
+
+    def spread(cap: float) -> bool:
+        lo = hi = 0
+        for tail, fewest, count in stages:
+            ks = np.flatnonzero(tail[fewest:] <= cap)
+            if not len(ks):
+                return False
+            lo, hi = lo + count * (fewest + int(ks[0])), hi + count * (fewest + int(ks[-1]))
+        return lo <= spec.layers <= hi
+
+    values = np.unique(np.concatenate([tail[fewest:] for tail, fewest, _ in stages]))
+    if not len(values) or not spread(values[-1]):
+        memo[key] = math.inf
+        return math.inf
+    left, right = 0, len(values) - 1
+    while left < right:
+        mid = (left + right) // 2
+        left, right = (left, mid) if spread(values[mid]) else (mid + 1, right)
+    memo[key] = float(values[left])
+    return memo[key]
 
 
 def slowest_stage_floor(pp: int, layers: int, *, first_s: float, middle_s: float, last_s: float, layer_s: float,

@@ -413,7 +413,8 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
         if bound >= cutoff * (1 - 1e-9) or refined_step_bound(
                 ct, hw, layout, Bounds(step_s=bound, peak_bytes=float(cols.peak_bytes[k])), global_batch=global_batch,
-                seq_len=seq_len, block_s=cols.block_s[int(cols.block_code[k])], memo=memo) >= cutoff * (1 - 1e-9):  # nothing on it beats the cutoff: skip its tables
+                seq_len=seq_len, block_s=cols.block_s[int(cols.block_code[k])], memo=memo,
+                cutoff_s=cutoff) >= cutoff * (1 - 1e-9):  # nothing on it beats the cutoff: skip its tables
             continue
         key = (layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.stage_choices,
                layout.schedule, layout.virtual_stages)  # p2p depends on v

@@ -175,17 +175,7 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     per-stage terms, evaluated for every n at once. `p2p_s`: the stage's boundary traffic when not
     the layout's own (a sequence-parallel stage among stages that are not)."""
     memo = blocks.memo  # what depends on the blocks (not their p2p) and the layout's fields named in each key
-    key = ("counts", embed, head, ct.spec.layers)
-    if key not in memo:
-        n = np.arange(ct.spec.layers + 1, dtype=float)
-        counts = np.stack([np.full_like(n, float(embed)), n, np.full_like(n, float(head))])  # [kind, n]
-        tied = blocks.params[0] if head and ct.spec.tied and not embed else 0.0
-        comp = blocks.compute_s @ counts  # [r, n]
-        memo[key] = (n, blocks.params @ counts + tied, n * cost.expert_block_params(ct, layout, BlockKind.LAYER), comp,
-                     blocks.bwd_s[0] @ counts, blocks.fwd_s[0] @ counts, comp + blocks.other_s @ counts,
-                     blocks.act_bytes @ counts, counts.sum(axis=0))
-    # experts: MoE, reduced over dp x cp apart; bwd_last: backward time does not depend on the recompute level
-    n, params, experts, comp, bwd_last, fwd_first, comp_other, act, units = memo[key]
+    n, params, experts, comp, bwd_last, fwd_first, comp_other, act, units = _stage_sums(ct, layout, blocks, embed, head)
     mesh = layout.mesh
     key = ("zero", embed, head, mesh, layout.zero, layout.offload)
     if key not in memo:
@@ -197,12 +187,38 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
                      + cost.buffer_bytes(ct, layout, seq_len=seq_len))
     zexp, other_mem = memo[key]
     time = comp_other + (blocks.p2p_s if p2p_s is None else p2p_s) + zexp
-    key = ("tail", embed, head, mesh, layout.zero, layout.offload, layout.virtual_stages)
-    if key not in memo:
-        memo[key] = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)
-                     + cost.optimizer_time(hw, params, layout, expert=experts))
-    tail = memo[key]
-    return time, act, np.broadcast_to(other_mem, n.shape), np.broadcast_to(tail, n.shape), params
+    tail = stage_tails(ct, hw, layout, blocks, embed=embed, head=head)
+    return time, act, np.broadcast_to(other_mem, n.shape), tail, params
+
+
+def _stage_sums(ct: CompiledTable, layout: Layout, blocks: BlockNumbers, embed: bool, head: bool) -> tuple:
+    """(n, params, experts, compute [r, n], backward and forward at the first level, compute + other [r, n],
+    activations [r, n], FSDP units) of a stage holding n = 0..layers layers, kept on `blocks`."""
+    key = ("counts", embed, head, ct.spec.layers)
+    if key not in blocks.memo:
+        n = np.arange(ct.spec.layers + 1, dtype=float)
+        counts = np.stack([np.full_like(n, float(embed)), n, np.full_like(n, float(head))])  # [kind, n]
+        tied = blocks.params[0] if head and ct.spec.tied and not embed else 0.0
+        comp = blocks.compute_s @ counts  # [r, n]
+        # experts: MoE, reduced over dp x cp apart; backward / forward: the last backward and first forward the
+        # gradient sync overlaps do not depend on the recompute level
+        blocks.memo[key] = (n, blocks.params @ counts + tied, n * cost.expert_block_params(ct, layout, BlockKind.LAYER),
+                            comp, blocks.bwd_s[0] @ counts, blocks.fwd_s[0] @ counts, comp + blocks.other_s @ counts,
+                            blocks.act_bytes @ counts, counts.sum(axis=0))
+    return blocks.memo[key]
+
+
+def stage_tails(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, *, embed: bool, head: bool) -> np.ndarray:
+    """[n]: the tail (exposed gradient sync + optimizer step) of a stage holding n = 0..layers layers, with or
+    without the embedding / head (`mesh_problem`'s `tail_s`); `blocks`' first recompute level must be the
+    tables' (none: the backward and forward the sync overlaps). Kept on `blocks`."""
+    key = ("tail", embed, head, layout.mesh, layout.zero, layout.offload, layout.virtual_stages)
+    if key not in blocks.memo:
+        n, params, experts, _, bwd_last, fwd_first, *_ = _stage_sums(ct, layout, blocks, embed, head)
+        tail = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)
+                + cost.optimizer_time(hw, params, layout, expert=experts))
+        blocks.memo[key] = np.broadcast_to(tail, n.shape)
+    return blocks.memo[key]
 
 
 @functools.lru_cache(maxsize=4096)
