@@ -358,3 +358,12 @@ def test_serving_plan_within_max_position_embeddings(capsys):
             "--tpot-slo", "1", "--prompt-len", "131000", "--output-len"]
     _fails(capsys, [*args, "100"], "131000 tokens + 100 new tokens = 131100 positions", "(131072)",
            "at most 72 new tokens")
+
+
+def test_plot_must_be_a_png_before_any_work(tmp_path, capsys):
+    # sweep refused it only after pricing every layout; plan --inference wrote whatever the suffix said
+    _fails(capsys, ["sweep", "--model", "llama-tiny", "--devices", "2", *PLAN, "--plot", str(tmp_path / "f.jpg")],
+           "--plot writes a PNG")
+    _fails(capsys, ["plan", "--model", "llama-tiny", "--hardware", "cpu", "--devices", "2", "--inference",
+                    *INFERENCE, "--plot", str(tmp_path / "f.svg")], "--plot writes a PNG")
+    assert not list(tmp_path.iterdir())

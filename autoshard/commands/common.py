@@ -56,6 +56,14 @@ def check_output_path(path: str, flag: str) -> None:
         raise InvalidConfigError(f"{flag} {path} is a directory; give a file name, e.g. {Path(path) / 'plan.json'}")
 
 
+def check_plot_path(path: str, flag: str = "--plot") -> None:
+    """A plot file: a PNG (`--plot` of sweep and plan --inference) where `check_output_path` can write,
+    refused before any slow work (sweep refused another suffix only once it had priced every layout)."""
+    if not str(path).lower().endswith(".png"):
+        raise InvalidConfigError(f"{flag} writes a PNG; give a file name ending in .png, got {path!r}")
+    check_output_path(path, flag)
+
+
 def imbalance(text: str) -> float:
     """--moe-imbalance: the busiest expert's load over the mean, a number >= 1."""
     try:

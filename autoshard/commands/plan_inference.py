@@ -50,7 +50,7 @@ def _seconds(text: str) -> float:
 
 
 def run(args) -> int:
-    from autoshard.commands.common import check_output_path, cost_table_for, model_for
+    from autoshard.commands.common import check_output_path, check_plot_path, cost_table_for, model_for
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import max_positions, position_violation
 
@@ -59,9 +59,10 @@ def run(args) -> int:
     if missing:
         raise InvalidConfigError(f"--inference needs {', '.join(missing)} (e.g. --prompt-len 2048 --output-len 256 "
                                  "--ttft-slo 1 --tpot-slo 0.05)")
-    for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        if path:
-            check_output_path(path, flag)
+    if args.out:
+        check_output_path(args.out, "--out")
+    if args.plot:
+        check_plot_path(args.plot)
     hw = load_hardware(args.hardware)
     spec, module = model_for(args.model)
     why = position_violation(max_positions(spec, getattr(module, "config", None)), prompt=args.prompt_len,

@@ -17,7 +17,7 @@ import sys
 from dataclasses import replace
 from typing import Sequence
 
-from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_output_path, cost_table_for,
+from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_plot_path, cost_table_for,
                                        imbalance, memory_text,
                                        model_for, positive_int, seconds_text)
 from autoshard.errors import InvalidConfigError
@@ -140,7 +140,7 @@ def run(args) -> int:
     from autoshard.hardware import load_hardware
 
     if args.plot:
-        check_output_path(args.plot, "--plot")
+        check_plot_path(args.plot)
     from autoshard.passes.layouts import valid_meshes
 
     hw = load_hardware(args.hardware)
@@ -208,8 +208,6 @@ def write_plot(results, hw, path: str, *, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not str(path).lower().endswith(".png"):
-        raise InvalidConfigError(f"--plot writes a PNG; give a file name ending in .png, got {path!r}")
     fig, ax = plt.subplots(figsize=(8, 5))
     for fits, color, label in ((True, "tab:blue", "fits"), (False, "tab:gray", "does not fit")):
         pts = [e for e in results if e.fits is fits]
