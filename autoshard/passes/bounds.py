@@ -515,39 +515,35 @@ def _tail_floor(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: di
     n = np.arange(spec.layers + 1, dtype=float)
     sums = []  # per (variant, place): `solve_model._stage_sums`' params, backward and forward (recompute none)
     for var in stage_variants(layout):
-        bt = {k: cost.block_time(ct, hw, var, k, seq_len=seq_len) for k in KINDS}  # (the bounds priced them)
-        prm = np.array([cost.block_params(ct, var, k) for k in KINDS])
-        bwd, fwd = np.array([bt[k].bwd_s for k in KINDS]), np.array([bt[k].fwd_s for k in KINDS])
-        for embed, head in places:
-            counts = np.stack([np.full_like(n, float(embed)), n, np.full_like(n, float(head))])  # [kind, n]
-            tied = prm[0] if head and spec.tied and not embed else 0.0
-            sums.append((prm @ counts + tied, bwd @ counts, fwd @ counts))
+        what = ("tail sums", var.mesh.tp, var.mesh.cp, var.mesh.ep, var.micro_batch, var.precision,
+                var.sequence_parallel, var.strategies, var.moe_imbalance, len(places))  # what they read
+        if what not in memo:
+            bt = {k: cost.block_time(ct, hw, var, k, seq_len=seq_len) for k in KINDS}  # (the bounds priced them)
+            prm = np.array([cost.block_params(ct, var, k) for k in KINDS])
+            bwd, fwd = np.array([bt[k].bwd_s for k in KINDS]), np.array([bt[k].fwd_s for k in KINDS])
+            memo[what] = []
+            for embed, head in places:
+                counts = np.stack([np.full_like(n, float(embed)), n, np.full_like(n, float(head))])  # [kind, n]
+                tied = prm[0] if head and spec.tied and not embed else 0.0
+                memo[what].append((prm @ counts + tied, bwd @ counts, fwd @ counts))
+        sums.extend(memo[what])
     params, bwd, fwd = (np.stack(x) for x in zip(*sums))
     experts = n * cost.expert_block_params(ct, layout, BlockKind.LAYER)
     tails = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts)
              + cost.optimizer_time(hw, params, layout, expert=experts))  # every place and variant at once
     least = np.broadcast_to(tails, params.shape).reshape(-1, len(places), len(n)).min(axis=0)
-    stages = [(tail, v - 1 if embed or head else v, 1 if embed or head else mesh.pp - 2)
-              for tail, (embed, head) in zip(least, places)]  # (tails, fewest layers, stages)
-
-    def spread(cap: float) -> bool:
-        lo = hi = 0
-        for tail, fewest, count in stages:
-            ks = np.flatnonzero(tail[fewest:] <= cap)
-            if not len(ks):
-                return False
-            lo, hi = lo + count * (fewest + int(ks[0])), hi + count * (fewest + int(ks[-1]))
-        return lo <= spec.layers <= hi
-
-    values = np.unique(np.concatenate([tail[fewest:] for tail, fewest, _ in stages]))
-    if not len(values) or not spread(values[-1]):
-        memo[key] = math.inf
-        return math.inf
-    left, right = 0, len(values) - 1
-    while left < right:
-        mid = (left + right) // 2
-        left, right = (left, mid) if spread(values[mid]) else (mid + 1, right)
-    memo[key] = float(values[left])
+    stages = [(tail[fewest:], fewest, 1 if embed or head else mesh.pp - 2)
+              for tail, (embed, head), fewest in zip(least, places, (v - 1, v - 1, v))]  # (tails, fewest, stages)
+    caps = np.unique(np.concatenate([tail for tail, _, _ in stages]))  # every cap a largest tail can be
+    lo, hi, reach = np.zeros(len(caps), dtype=np.int64), np.zeros(len(caps), dtype=np.int64), np.ones(len(caps), bool)
+    for tail, fewest, count in stages:  # per cap: the fewest / most layers the stages hold with no tail above it
+        first = np.minimum.accumulate(tail)  # the least tail of the counts up to n: the first count under a cap
+        last = np.minimum.accumulate(tail[::-1])[::-1]  # the least from n on: the last count under a cap
+        reach &= caps >= first[-1]
+        lo += count * (fewest + np.searchsorted(-first, -caps, side="left"))
+        hi += count * (fewest + np.searchsorted(last, caps, side="right") - 1)
+    ok = np.flatnonzero(reach & (lo <= spec.layers) & (spec.layers <= hi))  # monotone in the cap: the first is least
+    memo[key] = float(caps[ok[0]]) if len(ok) else math.inf
     return memo[key]
 
 
