@@ -297,7 +297,7 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None, ge
         raise InvalidConfigError(f"the plan's mesh {mesh.as_dict()} multiplies to {mesh.size}, but the world size "
                                  f"is {world_size}; choose dp*pp*tp*cp*ep = {world_size}")
     if generate:
-        why = generate_violation(spec, mesh)
+        why = generate_violation(spec, mesh, strategies=plan.strategies, chunks=plan.chunks)
     else:
         why = plan_violation(spec, mesh, global_batch=plan.global_batch, seq_len=plan.seq_len,
                              micro_batch=plan.micro_batch, zero=plan.zero, sequence_parallel=plan.sequence_parallel,
@@ -316,7 +316,7 @@ def check_plan(plan: Plan, spec: ModelSpec, *, world_size: int | None = None, ge
                                  "chunks allowed)")
 
 
-def generate_violation(spec: ModelSpec, mesh: Mesh) -> str | None:
+def generate_violation(spec: ModelSpec, mesh: Mesh, *, strategies=(), chunks: int | None = None) -> str | None:
     """Why `DistributedModel.generate` (runtime/generate.py) cannot run one replica of `mesh`, or None.
     Generation runs one model replica: dp = cp = 1 (serve more replicas by starting one such world
     each; the prompt's context parallelism is not run in decode), with any tp, pp and ep the plan
@@ -325,15 +325,16 @@ def generate_violation(spec: ModelSpec, mesh: Mesh) -> str | None:
     sequence parallelism, uniform or per stage: a decode step's one token cannot be split over tp, so
     generation runs those layers on the whole sequence (runtime/tensor_parallel.py
     `sequence_parallel_off`; the same weights, all-reduce for reduce-scatter + all-gather).
-    The runtime's `generate` and the inference planner (passes/serving.py) both ask here."""
+    The runtime's `generate` and the inference planner (passes/serving.py) both ask here; `strategies` and
+    `chunks`: those of the plan generating (a replicated embedding and head generate too, with a vocabulary
+    tp does not divide), the default layout for the inference planner's replicas."""
     if mesh.dp != 1 or mesh.cp != 1:
         return (f"generate runs one model replica: the plan has dp={mesh.dp}, cp={mesh.cp}; use a plan with "
                 "dp = cp = 1 (tp, pp and ep as you like) and start one such world per replica")
     # generation does not split the batch over ep (every ep rank holds the same sequences): the
     # training rule that ep divides the batch is met by asking with a batch of ep
     # and the sequence rules (cp = 1 here) hold for any prompt: MIN_SEQ_LEN stands for its length;
-    # generation runs the table's default layout (vocab-parallel embedding and head)
-    return plan_violation(spec, mesh, global_batch=mesh.ep, seq_len=MIN_SEQ_LEN)
+    return plan_violation(spec, mesh, global_batch=mesh.ep, seq_len=MIN_SEQ_LEN, strategies=strategies, chunks=chunks)
 
 
 def backend_violation(spec: ModelSpec, plan: Plan) -> str | None:

@@ -256,7 +256,7 @@ class DistributedModel:
 
         mesh, spec = self.plan.mesh, self._setup.spec
         # the rule the inference planner checks its layouts with
-        why = generate_violation(spec, mesh)
+        why = generate_violation(spec, mesh, strategies=self.plan.strategies, chunks=self.plan.chunks)
         if why:
             raise InvalidConfigError(why)
         self._check_batch(input_ids, None, global_batch=None)  # prompt ids in the vocabulary, the same on every rank

@@ -37,6 +37,8 @@ def _prompts(vocab: int, *, batch: int = 2, length: int = 20) -> torch.Tensor:
 def _spec(preset: str):
     if preset == "mamba2-tiny-g1":  # one group: tp 2 keeps B/C whole, each rank's heads read group 0
         return replace(get_spec("mamba2-tiny"), name=preset, groups=1)
+    if preset == "llama-tiny-vocab257":  # tp 2 does not divide it: embedding and head replicated
+        return replace(get_spec("llama-tiny"), name=preset, vocab=257)
     return get_spec(preset)
 
 
@@ -114,7 +116,8 @@ WORLD2 = (("llama-tiny", dict(tp=2)), ("llama-tiny", dict(pp=2)), ("llama-tiny",
           ("mamba2-tiny", dict(tp=2)), ("mamba2-tiny", dict(pp=2)), ("mamba2-tiny", V_SHAPE),
           ("mamba2-tiny-g1", dict(tp=2)), ("mixtral-tiny", dict(tp=2)), ("mixtral-tiny", dict(pp=2)),
           ("mixtral-tiny", dict(ep=2)), ("qwen2-moe-tiny", dict(ep=2)),
-          ("llama-tiny", dict(tp=2, sequence_parallel=True)), ("mamba2-tiny", dict(tp=2, sequence_parallel=True)))
+          ("llama-tiny", dict(tp=2, sequence_parallel=True)), ("mamba2-tiny", dict(tp=2, sequence_parallel=True)),
+          ("llama-tiny-vocab257", dict(tp=2, strategies={"embedding": "replicate", "head": "replicate"})))
 WORLD4 = (("llama-tiny", dict(tp=2, pp=2)), ("mamba2-tiny", dict(tp=2, pp=2)),
           ("llama-tiny", dict(tp=4)),  # 2 KV heads over tp 4: each rank caches one KV head
           ("mamba2-tiny", dict(tp=4)),  # 2 groups kept whole over tp 4: ranks 0-1 read group 0, 2-3 group 1
