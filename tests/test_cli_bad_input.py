@@ -367,3 +367,26 @@ def test_plot_must_be_a_png_before_any_work(tmp_path, capsys):
     _fails(capsys, ["plan", "--model", "llama-tiny", "--hardware", "cpu", "--devices", "2", "--inference",
                     *INFERENCE, "--plot", str(tmp_path / "f.svg")], "--plot writes a PNG")
     assert not list(tmp_path.iterdir())
+
+
+def test_show_checks_an_inference_plan_against_its_model(tmp_path, capsys):
+    # hand-edited pools that parallelize / generate refuse were shown as if they ran
+    good = tmp_path / "serve.json"
+    assert main(["plan", "--model", "llama-tiny", "--hardware", "cpu", "--devices", "2", "--inference", *INFERENCE,
+                 "--out", str(good), "--json"]) == 0
+    capsys.readouterr()
+    data = json.loads(good.read_text())
+    pool = data["pools"][0]
+    for i, (change, needle) in enumerate([
+        (dict(tp=3), "tp (3) does not divide the number of heads of llama-tiny (4)"),
+        (dict(pp=8), "pp (8) is larger than the number of blocks"),
+        (dict(ep=2), "llama-tiny has no experts"),
+    ]):
+        edited = {**pool, **change, "replicas": 1}
+        size = edited["tp"] * edited["pp"] * edited["ep"]
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(json.dumps(data | {"pools": [edited], "devices": size,
+                                          "mesh": {"dp": 1, "pp": edited["pp"], "tp": edited["tp"], "cp": 1,
+                                                   "ep": edited["ep"]}}))
+        _fails(capsys, ["show", str(bad)], str(bad), "parallelize would refuse this plan: the both pool's replica",
+               needle)

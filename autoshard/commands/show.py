@@ -33,6 +33,7 @@ def run(args) -> int:
         from autoshard.commands.plan_inference import render as render_inference
 
         plan = InferencePlan.from_json(data, source=args.plan)
+        validate(plan, source=args.plan)
         if args.json:
             print(json.dumps(plan.to_json(), indent=2))
         else:
@@ -48,7 +49,8 @@ def run(args) -> int:
 
 
 def validate(plan, *, source: str = "the plan") -> None:
-    """The plan validator (passes/layouts.py `check_plan`, what `parallelize` runs) on the plan's
+    """The plan validator (passes/layouts.py `check_plan`, what `parallelize` runs; for an inference plan
+    `generate_violation` of each pool's replica, what `parallelize` and `dm.generate` run) on the plan's
     model, when it is a preset or a `package.module:factory` that imports; InvalidConfigError
     (one line, exit 2) when the runtime would refuse the plan; a warning on stderr when its fingerprint
     (not blank) is not that model's: `parallelize` will refuse it as made for another model."""
@@ -56,8 +58,10 @@ def validate(plan, *, source: str = "the plan") -> None:
 
     from autoshard.errors import InvalidConfigError, UnknownNameError
     from autoshard.fingerprint import fingerprint_module, fingerprint_spec
+    from autoshard.inference_plan import InferencePlan
+    from autoshard.ir import Mesh
     from autoshard.models.presets import get_spec, resolve_model
-    from autoshard.passes.layouts import check_plan
+    from autoshard.passes.layouts import check_plan, generate_violation
 
     try:
         spec, module = resolve_model(plan.model, device="meta") if ":" in plan.model else (get_spec(plan.model), None)
@@ -65,7 +69,14 @@ def validate(plan, *, source: str = "the plan") -> None:
         print(f"autoshard show: warning: {source}: the plan is shown unchecked: {e}", file=sys.stderr)
         return
     try:
-        check_plan(plan, spec)
+        if isinstance(plan, InferencePlan):
+            for pool in plan.pools:
+                why = generate_violation(spec, Mesh(tp=pool.tp, pp=pool.pp, ep=pool.ep))
+                if why:
+                    raise InvalidConfigError(f"the {pool.role} pool's replica (tp{pool.tp} x pp{pool.pp} x "
+                                             f"ep{pool.ep}): {why}")
+        else:
+            check_plan(plan, spec)
     except InvalidConfigError as e:  # which file, and that parallelize would refuse it
         raise InvalidConfigError(f"{source}: parallelize would refuse this plan: {e}") from None
     if plan.fingerprint.strip():

@@ -405,7 +405,8 @@ def tp_violation(spec: ModelSpec, tp: int, strategies=None) -> str | None:
     if tp == 1:
         return None
     chosen = _REPLICATED_VOCAB if strategies is None else _vocab_choices(strategies)
-    for role in table(spec, chosen):
+    # the vocabulary last: the counts no choice can replicate are the ones to name first
+    for role in sorted(table(spec, chosen), key=lambda r: r.strategy is Strategy.VOCAB):
         if role.strategy is Strategy.REPLICATE:
             continue
         for piece in role.pieces:

@@ -337,7 +337,10 @@ def test_rules():
     assert len(valid_meshes(llama7, 8, **ok)) == 20
     # issue 13: tp 5 divides llama-13b's 40 heads and 40 KV heads but not its MLP width 13824
     assert "MLP width" in plan_violation(get_spec("llama-13b"), Mesh(tp=5), global_batch=1, seq_len=2048)
-    assert "vocabulary" in plan_violation(get_spec("llama-tiny"), Mesh(tp=3), global_batch=8, seq_len=8)
+    # the counts no intra-op choice can replicate are named before the vocabulary (4 heads, vocab 256)
+    assert "number of heads" in plan_violation(get_spec("llama-tiny"), Mesh(tp=3), global_batch=8, seq_len=8)
+    odd = dataclasses.replace(get_spec("llama-tiny"), vocab=255)
+    assert "vocabulary" in plan_violation(odd, Mesh(tp=2), global_batch=8, seq_len=8)
 
 
 def test_no_valid_factorisation_says_why():
