@@ -596,7 +596,8 @@ def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: i
     key = ("single blocks", layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies,
            layout.precision, layout.moe_imbalance)  # what block times and activations read: not ZeRO
     if key not in memo:
-        memo[key] = [_single_stage_blocks(ct, hw, replace(layout, recompute=r), counts, seq_len=seq_len)
+        edge: dict = {}  # the embedding's and head's numbers, the same at every level (they do not recompute)
+        memo[key] = [_single_stage_blocks(ct, hw, replace(layout, recompute=r), counts, seq_len=seq_len, edge=edge)
                      for r in Recompute]
     times = []
     for act, comp, other, bwd, fwd in memo[key]:
@@ -613,11 +614,21 @@ def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: i
     return microbatches * t + tail
 
 
-def _single_stage_blocks(ct: CompiledTable, hw, layout: Layout, counts: dict, *, seq_len: int) -> tuple:
+def _single_stage_blocks(ct: CompiledTable, hw, layout: Layout, counts: dict, *, seq_len: int, edge: dict) -> tuple:
     """(activation bytes of one micro-batch, compute, recompute + communication, backward, forward seconds) of
-    `counts` blocks at `layout`'s recompute level."""
-    act = sum(cost.block_activation_bytes(ct, layout, k, seq_len=seq_len, hw=hw) * c for k, c in counts.items())
-    bt = {k: cost.block_time(ct, hw, layout, k, seq_len=seq_len) for k in KINDS}
+    `counts` blocks at `layout`'s recompute level. `edge`: the embedding's and head's (activation bytes,
+    BlockTime) where another level priced them (only a layer recomputes)."""
+    nums = {}
+    for k in KINDS:
+        if k is BlockKind.LAYER or k not in edge:
+            nums[k] = (cost.block_activation_bytes(ct, layout, k, seq_len=seq_len, hw=hw),
+                       cost.block_time(ct, hw, layout, k, seq_len=seq_len))
+            if k is not BlockKind.LAYER:
+                edge[k] = nums[k]
+        else:
+            nums[k] = edge[k]
+    act = sum(nums[k][0] * c for k, c in counts.items())
+    bt = {k: nums[k][1] for k in KINDS}
     return (act, sum(bt[k].compute_s * c for k, c in counts.items()),
             sum((bt[k].recompute_s + bt[k].comm_s) * c for k, c in counts.items()),
             sum(bt[k].bwd_s * c for k, c in counts.items()), sum(bt[k].fwd_s * c for k, c in counts.items()))

@@ -619,7 +619,8 @@ def block_times(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Layout],
     the ones that share a micro-batch and precision in one numpy pass (`_node_times_many`). The node
     times are memoised too (they do not depend on the recompute level)."""
     memo = ct.block(kind).memo
-    keys = [(_node_key(hw, lay, kind, seq_len), lay.recompute) for lay in layouts]
+    layer = kind is BlockKind.LAYER  # only a layer recomputes: the others' times are the same at every level
+    keys = [(_node_key(hw, lay, kind, seq_len), lay.recompute if layer else Recompute.NONE) for lay in layouts]
     memo_node_times(ct, hw, kind, {node: lay for (node, rec), lay in zip(keys, layouts)
                                    if (node, rec) not in memo and node not in memo}, seq_len=seq_len)
     for key, lay in zip(keys, layouts):

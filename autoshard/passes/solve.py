@@ -27,6 +27,7 @@ Contract
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 from dataclasses import dataclass, replace
@@ -313,7 +314,7 @@ class CandidateLayouts(tuple):
     layouts' keys a part at a time), all of precision `precision`."""
 
     def __new__(cls, parts: list[tuple[Layout, ...]], *, precision: Precision) -> CandidateLayouts:
-        self = super().__new__(cls, (lay for part in parts for lay in part))
+        self = super().__new__(cls, itertools.chain.from_iterable(parts))
         self.parts, self.precision = tuple(parts), precision
         return self
 

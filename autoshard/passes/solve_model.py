@@ -156,6 +156,10 @@ def _block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
     for ri, r in enumerate(recomputes):
         lay = replace(layout, recompute=r)
         for ki, k in enumerate(KINDS):
+            if ri and k is not BlockKind.LAYER:  # only a layer recomputes: the first level's numbers
+                for a in (comp, bwd, fwd, other, act):
+                    a[ri, ki] = a[0, ki]
+                continue
             bt = cost.block_time(ct, hw, lay, k, seq_len=seq_len)
             comp[ri, ki], bwd[ri, ki], fwd[ri, ki] = bt.compute_s, bt.bwd_s, bt.fwd_s
             other[ri, ki] = bt.recompute_s + bt.comm_s
