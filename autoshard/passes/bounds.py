@@ -560,24 +560,18 @@ def slowest_stage_floor(pp: int, layers: int, *, first_s: float, middle_s: float
     tol = 1e-6
     stages = ((first_s, min_layers[0], 1), (last_s, min_layers[0], 1), (middle_s, min_layers[1], pp - 2))
 
-    def held(cap: float) -> int:  # most layers the stages hold with none slower than cap (-1: none can)
-        total = 0
-        for fixed, least, count in stages:
-            most = math.floor((cap - fixed) / layer_s + tol)
-            if count and most < least:
-                return -1
-            total += count * most
-        return total
-
     k = np.arange(layers + 1, dtype=np.float64)
-    caps = np.unique(np.concatenate([fixed + k * layer_s for fixed, _, _ in stages])).tolist()  # sorted
-    lo, hi = 0, len(caps) - 1
-    if held(caps[hi]) < layers:
-        return caps[hi]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if held(caps[mid]) >= layers else (mid + 1, hi)
-    return caps[lo] - tol * layer_s
+    caps = np.unique(np.concatenate([fixed + k * layer_s for fixed, _, _ in stages]))  # sorted
+    held, can = np.zeros(len(caps)), np.ones(len(caps), dtype=bool)  # per cap: most layers the stages hold with
+    for fixed, least, count in stages:  # none slower than it, and whether each can hold its fewest
+        most = np.floor((caps - fixed) / layer_s + tol)
+        if count:
+            can &= most >= least
+        held += count * most
+    enough = can & (held >= layers)  # monotone in the cap: the first is the least
+    if not enough[-1]:
+        return float(caps[-1])
+    return float(caps[int(np.argmax(enough))]) - tol * layer_s
 
 
 def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: int, seq_len: int,
