@@ -46,12 +46,15 @@ def cp_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
     if attention_mask is not None:
         raise InvalidConfigError("CP attention takes no attention_mask (padding masks are not split over CP); "
                                  "mark padding with label -100 instead")
-    return balanced_causal_attention(query, key, value, ctx, scale=scaling), None
+    # a sliding window: Mixtral passes its config's, a Qwen2-MoE sliding layer keeps its own on the module
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    return balanced_causal_attention(query, key, value, ctx, scale=scaling, window=window), None
 
 
 def balanced_causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CPContext, *,
-                              scale: float | None = None) -> Tensor:
-    """Causal attention of this rank's balanced-layout slice over the whole sequence.
+                              scale: float | None = None, window: int | None = None) -> Tensor:
+    """Causal attention of this rank's balanced-layout slice over the whole sequence; `window`: a
+    sliding window (a query sees the keys less than `window` positions back, HF's sliding_window_overlay).
 
     query (b, hq, 2c, d), key/value (b, hkv, 2c, d) -> (b, 2c, hq, d).
     """
@@ -62,12 +65,14 @@ def balanced_causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CP
     kv = torch.cat([key, value], dim=1)  # (b, 2 hkv, 2c, d): one collective for both
     kv = all_gather_autograd(kv, ctx, dim=2)  # (b, 2 hkv, S, d), rank order
     kv = kv.index_select(2, gathered_order(seq, ctx.size, SeqLayout.BALANCED).to(kv.device))  # natural order
-    return local_causal_attention(query, kv, rank=ctx.rank, cp=ctx.size, scale=scale)
+    return local_causal_attention(query, kv, rank=ctx.rank, cp=ctx.size, scale=scale, window=window)
 
 
-def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, scale: float | None = None) -> Tensor:
+def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, scale: float | None = None,
+                           window: int | None = None) -> Tensor:
     """Rank `rank`'s share of the work: its two query chunks (b, hq, 2c, d) against the key prefixes
-    they can see in `kv` (b, 2 hkv, S, d), K then V, natural order. -> (b, 2c, hq, d)."""
+    they can see in `kv` (b, 2 hkv, S, d), K then V, natural order; `window` as in
+    `balanced_causal_attention`. -> (b, 2c, hq, d)."""
     chunk, hkv = query.shape[2] // 2, kv.shape[1] // 2
     outs = []
     for part, chunk_id in enumerate((rank, 2 * cp - 1 - rank)):
@@ -75,7 +80,10 @@ def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, sca
         end = (chunk_id + 1) * chunk
         k, v = kv[:, :hkv, :end], kv[:, hkv:, :end]  # (b, hkv, end, d)
         q_pos = torch.arange(chunk_id * chunk, end, device=q.device)
-        mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]  # (c, end) causal on real positions
+        k_pos = torch.arange(end, device=q.device)[None, :]
+        mask = k_pos <= q_pos[:, None]  # (c, end) causal on real positions
+        if window:
+            mask &= k_pos > q_pos[:, None] - window
         outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                    enable_gqa=q.shape[1] != hkv))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()  # (b, 2c, hq, d)

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from autoshard.errors import InvalidConfigError
 from autoshard.models.presets import Family, ModelSpec, max_positions, position_violation
 from autoshard.runtime.comm import gather_last_dim
-from autoshard.runtime.stages import StageModule
+from autoshard.runtime.stages import StageModule, attention_masks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -143,20 +143,18 @@ class Generator:
         hidden = stage.embed(x) if stage.embed is not None else x  # (b, t, h)
         if len(stage.layers):
             kwargs = self._layer_kwargs(stage, hidden, cache, past=past)
-            for layer in stage.layers.values():
-                hidden = layer(hidden, **kwargs)
+            for index, layer in stage.layers.items():
+                hidden = layer(hidden, **stage.kwargs_of(int(index), kwargs))
         return stage.head(hidden[:, -1:]) if stage.lm_head is not None else hidden
 
     def _layer_kwargs(self, stage: StageModule, hidden: Tensor, cache, *, past: int) -> dict:
         if self.spec.family is not Family.LLAMA:  # Mamba-2 blocks: the cache alone (no padding mask)
             return {"cache": cache}
-        from transformers.masking_utils import create_causal_mask
-
         t = hidden.shape[1]
         position_ids = torch.arange(past, past + t, device=hidden.device)[None]  # (1, t)
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=cache,
-                                  position_ids=position_ids, layer_idx=stage.stage.first_layer)
-        return {"attention_mask": mask, "position_ids": position_ids, "cache": cache, "use_cache": True,
+        masks = attention_masks(self.config, map(int, stage.layers), inputs_embeds=hidden, attention_mask=None,
+                                cache=cache, position_ids=position_ids)
+        return {"attention_mask": masks, "position_ids": position_ids, "cache": cache, "use_cache": True,
                 "position_embeddings": stage.rotary_emb(hidden, position_ids=position_ids)}
 
 

@@ -62,8 +62,9 @@ class StageModule(nn.Module):
             hidden = self.embed(x)  # (b, s, h)
         else:  # a mixed pipeline hands a sequence-parallel stage the whole sequence: keep this rank's shard
             hidden = split_sequence(x, self.boundary_group)
-        kwargs = self.layer_kwargs(hidden)
-        for layer in self.layers.values():
+        shared = self.layer_kwargs(hidden)
+        for index, layer in self.layers.items():
+            kwargs = self.kwargs_of(int(index), shared)
             # a layer whose forward the rewrite already wrapped in a checkpoint (plan.recompute) is not wrapped twice
             if self.stage.recompute is Recompute.FULL and torch.is_grad_enabled() and "forward" not in vars(layer):
                 hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
@@ -76,8 +77,40 @@ class StageModule(nn.Module):
     def layer_kwargs(self, hidden: torch.Tensor) -> dict:
         return {}
 
+    def kwargs_of(self, index: int, kwargs: dict) -> dict:
+        """Layer `index`'s forward kwargs out of `layer_kwargs`' (an attention mask per layer type)."""
+        masks = kwargs.get("attention_mask")
+        if isinstance(masks, dict):
+            return {**kwargs, "attention_mask": masks[layer_type(self.config, index)]}
+        return kwargs
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))  # (b, s, V or V / tp)
+
+
+def attention_masks(config, layers, **mask_kwargs) -> dict[str, torch.Tensor | None]:
+    """HF's attention masks for the layer types among `layers` (indices in the full model), built as the
+    HF model builds them (`mask_kwargs`: those of transformers.masking_utils.create_causal_mask):
+    "full_attention" causal, "sliding_attention" causal within `config.sliding_window` tokens (Mixtral's
+    sliding_window, Qwen2-MoE's sliding layers). With a cache each mask is sized by the first of these
+    layers of its type (a pipeline rank fills only its own layers' cache). `layer_type` says which mask
+    a layer takes."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    first: dict[str, int] = {}
+    for index in layers:
+        first.setdefault(layer_type(config, index), index)
+    return {kind: (create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask)(
+        config=config, layer_idx=index, **mask_kwargs) for kind, index in first.items()}
+
+
+def layer_type(config, index: int) -> str:
+    """The attention type of layer `index` (a key of `attention_masks`): the config's layer_types
+    (Qwen2-MoE), else sliding for every layer when the config has a window (Mixtral), else full."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
 
 
 class LlamaStage(StageModule):
@@ -90,15 +123,13 @@ class LlamaStage(StageModule):
         self.positions = positions
 
     def layer_kwargs(self, hidden: torch.Tensor) -> dict:
-        from transformers.masking_utils import create_causal_mask
-
         s = hidden.shape[1] * self.sequence_shards  # the whole (cp-local) sequence the attention sees
         position_ids = (self.positions(s) if self.positions is not None else torch.arange(s)[None])  # (1, s)
         position_ids = position_ids.to(hidden.device)
         whole = hidden[:, :1].expand(-1, s, -1)  # its shape, for the mask (no copy)
-        mask = create_causal_mask(config=self.config, inputs_embeds=whole, attention_mask=None, cache=None,
-                                  position_ids=position_ids)
-        return {"attention_mask": mask, "position_ids": position_ids,
+        masks = attention_masks(self.config, map(int, self.layers), inputs_embeds=whole, attention_mask=None,
+                                cache=None, position_ids=position_ids)
+        return {"attention_mask": masks, "position_ids": position_ids,
                 "position_embeddings": self.rotary_emb(hidden, position_ids=position_ids)}
 
 
