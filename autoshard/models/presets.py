@@ -245,7 +245,31 @@ def build_model(spec: ModelSpec, *, device: str | torch.device = "cpu", dtype: t
 
 
 def spec_from_hf_config(config, *, name: str) -> ModelSpec:
-    """Read a `ModelSpec` off a HF LLaMA, Mamba-2, Mixtral or Qwen2-MoE config (for user-built models)."""
+    """Read a `ModelSpec` off a HF LLaMA, Mamba-2, Mixtral or Qwen2-MoE config (for user-built models);
+    InvalidConfigError for a config HF builds but whose forward fails (`config_violation`)."""
+    spec = _spec_of(config, name=name)
+    why = config_violation(spec)
+    if why:
+        raise InvalidConfigError(f"{name}: {why}")
+    return spec
+
+
+def config_violation(spec: ModelSpec) -> str | None:
+    """Why a model of `spec` cannot run its own forward, or None: counts HF's constructors accept and
+    its forward then fails on with a shape error deep inside (reported as a trace failure before)."""
+    if spec.family is Family.LLAMA and spec.heads % spec.kv_heads:
+        return (f"num_attention_heads ({spec.heads}) is not a multiple of num_key_value_heads ({spec.kv_heads}): "
+                "grouped-query attention shares each KV head among an equal number of query heads; use a "
+                f"num_key_value_heads that divides {spec.heads}")
+    if spec.family is Family.MAMBA2 and spec.heads % spec.groups:
+        return (f"num_heads ({spec.heads}) is not a multiple of n_groups ({spec.groups}): each group's B and C "
+                f"serve an equal number of heads; use an n_groups that divides {spec.heads}")
+    if spec.is_moe and not 0 < spec.top_k <= spec.experts:
+        return (f"num_experts_per_tok ({spec.top_k}) must be between 1 and the number of experts ({spec.experts})")
+    return None
+
+
+def _spec_of(config, *, name: str) -> ModelSpec:
     model_type = getattr(config, "model_type", None)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if model_type in MOE_ARCHS:

@@ -35,3 +35,28 @@ def test_tiny_presets_run_forward():
 def test_unknown_preset_names_the_known_ones():
     with pytest.raises(UnknownNameError, match="llama-7b"):
         get_spec("llama-8x")
+
+
+@pytest.mark.parametrize("config, needle", [
+    # HF builds each of these and then fails in its forward, reported as a trace failure before
+    (dict(kind="llama", num_attention_heads=4, num_key_value_heads=3),
+     "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
+    (dict(kind="mamba2", num_heads=8, n_groups=3), "num_heads (8) is not a multiple of n_groups (3)"),
+    (dict(kind="mixtral", num_local_experts=3, num_experts_per_tok=4),
+     "num_experts_per_tok (4) must be between 1 and the number of experts (3)"),
+])
+def test_a_config_whose_forward_fails_is_refused_by_name(config, needle):
+    from transformers import LlamaConfig, Mamba2Config, MixtralConfig
+
+    from autoshard.errors import InvalidConfigError
+    from autoshard.models.presets import spec_from_hf_config
+
+    kind = config.pop("kind")
+    small = dict(vocab_size=64, hidden_size=64, num_hidden_layers=1)
+    hf = {"llama": lambda: LlamaConfig(intermediate_size=64, **small, **config),
+          "mamba2": lambda: Mamba2Config(state_size=8, expand=2, head_dim=16, conv_kernel=4, chunk_size=8, **small,
+                                         **config),
+          "mixtral": lambda: MixtralConfig(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, **small,
+                                           **config)}[kind]()
+    with pytest.raises(InvalidConfigError, match=r"^user: " + needle.replace("(", r"\(").replace(")", r"\)")):
+        spec_from_hf_config(hf, name="user")
