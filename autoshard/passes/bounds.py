@@ -585,24 +585,21 @@ def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: i
     sums per level, shared by the ZeRO levels of a mesh."""
     spec = ct.spec
     counts = {BlockKind.EMBED: 1, BlockKind.LAYER: spec.layers, BlockKind.HEAD: 1}
-    params = sum(cost.block_params(ct, layout, k) * c for k, c in counts.items())
-    experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER)
     key = ("single blocks", layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies,
-           layout.precision, layout.moe_imbalance)  # what block times and activations read: not ZeRO
+           layout.precision, layout.moe_imbalance)  # what block times, activations and parameters read: not ZeRO
     if key not in memo:
         edge: dict = {}  # the embedding's and head's numbers, the same at every level (they do not recompute)
-        memo[key] = [_single_stage_blocks(ct, hw, replace(layout, recompute=r), counts, seq_len=seq_len, edge=edge)
-                     for r in Recompute]
-    times = []
-    for act, comp, other, bwd, fwd in memo[key]:
-        if fixed_bytes + act > hw.memory_bytes * (1 + 1e-9):
-            continue
-        zexp = float(cost.zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd, expert=experts,
-                                            blocks=sum(counts.values())))
-        times.append((comp + other + zexp, bwd, fwd))
-    if not times:
+        memo[key] = ([_single_stage_blocks(ct, hw, replace(layout, recompute=r), counts, seq_len=seq_len, edge=edge)
+                      for r in Recompute], sum(cost.block_params(ct, layout, k) * c for k, c in counts.items()),
+                     spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER))
+    levels, params, experts = memo[key]
+    fits = [level for level in levels if fixed_bytes + level[0] <= hw.memory_bytes * (1 + 1e-9)]
+    if not fits:
         return math.inf
-    t, bwd, fwd = min(times)
+    zexp = cost.zero_exposed_time(hw, params, layout, compute_s=np.array([c for _, c, _, _, _ in fits]),
+                                  backward_s=np.array([b for _, _, _, b, _ in fits]), expert=experts,
+                                  blocks=sum(counts.values()))  # every level that fits at once (elementwise)
+    t, bwd, fwd = min((comp + other + z, bwd, fwd) for (_, comp, other, bwd, fwd), z in zip(fits, zexp.tolist()))
     tail = (float(cost.dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts))
             + cost.optimizer_time(hw, params, layout, expert=experts))
     return microbatches * t + tail
