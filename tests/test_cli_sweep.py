@@ -202,3 +202,25 @@ def test_every_sweep_row_is_a_plan_the_runtime_runs():
                     check_plan(plan, spec, world_size=devices)
                     mixed += plan.per_stage
     assert mixed >= 1  # llama-tiny pp2 x tp2 at 9.9 MB, micro-batch 2 (test_sequence_parallel_per_stage)
+
+
+def odd_vocab_llama():
+    """llama-tiny with a vocabulary of 257, as a user config may have (32001): no tp > 1 divides it."""
+    from dataclasses import replace
+
+    from autoshard.models.presets import build_model, get_spec
+
+    return build_model(replace(get_spec("llama-tiny"), vocab=257), device="meta")
+
+
+def test_a_vocabulary_tp_does_not_divide(capsys):
+    """Its tp rows replicate the embedding and LM head; the JSON row and a note say so, so that a plan
+    written from a row names the strategies the default layout lacks there."""
+    argv = ["sweep", "--model", "tests.test_cli_sweep:odd_vocab_llama", "--hardware", "h100", "--devices", "4", *BASE[7:]]
+    rows = run_json(capsys, argv)
+    both = {"embedding": "replicate", "head": "replicate"}
+    assert {r["tp"] for r in rows} == {1, 2, 4}
+    assert all(r["strategies"] == (both if r["tp"] > 1 else {}) for r in rows)
+    assert main(argv) == 0
+    assert "tp 2, 4: do not divide the vocabulary of tests.test_cli_sweep:odd_vocab_llama (257)" in \
+        capsys.readouterr().out

@@ -186,6 +186,11 @@ def _print_table(results, hw, spec, args) -> None:
     Console(width=140).print(table)
     from autoshard.passes.layouts import excluded_eps
 
+    replicated = sorted({e.layout.mesh.tp for e in results if e.layout.strategies})
+    if replicated:  # the layouts a plan must name its strategies for (the default layout does not run there)
+        tps = ", ".join(map(str, replicated))
+        print(f"tp {tps}: {'does' if len(replicated) == 1 else 'do'} not divide the vocabulary of {spec.name} ({spec.vocab}), so those rows replicate the "
+              'embedding and LM head: plan key strategies {"embedding": "replicate", "head": "replicate"}')
     excluded = excluded_eps(spec, args.devices, [e.layout.mesh for e in results])
     if excluded and not spec.is_moe:  # one line: every ep > 1 is out for the same reason
         print(f"ep > 1 excluded: {spec.name} has no experts (not a mixture-of-experts model)")

@@ -246,6 +246,7 @@ class Estimate:
             **mesh.as_dict(), "zero": lay.zero, "offload": lay.offload, "recompute": lay.recompute.value, "micro_batch": lay.micro_batch,
             "precision": lay.precision.value, "schedule": lay.schedule.value, "virtual_stages": lay.virtual_stages,
             "sequence_parallel": list(self.stage_sequence_parallel) or lay.sequence_parallel,
+            "strategies": dict(lay.strategies),  # the intra-op choices (plan key strategies)
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             # the paper's tables report memory averaged over the devices; `fits` judges the peak
             "memory_gb": self.mean_memory_gb, "peak_memory_gb": self.memory_gb,
