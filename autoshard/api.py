@@ -122,7 +122,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         def given() -> Plan:
             if serving:
                 inference = requested if isinstance(requested, InferencePlan) else InferencePlan.load(requested)
-                return inference.replica_training_plan(world=world, seq_len=ids.shape[1], fingerprint=fingerprint)
+                from autoshard.passes.sharding import runnable_strategies
+
+                strategies = runnable_strategies(spec, inference.pools[-1].tp) or ()  # what the planner priced
+                return inference.replica_training_plan(world=world, seq_len=ids.shape[1], fingerprint=fingerprint,
+                                                       strategies=strategies)
             out = _resolve_plan(requested, spec=spec, seq_len=ids.shape[1],
                                 global_batch=global_batch or ids.shape[0], hardware=hardware)
             if not isinstance(requested, Mapping):  # a Plan or a file: made for this model and world size?

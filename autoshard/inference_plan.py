@@ -94,11 +94,12 @@ class InferencePlan:
         pool = self.pool(role)
         return {"tp": pool.tp, "pp": pool.pp, **({"ep": pool.ep} if pool.ep > 1 else {})}
 
-    def replica_training_plan(self, *, world: int, seq_len: int, fingerprint: str) -> Plan:
+    def replica_training_plan(self, *, world: int, seq_len: int, fingerprint: str, strategies=()) -> Plan:
         """The `Plan` one replica of the served pool runs under `parallelize` (the colocated pool, or
         the decode pool of a disaggregated plan: the one autoshard's runtime serves): mesh tp x pp x
-        ep, global batch the pool's batch (informative: generation takes any batch). PlanFileError
-        when `world` ranks are not one replica or the plan was made for another model."""
+        ep, global batch the pool's batch (informative: generation takes any batch), `strategies` the intra-op
+        choices it runs (`sharding.runnable_strategies` at the pool's tp: the inference planner prices those).
+        PlanFileError when `world` ranks are not one replica or the plan was made for another model."""
         from autoshard.fingerprint import check_plan_matches
 
         pool = self.pools[-1]
@@ -108,7 +109,8 @@ class InferencePlan:
                                 f"= {size} ranks each, but this world has {world}; start {size} ranks per replica "
                                 f"(the plan has {pool.replicas} replica(s))")
         plan = Plan(model=self.model, fingerprint=self.fingerprint, hardware=self.hardware, devices=size,
-                    global_batch=pool.batch, seq_len=seq_len, mesh=Mesh(tp=pool.tp, pp=pool.pp, ep=pool.ep))
+                    global_batch=pool.batch, seq_len=seq_len, mesh=Mesh(tp=pool.tp, pp=pool.pp, ep=pool.ep),
+                    strategies=dict(strategies))
         check_plan_matches(plan, fingerprint=fingerprint, devices=world, source="the inference plan")
         return plan
 

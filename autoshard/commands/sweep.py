@@ -64,7 +64,7 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
     the mesh allows it; `moe_imbalance` for a mixture of experts). Returns `Estimate`s, best first."""
     from autoshard.passes.cost import Layout, compile_table, estimate
     from autoshard.passes.layouts import sequence_parallel_violation, valid_meshes, zero_violation
-    from autoshard.passes.sharding import strategy_options
+    from autoshard.passes.sharding import runnable_strategies
 
     meshes = valid_meshes(spec, devices, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
     ct = compile_table(table, spec)
@@ -73,8 +73,8 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
         allowed = sequence_parallel_violation(spec, mesh, seq_len) is None  # else the mesh is priced without
         # the table's default layout where it runs, else the first intra-op choices that do (a vocabulary
         # tp does not divide: embedding and head replicated, which sequence parallelism does not go with)
-        layouts = {sp: options[0] for sp in {sp and allowed for sp in sequence_parallel}
-                   for options in [strategy_options(spec, mesh.tp, sequence_parallel=sp)] if options}
+        layouts = {sp: st for sp in {sp and allowed for sp in sequence_parallel}
+                   for st in [runnable_strategies(spec, mesh.tp, sequence_parallel=sp)] if st is not None}
         sps = set(layouts)
         # 1F1B needs m >= pp micro-batches (the validator's rule); with fewer the runtime runs GPipe
         base = Layout(mesh=mesh, micro_batch=micro_batch)

@@ -221,7 +221,7 @@ def stages_of(spec: ModelSpec, pp: int) -> tuple[Stage, ...]:
 
 
 def _layout(spec: ModelSpec, tp: int, batch: int) -> Layout:
-    return Layout(mesh=Mesh(tp=tp), micro_batch=batch)
+    return Layout(mesh=Mesh(tp=tp), micro_batch=batch, strategies=sharding.runnable_strategies(spec, tp) or ())
 
 
 def _block_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, kind: BlockKind, *, batch: int, seq_len: int,
@@ -321,7 +321,8 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
     kinds = {BlockKind.EMBED: tokens, BlockKind.LAYER: tokens, BlockKind.HEAD: 1}  # head: last position only
     per = {k: _block_seconds(it, hw, tp, k, batch=b, seq_len=s, decode=decode, ep=layout.ep) for k, s in kinds.items()}
     comm = {k: tp_comm_times(it.ct, hw, lay, k, tokens)[0] for k in (BlockKind.EMBED, BlockKind.LAYER)}
-    comm[BlockKind.HEAD] = best_time(hw, Collective.ALL_GATHER, b * spec.vocab * LOGIT_BYTES, size=tp, stride=1)
+    comm[BlockKind.HEAD] = (best_time(hw, Collective.ALL_GATHER, b * spec.vocab * LOGIT_BYTES, size=tp, stride=1)
+                            if sharding.vocab_parallel(spec, BlockKind.HEAD, lay.strategies) else 0.0)  # replicated: none
     compute = spec.layers * per[BlockKind.LAYER] + per[BlockKind.EMBED] + per[BlockKind.HEAD]
     tp_comm = spec.layers * comm[BlockKind.LAYER] + comm[BlockKind.EMBED] + comm[BlockKind.HEAD]
     core = spec.layers * decode_core_seconds(it, hw, tp, batch=b, context=context) if decode else 0.0
@@ -343,7 +344,8 @@ def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_l
     decode pool, which holds the cache at prompt_len + output_len tokens but runs no prefill
     (its activations are one decode step's)."""
     spec, tp, b = it.spec, layout.tp, layout.batch
-    held = Layout(mesh=Mesh(tp=tp, ep=layout.ep), micro_batch=b)  # E/ep experts per layer (cost.block_params)
+    held = Layout(mesh=Mesh(tp=tp, ep=layout.ep), micro_batch=b,  # E/ep experts per layer (cost.block_params)
+                  strategies=sharding.runnable_strategies(spec, tp) or ())
     prm = {k: block_params(it.ct, held, k) for k in BlockKind}
     act = _activation_bytes(it, tp, batch=b, tokens=1 if decode_only else prompt_len, decode=decode_only)
     cache_layer = cache_bytes_per_layer(spec, batch=b, tokens=prompt_len + output_len, tp=tp)
@@ -352,7 +354,8 @@ def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_l
         params = prm[BlockKind.LAYER] * st.layers + prm[BlockKind.EMBED] * st.embed + prm[BlockKind.HEAD] * st.head
         if st.head and spec.tied and not st.embed:
             params += prm[BlockKind.EMBED]  # the tied LM head keeps its copy of the embedding
-        logits = b * spec.vocab / tp * LOGIT_BYTES if st.head else 0.0
+        logits = b * spec.vocab / (tp if sharding.vocab_parallel(spec, BlockKind.HEAD, held.strategies) else 1) \
+            * LOGIT_BYTES if st.head else 0.0
         mem = ServeMemory(weights=params * PARAM_BYTES, cache=cache_layer * st.layers, activations=act + logits)
         if best is None or mem.total > best.total:
             best = mem
@@ -372,7 +375,8 @@ def _activation_bytes(it: InferenceTable, tp: int, *, batch: int, tokens: int, d
             continue
         moved = blk.evaluate(batch, tokens)[1] - blk.evaluate(0, tokens)[1]  # weights: the b-free part
         run = blk.fwd & ~it.core[kind] if decode else blk.fwd
-        largest = max(largest, float((moved / tp_divisor(blk, spec, tp))[run].max(initial=0.0)))
+        divisor = tp_divisor(blk, spec, tp, strategies=sharding.runnable_strategies(spec, tp) or ())
+        largest = max(largest, float((moved / divisor)[run].max(initial=0.0)))
     return residual + largest
 
 

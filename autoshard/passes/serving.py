@@ -42,6 +42,7 @@ from autoshard.passes import inference_cost as ic
 from autoshard.passes.collectives import group_link
 from autoshard.passes.inference_cost import InferenceTable, ServeEstimate, ServeLayout
 from autoshard.passes.layouts import divisors, generate_violation
+from autoshard.passes.sharding import runnable_strategies
 
 MAX_BATCH = 4096  # concurrent sequences per replica searched at most
 
@@ -102,7 +103,8 @@ def layouts(spec: ModelSpec, devices: int) -> tuple[tuple[int, int, int], ...]:
 
 def _runs(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> bool:
     """Whether `DistributedModel.generate` runs one replica of tp x pp x ep (the check it makes itself)."""
-    return generate_violation(spec, Mesh(tp=tp, pp=pp, ep=ep)) is None
+    strategies = runnable_strategies(spec, tp)  # a vocabulary tp does not divide: embedding and head replicated
+    return strategies is not None and generate_violation(spec, Mesh(tp=tp, pp=pp, ep=ep), strategies=strategies) is None
 
 
 def transfer_seconds(spec: ModelSpec, hw: DeviceProfile, *, batch: int, prompt_len: int, devices: int) -> float:

@@ -296,6 +296,15 @@ def strategy_options(spec: ModelSpec, tp: int, *, sequence_parallel: bool = Fals
     return tuple(out)
 
 
+def runnable_strategies(spec: ModelSpec, tp: int, *, sequence_parallel: bool = False
+                        ) -> tuple[tuple[str, str], ...] | None:
+    """The table's default layout at `tp` where it runs, else the first intra-op choices that do (a
+    vocabulary tp does not divide: embedding and head replicated); None when none runs (that, under
+    sequence parallelism). What `sweep` prices a mesh with and what an inference replica runs."""
+    options = strategy_options(spec, tp, sequence_parallel=sequence_parallel)
+    return options[0] if options else None
+
+
 def canonical(spec: ModelSpec, tp: int, strategies) -> tuple[tuple[str, str], ...]:
     """`strategies` without the entries that name a default option (what `table` and the cost model key on)."""
     have = choices(spec, tp)

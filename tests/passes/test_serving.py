@@ -15,6 +15,7 @@ from autoshard.passes.inference_cost import ServeLayout, estimate_serving
 from autoshard.passes.serving import layouts, plan_serving
 from autoshard.ir import Mesh
 from autoshard.models.presets import Family, get_spec, spec_from_hf_config
+from autoshard.passes.sharding import runnable_strategies
 from autoshard.passes.layouts import check_plan, generate_violation
 from tests.passes.test_inference_cost import HW, LLAMA, LLAMA_TABLE, MAMBA, MAMBA_TABLE
 from tests.passes.test_plan_validity import random_spec
@@ -128,9 +129,10 @@ def test_every_emitted_inference_plan_passes_generates_own_check():
         table = MAMBA_TABLE if spec.family is Family.MAMBA2 else LLAMA_TABLE  # the rules read the spec only
         grid = set(layouts(spec, devices))
         for tp, pp, ep in itertools.product(range(1, devices + 1), repeat=3):
-            if devices % (tp * pp * ep) == 0:
-                assert ((tp, pp, ep) in grid) == (generate_violation(spec, Mesh(tp=tp, pp=pp, ep=ep)) is None), \
-                    (spec, tp, pp, ep)
+            if devices % (tp * pp * ep) == 0:  # a vocabulary tp does not divide: embedding and head replicated
+                st = runnable_strategies(spec, tp)
+                assert ((tp, pp, ep) in grid) == (generate_violation(spec, Mesh(tp=tp, pp=pp, ep=ep), strategies=st)
+                                                  is None), (spec, tp, pp, ep)
         choice = plan_serving(table, spec, roomy, devices=devices, prompt_len=P, output_len=O, ttft_slo_s=1e3,
                               tpot_slo_s=1e3)
         # every pool of the best and runner-up plans, and every ep > 1 layout the planner may emit
@@ -139,10 +141,11 @@ def test_every_emitted_inference_plan_passes_generates_own_check():
         for lay in emitted + [ServeLayout(tp=tp, pp=pp, ep=ep, batch=2) for tp, pp, ep in grid if ep > 1]:
             world = lay.tp * lay.pp * lay.ep
             # parallelize's global batch is the training one, split over ep; generate takes any batch
-            plan = _resolve_plan({"tp": lay.tp, "pp": lay.pp, "ep": lay.ep}, spec=spec, seq_len=P,
-                                 global_batch=lay.batch * lay.ep, hardware="cpu")
+            strategies = dict(runnable_strategies(spec, lay.tp))  # what parallelize gives the replica
+            plan = _resolve_plan({"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "strategies": strategies}, spec=spec,
+                                 seq_len=P, global_batch=lay.batch * lay.ep, hardware="cpu")
             check_plan(plan, spec, world_size=world)
-            assert generate_violation(spec, plan.mesh) is None, (spec, lay)
+            assert generate_violation(spec, plan.mesh, strategies=plan.strategies) is None, (spec, lay)
     # what generate refuses: more than one replica, context parallelism, ep without experts
     assert "dp=2" in generate_violation(LLAMA, Mesh(dp=2))
     assert generate_violation(get_spec("mixtral-tiny"), Mesh(ep=2)) is None  # experts sliced over ep

@@ -144,6 +144,8 @@ def _run(rank: int, world: int, configs) -> None:
     if world == 2:  # inference plans: pp 2 (from its file), ep 2 (the object), at batch 1
         _check_inference_plan("llama-tiny", Pool(role="both", tp=1, pp=2, replicas=1, batch=1), as_file=True)
         _check_inference_plan("mixtral-tiny", Pool(role="both", tp=1, pp=1, ep=2, replicas=1, batch=1), as_file=False)
+        # tp 2 of a vocabulary it does not divide: the replica runs embedding and head replicated, as priced
+        _check_inference_plan("llama-tiny-vocab257", Pool(role="both", tp=2, pp=1, replicas=1, batch=1), as_file=True)
     if world == 4:  # disaggregated: the world is a replica of the decode pool, the one the runtime serves
         _check_inference_plan("qwen2-moe-tiny", Pool(role="prefill", tp=2, pp=1, replicas=2, batch=4),
                               Pool(role="decode", tp=1, pp=2, ep=2, replicas=1, batch=1), as_file=True)
