@@ -240,7 +240,7 @@ def _p2p_columns(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) -> np
     """`cost.p2p_time` of the p2p codes `codes` (of each code's layout), the same float operations over arrays
     (`cost.p2p_seconds`); their shape-independent terms (`cost.p2p_terms`, the layer's node-time stem) kept in
     the table's memo over plans, per device and `_CODES` epoch."""
-    table = ct.memo.setdefault(("p2p columns", hw, _CODES.epoch), {})
+    table = _epoch_table(ct, "p2p columns", hw)
     rows = []
     for c in codes:
         row = table.get(c)
@@ -265,7 +265,8 @@ def _p2p_columns(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) -> np
         keys = [cost.node_key(hw, _CODES.stems[i][0], seq_len) for i in uniq]
         cost.memo_node_times(ct, hw, BlockKind.LAYER, {key: _CODES.stems[i][1] for key, i in zip(keys, uniq)},
                              seq_len=seq_len)
-        sums = {i: cost.fwd_bwd_s(blk, blk.memo[key]) for i, key in zip(uniq, keys)}
+        memo = blk.shaped.at(seq_len)
+        sums = {i: cost.fwd_bwd_s(blk, memo[key]) for i, key in zip(uniq, keys)}
         pairs = np.array([sums[i] for i in stems.tolist()]).reshape(-1, 2)
         fwd[chunked], bwd[chunked] = per_chunk[chunked] * pairs[:, 0], per_chunk[chunked] * pairs[:, 1]
     p2p = cost.p2p_seconds(ct, mb.astype(np.int64), cp.astype(np.int64), act_bytes, shard.astype(np.int64), latency,
@@ -273,11 +274,23 @@ def _p2p_columns(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) -> np
     return np.where(piped > 0, p2p, 0.0)
 
 
+def _epoch_table(ct: CompiledTable, name: str, hw) -> dict:
+    """The table `name` of device `hw` in the table's memo, per `_CODES` epoch (what its codes mean); when the codes
+    start over, the tables of the earlier epoch are dropped (their codes mean nothing now)."""
+    key = (name, hw, _CODES.epoch)
+    table = ct.memo.get(key)
+    if table is None:
+        for old in [k for k in ct.memo if k[0] == name and k[2] is not _CODES.epoch]:
+            del ct.memo[old]
+        table = ct.memo[key] = {}
+    return table
+
+
 def _compute_floors(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) -> np.ndarray:
     """[block code, kind]: for each of `codes` and block kind, the least over the code's variants
     (`least_block_s`) of the sum of the block's node times, the forward and backward compute `block_time` adds
     recompute and communication to (any order of the sum: the caller lowers it by 1e-9 of itself). The node
-    times go in the block's memo, where `cost.block_times` reads them."""
+    times go in the block's memo of the sequence length, where `cost.block_times` reads them."""
     out = np.zeros((len(_CODES.reps), len(KINDS)))
     for ki, kind in enumerate(KINDS):
         owner, ids = [], []
@@ -288,7 +301,7 @@ def _compute_floors(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) ->
         uniq = np.unique(ids).tolist()
         keys = [cost.node_key(hw, _CODES.stems[i][0], seq_len) for i in uniq]
         cost.memo_node_times(ct, hw, kind, {key: _CODES.stems[i][1] for key, i in zip(keys, uniq)}, seq_len=seq_len)
-        memo = ct.block(kind).memo
+        memo = ct.block(kind).shaped.at(seq_len)
         sums = np.zeros(len(_CODES.stems))
         sums[uniq] = [float(memo[key].sum()) for key in keys]
         least = np.full(len(_CODES.reps), np.inf)
@@ -449,7 +462,7 @@ def _state_columns(ct: CompiledTable, hw, codes: np.ndarray, *, seq_len: int) ->
     """(optimizer seconds, peak bytes) of the state codes `codes` (`_state_bounds` of each code's layout, the
     same float operations over arrays: `cost.staging_bytes`). Their shape-independent terms are kept in the
     table's memo over plans (per device, and per `_CODES` epoch: the codes' meaning)."""
-    table = ct.memo.setdefault(("state columns", hw, _CODES.epoch), {})
+    table = _epoch_table(ct, "state columns", hw)
     rows = []
     for c in codes.tolist():
         row = table.get(c)

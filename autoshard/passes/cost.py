@@ -83,6 +83,7 @@ from autoshard.ir import (BlockKind, Mesh, OpKind, Precision, Recompute, Schedul
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes import fused_regions, moe_cost, schedules
 from autoshard.passes.collectives import Collective, best_time, gradient_bucket_params, group_link
+from autoshard.passes.shape_memo import ShapeMemo
 from autoshard.passes import sequence_cost, sharding
 from autoshard.passes.layouts import plan_violation
 from autoshard.passes.precision import PrecisionNumbers, precision_numbers, resolve_precision
@@ -278,16 +279,18 @@ class CompiledBlock:
     wgrad_groups: dict  # parent module -> mask of its column-parallel weight-gradient GEMMs
     fn: Any  # lambdified (b, s) -> list of 7 * n numbers
     expert: np.ndarray | None = None  # bool: an op of the routed experts (the sharding table's EXPERT role)
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # what does not depend on the shape
+    # what does (the polynomials' values, node and block times), kept for the last few sequence lengths
+    shaped: ShapeMemo = field(default_factory=ShapeMemo, compare=False, repr=False)
 
     def evaluate(self, b: int, s: int) -> np.ndarray:
         """(7, n) array: flops, bytes, saved, gemm batch, m, n, k."""
-        key = (b, s)
-        if key not in self.memo:
+        memo = self.shaped.at(s)
+        if b not in memo:
             n = len(self.fwd)
             vals = np.asarray(self.fn(b, s), dtype=np.float64) if n else np.zeros(0)
-            self.memo[key] = vals.reshape(7, n)
-        return self.memo[key]
+            memo[b] = vals.reshape(7, n)
+        return memo[b]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -443,14 +446,15 @@ def _fused_scales(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bl
     (passes/fused_regions.py) and the precision (tables are traced in bf16)."""
     blk = ct.block(kind)
     key = ("fused_scales", layout.micro_batch, seq_len, hw, layout.precision)  # the same for every mesh
-    if key not in blk.memo:
+    memo = blk.shaped.at(seq_len)
+    if key not in memo:
         vals = blk.evaluate(layout.micro_batch, seq_len)
         prec = layout.numbers
         byte_scale, saved_scale = fused_regions.fused_scales(
             blk.region, blk.region_kernels, blk.fwd, vals[1], vals[2], spec=ct.spec, fused=hw.fuses,
             tokens=float(layout.micro_batch * seq_len), act_bytes=2.0)
-        blk.memo[key] = (byte_scale * prec.traced_scale, saved_scale * prec.traced_scale)
-    return blk.memo[key]
+        memo[key] = (byte_scale * prec.traced_scale, saved_scale * prec.traced_scale)
+    return memo[key]
 
 
 def _flash(ct: CompiledTable, hw: DeviceProfile) -> bool:
@@ -619,7 +623,7 @@ def block_times(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Layout],
     """`block_time` of each of `layouts`; those not memoised yet are priced together, the node times of
     the ones that share a micro-batch and precision in one numpy pass (`_node_times_many`). The node
     times are memoised too (they do not depend on the recompute level)."""
-    memo = ct.block(kind).memo
+    memo = ct.block(kind).shaped.at(seq_len)
     layer = kind is BlockKind.LAYER  # only a layer recomputes: the others' times are the same at every level
     keys = [(_node_key(hw, lay, kind, seq_len), lay.recompute if layer else Recompute.NONE) for lay in layouts]
     memo_node_times(ct, hw, kind, {node: lay for (node, rec), lay in zip(keys, layouts)
@@ -633,8 +637,8 @@ def block_times(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Layout],
 def memo_node_times(ct: CompiledTable, hw: DeviceProfile, kind: BlockKind, todo: dict, *, seq_len: int) -> None:
     """Memoise the node times (`_node_times`) of block `kind` for each key of `todo` ({`node_key`: a layout with
     that key}) not memoised yet, those of the layouts that share a micro-batch and precision in one numpy pass
-    (`_node_times_many`); `ct.block(kind).memo[key]` then holds them."""
-    memo = ct.block(kind).memo
+    (`_node_times_many`); `ct.block(kind).shaped.at(seq_len)[key]` then holds them."""
+    memo = ct.block(kind).shaped.at(seq_len)
     groups: dict = {}  # (micro-batch, precision) -> {node times key: layout}
     for node, lay in todo.items():
         if node not in memo:

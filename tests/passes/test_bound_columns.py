@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from autoshard.hardware import load_hardware
+from autoshard.ir import BlockKind
 from autoshard.models.presets import get_spec
 from autoshard.passes import cost
 from autoshard.passes.bounds import LazyBounds, bound_columns, least_block_s, lower_bounds, refined_step_bound
 from autoshard.passes.precision import resolve_precision
+from autoshard.passes.shape_memo import KEEP
 from autoshard.passes.shapes import build_cost_table
 from autoshard.passes.solve import candidate_layouts, solve
 
@@ -66,3 +68,38 @@ def test_a_re_plan_in_process_gives_the_fresh_plan(name, hardware, devices):
              for b, s in SHAPES[:2]}  # each shape planned in a table of its own: no memo of another shape
     assert plans[0] == plans[2] == fresh[SHAPES[0]]
     assert plans[1] == fresh[SHAPES[1]]  # a re-plan at a new shape in the same process: the fresh plan
+
+
+@pytest.mark.parametrize("name, hardware, devices", CASES[:2])
+def test_memos_stay_bounded_over_many_shapes(name, hardware, devices):
+    """Planning more sequence lengths than `shape_memo.KEEP` with one table, twice over: each block holds the
+    shape-dependent entries of the last KEEP sequence lengths planned only, those of each exactly what a table of
+    its own holds after planning that shape; the shape-independent memos (a block's `memo`, the table's) do not
+    grow on the second pass; and every plan is the one a table of its own gives."""
+    spec, hw = get_spec(name), load_hardware(hardware)
+    new_table = lambda: cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    ct = new_table()
+    shapes = [(32 if i % 2 else 64, 64 * (i + 1)) for i in range(KEEP + 3)]
+
+    def plan(b, s, table):
+        p = solve(spec, hw, devices=devices, global_batch=b, seq_len=s, table=table, fingerprint="t").to_json()
+        p["solver"].pop("solve_time_s")
+        return p
+
+    def held(table):
+        return {kind: {s: set(d) for s, d in blk.shaped.held().items()} for kind, blk in table.blocks.items()}
+
+    planned, fresh, sizes = [], {}, []
+    for _ in range(2):
+        for b, s in shapes:
+            if (b, s) not in fresh:
+                table = new_table()
+                fresh[b, s] = (plan(b, s, table), held(table))
+            assert plan(b, s, ct) == fresh[b, s][0], (b, s)
+            planned = [x for x in planned if x != s] + [s]
+            for kind, by_seq in held(ct).items():
+                assert list(by_seq) == planned[-KEEP:]  # least recent first
+                assert by_seq[s] == fresh[b, s][1][kind][s]
+            assert len(ct.block(BlockKind.LAYER).shaped) == sum(map(len, held(ct)[BlockKind.LAYER].values()))
+        sizes.append(({kind: len(blk.memo) for kind, blk in ct.blocks.items()}, len(ct.memo)))
+    assert sizes[1] == sizes[0]
