@@ -58,7 +58,6 @@ Rules (the runtime's, see DESIGN.md):
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -166,7 +165,7 @@ def axis_violation(spec: ModelSpec, axis: str, size: int, *, global_batch: int, 
     if axis == "ep":
         return ep_violation(spec, size)
     if axis == "tp":
-        return _tp_some_choices(spec, size) if strategies is None else tp_violation(spec, size, strategies)
+        return tp_violation(spec, size, strategies)
     if axis == "pp":
         if size > spec.layers:
             return (f"pp ({size}) is larger than the number of blocks (layers) of {spec.name} ({spec.layers}); "
@@ -179,13 +178,6 @@ def axis_violation(spec: ModelSpec, axis: str, size: int, *, global_batch: int, 
                     f"{per_step}; pick a global batch that is a multiple of {per_step}")
         return None
     return _cp_violation(spec, size, seq_len)
-
-
-@functools.lru_cache(maxsize=4096)
-def _tp_some_choices(spec: ModelSpec, tp: int) -> str | None:
-    """`tp_violation` with the most permissive choices (the search's prune, asked for every mesh and micro-batch
-    of every plan: it reads the sharding table, ~40 us), memoised."""
-    return tp_violation(spec, tp, None)
 
 
 def _cp_violation(spec: ModelSpec, cp: int, seq: int) -> str | None:

@@ -413,7 +413,13 @@ def tp_violation(spec: ModelSpec, tp: int, strategies=None) -> str | None:
     plan's own choices are then checked by `plan_violation` with them."""
     if tp == 1:
         return None
-    chosen = _REPLICATED_VOCAB if strategies is None else _vocab_choices(strategies)
+    return _tp_violation(spec, tp, _REPLICATED_VOCAB if strategies is None else _vocab_choices(strategies))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tp_violation(spec: ModelSpec, tp: int, chosen: tuple[tuple[str, str], ...]) -> str | None:
+    """`tp_violation` under the embedding / head options `chosen`, memoised (it reads the sharding table, ~40 us;
+    the search asks for every mesh and micro-batch of every plan)."""
     # the vocabulary last: the counts no choice can replicate are the ones to name first
     for role in sorted(table(spec, chosen), key=lambda r: r.strategy is Strategy.VOCAB):
         if role.strategy is Strategy.REPLICATE:
