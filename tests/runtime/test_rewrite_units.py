@@ -35,7 +35,7 @@ def test_zero_levels_the_runtime_runs():
 
 @pytest.mark.parametrize("preset, world, kwargs, needle", [
     ("llama-tiny", 4, dict(dp=2), "multiplies to 2, but the world size is 4"),
-    ("llama-tiny", 3, dict(tp=3), "tp (3) does not divide the vocabulary size"),
+    ("llama-tiny", 3, dict(tp=3), "tp (3) does not divide the number of heads of llama-tiny (4)"),  # before vocab
     ("mamba2-tiny", 16, dict(tp=16), "tp (16) does not divide the number of heads of mamba2-tiny (8)"),  # groups: any
     ("llama-tiny", 8, dict(pp=8), "pp (8) is larger than the number of blocks (layers) of llama-tiny (4)"),
     ("llama-tiny", 2, dict(dp=2, micro_batch=3), "global batch 8 is not divisible by dp (2) x micro_batch (3)"),
