@@ -2,7 +2,7 @@
 re-plan in process at each new (batch, seq) of issue 13 (512 / 8192, 2048 / 2048, 4096 / 1024, 256 / 16384,
 then 1024 / 4096 again), and the curve over device counts and layer counts.
 
-Run: python bench/bench_plan.py [--quick]
+Run: python bench/bench_plan.py [--quick | --curve]
      python bench/bench_plan.py --against CHECKOUT [--rounds N]   (A/B of the re-plans against another commit)
 
 Issue 13 item 6's targets: `autoshard plan` in at most 10 s on a fresh machine (an empty
@@ -74,7 +74,7 @@ def timed(fn):
 def _describe(plan) -> str:
     p = plan if isinstance(plan, dict) else plan.to_json()
     mesh = " ".join(f"{k}{v}" for k, v in p["mesh"].items() if v > 1)
-    return (f"{mesh} mb{p['micro_batch']} ZeRO-{p['zero']} SP {p['sequence_parallel']} "
+    return (f"{mesh} mb{p['micro_batch']} ZeRO-{p['zero']}{' offload' if p.get('offload_optimizer') else ''} SP {p['sequence_parallel']} "
             f"strategies {p['strategies'] or 'default'}, {p['predicted']['step_time_s']:.3f} s/step, "
             f"{p['solver']['status']}, {p['solver']['layouts_solved']} of {p['solver']['layouts']} layouts solved")
 
@@ -145,6 +145,7 @@ def against(baseline: str, rounds: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the llama-70b / 1024 H100 figures only, no curve")
+    ap.add_argument("--curve", action="store_true", help="the curve over layer and device counts only")
     ap.add_argument("--against", metavar="CHECKOUT", help="A/B of the re-plans only: this checkout against another")
     ap.add_argument("--rounds", type=int, default=5, help="with --against: fresh processes per checkout")
     ap.add_argument("--replans-json", action="store_true", help=argparse.SUPPRESS)  # --against's child
@@ -158,6 +159,9 @@ def main() -> None:
         against(os.path.abspath(args.against), args.rounds)
         return
     print(_load(), f"on {os.cpu_count()} CPUs")
+    if args.curve:
+        curve()
+        return
     runs = []
     for _ in range(3):
         with tempfile.TemporaryDirectory(prefix="autoshard-bench-cache-") as empty:
@@ -191,9 +195,24 @@ def main() -> None:
         wall, cpu, plan = timed(lambda: run(b, s))
         print(f"re-plan in process at global batch {b}, seq {s}: {wall:.2f} s wall, {cpu:.2f} s CPU; {_describe(plan)}")
     print(_load())
-    if args.quick:
-        return
+    if not args.quick:
+        curve()
+
+
+def curve() -> None:
+    """Plan time over layer counts (64 devices) and device counts (80 layers), llama-70b's config on h100, batch
+    1024, seq 4096, in process, the table compiled afresh per row (the cost model's memos start empty; the
+    layouts' codes and Layouts built by earlier rows of the process are reused)."""
     from autoshard.errors import InfeasiblePlanError
+    from autoshard.hardware import load_hardware
+    from autoshard.models.presets import get_spec
+    from autoshard.passes import cost
+    from autoshard.passes.shapes import build_cost_table
+    from autoshard.passes.solve import solve
+
+    hw = load_hardware("h100")
+    run = lambda b, s, d, table, sp: solve(sp, hw, devices=d, global_batch=b, seq_len=s, table=table,
+                                           fingerprint="bench")
 
     print("layers  devices  wall_s  cpu_s  layouts solved/total  plan   (llama-70b config on h100, batch 1024, seq 4096)")
     for layers, devices in [(n, 64) for n in (2, 8, 20, 40, 80)] + [(80, d) for d in (8, 512, 1024, 4096)]:
