@@ -2,7 +2,7 @@
 re-plan in process at each new (batch, seq) of issue 13 (512 / 8192, 2048 / 2048, 4096 / 1024, 256 / 16384,
 then 1024 / 4096 again), and the curve over device counts and layer counts.
 
-Run: python bench/bench_plan.py [--quick | --curve]
+Run: python bench/bench_plan.py [--quick | --curve | --memo-growth]
      python bench/bench_plan.py --against CHECKOUT [--rounds N]   (A/B of the re-plans against another commit)
 
 Issue 13 item 6's targets: `autoshard plan` in at most 10 s on a fresh machine (an empty
@@ -146,6 +146,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the llama-70b / 1024 H100 figures only, no curve")
     ap.add_argument("--curve", action="store_true", help="the curve over layer and device counts only")
+    ap.add_argument("--memo-growth", action="store_true",
+                    help="16 sequence lengths planned in one process: the memo entries the blocks hold, the max RSS")
     ap.add_argument("--against", metavar="CHECKOUT", help="A/B of the re-plans only: this checkout against another")
     ap.add_argument("--rounds", type=int, default=5, help="with --against: fresh processes per checkout")
     ap.add_argument("--replans-json", action="store_true", help=argparse.SUPPRESS)  # --against's child
@@ -161,6 +163,9 @@ def main() -> None:
     print(_load(), f"on {os.cpu_count()} CPUs")
     if args.curve:
         curve()
+        return
+    if args.memo_growth:
+        memo_growth()
         return
     runs = []
     for _ in range(3):
@@ -197,6 +202,26 @@ def main() -> None:
     print(_load())
     if not args.quick:
         curve()
+
+
+def memo_growth() -> None:
+    """llama-70b on 1024 H100s, global batch 1024, sequence lengths 1024, 2048 ... 16384 planned in one process with
+    one table: after each plan, the entries of the cost model's block memos (a block's `memo`, and its `shaped` memo
+    where there is one: passes/shape_memo.py) and the process's max RSS."""
+    from autoshard.hardware import load_hardware
+    from autoshard.models.presets import get_spec
+    from autoshard.passes import cost
+    from autoshard.passes.shapes import build_cost_table
+    from autoshard.passes.solve import solve
+
+    hw, spec = load_hardware("h100"), get_spec("llama-70b")
+    ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    for s in range(1024, 16385, 1024):
+        _, cpu, _ = timed(lambda: solve(spec, hw, devices=1024, global_batch=1024, seq_len=s, table=ct, fingerprint="bench"))
+        held = sum(len(b.memo) + len(getattr(b, "shaped", ())) for b in ct.blocks.values())
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        print(f"seq {s}: {cpu:.2f} s CPU, {held} block memo entries, max RSS {rss:.0f} MiB", flush=True)
+    print(_load())
 
 
 def curve() -> None:
