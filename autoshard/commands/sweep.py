@@ -18,8 +18,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_plot_path, cost_table_for,
-                                       imbalance, memory_text,
-                                       model_for, positive_int, seconds_text)
+                                       imbalance, memory_text, model_for, positive_int, seconds_text)
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute
 

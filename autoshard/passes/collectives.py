@@ -79,7 +79,7 @@ def volume(op: Collective, nbytes: float, size: int, algo: Algorithm = Algorithm
         return 0.0
     frac = (size - 1) / size
     if op is Collective.SEND_RECV:
-        return float(nbytes)
+        return nbytes * 1.0  # a number, or a numpy array of them (the planner prices many layouts at once)
     if op is Collective.ALL_REDUCE:
         return 2 * frac * nbytes if algo is Algorithm.RING else 2.0 * nbytes
     if op is Collective.REDUCE:

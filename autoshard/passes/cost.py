@@ -82,7 +82,7 @@ from autoshard.ir import (BlockKind, Mesh, OpKind, Precision, Recompute, Schedul
                           check_schedule, even_stages)
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes import fused_regions, moe_cost, schedules
-from autoshard.passes.collectives import Collective, best_time, gradient_bucket_params, group_link
+from autoshard.passes.collectives import Collective, best_time, gradient_bucket_params, group_link, steps, volume
 from autoshard.passes.shape_memo import ShapeMemo
 from autoshard.passes import sequence_cost, sharding
 from autoshard.passes.layouts import plan_violation
@@ -981,7 +981,8 @@ def p2p_seconds(ct: CompiledTable, micro_batch, cp, act_bytes, shard, latency, b
     """`p2p_time` from its `p2p_terms` and the chunk's forward / backward compute (`_chunk_compute`, read only
     where crossings > 1); numbers or numpy arrays (the planner's bounds price many layouts at once)."""
     act = micro_batch * seq_len / cp * ct.spec.hidden * act_bytes / shard  # the sequence shard under SP (/ tp)
-    send = 1 * latency + act / bandwidth  # collective_time(SEND_RECV): one step, the bytes once
+    send = (steps(Collective.SEND_RECV, 2) * latency  # collective_time(SEND_RECV) on the link's terms
+            + volume(Collective.SEND_RECV, act, 2) / bandwidth)
     # blocking sends (v = 1) both ways; interleaving: v x the sends, each exposed beyond a chunk's compute
     return np.where(crossings == 1, 2 * send, crossings * (np.maximum(0.0, send - fwd) + np.maximum(0.0, send - bwd)))
 
