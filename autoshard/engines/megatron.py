@@ -154,13 +154,15 @@ def arguments(spec: ModelSpec, run: TrainingRun, *, global_batch: int, seq_len: 
     m, pp, v = run.mesh, run.mesh.pp, run.virtual_stages
     out = [f"--tensor-model-parallel-size {m.tp}", f"--pipeline-model-parallel-size {pp}",
            f"--context-parallel-size {m.cp}", f"--expert-model-parallel-size {m.ep}"]
-    if v > 1:
+    accounted = pp > 1 and v > 1 and bool(run.rank_layers) and run.rank_layers == _accounted(spec.layers, pp, v)
+    if accounted:
+        out += [f"--num-virtual-stages-per-pipeline-rank {v}", "--account-for-embedding-in-pipeline-split",
+                "--account-for-loss-in-pipeline-split"]
+    elif v > 1:
         out.append(f"--num-layers-per-virtual-pipeline-stage {spec.layers // (pp * v)}")
     if run.sequence_parallel[0]:
         out.append("--sequence-parallel")
-    if pp > 1 and v > 1 and run.rank_layers and run.rank_layers == _accounted(spec.layers, pp, v):
-        out += ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
-    elif pp > 1 and v == 1 and (spec.layers % pp or len(set(run.layers(spec.layers))) > 1):
+    if not accounted and pp > 1 and v == 1 and (spec.layers % pp or len(set(run.layers(spec.layers))) > 1):
         split = run.layers(spec.layers)
         out += [f"--decoder-first-pipeline-num-layers {split[0]}", f"--decoder-last-pipeline-num-layers {split[-1]}"]
     out += [f"--micro-batch-size {run.micro_batch}", f"--global-batch-size {global_batch}", f"--seq-length {seq_len}"]
@@ -291,6 +293,7 @@ def parse(text: str, *, spec: ModelSpec | None, devices: int, source: str = "--f
 
 def _virtual(got: dict, layers: int, pp: int, source: str) -> int:
     per_chunk = got.get("--num-layers-per-virtual-pipeline-stage")
+    layers += bool(got.get("--account-for-embedding-in-pipeline-split")) + bool(got.get("--account-for-loss-in-pipeline-split"))
     per_rank = got.get("--num-virtual-stages-per-pipeline-rank")
     if per_chunk and per_rank:
         raise InvalidConfigError(f"{source}: give --num-layers-per-virtual-pipeline-stage or "
@@ -301,7 +304,7 @@ def _virtual(got: dict, layers: int, pp: int, source: str) -> int:
         return 1
     if per_chunk < 1 or layers % (pp * per_chunk):
         raise InvalidConfigError(f"{source}: --num-layers-per-virtual-pipeline-stage {per_chunk} x pp {pp} does not "
-                                 f"divide the {layers} layers; pick a count that divides {layers // pp if layers % pp == 0 else layers} "
+                                 f"divide the {layers} layers (the embedding / loss counted where accounted for); pick a count that divides {layers // pp if layers % pp == 0 else layers} "
                                  "(layers per pipeline rank)")
     return layers // (pp * per_chunk)
 

@@ -234,9 +234,7 @@ def _parse_with_torchtitan(words, source: str):
     except ImportError:
         raise InvalidConfigError(f"{source} reads the command line with torchtitan's own parser: pip install "
                                  "torchtitan==0.3.0 triton") from None
-    if isinstance(words, str):
-        words = shlex.split(words)
-    words = list(words)
+    words = shlex.split(words if isinstance(words, str) else " ".join(words))  # arguments() gives "--flag value" items
     while words and not words[0].startswith("--"):  # torchrun ... -m torchtitan.train
         words.pop(0)
     err = io.StringIO()
