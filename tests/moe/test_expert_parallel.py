@@ -40,6 +40,9 @@ WORLD2 = (
     # bf16-mixed (bf16 weights, fp32 main grads and masters) against the single-process bf16-mixed recipe
     ("mixtral-tiny", dict(ep=2, precision="bf16-mixed"), None, False),
     ("qwen2-moe-tiny", dict(ep=2, zero=1, precision="bf16-mixed"), None, False),
+    # fp8: attention and the shared expert in float8 (runtime/fp8.py); router and routed experts bf16
+    ("qwen2-moe-tiny", dict(ep=2, precision="fp8"), None, False),
+    ("mixtral-tiny", dict(ep=2, precision="fp8", fp8_recipe="rowwise"), None, False),
 )
 WORLD4 = (
     ("mixtral-tiny", dict(ep=4), None, False),
