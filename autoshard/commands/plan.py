@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--moe-imbalance", type=imbalance, default=1.0, metavar="X", help=MOE_IMBALANCE_HELP)
     p.add_argument("--out", help="write the plan to this JSON file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a summary")
-    p.add_argument("--emit", choices=("megatron", "torchtitan"),
+    p.add_argument("--emit", choices=("megatron", "torchtitan", "accelerate"),
                    help="print the plan in that engine's own terms instead (with --out: write it there): the "
                    "launch command, what the engine cannot express and what the plan costs without it")
     plan_inference.add_arguments(p)
