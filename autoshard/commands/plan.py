@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
 
 # flags that only one kind of plan reads: given to the other kind they would be silently ignored
 TRAINING_ONLY = ("global_batch", "seq_len", "time_limit", "moe_imbalance")
-INFERENCE_ONLY = ("prompt_len", "output_len", "ttft_slo", "tpot_slo", "no_disaggregation", "plot")
+INFERENCE_ONLY = ("prompt_len", "output_len", "ttft_slo", "tpot_slo", "no_disaggregation", "plot", "request_rate")
 DEFAULTS = {"time_limit": 10.0, "moe_imbalance": 1.0, "no_disaggregation": False}
 
 
