@@ -190,7 +190,9 @@ def _check_sequence_attention(model: nn.Module) -> None:
     then sized for the shard, so the attention must build its own causal mask (sdpa's is_causal,
     flash attention, the CP attention) rather than take HF's (eager, flex)."""
     impl = getattr(model.config, "_attn_implementation", None)
-    if getattr(model.config, "model_type", "") == "llama" and impl in ("eager", "flex_attention"):
+    from autoshard.models.facts import mixer_of
+
+    if impl in ("eager", "flex_attention") and mixer_of(model) == "attention":
         raise InvalidConfigError(f"sequence_parallel with attn_implementation={impl!r}: HF would build the causal "
                                  "mask for a 1/tp shard of the sequence; load the model with "
                                  "attn_implementation='sdpa' (the default) or set sequence_parallel to false")
