@@ -53,7 +53,7 @@ from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.fingerprint import check_plan_matches, fingerprint_module
 from autoshard.inference_plan import InferencePlan, is_inference_plan
 from autoshard.ir import AXES, Mesh, Plan, Precision
-from autoshard.models.presets import spec_from_hf_config
+from autoshard.models.presets import max_positions, position_violation, spec_from_hf_config
 from autoshard.passes.layouts import MIN_SEQ_LEN, backend_violation, check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
 from autoshard.runtime.shard_graph import shard_graph
@@ -61,7 +61,7 @@ from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
 from autoshard.runtime.compiled import compile_backend, compile_layers
 from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup
-from autoshard.runtime.expert_parallel import apply_expert_parallel
+from autoshard.runtime.expert_parallel import apply_expert_parallel, expert_tp_names
 from autoshard.runtime.mesh import DEFAULT_TIMEOUT_S, backend_for, build_groups, check_timeout, init_default_group
 from autoshard.runtime.ssd import install_ssd_mixers
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
@@ -99,7 +99,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     if config is None:
         raise InvalidConfigError(f"{type(model).__name__} has no HF .config; parallelize takes a HF "
                                  "LlamaForCausalLM or Mamba2ForCausalLM")
-    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
+    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type, model=model)
     ids = _input_ids(example_inputs)
     _check_arguments(global_batch=global_batch, optimizer=optimizer, seed=seed, hardware=hardware, timeout_s=timeout_s)
     optimizer = _checked_optimizer(optimizer)
@@ -140,8 +140,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
             out = dataclasses.replace(out, schedule=schedule)
         if out.sequence_parallel:
             _check_sequence_attention(model)
-        if not serving:  # generation asks for no router logits
+        if not serving:  # generation asks for no router logits; it holds its prompts to the positions itself
             _check_router_aux(model, out)
+            _check_positions(model, spec, out.seq_len)
         return out
 
     layers_backend = compile_backend(compile, spec, device.type, training=not serving)
@@ -156,16 +157,26 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
-    experts = frozenset()
-    if plan.mesh.ep > 1:  # this rank's experts; tokens dispatched by all-to-all (runtime/expert_parallel.py)
-        experts = apply_expert_parallel(model, spec, groups.ep, ep=plan.mesh.ep, ep_rank=groups.coords.ep)
+    experts, expert_tp = frozenset(), ()
+    # serving replicas (an inference plan) split every expert's GEMMs over tp too, as serving engines do
+    split_tp = serving and spec.is_moe and plan.mesh.tp > 1
+    if plan.mesh.ep > 1 or split_tp:  # this rank's experts; tokens dispatched by all-to-all (runtime/expert_parallel.py)
+        experts = apply_expert_parallel(model, spec, groups.ep, ep=plan.mesh.ep, ep_rank=groups.coords.ep,
+                                        **(dict(tp_group=groups.tp, tp=plan.mesh.tp, tp_rank=groups.coords.tp)
+                                           if split_tp else {}))
+        if split_tp:
+            expert_tp = expert_tp_names(model, spec, tp=plan.mesh.tp, tp_rank=groups.coords.tp)
     if layers_backend is not None:  # fused element-wise kernels, as the GPU cost model prices; before FSDP2
         compile_layers(model, layers_backend)
-    if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices
+    if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices; ep > 1: dense over dp x ep (x cp), experts over dp (x cp)
+        from autoshard.runtime.expert_parallel import experts_modules
         from autoshard.runtime.zero3 import apply_zero3
 
-        apply_zero3(model, cp.grad_group if cp is not None else groups.dp, device=device,
-                    offload=plan.offload_optimizer, bf16=plan.precision.resolve(device.type) is Precision.BF16_MIXED)
+        grad_group = cp.grad_group if cp is not None else groups.dp
+        ep = plan.mesh.ep > 1
+        apply_zero3(model, groups.replicas if ep else grad_group, device=device, offload=plan.offload_optimizer,
+                    bf16=plan.precision.resolve(device.type) is Precision.BF16_MIXED, expert_group=grad_group,
+                    experts=tuple(path for path, _ in experts_modules(model, spec)) if ep else ())
     runner = None
     if plan.mesh.pp > 1:
         from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner
@@ -181,7 +192,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                                 tp_group=groups.tp if plan.mesh.tp > 1 and program.vocab_head else None, cp=cp,
                                 sequence_group=groups.tp if plan.mesh.tp > 1 else None)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp,
-                      expert_names=experts, fingerprint=fingerprint, full_shapes=full_shapes, generate_only=serving)
+                      expert_names=experts, expert_tp=expert_tp, fingerprint=fingerprint, full_shapes=full_shapes,
+                      generate_only=serving)
     return DistributedModel(setup, optimizer=optimizer)
 
 
@@ -196,6 +208,14 @@ def _check_sequence_attention(model: nn.Module) -> None:
         raise InvalidConfigError(f"sequence_parallel with attn_implementation={impl!r}: HF would build the causal "
                                  "mask for a 1/tp shard of the sequence; load the model with "
                                  "attn_implementation='sdpa' (the default) or set sequence_parallel to false")
+
+
+def _check_positions(model: nn.Module, spec, seq_len: int) -> None:
+    """A training sequence past the model's positions (HF's rope scaling honoured): the one position rule
+    (`presets.position_violation`) of plan, sweep, train_step, plan --inference and dm.generate."""
+    why = position_violation(max_positions(spec, model.config), prompt=seq_len, where="parallelize")
+    if why:
+        raise InvalidConfigError(why)
 
 
 def _check_router_aux(model: nn.Module, plan: Plan) -> None:
@@ -338,6 +358,7 @@ def _solve_on_rank0(model: nn.Module, spec, *, world: int, seq_len: int, global_
         try:
             from autoshard.hardware import load_hardware
 
+            _check_positions(model, spec, seq_len)
             table = build_cost_table(spec, model=model, kernels=load_hardware(hardware).kernels)
             plan = solve(spec, hardware, devices=world, global_batch=global_batch, seq_len=seq_len, table=table,
                          fingerprint=fingerprint_module(model))
@@ -413,7 +434,7 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
     if config is None:
         raise InvalidConfigError(f"{type(model).__name__} has no HF .config; autoshard.backend takes a HF "
                                  "LlamaForCausalLM or Mamba2ForCausalLM")
-    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
+    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type, model=model)
     device = torch.device(device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     requested = {"dp": world} if plan is None else plan

@@ -64,6 +64,15 @@ def check_plot_path(path: str, flag: str = "--plot") -> None:
     check_output_path(path, flag)
 
 
+def check_schedule_flags(schedule: str | None, virtual_stages: int) -> None:
+    """--schedule and --virtual-stages that contradict each other (sweep, price): one line naming both."""
+    if virtual_stages > 1 and schedule in ("1f1b", "gpipe"):
+        raise InvalidConfigError(f"--schedule {schedule} runs one stage per rank, but --virtual-stages is "
+                                 f"{virtual_stages}; use interleaved-1f1b or zero-bubble, or drop --virtual-stages")
+    if schedule == "interleaved-1f1b" and virtual_stages == 1:
+        raise InvalidConfigError("--schedule interleaved-1f1b needs --virtual-stages 2 or more")
+
+
 def imbalance(text: str) -> float:
     """--moe-imbalance: the busiest expert's load over the mean, a number >= 1."""
     try:
@@ -81,6 +90,16 @@ def check_moe_imbalance(spec, value: float) -> None:
     if value != 1.0 and not spec.is_moe:
         raise InvalidConfigError(f"--moe-imbalance {value:g}: {spec.name} has no experts (not a mixture-of-experts "
                                  "model), so nothing would use it; drop it")
+
+
+def check_positions(spec, module, seq_len: int, where: str) -> None:
+    """A training sequence past the model's positions (`presets.position_violation`, the rule of plan
+    --inference and dm.generate; HF's rope scaling lifts the limit) is refused before any slow work."""
+    from autoshard.models.presets import max_positions, position_violation
+
+    why = position_violation(max_positions(spec, getattr(module, "config", None)), prompt=seq_len, where=where)
+    if why:
+        raise InvalidConfigError(why)
 
 
 MOE_IMBALANCE_HELP = ("mixture of experts: the busiest expert's load over the mean, which paces each MoE layer's "

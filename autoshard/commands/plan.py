@@ -8,7 +8,7 @@ import sys
 import time
 
 from autoshard.commands import plan_inference
-from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_output_path, cost_table_for,
+from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_positions, check_output_path, cost_table_for,
                                        imbalance, model_for, positive_float, positive_int)
 from autoshard.errors import InvalidConfigError
 
@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--moe-imbalance", type=imbalance, default=1.0, metavar="X", help=MOE_IMBALANCE_HELP)
     p.add_argument("--out", help="write the plan to this JSON file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a summary")
+    p.add_argument("--emit", choices=("megatron", "torchtitan", "accelerate"),
+                   help="print the plan in that engine's own terms instead (with --out: write it there): the "
+                   "launch command, what the engine cannot express and what the plan costs without it")
     plan_inference.add_arguments(p)
     p.set_defaults(run=run)
 
@@ -68,6 +71,7 @@ def run(args) -> int:
     hw = load_hardware(args.hardware)
     spec, module = model_for(args.model)
     check_moe_imbalance(spec, args.moe_imbalance)
+    check_positions(spec, module, args.seq_len, "plan --seq-len")
     valid_meshes(spec, args.devices, global_batch=args.global_batch, seq_len=args.seq_len)  # none: say why, at once
     from autoshard.passes.solve import solve
 
@@ -82,6 +86,10 @@ def run(args) -> int:
         plan = solve(spec, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
                      time_limit_s=args.time_limit, progress=progress, table=table, fingerprint=fingerprint,
                      moe_imbalance=args.moe_imbalance)
+    if args.emit:
+        from autoshard.commands.emit import emit_training
+
+        return emit_training(args, plan, spec, hw, table)
     if args.out:
         plan.save(args.out)
     if args.json:

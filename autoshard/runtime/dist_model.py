@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.ir import Plan, Precision
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.models.presets import Family, ModelSpec, max_positions
 from autoshard.ir import Replicate, ShardProgram
 from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
 from autoshard.runtime.comm import gather_last_dim
@@ -66,6 +66,7 @@ class RankSetup:
     pipeline: object | None = None  # runtime.pipeline.PipelineRunner when pp > 1
     cp: CPRuntime | None = None  # context parallelism (issue 6) when cp > 1
     expert_names: frozenset[str] = frozenset()  # ep > 1: parameters of this rank's experts
+    expert_tp: tuple = ()  # (name, Shard) of expert weights split over tp (serving replicas of MoE models)
     fingerprint: str = ""  # of the model before it was sliced (fingerprint.fingerprint_module)
     full_shapes: Mapping[str, tuple[int, ...]] | None = None  # original name -> global shape
     generate_only: bool = False  # built from an inference plan: checked by generate's rules, not training's
@@ -103,9 +104,9 @@ class DistributedModel:
         self._main_grads = self.precision is Precision.BF16_MIXED and not self._zero3
         # the gradients live in one flat buffer per bucket (Megatron-LM's grad buffer, `main_grad`) under
         # bf16-mixed, and under ZeRO-1/2 at any precision (GradSync's own rule)
-        if self._zero3:
+        if self._zero3:  # FSDP2 reduces the gradients (ep > 1: the dense ones over dp x ep x cp, runtime/zero3.py)
             self._sync = GradSync(self._params, None, zero=0, prepare=prepare)
-            self._loss_group = self._grad_group
+            self._loss_group = setup.groups.replicas if mesh.ep > 1 else self._grad_group
         elif mesh.ep > 1:  # experts over dp x cp (the grad group), dense over dp x ep x cp
             expert_ids = {id(p) for n, p in self.model.named_parameters() if n in setup.expert_names}
             self._sync = GradSyncs(self._params, expert_ids, dense_group=setup.groups.replicas,
@@ -136,6 +137,7 @@ class DistributedModel:
                 for p in self._params:
                     p.data = p.data.to(torch.bfloat16)
         self.steps = 0  # optimizer steps taken (restored by load_checkpoint)
+        self._positions = max_positions(setup.spec, getattr(self.model, "config", None))  # the position rule
         self.fingerprint = setup.fingerprint
         self.full_shapes = dict(setup.full_shapes or {})
         self.device = setup.groups.device
@@ -149,7 +151,8 @@ class DistributedModel:
                                      "checked by generation's rules, not training's); train under a training plan "
                                      "(`autoshard plan`, or plan=dict(dp=..., tp=..., ...))")
         try:
-            self._check_batch(input_ids, labels, global_batch=self.plan.global_batch, training=True)
+            self._check_batch(input_ids, labels, global_batch=self.plan.global_batch, training=True,
+                              where="train_step")
             return self._step(input_ids, labels)
         except RuntimeError as e:  # a collective that failed: name the ranks that are gone
             if isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "NCCL", "HCCL", "Connection")):
@@ -157,10 +160,11 @@ class DistributedModel:
             raise
 
     def _check_batch(self, input_ids: Tensor, labels: Tensor | None, *, global_batch: int | None,
-                     training: bool = False) -> None:
+                     training: bool = False, where: str = "") -> None:
+        """`where` (train_step, dm(input_ids)): the sequence is also held to the model's positions."""
         try:
             facts = batch_facts(input_ids, labels, vocab=self._setup.spec.vocab, global_batch=global_batch,
-                                training=training)
+                                training=training, positions=self._positions if where else None, where=where)
             error = None
         except AutoshardError as e:
             facts, error = None, e
@@ -236,7 +240,7 @@ class DistributedModel:
     # -- checks and evaluation ------------------------------------------------------------------
     def __call__(self, input_ids: Tensor) -> Tensor:
         """Full logits (b, s, V) of `input_ids` on every rank (no gradient)."""
-        self._check_batch(input_ids, None, global_batch=None)
+        self._check_batch(input_ids, None, global_batch=None, where="dm(input_ids)")
         ids = input_ids.to(self._groups.device)
         with torch.no_grad(), autocast(self.precision, ids.device):
             if self._runner is not None:  # (with cp: the runner takes this rank's slice of the sequence)
@@ -343,7 +347,11 @@ class DistributedModel:
 
     def placement(self, name: str):
         """The tp placement of parameter `name` (Replicate when it is not split)."""
-        return dict(self._setup.program.placements).get(name, Replicate()) if self._tp_group is not None else Replicate()
+        return self._tp_placements().get(name, Replicate()) if self._tp_group is not None else Replicate()
+
+    def _tp_placements(self) -> dict:
+        """Every tp-split parameter's placement: the shard program's and the experts split over tp (serving)."""
+        return {**dict(self._setup.program.placements), **dict(self._setup.expert_tp)}
 
     def _assemble(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if self._runner is not None:
@@ -368,7 +376,7 @@ class DistributedModel:
 
     def gather_tp(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """{name: full tensor} from this rank's tp slices (collective over tp; the same names on every tp rank)."""
-        placements = dict(self._setup.program.placements)
+        placements = self._tp_placements()
         out = {}
         for name, tensor in local.items():
             placement = placements.get(name, Replicate())
