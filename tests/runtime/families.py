@@ -38,6 +38,8 @@ REFUSED = {("phi3", "tp"): "qkv_proj: HF declares it 'colwise_gather_output'",
 
 
 def check_families() -> None:
+    import re
+
     import pytest
 
     from autoshard.errors import InvalidConfigError
@@ -47,8 +49,7 @@ def check_families() -> None:
         for plan in PLANS + ((dict(ep=2),) if name in MOE else ()):
             axis = next(iter(plan))
             if (name, axis) in REFUSED:
-                with pytest.raises(InvalidConfigError, match=f"{axis} is refused for {source.name}: .*"
-                                   + REFUSED[name, axis].replace("(", r"\(").replace(")", r"\)")):
+                with pytest.raises(InvalidConfigError, match=f"{axis} is refused for .*: .*" + re.escape(REFUSED[name, axis])):
                     check_plan(source, plan)
                 continue
             check_plan(source, plan, logits=True)
