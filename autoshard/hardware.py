@@ -98,9 +98,9 @@ class DeviceProfile:
                                      f"fp8_peak_flops and must be in (0, 1], got {self.fp8_gemm_efficiency!r}")
         for f in ("host_link_bandwidth", "host_memory_bandwidth") + SERVING_FIELDS + _FP8_FIELDS:
             value = getattr(self, f)
-            low = 0 if f in SERVING_FIELDS else math.ulp(0)  # serving latencies may be 0, bandwidths not
+            zero_ok = f in SERVING_FIELDS  # serving latencies may be 0, bandwidths and peaks not
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not low <= value < math.inf):
+                                      or not (0 <= value if zero_ok else 0 < value) or not value < math.inf):
                 raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a "
                                          f"{'non-negative' if f in SERVING_FIELDS else 'positive'} finite "
                                          f"number (or absent), got {value!r}")
