@@ -1,7 +1,7 @@
 """The symbolic cost table (passes only): per-node costs of one training step as SymPy expressions.
 
 Terms: `B` and `S` are the SymPy symbols for micro-batch size and sequence length used by every
-cost expression. `passes/shapes.py` builds a `CostTable`, `passes/cost.py` compiles it to numbers.
+cost expression. `passes/capture/shapes.py` builds a `CostTable`, `passes/cost/cost.py` compiles it to numbers.
 These types live apart from `autoshard.ir` (the plain Mesh / Plan / Stage / ShardProgram the
 runtime reads) so that importing the runtime never loads SymPy (DESIGN.md, "Arrows point one way").
 """

@@ -1,6 +1,6 @@
 """`autoshard plan --inference`: the highest-throughput serving configuration under TTFT and TPOT targets.
 
-`run(args)` prices every layout with `passes/serving.py`, writes an `InferencePlan` (`--out`),
+`run(args)` prices every layout with `passes/serving/serving.py`, writes an `InferencePlan` (`--out`),
 prints it (`--json` or a summary, `render`, which `autoshard show` also uses) and, with `--plot`,
 draws throughput against the TPOT target (0.4x to 4x the one given, the other targets fixed).
 Unmeetable targets raise `InfeasiblePlanError` (exit 2, one line: best TTFT / TPOT and what binds).
@@ -91,7 +91,7 @@ def make_plan(spec, table, hw, args, *, tpot_slo: float | None = None, module=No
     """The `InferencePlan` for `args` (`module`: a factory's model, for its fingerprint; None for a preset)."""
     from autoshard.fingerprint import fingerprint_module, fingerprint_spec
     from autoshard.inference_plan import InferencePlan, Pool
-    from autoshard.passes.serving import plan_serving
+    from autoshard.passes.serving.serving import plan_serving
 
     t0 = time.perf_counter()
     choice = plan_serving(table, spec, hw, devices=args.devices, prompt_len=args.prompt_len,

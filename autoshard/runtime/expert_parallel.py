@@ -3,7 +3,7 @@
 Contract
 --------
 `apply_expert_parallel(model, spec, ep_group, ep=, ep_rank=)` replaces, in place, every HF experts
-module (the `expert` roles of the sharding table, passes/sharding.py: `<base>.layers.<i>.mlp.experts`
+module (the `expert` roles of the sharding table, rules/sharding.py: `<base>.layers.<i>.mlp.experts`
 of Mixtral / Qwen2-MoE) by a `ParallelExperts` holding this rank's
 contiguous slice of the experts (rank r of ep: experts [r*E/ep, (r+1)*E/ep)), under the same
 parameter names (`gate_up_proj`, `down_proj`: dim 0 is the expert), so `named_parameters()` still
@@ -58,7 +58,7 @@ from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
 
 def experts_modules(model: nn.Module, spec: ModelSpec) -> list[tuple[str, nn.Module]]:
     """(path, module) of every routed-experts module: the `expert` roles of the sharding table."""
-    from autoshard.passes.sharding import Strategy, modules
+    from autoshard.rules.sharding import Strategy, modules
 
     return [(path, model.get_submodule(path)) for path in modules(spec, Strategy.EXPERT)]
 
@@ -148,8 +148,8 @@ def _peer_to_expert_order(per_peer: list[list[int]], device: torch.device) -> Te
 def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_group: dist.ProcessGroup, *, ep: int,
                           ep_rank: int) -> frozenset[str]:
     """Swap every experts module for this rank's `ParallelExperts` (module docstring); the names of
-    the expert parameters. The plan rule on ep (passes/layouts.ep_violation) is checked first."""
-    from autoshard.passes.layouts import ep_violation
+    the expert parameters. The plan rule on ep (rules/validity.ep_violation) is checked first."""
+    from autoshard.rules.validity import ep_violation
 
     why = ep_violation(spec, ep)
     if why:

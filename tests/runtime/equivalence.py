@@ -171,7 +171,7 @@ def _check_bf16(dm, grads_ref, grads32, what: str) -> None:
 def _record_norm_tokens(model, spec) -> set:
     """{norm path: the sequence lengths it sees from now on} of the norms outside the TP regions that run on
     this rank (sequence parallelism)."""
-    from autoshard.passes.sharding import sequence_modules
+    from autoshard.rules.sharding import sequence_modules
 
     seen: dict[str, set] = {}
     for path in sequence_modules(spec):

@@ -1,0 +1,160 @@
+"""Collective communication costs: alpha-beta model, ring and tree algorithms, the link a group spans.
+
+Contract: `collective_time(hw, op, nbytes, size=N, stride=k)` -> seconds for one collective over a
+group of N ranks whose members are `stride` apart in the global rank order. `volume(op, nbytes, N,
+algo)` is the bytes one device sends (the busiest link), `steps(op, N, algo)` the message steps
+on the critical path; time = steps * alpha + volume / beta (Hockney's alpha-beta model, as in
+arXiv 2602.09109 section 2 and Thakur, Rabenseifner & Gropp, IJHPCA 2005).
+
+Buffer convention (`nbytes` = M):
+  AllReduce, Reduce: the buffer each rank contributes (= the result size).
+  AllGather, Gather: the gathered (full) result; each rank contributes M/N.
+  ReduceScatter:     the full input on each rank; each rank keeps M/N.
+  AllToAll:          the buffer each rank holds (it keeps M/N, sends the rest).
+  SendRecv:          the message.
+
+Volumes per device (ring):  AllReduce 2(N-1)/N M;  AllGather, ReduceScatter, Gather, AllToAll
+(N-1)/N M;  Reduce 2(N-1)/N M (reduce-scatter then gather to the root);  SendRecv M.
+Tree algorithms trade bandwidth for log2(N) steps (double binary tree AllReduce 2M, binomial
+Reduce/Gather, recursive doubling AllGather/ReduceScatter, Bruck AllToAll M/2 * log2 N).
+
+The link: ranks are laid out node by node (`hw.devices_per_node` consecutive ranks per node).
+A group lies inside one node when `stride * size` divides into whole nodes' worth of ranks
+(`devices_per_node % (stride * size) == 0`); otherwise its ring crosses the network. GPU nodes are
+rail-optimised (one NIC per GPU, DGX A100 / H100 reference architecture) and NCCL runs one ring
+channel per NIC, so a group with k members on each node leaves each node through k NICs: the
+ring's network hop moves at k * inter_bandwidth, capped by the intra-node link the ring also
+crosses (NCCL's ring algorithm; nccl-tests doc/PERFORMANCE.md "bus bandwidth"). A group with one
+member per node (a DP group of stride >= devices_per_node) sees one NIC: inter_bandwidth.
+
+`gradient_bucket_params(group)`: parameters per data-parallel gradient bucket, one rule for the
+runtime's buckets (runtime/data_parallel.py) and the cost model's (passes/cost/cost.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from autoshard.errors import InvalidConfigError
+from autoshard.hardware import DeviceProfile
+
+
+class Collective(str, Enum):
+    REDUCE = "reduce"
+    GATHER = "gather"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"
+    SEND_RECV = "send_recv"
+
+
+class Algorithm(str, Enum):
+    RING = "ring"
+    TREE = "tree"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    """The link a group's collective is limited by."""
+
+    name: str  # "intra" or "inter"
+    bandwidth: float  # bytes/s per device per direction
+    latency: float  # seconds per step
+
+
+def _log2(n: int) -> int:
+    return max(1, math.ceil(math.log2(n)))
+
+
+def volume(op: Collective, nbytes: float, size: int, algo: Algorithm = Algorithm.RING) -> float:
+    """Bytes the busiest device sends for one `op` over `size` ranks (see the module docstring)."""
+    _check_size(size)
+    if size == 1 and op is not Collective.SEND_RECV:
+        return 0.0
+    frac = (size - 1) / size
+    if op is Collective.SEND_RECV:
+        return nbytes * 1.0  # a number, or a numpy array of them (the planner prices many layouts at once)
+    if op is Collective.ALL_REDUCE:
+        return 2 * frac * nbytes if algo is Algorithm.RING else 2.0 * nbytes
+    if op is Collective.REDUCE:
+        return 2 * frac * nbytes if algo is Algorithm.RING else float(nbytes)
+    if op is Collective.ALL_TO_ALL and algo is Algorithm.TREE:
+        return nbytes / 2 * _log2(size)
+    return frac * nbytes  # GATHER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL (ring / pairwise)
+
+
+def steps(op: Collective, size: int, algo: Algorithm = Algorithm.RING) -> int:
+    """Message steps on the critical path (each costs one latency alpha)."""
+    _check_size(size)
+    if op is Collective.SEND_RECV:
+        return 1
+    if size == 1:
+        return 0
+    two_phase = op in (Collective.ALL_REDUCE, Collective.REDUCE)
+    if algo is Algorithm.TREE:
+        return _log2(size) * (2 if op is Collective.ALL_REDUCE else 1)
+    return (size - 1) * (2 if two_phase else 1)
+
+
+def group_link(hw: DeviceProfile, *, size: int, stride: int = 1) -> Link:
+    """The link that limits a group of `size` ranks spaced `stride` apart in the rank order."""
+    _check_size(size)
+    if stride < 1:
+        raise InvalidConfigError(f"group stride must be >= 1, got {stride}")
+    span = stride * size
+    if size == 1 or (span <= hw.devices_per_node and hw.devices_per_node % span == 0):
+        return Link(name="intra", bandwidth=hw.intra_bandwidth, latency=hw.intra_latency)
+    per_node = max(1, min(size, hw.devices_per_node // stride)) if stride < hw.devices_per_node else 1
+    bandwidth = hw.inter_bandwidth if per_node == 1 else min(hw.intra_bandwidth, per_node * hw.inter_bandwidth)
+    return Link(name="inter", bandwidth=bandwidth, latency=hw.inter_latency)
+
+
+def collective_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: int, stride: int = 1,
+                    algo: Algorithm = Algorithm.RING) -> float:
+    """Seconds for one collective: steps * alpha + volume / beta on the link the group spans."""
+    if size == 1 and op is not Collective.SEND_RECV:
+        return 0.0
+    link = group_link(hw, size=size if op is not Collective.SEND_RECV else 2, stride=stride)
+    return steps(op, size, algo) * link.latency + volume(op, nbytes, size, algo) / link.bandwidth
+
+
+def best_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: int, stride: int = 1) -> float:
+    """The faster of ring and tree (what NCCL / HCCL pick by message size), tree only where the
+    device's library has one for `op` (`hw.log_collectives`: NCCL's tree is AllReduce's alone).
+    `nbytes` may be a numpy array: the result is then elementwise (the planner prices every stage
+    size at once). Memoised on its arguments for a scalar `nbytes`: the planner asks for the same
+    collective for many layouts."""
+    if isinstance(nbytes, np.ndarray):
+        return _best_time(hw, op, nbytes, size, stride)
+    return _best_time_memo(hw, op, nbytes, size, stride)
+
+
+def _best_time(hw: DeviceProfile, op: Collective, nbytes, size: int, stride: int):
+    ring = collective_time(hw, op, nbytes, size=size, stride=stride, algo=Algorithm.RING)
+    if op.value not in hw.log_collectives:
+        return ring
+    tree = collective_time(hw, op, nbytes, size=size, stride=stride, algo=Algorithm.TREE)
+    return np.minimum(ring, tree) if isinstance(ring, np.ndarray) else min(ring, tree)
+
+
+_best_time_memo = functools.lru_cache(maxsize=1 << 16)(_best_time)
+
+
+def _check_size(size: int) -> None:
+    if not isinstance(size, int) or size < 1:
+        raise InvalidConfigError(f"collective group size must be a positive integer, got {size!r}")
+
+
+def gradient_bucket_params(group: int) -> int:
+    """Parameters per gradient bucket of a data-parallel group of `group` ranks: Megatron-Core DDP's
+    default max(40M, 1M x group) (megatron/core/distributed/distributed_data_parallel.py: the bucket
+    grows with the group so that the ring's per-rank latency stays amortised). The runtime cuts its
+    buckets by it (`GradSync`) and the cost model prices the sync's collectives and ZeRO-2's staging
+    buffers with it (`cost.dp_bucket_params`, `cost.zero2_staging_bytes`)."""
+    return max(40_000_000, 1_000_000 * group)
