@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autoshard.passes.cost.collectives import gradient_bucket_params
+from autoshard.rules.buckets import gradient_bucket_params
 
 # zero=2: buckets holding a staging buffer at once (DeepSpeed stage 2's double-buffered `ipg_buffer`
 # under overlap_comm): one filling while the previous one is reduce-scattered (passes/cost/cost.py prices them)

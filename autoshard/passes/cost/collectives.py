@@ -26,9 +26,6 @@ channel per NIC, so a group with k members on each node leaves each node through
 ring's network hop moves at k * inter_bandwidth, capped by the intra-node link the ring also
 crosses (NCCL's ring algorithm; nccl-tests doc/PERFORMANCE.md "bus bandwidth"). A group with one
 member per node (a DP group of stride >= devices_per_node) sees one NIC: inter_bandwidth.
-
-`gradient_bucket_params(group)`: parameters per data-parallel gradient bucket, one rule for the
-runtime's buckets (runtime/data_parallel.py) and the cost model's (passes/cost/cost.py).
 """
 
 from __future__ import annotations
@@ -149,12 +146,3 @@ _best_time_memo = functools.lru_cache(maxsize=1 << 16)(_best_time)
 def _check_size(size: int) -> None:
     if not isinstance(size, int) or size < 1:
         raise InvalidConfigError(f"collective group size must be a positive integer, got {size!r}")
-
-
-def gradient_bucket_params(group: int) -> int:
-    """Parameters per gradient bucket of a data-parallel group of `group` ranks: Megatron-Core DDP's
-    default max(40M, 1M x group) (megatron/core/distributed/distributed_data_parallel.py: the bucket
-    grows with the group so that the ring's per-rank latency stays amortised). The runtime cuts its
-    buckets by it (`GradSync`) and the cost model prices the sync's collectives and ZeRO-2's staging
-    buffers with it (`cost.dp_bucket_params`, `cost.zero2_staging_bytes`)."""
-    return max(40_000_000, 1_000_000 * group)

@@ -83,7 +83,8 @@ from autoshard.ir import (BlockKind, Mesh, OpKind, Precision, Recompute, Schedul
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.cost import fused_regions, moe_cost
 from autoshard.rules import schedules
-from autoshard.passes.cost.collectives import Collective, best_time, gradient_bucket_params, group_link, steps, volume
+from autoshard.passes.cost.collectives import Collective, best_time, group_link, steps, volume
+from autoshard.rules.buckets import gradient_bucket_params
 from autoshard.passes.cost.shape_memo import ShapeMemo
 from autoshard.passes.cost import sequence_cost
 from autoshard.rules import sharding
