@@ -53,7 +53,7 @@ from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.fingerprint import check_plan_matches, fingerprint_module
 from autoshard.inference_plan import InferencePlan, is_inference_plan
 from autoshard.ir import AXES, Mesh, Plan, Precision
-from autoshard.models.presets import spec_from_hf_config
+from autoshard.models.presets import max_positions, position_violation, spec_from_hf_config
 from autoshard.rules.validity import MIN_SEQ_LEN, backend_violation, check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
 from autoshard.runtime.shard_graph import shard_graph
@@ -140,8 +140,9 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
             out = dataclasses.replace(out, schedule=schedule)
         if out.sequence_parallel:
             _check_sequence_attention(model)
-        if not serving:  # generation asks for no router logits
+        if not serving:  # generation asks for no router logits; it holds its prompts to the positions itself
             _check_router_aux(model, out)
+            _check_positions(model, spec, out.seq_len)
         return out
 
     layers_backend = compile_backend(compile, spec, device.type, training=not serving)
@@ -194,6 +195,14 @@ def _check_sequence_attention(model: nn.Module) -> None:
         raise InvalidConfigError(f"sequence_parallel with attn_implementation={impl!r}: HF would build the causal "
                                  "mask for a 1/tp shard of the sequence; load the model with "
                                  "attn_implementation='sdpa' (the default) or set sequence_parallel to false")
+
+
+def _check_positions(model: nn.Module, spec, seq_len: int) -> None:
+    """A training sequence past the model's positions (HF's rope scaling honoured): the one position rule
+    (`presets.position_violation`) of plan, sweep, train_step, plan --inference and dm.generate."""
+    why = position_violation(max_positions(spec, model.config), prompt=seq_len, where="parallelize")
+    if why:
+        raise InvalidConfigError(why)
 
 
 def _check_router_aux(model: nn.Module, plan: Plan) -> None:
@@ -336,6 +345,7 @@ def _solve_on_rank0(model: nn.Module, spec, *, world: int, seq_len: int, global_
         try:
             from autoshard.hardware import load_hardware
 
+            _check_positions(model, spec, seq_len)
             table = build_cost_table(spec, model=model, kernels=load_hardware(hardware).kernels)
             plan = solve(spec, hardware, devices=world, global_batch=global_batch, seq_len=seq_len, table=table,
                          fingerprint=fingerprint_module(model))

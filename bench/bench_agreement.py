@@ -1,12 +1,14 @@
 """Cost of the per-step batch check (runtime/agreement.py) as a ratio to the step without it.
 
-`DistributedModel.train_step` = the batch check (shape, vocabulary, two checksums each of
-input_ids and labels: one host sync, then one all_gather of 8 int64 per rank) + `_step`, the
+`DistributedModel.train_step` = the batch check (shape, vocabulary, positions, a BLAKE2b digest each of
+input_ids' and labels' bytes: one host sync, then one all_gather of 6 int64 per rank) + `_step`, the
 training step itself. On one spawned world of 2 gloo ranks, for each plan (dp2, tp2, pp2) the
 same model and batch run `_step` (baseline) and `train_step` (candidate) in alternating order
 (bench_runtime's `_time_pair`); the ratio is median(train_step) / median(_step), > 1 meaning the
 check costs that much. The check alone (`_check_batch`) is timed too, as a share of the step.
-Only ratios mean anything; the milliseconds are this run's medians on this machine.
+Only ratios mean anything; the milliseconds are this run's medians on this machine. Last, the
+digest alone (`tensor_digest`, BLAKE2b of the bytes) of one tensor at production batch sizes, the part
+of the check that grows with the batch (the rest is one small all_gather).
 
     python bench/bench_agreement.py [--steps 10] [--seq 128] [--batch 8] ...  (bench_runtime's options)
 """
@@ -75,6 +77,17 @@ def main(argv=None) -> None:
     for r in rows:
         check, step = statistics.median(r["check_s"]), statistics.median(r["base_s"])
         print(f"{r['name']}: the check alone {1e3 * check:.2f} ms = {check / step:.3f} of a step without it")
+    from autoshard.runtime.agreement import tensor_digest
+
+    for rows, seq in ((8, 4096), (256, 4096), (1024, 4096)):
+        ids = torch.randint(0, 32000, (rows, seq))
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            tensor_digest(ids)
+            times.append(time.perf_counter() - start)
+        print(f"digest of a ({rows}, {seq}) batch: {1e3 * statistics.median(times):.1f} ms "
+              f"({ids.numel() * 8 / statistics.median(times) / 1e9:.2f} GB/s)")
 
 
 if __name__ == "__main__":

@@ -390,3 +390,27 @@ def test_show_checks_an_inference_plan_against_its_model(tmp_path, capsys):
                                                    "ep": edited["ep"]}}))
         _fails(capsys, ["show", str(bad)], str(bad), "parallelize would refuse this plan: the both pool's replica",
                needle)
+
+
+def short_yarn_llama():
+    """llama-tiny with 64 positions that HF's yarn rope scaling (factor 4) stretches to 256."""
+    from autoshard.models.presets import build_model, get_spec
+
+    config = get_spec("llama-tiny").hf_config()
+    config.max_position_embeddings = 64
+    config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    from transformers import LlamaForCausalLM
+
+    with __import__("torch").device("meta"):
+        return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("command", ["sweep", "plan"])
+def test_training_past_the_model_s_positions_is_refused(capsys, command):
+    # plan trained a llama-7b on 1,000,000-token sequences (tp8, ZeRO-3, offload) that plan --inference refused
+    argv = [command, "--devices", "2", "--hardware", "cpu", "--global-batch", "8", "--json"]
+    _fails(capsys, [*argv, "--model", "llama-7b", "--seq-len", "1000000"], f"{command} --seq-len: a sequence of "
+           "1000000 tokens needs 1000000 positions, more than the model's 131072", "at most 131072 tokens")
+    factory = f"{__name__}:short_yarn_llama"
+    _fails(capsys, [*argv, "--model", factory, "--seq-len", "257"], "more than the model's 256")
+    assert main([*argv, "--model", factory, "--seq-len", "256"]) == 0  # yarn lifts 64 positions to 256

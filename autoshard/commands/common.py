@@ -83,6 +83,16 @@ def check_moe_imbalance(spec, value: float) -> None:
                                  "model), so nothing would use it; drop it")
 
 
+def check_positions(spec, module, seq_len: int, where: str) -> None:
+    """A training sequence past the model's positions (`presets.position_violation`, the rule of plan
+    --inference and dm.generate; HF's rope scaling lifts the limit) is refused before any slow work."""
+    from autoshard.models.presets import max_positions, position_violation
+
+    why = position_violation(max_positions(spec, getattr(module, "config", None)), prompt=seq_len, where=where)
+    if why:
+        raise InvalidConfigError(why)
+
+
 MOE_IMBALANCE_HELP = ("mixture of experts: the busiest expert's load over the mean, which paces each MoE layer's "
                       "expert GEMMs and all-to-alls under ep (default 1.0, even routing); memory is always "
                       "bounded at the worst case of dropless routing; refused for a dense model")

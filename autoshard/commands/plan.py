@@ -8,7 +8,7 @@ import sys
 import time
 
 from autoshard.commands import plan_inference
-from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_output_path, cost_table_for,
+from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_positions, check_output_path, cost_table_for,
                                        imbalance, model_for, positive_float, positive_int)
 from autoshard.errors import InvalidConfigError
 
@@ -68,6 +68,7 @@ def run(args) -> int:
     hw = load_hardware(args.hardware)
     spec, module = model_for(args.model)
     check_moe_imbalance(spec, args.moe_imbalance)
+    check_positions(spec, module, args.seq_len, "plan --seq-len")
     valid_meshes(spec, args.devices, global_batch=args.global_batch, seq_len=args.seq_len)  # none: say why, at once
     from autoshard.passes.solve.solve import solve
 

@@ -17,7 +17,7 @@ import sys
 from dataclasses import replace
 from typing import Sequence
 
-from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_plot_path, cost_table_for,
+from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_positions, check_plot_path, cost_table_for,
                                        imbalance, memory_text, model_for, positive_int, seconds_text)
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute
@@ -145,6 +145,7 @@ def run(args) -> int:
     hw = load_hardware(args.hardware)
     spec, module = model_for(args.model)
     check_moe_imbalance(spec, args.moe_imbalance)
+    check_positions(spec, module, args.seq_len, "sweep --seq-len")
     valid_meshes(spec, args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
                  micro_batch=args.micro_batch)  # no valid layout: say so before tracing the model
     _, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module, kernels=hw.kernels)

@@ -123,27 +123,54 @@ MOE_ARCHS = ("mixtral", "qwen2_moe")
 MAX_POSITIONS = 2 * 65536  # the presets' max_position_embeddings (LLaMA family): 128k-token sequences
 
 
+SCALING_ROPES = ("linear", "yarn", "llama3", "longrope")  # HF rope types that stretch the trained positions
+
+
 def max_positions(spec: ModelSpec, config=None) -> int | None:
-    """The most positions (prompt + generated tokens) the model was made for: its HF config's
-    max_position_embeddings (`config`; a preset's when None: `MAX_POSITIONS`); None where nothing caps
-    them: Mamba-2 (no positions) and HF's dynamic RoPE, whose max_position_embeddings is the original
-    length it rescales past (transformers.modeling_rope_utils.dynamic_rope_update)."""
+    """The most positions (prompt + generated tokens, or a training sequence) the model was made for: its HF
+    config's max_position_embeddings (`config`; a preset's when None: `MAX_POSITIONS`), lifted by HF's rope
+    scaling (`rope_parameters` / `rope_scaling` of type linear, yarn, llama3 or longrope: the original length
+    times `factor` when that is more; per layer type, the tightest); None where nothing caps them: Mamba-2
+    (no positions) and HF's dynamic RoPE, whose max_position_embeddings is the original length it rescales
+    past (transformers.modeling_rope_utils.dynamic_rope_update)."""
     if config is None:
         return None if spec.family is Family.MAMBA2 else MAX_POSITIONS
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    rope_type = rope.get("rope_type", rope.get("type", "")) if isinstance(rope, dict) else ""
-    if "dynamic" in str(rope_type):
-        return None
     limit = getattr(config, "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+    if not (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return limit
+    ropes = [rope] if not rope or not all(isinstance(v, dict) or v is None for v in rope.values()) else \
+        [r for r in rope.values() if r]  # per layer type (HF's nested rope_parameters)
+    limits = [_rope_limit(r, limit) for r in ropes] or [limit]
+    return None if any(x is None for x in limits) else min(limits)
 
 
-def position_violation(limit: int | None, *, prompt: int, new: int, where: str = "generate") -> str | None:
+def _rope_limit(rope: dict, limit: int) -> int | None:
+    """One rope parameter dict's position limit, given max_position_embeddings `limit` (see max_positions)."""
+    rope_type = str(rope.get("rope_type", rope.get("type", "")))
+    if "dynamic" in rope_type:
+        return None
+    factor = rope.get("factor")
+    if rope_type not in SCALING_ROPES or not isinstance(factor, (int, float)) or factor <= 1:
+        return limit
+    original = rope.get("original_max_position_embeddings") or limit
+    return max(limit, int(original * factor))
+
+
+def position_violation(limit: int | None, *, prompt: int, new: int = 0, where: str = "generate") -> str | None:
     """Why a prompt of `prompt` tokens cannot grow by `new` tokens under `limit` (`max_positions`), or
-    None. HF's `generate` only warns past max_position_embeddings ("friendly reminder") and goes on with
-    positions the model never saw; `dm.generate` and the inference planner refuse (`where` names which)."""
+    None; with `new` 0, why a training sequence of `prompt` tokens cannot run. The one position rule of
+    every entry point: HF's `generate` only warns past max_position_embeddings ("friendly reminder") and
+    goes on with positions the model never saw, and its training forward says nothing at all; `dm.generate`,
+    the inference planner, `plan`, `sweep`, `parallelize` and `train_step` refuse (`where` names which)."""
     if limit is None or prompt + new <= limit:
         return None
+    if new == 0:
+        return (f"{where}: a sequence of {prompt} tokens needs {prompt} positions, more than the model's "
+                f"{limit} (max_position_embeddings, with its rope scaling); train on sequences of at most {limit} "
+                "tokens, or give the config a rope scaling that lifts the limit (rope_parameters: yarn, linear)")
     if prompt >= limit:
         return (f"{where}: the prompt has {prompt} tokens, and the model's max_position_embeddings is {limit}, so no "
                 f"new token fits; shorten the prompt to fewer than {limit} tokens")

@@ -7,8 +7,8 @@ before the first collective that depends on them, the ranks compare:
 
 * the plan (`plan_facts`): a hash of its JSON, its mesh and batch numbers, the model's
   fingerprint and the run settings, once in `autoshard.parallelize`;
-* the global batch (`batch_facts`): its shape and two checksums each of input_ids and labels,
-  at every `train_step` (and `DistributedModel.__call__`), with the out-of-vocabulary check.
+* the global batch (`batch_facts`): its shape and a digest each of input_ids and labels,
+  at every `train_step` (and `DistributedModel.__call__`), with the out-of-vocabulary and position checks.
 
 Contract: `agree(what, names, values, error=..., device=...)` ("plan", "global batch") is collective over the default group,
 and every rank calls it with the same `what` and `names`. `values` is this rank's {name: int}
@@ -22,9 +22,11 @@ It costs one all_gather of len(names) + 2 int64 per rank; then on every rank:
   field and which ranks hold which value;
 * else it returns.
 
-Checksums: sum(x) and sum(x * (2i + 1)) over the flattened tensor (int64). A change of one
-element by d changes the weighted sum by d * (2i + 1), an odd multiple, never 0 mod 2^64; a swap
-of two different elements changes it too. Nothing here reads beyond the batch every rank holds.
+Digests: BLAKE2b (64 bits) of the tensor's bytes as int64 in row-major order (`tensor_digest`), so any
+change of any token, a swap, or a shift is seen, up to a 2^-64 chance (weighted checksums were not:
++1, -2, +1 on three adjacent tokens kept sum(x) and sum(x * (2i + 1)) alike). int32 and int64 batches of
+the same values agree. Nothing here reads beyond the batch every rank holds; its cost per step is
+measured by bench/bench_agreement.py.
 """
 
 from __future__ import annotations
@@ -39,17 +41,24 @@ from torch import Tensor
 
 from autoshard import errors
 from autoshard.errors import AutoshardError, InvalidConfigError
+from autoshard.models.presets import position_violation
 
 IGNORE_INDEX = -100  # the label HF's loss skips (runtime/loss.py)
 
 PLAN_FIELDS = ("solved on rank 0 (plan=None)", "plan", "model", "settings", "dp", "pp", "tp", "cp", "ep", "micro_batch", "zero", "global_batch",
                "seq_len")
-BATCH_FIELDS = ("rows", "columns", "input_ids sum", "input_ids weighted sum", "labels sum", "labels weighted sum")
+BATCH_FIELDS = ("rows", "columns", "input_ids digest", "labels digest")
 
 
 def stable_hash(text: str) -> int:
     """A signed 64-bit integer from sha256 of `text` (the same on every machine, unlike hash())."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big", signed=True)
+
+
+def tensor_digest(t: Tensor) -> int:
+    """A signed 64-bit BLAKE2b digest of `t`'s values as int64, row-major (on the host: one copy)."""
+    data = t.detach().reshape(-1).to(device="cpu", dtype=torch.int64).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)
 
 
 def plan_facts(plan, *, fingerprint: str, settings: Mapping[str, object], solved: bool = False) -> dict[str, int]:
@@ -67,11 +76,12 @@ def plan_facts(plan, *, fingerprint: str, settings: Mapping[str, object], solved
 
 
 def batch_facts(input_ids: Tensor, labels: Tensor | None, *, vocab: int, global_batch: int | None,
-                training: bool = False) -> dict[str, int]:
-    """The shape and checksums of a global batch, after checking it: InvalidConfigError for a shape that is
+                training: bool = False, positions: int | None = None, where: str = "train_step") -> dict[str, int]:
+    """The shape and digests of a global batch, after checking it: InvalidConfigError for a shape that is
     not (global_batch, seq), a dtype other than int64 / int32 (what an embedding takes), a token id / label
     outside the vocabulary (labels may also be -100), and for `training` missing labels or labels with
-    no token to predict (the loss would divide by zero and turn every weight into NaN). One host sync."""
+    no token to predict (the loss would divide by zero and turn every weight into NaN), and a sequence longer
+    than `positions` (`presets.max_positions`; `where` names the call in the error). One host sync."""
     if training and labels is None:
         raise InvalidConfigError("train_step needs labels: a (global_batch, seq) integer tensor, usually input_ids "
                                  "itself (the model predicts token t + 1 from tokens up to t; -100 skips a position)")
@@ -89,17 +99,19 @@ def batch_facts(input_ids: Tensor, labels: Tensor | None, *, vocab: int, global_
     if global_batch is not None and input_ids.shape[0] != global_batch:
         raise InvalidConfigError(f"train_step expects input_ids and labels of shape (global_batch={global_batch}, "
                                  f"seq), got {tuple(input_ids.shape)}; give the whole global batch on every rank")
-    weights = torch.arange(input_ids.numel(), device=input_ids.device, dtype=torch.int64) * 2 + 1
+    why = position_violation(positions, prompt=input_ids.shape[1], where=where)
+    if why:
+        raise InvalidConfigError(why)
     stats = []
     for name, t in tensors.items():
         flat = t.reshape(-1).to(torch.int64)
         valid = flat if name == "input_ids" else torch.where(flat == IGNORE_INDEX, 0, flat)
-        stats += [flat.sum(), (flat * weights).sum(), valid.min(), valid.max()]
+        stats += [valid.min(), valid.max()]
     if labels is not None:  # the tokens the loss counts (runtime/loss.count_tokens: shifted labels != -100)
         stats.append((labels[:, 1:] != IGNORE_INDEX).sum())
     values = torch.stack(stats).tolist()  # the one host sync
     for i, (name, t) in enumerate(tensors.items()):
-        low, high = values[4 * i + 2], values[4 * i + 3]
+        low, high = values[2 * i], values[2 * i + 1]
         if low < 0 or high >= vocab:
             raise InvalidConfigError(_out_of_vocabulary(name, t, vocab))
     if training and values[-1] == 0:
@@ -107,10 +119,9 @@ def batch_facts(input_ids: Tensor, labels: Tensor | None, *, vocab: int, global_
                                  "the first position is -100 (a causal LM's loss skips labels[:, 0]), so the mean loss "
                                  "would be 0 / 0 and the step would turn every weight into NaN; skip this batch or "
                                  "give it unmasked labels")
-    facts = {"rows": input_ids.shape[0], "columns": input_ids.shape[1],
-             "input_ids sum": values[0], "input_ids weighted sum": values[1]}
+    facts = {"rows": input_ids.shape[0], "columns": input_ids.shape[1], "input_ids digest": tensor_digest(input_ids)}
     if labels is not None:
-        facts |= {"labels sum": values[4], "labels weighted sum": values[5]}
+        facts["labels digest"] = tensor_digest(labels)
     return facts
 
 

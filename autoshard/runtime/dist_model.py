@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.ir import Plan, Precision
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.models.presets import Family, ModelSpec, max_positions
 from autoshard.ir import Replicate, ShardProgram
 from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
 from autoshard.runtime.comm import gather_last_dim
@@ -136,6 +136,7 @@ class DistributedModel:
                 for p in self._params:
                     p.data = p.data.to(torch.bfloat16)
         self.steps = 0  # optimizer steps taken (restored by load_checkpoint)
+        self._positions = max_positions(setup.spec, getattr(self.model, "config", None))  # the position rule
         self.fingerprint = setup.fingerprint
         self.full_shapes = dict(setup.full_shapes or {})
         self.device = setup.groups.device
@@ -149,7 +150,8 @@ class DistributedModel:
                                      "checked by generation's rules, not training's); train under a training plan "
                                      "(`autoshard plan`, or plan=dict(dp=..., tp=..., ...))")
         try:
-            self._check_batch(input_ids, labels, global_batch=self.plan.global_batch, training=True)
+            self._check_batch(input_ids, labels, global_batch=self.plan.global_batch, training=True,
+                              where="train_step")
             return self._step(input_ids, labels)
         except RuntimeError as e:  # a collective that failed: name the ranks that are gone
             if isinstance(e, dist.DistError) or any(w in str(e) for w in ("gloo", "NCCL", "HCCL", "Connection")):
@@ -157,10 +159,11 @@ class DistributedModel:
             raise
 
     def _check_batch(self, input_ids: Tensor, labels: Tensor | None, *, global_batch: int | None,
-                     training: bool = False) -> None:
+                     training: bool = False, where: str = "") -> None:
+        """`where` (train_step, dm(input_ids)): the sequence is also held to the model's positions."""
         try:
             facts = batch_facts(input_ids, labels, vocab=self._setup.spec.vocab, global_batch=global_batch,
-                                training=training)
+                                training=training, positions=self._positions if where else None, where=where)
             error = None
         except AutoshardError as e:
             facts, error = None, e
@@ -237,7 +240,7 @@ class DistributedModel:
     # -- checks and evaluation ------------------------------------------------------------------
     def __call__(self, input_ids: Tensor) -> Tensor:
         """Full logits (b, s, V) of `input_ids` on every rank (no gradient)."""
-        self._check_batch(input_ids, None, global_batch=None)
+        self._check_batch(input_ids, None, global_batch=None, where="dm(input_ids)")
         ids = input_ids.to(self._groups.device)
         with torch.no_grad(), autocast(self.precision, ids.device):
             if self._runner is not None:  # (with cp: the runner takes this rank's slice of the sequence)

@@ -60,3 +60,22 @@ def test_a_config_whose_forward_fails_is_refused_by_name(config, needle):
                                            **config)}[kind]()
     with pytest.raises(InvalidConfigError, match=r"^user: " + needle.replace("(", r"\(").replace(")", r"\)")):
         spec_from_hf_config(hf, name="user")
+
+
+def test_rope_scaling_lifts_the_position_limit():
+    from transformers import LlamaConfig
+
+    from autoshard.models.presets import max_positions
+
+    spec = get_spec("llama-tiny")
+    rope = dict(rope_theta=1e4)
+    assert max_positions(spec, LlamaConfig(max_position_embeddings=4096)) == 4096
+    assert max_positions(spec, LlamaConfig(max_position_embeddings=4096,
+                                           rope_parameters=dict(rope, rope_type="yarn", factor=4.0))) == 16384
+    assert max_positions(spec, LlamaConfig(max_position_embeddings=4096,  # linear: positions / factor
+                                           rope_parameters=dict(rope, rope_type="linear", factor=2.0))) == 8192
+    llama31 = dict(rope, rope_type="llama3", factor=8.0, original_max_position_embeddings=8192, low_freq_factor=1.0,
+                   high_freq_factor=4.0)  # Llama 3.1: max_position_embeddings is already the stretched length
+    assert max_positions(spec, LlamaConfig(max_position_embeddings=131072, rope_parameters=llama31)) == 131072
+    assert max_positions(spec, LlamaConfig(max_position_embeddings=8, rope_parameters=dict(rope, rope_type="dynamic",
+                                                                                          factor=2.0))) is None

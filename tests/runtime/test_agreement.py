@@ -80,14 +80,26 @@ def _batches_under(rank: int, plan: dict) -> None:
     one_bad = bad_id if rank == 1 else ids
     _same_error(rank, lambda: dm.train_step(one_bad, labels), InvalidConfigError,
                 "input_ids[1, 3] = 500", "(rank 1 of 2; rank 0 found none: the ranks were not given the same global batch)")
-    # same shape, different data on one rank: caught by the checksums, not a silently wrong loss
+    # same shape, different data on one rank: caught by the digests, not a silently wrong loss
     other = _batch(seed=rank)
     _same_error(rank, lambda: dm.train_step(*other), InvalidConfigError,
-                "ranks disagree on the global batch", "input_ids weighted sum: rank 0 ", ", rank 1 ")
+                "ranks disagree on the global batch", "input_ids digest: rank 0 ", ", rank 1 ")
     swapped = labels.clone()
     if rank == 1:
         swapped[[0, 1]] = swapped[[1, 0]]  # the same tokens in another order: equal plain sums
-    _same_error(rank, lambda: dm.train_step(ids, swapped), InvalidConfigError, "labels weighted sum")
+    _same_error(rank, lambda: dm.train_step(ids, swapped), InvalidConfigError, "labels digest")
+    nudged = ids.clone()
+    if rank == 1:  # +1, -2, +1 on three adjacent tokens kept sum(x) and sum(x * (2i + 1)) equal
+        nudged[2, 4:7] += torch.tensor([1, -2, 1])
+    _same_error(rank, lambda: dm.train_step(nudged.clamp(0, SPEC.vocab - 1), labels), InvalidConfigError,
+                "input_ids digest")
+    # past the model's positions (its config's max_position_embeddings, here 16): one error everywhere
+    short = build_model(SPEC, seed=0)
+    short.config.max_position_embeddings = SEQ
+    short = autoshard.parallelize(short, ids, plan=plan, global_batch=BATCH)
+    long = torch.cat([ids, ids], dim=1)
+    _same_error(rank, lambda: short.train_step(long, long), InvalidConfigError,
+                "train_step: a sequence of 32 tokens needs 32 positions, more than the model's 16")
     # a different number of rows on one rank: its error, on both ranks
     rows = ids[:2] if rank == 0 else ids
     rows_labels = labels[:2] if rank == 0 else labels
@@ -151,14 +163,18 @@ def test_every_rank_raises_the_same_error(tmp_path):
     run_ranks(2, _run, str(tmp_path))
 
 
-def test_batch_checksums_see_every_change():
+def test_batch_digests_see_every_change():
     ids, labels = _batch()
     base = batch_facts(ids, labels, vocab=SPEC.vocab, global_batch=BATCH)
-    for i in range(ids.numel()):  # one token changed anywhere, by any amount, changes the weighted sum
-        changed = ids.clone().reshape(-1)
-        changed[i] = (changed[i] + 1 + i) % SPEC.vocab
-        facts = batch_facts(changed.reshape(ids.shape), labels, vocab=SPEC.vocab, global_batch=BATCH)
-        assert facts["input_ids weighted sum"] != base["input_ids weighted sum"]
+    seen = {base["input_ids digest"]}
+    for i in range(ids.numel() - 2):  # one token changed anywhere, and +1 -2 +1 on three adjacent tokens
+        for delta in ((1 + i,), (1, -2, 1)):
+            changed = ids.clone().reshape(-1)
+            changed[i:i + len(delta)] = (changed[i:i + len(delta)] + torch.tensor(delta)) % SPEC.vocab
+            facts = batch_facts(changed.reshape(ids.shape), labels, vocab=SPEC.vocab, global_batch=BATCH)
+            seen.add(facts["input_ids digest"])
+    assert len(seen) == 1 + 2 * (ids.numel() - 2)  # every change a digest of its own
+    assert batch_facts(ids.int(), labels.int(), vocab=SPEC.vocab, global_batch=BATCH) == base  # int32 == int64
 
 
 @pytest.mark.parametrize("change, needle", [

@@ -157,3 +157,27 @@ def test_an_expression_outside_the_stored_form_is_not_cached(cache, tiny_table):
                                         *tiny_table.blocks[1:]))
     assert table_cache.cached_table({"k": 1}, lambda: weird) is weird  # built and returned, not stored
     assert not (cache / f"{table_cache.digest({'k': 1})}.json").exists()
+
+
+def test_an_edited_entry_is_rebuilt_with_one_warning(cache, count_builds, caplog):
+    # one "params" number changed by hand (valid JSON) moved a plan's predicted step from 0.007 s to 0.47 s
+    spec = get_spec("llama-tiny")
+    good = shapes.build_cost_table(spec)
+    (path,) = cache.glob("*.json")
+    data = json.loads(path.read_text())
+    assert data["digest"] == table_cache.content_digest(data["value"])
+    for edit in ("params", "digest"):
+        edited = json.loads(path.read_text())
+        if edit == "params":
+            edited["value"]["blocks"][0]["params"] += 1000
+        else:  # no digest at all: not trusted either
+            del edited["digest"]
+        path.write_text(json.dumps(edited))
+        shapes._build_cached.cache_clear()
+        shapes._build_for_layers.cache_clear()
+        caplog.clear()
+        assert shapes.build_cost_table(spec) == good
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "does not match its content digest" in warnings[0].getMessage()
+        assert json.loads(path.read_text())["value"] == data["value"]  # replaced by the good table
+    assert len(count_builds) == 3
