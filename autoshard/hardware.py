@@ -66,6 +66,11 @@ class DeviceProfile:
     # optimizer offload (plan key offload_optimizer): None = not known, the planner does not offload
     host_link_bandwidth: float | None = None  # bytes/s per device per direction, device <-> host memory
     host_memory_bandwidth: float | None = None  # bytes/s of host DRAM per device (the CPU optimizer step)
+    # serving (passes/serving/inference_cost.py): what a decode step costs besides its bytes; None = not known (0)
+    ll_base_latency: float | None = None  # s: a low-latency (LL) protocol collective's fixed cost (NCCL baseLat)
+    intra_ll_latency: float | None = None  # s per LL step on the intra-node link (NCCL hwLat NVLink / PCI)
+    inter_ll_latency: float | None = None  # s per LL step on the network (NCCL hwLat NET)
+    kernel_floor_s: float | None = None  # s a kernel of a graph-launched forward costs beyond its bytes / FLOPs
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -80,11 +85,13 @@ class DeviceProfile:
         if not isinstance(self.devices_per_node, int):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'devices_per_node' must be an "
                                      f"integer, got {self.devices_per_node!r}")
-        for f in ("host_link_bandwidth", "host_memory_bandwidth"):
+        for f in ("host_link_bandwidth", "host_memory_bandwidth") + SERVING_FIELDS:
             value = getattr(self, f)
+            low = 0 if f in SERVING_FIELDS else math.ulp(0)  # serving latencies may be 0, bandwidths not
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not 0 < value < math.inf):
-                raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a positive finite "
+                                      or not low <= value < math.inf):
+                raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a "
+                                         f"{'non-negative' if f in SERVING_FIELDS else 'positive'} finite "
                                          f"number (or absent), got {value!r}")
         if not isinstance(self.kernels, (list, tuple)) or not all(isinstance(k, str) for k in self.kernels):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'kernels' must be a list of "
@@ -127,6 +134,7 @@ class DeviceProfile:
         return data
 
 
+SERVING_FIELDS = ("ll_base_latency", "intra_ll_latency", "inter_ll_latency", "kernel_floor_s")
 _NUMERIC_FIELDS = ("peak_flops", "memory_bytes", "hbm_bandwidth", "devices_per_node", "intra_bandwidth",
                    "intra_latency", "inter_bandwidth", "inter_latency", "gemm_efficiency", "gemm_half_dim",
                    "vector_efficiency", "attention_efficiency")
@@ -187,6 +195,17 @@ _FUSED_SOURCE = ("Megatron-Core / Transformer Engine production runs: fused RMSN
                  "fusions through compiled layers (runtime/compiled.py) and mamba_ssm's SSD where it is installed; "
                  "without it its own SSD (runtime/ssd.py, torch ops) saves what the fused kernel saves but ran "
                  "4-6x slower than this price on an H200 (docs/cost_model.md, 'Measured on an H200')")
+# Serving: NCCL's low-latency protocol (src/graph/tuning.cc, NCCL 2.18-2.27: baseLat Ring/LL 6.6 us; hwLat
+# Ring/LL per step: NVLink 0.6 us, PCI 1.0 us, NET 2.7 us) and the per-kernel floor of a CUDA-graph decode step
+_LL = dict(ll_base_latency=6.6e-6, intra_ll_latency=0.6e-6, inter_ll_latency=2.7e-6)
+_LL_SOURCE = ("NCCL src/graph/tuning.cc (2.18-2.27): LL protocol baseLat (Ring) 6.6 us; hwLat per step, Ring/LL: "
+              "NVLink 0.6 us (PCI 1.0 us for PCIe cards), NET 2.7 us; the LL payload is half the link bandwidth")
+KERNEL_FLOOR = 5.2e-6
+_FLOOR_SOURCE = ("calibrated on issue 29's two given vLLM rows (Llama-3-8B 1 H100 tp1 b1 128/128 0.994 s, "
+                 "Llama-3-70B 4 H100 tp4 b1 2.462 s; the two solve to 5.5 and 4.9 us; 5.2 keeps both within 3%, docs/inference.md): the time a decode "
+                 "kernel costs beyond its bytes under CUDA graphs (graph node launch, the DRAM-latency ramp and the "
+                 "tail of a GEMV that streams a few MB, 12 kernels per LLaMA layer); no per-step host term is "
+                 "needed for those rows")
 _RESERVE = 2 * GB  # CUDA context (~0.5-1 GB) + NCCL channel buffers and cuBLAS workspaces (~1 GB)
 _RESERVE_SOURCE = "; less 2 GB for the CUDA context (~0.5-1 GB) and NCCL / cuBLAS workspaces"
 
@@ -206,9 +225,13 @@ A100_80G = DeviceProfile(
     attention_efficiency=0.58,
     kernels=_GPU_FUSED,
     log_collectives=_NCCL_LOG,
+    **_LL,
+    kernel_floor_s=KERNEL_FLOOR,
     host_link_bandwidth=32 * GB,
     host_memory_bandwidth=51.2 * GB,
     sources=(
+        ("ll_base_latency", _LL_SOURCE), ("intra_ll_latency", _LL_SOURCE), ("inter_ll_latency", _LL_SOURCE),
+        ("kernel_floor_s", "as h100 (" + _FLOOR_SOURCE + "); not measured on A100"),
         ("host_link_bandwidth", "NVIDIA A100 datasheet: PCIe Gen4 x16, 64 GB/s bidirectional = 32 GB/s per direction"),
         ("host_memory_bandwidth", "DGX A100 user guide: 2x AMD EPYC 7742, 8 channels DDR4-3200 each = 2 x 204.8 "
                                   "GB/s, shared by 8 GPUs = 51.2 GB/s per GPU"),
@@ -253,9 +276,13 @@ H100 = DeviceProfile(
     attention_efficiency=0.53,
     kernels=_GPU_FUSED,
     log_collectives=_NCCL_LOG,
+    **_LL,
+    kernel_floor_s=KERNEL_FLOOR,
     host_link_bandwidth=64 * GB,
     host_memory_bandwidth=76.8 * GB,
     sources=(
+        ("ll_base_latency", _LL_SOURCE), ("intra_ll_latency", _LL_SOURCE), ("inter_ll_latency", _LL_SOURCE),
+        ("kernel_floor_s", _FLOOR_SOURCE),
         ("host_link_bandwidth", "NVIDIA H100 SXM datasheet: PCIe Gen5 x16, 128 GB/s bidirectional = 64 GB/s per "
                                 "direction (H200 the same)"),
         ("host_memory_bandwidth", "DGX H100 user guide: 2x Intel Xeon Platinum 8480C, 8 channels DDR5-4800 each = "

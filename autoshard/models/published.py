@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.ir import Mesh, Recompute
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.models.presets import PRESETS, Family, ModelSpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,3 +86,33 @@ def llama2_13b():
 def gpt_22b():
     """GPT-22B of Korthikanti et al. 2022 as a LLaMA config (SwiGLU 8h/3 = GPT's 4h MLP)."""
     return _build(GPT_22B)
+
+
+# -- serving (issue 29): fixed-batch latency runs of a serving engine --------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServingRun:
+    """One measured fixed-batch generation: `batch` sequences of `prompt_len` tokens, `output_len` new
+    tokens each (end-of-sequence ignored), on one replica of tp GPUs; `total_s` the whole batch's time."""
+
+    id: str
+    source: str
+    spec: ModelSpec
+    hardware: str
+    tp: int
+    batch: int
+    prompt_len: int
+    output_len: int
+    total_s: float
+
+
+SERVING_SOURCE = ("argonne-lcf/LLM-Inference-Bench, Plots/All_results.csv: vLLM ~0.5 with CUDA graphs, fp16, "
+                  "H100 SXM, fixed prompt / output lengths (issue 29)")
+LLAMA3_70B = PRESETS["llama-70b"]  # Llama-3-70B's sizes (its table ships with the package)
+
+SERVING_CALIBRATION: tuple[ServingRun, ...] = (
+    ServingRun(id="llama3-8b-h100-tp1-b1", source=SERVING_SOURCE, spec=LLAMA31_8B, hardware="h100", tp=1, batch=1,
+               prompt_len=128, output_len=128, total_s=0.994),
+    ServingRun(id="llama3-70b-h100-tp4-b1", source=SERVING_SOURCE, spec=LLAMA3_70B, hardware="h100", tp=4, batch=1,
+               prompt_len=128, output_len=128, total_s=2.462),
+)

@@ -15,6 +15,11 @@ Buffer convention (`nbytes` = M):
 
 Volumes per device (ring):  AllReduce 2(N-1)/N M;  AllGather, ReduceScatter, Gather, AllToAll
 (N-1)/N M;  Reduce 2(N-1)/N M (reduce-scatter then gather to the root);  SendRecv M.
+Protocols (NCCL's LL beside Simple, `low_latency_time`): where the profile has LL latencies
+(`ll_base_latency`, `intra_ll_latency`, `inter_ll_latency`: NCCL's tuning.cc baseLat / hwLat) a
+collective's time is the cheapest of the algorithms under either protocol: LL pays a fixed
+base latency plus a small per-hop latency and moves data at half the link bandwidth, so it wins
+below tens of KB (a decode step's TP all-reduce), Simple above.
 Tree algorithms trade bandwidth for log2(N) steps (double binary tree AllReduce 2M, binomial
 Reduce/Gather, recursive doubling AllGather/ReduceScatter, Bruck AllToAll M/2 * log2 N).
 
@@ -133,11 +138,34 @@ def best_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: int, st
 
 
 def _best_time(hw: DeviceProfile, op: Collective, nbytes, size: int, stride: int):
-    ring = collective_time(hw, op, nbytes, size=size, stride=stride, algo=Algorithm.RING)
-    if op.value not in hw.log_collectives:
-        return ring
-    tree = collective_time(hw, op, nbytes, size=size, stride=stride, algo=Algorithm.TREE)
-    return np.minimum(ring, tree) if isinstance(ring, np.ndarray) else min(ring, tree)
+    algos = (Algorithm.RING, Algorithm.TREE) if op.value in hw.log_collectives else (Algorithm.RING,)
+    times = [collective_time(hw, op, nbytes, size=size, stride=stride, algo=a) for a in algos]
+    if hw.ll_base_latency is not None and size > 1 and op is not Collective.SEND_RECV:
+        times += [low_latency_time(hw, op, nbytes, size=size, stride=stride, algo=a) for a in algos]
+    best = times[0]
+    for t in times[1:]:
+        best = np.minimum(best, t) if isinstance(best, np.ndarray) or isinstance(t, np.ndarray) else min(best, t)
+    return best
+
+
+LL_PAYLOAD = 0.5  # NCCL's LL protocol: each 8-byte line carries 4 bytes of data and a 4-byte flag
+
+
+def low_latency_time(hw: DeviceProfile, op: Collective, nbytes, *, size: int, stride: int = 1,
+                     algo: Algorithm = Algorithm.RING):
+    """Seconds of one collective under NCCL's low-latency protocol (LL), NCCL's own cost model
+    (src/graph/tuning.cc): a fixed `ll_base_latency` (baseLat, the kernel's launch and flag setup)
+    plus, per step of the algorithm, the per-hop LL latency of the link the group spans (hwLat:
+    NVLink 0.6 us, PCI 1.0 us, network 2.7 us), with the payload at half the link bandwidth (data and
+    flag share every 8-byte store, so no fence is needed: that is why its latency is low). NCCL picks
+    LL for small messages (a decode step's all-reduce of a few KB), LL128 / Simple for large ones
+    (`best_time` takes the cheapest). Profiles without `ll_base_latency` have no LL (the Simple
+    alpha-beta model alone)."""
+    link = group_link(hw, size=size, stride=stride)
+    hop = hw.intra_ll_latency if link.name == "intra" else hw.inter_ll_latency
+    if hop is None:
+        hop = link.latency
+    return hw.ll_base_latency + steps(op, size, algo) * hop + volume(op, nbytes, size, algo) / (link.bandwidth * LL_PAYLOAD)
 
 
 _best_time_memo = functools.lru_cache(maxsize=1 << 16)(_best_time)

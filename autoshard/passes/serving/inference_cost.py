@@ -33,7 +33,11 @@ is what runs differently in decode, priced with a third symbol, the context leng
   state (b, conv channels of the rank, d_conv) read and written once; ~5 FLOPs per state element, 2 per
   conv tap. Constant in C.
 TP: the same all-reduces per layer as training's forward, of (batch, 1, hidden): latency-bound,
-alpha of the collective model dominates. The last stage gathers the logits of the last
+priced by the collective model with NCCL's low-latency protocol where the profile has it
+(`collectives.low_latency_time`: ~8-10 us on NVLink). An embedding lookup reads its tokens' rows.
+Fixed work (`PhaseTime.fixed`, prefill and decode): `hw.kernel_floor_s` per kernel the forward
+launches as an engine runs it (`kernels_per_forward`), the cost of a kernel beyond its bytes under
+CUDA graphs; at small batch it is a quarter of a decode step (docs/inference.md). The last stage gathers the logits of the last
 position over tp (fp32) and broadcasts the next tokens over the pipeline; PP adds one p2p hop
 of (batch, 1, hidden) per stage boundary.
 
@@ -123,14 +127,15 @@ class PhaseTime:
     tp_comm: float
     pp_comm: float  # stage-to-stage hops and the token broadcast
     ep_comm: float = 0.0  # ep > 1: the all-reduce of every MoE layer's output over the ep group
+    fixed: float = 0.0  # the kernels' fixed cost beyond their bytes (`_floor_seconds`)
 
     @property
     def total(self) -> float:
-        return self.compute + self.core + self.tp_comm + self.pp_comm + self.ep_comm
+        return self.compute + self.core + self.tp_comm + self.pp_comm + self.ep_comm + self.fixed
 
     def as_dict(self) -> dict[str, float]:
         return {"compute": self.compute, "core": self.core, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
-                "ep_comm": self.ep_comm}
+                "ep_comm": self.ep_comm, "fixed": self.fixed}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -175,6 +180,8 @@ class InferenceTable:
     ct: CompiledTable
     core: dict  # BlockKind -> bool array: nodes decode prices by its own rule
     skip: dict  # BlockKind -> bool array: nodes inference does not run (the training loss)
+    lookup: dict  # BlockKind -> bool array: table lookups (the embedding): read the rows asked, not the table
+    paths: dict  # BlockKind -> tuple of module paths, per node (what `kernels_per_forward` counts by)
     attention_flops: Any  # lambdified (b, c) -> FLOPs of one decode step's attention, one layer (LLaMA)
 
     @property
@@ -186,9 +193,11 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
     if isinstance(table, InferenceTable):
         return table
     ct = compile_table(table, spec)
-    core, skip, attn = {}, {}, sympy.Integer(0)
+    core, skip, lookup, paths, attn = {}, {}, {}, {}, sympy.Integer(0)
     for block in table.blocks:
         nodes = priced_nodes(block)  # the nodes compile_table keeps, in its order
+        lookup[block.kind] = np.array([n.target == "aten.embedding.default" for n in nodes], dtype=bool)
+        paths[block.kind] = tuple(n.module_path for n in nodes)
         is_core = [_in_core(n.module_path, spec) for n in nodes]
         if spec.family is Family.LLAMA:  # only the s x s attention runs differently in decode
             is_core = [c and _degree_in_s(n.flops) >= 2 for c, n in zip(is_core, nodes)]
@@ -197,7 +206,7 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
                            sympy.Integer(0))
         core[block.kind] = np.array(is_core, dtype=bool)
         skip[block.kind] = np.array([block.kind is BlockKind.HEAD and n.module_path == "" for n in nodes], dtype=bool)
-    return InferenceTable(ct=ct, core=core, skip=skip, attention_flops=sympy.lambdify((B, C), attn, modules=[np]))
+    return InferenceTable(ct=ct, core=core, skip=skip, lookup=lookup, paths=paths, attention_flops=sympy.lambdify((B, C), attn, modules=[np]))
 
 
 def _in_core(path: str, spec: ModelSpec) -> bool:
@@ -235,6 +244,8 @@ def _block_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, kind: BlockKi
     t = node_times(it.ct, hw, _layout(it.spec, tp, batch), kind, seq_len)
     if blk.expert is not None and blk.expert.any():  # the routed experts' GEMMs read only the experts touched
         t = np.where(blk.expert, t * _expert_byte_fraction(it, kind, batch=batch, seq_len=seq_len) / ep, t)
+    if it.lookup[kind].any():  # an embedding lookup reads the rows of its tokens, not the whole table
+        t = np.where(it.lookup[kind], t * _byte_share(blk, batch=batch, seq_len=seq_len, weight_fraction=0.0), t)
     run = blk.fwd & ~it.skip[kind]
     if decode:
         run &= ~it.core[kind]
@@ -262,11 +273,16 @@ def _expert_byte_fraction(it: InferenceTable, kind: BlockKind, *, batch: int, se
     expert, where (1 - k/E)^B ~ 0 and every expert is touched (fraction 1)."""
     spec, blk = it.spec, it.ct.block(kind)
     frac = active_experts(spec.experts, spec.top_k, batch * seq_len) / max(spec.experts, 1)
+    return _byte_share(blk, batch=batch, seq_len=seq_len, weight_fraction=frac)
+
+
+def _byte_share(blk, *, batch: int, seq_len: int, weight_fraction: float) -> np.ndarray:
+    """Per node: the share of its bytes left when only `weight_fraction` of its weights (the b-free
+    part of its bytes) is read; its activations are read whole."""
     total = blk.evaluate(batch, seq_len)[1]
     weights = blk.evaluate(0, seq_len)[1]
     with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.where(total > 0, (total - weights + weights * frac) / total, 1.0)
-    return share
+        return np.where(total > 0, (total - weights + weights * weight_fraction) / total, 1.0)
 
 
 def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
@@ -296,14 +312,47 @@ def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch
     if spec.family is Family.LLAMA:
         flops = float(it.attention_flops(batch, context)) / tp  # heads split over tp
         q_out = 2.0 * batch * spec.hidden / tp * ACT_BYTES
-        nbytes = 2.0 * batch * context * (spec.kv_heads // sharding.parts(spec, "self_attn.k_proj", tp)) * (spec.hidden // spec.heads) \
-            * KV_BYTES + q_out
+        nbytes = cache_bytes_per_layer(spec, batch=batch, tokens=context, tp=tp) + q_out  # the config's head_dim
     else:
         state = batch * spec.heads * spec.head_dim * spec.state / tp
         conv = batch * _conv_channels(spec, tp) * spec.conv
         flops = 5.0 * state + 2.0 * conv
         nbytes = 2.0 * (state * SSM_STATE_BYTES + conv * KV_BYTES)  # conv state in the model's bf16
     return max(flops / (hw.peak_flops * hw.gemm_efficiency), nbytes / (hw.hbm_bandwidth * hw.vector_efficiency))
+
+
+def kernels_per_forward(it: InferenceTable, hw: DeviceProfile, kind: BlockKind) -> int:
+    """Kernels one instance of `kind` launches in a forward, as a serving engine runs it: one per
+    module whose operators read weights (GEMMs, norms' scales, the embedding table, conv1d), one per fused
+    region the device runs as one kernel (`hw.kernels`: the norm, RoPE, SwiGLU; its weight readers
+    counted once), one for the sequence-mixing core (flash / paged attention, the SSD scan or its
+    recurrent step). What is left (the unfused elementwise glue of the HF trace) an engine fuses
+    into its neighbours. LLaMA layer on a GPU profile: 7 GEMMs + 2 norms + RoPE + SwiGLU + attention = 12."""
+    key = ("kernels", kind, hw.kernels)
+    blk = it.ct.block(kind)
+    if key not in blk.memo:
+        run = blk.fwd & ~it.skip[kind] & ~it.core[kind]
+        reads_weights = blk.evaluate(0, 1)[1] > 0  # the b-free part of a node's bytes: its weights
+        units = set()
+        for i in np.flatnonzero(run):
+            region = int(blk.region[i])
+            if region >= 0 and hw.fuses(blk.region_kernels[region]):
+                units.add(("region", region))
+            elif reads_weights[i]:
+                units.add(("module", it.paths[kind][i]))  # one kernel per module (HF's rotary: one)
+        blk.memo[key] = len(units) + int(bool(it.core[kind].any()))
+    return blk.memo[key]
+
+
+def _floor_seconds(it: InferenceTable, hw: DeviceProfile) -> float:
+    """The fixed cost of one forward of a replica beyond its bytes and FLOPs (what a decode step at
+    small batch is made of besides the weights it streams): `hw.kernel_floor_s` per kernel
+    (`kernels_per_forward`, every layer of every stage; 0 where the profile has none)."""
+    if not hw.kernel_floor_s:
+        return 0.0
+    kernels = (it.spec.layers * kernels_per_forward(it, hw, BlockKind.LAYER)
+               + kernels_per_forward(it, hw, BlockKind.EMBED) + kernels_per_forward(it, hw, BlockKind.HEAD))
+    return kernels * hw.kernel_floor_s
 
 
 def _hop_seconds(hw: DeviceProfile, layout: ServeLayout, nbytes: float) -> float:
@@ -335,7 +384,8 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
     if layout.ep > 1:  # the experts' partial outputs summed over the ep ranks (stride tp), every MoE layer
         ep_comm = spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
                                           size=layout.ep, stride=tp)
-    return PhaseTime(compute=compute, core=core, tp_comm=tp_comm, pp_comm=pp_comm, ep_comm=ep_comm)
+    return PhaseTime(compute=compute, core=core, tp_comm=tp_comm, pp_comm=pp_comm, ep_comm=ep_comm,
+                     fixed=_floor_seconds(it, hw))
 
 
 def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_len: int,

@@ -3,8 +3,8 @@
 import pytest
 
 from autoshard.hardware import load_hardware
-from autoshard.passes.cost.collectives import (Algorithm, Collective, best_time, collective_time, group_link, steps,
-                                          volume)
+from autoshard.passes.cost.collectives import (Algorithm, Collective, best_time, collective_time, group_link, low_latency_time,
+                                          steps, volume)
 
 M = 1e9
 RING, TREE = Algorithm.RING, Algorithm.TREE
@@ -81,12 +81,30 @@ def test_nccl_has_a_tree_for_all_reduce_only():
     assert load_hardware("h200").log_collectives == load_hardware("a100-80g").log_collectives == ("all_reduce",)
     small = 1e4
     for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
-        ring = collective_time(h100, op, small, size=1024, stride=8, algo=Algorithm.RING)
+        ring = min(collective_time(h100, op, small, size=1024, stride=8, algo=Algorithm.RING),
+                   low_latency_time(h100, op, small, size=1024, stride=8, algo=Algorithm.RING))  # NCCL's LL or Simple
         assert best_time(h100, op, small, size=1024, stride=8) == ring
         assert best_time(npu, op, small, size=1024, stride=8) < collective_time(npu, op, small, size=1024, stride=8,
                                                                                  algo=Algorithm.RING)
-    tree = collective_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8, algo=Algorithm.TREE)
+    tree = min(collective_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8, algo=Algorithm.TREE),
+               low_latency_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8, algo=Algorithm.TREE))
     assert best_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8) == tree
+
+
+def test_low_latency_protocol_is_nccl_tuning_model_for_small_messages():
+    # NCCL tuning.cc: LL = baseLat 6.6 us + steps x hwLat (NVLink 0.6 us, NET 2.7 us), payload at half the link;
+    # a decode step's all-reduce of (1, 1, 8192) bf16 over tp 4 on one H100 node: 4 tree steps
+    h100 = load_hardware("h100")
+    nbytes = 8192 * 2
+    expected = 6.6e-6 + 4 * 0.6e-6 + 2 * nbytes / (h100.intra_bandwidth / 2)
+    assert best_time(h100, Collective.ALL_REDUCE, nbytes, size=4) == pytest.approx(expected)
+    assert best_time(h100, Collective.ALL_REDUCE, nbytes, size=4) < collective_time(
+        h100, Collective.ALL_REDUCE, nbytes, size=4, algo=Algorithm.TREE)  # Simple: 8 us per step
+    big = 256e6  # gradient buckets: Simple, as before (LL's half bandwidth loses)
+    assert best_time(h100, Collective.ALL_REDUCE, big, size=4) == collective_time(
+        h100, Collective.ALL_REDUCE, big, size=4, algo=Algorithm.RING)
+    inter = low_latency_time(h100, Collective.ALL_REDUCE, nbytes, size=2, stride=8)  # across nodes: NET hops
+    assert inter == pytest.approx(6.6e-6 + 2 * 2.7e-6 + nbytes / (h100.inter_bandwidth / 2))
 
 
 def test_log_collectives_is_checked():

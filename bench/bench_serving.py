@@ -1,0 +1,72 @@
+"""Fixed-batch serving runs against the inference cost model (issue 29 item 1).
+
+  python bench/bench_serving.py                  the two given rows (the calibration) and the held-out
+                                                 rows of bench/serving_heldout_rows.json, each with
+                                                 predicted / measured time, the error and the decode
+                                                 step's breakdown; the mean absolute error per group
+  python bench/bench_serving.py --rows FILE      any rows file in that format
+
+Each row is one replica of tp H100s serving a fixed batch (prompt P, O new tokens, end-of-sequence
+ignored), priced by `estimate_serving`: the whole batch takes TTFT + (O - 1) TPOT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from autoshard.commands.common import cost_table_for
+from autoshard.hardware import load_hardware
+from autoshard.models.published import SERVING_CALIBRATION
+from autoshard.passes.serving.inference_cost import ServeLayout, compile_inference_table, estimate_serving
+
+HELDOUT = Path(__file__).with_name("serving_heldout_rows.json")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default=str(HELDOUT))
+    ap.add_argument("--hardware", default="h100")
+    args = ap.parse_args()
+    hw = load_hardware(args.hardware)
+    rows = [dict(id=r.id, model=r.spec, tp=r.tp, batch=r.batch, prompt_len=r.prompt_len, output_len=r.output_len,
+                 total_s=r.total_s, group="given") for r in SERVING_CALIBRATION]
+    rows += json.loads(Path(args.rows).read_text())["rows"]
+    tables, errors = {}, {}
+    print(f"{'row':28} {'group':8} {'pred s':>8} {'meas s':>8} {'error':>7} | TTFT ms  TPOT ms | decode step ms: "
+          "weights+GEMMs  kernel floors  tp all-reduce")
+    for r in rows:
+        model = r["model"]
+        key = model if isinstance(model, str) else model.name
+        if key not in tables:
+            spec, table = (cost_table_for(model, spinner=False) if isinstance(model, str)
+                           else (model, cost_table_for(model.name, spinner=False, spec=model,
+                                                       module=_module(model))[1]))
+            tables[key] = (spec, compile_inference_table(table, spec))
+        spec, it = tables[key]
+        e = estimate_serving(it, spec, hw, ServeLayout(tp=r["tp"], batch=r["batch"]), prompt_len=r["prompt_len"],
+                             output_len=r["output_len"])
+        total = e.ttft_s + (r["output_len"] - 1) * e.tpot_s
+        err = total / r["total_s"] - 1
+        errors.setdefault(r["group"], []).append(abs(err))
+        d = e.decode
+        print(f"{r['id']:28} {r['group']:8} {total:8.3f} {r['total_s']:8.3f} {100 * err:+6.1f}% | {e.ttft_s * 1e3:7.1f} "
+              f"{e.tpot_s * 1e3:7.2f} | {(d.compute + d.core) * 1e3:13.2f} {d.fixed * 1e3:14.2f} {d.tp_comm * 1e3:14.2f}")
+    for group, errs in errors.items():
+        print(f"mean absolute error, {group}: {100 * statistics.mean(errs):.1f}% over {len(errs)} rows")
+    every = [e for errs in errors.values() for e in errs]
+    print(f"mean absolute error, all: {100 * statistics.mean(every):.1f}% over {len(every)} rows")
+
+
+def _module(spec):
+    from transformers import LlamaForCausalLM
+    import torch
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(spec.hf_config())
+
+
+if __name__ == "__main__":
+    main()
