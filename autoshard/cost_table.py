@@ -41,7 +41,8 @@ class NodeCost:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockCost:
-    """The nodes of one block of the model; a LAYER block stands for `count` identical layers."""
+    """The nodes of one block of the model; a LAYER block stands for `count` identical layers (of one
+    kind: a model with several layer kinds has a LAYER block per kind, named by the kind)."""
 
     name: str
     kind: BlockKind
@@ -52,12 +53,36 @@ class BlockCost:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CostTable:
-    """Per-block symbolic costs of one training step (forward and backward) of a model."""
+    """Per-block symbolic costs of one training step (forward and backward) of a model.
+
+    `layer_kinds`: the name of the LAYER block of every layer, in order, when the model's layers are of
+    several kinds (passes/capture/layer_kinds.py); empty for the one-kind case, whose one LAYER block stands
+    for every layer. `shared_params`: parameters several layers hold (Zamba2's shared block), counted
+    once, in no block."""
 
     model: str
     blocks: tuple[BlockCost, ...]
+    layer_kinds: tuple[str, ...] = ()
+    shared_params: int = 0
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the layers are of several kinds."""
+        return bool(self.layer_kinds)
+
+    def layer_blocks(self) -> tuple[BlockCost, ...]:
+        """The LAYER block of every kind, in the order of their first layer."""
+        return tuple(b for b in self.blocks if b.kind is BlockKind.LAYER)
+
+    @property
+    def params(self) -> int:
+        """Parameters of the whole model (HF's count: every parameter once)."""
+        return sum(b.params * b.count for b in self.blocks) + self.shared_params
 
     def block(self, kind: BlockKind) -> BlockCost:
+        if kind is BlockKind.LAYER and self.mixed:
+            raise ValueError(f"{self.model} has {len(self.layer_blocks())} layer kinds "
+                             f"({', '.join(b.name for b in self.layer_blocks())}): read them with layer_blocks()")
         for block in self.blocks:
             if block.kind is kind:
                 return block

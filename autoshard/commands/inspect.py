@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "inspect", help="per-block table: parameters, training FLOPs/token, activation bytes",
         description="Capture the model's joint forward+backward graph on fake tensors (no weights are "
-        "allocated) and print, per block (embedding, one decoder layer x count, head), the parameters, "
+        "allocated) and print, per block (embedding, one decoder layer x count, head; a model whose layers are "
+        "of several kinds, a hybrid, has a row per kind with its count), the parameters, "
         "training FLOPs per token (forward + backward), the bytes of activations saved for backward per "
         "token, and the matmul vs vector (memory-bound) share of the FLOPs.")
     p.add_argument("--model", required=True, metavar="M",
@@ -101,9 +102,16 @@ def ssd_flops_per_token(spec: ModelSpec, s: int) -> float:
 def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: int = 1) -> dict[str, Any]:
     """The numbers `inspect` prints, as one JSON-able dict."""
     blocks = [_block_summary(block, micro_batch, seq_len) for block in table.blocks]
-    params = sum(blk["params_total"] for blk in blocks)
+    params = sum(blk["params_total"] for blk in blocks) + table.shared_params
     moe = moe_params(spec, params)
-    if spec.family is Family.MAMBA2:
+    if table.mixed:
+        attention, ssd = mixer_layers(spec, table)
+        model_flops = 6 * params + 12 * attention * spec.hidden * seq_len
+        if ssd:
+            model_flops += ssd_flops_per_token(spec, seq_len) * ssd / spec.layers
+        formula = (f"6*N + 12*d*s per attention layer ({attention})"
+                   + (f" + SSD per Mamba-2 layer ({ssd}; arXiv 2405.21060 sec. 8.3)" if ssd else ""))
+    elif spec.family is Family.MAMBA2:
         model_flops = 6 * params + ssd_flops_per_token(spec, seq_len)
         formula = "6*N + SSD (arXiv 2405.21060 sec. 8.3, training = 3x forward)"
     elif moe:
@@ -122,7 +130,23 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
         "saved_bytes_per_token": sum(blk["saved_bytes_per_token"] for blk in blocks),
         "bytes_moved_per_token": sum(blk["bytes_moved_per_token"] for blk in blocks),
         "blocks": blocks, "fused_kernels": fused_kernels(table),
+        **({"layer_kinds": list(table.layer_kinds), "shared_params": table.shared_params} if table.mixed else {}),
     }
+
+
+def mixer_layers(spec: ModelSpec, table: CostTable) -> tuple[int, int]:
+    """(attention layers, Mamba-2 layers) of a mixed stack, read off each kind's graph: attention where it
+    calls an attention op, the SSD where its Mamba-2 scan was substituted by the fused kernel or, with no
+    kernel substituted, where a Mamba-2-family model's layer runs its causal conv1d."""
+    attention = ssd = 0
+    for block in table.layer_blocks():
+        targets = [n.target for n in block.nodes if n.phase == "fwd"]
+        if any("scaled_dot_product" in t or "flash_attention" in t for t in targets):
+            attention += block.count
+        if any(t.startswith("autoshard.ssd_chunk_scan") for t in targets) or (
+                spec.family is Family.MAMBA2 and any("convolution" in t for t in targets)):
+            ssd += block.count
+    return attention, ssd
 
 
 def fused_kernels(table: CostTable) -> list[dict[str, Any]]:
@@ -146,6 +170,17 @@ def moe_params(spec: ModelSpec, params: float) -> dict[str, Any]:
             "active_params": dense + expert * spec.top_k // spec.experts}
 
 
+def _runs(kinds: list[str]) -> str:
+    """`a x3, b, a x2` for the layer sequence a a a b a a."""
+    runs: list[list] = []
+    for k in kinds:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    return ", ".join(k if n == 1 else f"{k} x{n}" for k, n in runs)
+
+
 def _si(x: float) -> str:
     for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= factor:
@@ -166,7 +201,7 @@ def render(summary: dict[str, Any], *, file=None) -> None:
 
     table = Table(title=f"{summary['model']}: micro-batch {summary['micro_batch']}, seq-len {summary['seq_len']}; "
                   "per token, training (forward + backward)", title_justify="left")
-    for col in ("block", "count", "params", "FLOPs", "matmul", "vector", "saved act.", "bytes moved"):
+    for col in ("block" if not summary.get("layer_kinds") else "block / layer kind", "count", "params", "FLOPs", "matmul", "vector", "saved act.", "bytes moved"):
         table.add_column(col, justify="left" if col == "block" else "right")
     for blk in summary["blocks"]:
         table.add_row(blk["name"], str(blk["count"]), f"{blk['params']:,}", _si(blk["flops_per_token"]),
@@ -183,11 +218,17 @@ def render(summary: dict[str, Any], *, file=None) -> None:
         console.print(f"mixture of experts: {summary['experts']} experts, top-{summary['top_k']}; parameters: "
                       f"expert {summary['expert_params']:,} (sharded over ep), dense {summary['dense_params']:,}, "
                       f"active per token {summary['active_params']:,}; FLOPs are those executed (top-k experts).")
+    if summary.get("layer_kinds"):
+        shared = f"; {summary['shared_params']:,} parameters shared by several layers, counted once in the total" \
+            if summary["shared_params"] else ""
+        console.print(f"layers of {len(set(summary['layer_kinds']))} kinds, in order: "
+                      f"{_runs(summary['layer_kinds'])}{shared}")
     console.print(f"params: one instance of each block; total: all. Model FLOPs per token "
                   f"({summary['model_flops_formula']}): {_si(summary['model_flops_per_token'])}; "
                   f"counted from the graph: {_si(summary['flops_per_token'])}.")
     for k in summary["fused_kernels"]:
-        layers = f" (x{k['instances']} {k['block']}s)" if k["instances"] > 1 else ""
+        what = f"{k['block']}s" if k["block"] == "layer" else f"{k['block']} layers"
+        layers = f" (x{k['instances']} {what})" if k["instances"] > 1 else ""
         console.print(f"fused kernel: {k['kernel']} replaces the traced ops of {k['module']}{layers}")
     if not summary["fused_kernels"]:
         console.print("fused kernels: none substituted (every op is priced as traced)")

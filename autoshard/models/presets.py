@@ -377,4 +377,7 @@ def resolve_model(name_or_factory: str, *, device: str = "meta") -> tuple[ModelS
     if config is None:
         raise InvalidConfigError(f"{name_or_factory} returned a module without a HF .config; "
                                  "autoshard needs a LlamaForCausalLM or Mamba2ForCausalLM-like model")
-    return spec_from_hf_config(config, name=name_or_factory), model
+    from autoshard.models.layered import layered_spec  # layers of several kinds (hybrids)
+
+    layered = layered_spec(model, name=name_or_factory)
+    return layered or spec_from_hf_config(config, name=name_or_factory), model

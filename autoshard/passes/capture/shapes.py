@@ -14,6 +14,8 @@ Contract
   that the backward graph reads, resolved through views, read off the joint graph).
 * Block deduplication: a copy of the model with ONE layer is traced (capture.capture_model on fake
   tensors) and its layer is costed once; llama-70b (80 layers) costs what a 1-layer model costs.
+  A model whose layers are of several kinds (passes/capture/layer_kinds.py) gets a LAYER block per kind,
+  each traced from a one-layer copy of that kind, and `CostTable.layer_kinds` (docs/passes/shapes.md).
 * Symbolic expressions by exact interpolation: the truncated model is traced at b in {2, 3} and
   three sequence lengths; every node's numbers are a polynomial of degree <= 1 in b and <= 2 in s
   (attention's s x s, Mamba-2's inter-chunk (s/l)^2), so six traces determine them exactly
@@ -60,6 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from autoshard.cost_table import CostTable
+from autoshard.errors import InvalidConfigError
 from autoshard.ir import BlockKind
 from autoshard.models.presets import ModelSpec
 from autoshard.passes.capture import kernels as kernel_table
@@ -85,6 +88,12 @@ def _build_for_layers(spec: ModelSpec, training: bool, dtype: str, model: nn.Mod
                       kernels: tuple[str, ...]) -> CostTable:
     """The table of the 1-layer copy (shared by every layer count), with the layer count of `spec`."""
     one = _build_cached(replace(spec, layers=1), training, dtype, model, kernels)
+    if one.mixed:  # a mixed stack's table counts the model's own layers of each kind
+        if len(one.layer_kinds) != spec.layers:
+            raise InvalidConfigError(f"{spec.name}: the model's layers are of several kinds "
+                                     f"({len(one.layer_kinds)} layers); its layer count cannot be changed to "
+                                     f"{spec.layers}: change num_hidden_layers (and the layer kinds) in its config")
+        return one
     blocks = tuple(replace(blk, count=spec.layers) if blk.kind is BlockKind.LAYER else blk for blk in one.blocks)
     return replace(one, blocks=blocks)
 

@@ -20,6 +20,7 @@ from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
 from autoshard.ir import BlockKind, OpKind
 from autoshard.models.presets import Family, ModelSpec, build_model
 from autoshard.passes.capture import kernels as kernel_table
+from autoshard.passes.capture import layer_kinds
 from autoshard.passes.capture.capture import BWD, FWD, Captured, Site, capture_model
 
 B_SAMPLES = (2, 3)
@@ -60,8 +61,30 @@ class _Measure:
 def build(spec: ModelSpec, training: bool, dtype: torch.dtype | str, model: nn.Module | None,
           kernels: tuple[str, ...]) -> CostTable:
     """Trace the 1-layer copy at the sample shapes and interpolate (the work the caches save); `dtype`:
-    a torch dtype or its name (`str(torch.bfloat16)`)."""
-    truncated = _truncated(spec, torch_dtype(dtype), model)
+    a torch dtype or its name (`str(torch.bfloat16)`). A model whose layers are of several kinds
+    (passes/capture/layer_kinds.py) is traced once per kind: `_mixed`."""
+    stack = None if model is None else layer_kinds.find_layer_stack(model)
+    if stack is not None and not stack.uniform:
+        return _mixed(spec, training, torch_dtype(dtype), model, kernels, stack)
+    return _table_of(spec, _truncated(spec, torch_dtype(dtype), model), training, kernels)
+
+
+def _mixed(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module, kernels: tuple[str, ...],
+           stack: layer_kinds.LayerStack) -> CostTable:
+    """The table of a mixed stack: a LAYER block per kind (named by it, its count and the parameters one
+    layer of it owns) from the one-layer copy of that kind; the embedding and head from the copy whose
+    embedding computes the most (every mask and rotary table any layer kind asks for)."""
+    tables = [_table_of(spec, layer_kinds.one_layer_copy(model, stack, k.name, dtype), training, kernels)
+              for k in stack.kinds]
+    edges = max(tables, key=lambda t: len(t.block(BlockKind.EMBED).nodes))
+    layers = tuple(replace(t.block(BlockKind.LAYER), name=k.name, count=k.count, params=k.params)
+                   for t, k in zip(tables, stack.kinds))
+    return CostTable(model=spec.name, blocks=(edges.block(BlockKind.EMBED), *layers, edges.block(BlockKind.HEAD)),
+                     layer_kinds=stack.sequence, shared_params=stack.shared_params)
+
+
+def _table_of(spec: ModelSpec, truncated: nn.Module, training: bool, kernels: tuple[str, ...]) -> CostTable:
+    """The table of the one-layer model `truncated`, its LAYER block standing for `spec.layers` layers."""
     chunk = spec.chunk if spec.family is Family.MAMBA2 else 0
     s_samples = tuple(chunk * k for k in (2, 3, 4)) if chunk else (64, 128, 192)
     traces = {(b, s): _trace(truncated, b, s, training) for b in B_SAMPLES for s in s_samples}

@@ -230,10 +230,15 @@ def usage() -> tuple[int, int]:
 
 def table_to_json(table: CostTable) -> dict[str, Any]:
     encode = functools.lru_cache(maxsize=None)(_encode)  # the same expression recurs across nodes
-    return {"model": table.model, "blocks": [
+    out = {"model": table.model, "blocks": [
         {"name": blk.name, "kind": blk.kind.value, "count": blk.count, "params": blk.params,
          "nodes": [_node_to_json(n, encode) for n in blk.nodes]}
         for blk in table.blocks]}
+    if table.layer_kinds:  # several layer kinds only: a one-kind table's JSON is what it always was
+        out["layer_kinds"] = list(table.layer_kinds)
+    if table.shared_params:
+        out["shared_params"] = table.shared_params
+    return out
 
 
 def table_from_json(data: dict[str, Any]) -> CostTable:
@@ -241,7 +246,8 @@ def table_from_json(data: dict[str, Any]) -> CostTable:
     return CostTable(model=data["model"], blocks=tuple(
         BlockCost(name=blk["name"], kind=BlockKind(blk["kind"]), count=int(blk["count"]), params=int(blk["params"]),
                   nodes=tuple(_node_from_json(n, decode) for n in blk["nodes"]))
-        for blk in data["blocks"]))
+        for blk in data["blocks"]), layer_kinds=tuple(data.get("layer_kinds", ())),
+        shared_params=int(data.get("shared_params", 0)))
 
 
 _EXPR_FIELDS = ("flops", "bytes_read", "bytes_written", "saved_bytes")

@@ -314,6 +314,12 @@ def compile_table(table: CostTable | CompiledTable, spec: ModelSpec) -> Compiled
     """Turn the SymPy table into arrays and one lambdified function per block (done once)."""
     if isinstance(table, CompiledTable):
         return table
+    if table.mixed:
+        kinds = ", ".join(f"{b.count} {b.name}" for b in table.layer_blocks())
+        raise InvalidConfigError(
+            f"{table.model}: its layers are of {len(table.layer_blocks())} kinds ({kinds}); the cost model prices "
+            "one repeated layer so far, so sweep / plan / parallelize cannot take it yet; `autoshard inspect` "
+            "shows its per-kind table")
     blocks = {}
     for block in table.blocks:
         blocks[block.kind] = _compile_block(block, spec)
