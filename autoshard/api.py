@@ -61,7 +61,7 @@ from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
 from autoshard.runtime.compiled import compile_backend, compile_layers
 from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup
-from autoshard.runtime.expert_parallel import apply_expert_parallel
+from autoshard.runtime.expert_parallel import apply_expert_parallel, expert_tp_names
 from autoshard.runtime.mesh import DEFAULT_TIMEOUT_S, backend_for, build_groups, check_timeout, init_default_group
 from autoshard.runtime.ssd import install_ssd_mixers
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
@@ -157,9 +157,15 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
-    experts = frozenset()
-    if plan.mesh.ep > 1:  # this rank's experts; tokens dispatched by all-to-all (runtime/expert_parallel.py)
-        experts = apply_expert_parallel(model, spec, groups.ep, ep=plan.mesh.ep, ep_rank=groups.coords.ep)
+    experts, expert_tp = frozenset(), ()
+    # serving replicas (an inference plan) split every expert's GEMMs over tp too, as serving engines do
+    split_tp = serving and spec.is_moe and plan.mesh.tp > 1
+    if plan.mesh.ep > 1 or split_tp:  # this rank's experts; tokens dispatched by all-to-all (runtime/expert_parallel.py)
+        experts = apply_expert_parallel(model, spec, groups.ep, ep=plan.mesh.ep, ep_rank=groups.coords.ep,
+                                        **(dict(tp_group=groups.tp, tp=plan.mesh.tp, tp_rank=groups.coords.tp)
+                                           if split_tp else {}))
+        if split_tp:
+            expert_tp = expert_tp_names(model, spec, tp=plan.mesh.tp, tp_rank=groups.coords.tp)
     if layers_backend is not None:  # fused element-wise kernels, as the GPU cost model prices; before FSDP2
         compile_layers(model, layers_backend)
     if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices
@@ -182,7 +188,8 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                                 tp_group=groups.tp if plan.mesh.tp > 1 and program.vocab_head else None, cp=cp,
                                 sequence_group=groups.tp if plan.mesh.tp > 1 else None)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp,
-                      expert_names=experts, fingerprint=fingerprint, full_shapes=full_shapes, generate_only=serving)
+                      expert_names=experts, expert_tp=expert_tp, fingerprint=fingerprint, full_shapes=full_shapes,
+                      generate_only=serving)
     return DistributedModel(setup, optimizer=optimizer)
 
 

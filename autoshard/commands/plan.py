@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--moe-imbalance", type=imbalance, default=1.0, metavar="X", help=MOE_IMBALANCE_HELP)
     p.add_argument("--out", help="write the plan to this JSON file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a summary")
+    p.add_argument("--emit", choices=("megatron", "torchtitan"),
+                   help="print the plan in that engine's own terms instead (with --out: write it there): the "
+                   "launch command, what the engine cannot express and what the plan costs without it")
     plan_inference.add_arguments(p)
     p.set_defaults(run=run)
 
@@ -83,6 +86,10 @@ def run(args) -> int:
         plan = solve(spec, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
                      time_limit_s=args.time_limit, progress=progress, table=table, fingerprint=fingerprint,
                      moe_imbalance=args.moe_imbalance)
+    if args.emit:
+        from autoshard.commands.emit import emit_training
+
+        return emit_training(args, plan, spec, hw, table)
     if args.out:
         plan.save(args.out)
     if args.json:

@@ -66,6 +66,7 @@ class RankSetup:
     pipeline: object | None = None  # runtime.pipeline.PipelineRunner when pp > 1
     cp: CPRuntime | None = None  # context parallelism (issue 6) when cp > 1
     expert_names: frozenset[str] = frozenset()  # ep > 1: parameters of this rank's experts
+    expert_tp: tuple = ()  # (name, Shard) of expert weights split over tp (serving replicas of MoE models)
     fingerprint: str = ""  # of the model before it was sliced (fingerprint.fingerprint_module)
     full_shapes: Mapping[str, tuple[int, ...]] | None = None  # original name -> global shape
     generate_only: bool = False  # built from an inference plan: checked by generate's rules, not training's
@@ -347,7 +348,11 @@ class DistributedModel:
 
     def placement(self, name: str):
         """The tp placement of parameter `name` (Replicate when it is not split)."""
-        return dict(self._setup.program.placements).get(name, Replicate()) if self._tp_group is not None else Replicate()
+        return self._tp_placements().get(name, Replicate()) if self._tp_group is not None else Replicate()
+
+    def _tp_placements(self) -> dict:
+        """Every tp-split parameter's placement: the shard program's and the experts split over tp (serving)."""
+        return {**dict(self._setup.program.placements), **dict(self._setup.expert_tp)}
 
     def _assemble(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if self._runner is not None:
@@ -372,7 +377,7 @@ class DistributedModel:
 
     def gather_tp(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """{name: full tensor} from this rank's tp slices (collective over tp; the same names on every tp rank)."""
-        placements = dict(self._setup.program.placements)
+        placements = self._tp_placements()
         out = {}
         for name, tensor in local.items():
             placement = placements.get(name, Replicate())

@@ -503,19 +503,25 @@ def _infeasible(ct, hw, spec, layouts, *, devices, global_batch, seq_len) -> Inf
 
 
 def _predict(ct, hw, spec, cand: Candidate, *, global_batch: int, seq_len: int) -> dict:
-    """Predicted figures of a solved layout from `cost.estimate(stages=)`. With one recompute
+    """Predicted figures of a solved layout (`predict`)."""
+    return predict(ct, hw, spec, cand.layout, cand.result.assignment, global_batch=global_batch, seq_len=seq_len)
+
+
+def predict(ct, hw, spec, layout: Layout, a: Assignment, *, global_batch: int, seq_len: int) -> dict:
+    """Predicted figures of `layout` with stage assignment `a` (layers, recompute level and variant per
+    pipeline rank) from `cost.estimate(stages=)`: what a plan reports, and what `autoshard price` reports
+    of a layout given by hand (engines/training_run.py), so both agree. With one recompute
     level on every stage they are estimate's own; with mixed levels (which estimate prices with
     one level) step time and memory come from the per-stage tables, the breakdown from estimate
     run at the bottleneck stage's level."""
-    a = cand.result.assignment
-    problem = mesh_problem(ct, hw, cand.layout, global_batch=global_batch, seq_len=seq_len)
+    problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len)
     ev = evaluate(problem, a)
     slow = max(range(len(ev.stage_s)), key=lambda i: ev.stage_s[i])
-    variants = stage_variants(cand.layout)
-    layout = replace(variants[a.variant_of(slow)], recompute=a.recompute[slow])
-    est = cost.estimate(ct, spec, hw, layout, global_batch=global_batch, seq_len=seq_len, stages=a.stages())
+    variants = stage_variants(layout)
+    slow_layout = replace(variants[a.variant_of(slow)], recompute=a.recompute[slow])
+    est = cost.estimate(ct, spec, hw, slow_layout, global_batch=global_batch, seq_len=seq_len, stages=a.stages())
     uniform = len(set(a.recompute)) == 1 and len({a.variant_of(i) for i in range(len(a.layers))}) == 1 and not (
-        "sequence_parallel" in cand.layout.stage_choices and layout.sequence_parallel)
+        "sequence_parallel" in layout.stage_choices and slow_layout.sequence_parallel)
     step = est.step_time_s if uniform else ev.step_s
     tokens = global_batch * seq_len
     return {
