@@ -347,7 +347,7 @@ def _solve_on_rank0(model: nn.Module, spec, *, world: int, seq_len: int, global_
     that stopped the trace) reaches every rank as JSON bytes, never pickle."""
     if dist.get_rank() == 0:
         from autoshard.passes.capture.shapes import build_cost_table
-        from autoshard.passes.solve.solve import solve
+        from autoshard.passes.solve.planner import solve
 
         try:
             from autoshard.hardware import load_hardware

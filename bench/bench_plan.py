@@ -101,7 +101,7 @@ def replans() -> dict:
     from autoshard.models.presets import get_spec
     from autoshard.passes.cost import cost
     from autoshard.passes.capture.shapes import build_cost_table
-    from autoshard.passes.solve.solve import solve
+    from autoshard.passes.solve.planner import solve
 
     hw, spec = load_hardware("h100"), get_spec("llama-70b")
     ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
@@ -186,7 +186,7 @@ def main() -> None:
     from autoshard.models.presets import get_spec
     from autoshard.passes.cost import cost
     from autoshard.passes.capture.shapes import build_cost_table
-    from autoshard.passes.solve.solve import solve
+    from autoshard.passes.solve.planner import solve
 
     hw = load_hardware("h100")
     spec = get_spec("llama-70b")
@@ -212,7 +212,7 @@ def memo_growth() -> None:
     from autoshard.models.presets import get_spec
     from autoshard.passes.cost import cost
     from autoshard.passes.capture.shapes import build_cost_table
-    from autoshard.passes.solve.solve import solve
+    from autoshard.passes.solve.planner import solve
 
     hw, spec = load_hardware("h100"), get_spec("llama-70b")
     ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
@@ -233,7 +233,7 @@ def curve() -> None:
     from autoshard.models.presets import get_spec
     from autoshard.passes.cost import cost
     from autoshard.passes.capture.shapes import build_cost_table
-    from autoshard.passes.solve.solve import solve
+    from autoshard.passes.solve.planner import solve
 
     hw = load_hardware("h100")
     run = lambda b, s, d, table, sp: solve(sp, hw, devices=d, global_batch=b, seq_len=s, table=table,

@@ -73,7 +73,7 @@ def run(args) -> int:
     check_moe_imbalance(spec, args.moe_imbalance)
     check_positions(spec, module, args.seq_len, "plan --seq-len")
     valid_meshes(spec, args.devices, global_batch=args.global_batch, seq_len=args.seq_len)  # none: say why, at once
-    from autoshard.passes.solve.solve import solve
+    from autoshard.passes.solve.planner import solve
 
     table = fingerprint = None  # a preset: solve builds (or reads) the table once the layouts are known valid
     if module is not None:

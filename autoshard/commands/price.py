@@ -113,7 +113,7 @@ def _plan_run(plan):
 
 
 def _best(spec, hw, table, devices, global_batch, seq_len, moe_imbalance, module):
-    from autoshard.passes.solve import solve
+    from autoshard.passes.solve.planner import solve
 
     fingerprint = None
     if module is not None:

@@ -105,7 +105,7 @@ def _expert_line(plan, pred) -> str | None:
     if ep > 1:
         line += (f"; dispatch/combine all-to-alls {time.get('ep_comm', 0):.3g} s/step, in exchange for 1/{ep} of "
                  "the expert weights, gradients and optimizer state per rank")
-    for other in dict(plan.solver).get("other_eps", ()):  # why this ep won (passes/solve/solve.py _other_eps)
+    for other in dict(plan.solver).get("other_eps", ()):  # why this ep won (passes/solve/planner.py _other_eps)
         if "mesh" in other:
             mesh = " ".join(f"{k}{v}" for k, v in other["mesh"].items() if v > 1) or "single"
             line += f"\n  ep={other['ep']}: the best plan with it ({mesh}) takes {other['step_time_s']:.4g} s/step; " \

@@ -148,7 +148,7 @@ def default_strategies(spec, run: TrainingRun) -> TrainingRun:
 def price(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int, moe_imbalance: float = 1.0) -> dict:
     """The figures of `run` (the keys of a plan's `predicted`), from `solve.predict`."""
     from autoshard.passes.cost.cost import _check, resolved
-    from autoshard.passes.solve.solve import predict
+    from autoshard.passes.solve.planner import predict
 
     layout = resolved(run.layout(moe_imbalance=moe_imbalance), hw)
     _check(spec, replace(layout, stage_choices=()), global_batch, seq_len)  # the validator's one-line reasons

@@ -124,7 +124,7 @@ def test_show_refuses_a_plan_with_ep_for_a_dense_model(tmp_path, capsys):
 
 def test_planner_searches_ep_and_its_plan_passes_the_runtime_check(mixtral, capsys):
     from autoshard.commands.show import render
-    from autoshard.passes.solve.solve import candidate_layouts, solve
+    from autoshard.passes.solve.planner import candidate_layouts, solve
 
     spec, ct = mixtral
     layouts = candidate_layouts(spec, devices=4, global_batch=8, seq_len=256, moe_imbalance=1.5)
@@ -151,7 +151,7 @@ def test_every_layout_the_planner_searches_passes_the_runtime_check(name):
     """ep > 1 with every other option the planner searches (ZeRO 0-3, offload, micro-batches, pp): each
     layout is a plan `parallelize` accepts (layouts.check_plan, the one validator), none with ZeRO-3 under ep
     (FSDP2 shards over dp x cp only, which would leave the dense gradients unsummed over ep)."""
-    from autoshard.passes.solve.solve import candidate_layouts
+    from autoshard.passes.solve.planner import candidate_layouts
 
     spec = get_spec(name)
     for devices, global_batch, seq_len in ((8, 16, 256), (4, 4, 64), (16, 32, 128), (6, 12, 64), (2, 1, 64)):

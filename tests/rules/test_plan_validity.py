@@ -16,7 +16,7 @@ from autoshard.ir import Mesh, Plan
 from autoshard.models.presets import ModelSpec, build_model, get_spec, spec_from_hf_config
 from autoshard.rules.validity import check_plan, plan_violation
 from autoshard.passes.rewrite import Shard, shard_program
-from autoshard.passes.solve.solve import candidate_layouts
+from autoshard.passes.solve.planner import candidate_layouts
 
 
 def _size(rng: random.Random) -> int:
@@ -51,7 +51,7 @@ def random_spec(rng: random.Random) -> ModelSpec:
 def _plan(spec: ModelSpec, layout, *, devices: int, global_batch: int, seq_len: int, variant=()) -> Plan:
     """The plan of `layout`; with per-stage choices (`Layout.stage_choices`), each pipeline rank at its
     entry of `variant` (indices into `solve_model.stage_variants`), as the planner writes it."""
-    from autoshard.passes.solve.solve import chunk_strategies
+    from autoshard.passes.solve.planner import chunk_strategies
     from autoshard.passes.solve.solve_model import Assignment
 
     a = Assignment(layers=(0,) * layout.mesh.pp, recompute=(), variant=tuple(variant))
@@ -136,7 +136,7 @@ def test_llama13b_on_5_devices_never_gets_tp5():
 def test_solved_plans_pass_the_runtime_check():
     """The whole planner (traced cost table, search) on random user-built models."""
     from autoshard.passes.capture.shapes import build_cost_table
-    from autoshard.passes.solve.solve import solve
+    from autoshard.passes.solve.planner import solve
 
     rng = random.Random(7)
     for _ in range(2):

@@ -4,7 +4,7 @@ Contract
   `lower_bounds(ct, hw, layout, *, global_batch, seq_len, block_s=None, memo=None) -> Bounds`: what
   no plan of the layout beats (step: all work without recompute perfectly balanced over the stages,
   the schedule's fill, the optimizer step of an average stage; peak: the weights, gradients and
-  optimizer state of an average stage, the buffers). The planner (passes/solve/solve.py `search`) computes
+  optimizer state of an average stage, the buffers). The planner (passes/solve/planner.py `search`) computes
   it for every candidate layout (~33k for llama-70b on 1024 devices), orders the layouts by it and
   stops once it reaches the runner-up; `memo` shares what depends on fewer coordinates than the layout.
   `least_block_s(ct, hw, layout, *, seq_len)`: the block times both take, with per-stage choices the

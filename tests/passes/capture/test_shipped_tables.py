@@ -71,7 +71,7 @@ def fresh_machine(tmp_path, monkeypatch):
 
 def test_a_preset_is_planned_without_a_trace(fresh_machine, monkeypatch):
     from autoshard import fingerprint
-    from autoshard.passes.solve.solve import solve
+    from autoshard.passes.solve.planner import solve
 
     monkeypatch.setattr(shapes, "_build", lambda *a: pytest.fail("traced a preset"))
     monkeypatch.setattr(fingerprint, "fingerprint_module", lambda m: pytest.fail("built a preset to fingerprint it"))

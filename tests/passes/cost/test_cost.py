@@ -386,7 +386,7 @@ def test_zero2_and_3_need_pp_1():
         estimate(CT, SPEC, HW, lay(dp=2, pp=2, zero=2), global_batch=GB, seq_len=SEQ)
     with pytest.raises(InvalidConfigError, match="ZeRO-3 with pp=2"):
         estimate(CT, SPEC, HW, lay(pp=2, zero=3), global_batch=GB, seq_len=SEQ)
-    from autoshard.passes.solve.solve import candidate_layouts
+    from autoshard.passes.solve.planner import candidate_layouts
 
     found = candidate_layouts(SPEC, devices=4, global_batch=GB, seq_len=SEQ)
     assert {lt.zero for lt in found} == {0, 1, 2, 3}  # what the runtime runs (3: FSDP2)

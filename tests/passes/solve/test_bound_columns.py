@@ -15,7 +15,7 @@ from autoshard.passes.solve.bounds import LazyBounds, bound_columns, least_block
 from autoshard.passes.cost.precision import resolve_precision
 from autoshard.passes.cost.shape_memo import KEEP
 from autoshard.passes.capture.shapes import build_cost_table
-from autoshard.passes.solve.solve import candidate_layouts, solve
+from autoshard.passes.solve.planner import candidate_layouts, solve
 
 CASES = [("llama-tiny", "h100", 16), ("mamba2-tiny", "cpu", 8), ("mixtral-tiny", "h100", 8)]
 SHAPES = [(32, 256), (64, 128), (32, 256)]  # the last: a re-plan at the first shape

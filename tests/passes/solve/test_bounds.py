@@ -12,7 +12,7 @@ from autoshard.passes.cost import cost
 from autoshard.passes.solve.bounds import least_block_s, lower_bounds, refined_step_bound, slowest_stage_floor
 from autoshard.passes.cost.precision import resolve_precision
 from autoshard.passes.capture.shapes import build_cost_table
-from autoshard.passes.solve.solve import candidate_layouts, solve_mesh
+from autoshard.passes.solve.planner import candidate_layouts, solve_mesh
 from autoshard.passes.solve.solve_model import mesh_problem
 
 

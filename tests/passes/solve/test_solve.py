@@ -11,7 +11,7 @@ from autoshard.models.presets import get_spec
 from autoshard.passes.cost import cost
 from autoshard.passes.cost.cost import Layout
 from autoshard.passes.capture.shapes import build_cost_table
-from autoshard.passes.solve.solve import candidate_layouts, min_peak_bytes, solve, solve_mesh
+from autoshard.passes.solve.planner import candidate_layouts, min_peak_bytes, solve, solve_mesh
 from autoshard.passes.solve.solve_model import Assignment, brute_force, evaluate, mesh_problem, min_stage_sums
 
 
@@ -95,7 +95,7 @@ def test_min_stage_sums_equal_every_split_enumerated():
 def test_planner_chooses_the_schedule_and_emits_its_chunks(tiny):
     """Offered 1F1B and interleaving, the planner keeps the faster (smaller bubble against more in
     flight and v x the p2p sends), and an interleaved plan's pp x v model chunks come in model order."""
-    from autoshard.passes.solve.solve import chunk_stages, search
+    from autoshard.passes.solve.planner import chunk_stages, search
 
     spec, ct = tiny
     hw = load_hardware("h100")

@@ -18,7 +18,7 @@ from autoshard.rules import sharding
 from autoshard.passes.cost.cost import Layout
 from autoshard.rules.validity import check_plan
 from autoshard.passes.capture.shapes import build_cost_table
-from autoshard.passes.solve.solve import candidate_layouts, search, solve, solve_mesh
+from autoshard.passes.solve.planner import candidate_layouts, search, solve, solve_mesh
 from autoshard.passes.solve.solve_model import Assignment, brute_force, evaluate, mesh_problem, stage_variants
 
 
@@ -183,7 +183,7 @@ def test_mixed_sequence_parallel_is_priced_as_it_runs():
 def test_planner_writes_a_per_stage_plan_as_priced():
     """A per-stage assignment becomes a plan that lists each stage's choice, passes the one validator, names
     each stage's placements, and predicts the step the tables price (estimate takes one strategy)."""
-    from autoshard.passes.solve.solve import Candidate, MeshResult, SearchResult, _plan
+    from autoshard.passes.solve.planner import Candidate, MeshResult, SearchResult, _plan
 
     spec = get_spec("mamba2-tiny")
     ct = cost.compile_table(build_cost_table(spec), spec)

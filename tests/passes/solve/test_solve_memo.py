@@ -9,7 +9,7 @@ from autoshard.models.presets import get_spec
 from autoshard.passes.cost import cost
 from autoshard.passes.cost.precision import resolve_precision
 from autoshard.passes.capture.shapes import build_cost_table
-from autoshard.passes.solve.solve import candidate_layouts, lower_bounds
+from autoshard.passes.solve.planner import candidate_layouts, lower_bounds
 
 CASES = [("llama-tiny", "h100", 16), ("mamba2-tiny", "cpu", 8), ("mixtral-tiny", "h100", 8)]
 
