@@ -168,11 +168,15 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
             expert_tp = expert_tp_names(model, spec, tp=plan.mesh.tp, tp_rank=groups.coords.tp)
     if layers_backend is not None:  # fused element-wise kernels, as the GPU cost model prices; before FSDP2
         compile_layers(model, layers_backend)
-    if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices
+    if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices; ep > 1: dense over dp x ep (x cp), experts over dp (x cp)
+        from autoshard.runtime.expert_parallel import experts_modules
         from autoshard.runtime.zero3 import apply_zero3
 
-        apply_zero3(model, cp.grad_group if cp is not None else groups.dp, device=device,
-                    offload=plan.offload_optimizer, bf16=plan.precision.resolve(device.type) is Precision.BF16_MIXED)
+        grad_group = cp.grad_group if cp is not None else groups.dp
+        ep = plan.mesh.ep > 1
+        apply_zero3(model, groups.replicas if ep else grad_group, device=device, offload=plan.offload_optimizer,
+                    bf16=plan.precision.resolve(device.type) is Precision.BF16_MIXED, expert_group=grad_group,
+                    experts=tuple(path for path, _ in experts_modules(model, spec)) if ep else ())
     runner = None
     if plan.mesh.pp > 1:
         from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, cost_table_for, imbalance,
+from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_schedule_flags, cost_table_for,
+                                       imbalance,
                                        memory_text, model_for, positive_int, seconds_text)
 from autoshard.errors import InvalidConfigError
 
@@ -175,6 +176,7 @@ def _layout(args):
         raise InvalidConfigError(f"--dp {mesh.dp} x --pp {mesh.pp} x --tp {mesh.tp} x --cp {mesh.cp} x --ep {mesh.ep} = "
                                  f"{mesh.size}, not --devices {devices}")
     v = args.virtual_stages or 1
+    check_schedule_flags(args.schedule, v)
     schedule = Schedule(args.schedule or ("interleaved-1f1b" if v > 1 else "1f1b"))
     if v > 1 and spec.layers % (mesh.pp * v):
         raise InvalidConfigError(f"--virtual-stages {v}: pp x v = {mesh.pp * v} model chunks do not divide the "

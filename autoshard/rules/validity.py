@@ -51,9 +51,9 @@ Rules (the runtime's, see DESIGN.md):
   ZeRO  0-3; levels 2 and 3 need pp = 1 (`zero_violation`): they reduce gradients after every
         micro-batch, which a pipeline schedule's accumulation does not allow (DeepSpeed's rule too).
         The runtime runs every level (`RUNTIME_ZERO`, what the planner searches): 1-2 in
-        runtime/data_parallel.py, 3 through FSDP2 (runtime/zero3.py). ZeRO-3 needs ep = 1: FSDP2
-        shards over one group (dp x cp), while under ep the dense gradients are reduced over
-        dp x ep x cp and the experts' over dp x cp (runtime/dist_model.py); ZeRO-1/2 run per group.
+        runtime/data_parallel.py, 3 through FSDP2 (runtime/zero3.py). Under ep every level runs per
+        group: the dense weights over dp x ep x cp, the experts over dp x cp (ZeRO-1/2: GradSyncs in
+        runtime/dist_model.py; ZeRO-3: an FSDP2 unit per experts module over dp x cp, torchtitan's way).
 """
 
 from __future__ import annotations
@@ -403,10 +403,6 @@ def zero_violation(mesh: Mesh, zero: int) -> str | None:
     if zero >= 2 and mesh.pp > 1:
         return (f"ZeRO-{zero} with pp={mesh.pp}: gradients are reduce-scattered after every micro-batch, which "
                 "a pipeline schedule does not allow; use ZeRO-1 with pp > 1")
-    if zero == 3 and mesh.ep > 1:
-        return (f"ZeRO-3 with ep={mesh.ep}: FSDP2 shards over one group (dp x cp), but under expert parallelism "
-                "the dense gradients are reduced over dp x ep x cp and the experts' over dp x cp; use ZeRO-2 "
-                "(gradients and optimizer state sharded per group) or ep=1")
     return None
 
 

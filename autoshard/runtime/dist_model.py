@@ -104,9 +104,9 @@ class DistributedModel:
         self._main_grads = self.precision is Precision.BF16_MIXED and not self._zero3
         # the gradients live in one flat buffer per bucket (Megatron-LM's grad buffer, `main_grad`) under
         # bf16-mixed, and under ZeRO-1/2 at any precision (GradSync's own rule)
-        if self._zero3:
+        if self._zero3:  # FSDP2 reduces the gradients (ep > 1: the dense ones over dp x ep x cp, runtime/zero3.py)
             self._sync = GradSync(self._params, None, zero=0, prepare=prepare)
-            self._loss_group = self._grad_group
+            self._loss_group = setup.groups.replicas if mesh.ep > 1 else self._grad_group
         elif mesh.ep > 1:  # experts over dp x cp (the grad group), dense over dp x ep x cp
             expert_ids = {id(p) for n, p in self.model.named_parameters() if n in setup.expert_names}
             self._sync = GradSyncs(self._params, expert_ids, dense_group=setup.groups.replicas,

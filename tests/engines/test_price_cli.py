@@ -40,3 +40,18 @@ def test_nvidia_llama31_70b_layout_as_it_ran(capsys):
 def test_bad_flags_are_one_line_errors(capsys, argv, names):
     rc, out = _price(capsys, "--model", "llama-70b", "--global-batch", "128", "--seq-len", "8192", *argv)
     assert rc == 2 and names in out.err and len(out.err.strip().splitlines()) == 1
+
+
+def test_sweep_prices_the_schedule_asked_for(capsys):
+    common = ["--model", "llama-70b", "--hardware", "h100", "--devices", "64", "--global-batch", "128", "--seq-len", "8192"]
+    assert main(["sweep", *common, "--schedule", "interleaved-1f1b", "--virtual-stages", "5", "--zero", "1",
+                 "--recompute", "none", "--sequence-parallel", "on", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    nemo = next(r for r in rows if (r["dp"], r["pp"], r["tp"], r["cp"]) == (2, 4, 4, 2))
+    assert (nemo["schedule"], nemo["virtual_stages"]) == ("interleaved-1f1b", 5)
+    rc, out = _price(capsys, *common[:1], "llama-70b", "--devices", "64", "--global-batch", "128", "--seq-len", "8192",
+                     "--tp", "4", "--pp", "4", "--cp", "2", "--virtual-stages", "5", "--sequence-parallel", "--json")
+    assert nemo["step_time_s"] == pytest.approx(json.loads(out.out)["predicted"]["step_time_s"], rel=1e-12)
+    assert all(r["virtual_stages"] == 5 for r in rows if r["pp"] > 1)
+    assert main(["sweep", *common, "--schedule", "1f1b", "--virtual-stages", "2"]) == 2
+    assert "--virtual-stages" in capsys.readouterr().err

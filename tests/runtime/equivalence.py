@@ -137,6 +137,10 @@ def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, step
         from torch.distributed.tensor import DTensor
 
         assert all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in dm.model.parameters())
+        mesh = dm.plan.mesh  # ep > 1: the experts sharded over the ranks holding them, the dense weights over all
+        expected = {True: mesh.dp * mesh.cp, False: mesh.dp * mesh.ep * mesh.cp}
+        meshes = {n in dm._setup.expert_names: p.device_mesh.size() for n, p in dm.model.named_parameters()}
+        assert meshes == {k: expected[k] for k in meshes}, f"{preset} {plan}: FSDP2 mesh sizes {meshes}"
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         policy = dm.model._get_fsdp_state()._fsdp_param_group.offload_policy
