@@ -69,8 +69,8 @@ from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 log = logging.getLogger("autoshard")
 
 PLAN_HINT = "give every rank the same plan, model and settings of autoshard.parallelize"
-PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "precision", "schedule", "virtual_stages",
-             "sequence_parallel", "strategies")
+PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "precision", "fp8_recipe", "schedule",
+             "virtual_stages", "sequence_parallel", "strategies")
 
 
 def parallelize(model: nn.Module, example_inputs: Any, *,
@@ -143,6 +143,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         if not serving:  # generation asks for no router logits; it holds its prompts to the positions itself
             _check_router_aux(model, out)
             _check_positions(model, spec, out.seq_len)
+        if out.precision is Precision.FP8:  # torchao installed, float8 GEMMs on this device: before any collective
+            from autoshard.runtime.fp8 import check_fp8_device, torchao_float8
+
+            torchao_float8()
+            check_fp8_device(device)
         return out
 
     layers_backend = compile_backend(compile, spec, device.type, training=not serving)
@@ -166,6 +171,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                                            if split_tp else {}))
         if split_tp:
             expert_tp = expert_tp_names(model, spec, tp=plan.mesh.tp, tp_rank=groups.coords.tp)
+    precision = plan.precision.resolve(device.type)
+    if precision is Precision.FP8:  # torchao's Float8Linear on the tp slices' projections (runtime/fp8.py)
+        from autoshard.runtime.fp8 import apply_float8
+
+        apply_float8(model, spec, plan.fp8_recipe, device=device, fsdp_float8_all_gather=plan.zero == 3)
     if layers_backend is not None:  # fused element-wise kernels, as the GPU cost model prices; before FSDP2
         compile_layers(model, layers_backend)
     if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices; ep > 1: dense over dp x ep (x cp), experts over dp (x cp)
@@ -175,7 +185,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         grad_group = cp.grad_group if cp is not None else groups.dp
         ep = plan.mesh.ep > 1
         apply_zero3(model, groups.replicas if ep else grad_group, device=device, offload=plan.offload_optimizer,
-                    bf16=plan.precision.resolve(device.type) is Precision.BF16_MIXED, expert_group=grad_group,
+                    bf16=precision.mixed, expert_group=grad_group,
                     experts=tuple(path for path, _ in experts_modules(model, spec)) if ep else ())
     runner = None
     if plan.mesh.pp > 1:
@@ -186,7 +196,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         runner = PipelineRunner(model, spec, stages, pp_group=groups.pp, device=device,
                                 options=PipelineOptions(schedule=plan.schedule, micro_batch=plan.micro_batch,
                                                         virtual_stages=plan.virtual_stages,
-                                                        precision=plan.precision.resolve(device.type),
+                                                        precision=precision,
                                                         sequence_shards=tuple(plan.mesh.tp if on else 1 for on
                                                                               in plan.stage_sequence_parallel)),
                                 tp_group=groups.tp if plan.mesh.tp > 1 and program.vocab_head else None, cp=cp,
@@ -409,7 +419,7 @@ def _resolve_plan(plan: Any, *, spec, seq_len: int, global_batch: int, hardware:
         value = plan.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool):
             raise InvalidConfigError(f"plan key {key!r} must be an integer, got {value!r}")
-    options = {key: plan[key] for key in ("precision", "schedule", "virtual_stages", "offload_optimizer",
+    options = {key: plan[key] for key in ("precision", "fp8_recipe", "schedule", "virtual_stages", "offload_optimizer",
                                           "sequence_parallel", "strategies")
                if plan.get(key) is not None}
     # devices: the mesh's own size; check_plan (the one validator) compares it with the world size

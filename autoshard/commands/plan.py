@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--moe-imbalance", type=imbalance, default=1.0, metavar="X", help=MOE_IMBALANCE_HELP)
     p.add_argument("--out", help="write the plan to this JSON file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a summary")
-    p.add_argument("--emit", choices=("megatron", "torchtitan"),
+    p.add_argument("--emit", choices=("megatron", "torchtitan", "accelerate"),
                    help="print the plan in that engine's own terms instead (with --out: write it there): the "
                    "launch command, what the engine cannot express and what the plan costs without it")
     plan_inference.add_arguments(p)
@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
 
 # flags that only one kind of plan reads: given to the other kind they would be silently ignored
 TRAINING_ONLY = ("global_batch", "seq_len", "time_limit", "moe_imbalance")
-INFERENCE_ONLY = ("prompt_len", "output_len", "ttft_slo", "tpot_slo", "no_disaggregation", "plot")
+INFERENCE_ONLY = ("prompt_len", "output_len", "ttft_slo", "tpot_slo", "no_disaggregation", "plot", "request_rate")
 DEFAULTS = {"time_limit": 10.0, "moe_imbalance": 1.0, "no_disaggregation": False}
 
 

@@ -36,7 +36,7 @@ LAYOUT_FLAGS = {
     "--use-custom-fsdp": "flag", "--data-parallel-sharding-strategy": "str", "--optimizer-cpu-offload": "flag",
     "--decoder-first-pipeline-num-layers": "int", "--decoder-last-pipeline-num-layers": "int",
     "--account-for-embedding-in-pipeline-split": "flag", "--account-for-loss-in-pipeline-split": "flag",
-    "--bf16": "flag", "--fp16": "flag",
+    "--bf16": "flag", "--fp16": "flag", "--expert-tensor-parallel-size": "int",
 }
 MODEL_FLAGS = {
     "--num-layers": "int", "--hidden-size": "int", "--ffn-hidden-size": "int", "--num-attention-heads": "int",
@@ -201,7 +201,9 @@ def model_arguments(spec: ModelSpec) -> list[str]:
     if spec.head_dim:
         out.append(f"--kv-channels {spec.head_dim}")
     if spec.is_moe:
-        out += [f"--num-experts {spec.experts}", f"--moe-router-topk {spec.top_k}", f"--moe-ffn-hidden-size {spec.ffn}"]
+        # experts whole on every tp rank, as autoshard runs and prices them (passes/cost/moe_cost.py)
+        out += [f"--num-experts {spec.experts}", f"--moe-router-topk {spec.top_k}", f"--moe-ffn-hidden-size {spec.ffn}",
+                "--expert-tensor-parallel-size 1"]
         if spec.shared_ffn:
             out.append(f"--moe-shared-expert-intermediate-size {spec.shared_ffn}")
     if not spec.tied:
@@ -285,6 +287,9 @@ def parse(text: str, *, spec: ModelSpec | None, devices: int, source: str = "--f
                       schedule=Schedule.INTERLEAVED_1F1B if v > 1 else Schedule.ONE_F_ONE_B, virtual_stages=v,
                       recompute=(_recompute(got, source),), sequence_parallel=(bool(got.get("--sequence-parallel")),),
                       rank_layers=_rank_layers(got, layers, pp, v, source))
+    if got.get("--expert-tensor-parallel-size", 1) != 1 and tp > 1:
+        raise InvalidConfigError(f"{source}: --expert-tensor-parallel-size {got['--expert-tensor-parallel-size']}: "
+                                 "autoshard prices each expert whole on every tp rank (--expert-tensor-parallel-size 1)")
     if got.get("--fp16"):
         raise InvalidConfigError(f"{source}: --fp16: autoshard prices bf16 mixed precision (--bf16); use --bf16")
     return Parsed(run=run, global_batch=got.get("--global-batch-size"), seq_len=got.get("--seq-length"), model=model,

@@ -557,6 +557,22 @@ def modules(spec: ModelSpec, strategy: Strategy, kind: BlockKind = BlockKind.LAY
     return _paths(spec, kind, lambda r: r.strategy is strategy, strategies)
 
 
+def is_float8_role(role: Role | None) -> bool:
+    """Whether FP8 training (plan precision "fp8", runtime/fp8.py) runs this role's GEMM in float8: a layer's
+    projection (attention, MLP, Mamba-2 mixer, shared expert: a weight matrix one of whose sides is the
+    hidden size or an MLP width), not the embedding or LM head (other blocks), norms (fan one), the router
+    (fan experts; a (1, hidden) shared-expert gate: fan one), conv1d (fan conv) or the routed experts' grouped
+    weights (`expert`). The cost model prices these GEMMs at the float8 rate (passes/cost/cost.py)."""
+    return (role is not None and role.block is BlockKind.LAYER and "weight" in role.params
+            and role.strategy in (Strategy.COLWISE, Strategy.ROWWISE, Strategy.REPLICATE)
+            and role.fan in ("hidden", "shared_ffn"))
+
+
+def float8_modules(spec: ModelSpec) -> tuple[str, ...]:
+    """Full module paths of every layer's float8 linears (`is_float8_role`)."""
+    return _paths(spec, BlockKind.LAYER, is_float8_role)
+
+
 def sequence_modules(spec: ModelSpec) -> tuple[str, ...]:
     """Full module paths of the `sequence` roles (every layer's norms, then the final norm)."""
     return tuple(p for kind in BlockKind for p in _paths(spec, kind, lambda r: r.sequence))

@@ -63,7 +63,7 @@ import math
 from collections.abc import Callable, Iterator
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Mesh, Plan, check_stages
+from autoshard.ir import Mesh, Plan, Precision, check_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.rules.schedules import check_chunks
 from autoshard.rules.sharding import choice_violation, sequence_violation, tp_violation
@@ -360,6 +360,9 @@ def backend_violation(spec: ModelSpec, plan: Plan) -> str | None:
     if plan.zero:
         return (f"zero={plan.zero}: the torch.compile backend keeps optimizer state whole; use zero=0 here or "
                 "autoshard.parallelize for ZeRO-1/2/3")
+    if plan.precision is Precision.FP8:
+        return ("precision 'fp8' is not supported by the torch.compile backend (it slices the traced graph's weights "
+                "and keeps its matmuls); use autoshard.parallelize, which runs torchao's float8 training")
     if mesh.tp > 1 and spec.family is not Family.LLAMA:
         return (f"tp={mesh.tp} for {spec.family.value}: Dynamo bakes the Mamba-2 mixer's head counts into the "
                 "graph, so the backend cannot shard it; use autoshard.parallelize for Mamba-2 tensor parallelism, "

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autoshard.errors import AutoshardError, InvalidConfigError
-from autoshard.ir import Plan, Precision
+from autoshard.ir import Plan
 from autoshard.models.presets import Family, ModelSpec, max_positions
 from autoshard.ir import Replicate, ShardProgram
 from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
@@ -101,7 +101,7 @@ class DistributedModel:
         zero = 1 <= setup.plan.zero <= 2
         # bf16-mixed under ZeRO 0-2: Megatron's layout (runtime/precision.py): bf16 parameters, fp32 main
         # gradients, fp32 masters in the (sharded) optimizer; ZeRO-3 is FSDP2's own (runtime/zero3.py)
-        self._main_grads = self.precision is Precision.BF16_MIXED and not self._zero3
+        self._main_grads = self.precision.mixed and not self._zero3
         # the gradients live in one flat buffer per bucket (Megatron-LM's grad buffer, `main_grad`) under
         # bf16-mixed, and under ZeRO-1/2 at any precision (GradSync's own rule)
         if self._zero3:  # FSDP2 reduces the gradients (ep > 1: the dense ones over dp x ep x cp, runtime/zero3.py)
