@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from autoshard.engines.training_run import TrainingRun, default_strategies, price
+from autoshard.engines.training_run import TrainingRun, bf16_only, default_strategies, price
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Recompute, Schedule
 
@@ -27,7 +27,7 @@ LAUNCH = "accelerate launch --num_processes {devices} --num_machines {nodes} tra
 def project(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int,
             moe_imbalance: float = 1.0) -> tuple[TrainingRun, list[str]]:
     m = run.mesh
-    notes = []
+    run, notes = bf16_only(run, "accelerate")
     if m.pp > 1:
         notes.append(f"pipeline parallelism (pp={m.pp}): accelerate has none; its ranks become data-parallel")
     if m.ep > 1:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, replace
 
-from autoshard.engines.training_run import TrainingRun, default_strategies, price, uniform
+from autoshard.engines.training_run import TrainingRun, bf16_only, default_strategies, price, uniform
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Recompute, Schedule
 from autoshard.models.presets import Family, ModelSpec
@@ -70,7 +70,7 @@ LAUNCH = "torchrun --nproc-per-node {per_node} --nnodes {nodes} pretrain_gpt.py"
 def project(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int,
             moe_imbalance: float = 1.0) -> tuple[TrainingRun, list[str]]:
     """The run Megatron expresses, and what it could not express of `run` (one note each)."""
-    notes = []
+    run, notes = bf16_only(run, "Megatron")
     pp, v, layers = run.mesh.pp, run.virtual_stages, spec.layers
     if run.groups and set(run.groups) != {"split"}:
         notes.append("Mamba-2 groups kept whole on some stages: Megatron's Mamba layers always split the groups "

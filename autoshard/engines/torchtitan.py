@@ -26,7 +26,7 @@ import math
 import shlex
 from dataclasses import replace
 
-from autoshard.engines.training_run import TrainingRun, default_strategies, price, uniform
+from autoshard.engines.training_run import TrainingRun, bf16_only, default_strategies, price, uniform
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Recompute, Schedule, stage_rank
 from autoshard.models.presets import Family, ModelSpec
@@ -81,7 +81,7 @@ def project(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int,
     """The run torchtitan expresses, and what it could not express of `run` (one note each)."""
     if spec.family is Family.MAMBA2:
         raise InvalidConfigError(f"torchtitan 0.3 has no Mamba-2 model ({spec.name}); emit megatron or accelerate")
-    notes = []
+    run, notes = bf16_only(run, "torchtitan")
     if run.per_stage_recompute or run.per_stage_sequence_parallel:
         notes.append("per-stage recompute / sequence parallelism: torchtitan sets one value for every stage")
         run, _ = uniform(ct, hw, spec, run, global_batch=global_batch, seq_len=seq_len, moe_imbalance=moe_imbalance)

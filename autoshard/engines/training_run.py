@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Mesh, Plan, Recompute, Schedule, even_stages, stage_rank
+from autoshard.ir import Fp8Recipe, Mesh, Plan, Precision, Recompute, Schedule, even_stages, stage_rank
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +37,7 @@ class TrainingRun:
     rank_layers: tuple[int, ...] = ()  # layers per pipeline rank; empty: ir.even_stages
     strategies: tuple[tuple[str, str], ...] = ()  # intra-op choices (plan key strategies); () the table's default
     groups: tuple[str, ...] = ()  # Mamba-2 groups "split" / "whole" per rank where they differ
+    fp8_recipe: Fp8Recipe | None = None  # plan precision fp8 with this recipe (docs/fp8.md); None: bf16-mixed
 
     def __post_init__(self) -> None:
         pp = self.mesh.pp
@@ -79,7 +80,8 @@ class TrainingRun:
                       virtual_stages=self.virtual_stages,
                       sequence_parallel=False if sp_differ else self.sequence_parallel[0], strategies=strategies,
                       stage_choices=(("sequence_parallel",) if sp_differ else ()) + (("groups",) if groups_differ else ()),
-                      moe_imbalance=moe_imbalance)
+                      moe_imbalance=moe_imbalance,
+                      **({"precision": Precision.FP8, "fp8_recipe": self.fp8_recipe} if self.fp8_recipe else {}))
 
     def assignment(self, num_layers: int, layout):
         """The planner's stage assignment of this run under `layout` (`self.layout()`)."""
@@ -105,7 +107,8 @@ class TrainingRun:
         rec = "/".join(r.value for r in self.recompute)
         split = f", stages {'/'.join(map(str, self.rank_layers))} layers" if self.rank_layers else ""
         return (f"dp{m.dp} pp{m.pp} tp{m.tp} cp{m.cp} ep{m.ep}, {sched}, sp {sp}, zero {self.zero}"
-                f"{' + offload' if self.offload else ''}, recompute {rec}, micro-batch {self.micro_batch}{split}")
+                f"{' + offload' if self.offload else ''}, recompute {rec}, micro-batch {self.micro_batch}{split}"
+                f"{f', fp8 {self.fp8_recipe.value}' if self.fp8_recipe else ''}")
 
 
 def run_of_plan(plan: Plan) -> TrainingRun:
@@ -125,7 +128,17 @@ def run_of_plan(plan: Plan) -> TrainingRun:
     return TrainingRun(mesh=plan.mesh, micro_batch=plan.micro_batch, zero=plan.zero, offload=plan.offload_optimizer,
                        schedule=plan.schedule, virtual_stages=v, recompute=_collapse(recompute),
                        sequence_parallel=_collapse(sp), rank_layers=tuple(layers) if plan.stages else (),
-                       strategies=shared, groups=tuple(groups) if len(set(groups)) > 1 or groups[0] != "split" else ())
+                       strategies=shared, groups=tuple(groups) if len(set(groups)) > 1 or groups[0] != "split" else (),
+                       fp8_recipe=plan.fp8_recipe)
+
+
+def bf16_only(run: TrainingRun, engine: str) -> tuple[TrainingRun, list[str]]:
+    """`run` in bf16-mixed and the note saying so, for an fp8 run: autoshard writes no engine's FP8 settings yet
+    (an engine's `project` starts from this)."""
+    if run.fp8_recipe is None:
+        return run, []
+    return replace(run, fp8_recipe=None), [f"precision fp8 (torchao float8, {run.fp8_recipe.value}): autoshard does "
+                                           f"not write {engine}'s FP8 settings yet, the command runs bf16"]
 
 
 def _collapse(values: list) -> tuple:
