@@ -99,7 +99,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     if config is None:
         raise InvalidConfigError(f"{type(model).__name__} has no HF .config; parallelize takes a HF "
                                  "LlamaForCausalLM or Mamba2ForCausalLM")
-    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
+    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type, model=model)
     ids = _input_ids(example_inputs)
     _check_arguments(global_batch=global_batch, optimizer=optimizer, seed=seed, hardware=hardware, timeout_s=timeout_s)
     optimizer = _checked_optimizer(optimizer)
@@ -212,7 +212,9 @@ def _check_sequence_attention(model: nn.Module) -> None:
     then sized for the shard, so the attention must build its own causal mask (sdpa's is_causal,
     flash attention, the CP attention) rather than take HF's (eager, flex)."""
     impl = getattr(model.config, "_attn_implementation", None)
-    if getattr(model.config, "model_type", "") == "llama" and impl in ("eager", "flex_attention"):
+    from autoshard.models.facts import mixer_of
+
+    if impl in ("eager", "flex_attention") and mixer_of(model) == "attention":
         raise InvalidConfigError(f"sequence_parallel with attn_implementation={impl!r}: HF would build the causal "
                                  "mask for a 1/tp shard of the sequence; load the model with "
                                  "attn_implementation='sdpa' (the default) or set sequence_parallel to false")
@@ -442,7 +444,7 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
     if config is None:
         raise InvalidConfigError(f"{type(model).__name__} has no HF .config; autoshard.backend takes a HF "
                                  "LlamaForCausalLM or Mamba2ForCausalLM")
-    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
+    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type, model=model)
     device = torch.device(device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     requested = {"dp": world} if plan is None else plan

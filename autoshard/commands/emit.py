@@ -36,7 +36,7 @@ def emit_training(args, plan, spec, hw, table) -> int:
     if args.emit == "accelerate":
         lines.append(f"# launch: {accelerate.launch(hw, plan.devices)}  (train.py builds its Accelerator so:)")
         text = "\n".join(lines) + "\n" + accelerate.script(spec, run, global_batch=gb, seq_len=sl)
-        return _write(args, text)
+        return write(args, text)
     if args.emit == "megatron":
         words = megatron.arguments(spec, run, global_batch=gb, seq_len=sl)
         launch = megatron.launch(hw, plan.devices)
@@ -50,16 +50,17 @@ def emit_training(args, plan, spec, hw, table) -> int:
             _write_hf_config(spec, config_dir if args.out else None)
             lines.append(f"# the model through torchtitan's Hugging Face backend: its config.json in {config_dir}")
     lines.append(launch + " \\\n    " + " \\\n    ".join(words))
-    return _write(args, "\n".join(lines) + "\n")
+    return write(args, "\n".join(lines) + "\n")
 
 
-def _write(args, text: str) -> int:
+def write(args, text: str) -> int:
+    """Print `text`, or write it to `--out`."""
     if args.out:
         try:
             Path(args.out).write_text(text)
         except OSError as e:
             raise InvalidConfigError(f"cannot write {args.out}: {e.strerror}") from None
-        print(f"{args.emit} {'settings' if args.emit == 'accelerate' else 'launch command'} written to {args.out}")
+        print(f"{args.emit} {'settings' if args.emit == 'accelerate' else 'launch command' + ('s' if args.emit in ('vllm', 'sglang') else '')} written to {args.out}")
     else:
         print(text, end="")
     return 0

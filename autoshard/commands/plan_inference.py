@@ -88,6 +88,11 @@ def run(args) -> int:
         raise InvalidConfigError(why)
     spec, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module)
     plan = make_plan(spec, table, hw, args, module=module)
+    if getattr(args, "emit", None):
+        from autoshard.commands.emit import write
+        from autoshard.engines.serving import script
+
+        return write(args, script(args.emit, plan, model_path=args.model_path or f"./{spec.name}"))
     if args.out:
         plan.save(args.out)
     rows = _plot(spec, table, hw, args, module) if args.plot else []

@@ -29,16 +29,20 @@ I_k = D(n) + k F.
   Solved by fixed-point iteration (D grows with n). Stable when lam F < 1 and the p99 occupancy
   n + 2.33 sqrt(n) fits the replica's memory (`ic.memory` at P + O tokens of cache per sequence;
   past it an engine queues or preempts, which is not priced: the rate is refused).
+* The prompts an iteration admits are those that arrived during the previous one, so
+  k' | k ~ Poisson(lam (D(n) + k F)): a Markov chain in which long iterations beget long ones
+  (bursts chain), stationary mean lam t, variance lam t / (1 - b^2), lag-one correlation
+  b = lam F; its stationary pmf is solved numerically (`_admitted`).
 * TPOT of a request (vLLM's benchmark: (end-to-end - TTFT) / (O - 1)) is the mean of its O - 1
-  iteration times: mean t; its spread has two parts, the prefills its iterations admit
-  (independent: sqrt(lam t) F / sqrt(O - 1), central limit) and the running count it meets, which
-  stays within sqrt(n) of n over its life ((D(n + sqrt n) - D(n)) / (1 - lam F)), added in
+  iteration times: mean t; its spread has two parts, the chain's (the mean of O - 1 correlated
+  steps: standard deviation F sqrt(lam t) / ((1 - b) sqrt(O - 1))) and the running count it meets,
+  which stays within sqrt(n) of n over its life ((D(n + sqrt n) - D(n)) / (1 - b)), added in
   quadrature: p50 = t, p99 = t + 2.326 sd.
 * TTFT: a request arriving during an iteration of length I_j (length-biased: probability
-  p_j I_j / t) waits its remaining part, uniform on [0, I_j], then runs in the next iteration with
-  the K others that arrived in the same window, K ~ Poisson(lam I_j):
-  TTFT = U I_j + D(n) + (1 + K) F. Its distribution is a finite mixture of uniforms, so its p50 and
-  p99 are exact for this model (`_ttft_quantile`, bisection on the mixture's CDF).
+  pi_j I_j / t, pi the chain's stationary pmf) waits its remaining part, uniform on [0, I_j], then
+  runs in the next iteration with the K others that arrived in the same window,
+  K ~ Poisson(lam I_j): TTFT = U I_j + D(n) + (1 + K) F. Its distribution is a finite mixture of
+  uniforms, so its p50 and p99 are exact for this model (`_ttft_quantile`, bisection on the CDF).
 
 What is not priced: queueing for memory (refused instead), preemption and recomputation, a chunked
 prefill budget smaller than one prompt, request-length distributions (every request P and O), and
@@ -64,7 +68,7 @@ from autoshard.passes.inference_cost import InferenceTable, ServeLayout
 from autoshard.passes.serving import MAX_BATCH, largest_batch
 
 Z99 = 2.326  # the standard normal's 99th percentile
-KMAX = 64  # Poisson terms kept in the TTFT mixture (the tail beyond is < 1e-12 at the loads that are stable)
+KMAX = 32  # admitted counts kept beyond the chain's mean + 12 standard deviations (`_admitted`)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,13 +157,16 @@ def estimate_continuous(table: CostTable | InferenceTable, spec: ModelSpec, hw: 
         return ContinuousEstimate(**unstable, limit=f"memory: {n:.0f} sequences running on average (p99 "
                                                     f"{n + Z99 * math.sqrt(n):.0f}) > {times.max_sequences} that fit")
     d = times.decode(n)
-    # a request's TPOT: the mean of its O - 1 iterations, whose prefill counts are independent (their spread
-    # shrinks as 1 / sqrt(O - 1)) but whose running count stays near the one it met (Poisson(n), persistent
-    # over its life: its spread of one standard deviation, sqrt(n) sequences, does not average out)
-    occupancy = (times.decode(n + math.sqrt(n)) - d) / (1.0 - lam * F)
-    sd = math.hypot(math.sqrt(lam * t) * F / math.sqrt(O - 1), occupancy) if O > 1 else 0.0
+    window = _admitted(d, F, lam)  # stationary pmf of the prompts an iteration admits
+    b = lam * F
+    # a request's TPOT: the mean of its O - 1 iterations. Their admitted counts form the chain of `_admitted`
+    # (stationary mean m = lam t, variance m / (1 - b^2), lag-one correlation b), whose mean over O - 1
+    # steps has variance F^2 m / ((1 - b)^2 (O - 1)); and the running count it meets stays within sqrt(n)
+    # of n over its life (Poisson(n), persistent: it does not average out), added in quadrature
+    occupancy = (times.decode(n + math.sqrt(n)) - d) / (1.0 - b)
+    sd = math.hypot(F * math.sqrt(lam * t) / ((1.0 - b) * math.sqrt(O - 1)), occupancy) if O > 1 else 0.0
     tpot = (t, t + Z99 * sd) if O > 1 else (0.0, 0.0)
-    ttft = tuple(_ttft_quantile(q, decode_s=d, prefill_s=F, lam=lam, mean_iteration=t) for q in (0.5, 0.99))
+    ttft = tuple(_ttft_quantile(q, decode_s=d, prefill_s=F, lam=lam, window=window) for q in (0.5, 0.99))
     return ContinuousEstimate(**out, stable=True, limit="", running=n, iteration_s=t, ttft_p50_s=ttft[0],
                               ttft_p99_s=ttft[1], tpot_p50_s=tpot[0], tpot_p99_s=tpot[1],
                               throughput_tokens_per_s=request_rate * O)
@@ -178,16 +185,42 @@ def _steady_state(decode, *, lam: float, prefill_s: float, output_len: int, cap:
     return t, n
 
 
-def _ttft_quantile(q: float, *, decode_s: float, prefill_s: float, lam: float, mean_iteration: float) -> float:
-    """The q-quantile of TTFT = U I_j + D + (1 + K) F (module docstring), by bisection on its CDF."""
-    k = np.arange(KMAX)
+def _poisson(mean: float, k: np.ndarray) -> np.ndarray:
+    if mean <= 0:
+        return (k == 0).astype(float)
     log_fact = np.cumsum(np.log(np.maximum(k, 1)))
-    pois = lambda mean: np.exp(k * math.log(mean) - mean - log_fact) if mean > 0 else (k == 0).astype(float)
+    return np.exp(k * math.log(mean) - mean - log_fact)
+
+
+def _admitted(decode_s: float, prefill_s: float, lam: float) -> np.ndarray:
+    """Stationary pmf of k, the prompts one iteration admits: those that arrived during the previous
+    iteration, which lasted D + k_prev F, so k | k_prev ~ Poisson(lam (D + k_prev F)): a Markov chain
+    whose long iterations beget long ones (bursts chain; its mean lam D / (1 - lam F) = lam t).
+    Solved on 0..kmax (kmax well past the mean and 12 standard deviations) by power iteration."""
+    b = lam * prefill_s
+    mean = lam * decode_s / (1.0 - b)
+    kmax = int(mean + 12 * math.sqrt(mean / (1.0 - b * b)) + KMAX)
+    k = np.arange(kmax)
+    step = np.stack([_poisson(lam * (decode_s + j * prefill_s), k) for j in k])  # (k_prev, k)
+    pi = _poisson(mean, k)
+    for _ in range(500):
+        nxt = pi @ step
+        nxt /= nxt.sum()
+        if np.abs(nxt - pi).max() < 1e-12:
+            break
+        pi = nxt
+    return nxt
+
+
+def _ttft_quantile(q: float, *, decode_s: float, prefill_s: float, lam: float, window: np.ndarray) -> float:
+    """The q-quantile of TTFT = U I_j + D + (1 + K) F (module docstring), by bisection on its CDF;
+    `window`: the pmf of the prompts admitted by an iteration (`_admitted`), which sets its length I_j."""
+    k = np.arange(len(window))
     lengths = decode_s + k * prefill_s  # I_j
-    window = pois(lam * mean_iteration) * lengths
+    window = window * lengths
     window /= window.sum()  # length-biased: the iteration an arrival falls in
     # mixture components: (weight, start, width) of uniforms U I_j + D + (1 + K) F
-    weights = window[:, None] * np.stack([pois(lam * length) for length in lengths])  # (j, K)
+    weights = window[:, None] * np.stack([_poisson(lam * length, k) for length in lengths])  # (j, K)
     starts = np.broadcast_to(decode_s + (1 + k) * prefill_s, weights.shape)  # over K
     widths = np.broadcast_to(lengths[:, None], weights.shape)  # over j
     weights = weights / weights.sum()

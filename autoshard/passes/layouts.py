@@ -161,7 +161,12 @@ def axis_violation(spec: ModelSpec, axis: str, size: int, *, global_batch: int, 
                    micro_batch: int = 1, strategies=None) -> str | None:
     """The rule of the module docstring that `size` on mesh axis `axis` alone breaks, or None.
     `strategies`: the plan's intra-op choices (tp's rule depends on them: `sharding.tp_violation`);
-    None: whether some choices pass (the search's prune)."""
+    None: whether some choices pass (the search's prune). An axis the model's facts refuse
+    (`ModelSpec.refused`, models/facts.py) is refused by name at any size above 1."""
+    if size > 1:
+        why = refusal(spec, axis)
+        if why:
+            return why
     if axis == "ep":
         return ep_violation(spec, size)
     if axis == "tp":
@@ -178,6 +183,14 @@ def axis_violation(spec: ModelSpec, axis: str, size: int, *, global_batch: int, 
                     f"{per_step}; pick a global batch that is a multiple of {per_step}")
         return None
     return _cp_violation(spec, size, seq_len)
+
+
+def refusal(spec: ModelSpec, axis: str) -> str | None:
+    """Why `spec`'s facts refuse `axis` ("tp", "pp", "cp", "ep", "sequence_parallel"), or None."""
+    for name, why in spec.refused:
+        if name == axis:
+            return f"{axis} is refused for {spec.name}: {why}"
+    return None
 
 
 def _cp_violation(spec: ModelSpec, cp: int, seq: int) -> str | None:
@@ -386,7 +399,7 @@ RUNTIME_SEQUENCE_PARALLEL = (False, True)
 def sequence_parallel_violation(spec: ModelSpec, mesh: Mesh, seq_len: int) -> str | None:
     """Why sequence parallelism cannot go with `mesh` and `seq_len` (module docstring), or None: it
     splits each cp rank's seq_len / cp tokens over the tp ranks (dense LLaMA and Mamba-2 models)."""
-    why = sequence_violation(spec)
+    why = sequence_violation(spec) or refusal(spec, "sequence_parallel")
     if why:
         return why
     if mesh.tp == 1:

@@ -224,19 +224,18 @@ class DistributedModel:
         return self._forward(ids, **kwargs)[0]
 
     def _forward(self, ids: Tensor, **kwargs) -> tuple[Tensor, tuple[Tensor, ...] | None]:
-        """This rank's logits, and the router logits of every MoE layer when the config asks for them."""
+        """This rank's logits, and the router logits of every MoE layer when the config asks for them.
+
+        Through the model's own root forward, always: whatever `ForCausalLM.forward` does around its LM
+        head (Granite's logits_scaling, Cohere's logit_scale, Gemma-2's final softcap) runs as in one
+        process; under tp those are elementwise on this rank's vocab slice of the logits."""
         if self.plan.sequence_parallel and self._setup.spec.family is Family.LLAMA and "position_ids" not in kwargs:
             # HF would number the positions of the 1/tp shard it sees between layers
             kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)[None]}
-        if self._zero3:  # through the root forward, so that FSDP's root hooks run (HF computes the same logits)
-            out = self.model(input_ids=ids, use_cache=False, **kwargs)
-            return out.logits, getattr(out, "router_logits", None)
-        base = getattr(self.model, self.model.base_model_prefix)
-        if getattr(self.model.config, "output_router_logits", False) and torch.is_grad_enabled():
+        if getattr(self.model.config, "output_router_logits", False) and torch.is_grad_enabled() and not self._zero3:
             kwargs = {**kwargs, "output_router_logits": True}
-        out = base(input_ids=ids, use_cache=False, **kwargs)
-        head = self.model.lm_head
-        return head(out.last_hidden_state.to(head.weight.dtype)), getattr(out, "router_logits", None)  # (b, s, V / tp)
+        out = self.model(input_ids=ids, use_cache=False, **kwargs)
+        return out.logits, getattr(out, "router_logits", None)  # (b, s, V / tp)
 
     # -- checks and evaluation ------------------------------------------------------------------
     def __call__(self, input_ids: Tensor) -> Tensor:

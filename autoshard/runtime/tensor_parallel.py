@@ -177,6 +177,10 @@ def partial_grad_reducer(model: nn.Module, program: ShardProgram, group: dist.Pr
             grad = take_grad(param)  # bf16-mixed: the fp32 main gradient (runtime/data_parallel.py)
             if placement is None or grad is None:
                 continue
+            if isinstance(placement, Replicate):  # a replicated weight used on this rank's heads only (q/k norms)
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                dist.all_reduce(local, group=group)
+                continue
             if any(placement.whole):  # (not under ZeRO-3: the rows are cut over dp there)
                 _sum_whole_pieces(grad, placement, group)
                 continue

@@ -29,23 +29,26 @@ def test_steady_state_is_littles_law_with_prefills_in_the_iterations():
     t = D / (1 - lam * F)  # 12.5 ms
     assert e.stable and e.iteration_s == pytest.approx(t) and e.tpot_p50_s == pytest.approx(t)
     assert e.running == pytest.approx(lam * (O - 1) * t)  # 8 sequences per replica
-    # a flat decode step: the TPOT spread is the prefills' alone, averaged over O - 1 iterations
-    assert e.tpot_p99_s == pytest.approx(t + cb.Z99 * math.sqrt(lam * t) * F / math.sqrt(O - 1))
+    # a flat decode step: the TPOT spread is the chained prefills' alone, over O - 1 correlated iterations
+    assert e.tpot_p99_s == pytest.approx(t + cb.Z99 * math.sqrt(lam * t) * F / ((1 - lam * F) * math.sqrt(O - 1)))
     assert e.throughput_tokens_per_s == pytest.approx(2 * lam * O)
     # TTFT: at least the decode step and its own prefill, at most a long iteration more
     assert D + F < e.ttft_p50_s < e.ttft_p99_s < 2 * (D + 8 * F)
 
 
-def test_ttft_quantiles_are_those_of_the_uniform_mixture():
+def test_ttft_quantiles_are_those_of_the_chained_iterations():
     lam = 10.0
-    t = D / (1 - lam * F)
-    got = [cb._ttft_quantile(q, decode_s=D, prefill_s=F, lam=lam, mean_iteration=t) for q in (0.5, 0.99)]
-    rng = np.random.default_rng(0)  # the same model sampled: length-biased window, residual, others in it
-    k = rng.poisson(lam * t, 400_000)
-    keep = rng.random(k.size) < (D + k * F) / (D + k.max() * F)  # length-biased by rejection
-    window = D + k[keep] * F
-    ttft = rng.random(window.size) * window + D + (1 + rng.poisson(lam * window)) * F
-    assert got == pytest.approx(np.quantile(ttft, [0.5, 0.99]), rel=0.01)
+    window = cb._admitted(D, F, lam)
+    assert (window * np.arange(len(window))).sum() == pytest.approx(lam * D / (1 - lam * F))  # mean lam t
+    got = [cb._ttft_quantile(q, decode_s=D, prefill_s=F, lam=lam, window=window) for q in (0.5, 0.99)]
+    rng = np.random.default_rng(0)  # the same model sampled: the chain, a length-biased window, the others in it
+    k = np.zeros(200_000, dtype=int)
+    for i in range(1, k.size):
+        k[i] = rng.poisson(lam * (D + k[i - 1] * F))
+    window_s = D + k * F
+    picked = window_s[rng.random(k.size) < window_s / window_s.max()]  # length-biased by rejection
+    ttft = rng.random(picked.size) * picked + D + (1 + rng.poisson(lam * picked)) * F
+    assert got == pytest.approx(np.quantile(ttft, [0.5, 0.99]), rel=0.02)
 
 
 def test_limits_prefill_saturation_and_memory():

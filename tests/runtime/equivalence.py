@@ -66,6 +66,31 @@ def assert_bf16_close(actual, expected, fp32, *, msg: str, noise_factor: float =
          f"{noise:.3g} + 2% of the norm {scale:.3g}")
 
 
+class Tiny:
+    """A tiny model of any HF decoder class (autoshard/models/tiny.py): `config` built by `build()`;
+    `spec` read off it as `parallelize` reads it (models/facts.py)."""
+
+    def __init__(self, name: str, config):
+        self.name, self.config = name, config
+
+    def build(self):
+        from autoshard.models.tiny import build_tiny
+
+        return build_tiny(self.config, seed=0)
+
+    @functools.cached_property
+    def spec(self):
+        from dataclasses import replace
+
+        from autoshard.models.presets import spec_from_hf_config
+
+        model = self.build()
+        return replace(spec_from_hf_config(model.config, name=self.name, model=model), name=self.name)
+
+    def __repr__(self):
+        return self.name
+
+
 def reference(spec, data, *, bf16: bool = False, fp8_recipe: str | None = None, prepare=None, sgd: bool = False):
     """Losses, last gradients and final weights of one process running the HF model.
 
@@ -118,7 +143,7 @@ def reference(spec, data, *, bf16: bool = False, fp8_recipe: str | None = None, 
 
 
 def _built(spec, prepare):
-    model = build_model(spec, seed=0)
+    model = spec.build() if isinstance(spec, Tiny) else build_model(spec, seed=0)
     if prepare is not None:  # e.g. a config switch or a router made to route every token alike
         prepare(model)
     return model
@@ -128,14 +153,16 @@ def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, step
                logits: bool = False, prepare=None, sgd: bool = False, compile=None) -> None:
     """`preset`: a preset name or a ModelSpec (e.g. of a user-built config). `prepare(model)`: applied
     to the reference model and the distributed one before anything runs."""
-    spec = get_spec(preset) if isinstance(preset, str) else preset
+    source = preset if isinstance(preset, Tiny) else None
+    spec = source.spec if source else get_spec(preset) if isinstance(preset, str) else preset
     preset = spec.name
     data = batches(spec.vocab, global_batch=global_batch, seq=seq, steps=steps)
     precision = plan.get("precision") if isinstance(plan, dict) else None
     bf16 = precision in ("bf16-mixed", "fp8")  # fp8 is bf16-mixed with float8 projections (runtime/fp8.py)
     fp8_recipe = plan.get("fp8_recipe", "tensorwise") if precision == "fp8" else None
-    ref, ref_losses, ref_grads = reference(spec, data, bf16=bf16, fp8_recipe=fp8_recipe, prepare=prepare, sgd=sgd)
-    dm = autoshard.parallelize(_built(spec, prepare), data[0][0], plan=plan, global_batch=global_batch,
+    ref, ref_losses, ref_grads = reference(source or spec, data, bf16=bf16, fp8_recipe=fp8_recipe, prepare=prepare,
+                                           sgd=sgd)
+    dm = autoshard.parallelize(_built(source or spec, prepare), data[0][0], plan=plan, global_batch=global_batch,
                                optimizer=optimizer_factory(sgd), compile=compile)
     gemm_dtypes = _record_linear_outputs(dm.model)
     norm_tokens = _record_norm_tokens(dm.model, spec) if dm.plan.sequence_parallel else None

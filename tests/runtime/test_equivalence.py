@@ -144,6 +144,9 @@ def _sliding_window(model) -> None:
 
 def _run_all(rank: int, world: int, configs) -> None:
     if world == 2:
+        from tests.runtime.families import check_families
+
+        check_families()  # Qwen3, Mistral, Gemma-2/3, Phi-3, OLMo2, Granite, Qwen3-MoE, GPT-OSS (issue 24)
         _check_shard_saved()
         for preset, plan in COMPILED:
             check_plan(preset, plan, compile="aot_eager")
