@@ -54,7 +54,7 @@ from autoshard.fingerprint import check_plan_matches, fingerprint_module
 from autoshard.inference_plan import InferencePlan, is_inference_plan
 from autoshard.ir import AXES, Mesh, Plan, Precision
 from autoshard.models.presets import max_positions, position_violation, spec_from_hf_config
-from autoshard.passes.layouts import MIN_SEQ_LEN, backend_violation, check_plan
+from autoshard.rules.validity import MIN_SEQ_LEN, backend_violation, check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
 from autoshard.runtime.shard_graph import shard_graph
 from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
@@ -69,8 +69,8 @@ from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 log = logging.getLogger("autoshard")
 
 PLAN_HINT = "give every rank the same plan, model and settings of autoshard.parallelize"
-PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "precision", "schedule", "virtual_stages",
-             "sequence_parallel", "strategies")
+PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "precision", "fp8_recipe", "schedule",
+             "virtual_stages", "sequence_parallel", "strategies")
 
 
 def parallelize(model: nn.Module, example_inputs: Any, *,
@@ -99,7 +99,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     if config is None:
         raise InvalidConfigError(f"{type(model).__name__} has no HF .config; parallelize takes a HF "
                                  "LlamaForCausalLM or Mamba2ForCausalLM")
-    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
+    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type, model=model)
     ids = _input_ids(example_inputs)
     _check_arguments(global_batch=global_batch, optimizer=optimizer, seed=seed, hardware=hardware, timeout_s=timeout_s)
     optimizer = _checked_optimizer(optimizer)
@@ -122,7 +122,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         def given() -> Plan:
             if serving:
                 inference = requested if isinstance(requested, InferencePlan) else InferencePlan.load(requested)
-                from autoshard.passes.sharding import runnable_strategies
+                from autoshard.rules.sharding import runnable_strategies
 
                 strategies = runnable_strategies(spec, inference.pools[-1].tp) or ()  # what the planner priced
                 return inference.replica_training_plan(world=world, seq_len=ids.shape[1], fingerprint=fingerprint,
@@ -143,6 +143,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         if not serving:  # generation asks for no router logits; it holds its prompts to the positions itself
             _check_router_aux(model, out)
             _check_positions(model, spec, out.seq_len)
+        if out.precision is Precision.FP8:  # torchao installed, float8 GEMMs on this device: before any collective
+            from autoshard.runtime.fp8 import check_fp8_device, torchao_float8
+
+            torchao_float8()
+            check_fp8_device(device)
         return out
 
     layers_backend = compile_backend(compile, spec, device.type, training=not serving)
@@ -151,7 +156,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                                           fingerprint=fingerprint, settings=settings, solved=plan is None,
                                           timeout_s=timeout_s, generate=serving)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    install_ssd_mixers(model)  # the SSD as the cost model prices it (passes/kernels.py, runtime/ssd.py)
+    install_ssd_mixers(model)  # the SSD as the cost model prices it (passes/capture/kernels.py, runtime/ssd.py)
     # CP first: its Mamba-2 mixers replace the mixer's forward, which TP's wrappers (checkpoint, the
     # sequence-parallel gather) then wrap
     cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
@@ -166,6 +171,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                                            if split_tp else {}))
         if split_tp:
             expert_tp = expert_tp_names(model, spec, tp=plan.mesh.tp, tp_rank=groups.coords.tp)
+    precision = plan.precision.resolve(device.type)
+    if precision is Precision.FP8:  # torchao's Float8Linear on the tp slices' projections (runtime/fp8.py)
+        from autoshard.runtime.fp8 import apply_float8
+
+        apply_float8(model, spec, plan.fp8_recipe, device=device, fsdp_float8_all_gather=plan.zero == 3)
     if layers_backend is not None:  # fused element-wise kernels, as the GPU cost model prices; before FSDP2
         compile_layers(model, layers_backend)
     if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices; ep > 1: dense over dp x ep (x cp), experts over dp (x cp)
@@ -175,7 +185,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         grad_group = cp.grad_group if cp is not None else groups.dp
         ep = plan.mesh.ep > 1
         apply_zero3(model, groups.replicas if ep else grad_group, device=device, offload=plan.offload_optimizer,
-                    bf16=plan.precision.resolve(device.type) is Precision.BF16_MIXED, expert_group=grad_group,
+                    bf16=precision.mixed, expert_group=grad_group,
                     experts=tuple(path for path, _ in experts_modules(model, spec)) if ep else ())
     runner = None
     if plan.mesh.pp > 1:
@@ -186,7 +196,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         runner = PipelineRunner(model, spec, stages, pp_group=groups.pp, device=device,
                                 options=PipelineOptions(schedule=plan.schedule, micro_batch=plan.micro_batch,
                                                         virtual_stages=plan.virtual_stages,
-                                                        precision=plan.precision.resolve(device.type),
+                                                        precision=precision,
                                                         sequence_shards=tuple(plan.mesh.tp if on else 1 for on
                                                                               in plan.stage_sequence_parallel)),
                                 tp_group=groups.tp if plan.mesh.tp > 1 and program.vocab_head else None, cp=cp,
@@ -202,7 +212,9 @@ def _check_sequence_attention(model: nn.Module) -> None:
     then sized for the shard, so the attention must build its own causal mask (sdpa's is_causal,
     flash attention, the CP attention) rather than take HF's (eager, flex)."""
     impl = getattr(model.config, "_attn_implementation", None)
-    if getattr(model.config, "model_type", "") == "llama" and impl in ("eager", "flex_attention"):
+    from autoshard.models.facts import mixer_of
+
+    if impl in ("eager", "flex_attention") and mixer_of(model) == "attention":
         raise InvalidConfigError(f"sequence_parallel with attn_implementation={impl!r}: HF would build the causal "
                                  "mask for a 1/tp shard of the sequence; load the model with "
                                  "attn_implementation='sdpa' (the default) or set sequence_parallel to false")
@@ -350,8 +362,8 @@ def _solve_on_rank0(model: nn.Module, spec, *, world: int, seq_len: int, global_
     """Rank 0 captures `model`'s class and config and solves; the plan (or the error, e.g. the construct
     that stopped the trace) reaches every rank as JSON bytes, never pickle."""
     if dist.get_rank() == 0:
-        from autoshard.passes.shapes import build_cost_table
-        from autoshard.passes.solve import solve
+        from autoshard.passes.capture.shapes import build_cost_table
+        from autoshard.passes.solve.planner import solve
 
         try:
             from autoshard.hardware import load_hardware
@@ -409,7 +421,7 @@ def _resolve_plan(plan: Any, *, spec, seq_len: int, global_batch: int, hardware:
         value = plan.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool):
             raise InvalidConfigError(f"plan key {key!r} must be an integer, got {value!r}")
-    options = {key: plan[key] for key in ("precision", "schedule", "virtual_stages", "offload_optimizer",
+    options = {key: plan[key] for key in ("precision", "fp8_recipe", "schedule", "virtual_stages", "offload_optimizer",
                                           "sequence_parallel", "strategies")
                if plan.get(key) is not None}
     # devices: the mesh's own size; check_plan (the one validator) compares it with the world size
@@ -432,7 +444,7 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
     if config is None:
         raise InvalidConfigError(f"{type(model).__name__} has no HF .config; autoshard.backend takes a HF "
                                  "LlamaForCausalLM or Mamba2ForCausalLM")
-    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
+    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type, model=model)
     device = torch.device(device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     requested = {"dp": world} if plan is None else plan

@@ -49,7 +49,7 @@ def run(args) -> int:
 
 
 def validate(plan, *, source: str = "the plan") -> None:
-    """The plan validator (passes/layouts.py `check_plan`, what `parallelize` runs; for an inference plan
+    """The plan validator (rules/validity.py `check_plan`, what `parallelize` runs; for an inference plan
     `generate_violation` of each pool's replica, what `parallelize` and `dm.generate` run) on the plan's
     model, when it is a preset or a `package.module:factory` that imports; InvalidConfigError
     (one line, exit 2) when the runtime would refuse the plan; a warning on stderr when its fingerprint
@@ -61,7 +61,7 @@ def validate(plan, *, source: str = "the plan") -> None:
     from autoshard.inference_plan import InferencePlan
     from autoshard.ir import Mesh
     from autoshard.models.presets import get_spec, resolve_model
-    from autoshard.passes.layouts import check_plan, generate_violation
+    from autoshard.rules.validity import check_plan, generate_violation
 
     try:
         spec, module = resolve_model(plan.model, device="meta") if ":" in plan.model else (get_spec(plan.model), None)
@@ -105,7 +105,7 @@ def _expert_line(plan, pred) -> str | None:
     if ep > 1:
         line += (f"; dispatch/combine all-to-alls {time.get('ep_comm', 0):.3g} s/step, in exchange for 1/{ep} of "
                  "the expert weights, gradients and optimizer state per rank")
-    for other in dict(plan.solver).get("other_eps", ()):  # why this ep won (passes/solve.py _other_eps)
+    for other in dict(plan.solver).get("other_eps", ()):  # why this ep won (passes/solve/planner.py _other_eps)
         if "mesh" in other:
             mesh = " ".join(f"{k}{v}" for k, v in other["mesh"].items() if v > 1) or "single"
             line += f"\n  ep={other['ep']}: the best plan with it ({mesh}) takes {other['step_time_s']:.4g} s/step; " \
@@ -119,7 +119,7 @@ def render(plan) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from autoshard.passes.sharding import CHOICES
+    from autoshard.rules.sharding import CHOICES
 
     con = Console()
     pred, solver = dict(plan.predicted), dict(plan.solver)
@@ -130,6 +130,9 @@ def render(plan) -> None:
               + (" with optimizer offload to host memory" if plan.offload_optimizer else ""))
     precision = plan.precision.value + (" (bf16-mixed on an accelerator, fp32 on CPU)"
                                         if plan.precision.value == "auto" else "")
+    if plan.fp8_recipe is not None:  # torchao's float8 training on the layers' projections (runtime/fp8.py)
+        precision += (f", torchao float8 recipe {plan.fp8_recipe.value} on the attention / MLP projections "
+                      "(embedding, head, norms, router: bf16)")
     con.print(f"precision: {precision}; pipeline schedule: {plan.schedule.value}, "
               f"{plan.virtual_stages} virtual stage(s) per rank")
     sp = plan.stage_sequence_parallel
@@ -138,7 +141,7 @@ def render(plan) -> None:
             " (a boundary next to one carries the whole sequence)"
         con.print(f"sequence parallel: {where} (norms and residual stream on a 1/{plan.mesh.tp} shard of the "
                   "sequence; all-gather / reduce-scatter in place of the TP all-reduces)")
-    if plan.mesh.tp > 1:  # the intra-op choices (passes/sharding.py CHOICES); the placements below follow them
+    if plan.mesh.tp > 1:  # the intra-op choices (rules/sharding.py CHOICES); the placements below follow them
         chosen = dict(plan.strategies)
         named = {k: ("per stage " + " / ".join(v) if isinstance(v, tuple) else v) for k, v in chosen.items()}
         con.print("intra-op strategies: " + ", ".join(f"{k} {named.get(k, v[0])}"
@@ -170,7 +173,8 @@ def render(plan) -> None:
         con.print(f"  {placement:>12}: {', '.join(ops)}")
     if pred:
         con.print(f"predicted: step {pred.get('step_time_s', 0):.4g} s, {pred.get('tokens_per_s', 0):.4g} tokens/s, "
-                  f"MFU {100 * pred.get('mfu', 0):.1f}%, peak memory {memory_text(pred.get('memory_gb', 0))}")
+                  f"MFU {100 * pred.get('mfu', 0):.1f}% (of the bf16 dense peak, at any precision), "
+                  f"peak memory {memory_text(pred.get('memory_gb', 0))}")
         for title, key, text in (("time", "time_breakdown_s", lambda v: f"{v:.3g} s"),
                                  ("memory", "memory_breakdown_gb", memory_text)):
             parts = pred.get(key, {})

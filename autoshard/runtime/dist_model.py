@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autoshard.errors import AutoshardError, InvalidConfigError
-from autoshard.ir import Plan, Precision
+from autoshard.ir import Plan
 from autoshard.models.presets import Family, ModelSpec, max_positions
 from autoshard.ir import Replicate, ShardProgram
 from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
@@ -101,7 +101,7 @@ class DistributedModel:
         zero = 1 <= setup.plan.zero <= 2
         # bf16-mixed under ZeRO 0-2: Megatron's layout (runtime/precision.py): bf16 parameters, fp32 main
         # gradients, fp32 masters in the (sharded) optimizer; ZeRO-3 is FSDP2's own (runtime/zero3.py)
-        self._main_grads = self.precision is Precision.BF16_MIXED and not self._zero3
+        self._main_grads = self.precision.mixed and not self._zero3
         # the gradients live in one flat buffer per bucket (Megatron-LM's grad buffer, `main_grad`) under
         # bf16-mixed, and under ZeRO-1/2 at any precision (GradSync's own rule)
         if self._zero3:  # FSDP2 reduces the gradients (ep > 1: the dense ones over dp x ep x cp, runtime/zero3.py)
@@ -224,19 +224,18 @@ class DistributedModel:
         return self._forward(ids, **kwargs)[0]
 
     def _forward(self, ids: Tensor, **kwargs) -> tuple[Tensor, tuple[Tensor, ...] | None]:
-        """This rank's logits, and the router logits of every MoE layer when the config asks for them."""
+        """This rank's logits, and the router logits of every MoE layer when the config asks for them.
+
+        Through the model's own root forward, always: whatever `ForCausalLM.forward` does around its LM
+        head (Granite's logits_scaling, Cohere's logit_scale, Gemma-2's final softcap) runs as in one
+        process; under tp those are elementwise on this rank's vocab slice of the logits."""
         if self.plan.sequence_parallel and self._setup.spec.family is Family.LLAMA and "position_ids" not in kwargs:
             # HF would number the positions of the 1/tp shard it sees between layers
             kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)[None]}
-        if self._zero3:  # through the root forward, so that FSDP's root hooks run (HF computes the same logits)
-            out = self.model(input_ids=ids, use_cache=False, **kwargs)
-            return out.logits, getattr(out, "router_logits", None)
-        base = getattr(self.model, self.model.base_model_prefix)
-        if getattr(self.model.config, "output_router_logits", False) and torch.is_grad_enabled():
+        if getattr(self.model.config, "output_router_logits", False) and torch.is_grad_enabled() and not self._zero3:
             kwargs = {**kwargs, "output_router_logits": True}
-        out = base(input_ids=ids, use_cache=False, **kwargs)
-        head = self.model.lm_head
-        return head(out.last_hidden_state.to(head.weight.dtype)), getattr(out, "router_logits", None)  # (b, s, V / tp)
+        out = self.model(input_ids=ids, use_cache=False, **kwargs)
+        return out.logits, getattr(out, "router_logits", None)  # (b, s, V / tp)
 
     # -- checks and evaluation ------------------------------------------------------------------
     def __call__(self, input_ids: Tensor) -> Tensor:
@@ -256,7 +255,7 @@ class DistributedModel:
 
     def generate(self, input_ids: Tensor, *, max_new_tokens: int) -> Tensor:
         """Prompt + greedy new tokens (b, s + n), n <= max_new_tokens, on every rank (collective)."""
-        from autoshard.passes.layouts import generate_violation
+        from autoshard.rules.validity import generate_violation
 
         mesh, spec = self.plan.mesh, self._setup.spec
         # the rule the inference planner checks its layouts with

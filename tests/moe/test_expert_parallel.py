@@ -43,6 +43,9 @@ WORLD2 = (
     # ZeRO-3 (FSDP2): dense weights sharded over dp x ep, each rank's experts over dp (runtime/zero3.py)
     ("mixtral-tiny", dict(ep=2, zero=3), None, True),
     ("qwen2-moe-tiny", dict(ep=2, zero=3), None, False),
+    # fp8: attention and the shared expert in float8 (runtime/fp8.py); router and routed experts bf16
+    ("qwen2-moe-tiny", dict(ep=2, precision="fp8"), None, False),
+    ("mixtral-tiny", dict(ep=2, precision="fp8", fp8_recipe="rowwise"), None, False),
 )
 WORLD4 = (
     ("mixtral-tiny", dict(ep=4), None, False),
