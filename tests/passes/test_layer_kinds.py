@@ -24,6 +24,10 @@ KINDS = {  # model type -> the kind of every layer, as the tiny configs of tests
     "zamba2": ((M, "hybrid", M, "hybrid"), "config.layers_block_type"),
     "deepseek_v3": (("attention+dense", "attention+moe", "attention+moe"), "parameters"),
     "falcon_h1": (("layer",) * 3, "config.layers_block_type"),  # attention and Mamba-2 in every layer: one kind
+    "qwen2_moe": (("full_attention+dense", "full_attention+moe") * 2, "config.layer_types"),
+    "qwen3_next": ((M, M, M, A), "config.layer_types"),
+    "lfm2": (("conv", A, "conv", A), "config.layer_types"),
+    "gemma3_text": (("layer",) * 6, "config.layer_types"),  # sliding and full attention, the same weights
 }
 
 
