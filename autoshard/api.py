@@ -61,7 +61,7 @@ from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
 from autoshard.runtime.compiled import compile_backend, compile_layers
 from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup
-from autoshard.runtime.expert_parallel import apply_expert_parallel
+from autoshard.runtime.expert_parallel import apply_expert_parallel, expert_tp_names
 from autoshard.runtime.mesh import DEFAULT_TIMEOUT_S, backend_for, build_groups, check_timeout, init_default_group
 from autoshard.runtime.ssd import install_ssd_mixers
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
@@ -69,8 +69,8 @@ from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 log = logging.getLogger("autoshard")
 
 PLAN_HINT = "give every rank the same plan, model and settings of autoshard.parallelize"
-PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "precision", "schedule", "virtual_stages",
-             "sequence_parallel", "strategies")
+PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "precision", "fp8_recipe", "schedule",
+             "virtual_stages", "sequence_parallel", "strategies")
 
 
 def parallelize(model: nn.Module, example_inputs: Any, *,
@@ -99,7 +99,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     if config is None:
         raise InvalidConfigError(f"{type(model).__name__} has no HF .config; parallelize takes a HF "
                                  "LlamaForCausalLM or Mamba2ForCausalLM")
-    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
+    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type, model=model)
     ids = _input_ids(example_inputs)
     _check_arguments(global_batch=global_batch, optimizer=optimizer, seed=seed, hardware=hardware, timeout_s=timeout_s)
     optimizer = _checked_optimizer(optimizer)
@@ -143,6 +143,11 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         if not serving:  # generation asks for no router logits; it holds its prompts to the positions itself
             _check_router_aux(model, out)
             _check_positions(model, spec, out.seq_len)
+        if out.precision is Precision.FP8:  # torchao installed, float8 GEMMs on this device: before any collective
+            from autoshard.runtime.fp8 import check_fp8_device, torchao_float8
+
+            torchao_float8()
+            check_fp8_device(device)
         return out
 
     layers_backend = compile_backend(compile, spec, device.type, training=not serving)
@@ -157,16 +162,31 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
-    experts = frozenset()
-    if plan.mesh.ep > 1:  # this rank's experts; tokens dispatched by all-to-all (runtime/expert_parallel.py)
-        experts = apply_expert_parallel(model, spec, groups.ep, ep=plan.mesh.ep, ep_rank=groups.coords.ep)
+    experts, expert_tp = frozenset(), ()
+    # serving replicas (an inference plan) split every expert's GEMMs over tp too, as serving engines do
+    split_tp = serving and spec.is_moe and plan.mesh.tp > 1
+    if plan.mesh.ep > 1 or split_tp:  # this rank's experts; tokens dispatched by all-to-all (runtime/expert_parallel.py)
+        experts = apply_expert_parallel(model, spec, groups.ep, ep=plan.mesh.ep, ep_rank=groups.coords.ep,
+                                        **(dict(tp_group=groups.tp, tp=plan.mesh.tp, tp_rank=groups.coords.tp)
+                                           if split_tp else {}))
+        if split_tp:
+            expert_tp = expert_tp_names(model, spec, tp=plan.mesh.tp, tp_rank=groups.coords.tp)
+    precision = plan.precision.resolve(device.type)
+    if precision is Precision.FP8:  # torchao's Float8Linear on the tp slices' projections (runtime/fp8.py)
+        from autoshard.runtime.fp8 import apply_float8
+
+        apply_float8(model, spec, plan.fp8_recipe, device=device, fsdp_float8_all_gather=plan.zero == 3)
     if layers_backend is not None:  # fused element-wise kernels, as the GPU cost model prices; before FSDP2
         compile_layers(model, layers_backend)
-    if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices
+    if plan.zero == 3:  # FSDP2 over dp (x cp), on the tp slices; ep > 1: dense over dp x ep (x cp), experts over dp (x cp)
+        from autoshard.runtime.expert_parallel import experts_modules
         from autoshard.runtime.zero3 import apply_zero3
 
-        apply_zero3(model, cp.grad_group if cp is not None else groups.dp, device=device,
-                    offload=plan.offload_optimizer, bf16=plan.precision.resolve(device.type) is Precision.BF16_MIXED)
+        grad_group = cp.grad_group if cp is not None else groups.dp
+        ep = plan.mesh.ep > 1
+        apply_zero3(model, groups.replicas if ep else grad_group, device=device, offload=plan.offload_optimizer,
+                    bf16=precision.mixed, expert_group=grad_group,
+                    experts=tuple(path for path, _ in experts_modules(model, spec)) if ep else ())
     runner = None
     if plan.mesh.pp > 1:
         from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner
@@ -176,13 +196,14 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         runner = PipelineRunner(model, spec, stages, pp_group=groups.pp, device=device,
                                 options=PipelineOptions(schedule=plan.schedule, micro_batch=plan.micro_batch,
                                                         virtual_stages=plan.virtual_stages,
-                                                        precision=plan.precision.resolve(device.type),
+                                                        precision=precision,
                                                         sequence_shards=tuple(plan.mesh.tp if on else 1 for on
                                                                               in plan.stage_sequence_parallel)),
                                 tp_group=groups.tp if plan.mesh.tp > 1 and program.vocab_head else None, cp=cp,
                                 sequence_group=groups.tp if plan.mesh.tp > 1 else None)
     setup = RankSetup(model=model, spec=spec, plan=plan, groups=groups, program=program, pipeline=runner, cp=cp,
-                      expert_names=experts, fingerprint=fingerprint, full_shapes=full_shapes, generate_only=serving)
+                      expert_names=experts, expert_tp=expert_tp, fingerprint=fingerprint, full_shapes=full_shapes,
+                      generate_only=serving)
     return DistributedModel(setup, optimizer=optimizer)
 
 
@@ -191,7 +212,9 @@ def _check_sequence_attention(model: nn.Module) -> None:
     then sized for the shard, so the attention must build its own causal mask (sdpa's is_causal,
     flash attention, the CP attention) rather than take HF's (eager, flex)."""
     impl = getattr(model.config, "_attn_implementation", None)
-    if getattr(model.config, "model_type", "") == "llama" and impl in ("eager", "flex_attention"):
+    from autoshard.models.facts import mixer_of
+
+    if impl in ("eager", "flex_attention") and mixer_of(model) == "attention":
         raise InvalidConfigError(f"sequence_parallel with attn_implementation={impl!r}: HF would build the causal "
                                  "mask for a 1/tp shard of the sequence; load the model with "
                                  "attn_implementation='sdpa' (the default) or set sequence_parallel to false")
@@ -398,7 +421,7 @@ def _resolve_plan(plan: Any, *, spec, seq_len: int, global_batch: int, hardware:
         value = plan.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool):
             raise InvalidConfigError(f"plan key {key!r} must be an integer, got {value!r}")
-    options = {key: plan[key] for key in ("precision", "schedule", "virtual_stages", "offload_optimizer",
+    options = {key: plan[key] for key in ("precision", "fp8_recipe", "schedule", "virtual_stages", "offload_optimizer",
                                           "sequence_parallel", "strategies")
                if plan.get(key) is not None}
     # devices: the mesh's own size; check_plan (the one validator) compares it with the world size
@@ -421,7 +444,7 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
     if config is None:
         raise InvalidConfigError(f"{type(model).__name__} has no HF .config; autoshard.backend takes a HF "
                                  "LlamaForCausalLM or Mamba2ForCausalLM")
-    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type)
+    spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type, model=model)
     device = torch.device(device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     requested = {"dp": world} if plan is None else plan

@@ -1,4 +1,4 @@
-"""`autoshard` command line: inspect, sweep, plan, show, cache.
+"""`autoshard` command line: inspect, sweep, plan, price, show, cache.
 
 Each command lives in `autoshard/commands/<name>.py` with `add_parser(subparsers)` and
 `run(args) -> int`. User errors (`AutoshardError`) print one line and exit 2, no traceback.
@@ -12,7 +12,7 @@ import sys
 
 from autoshard.errors import AutoshardError
 
-COMMANDS = ("inspect", "sweep", "plan", "show", "cache")
+COMMANDS = ("inspect", "sweep", "plan", "price", "show", "cache")
 
 
 class _Parser(argparse.ArgumentParser):

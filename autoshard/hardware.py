@@ -71,6 +71,10 @@ class DeviceProfile:
     intra_ll_latency: float | None = None  # s per LL step on the intra-node link (NCCL hwLat NVLink / PCI)
     inter_ll_latency: float | None = None  # s per LL step on the network (NCCL hwLat NET)
     kernel_floor_s: float | None = None  # s a kernel of a graph-launched forward costs beyond its bytes / FLOPs
+    # FP8 tensor cores (plan precision "fp8", passes/precision.py); None: the device has none, fp8 is refused
+    fp8_peak_flops: float | None = None  # dense FP8 (e4m3) GEMM FLOP/s
+    fp8_gemm_efficiency: float | None = None  # achievable fraction of fp8_peak_flops for large GEMMs in training
+    fp8_gemm_half_dim: float | None = None  # as gemm_half_dim, for the FP8 GEMM tiles
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -85,7 +89,14 @@ class DeviceProfile:
         if not isinstance(self.devices_per_node, int):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'devices_per_node' must be an "
                                      f"integer, got {self.devices_per_node!r}")
-        for f in ("host_link_bandwidth", "host_memory_bandwidth") + SERVING_FIELDS:
+        fp8 = [getattr(self, f) is None for f in _FP8_FIELDS]
+        if any(fp8) and not all(fp8):
+            raise InvalidConfigError(f"hardware profile {self.name!r}: give all of {', '.join(_FP8_FIELDS)} (a device "
+                                     "with FP8 tensor cores) or none of them")
+        if self.fp8_gemm_efficiency is not None and not 0 < self.fp8_gemm_efficiency <= 1:
+            raise InvalidConfigError(f"hardware profile {self.name!r}: field 'fp8_gemm_efficiency' is a fraction of "
+                                     f"fp8_peak_flops and must be in (0, 1], got {self.fp8_gemm_efficiency!r}")
+        for f in ("host_link_bandwidth", "host_memory_bandwidth") + SERVING_FIELDS + _FP8_FIELDS:
             value = getattr(self, f)
             low = 0 if f in SERVING_FIELDS else math.ulp(0)  # serving latencies may be 0, bandwidths not
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -138,6 +149,7 @@ SERVING_FIELDS = ("ll_base_latency", "intra_ll_latency", "inter_ll_latency", "ke
 _NUMERIC_FIELDS = ("peak_flops", "memory_bytes", "hbm_bandwidth", "devices_per_node", "intra_bandwidth",
                    "intra_latency", "inter_bandwidth", "inter_latency", "gemm_efficiency", "gemm_half_dim",
                    "vector_efficiency", "attention_efficiency")
+_FP8_FIELDS = ("fp8_peak_flops", "fp8_gemm_efficiency", "fp8_gemm_half_dim")
 _REQUIRED_FIELDS = ("name", "peak_flops", "memory_bytes", "hbm_bandwidth", "devices_per_node", "intra_bandwidth",
                     "intra_latency", "inter_bandwidth", "inter_latency")
 
@@ -280,9 +292,22 @@ H100 = DeviceProfile(
     kernel_floor_s=KERNEL_FLOOR,
     host_link_bandwidth=64 * GB,
     host_memory_bandwidth=76.8 * GB,
+    fp8_peak_flops=1979 * TFLOPS,
+    fp8_gemm_efficiency=0.75 * 1.75 / 2,
+    fp8_gemm_half_dim=256.0,
     sources=(
         ("ll_base_latency", _LL_SOURCE), ("intra_ll_latency", _LL_SOURCE), ("inter_ll_latency", _LL_SOURCE),
         ("kernel_floor_s", _FLOOR_SOURCE),
+        ("fp8_peak_flops", "NVIDIA H100 SXM datasheet: 3,958 TFLOPS FP8 with sparsity = 1,979 dense, twice the BF16 "
+                           "peak (H200 the same die)"),
+        ("fp8_gemm_efficiency", "derived, not fitted: gemm_efficiency (0.75 of the BF16 peak, sustained in training) "
+                                "x the FP8 / BF16 speed-up of large matmuls on Hopper, 1.75x (NVIDIA blog 'Boosting "
+                                "Matrix Multiplication Speed and Flexibility with NVIDIA cuBLAS 12.9', channel- and "
+                                "block-scaled FP8 on H100) / the peak ratio 2 = 0.656 of 1,979 TFLOPS"),
+        ("fp8_gemm_half_dim", "SM90 FP8 GEMM tiles step K by 128 elements where BF16's step 64 (CUTLASS sm90 FP8 "
+                              "kernels, 128x128x128 / 128x256x128 tiles): d / (d + 256). Check: at 1024^3 this gives "
+                              "FP8 / BF16 = 2 x 0.875 x 0.512 / 0.702 = 1.28x, the same blog's 'at least 1.25x for "
+                              "most other cases'"),
         ("host_link_bandwidth", "NVIDIA H100 SXM datasheet: PCIe Gen5 x16, 128 GB/s bidirectional = 64 GB/s per "
                                 "direction (H200 the same)"),
         ("host_memory_bandwidth", "DGX H100 user guide: 2x Intel Xeon Platinum 8480C, 8 channels DDR5-4800 each = "

@@ -38,6 +38,14 @@ class Precision(str, Enum):
     AUTO = "auto"
     BF16_MIXED = "bf16-mixed"  # bf16 weights/compute/activations; fp32 master weights, main gradients, optimizer
     FP32 = "fp32"  # everything fp32: the exact equivalence tests
+    # bf16-mixed with the attention / MLP projections' GEMMs in float8 through torchao's float8 training
+    # (`Float8Linear`, recipe: the plan's `fp8_recipe`); runtime/fp8.py
+    FP8 = "fp8"
+
+    @property
+    def mixed(self) -> bool:
+        """bf16 weights and activations with fp32 masters and main gradients (bf16-mixed, and fp8 on top of it)."""
+        return self in (Precision.BF16_MIXED, Precision.FP8)
 
     def resolve(self, device_type: str) -> Precision:
         """The concrete precision on a device of kind `device_type` ("cpu", "cuda", "npu"; a cost
@@ -47,6 +55,13 @@ class Precision(str, Enum):
         return Precision.FP32 if device_type == "cpu" else Precision.BF16_MIXED
 
 
+class Fp8Recipe(str, Enum):
+    """torchao's float8 training recipes (`Float8LinearConfig.from_recipe_name`), plan key `fp8_recipe`."""
+
+    TENSORWISE = "tensorwise"  # one scale per tensor (input, weight, grad_output); FSDP2 may all-gather in float8
+    ROWWISE = "rowwise"  # one scale per row of each GEMM operand (per-token / per-channel): more casts, no fp8 gather
+
+
 class Schedule(str, Enum):
     """Pipeline schedule (torch.distributed.pipelining). Stage placement over pp ranks: `stage_rank`."""
 
@@ -54,6 +69,17 @@ class Schedule(str, Enum):
     GPIPE = "gpipe"  # ScheduleGPipe: every forward, then every backward: all micro-batches in flight
     INTERLEAVED_1F1B = "interleaved-1f1b"  # ScheduleInterleaved1F1B: virtual_stages chunks per rank, loop placement
     ZERO_BUBBLE = "zero-bubble"  # backward split in input-grad (B) and weight-grad (W) passes; see runtime/pipeline.py
+
+
+def fp8_recipe_of(precision: Precision, recipe: Any) -> Fp8Recipe | None:
+    """The float8 recipe of a plan: `recipe` (torchao's default, tensorwise, when None) under precision fp8;
+    None otherwise, where giving one is an error."""
+    if precision is not Precision.FP8:
+        if recipe is not None:
+            raise InvalidConfigError(f"fp8_recipe {recipe!r} needs precision 'fp8', got precision "
+                                     f"{precision.value!r}; set precision='fp8' or drop fp8_recipe")
+        return None
+    return Fp8Recipe.TENSORWISE if recipe is None else _enum_field(Fp8Recipe, recipe, "fp8_recipe")
 
 
 def _enum_field(enum: type[Enum], value: Any, field_name: str) -> Enum:
@@ -323,6 +349,7 @@ class Plan:
     offload_optimizer: bool = False  # ZeRO-3 shards and optimizer state in host memory (runtime/zero3.py)
     recompute: Recompute = Recompute.NONE
     precision: Precision = Precision.AUTO
+    fp8_recipe: Fp8Recipe | None = None  # precision "fp8" only (tensorwise when not given); runtime/fp8.py
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved / zero-bubble schedules)
     # Megatron SP: norms / residual on a tp shard of the sequence (needs tp > 1); one bool per model chunk when
@@ -359,6 +386,7 @@ class Plan:
             self.sequence_parallel, chunks, lambda x: isinstance(x, bool), "sequence_parallel"))
         object.__setattr__(self, "recompute", _enum_field(Recompute, self.recompute, "recompute"))
         object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
+        object.__setattr__(self, "fp8_recipe", fp8_recipe_of(self.precision, self.fp8_recipe))
         object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
         object.__setattr__(self, "strategies", strategy_pairs(self.strategies, chunks))
         check_schedule(self.schedule, self.virtual_stages, pp=self.mesh.pp)
@@ -415,6 +443,8 @@ class Plan:
             "placements": dict(self.placements),
             "predicted": _jsonable(self.predicted),
             "solver": _jsonable(self.solver),
+            # only under precision fp8, so the files of other plans stay as they were
+            **({"fp8_recipe": self.fp8_recipe.value} if self.fp8_recipe is not None else {}),
         }
 
     def save(self, path: str | Path) -> None:
@@ -446,8 +476,8 @@ def _jsonable(value: Any) -> Any:
 
 PLAN_FILE_KEYS = frozenset((
     "schema_version", "model", "fingerprint", "hardware", "devices", "global_batch", "seq_len", "mesh", "micro_batch",
-    "zero", "offload_optimizer", "recompute", "precision", "schedule", "virtual_stages", "sequence_parallel",
-    "strategies", "stages", "placements", "predicted", "solver"))  # what Plan.to_json writes
+    "zero", "offload_optimizer", "recompute", "precision", "fp8_recipe", "schedule", "virtual_stages",
+    "sequence_parallel", "strategies", "stages", "placements", "predicted", "solver"))  # what Plan.to_json writes
 
 
 def _plan_from_json(data: Any, *, source: str) -> Plan:
@@ -499,7 +529,8 @@ def _plan_from_json(data: Any, *, source: str) -> Plan:
             recompute=_enum_field(Recompute, data.get("recompute", "none"), "recompute"),
             stages=tuple(_stage_from_json(st, i) for i, st in enumerate(stages)),
             # schema 1 has none of these three: such a plan runs at its device's default precision, 1f1b, one chunk
-            precision=data.get("precision", Precision.AUTO.value), schedule=data.get("schedule", "1f1b"),
+            precision=data.get("precision", Precision.AUTO.value), fp8_recipe=data.get("fp8_recipe"),
+            schedule=data.get("schedule", "1f1b"),
             virtual_stages=data.get("virtual_stages", 1),
             sequence_parallel=data.get("sequence_parallel", False),  # absent in older files: off
             strategies=data.get("strategies", {}),  # absent in older files: the table's default layout

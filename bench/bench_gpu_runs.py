@@ -1,9 +1,11 @@
 """Published GPU runs against the cost model, and the predicted MFU curve of llama-70b on H100s.
 
-  python bench/bench_gpu_runs.py                      the issue's three calibration runs
+  python bench/bench_gpu_runs.py                      the issue's three calibration runs and issue 28's FP8 row
   python bench/bench_gpu_runs.py --runs FILE.json     any runs file in the format of issue 12's
                                                       gpu_published_runs.json (held-out runs: the
-                                                      errors printed are the check; nothing is fitted)
+                                                      errors printed are the check; nothing is fitted);
+                                                      a run may give "precision": "fp8" (and "fp8_recipe"),
+                                                      a MoE model "experts", "top_k" (and "moe", "shared_ffn")
   python bench/bench_gpu_runs.py --heldout            the held-out runs we gathered (bench/gpu_heldout_runs.json:
                                                       8B-405B, 8-2048 GPUs, TP/PP/VP/CP/FSDP/recompute, each
                                                       with its source); prints each row and the error
@@ -27,7 +29,7 @@ from pathlib import Path
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Recompute
 from autoshard.models.presets import Family, ModelSpec, get_spec
-from autoshard.models.published import CALIBRATION_RUNS, PublishedRun
+from autoshard.models.published import CALIBRATION_RUNS, FP8_CALIBRATION_RUNS, PublishedRun
 from autoshard.passes.cost import Layout, compile_table, estimate, model_flops_per_token
 from autoshard.passes.shapes import build_cost_table
 
@@ -40,8 +42,10 @@ def runs_from_file(path: str | Path) -> list[PublishedRun]:
     out = []
     for r in data["runs"]:
         m = r["model"]
+        moe = ({"moe": m.get("moe", "mixtral"), "experts": m["experts"], "top_k": m["top_k"],
+                "shared_ffn": m.get("shared_ffn", 0)} if m.get("experts") else {})  # a mixture of experts
         spec = ModelSpec(name=r["id"], family=Family.LLAMA, vocab=m["vocab"], hidden=m["hidden"], ffn=m["ffn"],
-                         layers=m["layers"], heads=m["heads"], kv_heads=m["kv_heads"], tied=False)
+                         layers=m["layers"], heads=m["heads"], kv_heads=m["kv_heads"], tied=False, **moe)
         rec = r.get("recompute", "none")
         run = PublishedRun(id=r["id"], source=r.get("source", ""), spec=spec, hardware=r["hardware"],
                            mesh=Mesh(dp=r["dp"], pp=r["pp"], tp=r["tp"], cp=r["cp"]),
@@ -50,7 +54,8 @@ def runs_from_file(path: str | Path) -> list[PublishedRun]:
                            recompute=Recompute(rec if rec in ("none", "selective", "full") else "none"),
                            schedule=r.get("schedule", "1f1b"), virtual_stages=r.get("virtual_stages", 1),
                            sequence_parallel=r.get("sequence_parallel", False), group=r.get("group", "exact"),
-                           step_s=r["step_s"] or 0.0)
+                           step_s=r["step_s"] or 0.0, precision=r.get("precision", "auto"),
+                           fp8_recipe=r.get("fp8_recipe"))
         if r.get("step_tflops_per_gpu"):  # a published TFLOP/s per GPU: the step in this repo's MFU convention
             ct = _compiled(spec)
             tokens = run.global_batch * run.seq_len
@@ -74,7 +79,8 @@ def _compiled(spec: ModelSpec):
 def price(run: PublishedRun):
     """The cost model's estimate of one run with its exact layout."""
     lay = Layout(mesh=run.mesh, micro_batch=run.micro_batch, zero=run.zero, recompute=run.recompute,
-                 schedule=run.schedule, virtual_stages=run.virtual_stages, sequence_parallel=run.sequence_parallel)
+                 schedule=run.schedule, virtual_stages=run.virtual_stages, sequence_parallel=run.sequence_parallel,
+                 precision=run.precision, fp8_recipe=run.fp8_recipe)
     ct = _compiled(run.spec)
     return estimate(ct, ct.spec, load_hardware(run.hardware), lay, global_batch=run.global_batch,
                     seq_len=run.seq_len)
@@ -147,7 +153,7 @@ def main(argv=None) -> int:
     elif args.heldout:
         report(runs_from_file(HELDOUT))
     else:
-        report(runs_from_file(args.runs) if args.runs else CALIBRATION_RUNS)
+        report(runs_from_file(args.runs) if args.runs else (*CALIBRATION_RUNS, *FP8_CALIBRATION_RUNS))
     return 0
 
 

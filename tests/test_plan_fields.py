@@ -41,8 +41,20 @@ def test_json_round_trip_and_schema_1():
         (Precision.AUTO, Schedule.ONE_F_ONE_B, 1, 2)
 
 
+def test_fp8_recipe_round_trip():
+    """precision fp8 takes torchao's recipe names (tensorwise by default); other plans' files carry no recipe."""
+    plan = _plan(precision="fp8", fp8_recipe="rowwise")
+    data = plan.to_json()
+    assert (data["precision"], data["fp8_recipe"]) == ("fp8", "rowwise")
+    assert Plan.from_json(json.loads(json.dumps(data))) == plan
+    assert _plan(precision="fp8").fp8_recipe.value == "tensorwise"
+    assert "fp8_recipe" not in _plan(precision="bf16-mixed").to_json()
+
+
 @pytest.mark.parametrize("kw, match", [
-    (dict(precision="fp16"), r"precision must be one of 'auto', 'bf16-mixed', 'fp32'; got 'fp16'"),
+    (dict(precision="fp16"), r"precision must be one of 'auto', 'bf16-mixed', 'fp32', 'fp8'; got 'fp16'"),
+    (dict(precision="fp8", fp8_recipe="blockwise"), r"fp8_recipe must be one of 'tensorwise', 'rowwise'; got 'blockwise'"),
+    (dict(precision="bf16-mixed", fp8_recipe="rowwise"), r"fp8_recipe 'rowwise' needs precision 'fp8'"),
     (dict(schedule="zb"), r"schedule must be one of .*'zero-bubble'; got 'zb'"),
     (dict(virtual_stages=0), "virtual_stages must be a positive integer"),
     (dict(schedule="1f1b", virtual_stages=2), "use schedule='interleaved-1f1b' or 'zero-bubble'"),

@@ -64,6 +64,15 @@ def check_plot_path(path: str, flag: str = "--plot") -> None:
     check_output_path(path, flag)
 
 
+def check_schedule_flags(schedule: str | None, virtual_stages: int) -> None:
+    """--schedule and --virtual-stages that contradict each other (sweep, price): one line naming both."""
+    if virtual_stages > 1 and schedule in ("1f1b", "gpipe"):
+        raise InvalidConfigError(f"--schedule {schedule} runs one stage per rank, but --virtual-stages is "
+                                 f"{virtual_stages}; use interleaved-1f1b or zero-bubble, or drop --virtual-stages")
+    if schedule == "interleaved-1f1b" and virtual_stages == 1:
+        raise InvalidConfigError("--schedule interleaved-1f1b needs --virtual-stages 2 or more")
+
+
 def imbalance(text: str) -> float:
     """--moe-imbalance: the busiest expert's load over the mean, a number >= 1."""
     try:

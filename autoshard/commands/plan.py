@@ -30,13 +30,22 @@ def add_parser(sub) -> None:
     p.add_argument("--moe-imbalance", type=imbalance, default=1.0, metavar="X", help=MOE_IMBALANCE_HELP)
     p.add_argument("--out", help="write the plan to this JSON file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a summary")
+    p.add_argument("--emit", choices=TRAINING_ENGINES + SERVING_ENGINES,
+                   help="print the plan in that engine's own terms instead (with --out: write it there): the "
+                   "launch command and, for training, what the engine cannot express and what the plan costs "
+                   "without it; megatron / torchtitan / accelerate for training, vllm / sglang with --inference")
+    p.add_argument("--model-path", metavar="PATH", help="with --emit vllm / sglang: the weights (a Hugging Face "
+                   "directory or hub id) the launch command serves (default ./MODEL)")
     plan_inference.add_arguments(p)
     p.set_defaults(run=run)
 
 
+TRAINING_ENGINES = ("megatron", "torchtitan", "accelerate")
+SERVING_ENGINES = ("vllm", "sglang")
+
 # flags that only one kind of plan reads: given to the other kind they would be silently ignored
 TRAINING_ONLY = ("global_batch", "seq_len", "time_limit", "moe_imbalance")
-INFERENCE_ONLY = ("prompt_len", "output_len", "ttft_slo", "tpot_slo", "no_disaggregation", "plot")
+INFERENCE_ONLY = ("prompt_len", "output_len", "ttft_slo", "tpot_slo", "no_disaggregation", "plot", "request_rate")
 DEFAULTS = {"time_limit": 10.0, "moe_imbalance": 1.0, "no_disaggregation": False}
 
 
@@ -51,7 +60,14 @@ def run(args) -> int:
             raise InvalidConfigError(f"{', '.join(stray)} only appl{'ies' if len(stray) == 1 else 'y'} to training "
                                      f"plans: drop {'it' if len(stray) == 1 else 'them'} with --inference (serving takes --prompt-len, --output-len, "
                                      "--ttft-slo, --tpot-slo), or drop --inference to plan training")
+        if args.emit in TRAINING_ENGINES:
+            raise InvalidConfigError(f"--emit {args.emit} writes a training plan; serving plans (--inference) emit "
+                                     f"{' or '.join(SERVING_ENGINES)}")
         return plan_inference.run(args)
+    if args.emit in SERVING_ENGINES or args.model_path:
+        raise InvalidConfigError(f"{'--emit ' + args.emit if args.emit in SERVING_ENGINES else '--model-path'} goes "
+                                 "with --inference (a serving plan); training plans emit "
+                                 f"{', '.join(TRAINING_ENGINES)}")
     stray = _flags_given(args, INFERENCE_ONLY)
     if stray:
         raise InvalidConfigError(f"{', '.join(stray)} only appl{'ies' if len(stray) == 1 else 'y'} with --inference "
@@ -83,6 +99,10 @@ def run(args) -> int:
         plan = solve(spec, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
                      time_limit_s=args.time_limit, progress=progress, table=table, fingerprint=fingerprint,
                      moe_imbalance=args.moe_imbalance)
+    if args.emit:
+        from autoshard.commands.emit import emit_training
+
+        return emit_training(args, plan, spec, hw, table)
     if args.out:
         plan.save(args.out)
     if args.json:

@@ -29,12 +29,29 @@ def add_arguments(p) -> None:
     g.add_argument("--no-disaggregation", action="store_true",
                    help="only colocated configurations (prefill and decode on the same devices)")
     g.add_argument("--plot", metavar="PNG", help="plot throughput against the TPOT target (0.4x to 4x --tpot-slo)")
+    g.add_argument("--request-rate", type=_rate, metavar="REQ_PER_S",
+                   help="also price continuous batching (as vLLM / SGLang run it: new prompts' prefills interleaved "
+                   "with the running decodes) under Poisson arrivals at this many requests/s over all devices: TTFT "
+                   "and TPOT p50 / p99 of every colocated layout against --ttft-slo / --tpot-slo (met at p99), and "
+                   "the most requests/s each sustains under them; the static-batch plan is kept")
 
 
 def _positive_int(text: str) -> int:
     from autoshard.commands.common import positive_int
 
     return positive_int(text)
+
+
+def _rate(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected requests per second, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of requests per second, got {text}")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -71,6 +88,11 @@ def run(args) -> int:
         raise InvalidConfigError(why)
     spec, table = cost_table_for(args.model, spinner=not args.json, spec=spec, module=module)
     plan = make_plan(spec, table, hw, args, module=module)
+    if getattr(args, "emit", None):
+        from autoshard.commands.emit import write
+        from autoshard.engines.serving import script
+
+        return write(args, script(args.emit, plan, model_path=args.model_path or f"./{spec.name}"))
     if args.out:
         plan.save(args.out)
     rows = _plot(spec, table, hw, args, module) if args.plot else []
@@ -104,10 +126,18 @@ def make_plan(spec, table, hw, args, *, tpot_slo: float | None = None, module=No
               "runner_up": None if runner is None else {
                   "mode": runner.mode, "shape": runner.shape, "ttft_s": runner.ttft_s, "tpot_s": runner.tpot_s,
                   "throughput_tokens_per_s": runner.throughput_tokens_per_s, "why": choice.why_runner_up_lost}}
+    predicted = choice.predicted()
+    if getattr(args, "request_rate", None):  # continuous batching at that rate, beside the static-batch plan
+        from autoshard.passes.continuous_batching import plan_continuous
+
+        continuous = plan_continuous(table, spec, hw, devices=args.devices, request_rate=args.request_rate,
+                                     prompt_len=args.prompt_len, output_len=args.output_len,
+                                     ttft_slo_s=args.ttft_slo, tpot_slo_s=tpot_slo or args.tpot_slo)
+        predicted["continuous_batching"] = continuous.to_json(args.ttft_slo, tpot_slo or args.tpot_slo)
     return InferencePlan(model=spec.name, fingerprint=fingerprint_spec(spec) if module is None else fingerprint_module(module),
                          hardware=hw.name, devices=args.devices, prompt_len=args.prompt_len,
                          output_len=args.output_len, ttft_slo_s=args.ttft_slo, tpot_slo_s=tpot_slo or args.tpot_slo,
-                         pools=pools, predicted=choice.predicted(), solver=solver)
+                         pools=pools, predicted=predicted, solver=solver)
 
 
 def render(plan) -> None:
@@ -136,6 +166,8 @@ def render(plan) -> None:
             con.print(f"  KV / state transfer prefill -> decode: {pred['kv_transfer_s'] * 1e3:.2f} ms (in TTFT)")
     if solver.get("runner_up"):
         con.print(f"runner-up: {solver['runner_up']['why']}")
+    if "continuous_batching" in pred:
+        _render_continuous(con, pred["continuous_batching"], plan)
     pool = plan.pools[-1]
     con.print(f"priced {solver.get('layouts_priced', '?')} (layout, batch) points in "
               f"{solver.get('solve_time_s', 0):.1f} s; each {'decode-pool ' if plan.disaggregated else ''}replica "
@@ -146,6 +178,31 @@ def render(plan) -> None:
                   "not run (deploy the disaggregated plan on a serving engine)")
     for note in solver.get("notes", ()):
         con.print(f"note: {note}")
+
+
+def _render_continuous(con, data: dict, plan) -> None:
+    """The continuous-batching figures of `plan --inference --request-rate` (passes/continuous_batching.py)."""
+    def shape(row):
+        ep = f" ep{row['ep']}" if row["ep"] > 1 else ""
+        return f"{row['replicas']} x (tp{row['tp']} pp{row['pp']}{ep})"
+
+    con.print(f"continuous batching at {data['request_rate']:g} requests/s (Poisson; prefills interleaved with the "
+              f"running decodes), p99 against the targets:")
+    for row in data["layouts"][:5]:
+        if row["stable"]:
+            status = "meets" if row["meets_slos"] else "misses"
+            con.print(f"  {shape(row):>20}: TTFT p50 {row['ttft_p50_s'] * 1e3:.0f} / p99 {row['ttft_p99_s'] * 1e3:.0f} ms, "
+                      f"TPOT p50 {row['tpot_p50_s'] * 1e3:.1f} / p99 {row['tpot_p99_s'] * 1e3:.1f} ms, "
+                      f"{row['running_sequences']:.0f} sequences running (memory holds {row['max_sequences']}), "
+                      f"{row['throughput_tokens_per_s']:.4g} tokens/s: {status} the targets; "
+                      f"sustains {row['max_request_rate']:.3g} requests/s under them")
+        else:
+            con.print(f"  {shape(row):>20}: not sustainable at this rate ({row['limit']}); sustains "
+                      f"{row['max_request_rate']:.3g} requests/s under the targets")
+    best = data["best"]
+    if not best["meets_slos"]:
+        con.print(f"  no layout meets both p99 targets at {data['request_rate']:g} requests/s; the most any sustains is "
+                  f"{max(r['max_request_rate'] for r in data['layouts']):.3g} requests/s ({shape(best)})")
 
 
 def _plot(spec, table, hw, args, module) -> list[tuple[float, float, float]]:

@@ -130,6 +130,9 @@ def render(plan) -> None:
               + (" with optimizer offload to host memory" if plan.offload_optimizer else ""))
     precision = plan.precision.value + (" (bf16-mixed on an accelerator, fp32 on CPU)"
                                         if plan.precision.value == "auto" else "")
+    if plan.fp8_recipe is not None:  # torchao's float8 training on the layers' projections (runtime/fp8.py)
+        precision += (f", torchao float8 recipe {plan.fp8_recipe.value} on the attention / MLP projections "
+                      "(embedding, head, norms, router: bf16)")
     con.print(f"precision: {precision}; pipeline schedule: {plan.schedule.value}, "
               f"{plan.virtual_stages} virtual stage(s) per rank")
     sp = plan.stage_sequence_parallel
@@ -170,7 +173,8 @@ def render(plan) -> None:
         con.print(f"  {placement:>12}: {', '.join(ops)}")
     if pred:
         con.print(f"predicted: step {pred.get('step_time_s', 0):.4g} s, {pred.get('tokens_per_s', 0):.4g} tokens/s, "
-                  f"MFU {100 * pred.get('mfu', 0):.1f}%, peak memory {memory_text(pred.get('memory_gb', 0))}")
+                  f"MFU {100 * pred.get('mfu', 0):.1f}% (of the bf16 dense peak, at any precision), "
+                  f"peak memory {memory_text(pred.get('memory_gb', 0))}")
         for title, key, text in (("time", "time_breakdown_s", lambda v: f"{v:.3g} s"),
                                  ("memory", "memory_breakdown_gb", memory_text)):
             parts = pred.get(key, {})

@@ -18,9 +18,10 @@ from dataclasses import replace
 from typing import Sequence
 
 from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_positions, check_plot_path, cost_table_for,
-                                       imbalance, memory_text, model_for, positive_int, seconds_text)
+                                       check_schedule_flags, imbalance, memory_text, model_for, positive_int,
+                                       seconds_text)
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Recompute
+from autoshard.ir import Recompute, Schedule
 
 ZERO_CHOICES = ("0", "1", "2", "3", "auto")
 RECOMPUTE_CHOICES = ("none", "selective", "full", "auto")
@@ -48,6 +49,12 @@ def add_parser(sub) -> None:
                    "sequence) on every layout with tp > 1 that allows it, or auto: off, on, and under pp chosen "
                    "per pipeline stage (the column then lists each stage's, e.g. on/-), the best per layout "
                    "(default off)")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble"),
+                   help="pipeline schedule of every layout with pp > 1 (default: 1F1B, GPipe where there are fewer "
+                   "micro-batches than stages; interleaved-1f1b when --virtual-stages > 1)")
+    p.add_argument("--virtual-stages", type=positive_int, default=1, metavar="V",
+                   help="model chunks per pipeline rank for interleaved-1f1b / zero-bubble (default 1); layouts "
+                   "whose pp x V chunks the schedule cannot run are left out")
     p.add_argument("--moe-imbalance", type=imbalance, default=1.0, metavar="X", help=MOE_IMBALANCE_HELP)
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per layout, best first")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of MFU against memory per device")
@@ -57,10 +64,14 @@ def add_parser(sub) -> None:
 
 def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, micro_batch: int = 1,
           zeros: Sequence[int] = (1,), recomputes: Sequence[Recompute] = (Recompute.NONE,),
-          sequence_parallel: Sequence[bool] = (False,), moe_imbalance: float = 1.0) -> list:
+          sequence_parallel: Sequence[bool] = (False,), moe_imbalance: float = 1.0, schedule: str | None = None,
+          virtual_stages: int = 1) -> list:
     """Every valid mesh priced; per mesh the best (fits first, then step time) of the options (the
     ZeRO levels that go with the mesh: ZeRO-2/3 need pp = 1, ZeRO-3 ep = 1; sequence parallelism where
-    the mesh allows it; `moe_imbalance` for a mixture of experts). Returns `Estimate`s, best first."""
+    the mesh allows it; `moe_imbalance` for a mixture of experts). `schedule` / `virtual_stages`: the
+    pipeline schedule of every mesh with pp > 1 (None: 1F1B, GPipe with fewer micro-batches than
+    stages); a mesh the schedule cannot run (`schedules.check_chunks`) is left out. Returns `Estimate`s,
+    best first."""
     from autoshard.passes.cost import Layout, compile_table, estimate
     from autoshard.passes.layouts import sequence_parallel_violation, valid_meshes, zero_violation
     from autoshard.passes.sharding import runnable_strategies
@@ -84,12 +95,15 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
         sps = set(layouts)
         # 1F1B needs m >= pp micro-batches (the validator's rule); with fewer the runtime runs GPipe
         base = Layout(mesh=mesh, micro_batch=micro_batch)
-        schedule = "gpipe" if base.microbatches(global_batch) < mesh.pp else "1f1b"
+        chosen = _schedule(spec, mesh, base.microbatches(global_batch), schedule, virtual_stages)
+        if chosen is None:
+            continue
+        sched, v = chosen
         options = []
         for z in (z for z in zeros if zero_violation(mesh, z) is None):
             for r in recomputes:
                 lay = Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r, moe_imbalance=moe_imbalance,
-                             schedule=schedule)
+                             schedule=sched, virtual_stages=v)
                 if mixed_violation(ct, lay):
                     continue
                 uniform = {sp: estimate(ct, spec, hw, replace(lay, sequence_parallel=sp, strategies=layouts[sp]),
@@ -102,9 +116,30 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
             continue
         fitting = [e for e in options if e.fits]
         out.append(min(fitting, key=lambda e: e.step_time_s) if fitting else min(options, key=lambda e: e.memory_gb))
+    if not out and schedule is not None and all(m.pp > 1 for m in meshes):
+        raise InvalidConfigError(f"--schedule {schedule} --virtual-stages {virtual_stages}: no valid mesh runs it "
+                                 f"({spec.layers} layers, global batch {global_batch})")
     if not out:
         raise InvalidConfigError(f"no valid mesh goes with ZeRO-{max(zeros)}: {zero_violation(meshes[0], max(zeros))}")
     return sorted(out, key=lambda e: (not e.fits, e.step_time_s))
+
+
+def _schedule(spec, mesh, microbatches: int, schedule: str | None, virtual_stages: int):
+    """(schedule, virtual stages) of `mesh`, or None when the asked schedule cannot run on it."""
+    from autoshard.ir import check_schedule
+    from autoshard.passes.schedules import check_chunks
+
+    if mesh.pp == 1:
+        return "1f1b", 1
+    if schedule is None and virtual_stages == 1:
+        return ("gpipe" if microbatches < mesh.pp else "1f1b"), 1
+    sched = schedule or "interleaved-1f1b"
+    try:
+        check_schedule(Schedule(sched), virtual_stages, pp=mesh.pp)
+        check_chunks(sched, virtual_stages, pp=mesh.pp, microbatches=microbatches, layers=spec.layers)
+    except InvalidConfigError:
+        return None
+    return sched, virtual_stages
 
 
 def stage_mix(ct, hw, layout, uniform: dict, *, global_batch: int, seq_len: int):
@@ -151,6 +186,7 @@ def run(args) -> int:
         check_plot_path(args.plot)
     from autoshard.passes.layouts import valid_meshes
 
+    check_schedule_flags(args.schedule, args.virtual_stages)
     hw = load_hardware(args.hardware)
     spec, module = model_for(args.model)
     check_moe_imbalance(spec, args.moe_imbalance)
@@ -163,7 +199,7 @@ def run(args) -> int:
     results = sweep(spec, table, hw, devices=args.devices, global_batch=args.global_batch, seq_len=args.seq_len,
                     micro_batch=args.micro_batch, zeros=zeros, recomputes=recomputes,
                     sequence_parallel={"off": (False,), "on": (True,), "auto": (False, True)}[args.sequence_parallel],
-                    moe_imbalance=args.moe_imbalance)
+                    moe_imbalance=args.moe_imbalance, schedule=args.schedule, virtual_stages=args.virtual_stages)
     if args.plot:
         write_plot(results, hw, args.plot, title=f"{spec.name} on {args.devices}x {hw.name}, "
                    f"global batch {args.global_batch}, seq {args.seq_len}")
@@ -186,13 +222,14 @@ def _print_table(results, hw, spec, args) -> None:
     rows = results[: args.limit] if args.limit else results
     table = Table(title=f"{spec.name} on {args.devices}x {hw.name} ({memory_text(hw.memory_gb)}), global batch "
                   f"{args.global_batch}, seq {args.seq_len}: {len(results)} layouts, best first")
-    for col in ("#", "dp", "pp", "tp", "cp", "ep", "sp", "zero", "recompute", "mb", "step s", "ktok/s", "mem avg", "peak",
+    for col in ("#", "dp", "pp", "tp", "cp", "ep", "sp", "schedule", "zero", "recompute", "mb", "step s", "ktok/s", "mem avg", "peak",
                 "MFU %", "fits"):
         table.add_column(col, justify="left" if col == "recompute" else "right")
     for i, e in enumerate(rows, 1):
         m, lay = e.layout.mesh, e.layout
         table.add_row(str(i), str(m.dp), str(m.pp), str(m.tp), str(m.cp), str(m.ep),
-                      _sp_cell(e), str(lay.zero),
+                      _sp_cell(e), lay.schedule.value + (f" x{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+                      if m.pp > 1 else "-", str(lay.zero),
                       lay.recompute.value, str(lay.micro_batch), seconds_text(e.step_time_s),
                       f"{e.tokens_per_s / 1e3:.1f}",
                       memory_text(e.mean_memory_gb), memory_text(e.memory_gb), f"{100 * e.mfu:.1f}", "yes" if e.fits else "[red]no[/red]")

@@ -18,12 +18,14 @@ an `nn.Module` (its spec is read off the HF config it carries).
 
 from __future__ import annotations
 
+import functools
 import importlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
+from autoshard.ir import BlockKind
 
 if TYPE_CHECKING:  # torch is imported where a model is built: planning a preset needs only its spec
     import torch
@@ -33,6 +35,10 @@ if TYPE_CHECKING:  # torch is imported where a model is built: planning a preset
 class Family(str, Enum):
     LLAMA = "llama"
     MAMBA2 = "mamba2"
+
+
+def _fact(default):
+    return field(default=default, metadata={"omit_default": True})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +68,16 @@ class ModelSpec:
     experts: int = 0
     top_k: int = 0
     shared_ffn: int = 0
+    # facts read off a user's model (models/facts.py); at their defaults for the presets, and then left out
+    # of the cache keys (passes/table_cache.py), so the presets' shipped tables still match
+    refused: tuple[tuple[str, str], ...] = _fact(())  # (axis, why) pairs this model cannot run yet
+    grad_sum: tuple[str, ...] = _fact(())  # layer paths replicated over tp whose gradient is summed (q/k norms)
+    head_params: tuple[str, ...] = _fact(())  # attention parameters indexed by head (sinks): split with the heads
+    attention_attrs: tuple[str, ...] = _fact(())  # the attention module's head-count attributes (num_heads, ...)
+    embedding_plain: bool = _fact(True)  # a plain nn.Embedding (else: no vocab-parallel embedding is offered)
+    own_forward: bool = _fact(False)  # pipeline stages run the model's own forward (models/facts.py)
+    moe_paths: tuple[str, ...] = _fact(())  # (router, experts, shared expert) inside a layer, for a MoE model
+    #                                          not laid out as the presets (mlp.gate, mlp.experts)
 
     @property
     def is_moe(self) -> bool:
@@ -271,14 +287,30 @@ def build_model(spec: ModelSpec, *, device: str | torch.device = "cpu", dtype: t
     return model
 
 
-def spec_from_hf_config(config, *, name: str) -> ModelSpec:
-    """Read a `ModelSpec` off a HF LLaMA, Mamba-2, Mixtral or Qwen2-MoE config (for user-built models);
-    InvalidConfigError for a config HF builds but whose forward fails (`config_violation`)."""
-    spec = _spec_of(config, name=name)
+def spec_from_hf_config(config, *, name: str, model: nn.Module | None = None) -> ModelSpec:
+    """Read a `ModelSpec` off any HF decoder's config and module tree (`model`; None: built from the
+    config on the meta device), by facts, not by model type (models/facts.py); InvalidConfigError for a
+    config HF builds but whose forward fails (`config_violation`) or a model with no sequence mixer
+    autoshard knows. What an axis cannot run yet is in `spec.refused`, named per axis."""
+    if model is None:
+        model = _meta_model(config, name=name)
+    spec = _spec_of(config, model, name=name)
     why = config_violation(spec)
     if why:
         raise InvalidConfigError(f"{name}: {why}")
     return spec
+
+
+def _meta_model(config, *, name: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # a config transformers maps to no causal LM
+        raise InvalidConfigError(f"{name}: transformers builds no causal LM from this config "
+                                 f"({type(e).__name__}: {e}); pass the model itself") from None
 
 
 def config_violation(spec: ModelSpec) -> str | None:
@@ -296,52 +328,82 @@ def config_violation(spec: ModelSpec) -> str | None:
     return None
 
 
-def _spec_of(config, *, name: str) -> ModelSpec:
-    model_type = getattr(config, "model_type", None)
+def _spec_of(config, model, *, name: str) -> ModelSpec:
+    from autoshard.models import facts as F
+
+    facts = F.read_facts(config, model)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    if model_type in MOE_ARCHS:
-        return _moe_spec(config, name=name, tied=tied)
-    if model_type == "llama":
-        return ModelSpec(name=name, family=Family.LLAMA, vocab=config.vocab_size, hidden=config.hidden_size,
-                         ffn=config.intermediate_size, layers=config.num_hidden_layers,
-                         heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, tied=tied,
-                         head_dim=_attention_head_dim(config))
-    if model_type == "mamba2":
-        return ModelSpec(name=name, family=Family.MAMBA2, vocab=config.vocab_size, hidden=config.hidden_size,
-                         layers=config.num_hidden_layers, state=config.state_size, expand=config.expand,
-                         head_dim=config.head_dim, heads=config.num_heads, groups=config.n_groups,
-                         conv=config.conv_kernel, chunk=config.chunk_size, tied=tied)
-    raise InvalidConfigError(
-        f"model type {model_type!r} is not supported yet; autoshard knows 'llama', 'mamba2', 'mixtral' and "
-        "'qwen2_moe' (LlamaForCausalLM, Mamba2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM)"
-    )
+    value = functools.partial(F.config_value, config)
+    common = dict(name=name, vocab=value("vocab"), hidden=value("hidden"), layers=value("layers"), tied=tied)
+    if facts.mixer == "ssd":
+        return ModelSpec(family=Family.MAMBA2, state=value("state"), expand=value("expand", 2),
+                         head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
+                         conv=value("conv"), chunk=value("chunk", 256), **common)
+    if facts.mixer != "attention":
+        raise InvalidConfigError(
+            f"{name}: {type(model).__name__} has no sequence mixer autoshard knows (no attention module calling HF's "
+            "attention interface, no SSD scan: state_size / n_groups / conv_kernel); autoshard plans decoders "
+            "built of attention and Mamba-2 layers")
+    _check_layers_alike(model, facts, name=name)
+    heads = value("heads")
+    usual = common["hidden"] // heads
+    head_dim = value("head_dim", usual) or usual
+    spec = ModelSpec(family=Family.LLAMA, heads=heads, kv_heads=value("kv_heads", heads),
+                     head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or 0,
+                     embedding_plain=facts.embedding_plain, own_forward=facts.own_forward,
+                     head_params=facts.head_params, attention_attrs=facts.attention_attrs,
+                     grad_sum=F.grad_summed(facts), **common)
+    if facts.experts_path:
+        spec = _with_experts(spec, facts, config, value)
+    return replace(spec, refused=_refusals(spec, facts))
 
 
-def _attention_head_dim(config) -> int:
-    """A LLaMA-family config's head_dim when it is not hidden / heads (HF lets it differ), else 0, so
-    that a model of the usual shape has the spec (and the cache keys) it always had."""
-    usual = config.hidden_size // config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or usual
-    return 0 if head_dim == usual else head_dim
+def _with_experts(spec: ModelSpec, facts, config, value) -> ModelSpec:
+    """A MoE decoder: routed experts of width expert_ffn (else intermediate_size, Mixtral's naming), a
+    shared expert of shared_ffn. `moe` names the table's layout: "mixtral" (router mlp.gate, experts
+    mlp.experts), "qwen2_moe" (and mlp.shared_expert), else `moe_paths` carries the paths."""
+    paths = (facts.router_path, facts.experts_path, facts.shared_path)
+    layout = {("mlp.gate", "mlp.experts", ""): "mixtral", ("mlp.gate", "mlp.experts", "mlp.shared_expert"): "qwen2_moe"}
+    moe = layout.get(paths, "")
+    ffn = value("expert_ffn", None) or spec.ffn
+    return replace(spec, ffn=ffn, experts=value("experts"), top_k=value("top_k", 1), shared_ffn=value("shared_ffn", 0) or 0,
+                   moe=moe or "layout", moe_paths=() if moe else paths)
 
 
-def _moe_spec(config, *, name: str, tied: bool) -> ModelSpec:
-    """Mixtral / Qwen2-MoE: every layer must be a MoE layer (Qwen2-MoE's decoder_sparse_step 1, no
-    mlp_only_layers), the repeated block autoshard costs once."""
-    if config.model_type == "qwen2_moe":
-        if getattr(config, "decoder_sparse_step", 1) != 1 or getattr(config, "mlp_only_layers", []):
+def _refusals(spec: ModelSpec, facts) -> tuple[tuple[str, str], ...]:
+    """(axis, why) of every axis this model cannot run yet (models/facts.py)."""
+    from autoshard.models import facts as F
+    from autoshard.passes import sharding
+
+    out = []
+    roles = tuple(r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER)
+    why = F.tp_refusal(facts, roles)
+    if why:
+        out.append(("tp", why))
+    if spec.is_moe and (facts.experts_biased or not facts.experts_gated):
+        out.append(("ep", f"layers.*.{facts.experts_path}: experts with biases or another weight layout than HF's "
+                          "[gate; up] x hidden; expert parallelism runs bias-free gated experts; use ep=1"))
+    extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles]
+    if not spec.is_moe and (extra or facts.own_forward or spec.grad_sum):
+        what = f"layers.*.{extra[0]} has no sequence-parallel rule" if extra else (
+            "the model's own forward around its layers (embedding scale, logit scaling / softcap, rotary per layer "
+            "type, per-head parameters) is not run on a sequence shard" if facts.own_forward or spec.head_params
+            else "replicated parameters with gradients summed over tp (q/k norms)")
+        out.append(("sequence_parallel", f"{what}; set sequence_parallel to false"))
+    return tuple(out)
+
+
+def _check_layers_alike(model, facts, *, name: str) -> None:
+    """Every decoder layer must hold the same parameters (one repeated block)."""
+    layers = getattr(getattr(model, facts.base, None), "layers", None) or ()
+    first = {n for n, _ in layers[0].named_parameters()} if len(layers) else set()
+    for i, layer in enumerate(layers):
+        these = {n for n, _ in layer.named_parameters()}
+        if these != first:
+            odd = sorted(these ^ first)[:3]
             raise InvalidConfigError(
-                f"{name}: Qwen2-MoE with dense layers (decoder_sparse_step={config.decoder_sparse_step}, "
-                f"mlp_only_layers={config.mlp_only_layers}) is not supported: autoshard costs one repeated layer; "
-                "use decoder_sparse_step=1 and mlp_only_layers=[]")
-        experts, ffn, shared = config.num_experts, config.moe_intermediate_size, config.shared_expert_intermediate_size
-    else:
-        experts, ffn, shared = config.num_local_experts, config.intermediate_size, 0
-    return ModelSpec(name=name, family=Family.LLAMA, vocab=config.vocab_size, hidden=config.hidden_size, ffn=ffn,
-                     layers=config.num_hidden_layers, heads=config.num_attention_heads,
-                     kv_heads=config.num_key_value_heads, tied=tied, head_dim=_attention_head_dim(config),
-                     moe=config.model_type, experts=experts,
-                     top_k=config.num_experts_per_tok, shared_ffn=shared)
+                f"{name}: layer {i} holds other parameters than layer 0 ({', '.join(odd)}): autoshard costs one "
+                "repeated layer; use a config whose layers are all alike (e.g. every layer MoE, or none)")
 
 
 def resolve_model(name_or_factory: str, *, device: str = "meta") -> tuple[ModelSpec, nn.Module]:
@@ -380,4 +442,4 @@ def resolve_model(name_or_factory: str, *, device: str = "meta") -> tuple[ModelS
     from autoshard.models.layered import layered_spec  # layers of several kinds (hybrids)
 
     layered = layered_spec(model, name=name_or_factory)
-    return layered or spec_from_hf_config(config, name=name_or_factory), model
+    return layered or spec_from_hf_config(config, name=name_or_factory, model=model), model

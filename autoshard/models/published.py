@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.ir import Mesh, Recompute
+from autoshard.ir import Fp8Recipe, Mesh, Precision, Recompute
 from autoshard.models.presets import PRESETS, Family, ModelSpec
 
 
@@ -37,6 +37,8 @@ class PublishedRun:
     virtual_stages: int = 1  # model chunks per pipeline rank (Megatron's VP)
     sequence_parallel: bool = False  # Megatron's sequence parallelism (with tp > 1)
     group: str = "exact"  # "exact": the layout is stated one to one; "approximate": shown, not scored
+    precision: Precision = Precision.AUTO  # AUTO: the device's default (bf16-mixed on GPUs); "fp8": FP8 GEMMs
+    fp8_recipe: Fp8Recipe | None = None  # fp8 only (tensorwise when None: per-tensor scales, as NeMo's TE runs)
 
 
 def _llama(name, *, layers, hidden, heads, kv_heads, ffn, vocab) -> ModelSpec:
@@ -64,6 +66,15 @@ CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
                         "Models, Table 5 (full recompute row)",
                  mesh=Mesh(tp=8), micro_batch=4, global_batch=4, seq_len=2048, zero=1,
                  recompute=Recompute.FULL, step_s=1.42),
+)
+
+# FP8 (issue 28): the given row; its bf16 twin is CALIBRATION_RUNS[0] (the same layout, 12.27 s)
+FP8_CALIBRATION_RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun(id="nemo2407-l3-8b-cp2", spec=LLAMA31_8B, hardware="h100",
+                 source="NVIDIA/NeMo docs/source/performance/performance_summary.md (NeMo 24.07, commit 070a0bb), "
+                        "FP8: 12,036 tokens/s per GPU",
+                 mesh=Mesh(dp=4, cp=2), micro_batch=1, global_batch=128, seq_len=8192, zero=1,
+                 recompute=Recompute.NONE, step_s=10.89, precision=Precision.FP8),
 )
 
 

@@ -397,7 +397,7 @@ def _codes_of(layout: Layout) -> tuple:
         _CODES.__init__()
     mesh = layout.mesh
     # what every layout of one plan shares, so the memo keys leave it out: a code is for any plan
-    plan = (layout.precision, layout.moe_imbalance, layout.recompute)
+    plan = (layout.numerics, layout.moe_imbalance, layout.recompute)
     block = ("block", mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.sequence_parallel, layout.strategies,
              layout.stage_choices)
     return (_CODES.code((block, plan), layout), _CODES.code((_p2p_key(layout, _CODES.choices), plan), layout),
@@ -419,7 +419,7 @@ def _bubble_key(layout: Layout, microbatches: int) -> tuple:
 
 def _state_key(layout: Layout) -> tuple:
     """The ZeRO-dependent terms: of the mesh, the parameters (tp, strategies) and the buffers (micro-batch)."""
-    return ("state", layout.mesh, layout.micro_batch, layout.strategies, layout.zero, layout.offload, layout.precision)
+    return ("state", layout.mesh, layout.micro_batch, layout.strategies, layout.zero, layout.offload, layout.numerics)
 
 
 def _layer_choices(strategies: tuple, memo: dict) -> tuple:
@@ -449,7 +449,7 @@ def _fixed_state(ct: CompiledTable, hw, layout: Layout) -> tuple[float, float]:
             params += cost.block_params(ct, layout, BlockKind.EMBED)  # the head's copy
         ct.memo[key] = params
     avg = ct.memo[key] / mesh.pp  # the stage with the most parameters holds at least the average
-    key = ("state bytes", hw, mesh, layout.strategies, layout.zero, layout.offload, layout.precision)  # not the micro-batch
+    key = ("state bytes", hw, mesh, layout.strategies, layout.zero, layout.offload, layout.numerics)  # not the micro-batch
     if key not in ct.memo:
         experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER) / mesh.pp
         ct.memo[key] = (cost.state_bytes(avg, layout, expert=experts).total
@@ -487,7 +487,7 @@ def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *,
     m = layout.microbatches(global_batch)
     if mesh.pp == 1:
         key = ("single", mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.zero,
-               layout.offload, layout.precision, layout.moe_imbalance)
+               layout.offload, layout.numerics, layout.moe_imbalance)
         if key not in memo:
             memo[key] = _single_stage_step(ct, hw, layout, microbatches=m, seq_len=seq_len,
                                            fixed_bytes=bounds.peak_bytes, memo=memo)
@@ -519,7 +519,7 @@ def _tail_floor(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: di
     from autoshard.passes.solve_model import stage_variants
 
     key = ("tail floor", layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies,
-           layout.stage_choices, layout.zero, layout.offload, layout.precision, layout.virtual_stages,
+           layout.stage_choices, layout.zero, layout.offload, layout.numerics, layout.virtual_stages,
            layout.moe_imbalance)
     if key in memo:
         return memo[key]
@@ -528,7 +528,7 @@ def _tail_floor(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: di
     n = np.arange(spec.layers + 1, dtype=float)
     sums = []  # per (variant, place): `solve_model._stage_sums`' params, backward and forward (recompute none)
     for var in stage_variants(layout):
-        what = ("tail sums", var.mesh.tp, var.mesh.cp, var.mesh.ep, var.micro_batch, var.precision,
+        what = ("tail sums", var.mesh.tp, var.mesh.cp, var.mesh.ep, var.micro_batch, var.numerics,
                 var.sequence_parallel, var.strategies, var.moe_imbalance, len(places))  # what they read
         if what not in memo:
             bt = {k: cost.block_time(ct, hw, var, k, seq_len=seq_len) for k in KINDS}  # (the bounds priced them)
@@ -599,7 +599,7 @@ def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: i
     spec = ct.spec
     counts = {BlockKind.EMBED: 1, BlockKind.LAYER: spec.layers, BlockKind.HEAD: 1}
     key = ("single blocks", layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies,
-           layout.precision, layout.moe_imbalance)  # what block times, activations and parameters read: not ZeRO
+           layout.numerics, layout.moe_imbalance)  # what block times, activations and parameters read: not ZeRO
     if key not in memo:
         edge: dict = {}  # the embedding's and head's numbers, the same at every level (they do not recompute)
         memo[key] = ([_single_stage_blocks(ct, hw, replace(layout, recompute=r), counts, seq_len=seq_len, edge=edge)

@@ -78,8 +78,8 @@ import sympy
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import B, S, CostTable
-from autoshard.ir import (BlockKind, Mesh, OpKind, Precision, Recompute, Schedule, Stage, _enum_field,
-                          check_schedule, even_stages)
+from autoshard.ir import (BlockKind, Fp8Recipe, Mesh, OpKind, Precision, Recompute, Schedule, Stage, _enum_field,
+                          check_schedule, even_stages, fp8_recipe_of)
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes import fused_regions, moe_cost, schedules
 from autoshard.passes.collectives import Collective, best_time, gradient_bucket_params, group_link, steps, volume
@@ -101,6 +101,7 @@ class Layout:
     zero: int = 0
     recompute: Recompute = Recompute.NONE
     precision: Precision = Precision.AUTO  # passes/precision.py; estimate resolves AUTO per device (`resolved`)
+    fp8_recipe: Fp8Recipe | None = None  # precision fp8 only (tensorwise when None): torchao's recipe
     schedule: Schedule = Schedule.ONE_F_ONE_B  # pipeline schedule, priced by passes/schedules.py
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b, zero-bubble V)
     offload: bool = False  # ZeRO-3 shards and optimizer state in host memory (plan key offload_optimizer)
@@ -124,6 +125,8 @@ class Layout:
             object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
         if not isinstance(self.schedule, Schedule):
             object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
+        if self.fp8_recipe is not None or self.precision is Precision.FP8:
+            object.__setattr__(self, "fp8_recipe", fp8_recipe_of(self.precision, self.fp8_recipe))
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise InvalidConfigError(f"virtual_stages must be a positive integer, got {self.virtual_stages!r}")
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
@@ -146,7 +149,12 @@ class Layout:
     @property
     def numbers(self) -> PrecisionNumbers:
         """Bytes per value and GEMM rate of this layout's precision."""
-        return precision_numbers(self.precision)
+        return precision_numbers(self.precision, self.fp8_recipe)
+
+    @property
+    def numerics(self) -> tuple:
+        """What of the layout its precision numbers depend on (memo keys): the precision and the fp8 recipe."""
+        return self.precision, self.fp8_recipe
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per step: the batch splits over dp x ep (the ep peers take their own rows, as
@@ -245,7 +253,8 @@ class Estimate:
         mesh, lay = self.layout.mesh, self.layout
         return {
             **mesh.as_dict(), "zero": lay.zero, "offload": lay.offload, "recompute": lay.recompute.value, "micro_batch": lay.micro_batch,
-            "precision": lay.precision.value, "schedule": lay.schedule.value, "virtual_stages": lay.virtual_stages,
+            "precision": lay.precision.value, **({"fp8_recipe": lay.fp8_recipe.value} if lay.fp8_recipe else {}),
+            "schedule": lay.schedule.value, "virtual_stages": lay.virtual_stages,
             "sequence_parallel": list(self.stage_sequence_parallel) or lay.sequence_parallel,
             "strategies": dict(lay.strategies),  # the intra-op choices (plan key strategies)
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -279,6 +288,7 @@ class CompiledBlock:
     wgrad_groups: dict  # parent module -> mask of its column-parallel weight-gradient GEMMs
     fn: Any  # lambdified (b, s) -> list of 7 * n numbers
     expert: np.ndarray | None = None  # bool: an op of the routed experts (the sharding table's EXPERT role)
+    float8: np.ndarray | None = None  # bool: a GEMM of a float8 linear (fp8 plans: sharding.is_float8_role)
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # what does not depend on the shape
     # what does (the polynomials' values, node and block times), kept for the last few sequence lengths
     shaped: ShapeMemo = field(default_factory=ShapeMemo, compare=False, repr=False)
@@ -401,11 +411,12 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
     wgrad = is_gemm & ~fwd & ~quadratic & (cp_dim == 3)  # (out, in, tokens): a weight gradient
     colwise = np.array([r is not None and r.strategy is sharding.Strategy.COLWISE for r in found], dtype=bool)
     expert = np.array([r is not None and r.strategy is sharding.Strategy.EXPERT for r in found], dtype=bool)
+    float8 = is_gemm & np.array([sharding.is_float8_role(r) for r in found], dtype=bool)
     return CompiledBlock(kind=block.kind, count=block.count, params=block.params, fwd=fwd, role=role,
                          rerun=rerun, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, quadratic=quadratic,
                          region=region, region_kernels=region_kernels,
                          wgrad_groups=fused_regions.wgrad_overlap_groups(paths, wgrad & colwise), fn=fn,
-                         expert=expert)
+                         expert=expert, float8=float8)
 
 
 def _degree_in_s(expr) -> int:
@@ -480,19 +491,44 @@ def gemm_efficiency(hw: DeviceProfile, m: np.ndarray, n: np.ndarray, k: np.ndarr
     """Achievable fraction of peak for GEMMs of these shapes: hw.gemm_efficiency times, per
     dimension, d / (d + hw.gemm_half_dim): thin or small GEMMs underfill the tiles (the paper's
     observation that TP's smaller GEMMs run less efficiently)."""
-    h = hw.gemm_half_dim
+    return hw.gemm_efficiency * shape_factor(hw.gemm_half_dim, m, n, k)
+
+
+def shape_factor(half_dim: float, m: np.ndarray, n: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Per GEMM, the product over its dimensions of d / (d + half_dim)."""
     f = np.ones_like(m)
     for d in (m, n, k):
         d = np.maximum(d, 1.0)
-        f = f * d / (d + h)
-    return hw.gemm_efficiency * f
+        f = f * d / (d + half_dim)
+    return f
+
+
+def float8_gemm_seconds(hw: DeviceProfile, flops: np.ndarray, dims: np.ndarray, *, cast_bytes: float) -> np.ndarray:
+    """Seconds of float8 GEMMs (torchao's `Float8Linear`, passes/precision.py "fp8"): the GEMM at the FP8
+    tensor-core rate, `hw.fp8_peak_flops` x `hw.fp8_gemm_efficiency` x the shape factor with
+    `hw.fp8_gemm_half_dim`, then the casts of its two operands (batch x (m k + k n) elements, `cast_bytes`
+    each) at the vector rate; the cast kernels run before the GEMM that reads them. `dims`: [..., (batch,
+    m, n, k), node] as in `_node_times_many`."""
+    if hw.fp8_peak_flops is None:
+        raise InvalidConfigError(fp8_refusal(hw))
+    batch, m, n, k = (dims[:, i] for i in range(4))
+    shape = shape_factor(hw.fp8_gemm_half_dim, m, n, k)
+    cast_s = batch * (m * k + k * n) * cast_bytes / (hw.hbm_bandwidth * hw.vector_efficiency)
+    return flops / (hw.fp8_peak_flops * hw.fp8_gemm_efficiency * shape) + cast_s
+
+
+def fp8_refusal(hw: DeviceProfile) -> str:
+    """Why precision fp8 cannot be priced on `hw` (a profile without an FP8 tensor-core peak)."""
+    return (f"precision 'fp8' on {hw.name}: the profile has no FP8 tensor cores (no fp8_peak_flops; FP8 GEMMs need "
+            "Hopper-class GPUs: h100, h200); plan with precision 'bf16-mixed' (or 'auto'), or give a profile "
+            "with fp8_peak_flops, fp8_gemm_efficiency and fp8_gemm_half_dim and their sources")
 
 
 def _fused_scales(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int):
     """Per-node factors on the traced bytes and saved bytes: the fused kernels the device runs
     (passes/fused_regions.py) and the precision (tables are traced in bf16)."""
     blk = ct.block(kind)
-    key = ("fused_scales", layout.micro_batch, seq_len, hw, layout.precision)  # the same for every mesh
+    key = ("fused_scales", layout.micro_batch, seq_len, hw, layout.numerics)  # the same for every mesh
     memo = blk.shaped.at(seq_len)
     if key not in memo:
         vals = blk.evaluate(layout.micro_batch, seq_len)
@@ -552,6 +588,8 @@ def _node_times_many(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Lay
     mem_t = nbytes / (hw.hbm_bandwidth * hw.vector_efficiency)
     eff = gemm_efficiency(hw, dims[:, 1], dims[:, 2], dims[:, 3])
     gemm_t = np.where(blk.is_gemm, flops / (peak * eff), 0.0)
+    if first.precision is Precision.FP8 and blk.float8 is not None and blk.float8.any():
+        gemm_t = np.where(blk.float8, float8_gemm_seconds(hw, flops, dims, cast_bytes=first.numbers.cast_bytes), gemm_t)
     if _flash(ct, hw):  # the attention nodes as the flash kernel runs them (passes/fused_regions.py)
         attn = blk.is_gemm & blk.quadratic
         flash = fused_regions.flash_attention_flops(flops, blk.fwd, seq_len=seq_len, causal=True)
@@ -689,7 +727,7 @@ def memo_node_times(ct: CompiledTable, hw: DeviceProfile, kind: BlockKind, todo:
     groups: dict = {}  # (micro-batch, precision) -> {node times key: layout}
     for node, lay in todo.items():
         if node not in memo:
-            groups.setdefault((lay.micro_batch, lay.precision), {})[node] = lay
+            groups.setdefault((lay.micro_batch, lay.numerics), {})[node] = lay
     for group in groups.values():
         for node, t in zip(group, _node_times_many(ct, hw, tuple(group.values()), kind, seq_len)):
             memo[node] = t
@@ -704,7 +742,7 @@ def node_stem(layout: Layout, kind: BlockKind) -> tuple:
     """What of `layout` block `kind`'s node times depend on (`node_key` adds the device and the sequence length):
     the same for every plan, so the planner keeps it over plans (passes/bounds.py)."""
     mesh = layout.mesh
-    return (mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.precision, layout.sequence_parallel,
+    return (mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.numerics, layout.sequence_parallel,
             sharding.block_strategies(layout.strategies, kind), layout.moe_imbalance)
 
 
@@ -950,7 +988,7 @@ def zero3_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: floa
         return 0.0
     k = np.maximum(1.0, blocks)
     groups, nb = [(p / k, n, st) for p, n, st in _sync_groups(params, layout, expert)], layout.numbers
-    return k * (2 * _group_time(hw, Collective.ALL_GATHER, groups, nb.param_bytes)
+    return k * (2 * _group_time(hw, Collective.ALL_GATHER, groups, nb.gather_bytes)
                 + _group_time(hw, Collective.REDUCE_SCATTER, groups, nb.grad_bytes))
 
 
@@ -1210,7 +1248,7 @@ def buffer_terms(ct: CompiledTable, layout: Layout) -> tuple:
     bytes per value, whether the TP / p2p buffers exist, ZeRO-3's gathered-weight bytes)."""
     z3 = 0.0
     if layout.zero == 3:
-        z3 = 2 * block_params(ct, layout, BlockKind.LAYER) * layout.numbers.param_bytes
+        z3 = 2 * block_params(ct, layout, BlockKind.LAYER) * layout.numbers.gather_bytes
     return layout.micro_batch, layout.mesh.cp, layout.numbers.act_bytes, layout.mesh.tp > 1 or layout.mesh.pp > 1, z3
 
 

@@ -41,8 +41,10 @@ CUDA graphs; at small batch it is a quarter of a decode step (docs/inference.md)
 position over tp (fp32) and broadcasts the next tokens over the pipeline; PP adds one p2p hop
 of (batch, 1, hidden) per stage boundary.
 
-Mixture of experts (Mixtral, Qwen2-MoE): the experts run whole on every tp rank (the sharding
-table's `expert` role). A step's routed-expert GEMMs read the weights of the experts its tokens
+Mixture of experts (Mixtral, Qwen2-MoE): each expert's GEMMs split over tp, as serving engines
+run them and as the replicas of an inference plan do (runtime/expert_parallel.py: gate / up rows
+and down columns per tp rank, one all-reduce of the layer's output over tp; training keeps the
+experts whole on every tp rank, the sharding table's `expert` role). A step's routed-expert GEMMs read the weights of the experts its tokens
 touch only: E (1 - (1 - k/E)^T) of the E experts for T = batch x tokens routed top-k
 (`active_experts`: ~ batch x k in decode at small batch, all E in a prefill); the router,
 attention and shared expert as any dense node. With ep > 1 (what generate runs: every ep rank
@@ -74,8 +76,8 @@ from autoshard.ir import BlockKind, Mesh, Stage, even_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.collectives import Collective, best_time, collective_time
 from autoshard.ir import Precision
-from autoshard.passes.cost import (CompiledTable, Layout, block_params, compile_table, node_times, priced_nodes,
-                                   tp_comm_times, tp_divisor)
+from autoshard.passes.cost import (CompiledTable, Layout, block_params, compile_table, expert_block_params,
+                                   node_times, priced_nodes, tp_comm_times, tp_divisor)
 from autoshard.passes import sharding
 from autoshard.passes.precision import precision_numbers
 from autoshard.passes.sharding import selective_module
@@ -242,8 +244,9 @@ def _block_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, kind: BlockKi
     if not len(blk.fwd):
         return 0.0
     t = node_times(it.ct, hw, _layout(it.spec, tp, batch), kind, seq_len)
-    if blk.expert is not None and blk.expert.any():  # the routed experts' GEMMs read only the experts touched
-        t = np.where(blk.expert, t * _expert_byte_fraction(it, kind, batch=batch, seq_len=seq_len) / ep, t)
+    if blk.expert is not None and blk.expert.any():  # the routed experts' GEMMs read only the experts touched,
+        # 1/ep of them on each ep rank, each expert's GEMMs split over tp (runtime/expert_parallel.py)
+        t = np.where(blk.expert, t * _expert_byte_fraction(it, kind, batch=batch, seq_len=seq_len) / (ep * tp), t)
     if it.lookup[kind].any():  # an embedding lookup reads the rows of its tokens, not the whole table
         t = np.where(it.lookup[kind], t * _byte_share(blk, batch=batch, seq_len=seq_len, weight_fraction=0.0), t)
     run = blk.fwd & ~it.skip[kind]
@@ -384,6 +387,9 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
     if layout.ep > 1:  # the experts' partial outputs summed over the ep ranks (stride tp), every MoE layer
         ep_comm = spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
                                           size=layout.ep, stride=tp)
+    if spec.is_moe and tp > 1:  # and over tp: every expert's GEMMs are split over the tp ranks
+        tp_comm += spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
+                                           size=tp, stride=1)
     return PhaseTime(compute=compute, core=core, tp_comm=tp_comm, pp_comm=pp_comm, ep_comm=ep_comm,
                      fixed=_floor_seconds(it, hw))
 
@@ -397,6 +403,8 @@ def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_l
     held = Layout(mesh=Mesh(tp=tp, ep=layout.ep), micro_batch=b,  # E/ep experts per layer (cost.block_params)
                   strategies=sharding.runnable_strategies(spec, tp) or ())
     prm = {k: block_params(it.ct, held, k) for k in BlockKind}
+    if spec.is_moe and tp > 1:  # each tp rank holds its slice of every expert (runtime/expert_parallel.py)
+        prm[BlockKind.LAYER] -= expert_block_params(it.ct, held, BlockKind.LAYER) * (1 - 1 / tp)
     act = _activation_bytes(it, tp, batch=b, tokens=1 if decode_only else prompt_len, decode=decode_only)
     cache_layer = cache_bytes_per_layer(spec, batch=b, tokens=prompt_len + output_len, tp=tp)
     best = None

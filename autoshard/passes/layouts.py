@@ -51,9 +51,9 @@ Rules (the runtime's, see DESIGN.md):
   ZeRO  0-3; levels 2 and 3 need pp = 1 (`zero_violation`): they reduce gradients after every
         micro-batch, which a pipeline schedule's accumulation does not allow (DeepSpeed's rule too).
         The runtime runs every level (`RUNTIME_ZERO`, what the planner searches): 1-2 in
-        runtime/data_parallel.py, 3 through FSDP2 (runtime/zero3.py). ZeRO-3 needs ep = 1: FSDP2
-        shards over one group (dp x cp), while under ep the dense gradients are reduced over
-        dp x ep x cp and the experts' over dp x cp (runtime/dist_model.py); ZeRO-1/2 run per group.
+        runtime/data_parallel.py, 3 through FSDP2 (runtime/zero3.py). Under ep every level runs per
+        group: the dense weights over dp x ep x cp, the experts over dp x cp (ZeRO-1/2: GradSyncs in
+        runtime/dist_model.py; ZeRO-3: an FSDP2 unit per experts module over dp x cp, torchtitan's way).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ import math
 from collections.abc import Callable, Iterator
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Mesh, Plan, check_stages
+from autoshard.ir import Mesh, Plan, Precision, check_stages
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.schedules import check_chunks
 from autoshard.passes.sharding import choice_violation, sequence_violation, tp_violation
@@ -161,7 +161,12 @@ def axis_violation(spec: ModelSpec, axis: str, size: int, *, global_batch: int, 
                    micro_batch: int = 1, strategies=None) -> str | None:
     """The rule of the module docstring that `size` on mesh axis `axis` alone breaks, or None.
     `strategies`: the plan's intra-op choices (tp's rule depends on them: `sharding.tp_violation`);
-    None: whether some choices pass (the search's prune)."""
+    None: whether some choices pass (the search's prune). An axis the model's facts refuse
+    (`ModelSpec.refused`, models/facts.py) is refused by name at any size above 1."""
+    if size > 1:
+        why = refusal(spec, axis)
+        if why:
+            return why
     if axis == "ep":
         return ep_violation(spec, size)
     if axis == "tp":
@@ -178,6 +183,14 @@ def axis_violation(spec: ModelSpec, axis: str, size: int, *, global_batch: int, 
                     f"{per_step}; pick a global batch that is a multiple of {per_step}")
         return None
     return _cp_violation(spec, size, seq_len)
+
+
+def refusal(spec: ModelSpec, axis: str) -> str | None:
+    """Why `spec`'s facts refuse `axis` ("tp", "pp", "cp", "ep", "sequence_parallel"), or None."""
+    for name, why in spec.refused:
+        if name == axis:
+            return f"{axis} is refused for {spec.name}: {why}"
+    return None
 
 
 def _cp_violation(spec: ModelSpec, cp: int, seq: int) -> str | None:
@@ -360,6 +373,9 @@ def backend_violation(spec: ModelSpec, plan: Plan) -> str | None:
     if plan.zero:
         return (f"zero={plan.zero}: the torch.compile backend keeps optimizer state whole; use zero=0 here or "
                 "autoshard.parallelize for ZeRO-1/2/3")
+    if plan.precision is Precision.FP8:
+        return ("precision 'fp8' is not supported by the torch.compile backend (it slices the traced graph's weights "
+                "and keeps its matmuls); use autoshard.parallelize, which runs torchao's float8 training")
     if mesh.tp > 1 and spec.family is not Family.LLAMA:
         return (f"tp={mesh.tp} for {spec.family.value}: Dynamo bakes the Mamba-2 mixer's head counts into the "
                 "graph, so the backend cannot shard it; use autoshard.parallelize for Mamba-2 tensor parallelism, "
@@ -383,7 +399,7 @@ RUNTIME_SEQUENCE_PARALLEL = (False, True)
 def sequence_parallel_violation(spec: ModelSpec, mesh: Mesh, seq_len: int) -> str | None:
     """Why sequence parallelism cannot go with `mesh` and `seq_len` (module docstring), or None: it
     splits each cp rank's seq_len / cp tokens over the tp ranks (dense LLaMA and Mamba-2 models)."""
-    why = sequence_violation(spec)
+    why = sequence_violation(spec) or refusal(spec, "sequence_parallel")
     if why:
         return why
     if mesh.tp == 1:
@@ -403,10 +419,6 @@ def zero_violation(mesh: Mesh, zero: int) -> str | None:
     if zero >= 2 and mesh.pp > 1:
         return (f"ZeRO-{zero} with pp={mesh.pp}: gradients are reduce-scattered after every micro-batch, which "
                 "a pipeline schedule does not allow; use ZeRO-1 with pp > 1")
-    if zero == 3 and mesh.ep > 1:
-        return (f"ZeRO-3 with ep={mesh.ep}: FSDP2 shards over one group (dp x cp), but under expert parallelism "
-                "the dense gradients are reduced over dp x ep x cp and the experts' over dp x cp; use ZeRO-2 "
-                "(gradients and optimizer state sharded per group) or ep=1")
     return None
 
 

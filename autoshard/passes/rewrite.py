@@ -60,6 +60,8 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
                      if tp > 1 else Replicate())
         if isinstance(placement, Shard) and (placement.parts < tp or any(placement.whole)):
             partial.append(name)
+        elif tp > 1 and _grad_summed(spec, name):  # replicated, its gradient partial on each rank (q/k norms)
+            partial.append(name)
         placements.append((name, placement))
     layers = [sharding.layer_prefix(spec, i) for i in range(spec.layers)]
     sp = plan.stage_sequence_parallel if tp > 1 else (False,) * plan.chunks
@@ -114,6 +116,12 @@ def _sequence_grads(spec: ModelSpec, params: Mapping[str, tuple[int, ...]], on: 
     return tuple(f"{m}.{a}" for m, _, a in split if m in norms or (m in rows and a == "bias"))
 
 
+def _grad_summed(spec: ModelSpec, name: str) -> bool:
+    """Whether parameter `name` belongs to a replicated role whose gradient is summed over tp."""
+    role = sharding.role_at(spec, name.rpartition(".")[0])
+    return role is not None and role.grad_sum
+
+
 def _placement(spec: ModelSpec, name: str, tp: int, tp_rank: int, strategies=()) -> Placement:
     """Parameter `name`'s placement: its module's role splits it (row-parallel: dim 1, else dim 0)
     into the role's parts, this rank keeping part tp_rank * parts // tp of every piece."""
@@ -136,10 +144,13 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
     common = dict(regions=sharding.modules(spec, Strategy.REGION), rowwise=sharding.modules(spec, Strategy.ROWWISE),
                   vocab_embed=embed[0] if embed else None, vocab_head=head[0] if head else None)
     if spec.family is Family.LLAMA:
-        attrs = ()
+        attrs = []
         if spec.kv_heads < tp:  # one KV head per rank serves heads/tp query heads
-            attrs = tuple((f"{p}.self_attn", "num_key_value_groups", spec.heads // tp) for p in layers)
-        return dict(common, attrs=attrs)
+            attrs += [(f"{p}.self_attn", "num_key_value_groups", spec.heads // tp) for p in layers]
+        local = {"num_heads": spec.heads // tp, "num_attention_heads": spec.heads // tp,
+                 "num_key_value_heads": max(1, spec.kv_heads // tp), "num_kv_heads": max(1, spec.kv_heads // tp)}
+        attrs += [(f"{p}.self_attn", a, local[a]) for p in layers for a in spec.attention_attrs]  # views by them
+        return dict(common, attrs=tuple(attrs))
     attrs = []
     for p, chosen in zip(layers, strategies):
         split_groups = not sharding.groups_whole(spec, tp, chosen)  # else every rank keeps all groups (B, C

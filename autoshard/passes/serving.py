@@ -104,6 +104,8 @@ def layouts(spec: ModelSpec, devices: int) -> tuple[tuple[int, int, int], ...]:
 def _runs(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> bool:
     """Whether `DistributedModel.generate` runs one replica of tp x pp x ep (the check it makes itself)."""
     strategies = runnable_strategies(spec, tp)  # a vocabulary tp does not divide: embedding and head replicated
+    if spec.is_moe and spec.ffn % tp:  # a replica splits every expert's GEMMs over tp (runtime/expert_parallel.py)
+        return False
     return strategies is not None and generate_violation(spec, Mesh(tp=tp, pp=pp, ep=ep), strategies=strategies) is None
 
 
@@ -132,7 +134,7 @@ class _Pricer:
         return self.memo[key]
 
 
-def _largest_batch(ok, cap: int = MAX_BATCH) -> int:
+def largest_batch(ok, cap: int = MAX_BATCH) -> int:
     """The largest b in 1..cap with ok(b) (ok monotone: true up to some b); 0 if ok(1) is false."""
     if not ok(1):
         return 0
@@ -165,7 +167,7 @@ def _colocated(price: _Pricer, hw, tp, pp, ep, replicas, ttft, tpot) -> Candidat
         e = price(tp, pp, ep, replicas, b)
         return e.fits and e.ttft_s <= ttft and e.tpot_s <= tpot
 
-    b = _largest_batch(ok)
+    b = largest_batch(ok)
     if b == 0:
         return None
     e = price(tp, pp, ep, replicas, b)
@@ -185,7 +187,7 @@ def _disaggregated(price: _Pricer, spec, hw, grid, devices, ttft, tpot) -> Candi
             mem_ok = ic.memory(price.it, e.layout, prompt_len=P, output_len=0).total <= hw.memory_bytes
             return mem_ok and e.ttft_s + transfer_seconds(spec, hw, batch=b, prompt_len=P, devices=devices) <= ttft
 
-        b = _largest_batch(p_ok)
+        b = largest_batch(p_ok)
         if b:
             e = price(tp, pp, ep, 1, b)
             prefill[(tp, pp, ep)] = (b / e.ttft_s, e)
@@ -194,7 +196,7 @@ def _disaggregated(price: _Pricer, spec, hw, grid, devices, ttft, tpot) -> Candi
             e = price(tp, pp, ep, 1, b)
             return e.tpot_s <= tpot and _decode_fits(price, e)
 
-        b = _largest_batch(d_ok)
+        b = largest_batch(d_ok)
         if b:
             e = price(tp, pp, ep, 1, b)
             nxt = price(tp, pp, ep, 1, b + 1)

@@ -102,6 +102,7 @@ class Role:
     params: tuple[str, ...] = ("weight",)
     fan: str = "one"
     sequence: bool = False
+    grad_sum: bool = False  # replicated over tp, its gradient partial on each rank: summed over tp
 
 
 _SIZES: dict[str, Callable[[ModelSpec], int]] = {
@@ -194,9 +195,43 @@ SELECTIVE: dict[Family, str] = {Family.LLAMA: "self_attn", Family.MAMBA2: "mixer
 
 
 def table(spec: ModelSpec, strategies: tuple[tuple[str, str], ...] = ()) -> tuple[Role, ...]:
-    """The family's table, with the plan's intra-op choices (`strategies`, see CHOICES) applied."""
-    base = MOE_TABLES[spec.moe] if spec.is_moe else TABLES[spec.family]
+    """The model's table, with the plan's intra-op choices (`strategies`, see CHOICES) applied."""
+    base = _base_table(spec)
     return _chosen(base, tuple(strategies)) if strategies else base
+
+
+@functools.lru_cache(maxsize=256)
+def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
+    """The family's table as the model's facts adjust it (models/facts.py): a MoE block at the model's own
+    paths (`moe_paths`), head-indexed attention parameters (sinks) split with the heads, HF's
+    replicated_with_grad_allreduce modules (q/k norms) replicated with their gradient summed over tp, and
+    an embedding whose forward is not a plain lookup (Gemma's scale) replicated: no vocab-parallel class
+    swap may drop its forward (with it a tied LM head)."""
+    if spec.moe_paths:
+        base = _LLAMA_NO_MLP + _moe_block(*spec.moe_paths)
+    else:
+        base = MOE_TABLES[spec.moe] if spec.is_moe else TABLES[spec.family]
+    out = []
+    for role in base:
+        if role.path == "self_attn" and spec.head_params:
+            role = replace(role, params=spec.head_params)
+        if role.block is BlockKind.EMBED and role.strategy is Strategy.VOCAB and not spec.embedding_plain:
+            role = replace(role, strategy=Strategy.REPLICATE)
+        if role.block is BlockKind.HEAD and role.strategy is Strategy.VOCAB and not spec.embedding_plain and spec.tied:
+            role = replace(role, strategy=Strategy.REPLICATE)
+        out.append(role)
+    out += [Role(path, _L, Strategy.REPLICATE, grad_sum=True) for path in spec.grad_sum]
+    return tuple(out)
+
+
+def _moe_block(router: str, experts: str, shared: str) -> tuple[Role, ...]:
+    """A MoE block's roles at the model's own paths (router, routed experts, shared expert)."""
+    block = experts.rpartition(".")[0]
+    roles = (Role(block, _L, Strategy.REPLICATE, params=()), Role(router, _L, Strategy.REPLICATE, fan="experts"),
+             Role(experts, _L, Strategy.EXPERT, params=("gate_up_proj", "down_proj")))
+    if shared:
+        roles += (Role(shared, _L, Strategy.REPLICATE, params=()),)
+    return roles
 
 
 # -- intra-op choices: alternatives the runtime runs, decided per plan by the planner -----------------
@@ -555,6 +590,22 @@ def selective_module(spec: ModelSpec) -> str:
 def modules(spec: ModelSpec, strategy: Strategy, kind: BlockKind = BlockKind.LAYER, strategies=()) -> tuple[str, ...]:
     """Full module paths of the roles of block `kind` with `strategy` (every layer's, for LAYER)."""
     return _paths(spec, kind, lambda r: r.strategy is strategy, strategies)
+
+
+def is_float8_role(role: Role | None) -> bool:
+    """Whether FP8 training (plan precision "fp8", runtime/fp8.py) runs this role's GEMM in float8: a layer's
+    projection (attention, MLP, Mamba-2 mixer, shared expert: a weight matrix one of whose sides is the
+    hidden size or an MLP width), not the embedding or LM head (other blocks), norms (fan one), the router
+    (fan experts; a (1, hidden) shared-expert gate: fan one), conv1d (fan conv) or the routed experts' grouped
+    weights (`expert`). The cost model prices these GEMMs at the float8 rate (passes/cost.py)."""
+    return (role is not None and role.block is BlockKind.LAYER and "weight" in role.params
+            and role.strategy in (Strategy.COLWISE, Strategy.ROWWISE, Strategy.REPLICATE)
+            and role.fan in ("hidden", "shared_ffn"))
+
+
+def float8_modules(spec: ModelSpec) -> tuple[str, ...]:
+    """Full module paths of every layer's float8 linears (`is_float8_role`)."""
+    return _paths(spec, BlockKind.LAYER, is_float8_role)
 
 
 def sequence_modules(spec: ModelSpec) -> tuple[str, ...]:

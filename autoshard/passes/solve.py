@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
-from autoshard.ir import Plan, Precision, Recompute, Schedule, Stage, check_schedule, even_stages, stage_rank
+from autoshard.ir import Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, even_stages, stage_rank
 from autoshard.passes import cost
 from autoshard.passes.cost import CompiledTable, Layout
 from autoshard.errors import AutoshardError
@@ -271,7 +271,8 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
                       zeros: tuple[int, ...] = RUNTIME_ZERO, micro_batches: tuple[int, ...] = (1, 2, 4, 8),
                       schedules: tuple = RUNTIME_SCHEDULES, offload: bool = False,
                       sequence_parallel: tuple[bool, ...] = RUNTIME_SEQUENCE_PARALLEL,
-                      moe_imbalance: float = 1.0, precision: Precision = Precision.AUTO) -> CandidateLayouts:
+                      moe_imbalance: float = 1.0, precision: Precision = Precision.AUTO,
+                      fp8_recipe: Fp8Recipe | None = None) -> CandidateLayouts:
     """Every (mesh, micro-batch, intra-op strategy, ZeRO, schedule) the planner searches: the valid
     (mesh, micro-batch) pairs of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses)
     times, under tp > 1, sequence parallelism on / off (`sequence_parallel`, the values the runtime
@@ -281,8 +282,8 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
     mesh (`layouts.zero_violation`) times, for pp > 1, the pipeline schedules and virtual stages the
     runtime runs (`layouts.RUNTIME_SCHEDULES`); `offload`: ZeRO-3 also with optimizer offload (where
     the device profile prices the host link); `moe_imbalance`: the busiest expert's load over the mean
-    (passes/moe_cost.py), the same for every layout; `precision`: of every layout (the planner passes the
-    device's resolved one)."""
+    (passes/moe_cost.py), the same for every layout; `precision` (and `fp8_recipe`): of every layout (the
+    planner asks once per precision the device runs, `planner_precisions`)."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
     options: dict = {}  # tp -> the sharding table's choices; (tp, sequence parallel) -> their valid combinations
@@ -304,8 +305,19 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
         key = (mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))
         if key not in schedules_of:
             schedules_of[key] = tuple(pipeline_schedules(spec, *key, schedules))
-        parts.append(_pair_layouts(mesh, mb, intra[mesh], zeros, offload, schedules_of[key], moe_imbalance, precision))
+        parts.append(_pair_layouts(mesh, mb, intra[mesh], zeros, offload, schedules_of[key], moe_imbalance, precision,
+                                   fp8_recipe))
     return CandidateLayouts(parts, precision=precision)
+
+
+def planner_precisions(hw) -> tuple[tuple[Precision, Fp8Recipe | None], ...]:
+    """The (precision, fp8 recipe) pairs the planner searches on `hw`, jointly with the rest of the layout: the
+    device's default (bf16-mixed on an accelerator, fp32 on the cpu profile) and, where the profile has FP8
+    tensor cores (`fp8_peak_flops`), fp8 with each of torchao's recipes."""
+    default = ((resolve_precision(Precision.AUTO, hw), None),)
+    if hw.fp8_peak_flops is None:
+        return default
+    return default + tuple((Precision.FP8, recipe) for recipe in Fp8Recipe)
 
 
 class CandidateLayouts(tuple):
@@ -332,14 +344,14 @@ def _stage_choices(mesh, sp: bool, sps, have: dict) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _pair_layouts(mesh, micro_batch: int, intra: tuple, zeros: tuple, offload: bool, schedules: tuple,
-                  moe_imbalance: float, precision: Precision) -> tuple[Layout, ...]:
+                  moe_imbalance: float, precision: Precision, fp8_recipe: Fp8Recipe | None = None) -> tuple[Layout, ...]:
     """`candidate_layouts`' layouts of one (mesh, micro-batch): its intra-op options x the ZeRO levels that go
     with the mesh (and offload) x the schedules. The same objects for the same arguments, so a re-plan in
     process builds only the pairs whose options changed (building one Layout validates it, ~8 us; a plan
     has ~30k), and `bounds.bound_columns` reads each layout's keys once."""
     return tuple(Layout(mesh=mesh, micro_batch=micro_batch, zero=z, offload=o, schedule=sched, virtual_stages=v,
                         sequence_parallel=sp, strategies=st, stage_choices=per, moe_imbalance=moe_imbalance,
-                        precision=precision)
+                        precision=precision, fp8_recipe=fp8_recipe)
                  for sp, st, per in intra for z in zeros if zero_violation(mesh, z) is None
                  for o in ((False, True) if offload and z == 3 else (False,)) for sched, v in schedules)
 
@@ -469,10 +481,12 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
             raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
     hw = load_hardware(hw)
     t0 = time.perf_counter()
-    layouts = candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len,
-                                precision=resolve_precision(Precision.AUTO, hw),
-                                offload=hw.host_link_bandwidth is not None and hw.host_memory_bandwidth is not None,
-                                moe_imbalance=moe_imbalance)
+    offload = hw.host_link_bandwidth is not None and hw.host_memory_bandwidth is not None
+    parts = [part for precision, recipe in planner_precisions(hw)
+             for part in candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len,
+                                           precision=precision, fp8_recipe=recipe, offload=offload,
+                                           moe_imbalance=moe_imbalance).parts]
+    layouts = CandidateLayouts(parts, precision=resolve_precision(Precision.AUTO, hw))  # every layout concrete
     if not layouts:
         raise InvalidConfigError(
             f"no valid layout of {devices} devices for {spec.name}: tp must divide the heads ({spec.heads}), "
@@ -508,19 +522,25 @@ def _infeasible(ct, hw, spec, layouts, *, devices, global_batch, seq_len) -> Inf
 
 
 def _predict(ct, hw, spec, cand: Candidate, *, global_batch: int, seq_len: int) -> dict:
-    """Predicted figures of a solved layout from `cost.estimate(stages=)`. With one recompute
+    """Predicted figures of a solved layout (`predict`)."""
+    return predict(ct, hw, spec, cand.layout, cand.result.assignment, global_batch=global_batch, seq_len=seq_len)
+
+
+def predict(ct, hw, spec, layout: Layout, a: Assignment, *, global_batch: int, seq_len: int) -> dict:
+    """Predicted figures of `layout` with stage assignment `a` (layers, recompute level and variant per
+    pipeline rank) from `cost.estimate(stages=)`: what a plan reports, and what `autoshard price` reports
+    of a layout given by hand (engines/training_run.py), so both agree. With one recompute
     level on every stage they are estimate's own; with mixed levels (which estimate prices with
     one level) step time and memory come from the per-stage tables, the breakdown from estimate
     run at the bottleneck stage's level."""
-    a = cand.result.assignment
-    problem = mesh_problem(ct, hw, cand.layout, global_batch=global_batch, seq_len=seq_len)
+    problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len)
     ev = evaluate(problem, a)
     slow = max(range(len(ev.stage_s)), key=lambda i: ev.stage_s[i])
-    variants = stage_variants(cand.layout)
-    layout = replace(variants[a.variant_of(slow)], recompute=a.recompute[slow])
-    est = cost.estimate(ct, spec, hw, layout, global_batch=global_batch, seq_len=seq_len, stages=a.stages())
+    variants = stage_variants(layout)
+    slow_layout = replace(variants[a.variant_of(slow)], recompute=a.recompute[slow])
+    est = cost.estimate(ct, spec, hw, slow_layout, global_batch=global_batch, seq_len=seq_len, stages=a.stages())
     uniform = len(set(a.recompute)) == 1 and len({a.variant_of(i) for i in range(len(a.layers))}) == 1 and not (
-        "sequence_parallel" in cand.layout.stage_choices and layout.sequence_parallel)
+        "sequence_parallel" in layout.stage_choices and slow_layout.sequence_parallel)
     step = est.step_time_s if uniform else ev.step_s
     tokens = global_batch * seq_len
     return {
@@ -588,6 +608,9 @@ def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len,
     plan = Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
                 global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,
                 zero=layout.zero, offload_optimizer=layout.offload, recompute=rec, schedule=layout.schedule,
+                # fp8 where the planner chose it; else the device's default (AUTO, as it was searched)
+                **({"precision": layout.precision, "fp8_recipe": layout.fp8_recipe}
+                   if layout.precision is Precision.FP8 else {}),
                 virtual_stages=layout.virtual_stages, sequence_parallel=sp, strategies=strategies, stages=stages,
                 predicted=pred, solver=solver)
     return replace(plan, placements=block_placements(spec, tp=layout.mesh.tp, sequence_parallel=plan.sequence_parallel,

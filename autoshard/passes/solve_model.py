@@ -141,7 +141,7 @@ def block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
     if memo is None:
         return _block_numbers(ct, hw, layout, seq_len=seq_len, recomputes=recomputes)
     mesh = layout.mesh
-    key = ("block numbers", hw, seq_len, recomputes, mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.precision,
+    key = ("block numbers", hw, seq_len, recomputes, mesh.tp, mesh.cp, mesh.ep, layout.micro_batch, layout.numerics,
            layout.sequence_parallel, layout.strategies, layout.moe_imbalance)
     core = memo.get(key)
     if core is None:

@@ -101,7 +101,8 @@ def content_digest(value: Any) -> str:
 
 
 def _spec_fields(spec: Any) -> dict[str, Any]:
-    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+              if not (f.metadata.get("omit_default") and getattr(spec, f.name) == f.default)}
     return {k: v.value if isinstance(v, Enum) else v for k, v in fields.items()}
 
 

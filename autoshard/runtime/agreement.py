@@ -150,7 +150,7 @@ def agree(what: str, names: Sequence[str], values: Mapping[str, int] | None, *, 
     rows = [g.tolist() for g in gathered]
     failed = [r for r, row in enumerate(rows) if row[0]]
     if failed:
-        _raise_failure(failed, rows, text, world=world, device=device, what=what)
+        _raise_failure(failed, text, world=world, device=device, what=what)
     differing = [(i, n) for i, n in enumerate(names) if len({row[2 + i] for row in rows}) > 1]
     if not differing:
         return
@@ -164,16 +164,10 @@ def agree(what: str, names: Sequence[str], values: Mapping[str, int] | None, *, 
                              f"{hint or f'give every rank the same {what}'}")
 
 
-def _raise_failure(failed: list[int], rows: list[list[int]], text: bytes, *, world: int, device: torch.device,
-                   what: str) -> None:
-    """Every rank raises the same error: the texts of the failing ranks travel in one more all_gather."""
-    size = max(row[1] for row in rows)
-    buf = torch.zeros(size, dtype=torch.uint8)
-    if text:
-        buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    gathered = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(gathered, buf.to(device))
-    texts = {r: bytes(gathered[r][:rows[r][1]].cpu().tolist()).decode() for r in failed}
+def _raise_failure(failed: list[int], text: bytes, *, world: int, device: torch.device, what: str) -> None:
+    """Every rank raises the same error: the texts of the failing ranks travel in two more all_gathers."""
+    gathered = gather_bytes(text, device=device)
+    texts = {r: gathered[r].decode() for r in failed}
     kind, _, message = texts[failed[0]].partition("\0")
     error = getattr(errors, kind, AutoshardError)
     if not (isinstance(error, type) and issubclass(error, AutoshardError)):
@@ -189,6 +183,22 @@ def _raise_failure(failed: list[int], rows: list[list[int]], text: bytes, *, wor
     if ok:
         note += f"; {_ranks(ok)} found none: the ranks were not given the same {what}"
     raise error(f"{message} ({note})")
+
+
+def gather_bytes(data: bytes, *, device: torch.device) -> list[bytes]:
+    """Every rank's `data` (collective over the default group): its length, then the padded bytes, in two
+    all_gathers. Plain bytes (JSON, text), never pickle."""
+    world = dist.get_world_size()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    lengths = [int(t.item()) for t in sizes]
+    buf = torch.zeros(max(lengths), dtype=torch.uint8)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(gathered, buf.to(device))
+    return [bytes(g[:n].cpu().tolist()) for g, n in zip(gathered, lengths)]
 
 
 def _ranks(ranks: Sequence[int]) -> str:

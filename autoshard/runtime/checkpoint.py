@@ -19,6 +19,18 @@ Contract:
   `autoshard.json` are complete, rank 0 renames it to `path` (the previous checkpoint, if any, is
   first moved to `.<name>.old` and deleted last). A crash at any point leaves a loadable checkpoint:
   `path`, or `.<name>.old` when the crash fell between the two renames (`load_checkpoint` looks there).
+* A save that fails fails everywhere, at once: every step only some ranks take (rank 0 preparing the
+  `.partial` directory, writing `autoshard.json`, the renames) ends in one exchange of its outcome
+  (`_together`, not a barrier), and DCP's own write step collects every rank's failure; so any error
+  while writing (read-only file system, no space, permission, a path through a file) is the same
+  one-line `CheckpointError` naming the path and the cause on every rank, no rank is left waiting, the
+  previous checkpoint is untouched (it still loads) and the model trains on.
+* Integrity: `autoshard.json` records the sha256 of every file the save wrote (`digests`: DCP's
+  `.metadata` and each `.distcp` shard; the ranks hash a share each). `load_checkpoint` checks the sizes
+  DCP's metadata needs, then every digest (the ranks hash a share each and exchange the result), before
+  DCP unpickles or reads anything: a corrupted, truncated or swapped shard is a `CheckpointError` naming
+  the file on every rank. DCP's own `CheckpointException` (a BaseException) never reaches the user raw.
+  Cost: bench/bench_checkpoint.py. A checkpoint of format 1 (before digests) loads unverified.
 * `load_checkpoint(dm, path, missing_ok=False) -> steps` (collective) reads the keys this rank needs (its stage's
   parameters and their optimizer state), cuts them to this rank's experts, tp slice and ZeRO shard
   (`dm.local_piece`), and restores
@@ -31,6 +43,7 @@ The directory must be on a file system every rank sees (as DCP's FileSystemWrite
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -43,6 +56,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from autoshard.errors import CheckpointError
+from autoshard.runtime.agreement import gather_bytes
 from autoshard.runtime.data_parallel import ShardedOptimizer
 from autoshard.runtime.expert_parallel import ShardedOptimizers
 from autoshard.runtime.zero3 import full_tensor, like
@@ -50,7 +64,7 @@ from autoshard.runtime.zero3 import full_tensor, like
 if TYPE_CHECKING:
     from autoshard.runtime.dist_model import DistributedModel
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: `digests` of every file
 META_FILE = "autoshard.json"
 
 
@@ -107,22 +121,105 @@ def save_checkpoint(dm: DistributedModel, path: str | os.PathLike) -> Path:
     """Write `dm`'s model, optimizer, steps and RNG to `path` (collective; see the module docstring)."""
     final = _directory(path, "save_checkpoint", writing=True)
     tmp, old = _siblings(final)
-    rank = dist.get_rank()
-    if rank == 0:
-        if tmp.exists():  # a crashed save's leftovers
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    rank, device = dist.get_rank(), dm.device
+    _together(_on_rank0(rank, lambda: _fresh_directory(tmp)), final, device)
     state = _state_to_save(dm)
     import torch.distributed.checkpoint as dcp  # here: it loads SymPy (through DTensor), which the runtime must not
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    if rank == 0:
-        (tmp / META_FILE).write_text(json.dumps(_meta(dm), indent=1))
+    try:
+        metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    except (Exception, CheckpointException) as e:  # DCP gathers every rank's failure: rank 0 tells them all
+        cause = _cause(e) + _space_note(tmp, state) if rank == 0 else None
+        _on_rank0(rank, lambda: shutil.rmtree(tmp, ignore_errors=True))  # a full disk gets its space back
+        _together(cause, final, device)
+        raise  # not reached: _together raised
+    digests = _digest_files(sorted({i.relative_path for i in (metadata.storage_data or {}).values()}) + [".metadata"],
+                            tmp, device)
+
+    def publish() -> None:
+        (tmp / META_FILE).write_text(json.dumps({**_meta(dm), "digests": digests}, indent=1))
         _fsync_tree(tmp)
         _publish(tmp, final, old)
-    dist.barrier()
+
+    _together(_on_rank0(rank, publish), final, device)
     return final
+
+
+def _fresh_directory(tmp: Path) -> None:
+    if tmp.exists():  # a crashed save's leftovers
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+
+def _on_rank0(rank: int, step) -> str | None:
+    """Run `step()` on rank 0; the cause of its failure (an OSError: read-only, no space, permission, a
+    path through a file), or None."""
+    if rank != 0:
+        return None
+    try:
+        step()
+    except OSError as e:
+        return _cause(e)
+    return None
+
+
+def _cause(e: BaseException) -> str:
+    """One line naming what failed: an OSError's errno text and file, the first rank DCP reports."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        return f"rank {rank}: {_cause(failures[rank][0])}"
+    if isinstance(e, OSError) and e.strerror:
+        where = f": {e.filename}" if e.filename else ""
+        return f"{type(e).__name__} [Errno {e.errno}] {e.strerror}{where}"
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text[:300]}"
+
+
+def _together(cause: str | None, final: Path, device: torch.device) -> None:
+    """Every rank's outcome of a step only some ranks took (collective): a failure anywhere is the same
+    CheckpointError on every rank (where a barrier left the others waiting for the collective timeout)."""
+    causes = [b.decode() for b in gather_bytes((cause or "").encode(), device=device)]
+    failed = [(r, c) for r, c in enumerate(causes) if c]
+    if failed:
+        rank, text = failed[0]
+        where = "" if text.startswith("rank ") else f"rank {rank}: "  # DCP's failures name their rank
+        raise CheckpointError(f"save_checkpoint {final} failed: {where}{text}; the previous checkpoint there (if any) "
+                              "is untouched")
+
+
+def _space_note(tmp: Path, state: Mapping[str, Tensor]) -> str:
+    """Where a write failed on a file system without room for this rank's state (a lower bound of the
+    checkpoint: every key it holds is written by some rank), say so: torch's writer reports a full disk as
+    'unexpected pos'."""
+    try:
+        free = shutil.disk_usage(tmp if tmp.exists() else tmp.parent).free
+    except OSError:
+        return ""
+    needed = sum(t.numel() * t.element_size() for t in state.values())
+    return (f" (no space left: {free} bytes free on the file system of {tmp.parent}, this rank's part of the "
+            f"checkpoint alone is {needed} bytes)") if free < needed else ""
+
+
+def _digest_files(names: list[str], root: Path, device: torch.device) -> dict[str, str]:
+    """{file name: sha256 hex} of `names` under `root`, each rank hashing every world-th file (collective).
+    A file that cannot be read has the digest "" (its loader then names it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {}
+    for name in names[rank::world]:
+        try:
+            h = hashlib.sha256()
+            with open(root / name, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+            mine[name] = h.hexdigest()
+        except OSError:
+            mine[name] = ""
+    out: dict[str, str] = {}
+    for data in gather_bytes(json.dumps(mine).encode(), device=device):
+        out.update(json.loads(data))
+    return out
 
 
 def _state_to_save(dm: DistributedModel) -> dict[str, Tensor]:
@@ -164,9 +261,10 @@ def load_checkpoint(dm: DistributedModel, path: str | os.PathLike, *, missing_ok
     meta = _read_meta(root)
     _check_model(meta, dm, root)
     import torch.distributed.checkpoint as dcp  # here: it loads SymPy (through DTensor)
+    from torch.distributed.checkpoint.api import CheckpointException
 
     reader = dcp.FileSystemReader(root)
-    metadata = _check_files(reader, root)
+    metadata = _check_files(reader, root, meta, dm.device)
     entries = metadata.state_dict_metadata
     names = [dm.param_name(p) for p in dm.local_params()]
     state = {f"model.{n}": _empty(entries[f"model.{n}"]) for n in names}
@@ -185,7 +283,10 @@ def load_checkpoint(dm: DistributedModel, path: str | os.PathLike, *, missing_ok
     for key in ("rng.cpu", "rng.cuda"):
         if key in entries and (key == "rng.cpu" or dm.device.type == "cuda"):
             state[key] = _empty(entries[key])
-    dcp.load(state, storage_reader=reader)
+    try:
+        dcp.load(state, storage_reader=reader)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"checkpoint {root} cannot be read: {_cause(e)}; load an earlier checkpoint") from None
     _load_params(dm, {n: state[f"model.{n}"] for n in names})
     if optimizer is not None:
         per_param = {n: {k[len(p):]: v for k, v in state.items() if k.startswith(p)} for n, p in prefixes.items()}
@@ -237,8 +338,21 @@ def _check_model(meta: Mapping, dm: DistributedModel, root: Path) -> None:
                           f"{dm.fingerprint}, {len(ours)} parameters); {'; '.join(details)}")
 
 
-def _check_files(reader, root: Path):
-    """DCP's metadata, after checking every data file it names exists and is long enough."""
+def _check_files(reader, root: Path, meta: Mapping, device: torch.device):
+    """DCP's metadata, after checking every file the save wrote against its digest (collective: the ranks
+    hash a share each), and every data file the metadata names is there and long enough."""
+    digests, bad, found = meta.get("digests"), [], {}
+    if meta.get("version", 1) >= 2:
+        if not isinstance(digests, dict) or not digests:
+            raise CheckpointError(f"checkpoint {root}: {META_FILE} lists no digests of its files; the checkpoint is "
+                                  "damaged, load an earlier one")
+        found = _digest_files(sorted(digests), root, device)
+        bad = [name for name in sorted(digests) if found.get(name) != digests[name]]
+        if ".metadata" in bad:  # never unpickled when it is not the file the save wrote
+            bad = [".metadata"]
+    if bad == [".metadata"] and found.get(".metadata"):
+        raise CheckpointError(f"checkpoint {root}: .metadata does not hold what was saved (sha256 differs from "
+                              f"{META_FILE}'s); the checkpoint is corrupted, load an earlier one")
     try:
         metadata = reader.read_metadata()
     except Exception as e:  # noqa: BLE001  (a missing or truncated .metadata: any unpickling error)
@@ -247,13 +361,19 @@ def _check_files(reader, root: Path):
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        file = root / name
-        have = file.stat().st_size if file.exists() else None
-        if have is None or have < size:
-            raise CheckpointError(f"checkpoint {root} is truncated: {name} has "
-                                  f"{'no file' if have is None else f'{have} bytes'}, its metadata needs {size} "
-                                  "bytes; load an earlier checkpoint")
+    sizes = {name: (root / name).stat().st_size if (root / name).exists() else None for name in needed}
+    short = [name for name, size in sorted(needed.items()) if sizes[name] is None or sizes[name] < size]
+    bad = sorted(set(bad) | set(short))
+    if bad:
+        def why(name: str) -> str:
+            if sizes.get(name, 0) is None:
+                return f"{name}: no file"
+            if name in short:
+                return f"{name} is truncated: {sizes[name]} bytes, its metadata needs {needed[name]}"
+            return f"{name}: content differs"
+        raise CheckpointError(f"checkpoint {root}: {len(bad)} of its {len(needed) + 1} files do not hold what was "
+                              f"saved ({'; '.join(why(n) for n in bad[:4])}); the checkpoint is damaged, load an "
+                              "earlier one")
     return metadata
 
 

@@ -65,15 +65,18 @@ class CPContext:
 # -- layouts ---------------------------------------------------------------------------------
 
 def layout_of(model: nn.Module) -> SeqLayout:
-    """The sequence layout CP uses for `model` (raises if the model has no CP rule)."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type in ("llama", "mixtral", "qwen2_moe"):  # LLaMA-style causal attention (MoE MLPs are per token)
+    """The sequence layout CP uses for `model`, by its sequence mixer (models/facts.py `mixer_of`): causal
+    attention balanced, the SSD scan contiguous; raises for a model with neither."""
+    from autoshard.models.facts import mixer_of
+
+    mixer = mixer_of(model)
+    if mixer == "attention":  # causal attention (MoE MLPs are per token)
         return SeqLayout.BALANCED
-    if model_type == "mamba2":
+    if mixer == "ssd":
         return SeqLayout.CONTIGUOUS
     raise UnsupportedOpError(
-        f"context parallelism has no rule for model type {model_type!r} ({type(model).__name__}); "
-        "autoshard knows LLaMA attention and the Mamba-2 mixer: run this model with cp=1"
+        f"context parallelism has no rule for {type(model).__name__}: it holds no HF attention module and no SSD "
+        "scan (Mamba-2), the sequence mixers autoshard splits the sequence of; run this model with cp=1"
     )
 
 
@@ -181,7 +184,9 @@ def enable_context_parallel(model: nn.Module, ctx: CPContext) -> SeqLayout:
 def min_local_tokens(model: nn.Module) -> int:
     """The fewest tokens per rank the model's CP rule can handle."""
     config = model.config
-    return max(1, int(getattr(config, "conv_kernel", 1)) - 1) if config.model_type == "mamba2" else 1
+    from autoshard.models.facts import config_value
+
+    return max(1, int(config_value(config, "conv", 1)) - 1) if layout_of(model) is SeqLayout.CONTIGUOUS else 1
 
 
 # -- the runtime's side (autoshard.api / DistributedModel) ---------------------------------

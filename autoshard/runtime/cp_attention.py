@@ -48,11 +48,28 @@ def cp_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
                                  "mark padding with label -100 instead")
     # a sliding window: Mixtral passes its config's, a Qwen2-MoE sliding layer keeps its own on the module
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    return balanced_causal_attention(query, key, value, ctx, scale=scaling, window=window), None
+    # the attention kwargs HF passes besides (Gemma-2's softcap, GPT-OSS's sinks as s_aux): each is applied, and
+    # one this function does not know is refused rather than dropped
+    softcap = kwargs.pop("softcap", None)
+    sinks = kwargs.pop("s_aux", None)
+    unknown = sorted(k for k, v in kwargs.items()  # flags (bools) ride along to other modules; values change scores
+                     if isinstance(v, (Tensor, float)) and k not in _IGNORED_KWARGS)
+    if unknown:
+        raise InvalidConfigError(f"{type(module).__name__} passes the attention kwargs {unknown}, which context-"
+                                 "parallel attention does not implement; run this model with cp=1")
+    return balanced_causal_attention(query, key, value, ctx, scale=scaling, window=window, softcap=softcap,
+                                     sinks=sinks), None
+
+
+# kwargs HF's attention modules pass that do not change the result of causal attention over positions
+_IGNORED_KWARGS = frozenset({"sliding_window", "position_ids", "is_causal", "cu_seq_lens_q", "cu_seq_lens_k",
+                             "max_length_q", "max_length_k", "output_attentions", "use_cache", "cache_position",
+                             "layer_idx", "dropout"})
 
 
 def balanced_causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CPContext, *,
-                              scale: float | None = None, window: int | None = None) -> Tensor:
+                              scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                              sinks: Tensor | None = None) -> Tensor:
     """Causal attention of this rank's balanced-layout slice over the whole sequence; `window`: a
     sliding window (a query sees the keys less than `window` positions back, HF's sliding_window_overlay).
 
@@ -65,11 +82,13 @@ def balanced_causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CP
     kv = torch.cat([key, value], dim=1)  # (b, 2 hkv, 2c, d): one collective for both
     kv = all_gather_autograd(kv, ctx, dim=2)  # (b, 2 hkv, S, d), rank order
     kv = kv.index_select(2, gathered_order(seq, ctx.size, SeqLayout.BALANCED).to(kv.device))  # natural order
-    return local_causal_attention(query, kv, rank=ctx.rank, cp=ctx.size, scale=scale, window=window)
+    return local_causal_attention(query, kv, rank=ctx.rank, cp=ctx.size, scale=scale, window=window,
+                                  softcap=softcap, sinks=sinks)
 
 
 def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, scale: float | None = None,
-                           window: int | None = None) -> Tensor:
+                           window: int | None = None, softcap: float | None = None,
+                           sinks: Tensor | None = None) -> Tensor:
     """Rank `rank`'s share of the work: its two query chunks (b, hq, 2c, d) against the key prefixes
     they can see in `kv` (b, 2 hkv, S, d), K then V, natural order; `window` as in
     `balanced_causal_attention`. -> (b, 2c, hq, d)."""
@@ -84,9 +103,33 @@ def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, sca
         mask = k_pos <= q_pos[:, None]  # (c, end) causal on real positions
         if window:
             mask &= k_pos > q_pos[:, None] - window
+        if softcap or sinks is not None:
+            outs.append(_explicit_attention(q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks))
+            continue
         outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                    enable_gqa=q.shape[1] != hkv))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()  # (b, 2c, hq, d)
+
+
+def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, scale: float | None,
+                        softcap: float | None, sinks: Tensor | None) -> Tensor:
+    """Attention with the score transforms SDPA has no argument for, as HF's eager attention applies them:
+    `softcap` (Gemma-2: cap * tanh(scores / cap) before the mask) and `sinks` (GPT-OSS: one extra logit per
+    head in the softmax, dropped after it). q (b, hq, c, d), k / v (b, hkv, n, d), mask (c, n) -> (b, hq, c, d)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (b, hq, n, d)
+    scores = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (b, hq, c, n)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if sinks is None:
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    else:
+        sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)
+        both = torch.cat([scores, sink], dim=-1)
+        both = both - both.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(both, dim=-1, dtype=both.dtype)[..., :-1].to(v.dtype)
+    return torch.matmul(probs, v)
 
 
 def install_cp_attention(model: nn.Module, ctx: CPContext) -> int:
@@ -98,13 +141,15 @@ def install_cp_attention(model: nn.Module, ctx: CPContext) -> int:
 
     AttentionInterface.register(ATTN_NAME, cp_attention_forward)
     count = 0
+    from autoshard.models.facts import is_attention
+
     for module in model.modules():
-        if hasattr(module, "q_proj") and hasattr(module, "k_proj") and hasattr(module, "config"):
+        if is_attention(module):
             setattr(module, _CTX_ATTR, ctx)
             module.config._attn_implementation = ATTN_NAME
             count += 1
     if count == 0:
-        raise InvalidConfigError(f"{type(model).__name__} has no attention module with q_proj/k_proj; "
+        raise InvalidConfigError(f"{type(model).__name__} has no HF attention module (config, layer_idx, scaling); "
                                  "CP attention cannot be installed")
     model.config._attn_implementation = ATTN_NAME
     for module in model.modules():

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autoshard.errors import AutoshardError, InvalidConfigError
-from autoshard.ir import Plan, Precision
+from autoshard.ir import Plan
 from autoshard.models.presets import Family, ModelSpec, max_positions
 from autoshard.ir import Replicate, ShardProgram
 from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
@@ -66,6 +66,7 @@ class RankSetup:
     pipeline: object | None = None  # runtime.pipeline.PipelineRunner when pp > 1
     cp: CPRuntime | None = None  # context parallelism (issue 6) when cp > 1
     expert_names: frozenset[str] = frozenset()  # ep > 1: parameters of this rank's experts
+    expert_tp: tuple = ()  # (name, Shard) of expert weights split over tp (serving replicas of MoE models)
     fingerprint: str = ""  # of the model before it was sliced (fingerprint.fingerprint_module)
     full_shapes: Mapping[str, tuple[int, ...]] | None = None  # original name -> global shape
     generate_only: bool = False  # built from an inference plan: checked by generate's rules, not training's
@@ -100,12 +101,12 @@ class DistributedModel:
         zero = 1 <= setup.plan.zero <= 2
         # bf16-mixed under ZeRO 0-2: Megatron's layout (runtime/precision.py): bf16 parameters, fp32 main
         # gradients, fp32 masters in the (sharded) optimizer; ZeRO-3 is FSDP2's own (runtime/zero3.py)
-        self._main_grads = self.precision is Precision.BF16_MIXED and not self._zero3
+        self._main_grads = self.precision.mixed and not self._zero3
         # the gradients live in one flat buffer per bucket (Megatron-LM's grad buffer, `main_grad`) under
         # bf16-mixed, and under ZeRO-1/2 at any precision (GradSync's own rule)
-        if self._zero3:
+        if self._zero3:  # FSDP2 reduces the gradients (ep > 1: the dense ones over dp x ep x cp, runtime/zero3.py)
             self._sync = GradSync(self._params, None, zero=0, prepare=prepare)
-            self._loss_group = self._grad_group
+            self._loss_group = setup.groups.replicas if mesh.ep > 1 else self._grad_group
         elif mesh.ep > 1:  # experts over dp x cp (the grad group), dense over dp x ep x cp
             expert_ids = {id(p) for n, p in self.model.named_parameters() if n in setup.expert_names}
             self._sync = GradSyncs(self._params, expert_ids, dense_group=setup.groups.replicas,
@@ -223,19 +224,18 @@ class DistributedModel:
         return self._forward(ids, **kwargs)[0]
 
     def _forward(self, ids: Tensor, **kwargs) -> tuple[Tensor, tuple[Tensor, ...] | None]:
-        """This rank's logits, and the router logits of every MoE layer when the config asks for them."""
+        """This rank's logits, and the router logits of every MoE layer when the config asks for them.
+
+        Through the model's own root forward, always: whatever `ForCausalLM.forward` does around its LM
+        head (Granite's logits_scaling, Cohere's logit_scale, Gemma-2's final softcap) runs as in one
+        process; under tp those are elementwise on this rank's vocab slice of the logits."""
         if self.plan.sequence_parallel and self._setup.spec.family is Family.LLAMA and "position_ids" not in kwargs:
             # HF would number the positions of the 1/tp shard it sees between layers
             kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)[None]}
-        if self._zero3:  # through the root forward, so that FSDP's root hooks run (HF computes the same logits)
-            out = self.model(input_ids=ids, use_cache=False, **kwargs)
-            return out.logits, getattr(out, "router_logits", None)
-        base = getattr(self.model, self.model.base_model_prefix)
-        if getattr(self.model.config, "output_router_logits", False) and torch.is_grad_enabled():
+        if getattr(self.model.config, "output_router_logits", False) and torch.is_grad_enabled() and not self._zero3:
             kwargs = {**kwargs, "output_router_logits": True}
-        out = base(input_ids=ids, use_cache=False, **kwargs)
-        head = self.model.lm_head
-        return head(out.last_hidden_state.to(head.weight.dtype)), getattr(out, "router_logits", None)  # (b, s, V / tp)
+        out = self.model(input_ids=ids, use_cache=False, **kwargs)
+        return out.logits, getattr(out, "router_logits", None)  # (b, s, V / tp)
 
     # -- checks and evaluation ------------------------------------------------------------------
     def __call__(self, input_ids: Tensor) -> Tensor:
@@ -347,7 +347,11 @@ class DistributedModel:
 
     def placement(self, name: str):
         """The tp placement of parameter `name` (Replicate when it is not split)."""
-        return dict(self._setup.program.placements).get(name, Replicate()) if self._tp_group is not None else Replicate()
+        return self._tp_placements().get(name, Replicate()) if self._tp_group is not None else Replicate()
+
+    def _tp_placements(self) -> dict:
+        """Every tp-split parameter's placement: the shard program's and the experts split over tp (serving)."""
+        return {**dict(self._setup.program.placements), **dict(self._setup.expert_tp)}
 
     def _assemble(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if self._runner is not None:
@@ -372,7 +376,7 @@ class DistributedModel:
 
     def gather_tp(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """{name: full tensor} from this rank's tp slices (collective over tp; the same names on every tp rank)."""
-        placements = dict(self._setup.program.placements)
+        placements = self._tp_placements()
         out = {}
         for name, tensor in local.items():
             placement = placements.get(name, Replicate())

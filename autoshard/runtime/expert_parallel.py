@@ -39,6 +39,14 @@ experts: the routing is computed identically on every rank, each rank runs its l
 the (token, expert) pairs routed to them (HF's eager loop: weighted, `index_add_` in expert
 order), and the partial outputs (T, h) are summed over the ep group with one all-reduce. Training
 never enters this mode.
+
+Experts split over tp (the replicas of an inference plan, `apply_expert_parallel(..., tp_group=)`):
+serving engines split every expert's GEMMs over tp (HF's `moe_tp_experts`, Megatron's expert tensor
+parallelism) rather than keeping the experts whole on every tp rank as training does. Each tp rank
+holds its rows of every local expert's gate and up projections and the matching columns of its down
+projection (`expert_tp_placements`); the tp ranks hold the same tokens, so each computes its slice
+of every routed pair and one all-reduce over tp sums them (after the ep sum). Such a model
+generates and evaluates; it does not train (its `train_step` refuses, as for every inference plan).
 """
 
 from __future__ import annotations
@@ -52,8 +60,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
+from autoshard.ir import Shard
 from autoshard.models.presets import ModelSpec
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
+from autoshard.runtime.tensor_parallel import shard_tensor
 
 
 def experts_modules(model: nn.Module, spec: ModelSpec) -> list[tuple[str, nn.Module]]:
@@ -71,7 +81,8 @@ def expert_param_names(model: nn.Module, spec: ModelSpec) -> frozenset[str]:
 class ParallelExperts(nn.Module):
     """This rank's experts of one MoE layer; tokens dispatched and combined by all-to-all."""
 
-    def __init__(self, experts: nn.Module, *, group: dist.ProcessGroup, ep: int, ep_rank: int):
+    def __init__(self, experts: nn.Module, *, group: dist.ProcessGroup, ep: int, ep_rank: int,
+                 tp_group: dist.ProcessGroup | None = None, tp: int = 1, tp_rank: int = 0):
         super().__init__()
         total = experts.num_experts  # ep divides it: the plan rule, checked by apply_expert_parallel
         if (getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False)
@@ -79,11 +90,18 @@ class ParallelExperts(nn.Module):
             raise InvalidConfigError(f"{type(experts).__name__}: expert parallelism runs gated experts without "
                                      "bias in HF's [gate; up] x hidden layout (Mixtral, Qwen2-MoE)")
         self.num_experts, self.ep, self.group = total, ep, group
+        self.tp, self.tp_group = tp, tp_group  # tp > 1 (serving): each expert's GEMMs split over tp
         self.local = total // ep
         self.first = first = ep_rank * self.local
         self.replicated = False  # True inside `replicated_tokens` (generation): expert slicing + all-reduce
-        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[first:first + self.local].clone())
-        self.down_proj = nn.Parameter(experts.down_proj.detach()[first:first + self.local].clone())
+        gate_up = experts.gate_up_proj.detach()[first:first + self.local]  # (E/ep, 2f, h)
+        down = experts.down_proj.detach()[first:first + self.local]  # (E/ep, h, f)
+        if tp > 1:
+            placements = expert_tp_placements(gate_up.shape[1] // 2, tp=tp, tp_rank=tp_rank)
+            gate_up, down = (shard_tensor(t, placements[name]) for t, name in ((gate_up, "gate_up_proj"),
+                                                                               (down, "down_proj")))
+        self.gate_up_proj = nn.Parameter(gate_up.clone())
+        self.down_proj = nn.Parameter(down.clone())
         self.act_fn = experts.act_fn
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
@@ -104,6 +122,8 @@ class ParallelExperts(nn.Module):
         x = all_to_all_single_autograd(rows, recv, send, self.group)  # (R, h), peer-major
         by_expert = _peer_to_expert_order(per_peer, x.device)
         y = self._experts(x[by_expert], [sum(col) for col in zip(*per_peer)])  # expert-major
+        if self.tp > 1:  # each tp rank computed its slice of every expert's intermediate width
+            dist.all_reduce(y, group=self.tp_group)  # serving only (no autograd): inference plans do not train
         y = y[torch.argsort(by_expert)]  # back to peer-major
         back = all_to_all_single_autograd(y, send, recv, self.group)  # (T*k, h), sorted by expert
         weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
@@ -120,7 +140,10 @@ class ParallelExperts(nn.Module):
                 gate, up = F.linear(hidden[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
                 y = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[token_idx, slot, None]
                 out.index_add_(0, token_idx, y.to(out.dtype))
-        dist.all_reduce(out, group=self.group)
+        if self.ep > 1:
+            dist.all_reduce(out, group=self.group)
+        if self.tp > 1:  # and over tp: each rank computed its slice of every expert's intermediate width
+            dist.all_reduce(out, group=self.tp_group)
         return out
 
     def _experts(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
@@ -146,19 +169,42 @@ def _peer_to_expert_order(per_peer: list[list[int]], device: torch.device) -> Te
 
 
 def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_group: dist.ProcessGroup, *, ep: int,
-                          ep_rank: int) -> frozenset[str]:
+                          ep_rank: int, tp_group: dist.ProcessGroup | None = None, tp: int = 1,
+                          tp_rank: int = 0) -> frozenset[str]:
     """Swap every experts module for this rank's `ParallelExperts` (module docstring); the names of
-    the expert parameters. The plan rule on ep (passes/layouts.ep_violation) is checked first."""
+    the expert parameters. The plan rule on ep (passes/layouts.ep_violation) is checked first.
+    `tp_group` (serving replicas of an inference plan only): each expert's GEMMs split over tp as well
+    (`expert_tp_placements`), the partial outputs all-reduced over tp."""
     from autoshard.passes.layouts import ep_violation
 
     why = ep_violation(spec, ep)
     if why:
         raise InvalidConfigError(why)
+    if tp > 1 and spec.ffn % tp:
+        raise InvalidConfigError(f"tp ({tp}) must divide the experts' intermediate size ({spec.ffn}) of {spec.name} "
+                                 f"to split every expert over tp; use a tp that divides {spec.ffn}")
     names = expert_param_names(model, spec)
     for path, experts in experts_modules(model, spec):
         parent, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent), attr, ParallelExperts(experts, group=ep_group, ep=ep, ep_rank=ep_rank))
+        setattr(model.get_submodule(parent), attr,
+                ParallelExperts(experts, group=ep_group, ep=ep, ep_rank=ep_rank, tp_group=tp_group, tp=tp,
+                                tp_rank=tp_rank))
     return names
+
+
+def expert_tp_names(model: nn.Module, spec: ModelSpec, *, tp: int, tp_rank: int) -> tuple[tuple[str, Shard], ...]:
+    """(parameter name, tp placement) of every expert weight split over tp (`full_state_dict` gathers by it)."""
+    return tuple((f"{path}.{name}", placement) for path, m in experts_modules(model, spec)
+                 for name, placement in expert_tp_placements(m.down_proj.shape[-1] * tp, tp=tp, tp_rank=tp_rank).items())
+
+
+def expert_tp_placements(ffn: int, *, tp: int, tp_rank: int) -> dict[str, Shard]:
+    """How tp rank `tp_rank` slices each expert of a serving replica (Megatron's expert tensor
+    parallelism, HF's `moe_tp_experts`): `gate_up_proj` (E, 2f, h) its rows of the gate and of the
+    up projection (column-parallel, the [gate; up] halves split alike), `down_proj` (E, h, f) the
+    matching columns (row-parallel); the partial outputs are summed over tp."""
+    return {"gate_up_proj": Shard(dim=1, index=tp_rank, parts=tp, segments=(ffn, ffn)),
+            "down_proj": Shard(dim=2, index=tp_rank, parts=tp, segments=(ffn,))}
 
 
 @contextmanager

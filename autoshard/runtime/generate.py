@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from autoshard.errors import InvalidConfigError
 from autoshard.models.presets import Family, ModelSpec, max_positions, position_violation
 from autoshard.runtime.comm import gather_last_dim
-from autoshard.runtime.stages import StageModule, attention_masks
+from autoshard.runtime.stages import OwnForwardStage, StageModule, attention_masks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -140,6 +140,13 @@ class Generator:
     def _run_stage(self, stage: StageModule, x: Tensor, cache, *, past: int) -> Tensor:
         """One chunk's layers on `x` with the cache; hidden states (b, t, h), or the last
         position's logits (b, 1, V / tp) on the last chunk."""
+        if isinstance(stage, OwnForwardStage):  # the model's own forward with the cache (its softcaps, scales, ...)
+            if len(self.placement) > 1:
+                raise InvalidConfigError(f"generate of {self.spec.name} over pipeline stages: its stages run the "
+                                         "model's own forward, whose cache masks a stage without layer 0 cannot "
+                                         "size; generate with pp=1 (tp may be any)")
+            positions = torch.arange(past, past + x.shape[1], device=x.device)[None]  # (1, t)
+            return stage.run(x, cache=cache, logits_to_keep=1, position_ids=positions)
         hidden = stage.embed(x) if stage.embed is not None else x  # (b, t, h)
         if len(stage.layers):
             kwargs = self._layer_kwargs(stage, hidden, cache, past=past)

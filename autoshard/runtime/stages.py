@@ -133,6 +133,114 @@ class LlamaStage(StageModule):
                 "position_embeddings": self.rotary_emb(hidden, position_ids=position_ids)}
 
 
+class OwnForwardStage(StageModule):
+    """A stage that runs the HF model's own forward, limited to its layers (a model whose forward does
+    more around its layers than a plain LLaMA stack: Gemma's embedding scale, Granite's multipliers,
+    per-layer-type rotary, logit scaling and softcaps: `ModelSpec.own_forward`, models/facts.py).
+
+    The root forward runs with the layers outside [first_layer, end_layer) stood in for by identities
+    (`_Skip`, keeping the attributes the base forward reads, e.g. attention_type); a later stage's input
+    enters at its first layer (a forward pre-hook swaps the hidden states the base forward built from
+    placeholder embeddings for the received ones), and an earlier stage's output leaves at the next
+    stage's first layer (a pre-hook raises it out of the forward, so the norm and head do not run). So
+    the rotary embeddings, masks, multipliers, the final norm, the head and the logit transforms are
+    HF's own code, on every stage."""
+
+    def __init__(self, stage: Stage, *, model: nn.Module, base: nn.Module, positions=None, **parts) -> None:
+        super().__init__(stage, **parts)
+        self.__dict__["_model"] = model  # not a submodule: the stage holds only its own parameters
+        self.__dict__["_base"] = base
+        self.positions = positions
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_shards != 1 or self.boundary_group is not None:
+            raise InvalidConfigError("sequence_parallel is not run by the stages of a model whose own forward they "
+                                     "keep; set sequence_parallel to false")
+        s = x.shape[1]
+        position_ids = self.positions(s) if self.positions is not None else torch.arange(s)[None]  # (1, s)
+        return self.run(x, position_ids=position_ids.to(x.device))
+
+    def run(self, x: torch.Tensor, *, cache=None, logits_to_keep: int = 0, **kwargs) -> torch.Tensor:
+        """This stage's output for `x` (input_ids on the first stage, else hidden states (b, s, h)):
+        hidden states, or on the last stage the logits (b, s, V or V / tp)."""
+        model, base, stage = self._model, self._base, self.stage
+        layers = base.layers
+        first = stage.first_layer
+        inputs = {"input_ids": x} if stage.embed else {"inputs_embeds": x}
+        hooks = []
+        if not stage.embed:  # the received hidden states enter at this stage's first layer (or its norm)
+            entry = layers[first] if first < stage.end_layer else base.norm
+            hooks.append(entry.register_forward_pre_hook(_swap_input(x), with_kwargs=True))
+        stand_ins = nn.ModuleList([layer if first <= i < stage.end_layer else _Skip(layer)
+                                   for i, layer in enumerate(layers)])
+        if not stage.head:  # (on the stand-in of the next stage's first layer)
+            hooks.append(stand_ins[stage.end_layer].register_forward_pre_hook(_leave, with_kwargs=True))
+        base._modules["layers"] = stand_ins
+        wrapped = self._checkpointed(stand_ins)
+        try:
+            out = model(**inputs, use_cache=cache is not None, cache=cache, logits_to_keep=logits_to_keep, **kwargs)
+        except _StageOutput as leaving:
+            return leaving.hidden
+        finally:
+            base._modules["layers"] = layers
+            for layer in wrapped:
+                del layer.forward
+            for hook in hooks:
+                hook.remove()
+        return out.logits
+
+    def _checkpointed(self, layers: nn.ModuleList) -> list[nn.Module]:
+        """Full recompute of the stage: each of its layers' forward in a checkpoint, for this call only (a
+        layer the rewrite already wrapped, plan.recompute, is not wrapped twice)."""
+        if self.stage.recompute is not Recompute.FULL or not torch.is_grad_enabled():
+            return []
+        out = []
+        for layer in layers[self.stage.first_layer:self.stage.end_layer]:
+            if "forward" not in vars(layer):
+                forward = layer.forward
+                layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+                out.append(layer)
+        return out
+
+
+class _StageOutput(Exception):
+    """Carries a stage's output hidden states out of the model's forward (OwnForwardStage)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__("stage output")
+        self.hidden = hidden
+
+
+def _leave(module, args, kwargs):
+    raise _StageOutput(args[0] if args else kwargs["hidden_states"])
+
+
+def _swap_input(x: torch.Tensor):
+    def hook(module, args, kwargs):
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+    return hook
+
+
+class _Skip(nn.Module):
+    """Stands in for a layer of another stage: passes the hidden states through; other attributes (the
+    layer's attention_type, which the base forward may read) are the real layer's."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.__dict__["_real"] = layer
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_real"], name)
+
+
 class Mamba2Stage(StageModule):
     """Mamba-2 blocks take the hidden state alone; the head casts as Mamba2ForCausalLM does."""
 
@@ -168,6 +276,13 @@ def _build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
     if not 0 <= stage.first_layer <= stage.end_layer <= (layers_total or 0):
         raise InvalidConfigError(f"stage layers [{stage.first_layer}, {stage.end_layer}) are outside the "
                                  f"model's {layers_total} layers; stages must lie within 0..{layers_total}")
+    if spec.family is Family.LLAMA and spec.own_forward:
+        body = getattr(model, model.base_model_prefix)
+        parts = dict(embed=body.get_input_embeddings() if hasattr(body, "get_input_embeddings") else body.embed_tokens,
+                     layers=list(body.layers)[stage.first_layer:stage.end_layer], norm=body.norm,
+                     lm_head=model.get_output_embeddings())
+        return OwnForwardStage(stage, config=config, model=model, base=body, positions=positions,
+                               **_keep(parts, stage))
     if spec.family is Family.LLAMA:
         body = model.model
         parts = dict(embed=body.embed_tokens, layers=list(body.layers)[stage.first_layer:stage.end_layer],

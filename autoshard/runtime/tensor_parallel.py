@@ -81,7 +81,11 @@ class RowParallelLinear(nn.Linear):
     sequence_parallel: bool = False
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight)
+        return self.reduce_and_add_bias(F.linear(x, self.weight))
+
+    def reduce_and_add_bias(self, y: Tensor) -> Tensor:
+        """The local partial product `y` summed over tp (reduce-scattered along the sequence under sequence
+        parallelism), then the bias, once (runtime/fp8.py's float8 row-parallel linear calls it too)."""
         y = (reduce_scatter_to_sequence(y, self.tp_group, SEQ_DIM) if self.sequence_parallel
              else reduce_from_group(y, self.tp_group))
         return y if self.bias is None else y + self.bias
@@ -172,6 +176,10 @@ def partial_grad_reducer(model: nn.Module, program: ShardProgram, group: dist.Pr
             placement = partial.get(id(param))
             grad = take_grad(param)  # bf16-mixed: the fp32 main gradient (runtime/data_parallel.py)
             if placement is None or grad is None:
+                continue
+            if isinstance(placement, Replicate):  # a replicated weight used on this rank's heads only (q/k norms)
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                dist.all_reduce(local, group=group)
                 continue
             if any(placement.whole):  # (not under ZeRO-3: the rows are cut over dp there)
                 _sum_whole_pieces(grad, placement, group)

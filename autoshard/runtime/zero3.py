@@ -25,6 +25,13 @@ without knowing about them, and parameters stay DTensors over that mesh (`Shard(
   (ZeRO-Offload, arXiv 2101.06840); the cost model charges the host link (`hardware.py`).
 * `full_tensor(t)` / `like(full, param)` convert between a full (tp-local) tensor and a parameter's
   DTensor shard without communication in `like` (every rank already holds the full value).
+* Expert parallelism (`expert_group`, torchtitan's layout: `apply_fsdp` with `dp_mod_ep_mesh`): each
+  routed-experts module (runtime/expert_parallel.py `ParallelExperts`, this rank's experts) is its own
+  FSDP2 unit over `expert_group`, the ranks that hold the same experts (dp x cp), before its block is
+  sharded over `group`, here every rank that shares the dense weights (dp x ep x cp: `Groups.replicas`);
+  FSDP2 leaves the already-sharded experts out of the block's unit. Each unit reduce-scatters its
+  gradients over its own mesh, so the experts' are summed over dp x cp and the dense ones over
+  dp x ep x cp, as `GradSyncs` does under ZeRO 0-2.
 The model must be run through its root `forward` so that FSDP's hooks on the root fire.
 """
 
@@ -39,15 +46,21 @@ from torch import Tensor, nn
 
 
 def apply_zero3(model: nn.Module, group: dist.ProcessGroup, *, device: torch.device, offload: bool = False,
-                bf16: bool = False) -> None:
+                bf16: bool = False, expert_group: dist.ProcessGroup | None = None,
+                experts: tuple[str, ...] = ()) -> None:
     """Shard `model` (in place) over `group` with FSDP2: one unit per decoder block plus the root;
-    `bf16` (bf16-mixed): gathered in bf16, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy)."""
+    `bf16` (bf16-mixed): gathered in bf16, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy);
+    `experts` (module paths, ep > 1): a unit each over `expert_group` first (module docstring)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp_shard",))
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    if experts:
+        expert_mesh = DeviceMesh.from_group(expert_group, device.type, mesh_dim_names=("dp_shard_mod_ep",))
+        for path in experts:
+            fully_shard(model.get_submodule(path), mesh=expert_mesh, offload_policy=policy, mp_policy=mp)
     base = getattr(model, model.base_model_prefix)
     for block in base.layers:
         fully_shard(block, mesh=mesh, offload_policy=policy, mp_policy=mp)

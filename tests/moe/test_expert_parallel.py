@@ -40,6 +40,12 @@ WORLD2 = (
     # bf16-mixed (bf16 weights, fp32 main grads and masters) against the single-process bf16-mixed recipe
     ("mixtral-tiny", dict(ep=2, precision="bf16-mixed"), None, False),
     ("qwen2-moe-tiny", dict(ep=2, zero=1, precision="bf16-mixed"), None, False),
+    # ZeRO-3 (FSDP2): dense weights sharded over dp x ep, each rank's experts over dp (runtime/zero3.py)
+    ("mixtral-tiny", dict(ep=2, zero=3), None, True),
+    ("qwen2-moe-tiny", dict(ep=2, zero=3), None, False),
+    # fp8: attention and the shared expert in float8 (runtime/fp8.py); router and routed experts bf16
+    ("qwen2-moe-tiny", dict(ep=2, precision="fp8"), None, False),
+    ("mixtral-tiny", dict(ep=2, precision="fp8", fp8_recipe="rowwise"), None, False),
 )
 WORLD4 = (
     ("mixtral-tiny", dict(ep=4), None, False),
@@ -52,6 +58,8 @@ WORLD4 = (
     ("qwen2-moe-tiny", dict(ep=2, pp=2, micro_batch=2), None, False),
     ("mixtral-tiny", dict(ep=2, cp=2, micro_batch=4), aux_loss, False),
     ("qwen2-moe-tiny", dict(ep=2, cp=2), None, False),
+    ("mixtral-tiny", dict(dp=2, ep=2, zero=3), None, False),  # experts sharded over dp 2, dense over all 4
+    ("qwen2-moe-tiny", dict(dp=2, ep=2, zero=3), None, True),
 )
 
 
@@ -70,8 +78,8 @@ def _bad_plans_raise_on_every_rank(rank: int, world: int) -> None:
 
 
 def _checkpoint_across_ep(rank: int, world: int, root: str) -> None:
-    """Qwen2-MoE (routed and shared experts) trains 2 steps at ep 2 ZeRO-1 and saves; the checkpoint
-    resumes at ep 2 (ZeRO 0) and at dp 2 ZeRO-1 (every expert on every rank), each from a model
+    """Qwen2-MoE (routed and shared experts) trains 2 steps at ep 2 ZeRO-3 (FSDP2) and saves; the checkpoint
+    resumes at ep 2 (ZeRO 0), ep 2 ZeRO-1 and dp 2 ZeRO-1 (every expert on every rank), each from a model
     initialised differently, and after 2 more steps the weights equal 4 single-process steps."""
     import functools
     import os
@@ -87,12 +95,12 @@ def _checkpoint_across_ep(rank: int, world: int, root: str) -> None:
         return autoshard.parallelize(build_model(spec, seed=seed), data[0][0], plan=plan, global_batch=8,
                                      optimizer=adamw)
 
-    dm = parallel(dict(ep=2, zero=1), seed=0)
+    dm = parallel(dict(ep=2, zero=3), seed=0)
     for ids, labels in data[:2]:
         dm.train_step(ids, labels)
     path = os.path.join(root, "ep2")
     dm.save_checkpoint(path)
-    for plan in (dict(ep=2), dict(dp=2, zero=1)):
+    for plan in (dict(ep=2), dict(ep=2, zero=1), dict(dp=2, zero=1)):
         resumed = parallel(plan, seed=7)
         assert resumed.load_checkpoint(path) == 2
         for ids, labels in data[2:]:

@@ -180,9 +180,37 @@ def test_moe_decode_reads_only_the_experts_its_tokens_touch():
     prefill = ic._block_seconds(it, HW, 1, BlockKind.LAYER, batch=2, seq_len=P, decode=False)
     assert prefill == pytest.approx(4 * 2 * P * H / 1e11 + max(2 * 3 * 2 * P * 2 * H * 96 / 1e12,
                                                                (W_EXPERTS + 2 * 2 * P * 2 * H) / 1e11), rel=1e-6)
-    # tp keeps the experts whole on every rank: the expert time does not shrink with tp
-    assert ic._block_seconds(it, HW, 2, BlockKind.LAYER, batch=1, seq_len=1, decode=True) == pytest.approx(
-        ic._block_seconds(it, HW, 1, BlockKind.LAYER, batch=1, seq_len=1, decode=True))
+    # a serving replica splits every expert's GEMMs over tp (runtime/expert_parallel.py): each rank reads and
+    # computes half of every touched expert, as ep 2 makes it read half of the touched experts
+    for batch in (1, 64):
+        assert ic._block_seconds(it, HW, 2, BlockKind.LAYER, batch=batch, seq_len=1, decode=True) == pytest.approx(
+            ic._block_seconds(it, HW, 1, BlockKind.LAYER, batch=batch, seq_len=1, decode=True, ep=2))
+
+
+def test_moe_tp_splits_the_experts_and_all_reduces_each_layer_over_tp():
+    from autoshard.passes import sharding
+    from autoshard.passes.cost import tp_comm_times
+
+    it = compile_inference_table(_moe_table(), MOE)
+    one, two = (estimate_serving(it, MOE, HW, ServeLayout(tp=tp, batch=BATCH), prompt_len=P, output_len=O)
+                for tp in (1, 2))
+    lay = ic._layout(MOE, 2, BATCH)
+    dense = MOE.layers * tp_comm_times(it.ct, HW, lay, BlockKind.LAYER, 1)[0] + tp_comm_times(
+        it.ct, HW, lay, BlockKind.EMBED, 1)[0]
+    head = best_time(HW, Collective.ALL_GATHER, BATCH * MOE.vocab * 4.0, size=2, stride=1) \
+        if sharding.vocab_parallel(MOE, BlockKind.HEAD, lay.strategies) else 0.0
+    experts = MOE.layers * best_time(HW, Collective.ALL_REDUCE, BATCH * H * 2.0, size=2, stride=1)
+    assert two.decode.tp_comm == pytest.approx(dense + head + experts)
+    # memory: half of every expert per rank, the rest as training shards it (which keeps the experts whole)
+    from autoshard.ir import Mesh
+    from autoshard.passes.cost import Layout, block_params
+
+    def training_bytes(tp):
+        held = Layout(mesh=Mesh(tp=tp), micro_batch=BATCH, strategies=ic._layout(MOE, tp, BATCH).strategies)
+        return 2.0 * sum(block_params(it.ct, held, k) * (MOE.layers if k is BlockKind.LAYER else 1) for k in BlockKind)
+
+    assert one.memory.weights == pytest.approx(training_bytes(1))
+    assert two.memory.weights == pytest.approx(training_bytes(2) - MOE.layers * W_EXPERTS / 2)
 
 
 def test_moe_ep_reads_its_share_of_the_touched_experts_and_all_reduces_each_layer():

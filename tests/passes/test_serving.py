@@ -99,9 +99,9 @@ def test_unmeetable_targets_name_the_best_reachable_and_the_binding_constraint()
 
 
 def test_largest_batch_bisects_a_monotone_predicate():
-    assert serving._largest_batch(lambda b: b <= 37) == 37
-    assert serving._largest_batch(lambda b: False) == 0
-    assert serving._largest_batch(lambda b: True, cap=100) == 100
+    assert serving.largest_batch(lambda b: b <= 37) == 37
+    assert serving.largest_batch(lambda b: False) == 0
+    assert serving.largest_batch(lambda b: True, cap=100) == 100
 
 
 def _random_spec(rng: random.Random):

@@ -7,13 +7,24 @@ and dp 2 x tp 2 ZeRO-3. 2 ranks resume `b` under pp 2 and `a` under dp 2 ZeRO-2,
 dp 2 ZeRO-3 (FSDP2) to save it as `c`; 1 rank resumes `c` with a plain optimizer. Every resumed run
 takes steps 3-4 and ends with the weights of 4 uninterrupted single-process steps. A bf16-mixed run
 (2 ranks) saves its fp32 masters, which tp 2, ZeRO-2 and fp32 plans load exactly.
+
+Failures (2 ranks, in a mount namespace of their own where the system allows one: `unshare -m`):
+saves into a read-only bind mount, a full tmpfs and a path through a file each end on every rank within
+seconds with the same one-line CheckpointError naming the path and the cause; the previous checkpoint
+still loads and training goes on. Shards corrupted in place (256 bytes, sizes unchanged: they loaded
+silently before) or swapped are refused by their digests, naming the files, on every rank.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,15 +77,75 @@ def _world4(rank, world, root):
     _resume_and_check(spec, data, dict(dp=2, tp=2, zero=3), os.path.join(root, "b"), ref)
 
 
-def _world2(rank, world, root):
+def _world2(rank, world, root, mounted=False):
     spec, data = _setup()
     ref, _, _ = reference(spec, data)
+    _failed_saves(rank, spec, data, root, mounted)
     _resume_and_check(spec, data, dict(pp=2, micro_batch=2), os.path.join(root, "b"), ref)
     _resume_and_check(spec, data, dict(dp=2, zero=2, micro_batch=2), os.path.join(root, "a"), ref)
     zero3 = _parallel(spec, data, dict(dp=2, zero=3), seed=3)
     assert zero3.load_checkpoint(os.path.join(root, "a")) == SAVED_AT
     zero3.save_checkpoint(os.path.join(root, "c"))  # FSDP2's DTensor shards, in global terms
     _bf16_masters(spec, data, os.path.join(root, "m"))
+
+
+def _fails_alike(rank, fn, *needles):
+    """fn() raises CheckpointError on this rank within seconds, with the same text as on the other ranks."""
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError) as err:
+        fn()
+    took, text = time.perf_counter() - start, str(err.value)
+    texts = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, text)
+    assert len(set(texts)) == 1, f"rank {rank}: the ranks raised different errors: {texts}"
+    assert "\n" not in text and took < 20, f"rank {rank}: {took:.1f} s: {text}"
+    for needle in needles:
+        assert needle in text, f"rank {rank}: {needle!r} not in {text}"
+
+
+def _failed_saves(rank, spec, data, root, mounted):
+    """Saves that cannot be written, and shards that are not what was saved (module docstring)."""
+    import torch.distributed as dist
+
+    dm = _parallel(spec, data, dict(dp=2))
+    dm.train_step(*data[0])
+    targets = [(os.path.join(root, "a_file", "ck"), "rank 0: NotADirectoryError [Errno 20] Not a directory")]
+    if mounted:  # the previous checkpoint sits in the read-only directory: it must still load afterwards
+        targets += [(os.path.join(root, "ro", "a"), "Read-only file system"),
+                    (os.path.join(root, "full", "ck"), "no space left: ")]
+    for target, cause in targets:
+        _fails_alike(rank, lambda: dm.save_checkpoint(target), f"save_checkpoint {target} failed", cause)
+        dm.train_step(*data[1])  # every rank still in step: training goes on
+    if mounted:
+        assert _parallel(spec, data, dict(dp=2), seed=3).load_checkpoint(os.path.join(root, "ro", "a")) == SAVED_AT
+    dm.save_checkpoint(os.path.join(root, "after"))  # and a good save works after the failed ones
+    damaged = {name: os.path.join(root, name) for name in ("corrupt", "swapped", "unverified")}
+    shards = sorted(f for f in os.listdir(os.path.join(root, "a")) if f.endswith(".distcp"))  # 4: saved by tp2 x dp2
+    if rank == 0:
+        for path in damaged.values():
+            shutil.copytree(os.path.join(root, "a"), path)
+        for name in shards:  # 256 bytes in the middle, the size unchanged
+            with open(os.path.join(damaged["corrupt"], name), "r+b") as f:
+                f.seek(os.path.getsize(f.name) // 2)
+                f.write(bytes(256))
+        first, second = (os.path.join(damaged["swapped"], n) for n in shards[:2])
+        os.rename(first, first + ".tmp"), os.rename(second, first), os.rename(first + ".tmp", second)
+        meta_file = os.path.join(damaged["unverified"], "autoshard.json")  # a checkpoint of format 1: no digests,
+        meta = json.loads(open(meta_file).read())                          # so DCP meets the damage itself
+        meta.pop("digests"), meta.update(version=1)
+        open(meta_file, "w").write(json.dumps(meta))
+        with open(os.path.join(damaged["unverified"], shards[0]), "r+b") as f:
+            f.write(bytes(4096))
+    dist.barrier()
+    loader = _parallel(spec, data, dict(dp=2), seed=3)
+    _fails_alike(rank, lambda: loader.load_checkpoint(damaged["corrupt"]),
+                 f"{len(shards)} of its {len(shards) + 1} files do not hold what was saved", *shards)
+    _fails_alike(rank, lambda: loader.load_checkpoint(damaged["swapped"]), f"2 of its {len(shards) + 1} files",
+                 f"{shards[0]}", f"{shards[1]}")
+    _fails_alike(rank, lambda: loader.load_checkpoint(damaged["unverified"]), "cannot be read")
+    assert loader.load_checkpoint(os.path.join(root, "a")) == SAVED_AT
 
 
 def _bf16_masters(spec, data, path):
@@ -148,7 +219,7 @@ def _world1(rank, world, root):
     data_file = next(f for f in sorted(os.listdir(cut)) if f.endswith(".distcp"))
     size = os.path.getsize(os.path.join(cut, data_file))
     os.truncate(os.path.join(cut, data_file), size // 2)
-    with pytest.raises(CheckpointError, match=rf"truncated: {data_file} has {size // 2} bytes"):
+    with pytest.raises(CheckpointError, match=rf"{data_file} is truncated: {size // 2} bytes, its metadata needs {size}"):
         dm.load_checkpoint(cut)
     with pytest.raises(CheckpointError, match="not an autoshard checkpoint"):
         dm.load_checkpoint(os.path.join(root, "hf"))
@@ -175,7 +246,33 @@ def _bad_calls(dm, spec, data, root):
         autoshard.parallelize(build_model(spec), data[0][0], plan=dict(dp=1), optimizer=lambda params: None)
 
 
+MOUNTS = ("mount --make-rprivate / && mount --bind {ro} {ro} && mount -o remount,ro,bind {ro} && "
+          "mount -t tmpfs -o size=64k tmpfs {full}")
+
+
+def _world2_mounted(root: Path) -> None:
+    """_world2 on 2 ranks, in a mount namespace with `root/ro` read-only and `root/full` a full tmpfs when
+    `unshare -m` works here (root, or CAP_SYS_ADMIN); else without those two cases (said on stderr)."""
+    (root / "a_file").write_text("a file, not a directory")
+    (root / "ro").mkdir()
+    (root / "full").mkdir()
+    shutil.copytree(root / "a", root / "ro" / "a")
+    mounts = MOUNTS.format(ro=root / "ro", full=root / "full")
+    if shutil.which("unshare") and subprocess.run(["unshare", "-m", "sh", "-c", mounts], capture_output=True).returncode == 0:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        done = subprocess.run(["unshare", "-m", "sh", "-c", f"{mounts} && exec {sys.executable} -m "
+                               f"tests.runtime.test_checkpoint {root}"], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-8000:]
+        return
+    print("no mount namespace here (unshare -m): the read-only and full-disk saves are not tried", file=sys.stderr)
+    run_ranks(2, _world2, str(root), False)
+
+
 def test_checkpoint_reshards_across_plans_and_world_sizes(tmp_path):
     run_ranks(4, _world4, str(tmp_path))
-    run_ranks(2, _world2, str(tmp_path))
+    _world2_mounted(tmp_path)
     run_ranks(1, _world1, str(tmp_path))
+
+
+if __name__ == "__main__":  # _world2_mounted's job, inside the mount namespace
+    run_ranks(2, _world2, sys.argv[1], True)

@@ -1,5 +1,6 @@
 """Distributed runs on gloo equal one process: loss of two AdamW steps, every gradient, the weights
-(bf16-mixed plans: loss and gradients to bf16 precision, see tests/runtime/equivalence.py).
+(bf16-mixed plans: loss and gradients to bf16 precision; fp8 plans: to float8 precision against the
+single-process torchao FP8 run; see tests/runtime/equivalence.py).
 
 Each world size is spawned once and runs all its configurations (start-up costs seconds).
 """
@@ -53,6 +54,14 @@ WORLD2 = (
     ("llama-tiny", dict(tp=2, sequence_parallel=True), True),
     ("mamba2-tiny", dict(tp=2, sequence_parallel=True, recompute="selective"), True),
     ("llama-tiny", dict(tp=2, sequence_parallel=True, precision="bf16-mixed"), False),
+    # fp8 (torchao's Float8Linear on the projections, runtime/fp8.py) against the single-process FP8 run to float8
+    # precision (equivalence.FP8_NOISE): both recipes, the row-parallel float8 linears, FSDP2's float8 all-gather
+    *((preset, dict(plan, precision="fp8"), False) for preset, plan in (
+        ("llama-tiny", dict(dp=2, zero=1)), ("llama-tiny", dict(tp=2)),
+        ("llama-tiny", dict(tp=2, sequence_parallel=True, fp8_recipe="rowwise")),
+        ("llama-tiny", dict(pp=2, micro_batch=2)), ("llama-tiny", dict(cp=2, fp8_recipe="rowwise")),
+        ("llama-tiny", dict(dp=2, zero=3)), ("mamba2-tiny", dict(tp=2)),
+        ("mamba2-tiny", dict(dp=2, zero=2, micro_batch=2, fp8_recipe="rowwise")))),
 )
 # decoder layers under torch.compile (runtime/compiled.py; on CUDA Inductor, here aot_eager): Dynamo
 # traces through the tp / sequence-parallel collectives, the recompute wrappers and FSDP2's hooks
@@ -97,6 +106,7 @@ WORLD4 = (
     ("llama-tiny", dict(dp=2, tp=2, sequence_parallel=True, zero=3), False),  # FSDP2 on the tp slices
     # per-stage choices: stage 0 sequence-parallel, stage 1 not (the boundary carries the whole sequence)
     ("llama-tiny", dict(pp=2, tp=2, micro_batch=2, sequence_parallel=[True, False]), True),
+    ("llama-tiny", dict(dp=2, tp=2, zero=3, micro_batch=2, precision="fp8"), False),  # float8 gather of tp slices
 )
 # groups kept whole where tp divides them (the plan's "groups": "whole"), stepped with SGD: the gradients agree
 # with one process to 3e-6 of their norm, as the split groups' do, but in_proj / embedding elements whose
@@ -134,6 +144,9 @@ def _sliding_window(model) -> None:
 
 def _run_all(rank: int, world: int, configs) -> None:
     if world == 2:
+        from tests.runtime.families import check_families
+
+        check_families()  # Qwen3, Mistral, Gemma-2/3, Phi-3, OLMo2, Granite, Qwen3-MoE, GPT-OSS (issue 24)
         _check_shard_saved()
         for preset, plan in COMPILED:
             check_plan(preset, plan, compile="aot_eager")

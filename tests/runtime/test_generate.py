@@ -2,7 +2,8 @@
 
 Each world size is spawned once and runs every configuration inside (start-up costs seconds):
 LLaMA, Mamba-2 and Mixtral at tp, pp, tp x pp, virtual stages (interleaved and the V placement),
-Mixtral and Qwen2-MoE at ep 2 and with tp / pp (experts sliced over identical sequences), and Mamba-2 with its groups kept whole (tp not dividing n_groups);
+Mixtral and Qwen2-MoE at ep 2 and with tp / pp (experts sliced over identical sequences; the replicas of
+inference plans at tp 2 split every expert over tp too: Mixtral tp 2, Qwen2-MoE tp 2 x ep 2), and Mamba-2 with its groups kept whole (tp not dividing n_groups);
 training plans with sequence parallelism, on every stage or per stage (generation runs those layers on
 the whole sequence and leaves the plan's sequence parallelism in place for training). Prompts avoid the special ids
 (0-2), so HF infers no padding mask from them. Inference plans (`autoshard plan --inference`'s
@@ -107,6 +108,16 @@ def _check_inference_plan(preset: str, *pools: Pool, as_file: bool) -> None:
     dm = autoshard.parallelize(model, ids, plan=plan)
     got = dm.generate(ids, max_new_tokens=NEW_TOKENS)
     assert torch.equal(got, expected), f"{preset} {pools}:\n got {got.tolist()}\nwant {expected.tolist()}"
+    served = pools[-1]
+    if spec.is_moe and served.tp > 1:  # every expert split over tp (and the experts over ep), as priced
+        from autoshard.runtime.expert_parallel import ParallelExperts
+
+        held = [m for m in dm.model.modules() if isinstance(m, ParallelExperts)]
+        assert held and all(tuple(m.down_proj.shape) == (spec.experts // served.ep, spec.hidden, spec.ffn // served.tp)
+                            for m in held), f"{preset} {pools}: expert shards"
+        reference = build_model(spec, seed=0).state_dict()
+        full = dm.full_state_dict()  # the slices gathered back over tp and ep
+        assert all(torch.equal(full[name], reference[name]) for name in full), f"{preset} {pools}: full_state_dict"
     with pytest.raises(InvalidConfigError, match="runs an inference plan"):
         dm.train_step(ids, ids)
 
@@ -144,11 +155,14 @@ def _run(rank: int, world: int, configs) -> None:
     if world == 2:  # inference plans: pp 2 (from its file), ep 2 (the object), at batch 1
         _check_inference_plan("llama-tiny", Pool(role="both", tp=1, pp=2, replicas=1, batch=1), as_file=True)
         _check_inference_plan("mixtral-tiny", Pool(role="both", tp=1, pp=1, ep=2, replicas=1, batch=1), as_file=False)
+        # tp 2: every expert's GEMMs split over tp, as serving engines run them (issue 29)
+        _check_inference_plan("mixtral-tiny", Pool(role="both", tp=2, pp=1, replicas=1, batch=1), as_file=False)
         # tp 2 of a vocabulary it does not divide: the replica runs embedding and head replicated, as priced
         _check_inference_plan("llama-tiny-vocab257", Pool(role="both", tp=2, pp=1, replicas=1, batch=1), as_file=True)
     if world == 4:  # disaggregated: the world is a replica of the decode pool, the one the runtime serves
         _check_inference_plan("qwen2-moe-tiny", Pool(role="prefill", tp=2, pp=1, replicas=2, batch=4),
                               Pool(role="decode", tp=1, pp=2, ep=2, replicas=1, batch=1), as_file=True)
+        _check_inference_plan("qwen2-moe-tiny", Pool(role="both", tp=2, pp=1, ep=2, replicas=1, batch=1), as_file=False)
     if world == 2:
         _check("llama-tiny", dict(tp=2), eos_first=True)
         spec = get_spec("llama-tiny")

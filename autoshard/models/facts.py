@@ -1,0 +1,234 @@
+"""Model facts read from the model itself: its HF config (one alias table for the fields families
+name differently) and its module tree, never its `model_type` or class names.
+
+Contract: `read_facts(config, model)` -> `ModelFacts`, a frozen record of what autoshard needs to
+know about a decoder to plan and run it, and `refusals(facts)` -> ((axis, why), ...): the parallel
+axes this model cannot run yet, each with a one-line reason naming the module and the construct.
+The planner does not search a refused axis (`passes/layouts.axis_violation`) and `parallelize`
+refuses a plan that uses one, with that reason; every other axis still plans.
+
+Terms:
+* *sequence mixer*: attention (the config has attention heads and the layers hold an attention
+  module calling HF's attention interface) or the SSD scan (the config has an SSM state size,
+  groups and a conv kernel: Mamba-2). A model with neither is refused.
+* *alias table* (`ALIASES`): {fact: config field names, in the order tried}. A family that names a
+  field differently is one more name here, not a branch.
+* *region*: a layer submodule tensor parallelism splits (the attention, the dense MLP). Every
+  parameter inside a region must be split by a role of the sharding table, or be declared by HF
+  as replicated with its gradient summed (`replicated_with_grad_allreduce`: Qwen3's per-head q/k
+  norms), or be indexed by head (GPT-OSS's attention sinks: split with the heads); anything else
+  there is a construct TP cannot prove, and tp is refused naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALIASES: dict[str, tuple[str, ...]] = {
+    "vocab": ("vocab_size", "padded_vocab_size"),
+    "hidden": ("hidden_size", "n_embd", "d_model", "model_dim"),
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "n_kv_heads"),
+    "head_dim": ("head_dim", "attention_head_dim", "kv_channels"),
+    "ffn": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
+    "top_k": ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k"),
+    "expert_ffn": ("moe_intermediate_size", "expert_intermediate_size", "moe_ffn_hidden_size"),
+    "shared_ffn": ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
+    "sliding_window": ("sliding_window", "attention_window"),
+    "attn_softcap": ("attn_logit_softcapping", "attention_logit_softcapping"),
+    "final_softcap": ("final_logit_softcapping", "logit_softcapping"),
+    # SSD (Mamba-2)
+    "state": ("state_size", "ssm_state_size", "d_state"),
+    "groups": ("n_groups", "ngroups", "mamba_n_groups"),
+    "conv": ("conv_kernel", "d_conv", "mamba_d_conv"),
+    "chunk": ("chunk_size", "mamba_chunk_size"),
+    "expand": ("expand", "mamba_expand"),
+}
+
+# HF tp-plan styles (transformers.integrations.tensor_parallel ALL_PARALLEL_STYLES) and what the
+# sharding table does with them: "run" (a role the runtime carries out) or why not yet
+RUN_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "embedding_rowwise", "moe_tp_experts",
+              "packed_colwise", "grouped_gemm", "ep_dispatch_experts")
+NOT_YET = {
+    "colwise_gather_output": "its output is gathered whole over tp because a full-width op follows (e.g. a q/k "
+                             "norm over all heads): a reduction over the sharded dim autoshard does not split yet",
+    "rowwise_split_input": "it takes a gathered full-width input (the pair of a colwise_gather_output)",
+    "mla_kv_a_proj": "multi-head latent attention's compressed KV projection has no rule yet",
+    "local_colwise": "a local (non-DTensor) colwise split", "local_rowwise": "a local (non-DTensor) rowwise split",
+    "gather": "its output is gathered whole over tp", "sequence_parallel": "a norm under HF's sequence parallelism",
+}
+
+
+def config_value(config, fact: str, default=None):
+    """The first of `ALIASES[fact]` that the config sets (not None), else `default`."""
+    for name in ALIASES[fact]:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelFacts:
+    """What autoshard reads off one decoder (see the module docstring)."""
+
+    mixer: str  # "attention" | "ssd"
+    base: str  # the base model's attribute ("model", "backbone", ...)
+    layer_params: tuple[str, ...]  # parameter names of layer 0, relative to the layer
+    embedding_plain: bool  # the input embedding is a plain nn.Embedding (no scale in its forward)
+    tp_plan: tuple[tuple[str, str], ...] = ()  # HF's base_model_tp_plan, as (pattern, style)
+    experts_path: str = ""  # the routed-experts module inside a layer ("mlp.experts"), "" for dense
+    router_path: str = ""  # the router linear inside a layer ("mlp.gate")
+    shared_path: str = ""  # the shared expert inside a layer ("mlp.shared_expert")
+    experts_biased: bool = False  # the experts carry biases (GPT-OSS)
+    experts_gated: bool = True  # HF's [gate; up] x hidden layout
+    head_params: tuple[str, ...] = ()  # attention parameters indexed by head (GPT-OSS "sinks")
+    attention_attrs: tuple[str, ...] = ()  # head counts the attention module keeps (StableLM's num_heads)
+    layer_types: tuple[str, ...] = ()  # the config's layer_types (per-layer attention kinds)
+    sliding_window: int = 0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    logit_scale: float = 1.0  # what ForCausalLM multiplies the logits by (Cohere logit_scale, 1/Granite logits_scaling)
+    embedding_multiplier: float = 1.0  # Granite's, applied in the base forward after the embedding
+    own_forward: bool = False  # the model's own forward does something around the layers the stage builder
+    #                            of a plain LLaMA stack would drop: pipeline stages run the model's own forward
+
+
+def read_facts(config, model) -> ModelFacts:
+    """The facts of `model` (a HF causal LM) and its `config` (module docstring)."""
+    from torch import nn
+
+    base_name = getattr(model, "base_model_prefix", "") or "model"
+    base = getattr(model, base_name, None)
+    layers = getattr(base, "layers", None) if base is not None else None
+    layer0 = layers[0] if isinstance(layers, nn.ModuleList) and len(layers) else None
+    names = tuple(n for n, _ in layer0.named_parameters()) if layer0 is not None else ()
+    heads = config_value(config, "heads", 0)
+    mixer = mixer_of(model) if layer0 is not None else ""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    plain = embed is not None and type(embed).forward is nn.Embedding.forward
+    experts, router, shared, biased, gated = _moe_modules(layer0, config_value(config, "experts", 0) or 0)
+    sinks = tuple(n.rpartition(".")[2] for n, p in (layer0.named_parameters() if layer0 is not None else ())
+                  if p.dim() == 1 and p.shape[0] == heads and ".".join(n.split(".")[:-1]) == _attention_path(layer0)
+                  and n.rpartition(".")[2] not in ("weight", "bias"))
+    scaling = getattr(config, "logits_scaling", None)
+    logit_scale = float(getattr(config, "logit_scale", None) or 1.0) / float(scaling or 1.0)
+    window = config_value(config, "sliding_window", 0) or 0
+    types = tuple(getattr(config, "layer_types", None) or ())
+    facts = dict(
+        mixer=mixer, base=base_name, layer_params=names, embedding_plain=plain,
+        tp_plan=tuple((getattr(config, "base_model_tp_plan", None) or {}).items()),
+        experts_path=experts, router_path=router, shared_path=shared, experts_biased=biased, experts_gated=gated,
+        head_params=sinks, attention_attrs=_count_attrs(layer0), layer_types=types, sliding_window=int(window),
+        attn_softcap=float(config_value(config, "attn_softcap", 0.0) or 0.0),
+        final_softcap=float(config_value(config, "final_softcap", 0.0) or 0.0), logit_scale=logit_scale,
+        embedding_multiplier=float(getattr(config, "embedding_multiplier", None) or 1.0))
+    facts["own_forward"] = mixer == "attention" and _needs_own_forward(facts, config)
+    return ModelFacts(**facts)
+
+
+def mixer_of(model) -> str:
+    """The sequence mixer of `model`: "attention" (a module calling HF's attention interface), "ssd" (the
+    config has an SSM state and a conv kernel, and no attention module), or "" (none autoshard knows)."""
+    config = getattr(model, "config", None)
+    if any(is_attention(m) for m in model.modules()):
+        return "attention"
+    if config is not None and config_value(config, "state", None) is not None \
+            and config_value(config, "conv", None) is not None:
+        return "ssd"
+    return ""
+
+
+def _needs_own_forward(facts: dict, config) -> bool:
+    """Whether anything around the layers differs from a plain LLaMA stack (embedding, rotary per layer
+    type, logit scaling / softcap): then pipeline stages run the model's own forward."""
+    rope_kinds = len({t for t in facts["layer_types"]}) > 1
+    return (not facts["embedding_plain"] or facts["embedding_multiplier"] != 1.0 or facts["logit_scale"] != 1.0
+            or facts["final_softcap"] != 0.0 or rope_kinds or bool(facts["head_params"]))
+
+
+COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+
+
+def _count_attrs(layer) -> tuple[str, ...]:
+    """The head-count attributes the attention module holds (its forward may view by them): the rewrite
+    sets them to this rank's counts under tp."""
+    path = _attention_path(layer)
+    if not path:
+        return ()
+    module = layer.get_submodule(path)
+    return tuple(a for a in COUNT_ATTRS if isinstance(getattr(module, a, None), int))
+
+
+def _attention_path(layer) -> str:
+    """The layer submodule that is its attention: the one holding query / key projections (any packing)."""
+    if layer is None:
+        return ""
+    for path, module in layer.named_modules():
+        if path and is_attention(module):
+            return path
+    return ""
+
+
+def is_attention(module) -> bool:
+    """HF's attention modules keep their config, layer index and head width (what the attention interface
+    call is made from), whatever they name their projections."""
+    return (hasattr(module, "config") and hasattr(module, "layer_idx") and hasattr(module, "scaling")
+            and (hasattr(module, "head_dim") or hasattr(module, "num_key_value_groups")))
+
+
+def _moe_modules(layer, experts: int) -> tuple[str, str, str, bool, bool]:
+    """(experts path, router path, shared-expert path, biased, gated) of a MoE layer: the experts module
+    holds one 3-d weight per projection with `experts` rows; the router is the linear beside it with
+    `experts` outputs; the shared expert the MLP beside it. ("", "", "", False, True) for a dense layer."""
+    from torch import nn
+
+    if layer is None or not experts:
+        return "", "", "", False, True
+    for path, module in layer.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if own and all(p.dim() >= 2 and p.shape[0] == experts for n, p in own.items() if not n.endswith("bias")) \
+                and any(p.dim() == 3 for p in own.values()):
+            parent = path.rpartition(".")[0]
+            block = layer.get_submodule(parent) if parent else layer
+            router = next((f"{parent}.{n}".lstrip(".") for n, m in block.named_children()
+                           if isinstance(m, nn.Linear) and m.out_features == experts), "")
+            if not router:  # a router module holding its own (experts, hidden) weight
+                router = next((f"{parent}.{n}".lstrip(".") for n, m in block.named_children()
+                               if getattr(m, "weight", None) is not None and m.weight.dim() == 2
+                               and m.weight.shape[0] == experts and f"{parent}.{n}".lstrip(".") != path), "")
+            shared = next((f"{parent}.{n}".lstrip(".") for n, m in block.named_children()
+                           if n.startswith("shared_expert") and not n.endswith("gate")), "")
+            biased = any(p.dim() == 2 for n, p in own.items() if n.endswith("bias")) or bool(getattr(module, "has_bias", False))
+            gated = bool(getattr(module, "has_gate", True)) and not getattr(module, "is_transposed", False)
+            return path, router, shared, biased, gated
+    return "", "", "", False, True
+
+
+def tp_refusal(facts: ModelFacts, roles: tuple[str, ...]) -> str | None:
+    """Why tensor parallelism cannot run this model, naming the module, or None. `roles`: the layer
+    paths the sharding table splits or replicates on purpose (module docstring, "region")."""
+    for pattern, style in facts.tp_plan:
+        if style in NOT_YET:
+            return (f"{pattern}: HF declares it {style!r}: {NOT_YET[style]}; tp is not offered for this model "
+                    "(dp, pp, cp and ep still plan)")
+        if style not in RUN_STYLES:
+            return f"{pattern}: HF's tp style {style!r} has no rule in autoshard; tp is not offered for this model"
+    declared = {p.removeprefix("layers.*.") for p, s in facts.tp_plan if s == "replicated_with_grad_allreduce"}
+    regions = ("self_attn.", "mlp.") if not facts.experts_path else ("self_attn.",)
+    for name in facts.layer_params:
+        module = name.rpartition(".")[0]
+        if not name.startswith(regions) or module in declared or name.rpartition(".")[2] in facts.head_params:
+            continue
+        if not any(module == r for r in roles):
+            return (f"layers.*.{name}: a parameter inside a tensor-parallel region that no sharding rule splits "
+                    "(and HF declares no replicated_with_grad_allreduce for it); tp is not offered for this model "
+                    "(dp, pp, cp and ep still plan)")
+    return None
+
+
+def grad_summed(facts: ModelFacts) -> tuple[str, ...]:
+    """Layer paths HF declares replicated with their gradient summed over tp (per-head q/k norms)."""
+    return tuple(p.removeprefix("layers.*.") for p, s in facts.tp_plan if s == "replicated_with_grad_allreduce")

@@ -1,0 +1,85 @@
+"""Tiny configs of any HF decoder class: what `autoshard verify` and the equivalence tests run.
+
+Contract: `tiny_config(config, **overrides)` -> a copy of `config` (same class, same model_type, every
+field the family sets kept) with its sizes shrunk through the alias table (models/facts.py `ALIASES`):
+hidden 64, 4 heads of 16 (2 KV heads), MLP 96, vocabulary 256, one layer of each layer type (at
+least two layers), 4 experts of width 32 (2 per token), windows of 4 tokens. `exaggerated(config)`
+turns the multipliers and softcaps a family has far from 1 / small, so that a dropped op changes the
+loss of a tiny random model visibly. `build_tiny(config_or_type)` builds the causal LM, float32,
+seeded, eager-free (sdpa; the experts on grouped_mm, which traces on fake tensors).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from autoshard.models.facts import ALIASES
+
+SIZES = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 96, "vocab": 256, "experts": 4,
+         "top_k": 2, "expert_ffn": 32, "shared_ffn": 64, "sliding_window": 4}
+# multipliers / caps that make a dropped op visible on a tiny random model (config field: value)
+EXAGGERATED = {"logits_scaling": 0.25, "embedding_multiplier": 6.0, "residual_multiplier": 0.5,
+               "attention_multiplier": 0.4, "logit_scale": 3.0, "final_logit_softcapping": 0.1,
+               "attn_logit_softcapping": 0.05}
+
+
+def tiny_config(config, **overrides):
+    """A tiny config of the same class as `config` (a config or a model_type string); see the module
+    docstring. `overrides`: config fields set last."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(config) if isinstance(config, str) else copy.deepcopy(config)
+    for fact, value in SIZES.items():
+        for name in ALIASES[fact]:
+            if hasattr(config, name) and (getattr(config, name) is not None or fact == "head_dim"):
+                setattr(config, name, value)
+    types = list(getattr(config, "layer_types", None) or [])
+    kinds = list(dict.fromkeys(types)) or ["full_attention"]
+    layers = max(2, len(kinds))
+    for name in ALIASES["layers"]:
+        if hasattr(config, name):
+            setattr(config, name, layers)
+    if types:
+        config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
+    for name in ("max_window_layers",):
+        if hasattr(config, name):
+            setattr(config, name, layers)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= SIZES["vocab"]:
+            setattr(config, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
+    for name in ("mlp_only_layers",):
+        if hasattr(config, name):
+            setattr(config, name, [])
+    config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def exaggerated(config):
+    """`config` with the multipliers and softcaps it has (any value, even None) set to `EXAGGERATED`."""
+    config = copy.deepcopy(config)
+    for name, value in EXAGGERATED.items():
+        if hasattr(config, name):
+            setattr(config, name, value)
+    return config
+
+
+def build_tiny(config, *, seed: int = 0, device: str = "cpu"):
+    """The HF causal LM of `config` (see `tiny_config`), float32, weights drawn from `seed`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    config._attn_implementation = "sdpa" if _sdpa_ok(config) else "eager"
+    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+        config._experts_implementation = "grouped_mm"
+    if str(device) != "meta":
+        torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _sdpa_ok(config) -> bool:
+    """HF's sdpa attention takes no softcap or sinks; those families run their eager attention."""
+    return not getattr(config, "attn_logit_softcapping", None) and getattr(config, "model_type", "") != "gpt_oss"

@@ -1,0 +1,55 @@
+"""Tiny models of the HF decoder families the equivalence tests train under every axis (issue 24).
+
+Each is `tiny_config` of the family's own config class (autoshard/models/tiny.py), with its
+multipliers and softcaps exaggerated so that a dropped op shows on a tiny random model, and 4-token
+windows so that a dropped window shows at 16 tokens."""
+
+from __future__ import annotations
+
+from autoshard.models.tiny import exaggerated, tiny_config
+from tests.runtime.equivalence import Tiny
+
+
+def _tiny(model_type: str, **overrides) -> Tiny:
+    return Tiny(f"{model_type}-tiny", exaggerated(tiny_config(model_type, **overrides)))
+
+
+DENSE = {
+    "qwen3": _tiny("qwen3"),  # per-head q/k norms: replicated, gradient summed over tp
+    "mistral": _tiny("mistral", sliding_window=4),  # the window under cp and in the stages' masks
+    "gemma2": _tiny("gemma2"),  # scaled embedding, final and attention softcaps, alternating windows
+    "gemma3": _tiny("gemma3_text"),  # q/k norms, rotary per layer type (local / global)
+    "phi3": _tiny("phi3"),  # fused qkv / gate_up: tp refused by name
+    "olmo2": _tiny("olmo2"),  # full-width q/k norms: tp refused by name
+    "granite": _tiny("granite"),  # embedding / residual / attention multipliers, logits scaling
+}
+MOE = {
+    "qwen3_moe": _tiny("qwen3_moe"),
+    "gpt_oss": _tiny("gpt_oss"),  # attention sinks, biased experts (ep refused by name)
+}
+
+
+# every family under every axis on two ranks (dense: dp, tp, pp, cp; MoE: dp, tp, pp, cp, ep), inside the
+# shared world-2 spawn (test_equivalence.py); an axis a family refuses must say so by name, on every rank
+PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
+REFUSED = {("phi3", "tp"): "qkv_proj: HF declares it 'colwise_gather_output'",
+           ("olmo2", "tp"): "q_proj: HF declares it 'colwise_gather_output'",
+           ("gpt_oss", "ep"): "mlp.experts: experts with biases"}
+
+
+def check_families() -> None:
+    import re
+
+    import pytest
+
+    from autoshard.errors import InvalidConfigError
+    from tests.runtime.equivalence import check_plan
+
+    for name, source in {**DENSE, **MOE}.items():
+        for plan in PLANS + ((dict(ep=2),) if name in MOE else ()):
+            axis = next(iter(plan))
+            if (name, axis) in REFUSED:
+                with pytest.raises(InvalidConfigError, match=f"{axis} is refused for .*: .*" + re.escape(REFUSED[name, axis])):
+                    check_plan(source, plan)
+                continue
+            check_plan(source, plan, logits=True)
