@@ -72,11 +72,9 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
     pipeline schedule of every mesh with pp > 1 (None: 1F1B, GPipe with fewer micro-batches than
     stages); a mesh the schedule cannot run (`schedules.check_chunks`) is left out. Returns `Estimate`s,
     best first."""
-    from autoshard.passes.cost import Layout, compile_table, estimate
+    from autoshard.passes.cost import Layout, compile_table, estimate, mixed_violation
     from autoshard.passes.layouts import sequence_parallel_violation, valid_meshes, zero_violation
     from autoshard.passes.sharding import runnable_strategies
-
-    from autoshard.passes.cost import mixed_violation
 
     meshes = valid_meshes(spec, devices, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
     ct = compile_table(table, spec)
