@@ -1,7 +1,7 @@
 """The symbolic cost table (passes only): per-node costs of one training step as SymPy expressions.
 
 Terms: `B` and `S` are the SymPy symbols for micro-batch size and sequence length used by every
-cost expression. `passes/shapes.py` builds a `CostTable`, `passes/cost.py` compiles it to numbers.
+cost expression. `passes/capture/shapes.py` builds a `CostTable`, `passes/cost/cost.py` compiles it to numbers.
 These types live apart from `autoshard.ir` (the plain Mesh / Plan / Stage / ShardProgram the
 runtime reads) so that importing the runtime never loads SymPy (DESIGN.md, "Arrows point one way").
 """
@@ -56,7 +56,7 @@ class CostTable:
     """Per-block symbolic costs of one training step (forward and backward) of a model.
 
     `layer_kinds`: the name of the LAYER block of every layer, in order, when the model's layers are of
-    several kinds (passes/layer_kinds.py); empty for the one-kind case, whose one LAYER block stands
+    several kinds (passes/capture/layer_kinds.py); empty for the one-kind case, whose one LAYER block stands
     for every layer. `shared_params`: parameters several layers hold (Zamba2's shared block), counted
     once, in no block."""
 

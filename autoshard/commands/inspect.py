@@ -1,7 +1,7 @@
 """`autoshard inspect`: per-block parameters, training FLOPs per token and activation bytes of a model.
 
-The numbers are read off the captured joint graph (passes/capture + passes/shapes), with the regions
-of fused kernels substituted (passes/kernels; `--hardware` picks the device whose kernels apply),
+The numbers are read off the captured joint graph (passes/capture/capture + passes/capture/shapes), with the regions
+of fused kernels substituted (passes/capture/kernels; `--hardware` picks the device whose kernels apply),
 evaluated at the given micro-batch and sequence length. `--json` prints one object (see `summarize`).
 
 Mixture of experts (Mixtral, Qwen2-MoE): the FLOPs are those executed, each token through its
@@ -135,7 +135,7 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
 
 
 def fused_kernels(table: CostTable) -> list[dict[str, Any]]:
-    """The regions kernel substitution replaced (passes/kernels): kernel, module, block, instances."""
+    """The regions kernel substitution replaced (passes/capture/kernels): kernel, module, block, instances."""
     out = []
     for block in table.blocks:
         for node in block.nodes:
