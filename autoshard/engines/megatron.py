@@ -208,7 +208,7 @@ def model_arguments(spec: ModelSpec) -> list[str]:
     if spec.head_dim:
         out.append(f"--kv-channels {spec.head_dim}")
     if spec.is_moe:
-        # experts whole on every tp rank, as autoshard runs and prices them (passes/moe_cost.py)
+        # experts whole on every tp rank, as autoshard runs and prices them (passes/cost/moe_cost.py)
         out += [f"--num-experts {spec.experts}", f"--moe-router-topk {spec.top_k}", f"--moe-ffn-hidden-size {spec.ffn}",
                 "--expert-tensor-parallel-size 1"]
         if spec.shared_ffn:

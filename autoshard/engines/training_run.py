@@ -70,7 +70,7 @@ class TrainingRun:
 
     def layout(self, *, moe_imbalance: float = 1.0):
         """The cost model's Layout: the per-rank choices as `stage_choices` where the ranks differ."""
-        from autoshard.passes.cost import Layout
+        from autoshard.passes.cost.cost import Layout
 
         sp_differ = self.per_stage_sequence_parallel
         groups_differ = len(set(self.groups)) > 1
@@ -85,7 +85,7 @@ class TrainingRun:
 
     def assignment(self, num_layers: int, layout):
         """The planner's stage assignment of this run under `layout` (`self.layout()`)."""
-        from autoshard.passes.solve_model import Assignment, stage_variants
+        from autoshard.passes.solve.solve_model import Assignment, stage_variants
 
         pp = self.mesh.pp
         variants = stage_variants(layout)
@@ -139,7 +139,7 @@ def _collapse(values: list) -> tuple:
 def default_strategies(spec, run: TrainingRun) -> TrainingRun:
     """A hand-given run with the intra-op choices `sweep` prices its mesh with (the table's default where
     it runs: a vocabulary tp does not divide replicates the embedding and head)."""
-    from autoshard.passes.sharding import runnable_strategies
+    from autoshard.rules.sharding import runnable_strategies
 
     sp = any(run.sequence_parallel)
     st = runnable_strategies(spec, run.mesh.tp, sequence_parallel=sp)
@@ -151,8 +151,8 @@ def default_strategies(spec, run: TrainingRun) -> TrainingRun:
 
 def price(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int, moe_imbalance: float = 1.0) -> dict:
     """The figures of `run` (the keys of a plan's `predicted`), from `solve.predict`."""
-    from autoshard.passes.cost import _check, resolved
-    from autoshard.passes.solve import predict
+    from autoshard.passes.cost.cost import _check, resolved
+    from autoshard.passes.solve.planner import predict
 
     layout = resolved(run.layout(moe_imbalance=moe_imbalance), hw)
     _check(spec, replace(layout, stage_choices=()), global_batch, seq_len)  # the validator's one-line reasons
