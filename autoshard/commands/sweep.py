@@ -72,12 +72,17 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
     pipeline schedule of every mesh with pp > 1 (None: 1F1B, GPipe with fewer micro-batches than
     stages); a mesh the schedule cannot run (`schedules.check_chunks`) is left out. Returns `Estimate`s,
     best first."""
-    from autoshard.passes.cost.cost import Layout, compile_table, estimate
+    from autoshard.passes.cost.cost import Layout, compile_table, estimate, mixed_violation
     from autoshard.rules.validity import sequence_parallel_violation, valid_meshes, zero_violation
     from autoshard.rules.sharding import runnable_strategies
 
     meshes = valid_meshes(spec, devices, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
     ct = compile_table(table, spec)
+    if ct.kinds:  # layers of several kinds: the layouts the per-kind tables price (dp x pp so far)
+        priced = [m for m in meshes if mixed_violation(ct, Layout(mesh=m)) is None]
+        if not priced:
+            raise InvalidConfigError(mixed_violation(ct, Layout(mesh=meshes[0])) + f"; {devices} devices leave none")
+        meshes = priced
     out = []
     for mesh in meshes:
         allowed = sequence_parallel_violation(spec, mesh, seq_len) is None  # else the mesh is priced without
@@ -97,6 +102,8 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
             for r in recomputes:
                 lay = Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r, moe_imbalance=moe_imbalance,
                              schedule=sched, virtual_stages=v)
+                if mixed_violation(ct, lay):
+                    continue
                 uniform = {sp: estimate(ct, spec, hw, replace(lay, sequence_parallel=sp, strategies=layouts[sp]),
                                         global_batch=global_batch, seq_len=seq_len) for sp in sorted(sps)}
                 options += uniform.values()
@@ -199,6 +206,10 @@ def run(args) -> int:
         sys.stdout.write("\n")
     else:
         _print_table(results, hw, spec, args)
+        if table.mixed:
+            kinds = ", ".join(f"{b.count} {b.name}" for b in table.layer_blocks())
+            print(f"layers of {len(table.layer_blocks())} kinds ({kinds}): each stage priced as the sum of its own "
+                  "layers; tp, cp, ep, selective recompute and ZeRO-3 are not priced for a mixed stack yet")
     return 0
 
 
