@@ -9,7 +9,7 @@ import time
 
 from autoshard.commands import plan_inference
 from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_positions, check_output_path, cost_table_for,
-                                       imbalance, model_for, positive_float, positive_int)
+                                       imbalance, model_for, positive_float, positive_int, print_refusals)
 from autoshard.errors import InvalidConfigError
 
 
@@ -111,6 +111,7 @@ def run(args) -> int:
         from autoshard.commands.show import render
 
         render(plan)
+        print_refusals(spec)
         if args.out:
             print(f"plan written to {args.out}")
     return 0
