@@ -54,7 +54,7 @@ from autoshard.fingerprint import check_plan_matches, fingerprint_module
 from autoshard.inference_plan import InferencePlan, is_inference_plan
 from autoshard.ir import AXES, Mesh, Plan, Precision
 from autoshard.models.presets import max_positions, position_violation, spec_from_hf_config
-from autoshard.passes.layouts import MIN_SEQ_LEN, backend_violation, check_plan
+from autoshard.rules.validity import MIN_SEQ_LEN, backend_violation, check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
 from autoshard.runtime.shard_graph import shard_graph
 from autoshard.runtime.agreement import PLAN_FIELDS, agree, plan_facts
@@ -122,7 +122,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         def given() -> Plan:
             if serving:
                 inference = requested if isinstance(requested, InferencePlan) else InferencePlan.load(requested)
-                from autoshard.passes.sharding import runnable_strategies
+                from autoshard.rules.sharding import runnable_strategies
 
                 strategies = runnable_strategies(spec, inference.pools[-1].tp) or ()  # what the planner priced
                 return inference.replica_training_plan(world=world, seq_len=ids.shape[1], fingerprint=fingerprint,
@@ -156,7 +156,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                                           fingerprint=fingerprint, settings=settings, solved=plan is None,
                                           timeout_s=timeout_s, generate=serving)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    install_ssd_mixers(model)  # the SSD as the cost model prices it (passes/kernels.py, runtime/ssd.py)
+    install_ssd_mixers(model)  # the SSD as the cost model prices it (passes/capture/kernels.py, runtime/ssd.py)
     # CP first: its Mamba-2 mixers replace the mixer's forward, which TP's wrappers (checkpoint, the
     # sequence-parallel gather) then wrap
     cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
@@ -362,8 +362,8 @@ def _solve_on_rank0(model: nn.Module, spec, *, world: int, seq_len: int, global_
     """Rank 0 captures `model`'s class and config and solves; the plan (or the error, e.g. the construct
     that stopped the trace) reaches every rank as JSON bytes, never pickle."""
     if dist.get_rank() == 0:
-        from autoshard.passes.shapes import build_cost_table
-        from autoshard.passes.solve import solve
+        from autoshard.passes.capture.shapes import build_cost_table
+        from autoshard.passes.solve.planner import solve
 
         try:
             from autoshard.hardware import load_hardware

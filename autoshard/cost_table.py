@@ -1,7 +1,7 @@
 """The symbolic cost table (passes only): per-node costs of one training step as SymPy expressions.
 
 Terms: `B` and `S` are the SymPy symbols for micro-batch size and sequence length used by every
-cost expression. `passes/shapes.py` builds a `CostTable`, `passes/cost.py` compiles it to numbers.
+cost expression. `passes/capture/shapes.py` builds a `CostTable`, `passes/cost/cost.py` compiles it to numbers.
 These types live apart from `autoshard.ir` (the plain Mesh / Plan / Stage / ShardProgram the
 runtime reads) so that importing the runtime never loads SymPy (DESIGN.md, "Arrows point one way").
 """
@@ -56,7 +56,7 @@ class CostTable:
     """Per-block symbolic costs of one training step (forward and backward) of a model.
 
     `layer_kinds`: the name of the LAYER block of every layer, in order, when the model's layers are of
-    several kinds (passes/layer_kinds.py); empty for the one-kind case, whose one LAYER block stands
+    several kinds (passes/capture/layer_kinds.py); empty for the one-kind case, whose one LAYER block stands
     for every layer. `shared_params`: parameters several layers hold (Zamba2's shared block), counted
     once, in no block."""
 
@@ -73,6 +73,20 @@ class CostTable:
     def layer_blocks(self) -> tuple[BlockCost, ...]:
         """The LAYER block of every kind, in the order of their first layer."""
         return tuple(b for b in self.blocks if b.kind is BlockKind.LAYER)
+
+    def mixer_layers(self, *, mamba2: bool) -> tuple[int, int]:
+        """(attention layers, Mamba-2 layers), read off each layer kind's forward graph: attention where it
+        calls an attention op; the SSD where its scan was substituted by the fused kernel or, with none
+        substituted, where a layer of a Mamba-2-family model (`mamba2`) runs its causal conv1d."""
+        attention = ssd = 0
+        for block in (self.layer_blocks() if self.mixed else ()):
+            targets = [n.target for n in block.nodes if n.phase == "fwd"]
+            if any("scaled_dot_product" in t or "flash_attention" in t for t in targets):
+                attention += block.count
+            if any(t.startswith("autoshard.ssd_chunk_scan") for t in targets) or (
+                    mamba2 and any("convolution" in t for t in targets)):
+                ssd += block.count
+        return attention, ssd
 
     @property
     def params(self) -> int:

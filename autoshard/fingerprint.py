@@ -28,10 +28,10 @@ def fingerprint_module(model: nn.Module) -> str:
 def fingerprint_spec(spec) -> str:
     """The fingerprint of the model `spec` describes (built on the meta device: no weights; 0.16 s
     for llama-70b), shipped in the package for the presets and else kept in the on-disk cache
-    (passes/table_cache.py), so that `autoshard plan` of a preset neither builds a model nor imports
+    (passes/capture/table_cache.py), so that `autoshard plan` of a preset neither builds a model nor imports
     transformers."""
     from autoshard.models.presets import build_model
-    from autoshard.passes import table_cache
+    from autoshard.passes.capture import table_cache
 
     return table_cache.cached_value("fingerprints", lambda: table_cache.spec_key(spec),
                                     lambda: fingerprint_module(build_model(spec, device="meta")),

@@ -27,12 +27,12 @@ GB = 1e9
 MIB = 2**20
 TFLOPS = 1e12
 
-# Kernels a device profile may list in `kernels` (their cost rules: passes/fused_regions.py)
+# Kernels a device profile may list in `kernels` (their cost rules: passes/cost/fused_regions.py)
 KERNEL_NAMES = ("flash_attention", "rmsnorm", "swiglu", "rope",
-                "ssd_chunk_scan")  # the Mamba-2 chunked SSD: substituted in the cost table (passes/kernels.py)
+                "ssd_chunk_scan")  # the Mamba-2 chunked SSD: substituted in the cost table (passes/capture/kernels.py)
 
 
-# Collectives (passes/collectives.Collective values) that may have a log-depth algorithm
+# Collectives (passes/cost/collectives.Collective values) that may have a log-depth algorithm
 LOG_COLLECTIVES = ("reduce", "gather", "all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 # NCCL: the double binary tree serves AllReduce only; AllGather / ReduceScatter / Reduce / AllToAll
 # run as rings (NCCL docs, NCCL_ALGO; src/graph/tuning.cc: Tree is enabled for ncclFuncAllReduce only)
@@ -61,17 +61,17 @@ class DeviceProfile:
     attention_efficiency: float = 0.5  # fused (flash) attention fwd+bwd: achieved fraction of peak_flops
     kernels: tuple[str, ...] = ()  # fused kernels the device runs (KERNEL_NAMES): priced as the kernel, not the traced ops
     # collectives the communication library runs with a log-depth algorithm (tree, recursive
-    # doubling / halving) besides the ring (passes/collectives.py `best_time`); the others ring only
+    # doubling / halving) besides the ring (passes/cost/collectives.py `best_time`); the others ring only
     log_collectives: tuple[str, ...] = LOG_COLLECTIVES
     # optimizer offload (plan key offload_optimizer): None = not known, the planner does not offload
     host_link_bandwidth: float | None = None  # bytes/s per device per direction, device <-> host memory
     host_memory_bandwidth: float | None = None  # bytes/s of host DRAM per device (the CPU optimizer step)
-    # serving (passes/inference_cost.py): what a decode step costs besides its bytes; None = not known (0)
+    # serving (passes/serving/inference_cost.py): what a decode step costs besides its bytes; None = not known (0)
     ll_base_latency: float | None = None  # s: a low-latency (LL) protocol collective's fixed cost (NCCL baseLat)
     intra_ll_latency: float | None = None  # s per LL step on the intra-node link (NCCL hwLat NVLink / PCI)
     inter_ll_latency: float | None = None  # s per LL step on the network (NCCL hwLat NET)
     kernel_floor_s: float | None = None  # s a kernel of a graph-launched forward costs beyond its bytes / FLOPs
-    # FP8 tensor cores (plan precision "fp8", passes/precision.py); None: the device has none, fp8 is refused
+    # FP8 tensor cores (plan precision "fp8", passes/cost/precision.py); None: the device has none, fp8 is refused
     fp8_peak_flops: float | None = None  # dense FP8 (e4m3) GEMM FLOP/s
     fp8_gemm_efficiency: float | None = None  # achievable fraction of fp8_peak_flops for large GEMMs in training
     fp8_gemm_half_dim: float | None = None  # as gemm_half_dim, for the FP8 GEMM tiles
@@ -98,9 +98,9 @@ class DeviceProfile:
                                      f"fp8_peak_flops and must be in (0, 1], got {self.fp8_gemm_efficiency!r}")
         for f in ("host_link_bandwidth", "host_memory_bandwidth") + SERVING_FIELDS + _FP8_FIELDS:
             value = getattr(self, f)
-            low = 0 if f in SERVING_FIELDS else math.ulp(0)  # serving latencies may be 0, bandwidths not
+            zero_ok = f in SERVING_FIELDS  # serving latencies may be 0, bandwidths and peaks not
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not low <= value < math.inf):
+                                      or not (0 <= value if zero_ok else 0 < value) or not value < math.inf):
                 raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a "
                                          f"{'non-negative' if f in SERVING_FIELDS else 'positive'} finite "
                                          f"number (or absent), got {value!r}")
@@ -131,7 +131,7 @@ class DeviceProfile:
         return self.memory_bytes / GB
 
     def fuses(self, kernel: str) -> bool:
-        """Whether this device runs `kernel` (a passes/fused_regions.py FUSED_KERNELS name) as one fused op."""
+        """Whether this device runs `kernel` (a passes/cost/fused_regions.py FUSED_KERNELS name) as one fused op."""
         return kernel in self.kernels
 
     def source(self, field_name: str) -> str:
@@ -202,8 +202,8 @@ ASCEND_910B = DeviceProfile(
 _GPU_FUSED = KERNEL_NAMES  # flash attention (FA2 / FA3 / cuDNN), TE / Apex fused RMSNorm, SwiGLU, RoPE, Mamba-2 SSD
 _FUSED_SOURCE = ("Megatron-Core / Transformer Engine production runs: fused RMSNorm (TE), bias-SwiGLU "
                  "fusion, fused RoPE, flash / cuDNN fused attention, priced in "
-                 "passes/fused_regions.py; the Mamba-2 SSD as mamba_ssm's "
-                 "mamba_chunk_scan_combined (passes/kernels.py). autoshard's runtime runs the element-wise "
+                 "passes/cost/fused_regions.py; the Mamba-2 SSD as mamba_ssm's "
+                 "mamba_chunk_scan_combined (passes/capture/kernels.py). autoshard's runtime runs the element-wise "
                  "fusions through compiled layers (runtime/compiled.py) and mamba_ssm's SSD where it is installed; "
                  "without it its own SSD (runtime/ssd.py, torch ops) saves what the fused kernel saves but ran "
                  "4-6x slower than this price on an H200 (docs/cost_model.md, 'Measured on an H200')")
@@ -255,7 +255,7 @@ A100_80G = DeviceProfile(
                             "(nccl-tests on DGX A100)"),
         ("intra_latency", "NCCL ring step latency over NVLink, ~5-10 us (nccl-tests); assumed 10 us"),
         ("inter_bandwidth", "DGX A100: 8x HDR InfiniBand 200 Gb/s, one per GPU = 25 GB/s (rail-optimised: "
-                            "a ring uses one NIC per member GPU of a node, passes/collectives.py)"),
+                            "a ring uses one NIC per member GPU of a node, passes/cost/collectives.py)"),
         ("inter_latency", "InfiniBand HDR ring step, ~15 us incl. NCCL proxy; assumed"),
         ("gemm_efficiency", "calibrated on issue 12's two A100 rows (llama2-13b FSDP64, gpt-22b TP8: both "
                             "within 1% at 0.63, docs/hardware.md): sustained GEMM share in training. Upper bound: "

@@ -285,7 +285,7 @@ def _is_int(value: Any) -> bool:
 
 def per_stage(value: Any, chunks: int) -> tuple:
     """A per-stage plan value as one entry per model chunk: a single value means every chunk; a
-    tuple (one entry per chunk, checked by passes/layouts.py plan_violation) is returned as is."""
+    tuple (one entry per chunk, checked by rules/validity.py plan_violation) is returned as is."""
     return tuple(value) if isinstance(value, tuple) else (value,) * chunks
 
 
@@ -308,7 +308,7 @@ def strategy_pairs(value: Any, chunks: int = 1) -> tuple[tuple[str, str | tuple[
     """A plan's intra-op choices as sorted (choice, option) pairs, from a mapping or pairs; an
     option may be a list with one entry per model chunk (a layer choice made per stage, e.g. Mamba-2's
     "groups"; one whose `chunks` entries agree becomes that option); an InvalidConfigError names a
-    malformed entry (which choices a model has, and which may differ per stage: passes/sharding.py)."""
+    malformed entry (which choices a model has, and which may differ per stage: rules/sharding.py)."""
     items = value.items() if isinstance(value, Mapping) else value
     try:
         if isinstance(value, (str, bytes)):
@@ -355,9 +355,9 @@ class Plan:
     # Megatron SP: norms / residual on a tp shard of the sequence (needs tp > 1); one bool per model chunk when
     # the stages differ (`stage_sequence_parallel`)
     sequence_parallel: bool | tuple[bool, ...] = False
-    # intra-op choices {choice: option} (passes/sharding.py CHOICES, e.g. ("head", "replicate")); absent: the
+    # intra-op choices {choice: option} (rules/sharding.py CHOICES, e.g. ("head", "replicate")); absent: the
     # table's default (Megatron's layout); a layer choice ("groups") may name one option per model chunk
-    # (`stage_strategies`); checked against the model's table by passes/layouts.py check_plan
+    # (`stage_strategies`); checked against the model's table by rules/validity.py check_plan
     strategies: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
     stages: tuple[Stage, ...] = ()  # pp * virtual_stages chunks in model order (none: an even split)
     placements: tuple[tuple[str, str], ...] = ()
@@ -395,7 +395,7 @@ class Plan:
                 f"the plan has {len(self.stages)} stages but pp ({self.mesh.pp}) x virtual_stages "
                 f"({self.virtual_stages}) = {self.mesh.pp * self.virtual_stages}; give one Stage per model chunk "
                 "(or none for an even split)")
-        if self.stages:  # the split itself; its layer count is checked against the model (passes/layouts.check_plan)
+        if self.stages:  # the split itself; its layer count is checked against the model (rules/validity.check_plan)
             check_stages(self.stages, num_layers=self.stages[-1].end_layer, pp=self.chunks)
 
     @property

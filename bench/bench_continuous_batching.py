@@ -5,7 +5,7 @@
                                                                   10% to 90% of the replica's prefill ceiling
   python bench/bench_continuous_batching.py --model M --tp T --prompt-len P --output-len O --rates r1,r2,...
 
-For each rate: `passes/continuous_batching.estimate_continuous` (mean-value steady state, TTFT as a
+For each rate: `passes/serving/continuous_batching.estimate_continuous` (mean-value steady state, TTFT as a
 mixture of uniforms, TPOT by the central limit) beside a discrete-event simulation (DES) of the
 scheduler it models, fed Poisson arrivals (fixed seed): every iteration admits the requests that
 arrived during the previous one, runs one decode token per running sequence plus those prompts'
@@ -24,8 +24,8 @@ import numpy as np
 
 from autoshard.commands.common import cost_table_for
 from autoshard.hardware import load_hardware
-from autoshard.passes.continuous_batching import estimate_continuous, replica_times
-from autoshard.passes.inference_cost import ServeLayout, compile_inference_table
+from autoshard.passes.serving.continuous_batching import estimate_continuous, replica_times
+from autoshard.passes.serving.inference_cost import ServeLayout, compile_inference_table
 
 
 def simulate(times, *, rate: float, output_len: int, requests: int, seed: int = 0) -> dict:

@@ -133,8 +133,8 @@ def predicted_volume(name: str, cp: int, seq: int, batch: int) -> float:
     from autoshard.hardware import load_hardware
     from autoshard.ir import BlockKind, Mesh
     from autoshard.models.presets import get_spec
-    from autoshard.passes.cost import Layout, block_time, compile_table
-    from autoshard.passes.shapes import build_cost_table
+    from autoshard.passes.cost.cost import Layout, block_time, compile_table
+    from autoshard.passes.capture.shapes import build_cost_table
 
     spec = get_spec(name)
     unit = dataclasses.replace(load_hardware("cpu"), intra_bandwidth=1.0, inter_bandwidth=1.0,

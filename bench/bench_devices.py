@@ -1,7 +1,7 @@
 """Benchmark: how long `sweep` / `plan` take to refuse a device count no layout fits (issue 16).
 
 The layouts are built from the device count's prime factors and pruned axis by axis
-(passes/layouts.py); before, the divisor search was linear in the count (1e7 devices: 20 s,
+(rules/validity.py); before, the divisor search was linear in the count (1e7 devices: 20 s,
 1e9: no answer). In-process `autoshard.cli.main` for llama-7b, global batch 8, seq 4096 (the
 model needs no trace: the answer comes before the cost table), each count `--repeat` times;
 printed: the median in ms and the ratio to 1000 devices (also refused) in the same run. Target: < 1 s each.

@@ -53,8 +53,8 @@ def _side(spec: ModelSpec, ids, precision: str, recipe: str | None, device: str)
 def _predicted(spec: ModelSpec, hardware: str, batch: int, seq: int, recipe: str) -> dict:
     from autoshard.hardware import load_hardware
     from autoshard.ir import Mesh
-    from autoshard.passes.cost import Layout, compile_table, estimate
-    from autoshard.passes.shapes import build_cost_table
+    from autoshard.passes.cost.cost import Layout, compile_table, estimate
+    from autoshard.passes.capture.shapes import build_cost_table
 
     hw = load_hardware(hardware)
     ct = compile_table(build_cost_table(spec, kernels=hw.kernels), spec)

@@ -30,8 +30,8 @@ from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Recompute
 from autoshard.models.presets import Family, ModelSpec, get_spec
 from autoshard.models.published import CALIBRATION_RUNS, FP8_CALIBRATION_RUNS, PublishedRun
-from autoshard.passes.cost import Layout, compile_table, estimate, model_flops_per_token
-from autoshard.passes.shapes import build_cost_table
+from autoshard.passes.cost.cost import Layout, compile_table, estimate, model_flops_per_token
+from autoshard.passes.capture.shapes import build_cost_table
 
 
 HELDOUT = Path(__file__).with_name("gpu_heldout_runs.json")

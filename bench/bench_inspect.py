@@ -1,7 +1,7 @@
 """Time `autoshard inspect --model P --seq-len 4096 --json` for every preset, each in a fresh process.
 
 Each preset runs twice against a fresh, empty cost-table cache: `cold` traces the model (the first run
-on a machine), `warm` reads the stored table (every later run; see autoshard/passes/table_cache.py).
+on a machine), `warm` reads the stored table (every later run; see autoshard/passes/capture/table_cache.py).
 Baselines measured in the same run, so the figures are ratios on whatever machine runs this:
 * `startup`: a fresh process that only imports autoshard's CLI, torch and transformers (the floor of
   a cold run, which must import transformers to build the model);
@@ -28,7 +28,7 @@ STARTUP = "import autoshard.cli, torch, transformers; from transformers import L
 FULL_TRACE = """
 import sys, torch
 from autoshard.models import build_model, get_spec
-from autoshard.passes.capture import capture_model
+from autoshard.passes.capture.capture import capture_model
 capture_model(build_model(get_spec(sys.argv[1]), device="meta", dtype=torch.bfloat16),
               (torch.zeros(1, 4096, dtype=torch.long),))
 """

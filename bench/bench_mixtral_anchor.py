@@ -18,8 +18,8 @@ from unittest import mock
 from autoshard.commands.common import cost_table_for
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh
-from autoshard.passes import moe_cost
-from autoshard.passes.cost import Layout, compile_table, estimate, model_flops_per_token
+from autoshard.passes.cost import moe_cost
+from autoshard.passes.cost.cost import Layout, compile_table, estimate, model_flops_per_token
 
 MEASURED_TFLOPS = 468.0  # Megatron-Core MoE README, Mixtral 8x7B, 64 H100
 MESH = Mesh(dp=2, pp=4, tp=1, ep=8)

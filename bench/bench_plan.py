@@ -99,9 +99,9 @@ def replans() -> dict:
     bit)."""
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import get_spec
-    from autoshard.passes import cost
-    from autoshard.passes.shapes import build_cost_table
-    from autoshard.passes.solve import solve
+    from autoshard.passes.cost import cost
+    from autoshard.passes.capture.shapes import build_cost_table
+    from autoshard.passes.solve.planner import solve
 
     hw, spec = load_hardware("h100"), get_spec("llama-70b")
     ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
@@ -184,9 +184,9 @@ def main() -> None:
 
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import get_spec
-    from autoshard.passes import cost
-    from autoshard.passes.shapes import build_cost_table
-    from autoshard.passes.solve import solve
+    from autoshard.passes.cost import cost
+    from autoshard.passes.capture.shapes import build_cost_table
+    from autoshard.passes.solve.planner import solve
 
     hw = load_hardware("h100")
     spec = get_spec("llama-70b")
@@ -207,12 +207,12 @@ def main() -> None:
 def memo_growth() -> None:
     """llama-70b on 1024 H100s, global batch 1024, sequence lengths 1024, 2048 ... 16384 planned in one process with
     one table: after each plan, the entries of the cost model's block memos (a block's `memo`, and its `shaped` memo
-    where there is one: passes/shape_memo.py) and the process's max RSS."""
+    where there is one: passes/cost/shape_memo.py) and the process's max RSS."""
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import get_spec
-    from autoshard.passes import cost
-    from autoshard.passes.shapes import build_cost_table
-    from autoshard.passes.solve import solve
+    from autoshard.passes.cost import cost
+    from autoshard.passes.capture.shapes import build_cost_table
+    from autoshard.passes.solve.planner import solve
 
     hw, spec = load_hardware("h100"), get_spec("llama-70b")
     ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
@@ -231,9 +231,9 @@ def curve() -> None:
     from autoshard.errors import InfeasiblePlanError
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import get_spec
-    from autoshard.passes import cost
-    from autoshard.passes.shapes import build_cost_table
-    from autoshard.passes.solve import solve
+    from autoshard.passes.cost import cost
+    from autoshard.passes.capture.shapes import build_cost_table
+    from autoshard.passes.solve.planner import solve
 
     hw = load_hardware("h100")
     run = lambda b, s, d, table, sp: solve(sp, hw, devices=d, global_batch=b, seq_len=s, table=table,

@@ -20,7 +20,7 @@ from pathlib import Path
 from autoshard.commands.common import cost_table_for
 from autoshard.hardware import load_hardware
 from autoshard.models.published import SERVING_CALIBRATION
-from autoshard.passes.inference_cost import ServeLayout, compile_inference_table, estimate_serving
+from autoshard.passes.serving.inference_cost import ServeLayout, compile_inference_table, estimate_serving
 
 HELDOUT = Path(__file__).with_name("serving_heldout_rows.json")
 

@@ -23,7 +23,7 @@ import time
 import torch
 
 from autoshard.models.presets import Family, ModelSpec, build_model
-from autoshard.passes.shapes import build_cost_table
+from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.runtime.measure import saved_activation_bytes
 from autoshard.runtime.ssd import install_ssd_mixers
 

@@ -10,7 +10,7 @@ What `runtime/ssd.py` `ssd_scan` runs on CUDA where mamba_ssm is installed is it
   printed as the largest error relative to the largest reference value;
 * speed: forward + backward of one Mamba-2 layer's scan at a preset's shapes, CUDA events, the
   kernel with bf16 inputs (what autocast hands it) and the torch scan, and the kernel's FLOP rate
-  by `passes/kernels.py` `ssd_cost` (what the cost model prices).
+  by `passes/capture/kernels.py` `ssd_cost` (what the cost model prices).
 
 Usage (on a CUDA machine with mamba_ssm): python bench/bench_ssd_kernel.py [--model mamba2-1b]
     [--batch 1,4] [--seq 2048] [--out ssd_kernel.json]
@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from autoshard.models.presets import get_spec  # noqa: E402
-from autoshard.passes.kernels import ssd_cost  # noqa: E402
+from autoshard.passes.capture.kernels import ssd_cost  # noqa: E402
 from autoshard.runtime.ssd import _SSDScan, _mamba_ssm_scan  # noqa: E402
 
 

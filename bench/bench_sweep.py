@@ -49,8 +49,8 @@ def command(repeat: int) -> None:
 
 def in_process() -> None:
     from autoshard.commands.sweep import sweep
-    from autoshard.passes.cost import compile_table
-    from autoshard.passes.shapes import build_cost_table
+    from autoshard.passes.cost.cost import compile_table
+    from autoshard.passes.capture.shapes import build_cost_table
 
     spec, hw = get_spec("llama-70b"), load_hardware("h100")
     t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from autoshard.commands.sweep import sweep, write_plot
 from autoshard.hardware import load_hardware
 from autoshard.ir import Recompute
 from autoshard.models.presets import get_spec
-from autoshard.passes.shapes import build_cost_table
+from autoshard.passes.capture.shapes import build_cost_table
 
 DEFAULT_REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "ascend910b_llama7b.json"
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import autoshard
 from autoshard.hardware import load_hardware
 from autoshard.models.presets import build_model, get_spec
-from autoshard.passes.solve import solve
+from autoshard.passes.solve.planner import solve
 
 MODEL, GLOBAL_BATCH, SEQ_LEN = "llama-tiny", 8, 32
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from autoshard.cli import main
-from autoshard.passes import table_cache
+from autoshard.passes.capture import table_cache
 
 PLAN = ["--hardware", "cpu", "--global-batch", "8", "--seq-len", "64"]
 

@@ -52,14 +52,16 @@ def test_plan_inference_for_a_mixture_of_experts(capsys):
     assert data["mesh"]["ep"] == pool["ep"] and pool["ep"] in (1, 2)
 
 
-def test_plan_inference_prices_continuous_batching_at_a_request_rate(capsys):
-    assert main([*ARGS, "--ttft-slo", "0.05", "--tpot-slo", "0.005", "--request-rate", "50", "--json"]) == 0
+def test_plan_inference_prices_continuous_batching_at_a_request_rate(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    assert main([*ARGS, "--ttft-slo", "0.05", "--tpot-slo", "0.005", "--request-rate", "50", "--json",
+                 "--out", str(out)]) == 0
     cont = json.loads(capsys.readouterr().out)["predicted"]["continuous_batching"]
     best = cont["best"]
     assert cont["request_rate"] == 50 and best["meets_slos"] and best["max_request_rate"] >= 50
     assert best["ttft_p50_s"] <= best["ttft_p99_s"] <= 0.05 and best["tpot_p50_s"] <= best["tpot_p99_s"] <= 0.005
     assert sum(r["tp"] * r["pp"] * r["ep"] * r["replicas"] for r in cont["layouts"]) == 4 * len(cont["layouts"])
-    assert main([*ARGS, "--ttft-slo", "0.05", "--tpot-slo", "0.005", "--request-rate", "50"]) == 0
+    assert main(["show", str(out)]) == 0  # the plan file carries it; show prints it
     shown = capsys.readouterr().out
     assert "continuous batching at 50 requests/s" in shown and "p99" in shown and "sustains" in shown
     assert main(["plan", "--model", "llama-tiny", "--hardware", "h100", "--devices", "4", "--global-batch", "8",

@@ -134,10 +134,10 @@ def test_sequence_parallel_per_stage(capsys, tmp_path):
     from autoshard.hardware import load_hardware
     from autoshard.ir import Mesh, Plan, Recompute
     from autoshard.models.presets import get_spec
-    from autoshard.passes import cost
-    from autoshard.passes.layouts import check_plan
-    from autoshard.passes.shapes import build_cost_table
-    from autoshard.passes.solve_model import Assignment, evaluate, mesh_problem
+    from autoshard.passes.cost import cost
+    from autoshard.rules.validity import check_plan
+    from autoshard.passes.capture.shapes import build_cost_table
+    from autoshard.passes.solve.solve_model import Assignment, evaluate, mesh_problem
 
     spec, hw = get_spec("llama-tiny"), replace(load_hardware("h100"), memory_bytes=9.9e6)
     kw = dict(global_batch=4, seq_len=1024)
@@ -180,9 +180,9 @@ def test_every_sweep_row_is_a_plan_the_runtime_runs():
     from autoshard.hardware import load_hardware
     from autoshard.ir import Plan, Recompute
     from autoshard.models.presets import get_spec
-    from autoshard.passes import cost
-    from autoshard.passes.layouts import check_plan
-    from autoshard.passes.shapes import build_cost_table
+    from autoshard.passes.cost import cost
+    from autoshard.rules.validity import check_plan
+    from autoshard.passes.capture.shapes import build_cost_table
 
     h100 = load_hardware("h100")
     mixed = 0

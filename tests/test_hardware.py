@@ -78,3 +78,19 @@ def test_malformed_json_profile(tmp_path):
         load_hardware(str(path))
     with pytest.raises(AutoshardError, match="cannot read"):
         load_hardware(str(tmp_path / "missing.json"))
+
+
+def test_serving_fields_are_optional_sourced_and_checked():
+    import dataclasses
+
+    import pytest
+
+    from autoshard.errors import InvalidConfigError
+    from autoshard.hardware import SERVING_FIELDS, load_hardware
+
+    h100 = load_hardware("h100")
+    assert all(getattr(h100, f) is not None and h100.source(f) for f in SERVING_FIELDS)
+    assert all(getattr(load_hardware("ascend-910b"), f) is None for f in SERVING_FIELDS)  # HCCL: none published
+    assert dataclasses.replace(h100, kernel_floor_s=0).kernel_floor_s == 0
+    with pytest.raises(InvalidConfigError, match="'intra_ll_latency' must be a non-negative finite number"):
+        dataclasses.replace(h100, intra_ll_latency=-1e-6)

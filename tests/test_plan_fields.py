@@ -101,7 +101,7 @@ def test_show_prints_them(tmp_path, capsys):
 def test_sequence_parallel_key():
     """sequence_parallel: off by default (older files load), JSON round trip, hand-written dict key, and the
     validator's rules (tp > 1; tp divides each cp rank's tokens), one clear error each."""
-    from autoshard.passes.layouts import check_plan
+    from autoshard.rules.validity import check_plan
 
     spec = get_spec("llama-tiny")
     plan = _plan(mesh=Mesh(tp=2), sequence_parallel=True)

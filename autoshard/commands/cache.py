@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from autoshard.passes import table_cache
+    from autoshard.passes.capture import table_cache
 
     root = table_cache.cache_dir()
     if args.clear:

@@ -135,7 +135,7 @@ def cost_table_for(model: str, *, spinner: bool = True, spec=None, module=None, 
     all when the table is in the on-disk cache); `spec`/`module`: `model_for(model)` when the caller
     has it already. `spinner`: say so on stderr while it runs (a terminal only). `kernels`: the fused
     kernels of the target device (`DeviceProfile.kernels`; None: every kernel autoshard knows)."""
-    from autoshard.passes.shapes import build_cost_table
+    from autoshard.passes.capture.shapes import build_cost_table
 
     if spec is None:
         spec, module = model_for(model)

@@ -77,7 +77,7 @@ def run(args) -> int:
         raise InvalidConfigError(f"a training plan needs {' and '.join(missing)} (or give --inference with "
                                  "--prompt-len, --output-len, --ttft-slo, --tpot-slo to plan serving)")
     from autoshard.hardware import load_hardware
-    from autoshard.passes.layouts import valid_meshes
+    from autoshard.rules.validity import valid_meshes
 
     if args.out:
         check_output_path(args.out, "--out")
@@ -86,7 +86,7 @@ def run(args) -> int:
     check_moe_imbalance(spec, args.moe_imbalance)
     check_positions(spec, module, args.seq_len, "plan --seq-len")
     valid_meshes(spec, args.devices, global_batch=args.global_batch, seq_len=args.seq_len)  # none: say why, at once
-    from autoshard.passes.solve import solve
+    from autoshard.passes.solve.planner import solve
 
     table = fingerprint = None  # a preset: solve builds (or reads) the table once the layouts are known valid
     if module is not None:

@@ -1,6 +1,6 @@
 """`autoshard plan --inference`: the highest-throughput serving configuration under TTFT and TPOT targets.
 
-`run(args)` prices every layout with `passes/serving.py`, writes an `InferencePlan` (`--out`),
+`run(args)` prices every layout with `passes/serving/serving.py`, writes an `InferencePlan` (`--out`),
 prints it (`--json` or a summary, `render`, which `autoshard show` also uses) and, with `--plot`,
 draws throughput against the TPOT target (0.4x to 4x the one given, the other targets fixed).
 Unmeetable targets raise `InfeasiblePlanError` (exit 2, one line: best TTFT / TPOT and what binds).
@@ -113,7 +113,7 @@ def make_plan(spec, table, hw, args, *, tpot_slo: float | None = None, module=No
     """The `InferencePlan` for `args` (`module`: a factory's model, for its fingerprint; None for a preset)."""
     from autoshard.fingerprint import fingerprint_module, fingerprint_spec
     from autoshard.inference_plan import InferencePlan, Pool
-    from autoshard.passes.serving import plan_serving
+    from autoshard.passes.serving.serving import plan_serving
 
     t0 = time.perf_counter()
     choice = plan_serving(table, spec, hw, devices=args.devices, prompt_len=args.prompt_len,
@@ -128,7 +128,7 @@ def make_plan(spec, table, hw, args, *, tpot_slo: float | None = None, module=No
                   "throughput_tokens_per_s": runner.throughput_tokens_per_s, "why": choice.why_runner_up_lost}}
     predicted = choice.predicted()
     if getattr(args, "request_rate", None):  # continuous batching at that rate, beside the static-batch plan
-        from autoshard.passes.continuous_batching import plan_continuous
+        from autoshard.passes.serving.continuous_batching import plan_continuous
 
         continuous = plan_continuous(table, spec, hw, devices=args.devices, request_rate=args.request_rate,
                                      prompt_len=args.prompt_len, output_len=args.output_len,
@@ -181,7 +181,7 @@ def render(plan) -> None:
 
 
 def _render_continuous(con, data: dict, plan) -> None:
-    """The continuous-batching figures of `plan --inference --request-rate` (passes/continuous_batching.py)."""
+    """The continuous-batching figures of `plan --inference --request-rate` (passes/serving/continuous_batching.py)."""
     def shape(row):
         ep = f" ep{row['ep']}" if row["ep"] > 1 else ""
         return f"{row['replicas']} x (tp{row['tp']} pp{row['pp']}{ep})"

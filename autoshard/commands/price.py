@@ -20,7 +20,8 @@ from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, 
 from autoshard.errors import InvalidConfigError
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
-LAYOUT_FLAGS = AXES + ("schedule", "virtual_stages", "sequence_parallel", "zero", "recompute", "micro_batch")
+LAYOUT_FLAGS = AXES + ("schedule", "virtual_stages", "sequence_parallel", "zero", "recompute", "micro_batch", "precision",
+                       "fp8_recipe")
 
 
 def add_parser(sub) -> None:
@@ -50,6 +51,9 @@ def add_parser(sub) -> None:
                    "optimizer)")
     g.add_argument("--recompute", choices=("none", "selective", "full"), help="activation recomputation (default none)")
     g.add_argument("--micro-batch", type=positive_int, help="sequences per micro-batch (default 1)")
+    g.add_argument("--precision", choices=("bf16-mixed", "fp8", "fp32"), help="numerics (default: the device's, "
+                   "bf16-mixed on accelerators); fp8: the projections' GEMMs in float8 (torchao)")
+    g.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), help="with --precision fp8 (default tensorwise)")
     g.add_argument("--from-megatron", metavar='"ARGS"', help="a Megatron-LM / MindSpeed-LLM command line (its "
                    "parallel sizes, batch, recompute, optimizer and, without --model, model sizes)")
     g.add_argument("--from-torchtitan", metavar='"ARGS"', help="a torchtitan.train command line, read by torchtitan's "
@@ -89,7 +93,7 @@ def run(args) -> int:
     check_moe_imbalance(spec, args.moe_imbalance)
     _, table = cost_table_for(spec.name, spinner=not args.json, spec=spec, module=module, kernels=hw.kernels)
     from autoshard.engines.training_run import compare, price
-    from autoshard.passes.cost import compile_table
+    from autoshard.passes.cost.cost import compile_table
 
     ct = compile_table(table, spec)
     priced = price(ct, hw, spec, run_, global_batch=global_batch, seq_len=seq_len, moe_imbalance=args.moe_imbalance)
@@ -114,7 +118,7 @@ def _plan_run(plan):
 
 
 def _best(spec, hw, table, devices, global_batch, seq_len, moe_imbalance, module):
-    from autoshard.passes.solve import solve
+    from autoshard.passes.solve.planner import solve
 
     fingerprint = None
     if module is not None:
@@ -133,7 +137,7 @@ def _layout(args):
     """(run, spec, module, global batch, seq len, devices, where the layout came from)."""
     from autoshard.engines import megatron, torchtitan
     from autoshard.engines.training_run import TrainingRun, default_strategies, run_of_plan
-    from autoshard.ir import Mesh, Plan, Recompute, Schedule
+    from autoshard.ir import Mesh, Plan, Precision, Recompute, Schedule, fp8_recipe_of
 
     spec = module = None
     if args.model:
@@ -187,6 +191,10 @@ def _layout(args):
     run_ = TrainingRun(mesh=mesh, micro_batch=args.micro_batch or 1, zero=1 if args.zero is None else args.zero,
                        schedule=schedule, virtual_stages=v, recompute=(Recompute(args.recompute or "none"),),
                        sequence_parallel=(bool(args.sequence_parallel),))
+    if args.fp8_recipe and args.precision != "fp8":
+        raise InvalidConfigError(f"--fp8-recipe {args.fp8_recipe} needs --precision fp8")
+    precision = Precision(args.precision or "auto")
+    run_ = replace(run_, precision=precision, fp8_recipe=fp8_recipe_of(precision, args.fp8_recipe))
     return default_strategies(spec, run_), spec, module, gb, sl, mesh.size, "flags"
 
 

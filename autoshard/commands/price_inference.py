@@ -1,5 +1,5 @@
 """`autoshard price --inference`: one serving layout (tp x pp x ep per replica, replicas, batch) priced by
-`passes/serving.py`'s model (`estimate_serving`), against the best plan (`plan_serving`) for the same
+`passes/serving/serving.py`'s model (`estimate_serving`), against the best plan (`plan_serving`) for the same
 devices and latency targets (the given ones, else the layout's own TTFT and TPOT: the best plan at
 least as fast)."""
 
@@ -33,8 +33,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from autoshard.commands.common import cost_table_for, model_for
     from autoshard.hardware import load_hardware
-    from autoshard.passes.inference_cost import ServeLayout, estimate_serving
-    from autoshard.passes.serving import plan_serving
+    from autoshard.passes.serving.inference_cost import ServeLayout, estimate_serving
+    from autoshard.passes.serving.serving import plan_serving
 
     stray = [f"--{n.replace('_', '-')}" for n in TRAINING_ONLY if getattr(args, n) not in (None, False)]
     if stray:

@@ -49,7 +49,7 @@ def run(args) -> int:
 
 
 def validate(plan, *, source: str = "the plan") -> None:
-    """The plan validator (passes/layouts.py `check_plan`, what `parallelize` runs; for an inference plan
+    """The plan validator (rules/validity.py `check_plan`, what `parallelize` runs; for an inference plan
     `generate_violation` of each pool's replica, what `parallelize` and `dm.generate` run) on the plan's
     model, when it is a preset or a `package.module:factory` that imports; InvalidConfigError
     (one line, exit 2) when the runtime would refuse the plan; a warning on stderr when its fingerprint
@@ -61,7 +61,7 @@ def validate(plan, *, source: str = "the plan") -> None:
     from autoshard.inference_plan import InferencePlan
     from autoshard.ir import Mesh
     from autoshard.models.presets import get_spec, resolve_model
-    from autoshard.passes.layouts import check_plan, generate_violation
+    from autoshard.rules.validity import check_plan, generate_violation
 
     try:
         spec, module = resolve_model(plan.model, device="meta") if ":" in plan.model else (get_spec(plan.model), None)
@@ -105,7 +105,7 @@ def _expert_line(plan, pred) -> str | None:
     if ep > 1:
         line += (f"; dispatch/combine all-to-alls {time.get('ep_comm', 0):.3g} s/step, in exchange for 1/{ep} of "
                  "the expert weights, gradients and optimizer state per rank")
-    for other in dict(plan.solver).get("other_eps", ()):  # why this ep won (passes/solve.py _other_eps)
+    for other in dict(plan.solver).get("other_eps", ()):  # why this ep won (passes/solve/planner.py _other_eps)
         if "mesh" in other:
             mesh = " ".join(f"{k}{v}" for k, v in other["mesh"].items() if v > 1) or "single"
             line += f"\n  ep={other['ep']}: the best plan with it ({mesh}) takes {other['step_time_s']:.4g} s/step; " \
@@ -119,7 +119,7 @@ def render(plan) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from autoshard.passes.sharding import CHOICES
+    from autoshard.rules.sharding import CHOICES
 
     con = Console()
     pred, solver = dict(plan.predicted), dict(plan.solver)
@@ -141,7 +141,7 @@ def render(plan) -> None:
             " (a boundary next to one carries the whole sequence)"
         con.print(f"sequence parallel: {where} (norms and residual stream on a 1/{plan.mesh.tp} shard of the "
                   "sequence; all-gather / reduce-scatter in place of the TP all-reduces)")
-    if plan.mesh.tp > 1:  # the intra-op choices (passes/sharding.py CHOICES); the placements below follow them
+    if plan.mesh.tp > 1:  # the intra-op choices (rules/sharding.py CHOICES); the placements below follow them
         chosen = dict(plan.strategies)
         named = {k: ("per stage " + " / ".join(v) if isinstance(v, tuple) else v) for k, v in chosen.items()}
         con.print("intra-op strategies: " + ", ".join(f"{k} {named.get(k, v[0])}"

@@ -1,7 +1,7 @@
 """`autoshard sweep`: price every valid (DP, PP, TP, CP, EP) layout of a model on a cluster.
 
-Builds the model's cost table once (passes/shapes), then runs the cost model (passes/cost) on
-every mesh that passes the divisibility rules (passes/layouts), for the given or every ZeRO level
+Builds the model's cost table once (passes/capture/shapes), then runs the cost model (passes/cost/cost) on
+every mesh that passes the divisibility rules (rules/validity), for the given or every ZeRO level
 and recompute mode ("auto" keeps, per mesh, the fastest option that fits, else the smallest).
 Sequence parallelism: off, on every stage, or with `--sequence-parallel auto` also chosen per
 pipeline stage (`stage_mix`: the plan key's per-stage list, docs/plan_format.md), as `autoshard plan`
@@ -72,12 +72,17 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
     pipeline schedule of every mesh with pp > 1 (None: 1F1B, GPipe with fewer micro-batches than
     stages); a mesh the schedule cannot run (`schedules.check_chunks`) is left out. Returns `Estimate`s,
     best first."""
-    from autoshard.passes.cost import Layout, compile_table, estimate
-    from autoshard.passes.layouts import sequence_parallel_violation, valid_meshes, zero_violation
-    from autoshard.passes.sharding import runnable_strategies
+    from autoshard.passes.cost.cost import Layout, compile_table, estimate, mixed_violation
+    from autoshard.rules.validity import sequence_parallel_violation, valid_meshes, zero_violation
+    from autoshard.rules.sharding import runnable_strategies
 
     meshes = valid_meshes(spec, devices, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
     ct = compile_table(table, spec)
+    if ct.kinds:  # layers of several kinds: the layouts the per-kind tables price (dp x pp so far)
+        priced = [m for m in meshes if mixed_violation(ct, Layout(mesh=m)) is None]
+        if not priced:
+            raise InvalidConfigError(mixed_violation(ct, Layout(mesh=meshes[0])) + f"; {devices} devices leave none")
+        meshes = priced
     out = []
     for mesh in meshes:
         allowed = sequence_parallel_violation(spec, mesh, seq_len) is None  # else the mesh is priced without
@@ -97,6 +102,8 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
             for r in recomputes:
                 lay = Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r, moe_imbalance=moe_imbalance,
                              schedule=sched, virtual_stages=v)
+                if mixed_violation(ct, lay):
+                    continue
                 uniform = {sp: estimate(ct, spec, hw, replace(lay, sequence_parallel=sp, strategies=layouts[sp]),
                                         global_batch=global_batch, seq_len=seq_len) for sp in sorted(sps)}
                 options += uniform.values()
@@ -118,7 +125,7 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
 def _schedule(spec, mesh, microbatches: int, schedule: str | None, virtual_stages: int):
     """(schedule, virtual stages) of `mesh`, or None when the asked schedule cannot run on it."""
     from autoshard.ir import check_schedule
-    from autoshard.passes.schedules import check_chunks
+    from autoshard.rules.schedules import check_chunks
 
     if mesh.pp == 1:
         return "1f1b", 1
@@ -140,12 +147,12 @@ def stage_mix(ct, hw, layout, uniform: dict, *, global_batch: int, seq_len: int)
     Each stage takes the option that fits and is faster there (ties: off); the step time grows with
     every stage's time and the DP tail does not depend on the choice, so no other per-stage choice of
     this split and recompute level is faster. Priced by the planner's per-stage tables
-    (passes/solve_model.py `mesh_problem`: where the stages differ every boundary carries the whole
+    (passes/solve/solve_model.py `mesh_problem`: where the stages differ every boundary carries the whole
     sequence, a sequence-parallel stage gathers what it sends, runtime/stages.py); the time and memory
     breakdowns are the uniform layout's of the slowest stage's choice, as `autoshard plan` reports a
     per-stage plan."""
     from autoshard.ir import even_stages
-    from autoshard.passes.solve_model import Assignment, evaluate, mesh_problem
+    from autoshard.passes.solve.solve_model import Assignment, evaluate, mesh_problem
 
     r, pp = layout.recompute, layout.mesh.pp
     problem = mesh_problem(ct, hw, replace(layout, stage_choices=("sequence_parallel",)), global_batch=global_batch,
@@ -175,7 +182,7 @@ def run(args) -> int:
 
     if args.plot:
         check_plot_path(args.plot)
-    from autoshard.passes.layouts import valid_meshes
+    from autoshard.rules.validity import valid_meshes
 
     check_schedule_flags(args.schedule, args.virtual_stages)
     hw = load_hardware(args.hardware)
@@ -199,6 +206,10 @@ def run(args) -> int:
         sys.stdout.write("\n")
     else:
         _print_table(results, hw, spec, args)
+        if table.mixed:
+            kinds = ", ".join(f"{b.count} {b.name}" for b in table.layer_blocks())
+            print(f"layers of {len(table.layer_blocks())} kinds ({kinds}): each stage priced as the sum of its own "
+                  "layers; tp, cp, ep, selective recompute and ZeRO-3 are not priced for a mixed stack yet")
     return 0
 
 
@@ -221,7 +232,7 @@ def _print_table(results, hw, spec, args) -> None:
                       f"{e.tokens_per_s / 1e3:.1f}",
                       memory_text(e.mean_memory_gb), memory_text(e.memory_gb), f"{100 * e.mfu:.1f}", "yes" if e.fits else "[red]no[/red]")
     Console(width=140).print(table)
-    from autoshard.passes.layouts import excluded_eps
+    from autoshard.rules.validity import excluded_eps
 
     replicated = sorted({e.layout.mesh.tp for e in results if e.layout.strategies})
     if replicated:  # the layouts a plan must name its strategies for (the default layout does not run there)

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from autoshard.engines.training_run import TrainingRun, default_strategies, price
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Mesh, Recompute, Schedule
+from autoshard.ir import Mesh, Precision, Recompute, Schedule
 
 LAUNCH = "accelerate launch --num_processes {devices} --num_machines {nodes} train.py"
 
@@ -39,7 +39,8 @@ def project(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int,
     if run.zero == 1:
         notes.append("ZeRO-1: accelerate's FSDP2 shards gradients too (ZeRO-2: reshard_after_forward=False)")
     mesh = Mesh(dp=m.dp * m.pp * m.ep, pp=1, tp=m.tp, cp=m.cp, ep=1)
-    base = TrainingRun(mesh=mesh, micro_batch=run.micro_batch, offload=False)
+    base = TrainingRun(mesh=mesh, micro_batch=run.micro_batch, offload=False, precision=run.precision,
+                       fp8_recipe=run.fp8_recipe)
     zeros = [run.zero] if run.zero in (0, 2, 3) and not notes else [0, 2, 3]
     options = []
     for zero in zeros:
@@ -66,10 +67,13 @@ def script(spec, run: TrainingRun, *, global_batch: int, seq_len: int) -> str:
         raise InvalidConfigError("accelerate expresses no pipeline / expert parallelism: project the run first")
     shard = m.dp if run.zero >= 2 else 1
     accumulation = max(1, global_batch // (m.dp * run.micro_batch))
+    fp8 = run.precision is Precision.FP8
+    recipe = run.fp8_recipe.value if run.fp8_recipe else "tensorwise"
     lines = ["import torch",
              "from accelerate import Accelerator, ParallelismConfig",
              "from accelerate.utils import FullyShardedDataParallelPlugin",
              "from torch.distributed.fsdp import MixedPrecisionPolicy",
+             *(["from accelerate.utils import AORecipeKwargs", "from torchao.float8 import Float8LinearConfig"] if fp8 else []),
              "",
              f"# {spec.name}: per-device batch {run.micro_batch} x {accumulation} accumulation steps x dp {m.dp} = "
              f"{global_batch} sequences of {seq_len} tokens",
@@ -82,10 +86,11 @@ def script(spec, run: TrainingRun, *, global_batch: int, seq_len: int) -> str:
              f"    cpu_offload={run.offload},",
              "    mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),",
              ")",
+             *([f"fp8_kwargs = AORecipeKwargs(config=Float8LinearConfig.from_recipe_name({recipe!r}))"] if fp8 else []),
              "# ---- under `accelerate launch` (the lines above construct anywhere)",
              f"accelerator = Accelerator(parallelism_config=parallelism_config, "
              f"{'fsdp_plugin=fsdp_plugin, ' if shard > 1 else ''}gradient_accumulation_steps={accumulation}, "
-             "mixed_precision=\"bf16\")"]
+             + ("mixed_precision=\"fp8\", kwargs_handlers=[fp8_kwargs])" if fp8 else "mixed_precision=\"bf16\")")]
     if m.tp > 1:
         lines.append("# build the model with its tensor-parallel plan: AutoModelForCausalLM.from_config(config, "
                      "tp_plan=\"auto\", device_mesh=accelerator.torch_device_mesh)")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from autoshard.engines.training_run import TrainingRun, default_strategies, price, uniform
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Mesh, Recompute, Schedule
+from autoshard.ir import Fp8Recipe, Mesh, Precision, Recompute, Schedule
 from autoshard.models.presets import Family, ModelSpec
 
 # flags read into the run: name -> kind ("int", "str", "flag")
@@ -36,7 +36,8 @@ LAYOUT_FLAGS = {
     "--use-custom-fsdp": "flag", "--data-parallel-sharding-strategy": "str", "--optimizer-cpu-offload": "flag",
     "--decoder-first-pipeline-num-layers": "int", "--decoder-last-pipeline-num-layers": "int",
     "--account-for-embedding-in-pipeline-split": "flag", "--account-for-loss-in-pipeline-split": "flag",
-    "--bf16": "flag", "--fp16": "flag", "--expert-tensor-parallel-size": "int",
+    "--bf16": "flag", "--fp16": "flag", "--expert-tensor-parallel-size": "int", "--fp8-format": "str",
+    "--fp8-recipe": "str",
 }
 MODEL_FLAGS = {
     "--num-layers": "int", "--hidden-size": "int", "--ffn-hidden-size": "int", "--num-attention-heads": "int",
@@ -106,6 +107,10 @@ def project(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int,
         notes.append(f"intra-op choices {dict(run.strategies) or 'default'}: Megatron shards the embedding and head "
                      "over tp (vocabulary padded to a multiple of tp)")
         run = wanted
+    if run.precision is Precision.FP8 and run.fp8_recipe is Fp8Recipe.ROWWISE:
+        notes.append("fp8 rowwise scaling: Megatron's --fp8-recipe has tensorwise (per-tensor current scaling) and "
+                     "others autoshard does not price")
+        run = replace(run, fp8_recipe=Fp8Recipe.TENSORWISE)
     if run.schedule is Schedule.GPIPE:
         notes.append("GPipe schedule: Megatron runs 1F1B (with fewer micro-batches than stages, GPipe's bubble)")
         m = global_batch // (run.mesh.dp * run.mesh.ep * run.micro_batch)
@@ -179,6 +184,8 @@ def arguments(spec: ModelSpec, run: TrainingRun, *, global_batch: int, seq_len: 
     if run.offload:
         out.append("--optimizer-cpu-offload")
     out.append("--bf16")
+    if run.precision is Precision.FP8:  # the attention / MLP GEMMs in float8, per-tensor current scaling
+        out += ["--fp8-format hybrid", "--fp8-recipe tensorwise"]
     return out + model_arguments(spec)
 
 
@@ -201,7 +208,7 @@ def model_arguments(spec: ModelSpec) -> list[str]:
     if spec.head_dim:
         out.append(f"--kv-channels {spec.head_dim}")
     if spec.is_moe:
-        # experts whole on every tp rank, as autoshard runs and prices them (passes/moe_cost.py)
+        # experts whole on every tp rank, as autoshard runs and prices them (passes/cost/moe_cost.py)
         out += [f"--num-experts {spec.experts}", f"--moe-router-topk {spec.top_k}", f"--moe-ffn-hidden-size {spec.ffn}",
                 "--expert-tensor-parallel-size 1"]
         if spec.shared_ffn:
@@ -290,10 +297,27 @@ def parse(text: str, *, spec: ModelSpec | None, devices: int, source: str = "--f
     if got.get("--expert-tensor-parallel-size", 1) != 1 and tp > 1:
         raise InvalidConfigError(f"{source}: --expert-tensor-parallel-size {got['--expert-tensor-parallel-size']}: "
                                  "autoshard prices each expert whole on every tp rank (--expert-tensor-parallel-size 1)")
+    precision, recipe = _precision(got, source)
+    run = replace(run, precision=precision, fp8_recipe=recipe)
     if got.get("--fp16"):
         raise InvalidConfigError(f"{source}: --fp16: autoshard prices bf16 mixed precision (--bf16); use --bf16")
     return Parsed(run=run, global_batch=got.get("--global-batch-size"), seq_len=got.get("--seq-length"), model=model,
                   ignored=tuple(skipped))
+
+
+def _precision(got: dict, source: str):
+    """(precision, fp8 recipe): bf16 mixed, or fp8 with per-tensor current scaling (--fp8-recipe tensorwise)."""
+    if "--fp8-format" not in got:
+        if "--fp8-recipe" in got:
+            raise InvalidConfigError(f"{source}: --fp8-recipe needs --fp8-format")
+        return Precision.AUTO, None
+    if got["--fp8-format"] not in ("hybrid", "e4m3"):
+        raise InvalidConfigError(f"{source}: --fp8-format {got['--fp8-format']!r}: expected hybrid or e4m3")
+    recipe = got.get("--fp8-recipe", "delayed")
+    if recipe != "tensorwise":
+        raise InvalidConfigError(f"{source}: --fp8-recipe {recipe}{' (Megatron default)' if '--fp8-recipe' not in got else ''}: "
+                                 "autoshard prices per-tensor current scaling; give --fp8-recipe tensorwise")
+    return Precision.FP8, Fp8Recipe.TENSORWISE
 
 
 def _virtual(got: dict, layers: int, pp: int, source: str) -> int:

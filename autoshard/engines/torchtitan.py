@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from autoshard.engines.training_run import TrainingRun, default_strategies, price, uniform
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Mesh, Recompute, Schedule, stage_rank
+from autoshard.ir import Mesh, Precision, Recompute, Schedule, stage_rank
 from autoshard.models.presets import Family, ModelSpec
 
 # torchtitan's own Llama 3 sizes (torchtitan/models/llama3/__init__.py): (layers, dim, ffn, heads, kv, vocab)
@@ -85,6 +85,10 @@ def project(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int,
     if run.per_stage_recompute or run.per_stage_sequence_parallel:
         notes.append("per-stage recompute / sequence parallelism: torchtitan sets one value for every stage")
         run, _ = uniform(ct, hw, spec, run, global_batch=global_batch, seq_len=seq_len, moe_imbalance=moe_imbalance)
+    if run.precision is Precision.FP8:
+        notes.append("fp8: torchtitan 0.3 turns float8 on by a model converter in a config function, not from the "
+                     "command line; priced as bf16 mixed precision")
+        run = replace(run, precision=Precision.AUTO, fp8_recipe=None)
     if run.zero == 1 or (run.zero >= 1 and run.mesh.pp > 1):
         if run.mesh.pp == 1:
             notes.append("ZeRO-1: torchtitan shards with FSDP; priced as ZeRO-2 (FSDP without resharding after forward)")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Mesh, Plan, Recompute, Schedule, even_stages, stage_rank
+from autoshard.ir import Fp8Recipe, Mesh, Plan, Precision, Recompute, Schedule, even_stages, stage_rank
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +37,8 @@ class TrainingRun:
     rank_layers: tuple[int, ...] = ()  # layers per pipeline rank; empty: ir.even_stages
     strategies: tuple[tuple[str, str], ...] = ()  # intra-op choices (plan key strategies); () the table's default
     groups: tuple[str, ...] = ()  # Mamba-2 groups "split" / "whole" per rank where they differ
+    precision: Precision = Precision.AUTO  # AUTO: the device's default (bf16-mixed on accelerators)
+    fp8_recipe: Fp8Recipe | None = None  # precision fp8 only
 
     def __post_init__(self) -> None:
         pp = self.mesh.pp
@@ -68,7 +70,7 @@ class TrainingRun:
 
     def layout(self, *, moe_imbalance: float = 1.0):
         """The cost model's Layout: the per-rank choices as `stage_choices` where the ranks differ."""
-        from autoshard.passes.cost import Layout
+        from autoshard.passes.cost.cost import Layout
 
         sp_differ = self.per_stage_sequence_parallel
         groups_differ = len(set(self.groups)) > 1
@@ -79,11 +81,11 @@ class TrainingRun:
                       virtual_stages=self.virtual_stages,
                       sequence_parallel=False if sp_differ else self.sequence_parallel[0], strategies=strategies,
                       stage_choices=(("sequence_parallel",) if sp_differ else ()) + (("groups",) if groups_differ else ()),
-                      moe_imbalance=moe_imbalance)
+                      moe_imbalance=moe_imbalance, precision=self.precision, fp8_recipe=self.fp8_recipe)
 
     def assignment(self, num_layers: int, layout):
         """The planner's stage assignment of this run under `layout` (`self.layout()`)."""
-        from autoshard.passes.solve_model import Assignment, stage_variants
+        from autoshard.passes.solve.solve_model import Assignment, stage_variants
 
         pp = self.mesh.pp
         variants = stage_variants(layout)
@@ -104,7 +106,8 @@ class TrainingRun:
         sp = "/".join("on" if x else "off" for x in self.sequence_parallel)
         rec = "/".join(r.value for r in self.recompute)
         split = f", stages {'/'.join(map(str, self.rank_layers))} layers" if self.rank_layers else ""
-        return (f"dp{m.dp} pp{m.pp} tp{m.tp} cp{m.cp} ep{m.ep}, {sched}, sp {sp}, zero {self.zero}"
+        fp8 = f", fp8 {self.fp8_recipe.value if self.fp8_recipe else 'tensorwise'}" if self.precision is Precision.FP8 else ""
+        return (f"dp{m.dp} pp{m.pp} tp{m.tp} cp{m.cp} ep{m.ep}, {sched}, sp {sp}, zero {self.zero}{fp8}"
                 f"{' + offload' if self.offload else ''}, recompute {rec}, micro-batch {self.micro_batch}{split}")
 
 
@@ -125,7 +128,8 @@ def run_of_plan(plan: Plan) -> TrainingRun:
     return TrainingRun(mesh=plan.mesh, micro_batch=plan.micro_batch, zero=plan.zero, offload=plan.offload_optimizer,
                        schedule=plan.schedule, virtual_stages=v, recompute=_collapse(recompute),
                        sequence_parallel=_collapse(sp), rank_layers=tuple(layers) if plan.stages else (),
-                       strategies=shared, groups=tuple(groups) if len(set(groups)) > 1 or groups[0] != "split" else ())
+                       strategies=shared, groups=tuple(groups) if len(set(groups)) > 1 or groups[0] != "split" else (),
+                       precision=plan.precision, fp8_recipe=plan.fp8_recipe)
 
 
 def _collapse(values: list) -> tuple:
@@ -135,7 +139,7 @@ def _collapse(values: list) -> tuple:
 def default_strategies(spec, run: TrainingRun) -> TrainingRun:
     """A hand-given run with the intra-op choices `sweep` prices its mesh with (the table's default where
     it runs: a vocabulary tp does not divide replicates the embedding and head)."""
-    from autoshard.passes.sharding import runnable_strategies
+    from autoshard.rules.sharding import runnable_strategies
 
     sp = any(run.sequence_parallel)
     st = runnable_strategies(spec, run.mesh.tp, sequence_parallel=sp)
@@ -147,8 +151,8 @@ def default_strategies(spec, run: TrainingRun) -> TrainingRun:
 
 def price(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int, moe_imbalance: float = 1.0) -> dict:
     """The figures of `run` (the keys of a plan's `predicted`), from `solve.predict`."""
-    from autoshard.passes.cost import _check, resolved
-    from autoshard.passes.solve import predict
+    from autoshard.passes.cost.cost import _check, resolved
+    from autoshard.passes.solve.planner import predict
 
     layout = resolved(run.layout(moe_imbalance=moe_imbalance), hw)
     _check(spec, replace(layout, stage_choices=()), global_batch, seq_len)  # the validator's one-line reasons
@@ -181,5 +185,7 @@ def compare(priced: dict, best: dict, *, terms: int = 3) -> str:
     diffs = {k: best["time_breakdown_s"].get(k, 0.0) - v for k, v in priced["time_breakdown_s"].items()}
     top = sorted((k for k in diffs if abs(diffs[k]) > 1e-9), key=lambda k: -abs(diffs[k]))[:terms]
     ratio = priced["step_time_s"] / best["step_time_s"]
+    if abs(ratio - 1) < 1e-9:
+        return "the same step time: this layout is the best plan's"
     why = ", ".join(f"{k.replace('_', ' ')} {diffs[k]:+.3g} s" for k in top) or "the same time terms"
     return f"{ratio:.3g}x {'faster' if ratio >= 1 else 'slower'} ({why} per step)"

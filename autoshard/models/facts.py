@@ -4,7 +4,7 @@ name differently) and its module tree, never its `model_type` or class names.
 Contract: `read_facts(config, model)` -> `ModelFacts`, a frozen record of what autoshard needs to
 know about a decoder to plan and run it, and `refusals(facts)` -> ((axis, why), ...): the parallel
 axes this model cannot run yet, each with a one-line reason naming the module and the construct.
-The planner does not search a refused axis (`passes/layouts.axis_violation`) and `parallelize`
+The planner does not search a refused axis (`rules/validity.axis_violation`) and `parallelize`
 refuses a plan that uses one, with that reason; every other axis still plans.
 
 Terms:

@@ -1,5 +1,5 @@
 """The spec of a model whose decoder layers are of several kinds (Bamba, Nemotron-H, Granite-4, Jamba,
-Zamba2, DeepSeek-V3's dense and MoE layers; passes/layer_kinds.py), read off its modules and config.
+Zamba2, DeepSeek-V3's dense and MoE layers; passes/capture/layer_kinds.py), read off its modules and config.
 
 `layered_spec(model, *, name) -> ModelSpec | None`: None for a model whose layers are all of one kind
 (the type gate of `presets.spec_from_hf_config` reads those, as it always did). Otherwise a spec of
@@ -34,7 +34,7 @@ def ssd_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
     """The spec of a mixed layer stack (None for one kind of layer); see the module docstring."""
-    from autoshard.passes.layer_kinds import find_layer_stack
+    from autoshard.passes.capture.layer_kinds import find_layer_stack
 
     config = getattr(model, "config", None)
     stack = find_layer_stack(model)

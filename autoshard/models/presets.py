@@ -69,7 +69,7 @@ class ModelSpec:
     top_k: int = 0
     shared_ffn: int = 0
     # facts read off a user's model (models/facts.py); at their defaults for the presets, and then left out
-    # of the cache keys (passes/table_cache.py), so the presets' shipped tables still match
+    # of the cache keys (passes/capture/table_cache.py), so the presets' shipped tables still match
     refused: tuple[tuple[str, str], ...] = _fact(())  # (axis, why) pairs this model cannot run yet
     grad_sum: tuple[str, ...] = _fact(())  # layer paths replicated over tp whose gradient is summed (q/k norms)
     head_params: tuple[str, ...] = _fact(())  # attention parameters indexed by head (sinks): split with the heads
@@ -377,7 +377,7 @@ def _with_experts(spec: ModelSpec, facts, config, value) -> ModelSpec:
 def _refusals(spec: ModelSpec, facts) -> tuple[tuple[str, str], ...]:
     """(axis, why) of every axis this model cannot run yet (models/facts.py)."""
     from autoshard.models import facts as F
-    from autoshard.passes import sharding
+    from autoshard.rules import sharding
 
     out = []
     roles = tuple(r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER)

@@ -26,7 +26,7 @@ tensor-parallel rank `r` of the unmodified HF model whose parameters are `params
   (the norms' weights, row-parallel biases), summed over tp.
 
 What is split, how, and where the collectives go comes from the family's sharding table
-(`passes/sharding.py`); plans are checked before this pass by `passes/layouts.py check_plan`.
+(`rules/sharding.py`); plans are checked before this pass by `rules/validity.py check_plan`.
 
 This pass decides; `autoshard.runtime.tensor_parallel` carries the table out on the module.
 """
@@ -38,15 +38,15 @@ from collections.abc import Mapping, Sequence
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import BlockKind, Placement, Plan, Recompute, Replicate, Shard, ShardProgram, even_stages
 from autoshard.models.presets import Family, ModelSpec
-from autoshard.passes import sharding
-from autoshard.passes.sharding import Strategy
+from autoshard.rules import sharding
+from autoshard.rules.sharding import Strategy
 
 
 def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, ...]], *,
                   tp_rank: int) -> ShardProgram:
     """The table for tp rank `tp_rank` (see the module docstring); `params`: {name: full shape}.
     Every placement, region, row-parallel linear and vocab-parallel module comes from the family's
-    sharding table (`passes/sharding.py`)."""
+    sharding table (`rules/sharding.py`)."""
     tp = plan.mesh.tp
     why = sharding.tp_violation(spec, tp, plan.strategies)
     if why:

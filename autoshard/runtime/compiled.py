@@ -13,7 +13,7 @@ Contract
   and context parallelism and the recompute wrappers are installed and before ZeRO-3's FSDP2
   wraps the layers (torchtitan's order). Returns how many layers it compiled.
 
-Why: the GPU device profiles price RMSNorm, RoPE and SwiGLU as fused kernels (passes/kernels.py,
+Why: the GPU device profiles price RMSNorm, RoPE and SwiGLU as fused kernels (passes/capture/kernels.py,
 `kernels` in autoshard/hardware.py), as production runs execute them (Megatron-LM's fused kernels,
 torchtitan's compiled blocks). Measured on an H200 (bench/bench_device.py, docs/cost_model.md,
 "Measured on an H200"): eager HF llama-1b ran 1.5x (micro-batch 4) to 2.9x (micro-batch 1) slower

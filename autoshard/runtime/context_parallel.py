@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError, UnsupportedOpError
-from autoshard.passes.layouts import sequence_split_violation
+from autoshard.rules.validity import sequence_split_violation
 
 IGNORE_INDEX = -100
 
@@ -82,7 +82,7 @@ def layout_of(model: nn.Module) -> SeqLayout:
 
 def check_seq_len(seq_len: int, cp: int, layout: SeqLayout, *, min_local: int = 1) -> None:
     """Raise before any collective if `seq_len` cannot be split over `cp` ranks: the plan rule
-    (passes/layouts.sequence_split_violation) applied to the batch at hand."""
+    (rules/validity.sequence_split_violation) applied to the batch at hand."""
     why = sequence_split_violation(seq_len, cp, balanced=layout is SeqLayout.BALANCED, min_local=min_local)
     if why:
         raise InvalidConfigError(why)

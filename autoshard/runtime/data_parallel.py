@@ -3,7 +3,7 @@
 Contract:
 * `GradSync(params, group, zero=0|1|2)` groups the parameters (in reverse order, the order
   backward produces their gradients) into buckets of `gradient_bucket_params(dp)` parameters
-  (Megatron-Core DDP's max(40M, 1M x dp), passes/collectives.py: the cost model's buckets too).
+  (Megatron-Core DDP's max(40M, 1M x dp), passes/cost/collectives.py: the cost model's buckets too).
   Between `begin(...)` and `finish()`, a post-accumulate-grad hook counts each parameter's gradient
   as ready; a bucket whose gradients are all ready has its reduction launched asynchronously
   (buckets launch strictly in order, so every dp rank issues the same collectives in the same
@@ -23,9 +23,9 @@ Contract:
     the buffer is freed. At most STAGING_BUFFERS (2) are held: one filling while the previous
     one is reduced (DeepSpeed's double-buffered ipg_buffer); a third bucket first waits for the
     oldest in flight (one more is made only if both held still wait for gradients, which come
-    out of bucket order). The cost model prices the two buckets (passes/cost.py
+    out of bucket order). The cost model prices the two buckets (passes/cost/cost.py
     `zero2_staging_bytes`) and the reduce-scatter per micro-batch (`zero2_time`). Needs pp = 1
-    (passes/layouts.py; DeepSpeed has the same rule): a pipeline schedule accumulates gradients
+    (rules/validity.py; DeepSpeed has the same rule): a pipeline schedule accumulates gradients
     over micro-batches inside its own loop.
 * Gradients are summed, not averaged: the loss is already divided by the global token count
   (`runtime/loss.py`), so the sum over dp ranks is the gradient of the global mean.
@@ -44,7 +44,7 @@ this rank's slice of every bucket (zero=1/2) or every bucket whole (zero=0: a sh
 it steps them on the fp32 gradient slices, casts them into this rank's slice of the bf16 param
 buffer and all-gathers that in place. With fp32 parameters (`masters=False`) there is no copy: the
 optimizer steps this rank's slice of the param buffer in place. Reductions are fp32. Between steps
-a rank keeps what the cost model prices (passes/cost.py `state_bytes`); while a step runs, the
+a rank keeps what the cost model prices (passes/cost/cost.py `state_bytes`); while a step runs, the
 sync allocates only ZeRO-2's staging buffers (tests/runtime/test_state_bytes.py measures both,
 both precisions).
 """
@@ -57,10 +57,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autoshard.passes.collectives import gradient_bucket_params
+from autoshard.rules.buckets import gradient_bucket_params
 
 # zero=2: buckets holding a staging buffer at once (DeepSpeed stage 2's double-buffered `ipg_buffer`
-# under overlap_comm): one filling while the previous one is reduce-scattered (passes/cost.py prices them)
+# under overlap_comm): one filling while the previous one is reduce-scattered (passes/cost/cost.py prices them)
 STAGING_BUFFERS = 2
 # flat-tensor collectives: the *_single names from torch 2.13 on (the old ones warn there), same signatures.
 # Both run in place here, as Megatron-LM's do (NCCL: "in-place" when the output is the input's own slice,

@@ -255,7 +255,7 @@ class DistributedModel:
 
     def generate(self, input_ids: Tensor, *, max_new_tokens: int) -> Tensor:
         """Prompt + greedy new tokens (b, s + n), n <= max_new_tokens, on every rank (collective)."""
-        from autoshard.passes.layouts import generate_violation
+        from autoshard.rules.validity import generate_violation
 
         mesh, spec = self.plan.mesh, self._setup.spec
         # the rule the inference planner checks its layouts with

@@ -3,7 +3,7 @@
 Contract
 --------
 `apply_expert_parallel(model, spec, ep_group, ep=, ep_rank=)` replaces, in place, every HF experts
-module (the `expert` roles of the sharding table, passes/sharding.py: `<base>.layers.<i>.mlp.experts`
+module (the `expert` roles of the sharding table, rules/sharding.py: `<base>.layers.<i>.mlp.experts`
 of Mixtral / Qwen2-MoE) by a `ParallelExperts` holding this rank's
 contiguous slice of the experts (rank r of ep: experts [r*E/ep, (r+1)*E/ep)), under the same
 parameter names (`gate_up_proj`, `down_proj`: dim 0 is the expert), so `named_parameters()` still
@@ -68,7 +68,7 @@ from autoshard.runtime.tensor_parallel import shard_tensor
 
 def experts_modules(model: nn.Module, spec: ModelSpec) -> list[tuple[str, nn.Module]]:
     """(path, module) of every routed-experts module: the `expert` roles of the sharding table."""
-    from autoshard.passes.sharding import Strategy, modules
+    from autoshard.rules.sharding import Strategy, modules
 
     return [(path, model.get_submodule(path)) for path in modules(spec, Strategy.EXPERT)]
 
@@ -172,10 +172,10 @@ def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_group: dist.Proc
                           ep_rank: int, tp_group: dist.ProcessGroup | None = None, tp: int = 1,
                           tp_rank: int = 0) -> frozenset[str]:
     """Swap every experts module for this rank's `ParallelExperts` (module docstring); the names of
-    the expert parameters. The plan rule on ep (passes/layouts.ep_violation) is checked first.
+    the expert parameters. The plan rule on ep (rules/validity.ep_violation) is checked first.
     `tp_group` (serving replicas of an inference plan only): each expert's GEMMs split over tp as well
     (`expert_tp_placements`), the partial outputs all-reduced over tp."""
-    from autoshard.passes.layouts import ep_violation
+    from autoshard.rules.validity import ep_violation
 
     why = ep_violation(spec, ep)
     if why:

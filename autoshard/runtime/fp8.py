@@ -1,7 +1,7 @@
 """FP8 training (plan precision "fp8"): torchao's float8 training on the layers' projections.
 
 Contract: `apply_float8(model, spec, recipe, device=..., fsdp_float8_all_gather=...)` swaps, in place,
-the linears of `passes/sharding.py float8_modules(spec)` (every layer's attention, MLP and Mamba-2
+the linears of `rules/sharding.py float8_modules(spec)` (every layer's attention, MLP and Mamba-2
 mixer projections, the shared expert's; not the embedding, the LM head, norms, routers, the
 routed experts' grouped weights or the SSD scan) for torchao's `Float8Linear`, configured by the
 recipe as torchao names it (`Float8LinearConfig.from_recipe_name`: "tensorwise" or "rowwise").
@@ -81,7 +81,7 @@ def _row_parallel_class(float8) -> type:
 def apply_float8(model: nn.Module, spec: ModelSpec, recipe: Fp8Recipe, *, device: torch.device,
                  fsdp_float8_all_gather: bool = False) -> tuple[str, ...]:
     """Swap the float8 modules of `model` for torchao's Float8Linear (module docstring); the paths swapped."""
-    from autoshard.passes.sharding import float8_modules
+    from autoshard.rules.sharding import float8_modules
 
     float8 = torchao_float8()
     check_fp8_device(device)

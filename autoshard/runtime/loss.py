@@ -17,7 +17,7 @@ the vocab); the cross-entropy is computed with three all-reduces of (tokens,) ve
 rank ever holds the full logits. The loss is then the same on every rank of the group and its
 gradient is this rank's slice of the full gradient.
 
-Memory (what `passes/cost.py` `logits_bytes` prices): the cross-entropy runs in place on one
+Memory (what `passes/cost/cost.py` `logits_bytes` prices): the cross-entropy runs in place on one
 float32 copy of the logits, as Megatron-LM's fused vocab-parallel cross-entropy does: the copy
 becomes the log-softmax, which is all it keeps for backward, and backward turns it into the
 gradient in place (float32 temporaries a block of rows at a time). Per logit: the logits as the

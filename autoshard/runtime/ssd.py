@@ -12,7 +12,7 @@ Contract
   stay views) and the float32 state entering every chunk (b, L/l, h, p, n). Backward recomputes
   the chunk-local tensors (the l x l masks and scores, B and C repeated to heads) one phase at a
   time: outputs from the saved chunk states, then the chunk states themselves. That is the
-  contract of mamba_ssm's / Ascend's fused kernels and of `passes/kernels.py` `ssd_cost`.
+  contract of mamba_ssm's / Ascend's fused kernels and of `passes/capture/kernels.py` `ssd_cost`.
 * Where it runs: `fused_scan(device)` is mamba_ssm's `mamba_chunk_scan_combined` on CUDA where
   mamba_ssm is installed, with or without its CUDA extensions (production Mamba-2 training's kernel,
   the same math and arguments as HF's `mamba2_chunk_scan`, and what the GPU profiles price), else None and `ssd_scan` runs the torch
@@ -233,7 +233,7 @@ def _without_package_init(package: str, module: str, name: str):
 def fused_scan(device: torch.device):
     """The fused SSD kernel that runs on `device`, or None for `_SSDScan`'s torch ops: mamba_ssm's
     `mamba_chunk_scan_combined` on CUDA where it is installed (what production Mamba-2 training runs,
-    and what the GPU profiles price: passes/kernels.py `ssd_chunk_scan`). Without it the torch scan
+    and what the GPU profiles price: passes/capture/kernels.py `ssd_chunk_scan`). Without it the torch scan
     runs, measured 4.4-6.5x slower than the priced kernel on an H200 (docs/cost_model.md): warned once."""
     if device.type != "cuda":
         return None

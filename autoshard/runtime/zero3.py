@@ -8,7 +8,7 @@ set-up, so each tp rank shards its own slices over its dp peers: FSDP2 composes 
 without knowing about them, and parameters stay DTensors over that mesh (`Shard(0)`).
 
 * Per micro-batch, FSDP2 all-gathers a block's weights before its forward and again before its
-  backward and reduce-scatters its gradients after it: what `passes/cost.py` `zero3_time` prices.
+  backward and reduce-scatters its gradients after it: what `passes/cost/cost.py` `zero3_time` prices.
   The root unit (embeddings, final norm, LM head) stays gathered between forward and backward.
 * Precision (`bf16=True` for bf16-mixed plans; torchtitan's layout): the sharded parameters, their
   gradients and the optimizer state stay fp32 (the shards are the master weights); FSDP2's

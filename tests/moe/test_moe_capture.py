@@ -9,7 +9,7 @@ from autoshard.cli import main
 from autoshard.errors import CaptureError
 from autoshard.models import build_model, get_spec
 from autoshard.models.presets import spec_from_hf_config
-from autoshard.passes.capture import capture_model
+from autoshard.passes.capture.capture import capture_model
 
 
 def test_moe_presets_have_the_published_shapes():

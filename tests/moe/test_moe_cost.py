@@ -12,11 +12,11 @@ from autoshard.errors import InvalidConfigError
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Plan
 from autoshard.models import get_spec
-from autoshard.passes import moe_cost
-from autoshard.passes.cost import Layout, compile_table, estimate, state_bytes
-from autoshard.passes.layouts import excluded_eps
-from autoshard.passes.layouts import check_plan
-from autoshard.passes.shapes import build_cost_table
+from autoshard.passes.cost import moe_cost
+from autoshard.passes.cost.cost import Layout, compile_table, estimate, state_bytes
+from autoshard.rules.validity import excluded_eps
+from autoshard.rules.validity import check_plan
+from autoshard.passes.capture.shapes import build_cost_table
 
 H100 = load_hardware("h100")
 
@@ -63,7 +63,7 @@ def test_worst_case_memory_factor_and_expert_state_sharding():
 
 def test_mfu_counts_active_parameters(mixtral):
     spec, ct = mixtral
-    from autoshard.passes.cost import model_flops_per_token
+    from autoshard.passes.cost.cost import model_flops_per_token
 
     total = sum(b.params * b.count for b in ct.blocks.values())
     active = total - spec.layers * spec.expert_params // 2  # top-2 of 4 experts
@@ -124,7 +124,7 @@ def test_show_refuses_a_plan_with_ep_for_a_dense_model(tmp_path, capsys):
 
 def test_planner_searches_ep_and_its_plan_passes_the_runtime_check(mixtral, capsys):
     from autoshard.commands.show import render
-    from autoshard.passes.solve import candidate_layouts, solve
+    from autoshard.passes.solve.planner import candidate_layouts, solve
 
     spec, ct = mixtral
     layouts = candidate_layouts(spec, devices=4, global_batch=8, seq_len=256, moe_imbalance=1.5)
@@ -151,7 +151,7 @@ def test_every_layout_the_planner_searches_passes_the_runtime_check(name):
     """ep > 1 with every other option the planner searches (ZeRO 0-3, offload, micro-batches, pp): each
     layout is a plan `parallelize` accepts (layouts.check_plan, the one validator), ZeRO-3 under ep among
     them (FSDP2: dense over dp x ep, experts over dp, runtime/zero3.py)."""
-    from autoshard.passes.solve import candidate_layouts
+    from autoshard.passes.solve.planner import candidate_layouts
 
     spec = get_spec(name)
     for devices, global_batch, seq_len in ((8, 16, 256), (4, 4, 64), (16, 32, 128), (6, 12, 64), (2, 1, 64)):
@@ -174,8 +174,8 @@ def test_sweep_rows_pass_the_runtime_check(mixtral):
 def test_expert_gradients_sync_over_dp_on_their_own_link():
     """dp 2 x ep 8 on 8-GPU nodes: dense gradients over all 16 ranks, the experts' over the 2 dp peers,
     8 ranks apart (another node): priced on the inter-node link, one group after the other."""
-    from autoshard.passes.collectives import Collective, best_time
-    from autoshard.passes.cost import dp_exposed_time
+    from autoshard.passes.cost.collectives import Collective, best_time
+    from autoshard.passes.cost.cost import dp_exposed_time
 
     lay = Layout(mesh=Mesh(dp=2, ep=8), zero=0, precision="bf16-mixed")
     got = dp_exposed_time(H100, 100e6, lay, backward_s=0.0, forward_s=0.0, expert=60e6)
@@ -193,7 +193,7 @@ def test_expert_sync_over_one_rank_prices_stage_arrays():
 
     from autoshard.hardware import load_hardware
     from autoshard.ir import Mesh
-    from autoshard.passes.cost import Layout, dp_exposed_time
+    from autoshard.passes.cost.cost import Layout, dp_exposed_time
 
     hw, lay = load_hardware("h100"), Layout(mesh=Mesh(tp=2, ep=4), zero=1)
     params, experts = np.array([1e9, 2e9]), np.array([5e8, 1e9])

@@ -104,7 +104,7 @@ def reference(spec, data, *, bf16: bool = False, fp8_recipe: str | None = None, 
     if fp8_recipe is not None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        from autoshard.passes.sharding import float8_modules
+        from autoshard.rules.sharding import float8_modules
 
         wanted = set(float8_modules(spec))
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(fp8_recipe),
@@ -229,7 +229,7 @@ def _check_float8(dm, spec, what: str) -> None:
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from autoshard.passes.sharding import float8_modules
+    from autoshard.rules.sharding import float8_modules
 
     swapped = {path for path, m in dm.model.named_modules() if isinstance(m, Float8Linear)}
     assert swapped == set(float8_modules(spec)), f"{what}: float8 linears {sorted(swapped ^ set(float8_modules(spec)))}"
@@ -242,7 +242,7 @@ def _check_float8(dm, spec, what: str) -> None:
 def _record_norm_tokens(model, spec) -> set:
     """{norm path: the sequence lengths it sees from now on} of the norms outside the TP regions that run on
     this rank (sequence parallelism)."""
-    from autoshard.passes.sharding import sequence_modules
+    from autoshard.rules.sharding import sequence_modules
 
     seen: dict[str, set] = {}
     for path in sequence_modules(spec):

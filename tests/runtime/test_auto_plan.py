@@ -12,7 +12,7 @@ from autoshard.errors import CaptureError, PlanFileError
 from autoshard.api import _hardware_name
 from autoshard.hardware import load_hardware
 from autoshard.models.presets import build_model, get_spec
-from autoshard.passes.solve import solve
+from autoshard.passes.solve.planner import solve
 from tests.runtime.dist_harness import run_ranks
 from tests.test_cli_inspect import untraceable_llama
 from tests.runtime.equivalence import check_plan

@@ -50,7 +50,7 @@ def test_bad_input_is_named():
 
 def test_plan_check_rejects_bad_cp_before_any_collective():
     from autoshard.ir import Mesh, Plan
-    from autoshard.passes.layouts import check_plan as check
+    from autoshard.rules.validity import check_plan as check
 
     def plan(name, seq, **mesh):
         m = Mesh(**mesh)

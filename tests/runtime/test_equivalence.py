@@ -46,7 +46,7 @@ WORLD2 = (
     (ONE_GROUP, dict(tp=2), True),  # heads split, the one group whole on both ranks
     ("mamba2-tiny", dict(dp=2, zero=3, micro_batch=2), True),  # FSDP2; logits through the root forward
     ("llama-tiny", dict(dp=2, zero=3, offload_optimizer=True), False),  # FSDP2's CPUOffloadPolicy
-    # intra-op choices (passes/sharding.py CHOICES): replicated embedding / LM head + plain loss on full logits
+    # intra-op choices (rules/sharding.py CHOICES): replicated embedding / LM head + plain loss on full logits
     ("llama-tiny", dict(tp=2, strategies={"embedding": "replicate", "head": "replicate"}), True),
     ("mamba2-tiny", dict(tp=2, strategies={"head": "replicate"}), False),
     (ODD_VOCAB, dict(tp=2, strategies={"embedding": "replicate", "head": "replicate"}), True),

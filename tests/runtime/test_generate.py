@@ -24,7 +24,7 @@ from autoshard.errors import InvalidConfigError, PlanFileError
 from autoshard.fingerprint import fingerprint_module
 from autoshard.inference_plan import InferencePlan, Pool
 from autoshard.models.presets import build_model, get_spec
-from autoshard.passes.inference_cost import cache_bytes_per_layer
+from autoshard.passes.serving.inference_cost import cache_bytes_per_layer
 from tests.runtime.dist_harness import run_ranks
 
 NEW_TOKENS = 4

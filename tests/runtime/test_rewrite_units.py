@@ -9,7 +9,7 @@ import autoshard
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Plan
 from autoshard.models.presets import build_model, get_spec
-from autoshard.passes.layouts import check_plan
+from autoshard.rules.validity import check_plan
 from autoshard.passes.rewrite import Replicate, Shard, shard_program
 from autoshard.runtime.mesh import axis_ranks, backend_for, coords_of, rank_of
 from autoshard.runtime.tensor_parallel import shard_tensor, unshard

@@ -1,5 +1,5 @@
 """runtime/ssd.py: the memory-efficient SSD is HF's math, trains like HF, and saves what the cost
-model's fused `ssd_chunk_scan` says it saves (passes/kernels.py)."""
+model's fused `ssd_chunk_scan` says it saves (passes/capture/kernels.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autoshard.models.presets import Family, ModelSpec, build_model, get_spec
-from autoshard.passes.shapes import build_cost_table
+from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.runtime.measure import saved_activation_bytes
 from autoshard.runtime.ssd import install_ssd_mixers, ssd_scan
 from tests.runtime.equivalence import TOL

@@ -7,7 +7,7 @@ FSDP2 shards), gradients (`.grad`, the main gradients and every flat buffer the 
 holds: its buckets, reduce-scatter outputs and reduced slices; FSDP2's gradient shards under ZeRO-3)
 and optimizer (fp32 master weights where they are a copy, and Adam m, v; scalar `step` counters
 left out). Each part must equal `cost.estimate(...).memory` for the same plan: the cost model's
-`state_bytes` on its own per-rank parameter count (passes/sharding.py).
+`state_bytes` on its own per-rank parameter count (rules/sharding.py).
 
 While a step runs (the second: the optimizer state exists), `Allocations` charges every allocation
 to the code that made it; the peak of what the gradient sync and the ZeRO step (`GradSync`,
@@ -31,8 +31,8 @@ import autoshard
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh
 from autoshard.models.presets import build_model, get_spec
-from autoshard.passes.cost import Layout, compile_table, estimate
-from autoshard.passes.shapes import build_cost_table
+from autoshard.passes.cost.cost import Layout, compile_table, estimate
+from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.runtime import data_parallel
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
 

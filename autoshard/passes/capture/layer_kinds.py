@@ -1,0 +1,266 @@
+"""Layer kinds: a model is a sequence of decoder layers of one or more kinds, each kind traced once.
+
+Contract
+--------
+`find_layer_stack(model) -> LayerStack | None`
+
+* Input: an `nn.Module` (on any device; nothing is read but shapes and the HF config); output: its
+  decoder layer list (`prefix`, e.g. "model.layers") and the kind of every layer, or None when the
+  model has no such list. The layer list is the outermost `ModuleList` with `config.num_hidden_layers`
+  children (without a config: the longest `ModuleList` of two or more children).
+* Kinds are the groups of layers of one class and the same parameter names and shapes. A kind is named
+  by the label the config gives its layers (`layers_block_type` / `layer_types`) where they share one,
+  made unique where two kinds share it ("+moe" / "+dense": whether its parameters hold experts; else
+  "#2", ...); else by its mixer as its parameters show it ("mamba": an SSD / selective-scan `A_log`;
+  else "attention") and its feed-forward. Layers alike in weights but not in label (Gemma's or
+  Qwen2's sliding-window and full-attention layers) are one kind so far: they trace to the same ops
+  (sdpa with another mask), and the cost model prices them alike.
+  A model whose layers are all of one kind has the single kind "layer": the uniform case, whose cost
+  table is the one it always had.
+* `LayerStack.sequence` is the kind name of every layer in order; `LayerKind.layers` the indices of a
+  kind's layers; `LayerKind.params` the parameters of ONE layer of the kind that no other layer
+  shares, `LayerStack.shared_params` those several layers share (Zamba2's shared transformer block,
+  counted once), so that embedding + head + sum(kind params x count) + shared = HF's parameter count.
+
+`one_layer_copy(model, stack, kind, dtype) -> nn.Module`
+
+* The same model class with ONE layer, of `kind`, on the meta device: the config is copied with
+  `num_hidden_layers = 1`, its per-layer facts narrowed to the kind's first layer (lists with a value
+  per layer; lists of layer indices; `*_layer_period` / `*_layer_offset` pairs; `first_k_dense_replace`;
+  `decoder_sparse_step`) and `use_cache = False` (tracing needs no cache, and HF's hybrid caches ask
+  a Mamba-only copy for the sequence length of an attention layer it does not have). The copy's layer
+  must have the kind's class and parameter shapes (children it shares with other layers aside: their
+  shape follows how many layers share them), else `CaptureError` names the kind, the layer and the
+  config fields that were narrowed.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.errors import CaptureError
+
+UNIFORM = "layer"  # the name of the one kind of a model whose layers are all alike
+_LABEL_FIELDS = ("layers_block_type", "layer_types")  # HF's per-layer labels, the first one present wins
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerKind:
+    name: str
+    layers: tuple[int, ...]  # indices of this kind's layers, ascending
+    cls: str  # the layer's class name
+    params: int  # parameters of ONE layer of this kind that no other layer shares
+
+    @property
+    def count(self) -> int:
+        return len(self.layers)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerStack:
+    prefix: str  # module path of the layer list, e.g. "model.layers"
+    kinds: tuple[LayerKind, ...]  # in the order of their first layer
+    source: str  # where the kind names come from: "config.<field>" or "parameters"
+    shared_params: int = 0  # parameters held by several layers (counted once)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(k.count for k in self.kinds)
+
+    @property
+    def sequence(self) -> tuple[str, ...]:
+        """The kind name of every layer, in order."""
+        out = [""] * self.num_layers
+        for k in self.kinds:
+            for i in k.layers:
+                out[i] = k.name
+        return tuple(out)
+
+    @property
+    def uniform(self) -> bool:
+        return len(self.kinds) == 1
+
+    def kind(self, name: str) -> LayerKind:
+        for k in self.kinds:
+            if k.name == name:
+                return k
+        raise KeyError(f"no layer kind {name!r}; the kinds are {', '.join(k.name for k in self.kinds)}")
+
+
+def find_layer_stack(model: nn.Module) -> LayerStack | None:
+    """The decoder layers of `model` and their kinds; see the module docstring."""
+    found = _layer_list(model)
+    if found is None:
+        return None
+    prefix, layers = found
+    config = getattr(model, "config", None)
+    field, labels = _labels(config, len(layers))
+    groups: dict[tuple, list[int]] = {}
+    for i, layer in enumerate(layers):
+        groups.setdefault(_signature(layer), []).append(i)
+    owned, shared = _owned_params(layers)
+    keys = list(groups)
+    common = [{labels[i] for i in groups[key]} for key in keys]
+    names = _names([next(iter(c)) if len(c) == 1 and field else "" for c in common], [layers[groups[k][0]] for k in keys])
+    kinds = tuple(LayerKind(name=name, layers=tuple(groups[key]), cls=type(layers[groups[key][0]]).__name__,
+                            params=owned[groups[key][0]])
+                  for key, name in zip(keys, names))
+    for k in kinds:
+        if any(owned[i] != k.params for i in k.layers):
+            raise CaptureError(f"the {k.name!r} layers of {type(model).__name__} own different parameter counts "
+                               f"({sorted({owned[i] for i in k.layers})}); report this with the model config")
+    return LayerStack(prefix=prefix, kinds=kinds, source=f"config.{field}" if field else "parameters",
+                      shared_params=shared)
+
+
+def one_layer_copy(model: nn.Module, stack: LayerStack, kind: str, dtype: torch.dtype) -> nn.Module:
+    """A one-layer copy of `model` whose layer is of `kind`, on the meta device; see the module docstring."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise CaptureError(f"{type(model).__name__} has no HF config: autoshard copies a model with one layer "
+                           "by its config; give a model with a .config (a Hugging Face PreTrainedModel)")
+    k = stack.kind(kind)
+    i = k.layers[0]
+    narrowed = narrow_config(config, i, stack.num_layers)
+    with torch.device("meta"):
+        one = type(model)(narrowed).to(dtype)
+    got = _layer_list(one)
+    layers = model.get_submodule(stack.prefix)
+    shared = _shared_children(layers, i)
+    want = _signature(layers[i], skip=shared)
+    if got is None or len(got[1]) != 1 or _signature(got[1][0], skip=shared) != want:
+        what = "no layer list" if got is None else f"{len(got[1])} layers" if len(got[1]) != 1 else \
+            f"a {type(got[1][0]).__name__} with other parameters"
+        raise CaptureError(
+            f"cannot copy {type(model).__name__} with one {kind!r} layer (layer {i}, a {k.cls}): narrowing the "
+            f"config ({', '.join(_changed(config, narrowed)) or 'nothing'}) built {what}; the config says which layer "
+            "is of which kind in a way autoshard does not read: report this with the model config")
+    return one
+
+
+def narrow_config(config: Any, index: int, num_layers: int) -> Any:
+    """A copy of `config` describing one layer: layer `index` of a `num_layers`-layer model (no cache)."""
+    out = copy.deepcopy(config)
+    for name, value in list(vars(config).items()):
+        narrowed = _narrow_value(name, value, index, num_layers)
+        if narrowed is not _SAME:
+            setattr(out, name, narrowed)
+    for name in [n for n in vars(config) if n.endswith("_layer_period")]:
+        offset = name.removesuffix("period") + "offset"
+        period, at = getattr(config, name), getattr(config, offset, None)
+        if isinstance(period, int) and isinstance(at, int) and period > 0:
+            special = index % period == at
+            setattr(out, name, 1 if special else 2)
+            setattr(out, offset, 0 if special else 1)
+    if isinstance(getattr(config, "first_k_dense_replace", None), int):
+        out.first_k_dense_replace = int(index < config.first_k_dense_replace)
+    step = getattr(config, "decoder_sparse_step", None)
+    if isinstance(step, int) and step > 0:
+        out.decoder_sparse_step = 1 if (index + 1) % step == 0 else 2
+    if getattr(out, "num_hidden_layers", 1) != 1:
+        out.num_hidden_layers = 1
+    out.use_cache = False
+    return out
+
+
+_SAME = object()
+
+
+def _narrow_value(name: str, value: Any, index: int, num_layers: int) -> Any:
+    if not isinstance(value, (list, tuple)) or not value or name.endswith(("_multipliers", "_limit")):
+        return _SAME
+    per_layer = len(value) == num_layers and (all(isinstance(v, str) for v in value) or "layer" in name)
+    if per_layer:
+        return type(value)([value[index]])
+    if "layer" in name and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < num_layers for v in value):
+        return type(value)([0] if index in value else [])  # indices of the layers of some kind
+    return _SAME
+
+
+def _changed(before: Any, after: Any) -> list[str]:
+    return [f"{k}={getattr(after, k)!r}" for k in vars(before) if getattr(after, k, None) != getattr(before, k)]
+
+
+def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    config = getattr(model, "config", None)
+    want = getattr(config, "num_hidden_layers", None)
+    lists = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if isinstance(want, int):
+        for prefix, module in lists:  # named_modules is outermost first
+            if len(module) == want:
+                return prefix, module
+    multi = [(p, m) for p, m in lists if len(m) > 1]
+    return max(multi, key=lambda pm: len(pm[1])) if multi else None
+
+
+def _labels(config: Any, n: int) -> tuple[str | None, list[str]]:
+    for field in _LABEL_FIELDS:
+        try:
+            value = getattr(config, field, None)
+        except Exception:  # a property that cannot be computed for this config
+            value = None
+        if isinstance(value, (list, tuple)) and len(value) == n and all(isinstance(v, str) for v in value):
+            return field, list(value)
+    return None, [""] * n
+
+
+def _signature(layer: nn.Module, skip: frozenset[str] = frozenset()) -> tuple:
+    """The layer's class and parameter names and shapes (those under the children `skip` left out)."""
+    return (type(layer).__name__,
+            tuple((k, tuple(v.shape)) for k, v in layer.named_parameters(remove_duplicate=False)
+                  if k.split(".", 1)[0] not in skip))
+
+
+def _shared_children(layers: nn.ModuleList, index: int) -> frozenset[str]:
+    """The children of layer `index` whose parameters other layers hold too (Zamba2's shared transformer
+    block: its size follows the number of layers that share it, one adapter each, not the layer's kind)."""
+    others = {id(p) for j, layer in enumerate(layers) if j != index for p in layer.parameters()}
+    return frozenset(name for name, child in layers[index].named_children()
+                     if any(True for _ in child.parameters()) and all(id(p) in others for p in child.parameters()))
+
+
+def _owned_params(layers: nn.ModuleList) -> tuple[list[int], int]:
+    """Per layer, its parameters that no other layer holds; and the total of those held by several."""
+    holders: dict[int, set[int]] = {}
+    sizes: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            holders.setdefault(id(p), set()).add(i)
+            sizes[id(p)] = p.numel()
+    owned = [0] * len(layers)
+    shared = 0
+    for pid, who in holders.items():
+        if len(who) == 1:
+            owned[next(iter(who))] += sizes[pid]
+        else:
+            shared += sizes[pid]
+    return owned, shared
+
+
+def _names(labels: list[str], firsts: list[nn.Module]) -> list[str]:
+    """The kind names of the groups whose config labels are `labels` ("" for none or several) and whose
+    first layers are `firsts`."""
+    if len(labels) == 1:
+        return [UNIFORM]
+    base = [label or _mixer(layer) for label, layer in zip(labels, firsts)]
+    names = [f"{b}+{_feed_forward(layer)}" if base.count(b) > 1 else b for b, layer in zip(base, firsts)]
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:  # still alike (same label, same feed-forward): number them
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if names.count(n) == 1 else f"{n}#{seen[n]}")
+    return out
+
+
+def _mixer(layer: nn.Module) -> str:
+    names = [k for k, _ in layer.named_parameters()]
+    return "mamba" if any(k.endswith("A_log") for k in names) else "attention"
+
+
+def _feed_forward(layer: nn.Module) -> str:
+    return "moe" if any("expert" in k for k, _ in layer.named_parameters()) else "dense"

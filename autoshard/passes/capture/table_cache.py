@@ -1,0 +1,393 @@
+"""An on-disk cache of cost tables, so a model is traced once per machine, not once per command.
+
+Contract
+--------
+`cached_table(key_parts, build) -> CostTable`: the table stored under the digest of `key_parts`
+(a JSON-able dict that names everything the table depends on), or `build()`'s result, which is
+then stored. `key_parts` starts from `spec_key(spec)`: every field of the model spec, the versions
+of torch and transformers and a digest of autoshard's own source, so a new release or a local
+edit never reads a stale table; `passes/capture/shapes` adds the trace options (and, for a user model,
+its class and config). `cached_value(kind, key_parts, build)` does the same for any JSON value
+(`autoshard plan` keeps a preset's fingerprint there, so a cached plan run needs no model).
+
+* Where: `$AUTOSHARD_CACHE_DIR`, else `$XDG_CACHE_HOME/autoshard`, else `~/.cache/autoshard`;
+  entries are `<kind>/<digest>.json` (`tables/`, `fingerprints/`). `AUTOSHARD_CACHE_DIR=off`
+  turns the cache off.
+  `autoshard cache` prints where it is and how big; `autoshard cache --clear` empties it.
+* Format: JSON (never pickle), one file per table, written atomically (temporary file, then
+  rename). Each expression is stored as the terms of a polynomial in `B`, `S` and
+  `ceiling(S/l)` (Mamba-2's padded length) with integer or rational coefficients; decoding
+  rebuilds the same SymPy expression (tests/passes/capture/test_table_cache.py checks equality).
+* Integrity: every entry stores `digest`, sha256 of its value's canonical JSON (`content_digest`). An
+  entry of the user cache whose value does not match it (hand-edited: one changed `"params"` number
+  moved a plan's predicted step from 0.007 s to 0.47 s; or damaged) is never used: one warning line on
+  stderr (logger `autoshard.cache`) and the table is rebuilt and the file replaced. A shipped entry is
+  checked alike when it carries a digest (`build_shipped` writes one).
+* A file that cannot be read or decoded is a miss: the table is rebuilt and the file replaced.
+  A directory that cannot be written only costs the speed-up; nothing fails.
+
+Shipped tables
+--------------
+The presets' tables and fingerprints ship inside the package (`autoshard/shipped/<kind>/<digest>.json`,
+the same file format), so a fresh machine plans a preset without a trace. They are read before the
+user cache and keyed by what they depend on (`shipped_key`): the spec's fields, the trace options
+(training, dtype, substituted kernels) and `SHIPPED_FORMAT`, not by the digest of autoshard's source,
+which changes on every edit; a fingerprint's key also names the transformers version (module names
+come from its modeling code, and a wrong fingerprint makes the runtime refuse the plan). Bump
+`SHIPPED_FORMAT` when capture / shapes change what a table holds, and rebuild them with
+`python -m autoshard.passes.capture.table_cache --build-shipped` (every preset at its own layer count; the
+tables are those of the 1-layer copy, shared by every layer count). tests/passes/capture/test_shipped_tables.py
+rebuilds a sample with the current code and fails, naming that command, when a shipped one is stale.
+A user model (`package.module:factory`) or a spec no preset has is traced and kept in the user cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import replace
+from enum import Enum
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+import sympy
+
+from autoshard.errors import InvalidConfigError
+from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
+from autoshard.ir import BlockKind, OpKind
+
+FORMAT = 1
+SHIPPED_FORMAT = 1  # of the shipped tables' contents: bump when capture / shapes semantics change, then rebuild
+SHIPPED = Path(__file__).resolve().parents[2] / "shipped"
+REBUILD_SHIPPED = "python -m autoshard.passes.capture.table_cache --build-shipped"
+ENV = "AUTOSHARD_CACHE_DIR"
+OFF = "off"
+_log = logging.getLogger("autoshard.cache")
+
+
+def cache_dir() -> Path | None:
+    """The cache directory (not created here), or None when the cache is turned off."""
+    configured = os.environ.get(ENV)
+    if configured is not None:
+        return None if configured.strip().lower() in (OFF, "") else Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "autoshard"
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 of autoshard's Python sources: any edit to the package makes every old table a miss."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def digest(key_parts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:40]
+
+
+def content_digest(value: Any) -> str:
+    """sha256 of a stored value's canonical JSON: what an entry's `digest` field holds."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _spec_fields(spec: Any) -> dict[str, Any]:
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+              if not (f.metadata.get("omit_default") and getattr(spec, f.name) == f.default)}
+    return {k: v.value if isinstance(v, Enum) else v for k, v in fields.items()}
+
+
+def spec_key(spec: Any) -> dict[str, Any]:
+    """The key parts every entry about a model spec starts from (see the module docstring)."""
+    import torch  # here, not at import: a shipped table is read without torch
+
+    return {"spec": _spec_fields(spec), "torch": torch.__version__,
+            "transformers": metadata.version("transformers"), "autoshard": source_digest()}
+
+
+def shipped_key(spec: Any, **options: Any) -> dict[str, Any]:
+    """The key of a shipped entry about `spec` (see "Shipped tables" above): its fields, `options`
+    (JSON values) and `SHIPPED_FORMAT`."""
+    return {"shipped_format": SHIPPED_FORMAT, "spec": _spec_fields(spec), **options}
+
+
+KeyParts = dict[str, Any] | Callable[[], dict[str, Any]]  # a callable: computed only when the shipped entry misses
+
+
+def cached_table(key_parts: KeyParts, build: Callable[[], CostTable], *,
+                 shipped: dict[str, Any] | None = None) -> CostTable:
+    """The shipped table for `shipped` (a `shipped_key`), else the stored table for `key_parts`, else
+    `build()` (stored for next time)."""
+    return cached_value("tables", key_parts, build, shipped=shipped, encode=table_to_json, decode=table_from_json)
+
+
+def cached_value(kind: str, key_parts: KeyParts, build: Callable[[], Any], *,
+                 shipped: dict[str, Any] | None = None, encode: Callable[[Any], Any] = lambda v: v,
+                 decode: Callable[[Any], Any] = lambda v: v) -> Any:
+    """The value shipped under `kind/` for `shipped` (when given), else the value stored under `kind/`
+    for `key_parts`, else `build()` (stored for next time); `encode` / `decode` map the value to and
+    from JSON."""
+    if shipped is not None:
+        value = _read(SHIPPED / kind / f"{digest(shipped)}.json", shipped, decode, digest_required=False)
+        if value is not None:
+            return value
+    root = cache_dir()
+    if root is None:
+        return build()
+    key_parts = key_parts() if callable(key_parts) else key_parts
+    path = root / kind / f"{digest(key_parts)}.json"
+    value = _read(path, key_parts, decode)
+    if value is not None:
+        return value
+    value = build()
+    _write(path, key_parts, value, encode)
+    return value
+
+
+def _read(path: Path, key_parts: dict[str, Any], decode: Callable[[Any], Any], *, digest_required: bool = True) -> Any:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        _log.debug("autoshard cache: unreadable %s (%s); rebuilding", path, e)
+        return None
+    try:
+        if data.get("format") != FORMAT or data.get("key") != key_parts:
+            return None
+        if (digest_required or "digest" in data) and data.get("digest") != content_digest(data["value"]):
+            _log.warning("autoshard cache: %s does not match its content digest (edited or damaged); not used, "
+                         "rebuilding it", path)
+            return None
+        return decode(data["value"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        _log.debug("autoshard cache: malformed %s (%s); rebuilding", path, e)
+        return None
+
+
+def _write(path: Path, key_parts: dict[str, Any], value: Any, encode: Callable[[Any], Any]) -> None:
+    try:
+        encoded = encode(value)
+        payload = json.dumps({"format": FORMAT, "key": key_parts, "value": encoded, "digest": content_digest(encoded)})
+    except ValueError as e:  # e.g. an expression outside the polynomial form: not cached, still correct
+        _log.debug("autoshard cache: not storing %s (%s)", path.name, e)
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+    except OSError as e:
+        _log.debug("autoshard cache: cannot write %s (%s)", path, e)
+
+
+def _entries() -> list[Path]:
+    root = cache_dir()
+    return sorted(root.glob("*/*.json")) if root is not None and root.is_dir() else []
+
+
+def clear() -> tuple[int, int]:
+    """Delete every stored entry: (files removed, bytes freed)."""
+    root = cache_dir()
+    if root is not None and root.is_dir() and not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+        raise InvalidConfigError(f"cannot clear the cache: no permission to change {root}; fix its permissions or "
+                                 f"point {ENV} at a directory you own")
+    removed = freed = 0
+    for f in _entries():
+        try:
+            size = f.stat().st_size
+            f.unlink()
+        except FileNotFoundError:  # another `cache --clear` removed it first
+            continue
+        except PermissionError as e:
+            raise InvalidConfigError(f"cannot clear the cache: {e.strerror} deleting {f}; fix the permissions of "
+                                     f"{f.parent} or point {ENV} at a directory you own") from None
+        removed, freed = removed + 1, freed + size
+    return removed, freed
+
+
+def usage() -> tuple[int, int]:
+    """(stored entries, bytes) in the cache directory."""
+    sizes = []
+    for f in _entries():
+        try:
+            sizes.append(f.stat().st_size)
+        except FileNotFoundError:  # removed by a concurrent `cache --clear`
+            continue
+    return len(sizes), sum(sizes)
+
+
+# -- JSON form of a CostTable ------------------------------------------------------------------------
+
+def table_to_json(table: CostTable) -> dict[str, Any]:
+    encode = functools.lru_cache(maxsize=None)(_encode)  # the same expression recurs across nodes
+    out = {"model": table.model, "blocks": [
+        {"name": blk.name, "kind": blk.kind.value, "count": blk.count, "params": blk.params,
+         "nodes": [_node_to_json(n, encode) for n in blk.nodes]}
+        for blk in table.blocks]}
+    if table.layer_kinds:  # several layer kinds only: a one-kind table's JSON is what it always was
+        out["layer_kinds"] = list(table.layer_kinds)
+    if table.shared_params:
+        out["shared_params"] = table.shared_params
+    return out
+
+
+def table_from_json(data: dict[str, Any]) -> CostTable:
+    decode = functools.lru_cache(maxsize=None)(_decode)
+    return CostTable(model=data["model"], blocks=tuple(
+        BlockCost(name=blk["name"], kind=BlockKind(blk["kind"]), count=int(blk["count"]), params=int(blk["params"]),
+                  nodes=tuple(_node_from_json(n, decode) for n in blk["nodes"]))
+        for blk in data["blocks"]), layer_kinds=tuple(data.get("layer_kinds", ())),
+        shared_params=int(data.get("shared_params", 0)))
+
+
+_EXPR_FIELDS = ("flops", "bytes_read", "bytes_written", "saved_bytes")
+
+
+def _node_to_json(n: NodeCost, encode: Callable) -> dict[str, Any]:
+    out = {"name": n.name, "target": n.target, "kind": n.kind.value, "phase": n.phase,
+           "module_path": n.module_path, "block": n.block}
+    out.update({f: encode(getattr(n, f)) for f in _EXPR_FIELDS})
+    out["gemm"] = None if n.gemm is None else [encode(e) for e in n.gemm]
+    return out
+
+
+def _node_from_json(data: dict[str, Any], decode: Callable) -> NodeCost:
+    node = NodeCost(name=data["name"], target=data["target"], kind=OpKind(data["kind"]), phase=data["phase"],
+                    module_path=data["module_path"], block=data["block"],
+                    **{f: decode(_frozen(data[f])) for f in _EXPR_FIELDS})
+    if data["gemm"] is not None:
+        node = replace(node, gemm=tuple(decode(_frozen(e)) for e in data["gemm"]))
+    return node
+
+
+def _frozen(encoded: Any) -> Any:
+    """A hashable copy of an encoded expression (JSON gives lists), for the decode memo."""
+    return tuple(_frozen(x) for x in encoded) if isinstance(encoded, list) else encoded
+
+
+def _encode(expr: sympy.Expr) -> int | list:
+    """An integer, or the polynomial's terms [[coefficient, i, j, l, k], ...] meaning
+    coefficient * B**i * S**j * ceiling(S/l)**k (l = 0 when k = 0); coefficient is an int or [p, q]."""
+    expr = sympy.sympify(expr)
+    if expr.is_Integer:
+        return int(expr)
+    ceilings = sorted(expr.atoms(sympy.ceiling), key=str)
+    chunks = [_chunk_of(c) for c in ceilings]
+    unknown = expr.free_symbols - {B, S}
+    if unknown:
+        raise ValueError(f"unexpected symbols {sorted(map(str, unknown))} in {expr}")
+    try:
+        poly = sympy.Poly(expr, B, S, *ceilings)
+    except sympy.PolynomialError as e:  # e.g. floor(s/l) or sqrt(s): not this form, so not cached
+        raise ValueError(f"{expr} is not a polynomial in b, s and ceiling(s/l): {e}") from None
+    terms = []
+    for monom, coeff in poly.terms():
+        if not coeff.is_Rational:
+            raise ValueError(f"non-rational coefficient {coeff} in {expr}")
+        c = int(coeff) if coeff.is_Integer else [int(coeff.p), int(coeff.q)]
+        i, j, *ks = monom
+        powers = [(chunks[n], k) for n, k in enumerate(ks) if k]
+        if len(powers) > 1:
+            raise ValueError(f"more than one ceiling in a term of {expr}")
+        l, k = powers[0] if powers else (0, 0)
+        terms.append([c, i, j, l, k])
+    return terms
+
+
+def _chunk_of(ceiling: sympy.Expr) -> int:
+    l = 1 / (ceiling.args[0] / S)
+    if not (l.is_Integer and l > 0):
+        raise ValueError(f"{ceiling} is not ceiling(s/l) for an integer l")
+    return int(l)
+
+
+def _decode(encoded: Any) -> sympy.Expr:
+    if isinstance(encoded, int):
+        return sympy.Integer(encoded)
+    out = []
+    for c, i, j, l, k in encoded:
+        coeff = sympy.Integer(c) if isinstance(c, int) else sympy.Rational(*c)
+        term = coeff * B**i * S**j
+        if k:
+            term *= sympy.ceiling(S / l) ** k
+        out.append(term)
+    return sympy.Add(*out)
+
+
+# -- the shipped tables -------------------------------------------------------------------------------
+
+def shipped_entries() -> list[tuple[str, dict[str, Any], Callable[[], Any], Callable[[Any], Any]]]:
+    """(kind, shipped key, build, encode) of every entry the package ships: per preset, the training
+    table of its 1-layer copy for each set of substituted kernels a built-in device profile (or the
+    default) asks for, and its fingerprint (transformers' version in the key: see the module docstring)."""
+    import torch
+
+    from autoshard.fingerprint import fingerprint_module
+    from autoshard.hardware import hardware_names, load_hardware
+    from autoshard.models.presets import PRESETS, build_model
+    from autoshard.passes.capture import kernels as kernel_table
+    from autoshard.passes.capture import shapes
+
+    out = []
+    for spec in PRESETS.values():
+        one = replace(spec, layers=1)
+        options = {kernel_table.kernel_for(one, names) for names in
+                   [kernel_table.KERNEL_NAMES, *(load_hardware(h).kernels for h in hardware_names())]}
+        for kernels in sorted(options):
+            key = shapes.shipped_table_key(one, True, torch.bfloat16, kernels)
+            out.append(("tables", key, functools.partial(shapes._build, one, True, torch.bfloat16, None, kernels),
+                        table_to_json))
+        out.append(("fingerprints", fingerprint_key(spec),
+                    functools.partial(lambda s: fingerprint_module(build_model(s, device="meta")), spec),
+                    lambda v: v))
+    return out
+
+
+def fingerprint_key(spec: Any) -> dict[str, Any]:
+    """The shipped key of `spec`'s fingerprint."""
+    return shipped_key(spec, transformers=metadata.version("transformers"))
+
+
+def build_shipped(root: Path = SHIPPED) -> list[Path]:
+    """Rebuild every shipped entry under `root` (tracing each preset) and delete the ones no preset
+    has any more; the paths written."""
+    written = []
+    for kind, key, build, encode in shipped_entries():
+        path = root / kind / f"{digest(key)}.json"
+        _write(path, key, build(), encode)
+        if not path.is_file():
+            raise OSError(f"could not write {path}")
+        path.chmod(0o644)  # package data: readable by everyone (the cache's files are private)
+        written.append(path)
+    for stale in set(root.glob("*/*.json")) - set(written):
+        stale.unlink()
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m autoshard.passes.capture.table_cache",
+                                 description="Rebuild the cost tables and fingerprints shipped in the package.")
+    ap.add_argument("--build-shipped", action="store_true", required=True,
+                    help=f"trace every preset and write {SHIPPED.relative_to(SHIPPED.parents[1])}/<kind>/<digest>.json")
+    ap.parse_args(argv)
+    paths = build_shipped()
+    size = sum(p.stat().st_size for p in paths)
+    print(f"{len(paths)} shipped entries written under {SHIPPED} ({size / 1e6:.2f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,463 @@
+"""Inference cost model: time to first token, time per output token and memory of a serving layout.
+
+Contract
+--------
+`estimate_serving(table, hw, layout, *, prompt_len, output_len) -> ServeEstimate`
+
+* `table`: the model's `CostTable` (passes/capture/shapes, the same one training is priced from) or the
+  `InferenceTable` made from it once by `compile_inference_table(table, spec)` (do that when
+  pricing many layouts). `layout`: a `ServeLayout` -- tp, pp and ep of one replica, the number
+  of replicas (data parallel), and `batch`, the sequences one replica serves at once.
+* What is priced is what `DistributedModel.generate` runs (runtime/generate.py): the batch's
+  prompts are prefilled together, then decoded together one token per step (static batching),
+  the stages of a pipeline driven one after the other (no micro-batches in flight in decode).
+  So TTFT = the prefill of (batch, prompt_len) through every stage, its first token included;
+  TPOT = the mean decode step over the context lengths P+1 .. P+O-1; a replica emits
+  batch * O tokens per TTFT + (O-1) * TPOT; throughput = replicas * that rate.
+
+Prefill (compute-bound): every forward node of the cost tables at (b = batch, s = prompt_len),
+priced by cost.py's roofline (`node_times`), TP all-reduces by cost.py's collective model
+(`tp_comm_times`), the head at s = 1 (the runtime computes the logits of the last position
+only; the loss nodes of the training table are not run), p2p hops between stages of
+(batch, prompt_len, hidden) bf16.
+
+Decode (memory-bound): one step at (b = batch, context c). Every forward node outside the
+sequence-mixing core is the table's node at s = 1 -- its bytes hold the weights, read once per
+step, and its GEMMs are thin (m = batch), so the roofline makes them bandwidth-bound. The core
+is what runs differently in decode, priced with a third symbol, the context length `C`:
+* LLaMA attention: one query over the cached keys. FLOPs: the table's s x s attention nodes
+  with one query and C keys (`flops(b, 1) * C`, PaLM's counting); bytes: the KV cache read once,
+  2 * b * C * kv_heads_local * head_dim * KV_BYTES (GQA: kv_heads / min(tp, kv_heads) per rank).
+* Mamba-2: the recurrent step instead of the chunked scan (runtime/ssd.py `recurrent_step`,
+  HF's `causal_conv1d_update`): the SSM state (b, heads/tp, head_dim, d_state) fp32 and the conv
+  state (b, conv channels of the rank, d_conv) read and written once; ~5 FLOPs per state element, 2 per
+  conv tap. Constant in C.
+TP: the same all-reduces per layer as training's forward, of (batch, 1, hidden): latency-bound,
+priced by the collective model with NCCL's low-latency protocol where the profile has it
+(`collectives.low_latency_time`: ~8-10 us on NVLink). An embedding lookup reads its tokens' rows.
+Fixed work (`PhaseTime.fixed`, prefill and decode): `hw.kernel_floor_s` per kernel the forward
+launches as an engine runs it (`kernels_per_forward`), the cost of a kernel beyond its bytes under
+CUDA graphs; at small batch it is a quarter of a decode step (docs/inference.md). The last stage gathers the logits of the last
+position over tp (fp32) and broadcasts the next tokens over the pipeline; PP adds one p2p hop
+of (batch, 1, hidden) per stage boundary.
+
+Mixture of experts (Mixtral, Qwen2-MoE): each expert's GEMMs split over tp, as serving engines
+run them and as the replicas of an inference plan do (runtime/expert_parallel.py: gate / up rows
+and down columns per tp rank, one all-reduce of the layer's output over tp; training keeps the
+experts whole on every tp rank, the sharding table's `expert` role). A step's routed-expert GEMMs read the weights of the experts its tokens
+touch only: E (1 - (1 - k/E)^T) of the E experts for T = batch x tokens routed top-k
+(`active_experts`: ~ batch x k in decode at small batch, all E in a prefill); the router,
+attention and shared expert as any dense node. With ep > 1 (what generate runs: every ep rank
+holds the same sequences and E/ep experts, runtime/expert_parallel.py `replicated_tokens`) each
+rank reads 1/ep of the touched experts' weights and computes 1/ep of the routed rows (uniform
+routing: the mean rank, the busiest rank's excess over it not priced), then one all-reduce per
+MoE layer of the layer's output (batch, tokens, hidden) bf16 over the ep group (stride tp:
+latency-bound in decode, `collectives.best_time`). Memory holds E/ep experts per layer.
+
+Memory per device (the busiest stage): weights (bf16, sharded by tp as training shards them,
+cost.block_params), the cache -- KV at P + O tokens per sequence (LLaMA) or the constant conv +
+SSM state (Mamba-2) of the stage's layers -- and the activations of the largest prefill: the
+residual stream and its normed copy (batch, P, hidden) plus the largest single node's working
+set at (batch, P) (its inputs and output, weights excluded), plus the fp32 last-position logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import sympy
+
+from autoshard.errors import InvalidConfigError
+from autoshard.hardware import DeviceProfile
+from autoshard.cost_table import B, S, CostTable
+from autoshard.ir import BlockKind, Mesh, Stage, even_stages
+from autoshard.models.presets import Family, ModelSpec
+from autoshard.passes.cost.collectives import Collective, best_time, collective_time
+from autoshard.ir import Precision
+from autoshard.passes.cost.cost import (CompiledTable, Layout, block_params, compile_table, expert_block_params,
+                                   node_times, priced_nodes, tp_comm_times, tp_divisor)
+from autoshard.rules import sharding
+from autoshard.passes.cost.precision import precision_numbers
+from autoshard.rules.sharding import selective_module
+
+_SERVE = precision_numbers(Precision.BF16_MIXED)  # bf16 weights and activations (passes/cost/precision.py)
+ACT_BYTES, PARAM_BYTES = _SERVE.act_bytes, _SERVE.param_bytes
+
+C = sympy.Symbol("c", positive=True, integer=True)  # context length: tokens already in the cache
+KV_BYTES = 2.0  # bf16 K/V cache and conv state (the model's dtype, as HF's DynamicCache stores them)
+SSM_STATE_BYTES = 4.0  # fp32 SSM state: HF Mamba-2 keeps the chunk scan's float32 final state (measured)
+LOGIT_BYTES = 4.0  # fp32 logits of the last position (HF generate casts them to float32)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeLayout:
+    """One serving configuration: tp x pp per replica, `replicas` of them, `batch` sequences each."""
+
+    tp: int = 1
+    pp: int = 1
+    replicas: int = 1
+    batch: int = 1
+    ep: int = 1  # mixture of experts: the experts of each layer split over ep ranks of the replica
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "replicas", "batch", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.ep * self.replicas
+
+    @property
+    def shape(self) -> str:
+        """One replica's layout, as the CLI prints it: tp2 pp1 (ep2)."""
+        return f"tp{self.tp} pp{self.pp}" + (f" ep{self.ep}" if self.ep > 1 else "")
+
+    def as_dict(self) -> dict[str, int]:
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "replicas": self.replicas, "batch": self.batch}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseTime:
+    """Seconds of one forward (a prefill, or one decode step) through a whole replica."""
+
+    compute: float  # roofline of the table's nodes (weights read, GEMMs, vector ops)
+    core: float  # decode only: attention over the KV cache / the Mamba-2 recurrent step
+    tp_comm: float
+    pp_comm: float  # stage-to-stage hops and the token broadcast
+    ep_comm: float = 0.0  # ep > 1: the all-reduce of every MoE layer's output over the ep group
+    fixed: float = 0.0  # the kernels' fixed cost beyond their bytes (`_floor_seconds`)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.core + self.tp_comm + self.pp_comm + self.ep_comm + self.fixed
+
+    def as_dict(self) -> dict[str, float]:
+        return {"compute": self.compute, "core": self.core, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
+                "ep_comm": self.ep_comm, "fixed": self.fixed}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeMemory:
+    """Bytes on the busiest device."""
+
+    weights: float
+    cache: float  # KV cache (LLaMA) or conv + SSM state (Mamba-2)
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.cache + self.activations
+
+    def as_gb(self) -> dict[str, float]:
+        return {"weights": self.weights / 1e9, "cache": self.cache / 1e9, "activations": self.activations / 1e9}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeEstimate:
+    layout: ServeLayout
+    ttft_s: float
+    tpot_s: float
+    throughput_tokens_per_s: float  # output tokens per second over all replicas
+    memory: ServeMemory
+    fits: bool
+    prefill: PhaseTime
+    decode: PhaseTime  # one step at the mean context
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.layout.as_dict(), "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
+                "throughput_tokens_per_s": self.throughput_tokens_per_s, "memory_gb": self.memory.total / 1e9,
+                "memory_breakdown_gb": self.memory.as_gb(), "fits": self.fits,
+                "prefill_breakdown_s": self.prefill.as_dict(), "decode_breakdown_s": self.decode.as_dict()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InferenceTable:
+    """The compiled training table plus, per block, which forward nodes inference runs and which of
+    them are the sequence-mixing core that decode replaces; made once by `compile_inference_table`."""
+
+    ct: CompiledTable
+    core: dict  # BlockKind -> bool array: nodes decode prices by its own rule
+    skip: dict  # BlockKind -> bool array: nodes inference does not run (the training loss)
+    lookup: dict  # BlockKind -> bool array: table lookups (the embedding): read the rows asked, not the table
+    paths: dict  # BlockKind -> tuple of module paths, per node (what `kernels_per_forward` counts by)
+    attention_flops: Any  # lambdified (b, c) -> FLOPs of one decode step's attention, one layer (LLaMA)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.ct.spec
+
+
+def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) -> InferenceTable:
+    if isinstance(table, InferenceTable):
+        return table
+    ct = compile_table(table, spec)
+    core, skip, lookup, paths, attn = {}, {}, {}, {}, sympy.Integer(0)
+    for block in table.blocks:
+        nodes = priced_nodes(block)  # the nodes compile_table keeps, in its order
+        lookup[block.kind] = np.array([n.target == "aten.embedding.default" for n in nodes], dtype=bool)
+        paths[block.kind] = tuple(n.module_path for n in nodes)
+        is_core = [_in_core(n.module_path, spec) for n in nodes]
+        if spec.family is Family.LLAMA:  # only the s x s attention runs differently in decode
+            is_core = [c and _degree_in_s(n.flops) >= 2 for c, n in zip(is_core, nodes)]
+            if block.kind is BlockKind.LAYER:
+                attn = sum((n.flops.subs(S, 1) * C for n, c in zip(nodes, is_core) if c and n.phase == "fwd"),
+                           sympy.Integer(0))
+        core[block.kind] = np.array(is_core, dtype=bool)
+        skip[block.kind] = np.array([block.kind is BlockKind.HEAD and n.module_path == "" for n in nodes], dtype=bool)
+    return InferenceTable(ct=ct, core=core, skip=skip, lookup=lookup, paths=paths, attention_flops=sympy.lambdify((B, C), attn, modules=[np]))
+
+
+def _in_core(path: str, spec: ModelSpec) -> bool:
+    parts = path.split(".") if path else []
+    return bool(parts) and parts[-1] == selective_module(spec)
+
+
+def _degree_in_s(expr) -> int:
+    try:
+        return int(sympy.degree(sympy.expand(expr), S))
+    except (sympy.PolynomialError, TypeError, ValueError):
+        return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces
+
+
+def stages_of(spec: ModelSpec, pp: int) -> tuple[Stage, ...]:
+    return even_stages(spec.layers, pp)
+
+
+def _layout(spec: ModelSpec, tp: int, batch: int) -> Layout:
+    return Layout(mesh=Mesh(tp=tp), micro_batch=batch, strategies=sharding.runnable_strategies(spec, tp) or ())
+
+
+def _block_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, kind: BlockKind, *, batch: int, seq_len: int,
+                   decode: bool, ep: int = 1) -> float:
+    """Roofline seconds of one instance of `kind`'s forward nodes that inference runs (decode: the
+    sequence-mixing core left out, it is priced by `decode_core_seconds`; ep: each rank runs its
+    E/ep experts on the rows routed to them, 1/ep of the routed experts' bytes and FLOPs)."""
+    blk = it.ct.block(kind)
+    if not len(blk.fwd):
+        return 0.0
+    t = node_times(it.ct, hw, _layout(it.spec, tp, batch), kind, seq_len)
+    if blk.expert is not None and blk.expert.any():  # the routed experts' GEMMs read only the experts touched,
+        # 1/ep of them on each ep rank, each expert's GEMMs split over tp (runtime/expert_parallel.py)
+        t = np.where(blk.expert, t * _expert_byte_fraction(it, kind, batch=batch, seq_len=seq_len) / (ep * tp), t)
+    if it.lookup[kind].any():  # an embedding lookup reads the rows of its tokens, not the whole table
+        t = np.where(it.lookup[kind], t * _byte_share(blk, batch=batch, seq_len=seq_len, weight_fraction=0.0), t)
+    run = blk.fwd & ~it.skip[kind]
+    if decode:
+        run &= ~it.core[kind]
+    return float(t[run].sum())
+
+
+def active_experts(experts: int, top_k: int, tokens: float) -> float:
+    """Expected number of distinct experts that `tokens` tokens route to, each to `top_k` of
+    `experts` (uniform routing, tokens independent). One token misses a given expert with
+    probability 1 - k/E (it picks k distinct experts of E), so B tokens all miss it with
+    probability (1 - k/E)^B and, by linearity of expectation over the E experts (the classical
+    occupancy problem, Feller, An Introduction to Probability Theory, vol. I, ch. II.5 and IV.2),
+    E[distinct] = E (1 - (1 - k/E)^B) <= min(E, B k): B k while B k << E (decode at small batch
+    reads B k experts), E once B k >> E (a prefill reads them all)."""
+    if experts <= 0:
+        return 0.0
+    return experts * (1.0 - (1.0 - min(top_k, experts) / experts) ** tokens)
+
+
+def _expert_byte_fraction(it: InferenceTable, kind: BlockKind, *, batch: int, seq_len: int) -> np.ndarray:
+    """Per node: the share of its roofline time left when its expert weights are read only for the
+    experts touched (`active_experts` of batch x seq_len tokens). A node's bytes are its weights
+    (the b-free part) plus its activations; the time scales with the bytes, which is exact while
+    the node is memory-bound -- and a grouped GEMM is compute-bound only with hundreds of rows per
+    expert, where (1 - k/E)^B ~ 0 and every expert is touched (fraction 1)."""
+    spec, blk = it.spec, it.ct.block(kind)
+    frac = active_experts(spec.experts, spec.top_k, batch * seq_len) / max(spec.experts, 1)
+    return _byte_share(blk, batch=batch, seq_len=seq_len, weight_fraction=frac)
+
+
+def _byte_share(blk, *, batch: int, seq_len: int, weight_fraction: float) -> np.ndarray:
+    """Per node: the share of its bytes left when only `weight_fraction` of its weights (the b-free
+    part of its bytes) is read; its activations are read whole."""
+    total = blk.evaluate(batch, seq_len)[1]
+    weights = blk.evaluate(0, seq_len)[1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(total > 0, (total - weights + weights * weight_fraction) / total, 1.0)
+
+
+def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
+                          dtype_bytes: float = KV_BYTES) -> float:
+    """Bytes one device holds for one layer: LLaMA's K and V of `tokens` tokens (its share of the
+    KV heads: kv_heads / min(tp, kv_heads)), or Mamba-2's conv state (model dtype) and fp32 SSM
+    state (constant in tokens). `dtype_bytes`: the model's element size (bf16 when serving)."""
+    if spec.family is Family.LLAMA:
+        head_dim = spec.attention_head_dim
+        kv_local = spec.kv_heads // sharding.parts(spec, "self_attn.k_proj", tp)
+        return 2.0 * batch * tokens * kv_local * head_dim * dtype_bytes
+    ssm = batch * (spec.heads // tp) * spec.head_dim * spec.state * SSM_STATE_BYTES
+    conv = batch * _conv_channels(spec, tp) * spec.conv * dtype_bytes
+    return float(ssm + conv)
+
+
+def _conv_channels(spec: ModelSpec, tp: int) -> float:
+    """Mamba-2 conv channels one tp rank holds: x, B and C split by the sharding table (B and C
+    whole on every rank when tp does not divide n_groups)."""
+    conv_dim = spec.intermediate + 2 * spec.groups * spec.state
+    return conv_dim / sharding.node_divisor(spec, BlockKind.LAYER, f"{sharding.layer_prefix(spec, 0)}.mixer.conv1d", tp)
+
+
+def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch: int, context: float) -> float:
+    """One layer's sequence mixing for one decode step on one device (see the module docstring)."""
+    spec = it.spec
+    if spec.family is Family.LLAMA:
+        flops = float(it.attention_flops(batch, context)) / tp  # heads split over tp
+        q_out = 2.0 * batch * spec.hidden / tp * ACT_BYTES
+        nbytes = cache_bytes_per_layer(spec, batch=batch, tokens=context, tp=tp) + q_out  # the config's head_dim
+    else:
+        state = batch * spec.heads * spec.head_dim * spec.state / tp
+        conv = batch * _conv_channels(spec, tp) * spec.conv
+        flops = 5.0 * state + 2.0 * conv
+        nbytes = 2.0 * (state * SSM_STATE_BYTES + conv * KV_BYTES)  # conv state in the model's bf16
+    return max(flops / (hw.peak_flops * hw.gemm_efficiency), nbytes / (hw.hbm_bandwidth * hw.vector_efficiency))
+
+
+def kernels_per_forward(it: InferenceTable, hw: DeviceProfile, kind: BlockKind) -> int:
+    """Kernels one instance of `kind` launches in a forward, as a serving engine runs it: one per
+    module whose operators read weights (GEMMs, norms' scales, the embedding table, conv1d), one per fused
+    region the device runs as one kernel (`hw.kernels`: the norm, RoPE, SwiGLU; its weight readers
+    counted once), one for the sequence-mixing core (flash / paged attention, the SSD scan or its
+    recurrent step). What is left (the unfused elementwise glue of the HF trace) an engine fuses
+    into its neighbours. LLaMA layer on a GPU profile: 7 GEMMs + 2 norms + RoPE + SwiGLU + attention = 12."""
+    key = ("kernels", kind, hw.kernels)
+    blk = it.ct.block(kind)
+    if key not in blk.memo:
+        run = blk.fwd & ~it.skip[kind] & ~it.core[kind]
+        reads_weights = blk.evaluate(0, 1)[1] > 0  # the b-free part of a node's bytes: its weights
+        units = set()
+        for i in np.flatnonzero(run):
+            region = int(blk.region[i])
+            if region >= 0 and hw.fuses(blk.region_kernels[region]):
+                units.add(("region", region))
+            elif reads_weights[i]:
+                units.add(("module", it.paths[kind][i]))  # one kernel per module (HF's rotary: one)
+        blk.memo[key] = len(units) + int(bool(it.core[kind].any()))
+    return blk.memo[key]
+
+
+def _floor_seconds(it: InferenceTable, hw: DeviceProfile) -> float:
+    """The fixed cost of one forward of a replica beyond its bytes and FLOPs (what a decode step at
+    small batch is made of besides the weights it streams): `hw.kernel_floor_s` per kernel
+    (`kernels_per_forward`, every layer of every stage; 0 where the profile has none)."""
+    if not hw.kernel_floor_s:
+        return 0.0
+    kernels = (it.spec.layers * kernels_per_forward(it, hw, BlockKind.LAYER)
+               + kernels_per_forward(it, hw, BlockKind.EMBED) + kernels_per_forward(it, hw, BlockKind.HEAD))
+    return kernels * hw.kernel_floor_s
+
+
+def _hop_seconds(hw: DeviceProfile, layout: ServeLayout, nbytes: float) -> float:
+    """One stage-to-stage send (ranks of consecutive stages are tp apart in a replica)."""
+    return collective_time(hw, Collective.SEND_RECV, nbytes, size=2, stride=layout.tp)
+
+
+def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, tokens: int,
+               context: float | None) -> PhaseTime:
+    """A prefill (`tokens` = prompt length, `context` None) or one decode step (`tokens` = 1 at
+    `context` tokens in the cache) of the whole batch through every stage of one replica."""
+    spec, tp, b = it.spec, layout.tp, layout.batch
+    decode = context is not None
+    lay = _layout(spec, tp, b)
+    kinds = {BlockKind.EMBED: tokens, BlockKind.LAYER: tokens, BlockKind.HEAD: 1}  # head: last position only
+    per = {k: _block_seconds(it, hw, tp, k, batch=b, seq_len=s, decode=decode, ep=layout.ep) for k, s in kinds.items()}
+    comm = {k: tp_comm_times(it.ct, hw, lay, k, tokens)[0] for k in (BlockKind.EMBED, BlockKind.LAYER)}
+    comm[BlockKind.HEAD] = (best_time(hw, Collective.ALL_GATHER, b * spec.vocab * LOGIT_BYTES, size=tp, stride=1)
+                            if sharding.vocab_parallel(spec, BlockKind.HEAD, lay.strategies) else 0.0)  # replicated: none
+    compute = spec.layers * per[BlockKind.LAYER] + per[BlockKind.EMBED] + per[BlockKind.HEAD]
+    tp_comm = spec.layers * comm[BlockKind.LAYER] + comm[BlockKind.EMBED] + comm[BlockKind.HEAD]
+    core = spec.layers * decode_core_seconds(it, hw, tp, batch=b, context=context) if decode else 0.0
+    pp_comm = 0.0
+    if layout.pp > 1:
+        hop = _hop_seconds(hw, layout, b * tokens * spec.hidden * ACT_BYTES)
+        token = best_time(hw, Collective.ALL_GATHER, b * 8.0, size=layout.pp, stride=tp)  # broadcast of b ids
+        pp_comm = (layout.pp - 1) * hop + token
+    ep_comm = 0.0
+    if layout.ep > 1:  # the experts' partial outputs summed over the ep ranks (stride tp), every MoE layer
+        ep_comm = spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
+                                          size=layout.ep, stride=tp)
+    if spec.is_moe and tp > 1:  # and over tp: every expert's GEMMs are split over the tp ranks
+        tp_comm += spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
+                                           size=tp, stride=1)
+    return PhaseTime(compute=compute, core=core, tp_comm=tp_comm, pp_comm=pp_comm, ep_comm=ep_comm,
+                     fixed=_floor_seconds(it, hw))
+
+
+def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_len: int,
+           decode_only: bool = False) -> ServeMemory:
+    """Bytes on the busiest device (see the module docstring). `decode_only`: a disaggregated
+    decode pool, which holds the cache at prompt_len + output_len tokens but runs no prefill
+    (its activations are one decode step's)."""
+    spec, tp, b = it.spec, layout.tp, layout.batch
+    held = Layout(mesh=Mesh(tp=tp, ep=layout.ep), micro_batch=b,  # E/ep experts per layer (cost.block_params)
+                  strategies=sharding.runnable_strategies(spec, tp) or ())
+    prm = {k: block_params(it.ct, held, k) for k in BlockKind}
+    if spec.is_moe and tp > 1:  # each tp rank holds its slice of every expert (runtime/expert_parallel.py)
+        prm[BlockKind.LAYER] -= expert_block_params(it.ct, held, BlockKind.LAYER) * (1 - 1 / tp)
+    act = _activation_bytes(it, tp, batch=b, tokens=1 if decode_only else prompt_len, decode=decode_only)
+    cache_layer = cache_bytes_per_layer(spec, batch=b, tokens=prompt_len + output_len, tp=tp)
+    best = None
+    for st in stages_of(spec, layout.pp):
+        params = prm[BlockKind.LAYER] * st.layers + prm[BlockKind.EMBED] * st.embed + prm[BlockKind.HEAD] * st.head
+        if st.head and spec.tied and not st.embed:
+            params += prm[BlockKind.EMBED]  # the tied LM head keeps its copy of the embedding
+        logits = b * spec.vocab / (tp if sharding.vocab_parallel(spec, BlockKind.HEAD, held.strategies) else 1) \
+            * LOGIT_BYTES if st.head else 0.0
+        mem = ServeMemory(weights=params * PARAM_BYTES, cache=cache_layer * st.layers, activations=act + logits)
+        if best is None or mem.total > best.total:
+            best = mem
+    return best
+
+
+def _activation_bytes(it: InferenceTable, tp: int, *, batch: int, tokens: int, decode: bool) -> float:
+    """Transient bytes of one forward of `tokens` tokens per sequence: residual stream + its normed
+    copy, plus the largest single forward node's inputs and output, weights excluded (a decode
+    step: the sequence-mixing core excluded, it runs as the recurrent / cached step)."""
+    spec = it.spec
+    residual = 2.0 * batch * tokens * spec.hidden * ACT_BYTES
+    largest = 0.0
+    for kind in (BlockKind.EMBED, BlockKind.LAYER):
+        blk = it.ct.block(kind)
+        if not len(blk.fwd):
+            continue
+        moved = blk.evaluate(batch, tokens)[1] - blk.evaluate(0, tokens)[1]  # weights: the b-free part
+        run = blk.fwd & ~it.core[kind] if decode else blk.fwd
+        divisor = tp_divisor(blk, spec, tp, strategies=sharding.runnable_strategies(spec, tp) or ())
+        largest = max(largest, float((moved / divisor)[run].max(initial=0.0)))
+    return residual + largest
+
+
+# --------------------------------------------------------------------------------------------
+# Composition
+
+
+def estimate_serving(table: CostTable | InferenceTable, spec: ModelSpec, hw: DeviceProfile, layout: ServeLayout, *,
+                     prompt_len: int, output_len: int) -> ServeEstimate:
+    """TTFT, TPOT, throughput and memory of `layout` (see the module docstring)."""
+    if prompt_len < 1 or output_len < 1:
+        raise InvalidConfigError(f"prompt length and output length must be positive, got {prompt_len} and "
+                                 f"{output_len}")
+    if layout.pp > spec.layers:
+        raise InvalidConfigError(f"pp ({layout.pp}) is larger than the number of layers of {spec.name} "
+                                 f"({spec.layers}); use pp <= {spec.layers}")
+    it = compile_inference_table(table, spec)
+    prefill = phase_time(it, hw, layout, tokens=prompt_len, context=None)
+    mean_context = prompt_len + output_len / 2.0  # steps see contexts P+1 .. P+O-1: linear in C
+    decode = phase_time(it, hw, layout, tokens=1, context=mean_context)
+    ttft, tpot = prefill.total, decode.total
+    cycle = ttft + (output_len - 1) * tpot
+    throughput = layout.replicas * layout.batch * output_len / cycle
+    mem = memory(it, layout, prompt_len=prompt_len, output_len=output_len)
+    return ServeEstimate(layout=layout, ttft_s=ttft, tpot_s=tpot, throughput_tokens_per_s=throughput, memory=mem,
+                         fits=mem.total <= hw.memory_bytes, prefill=prefill, decode=decode)

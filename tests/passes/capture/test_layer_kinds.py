@@ -1,0 +1,141 @@
+"""Layer kinds (passes/capture/layer_kinds.py): the kinds of HF's hybrid and mixed stacks, their one-layer copies,
+and the per-kind cost table (passes/capture/shapes_trace._mixed) with HF's exact parameter count."""
+
+import json
+
+import pytest
+import torch
+
+from autoshard.cli import main
+from autoshard.errors import InvalidConfigError
+from autoshard.models import build_model, get_spec
+from autoshard.models.layered import layered_spec
+from autoshard.passes.cost import cost
+from autoshard.passes.capture import table_cache
+from autoshard.passes.capture.layer_kinds import find_layer_stack, one_layer_copy
+from autoshard.passes.capture.shapes import build_cost_table
+from tests.models import hybrid_models
+
+M, A = "linear_attention", "full_attention"
+KINDS = {  # model type -> the kind of every layer, as the tiny configs of tests/models/hybrid_models.py set them
+    "bamba": ((M, A, M, M), "config.layers_block_type"),
+    "nemotron_h": ((M, "moe", A, "mlp", M, "mlp"), "config.layers_block_type"),
+    "granitemoehybrid": ((M, A, M, M), "config.layers_block_type"),
+    "jamba": (("mamba+dense", "mamba+moe", "attention", "mamba+moe"), "config.layers_block_type"),
+    "zamba2": ((M, "hybrid", M, "hybrid"), "config.layers_block_type"),
+    "deepseek_v3": (("attention+dense", "attention+moe", "attention+moe"), "parameters"),
+    "falcon_h1": (("layer",) * 3, "config.layers_block_type"),  # attention and Mamba-2 in every layer: one kind
+    "qwen2_moe": (("full_attention+dense", "full_attention+moe") * 2, "config.layer_types"),
+    "qwen3_next": ((M, M, M, A), "config.layer_types"),
+    "lfm2": (("conv", A, "conv", A), "config.layer_types"),
+    "gemma3_text": (("layer",) * 6, "config.layer_types"),  # sliding and full attention, the same weights
+}
+
+
+def _meta(model_type):
+    with torch.device("meta"):
+        return hybrid_models.build(model_type)
+
+
+@pytest.mark.parametrize("model_type", sorted(KINDS))
+def test_kinds_and_one_layer_copies(model_type):
+    model = _meta(model_type)
+    stack = find_layer_stack(model)
+    sequence, source = KINDS[model_type]
+    assert stack.prefix == "model.layers" and stack.sequence == sequence and stack.source == source
+    layers = model.get_submodule(stack.prefix)
+    for kind in stack.kinds:
+        one = one_layer_copy(model, stack, kind.name, torch.bfloat16)
+        (layer,) = one.get_submodule(stack.prefix)
+        assert type(layer) is type(layers[kind.layers[0]]) and not one.config.use_cache
+        assert layer.named_parameters() is not None and next(layer.parameters()).device.type == "meta"
+    # every parameter counted once: the layers' own, the ones several layers share, and the rest of the model
+    rest = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(stack.prefix + "."))
+    assert rest + sum(k.params * k.count for k in stack.kinds) + stack.shared_params == model.num_parameters()
+
+
+def test_uniform_models_are_one_kind():
+    for name in ("llama-tiny", "mamba2-tiny", "mixtral-tiny"):
+        model = build_model(get_spec(name), device="meta")
+        stack = find_layer_stack(model)
+        assert [k.name for k in stack.kinds] == ["layer"] and stack.num_layers == get_spec(name).layers
+        assert layered_spec(model, name=name) is None  # the type gate reads it, as before
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "deepseek_v3"])
+def test_mixed_table_counts_hf_parameters_and_round_trips(model_type, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
+    model = _meta(model_type)
+    spec = layered_spec(model, name=model_type)
+    table = build_cost_table(spec, model=model)
+    sequence, _ = KINDS[model_type]
+    assert table.layer_kinds == sequence
+    assert [b.name for b in table.blocks] == ["embed", *dict.fromkeys(sequence), "head"]
+    assert [b.count for b in table.layer_blocks()] == [sequence.count(k) for k in dict.fromkeys(sequence)]
+    assert table.params == model.num_parameters()
+    again = table_cache.table_from_json(json.loads(json.dumps(table_cache.table_to_json(table))))
+    assert again == table
+    from autoshard.hardware import load_hardware
+    from autoshard.passes.solve import planner as solve
+
+    with pytest.raises(InvalidConfigError, match=r"layers are of 2 kinds; the planner's stage split"):
+        solve.search(cost.compile_table(table, spec), load_hardware("h100"), global_batch=8, seq_len=64, layouts=[])
+
+
+def test_inspect_has_a_row_per_kind(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
+    code = main(["inspect", "--model", "tests.models.hybrid_models:nemotron_h_tiny", "--seq-len", "64", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads(out)
+    rows = {b["name"]: b for b in data["blocks"]}
+    assert {k: rows[k]["count"] for k in (M, "moe", A, "mlp")} == {M: 2, "moe": 1, A: 1, "mlp": 2}
+    assert data["params"] == hybrid_models.nemotron_h_tiny().num_parameters()
+    assert data["layer_kinds"] == list(KINDS["nemotron_h"][0])
+    assert "attention layer (1)" in data["model_flops_formula"] and "Mamba-2 layer (2" in data["model_flops_formula"]
+
+
+def _as_two_kinds(table, sequence):
+    """llama-tiny's table with its one layer block split into kinds "a" and "b" of the same numbers."""
+    from dataclasses import replace
+
+    from autoshard.ir import BlockKind
+
+    embed, layer, head = (table.block(k) for k in (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD))
+    kinds = tuple(replace(layer, name=k, count=sequence.count(k)) for k in dict.fromkeys(sequence))
+    return replace(table, blocks=(embed, *kinds, head), layer_kinds=tuple(sequence))
+
+
+def test_a_mixed_stack_is_priced_as_the_sum_of_its_layers():
+    from autoshard.hardware import load_hardware
+    from autoshard.ir import Mesh, Recompute, Stage
+
+    spec, hw = get_spec("llama-tiny"), load_hardware("h100")
+    uniform = build_cost_table(spec)
+    mixed = _as_two_kinds(uniform, ("a", "b", "a", "a"))
+    kw = dict(global_batch=16, seq_len=256)
+    for mesh, recompute in ((Mesh(dp=2, pp=2), Recompute.FULL), (Mesh(pp=4), Recompute.NONE), (Mesh(dp=4), Recompute.NONE)):
+        layout = cost.Layout(mesh=mesh, micro_batch=1, zero=1, recompute=recompute)
+        for stages in (None, (Stage(first_layer=0, end_layer=1, embed=True, head=False),
+                                    Stage(first_layer=1, end_layer=4, embed=False, head=True))
+                       if mesh.pp == 2 else None):
+            want = cost.estimate(uniform, spec, hw, layout, stages=stages, **kw)
+            got = cost.estimate(mixed, spec, hw, layout, stages=stages, **kw)
+            # the same numbers, summed per kind (3 a + 1 b instead of 4 x: equal up to the last bit)
+            assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
+            assert got.stage_memory_gb == pytest.approx(want.stage_memory_gb, rel=1e-12)
+            assert got.mfu == pytest.approx(want.mfu, rel=1e-12)
+    # kinds of other numbers: a stage's time is its own layers' (moving the different layer moves its time)
+    bamba = layered_spec(_meta("bamba"), name="bamba")
+    table = build_cost_table(bamba, model=_meta("bamba"))  # the cached table of the test above (or traced)
+    layout = cost.Layout(mesh=Mesh(pp=2), micro_batch=1, zero=1, recompute=Recompute.NONE)
+    split = lambda n: (Stage(first_layer=0, end_layer=n, embed=True, head=False),
+                        Stage(first_layer=n, end_layer=4, embed=False, head=True))  # noqa: E731
+    one, three = (cost.estimate(table, bamba, hw, layout, stages=split(n), global_batch=16, seq_len=64) for n in (1, 3))
+    # layers M A M M: stage 0 holds M then M A M; stage 1 A M M then M
+    ct = cost.compile_table(table, bamba)
+    t = [cost.block_time(v, hw, layout, cost.BlockKind.LAYER, seq_len=64).compute_s for v in ct.kinds]  # M, A
+    assert three.stage_times_s[0] - one.stage_times_s[0] == pytest.approx(t[0] + t[1], rel=1e-9)
+    assert one.stage_times_s[1] - three.stage_times_s[1] == pytest.approx(t[0] + t[1], rel=1e-9)
+    with pytest.raises(InvalidConfigError, match=r"dp and pp only so far \(tp 2"):
+        cost.estimate(table, bamba, hw, cost.Layout(mesh=Mesh(tp=2), micro_batch=1), global_batch=16, seq_len=64)
