@@ -35,7 +35,7 @@ def test_a_failed_verdict_is_refused_by_plan_rules(tmp_path, monkeypatch):
     from autoshard.ir import Mesh
     from autoshard.models import verdicts
     from autoshard.models.presets import spec_from_hf_config
-    from autoshard.passes.layouts import plan_violation
+    from autoshard.rules.validity import plan_violation
 
     verdicts.store(Gemma2ForCausalLM, {"tp": ("failed", "gradient x differs by 12% of its norm"), "dp": ("exact", "")})
     model = gemma2()

@@ -95,7 +95,7 @@ def _rank(rank: int, ranks: int, store: str, config, axes, out: str) -> None:
 
 def _verdict(config, axis: str, ranks: int) -> tuple[str, str]:
     from autoshard.errors import AutoshardError
-    from autoshard.passes.layouts import refusal
+    from autoshard.rules.validity import refusal
 
     try:
         source = _Source(config)

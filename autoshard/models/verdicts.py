@@ -6,7 +6,7 @@ Contract: `store(model_class, verdicts)` writes {axis: (status, detail)}; `faile
 model (`presets.spec_from_hf_config`) adds those to `ModelSpec.refused`, so `plan` / `sweep` do not
 search them and `parallelize` refuses a plan that uses one, naming the verdict. `clear(model_class)`
 drops the verdict (verify re-proves a class from scratch). Entries live in the on-disk cache
-(passes/table_cache.py `cache_dir`, under `verdicts/`); with the cache off nothing is stored or read.
+(passes/capture/table_cache.py `cache_dir`, under `verdicts/`); with the cache off nothing is stored or read.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _key(model_class: type) -> dict:
 
 
 def _path(model_class: type):
-    from autoshard.passes import table_cache
+    from autoshard.passes.capture import table_cache
 
     root = table_cache.cache_dir()
     return None if root is None else root / "verdicts" / f"{table_cache.digest(_key(model_class))}.json"
