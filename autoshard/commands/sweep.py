@@ -19,7 +19,7 @@ from typing import Sequence
 
 from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_positions, check_plot_path, cost_table_for,
                                        check_schedule_flags, imbalance, memory_text, model_for, positive_int,
-                                       seconds_text)
+                                       print_refusals, seconds_text)
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Schedule
 
@@ -244,6 +244,7 @@ def _print_table(results, hw, spec, args) -> None:
         print(f"ep > 1 excluded: {spec.name} has no experts (not a mixture-of-experts model)")
     for ep, why in excluded if spec.is_moe else ():
         print(f"ep={ep} excluded: {why}")
+    print_refusals(spec)
     if results and not results[0].fits:
         print(f"no layout fits in {memory_text(hw.memory_gb)}; the smallest needs "
               f"{memory_text(min(e.memory_gb for e in results))}")
