@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
         "sweep", help="price every valid (DP, PP, TP, CP, EP) layout: step time, tokens/s, memory, MFU",
         description="Price every valid (DP, PP, TP, CP, EP) layout of a model on N devices with the cost "
         "model: step time, tokens/s, peak memory per device, MFU (paper convention), whether it fits. "
-        "Best first.")
+        "Best first. A model whose layers are of several kinds (a hybrid: Bamba, Nemotron-H, DeepSeek-V3's "
+        "dense and MoE layers, ...) is priced under dp and pp, each pipeline stage as the sum of its own layers.")
     p.add_argument("--model", required=True, help="preset name (llama-7b, mamba2-1b, ...) or package.module:factory")
     p.add_argument("--hardware", required=True,
                    help="device profile: ascend-910b, a100-80g, h100, h200, cpu, or a JSON profile file")
