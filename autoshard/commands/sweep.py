@@ -19,7 +19,7 @@ from typing import Sequence
 
 from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_positions, check_plot_path, cost_table_for,
                                        check_schedule_flags, imbalance, memory_text, model_for, positive_int,
-                                       seconds_text)
+                                       print_refusals, seconds_text)
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Schedule
 
@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
         "sweep", help="price every valid (DP, PP, TP, CP, EP) layout: step time, tokens/s, memory, MFU",
         description="Price every valid (DP, PP, TP, CP, EP) layout of a model on N devices with the cost "
         "model: step time, tokens/s, peak memory per device, MFU (paper convention), whether it fits. "
-        "Best first.")
+        "Best first. A model whose layers are of several kinds (a hybrid: Bamba, Nemotron-H, DeepSeek-V3's "
+        "dense and MoE layers, ...) is priced under dp and pp, each pipeline stage as the sum of its own layers.")
     p.add_argument("--model", required=True, help="preset name (llama-7b, mamba2-1b, ...) or package.module:factory")
     p.add_argument("--hardware", required=True,
                    help="device profile: ascend-910b, a100-80g, h100, h200, cpu, or a JSON profile file")
@@ -244,6 +245,7 @@ def _print_table(results, hw, spec, args) -> None:
         print(f"ep > 1 excluded: {spec.name} has no experts (not a mixture-of-experts model)")
     for ep, why in excluded if spec.is_moe else ():
         print(f"ep={ep} excluded: {why}")
+    print_refusals(spec)
     if results and not results[0].fits:
         print(f"no layout fits in {memory_text(hw.memory_gb)}; the smallest needs "
               f"{memory_text(min(e.memory_gb for e in results))}")

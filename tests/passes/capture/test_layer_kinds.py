@@ -1,6 +1,7 @@
 """Layer kinds (passes/capture/layer_kinds.py): the kinds of HF's hybrid and mixed stacks, their one-layer copies,
 and the per-kind cost table (passes/capture/shapes_trace._mixed) with HF's exact parameter count."""
 
+import functools
 import json
 
 import pytest
@@ -62,12 +63,19 @@ def test_uniform_models_are_one_kind():
         assert layered_spec(model, name=name) is None  # the type gate reads it, as before
 
 
-@pytest.mark.parametrize("model_type", ["bamba", "deepseek_v3"])
-def test_mixed_table_counts_hf_parameters_and_round_trips(model_type, tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
+@functools.lru_cache(maxsize=None)
+def _mixed_table(model_type):
+    """(model, spec, table) of a tiny hybrid, traced once per test session (no on-disk cache)."""
     model = _meta(model_type)
     spec = layered_spec(model, name=model_type)
-    table = build_cost_table(spec, model=model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOSHARD_CACHE_DIR", "off")
+        return model, spec, build_cost_table(spec, model=model)
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "deepseek_v3"])
+def test_mixed_table_counts_hf_parameters_and_round_trips(model_type):
+    model, spec, table = _mixed_table(model_type)
     sequence, _ = KINDS[model_type]
     assert table.layer_kinds == sequence
     assert [b.name for b in table.blocks] == ["embed", *dict.fromkeys(sequence), "head"]
@@ -126,8 +134,7 @@ def test_a_mixed_stack_is_priced_as_the_sum_of_its_layers():
             assert got.stage_memory_gb == pytest.approx(want.stage_memory_gb, rel=1e-12)
             assert got.mfu == pytest.approx(want.mfu, rel=1e-12)
     # kinds of other numbers: a stage's time is its own layers' (moving the different layer moves its time)
-    bamba = layered_spec(_meta("bamba"), name="bamba")
-    table = build_cost_table(bamba, model=_meta("bamba"))  # the cached table of the test above (or traced)
+    _, bamba, table = _mixed_table("bamba")
     layout = cost.Layout(mesh=Mesh(pp=2), micro_batch=1, zero=1, recompute=Recompute.NONE)
     split = lambda n: (Stage(first_layer=0, end_layer=n, embed=True, head=False),
                         Stage(first_layer=n, end_layer=4, embed=False, head=True))  # noqa: E731
