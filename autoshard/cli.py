@@ -12,7 +12,7 @@ import sys
 
 from autoshard.errors import AutoshardError
 
-COMMANDS = ("inspect", "sweep", "plan", "price", "show", "cache")
+COMMANDS = ("inspect", "sweep", "plan", "price", "show", "verify", "cache")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -74,6 +74,20 @@ class CostTable:
         """The LAYER block of every kind, in the order of their first layer."""
         return tuple(b for b in self.blocks if b.kind is BlockKind.LAYER)
 
+    def mixer_layers(self, *, mamba2: bool) -> tuple[int, int]:
+        """(attention layers, Mamba-2 layers), read off each layer kind's forward graph: attention where it
+        calls an attention op; the SSD where its scan was substituted by the fused kernel or, with none
+        substituted, where a layer of a Mamba-2-family model (`mamba2`) runs its causal conv1d."""
+        attention = ssd = 0
+        for block in (self.layer_blocks() if self.mixed else ()):
+            targets = [n.target for n in block.nodes if n.phase == "fwd"]
+            if any("scaled_dot_product" in t or "flash_attention" in t for t in targets):
+                attention += block.count
+            if any(t.startswith("autoshard.ssd_chunk_scan") for t in targets) or (
+                    mamba2 and any("convolution" in t for t in targets)):
+                ssd += block.count
+        return attention, ssd
+
     @property
     def params(self) -> int:
         """Parameters of the whole model (HF's count: every parameter once)."""

@@ -23,8 +23,7 @@ import time
 import torch
 
 import autoshard
-from autoshard.models.presets import ModelSpec, build_model
-from autoshard.models.presets import Family
+from autoshard.models.presets import Family, ModelSpec, build_model
 
 
 def _spec(args) -> ModelSpec:

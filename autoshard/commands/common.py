@@ -142,3 +142,9 @@ def cost_table_for(model: str, *, spinner: bool = True, spec=None, module=None, 
     with status(f"capturing {model} and building its cost table (once per machine, then cached) ...",
                 enabled=spinner):
         return spec, build_cost_table(spec, model=module, kernels=kernels)
+
+
+def print_refusals(spec, *, file=None) -> None:
+    """One line per axis the model's facts refuse (models/facts.py; the search skips them)."""
+    for axis, why in spec.refused:
+        print(f"{axis} not searched: {why}", file=file)

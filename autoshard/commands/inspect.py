@@ -105,7 +105,7 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
     params = sum(blk["params_total"] for blk in blocks) + table.shared_params
     moe = moe_params(spec, params)
     if table.mixed:
-        attention, ssd = mixer_layers(spec, table)
+        attention, ssd = table.mixer_layers(mamba2=spec.family is Family.MAMBA2)
         model_flops = 6 * params + 12 * attention * spec.hidden * seq_len
         if ssd:
             model_flops += ssd_flops_per_token(spec, seq_len) * ssd / spec.layers
@@ -132,21 +132,6 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
         "blocks": blocks, "fused_kernels": fused_kernels(table),
         **({"layer_kinds": list(table.layer_kinds), "shared_params": table.shared_params} if table.mixed else {}),
     }
-
-
-def mixer_layers(spec: ModelSpec, table: CostTable) -> tuple[int, int]:
-    """(attention layers, Mamba-2 layers) of a mixed stack, read off each kind's graph: attention where it
-    calls an attention op, the SSD where its Mamba-2 scan was substituted by the fused kernel or, with no
-    kernel substituted, where a Mamba-2-family model's layer runs its causal conv1d."""
-    attention = ssd = 0
-    for block in table.layer_blocks():
-        targets = [n.target for n in block.nodes if n.phase == "fwd"]
-        if any("scaled_dot_product" in t or "flash_attention" in t for t in targets):
-            attention += block.count
-        if any(t.startswith("autoshard.ssd_chunk_scan") for t in targets) or (
-                spec.family is Family.MAMBA2 and any("convolution" in t for t in targets)):
-            ssd += block.count
-    return attention, ssd
 
 
 def fused_kernels(table: CostTable) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ import time
 
 from autoshard.commands import plan_inference
 from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_positions, check_output_path, cost_table_for,
-                                       imbalance, model_for, positive_float, positive_int)
+                                       imbalance, model_for, positive_float, positive_int, print_refusals)
 from autoshard.errors import InvalidConfigError
 
 
@@ -17,7 +17,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="solve for the fastest plan (CP-SAT) and export it as JSON",
                        description="Capture the model, build its cost table, and solve (per candidate mesh, one "
                        "CP-SAT model over pipeline stage boundaries, per-stage recomputation, ZeRO level and "
-                       "micro-batch size) for the fastest training step that fits in device memory.")
+                       "micro-batch size) for the fastest training step that fits in device memory. On a profile "
+                       "with FP8 tensor cores (h100, h200) the precision is searched too: bf16-mixed or fp8 with "
+                       "torchao's tensorwise / rowwise recipe (docs/fp8.md); MFU is always of the bf16 peak.")
     p.add_argument("--model", required=True,
                    help="preset name (e.g. llama-7b, mamba2-tiny) or package.module:factory returning the model")
     p.add_argument("--hardware", required=True, help="device profile name (e.g. ascend-910b, h100) or a JSON file")
@@ -111,6 +113,7 @@ def run(args) -> int:
         from autoshard.commands.show import render
 
         render(plan)
+        print_refusals(spec)
         if args.out:
             print(f"plan written to {args.out}")
     return 0

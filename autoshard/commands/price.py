@@ -90,6 +90,13 @@ def run(args) -> int:
 
     hw = load_hardware(args.hardware)
     run_, spec, module, global_batch, seq_len, devices, note = _layout(args)
+    if args.plan:
+        from autoshard.ir import Plan
+
+        planned_on = Plan.load(args.plan).hardware
+        if planned_on != hw.name:
+            raise InvalidConfigError(f"--hardware {args.hardware} but the plan {args.plan} is for {planned_on}; give "
+                                     f"--hardware {planned_on} (or plan again for {hw.name})")
     check_moe_imbalance(spec, args.moe_imbalance)
     _, table = cost_table_for(spec.name, spinner=not args.json, spec=spec, module=module, kernels=hw.kernels)
     from autoshard.engines.training_run import compare, price

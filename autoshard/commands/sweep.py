@@ -19,7 +19,7 @@ from typing import Sequence
 
 from autoshard.commands.common import (MOE_IMBALANCE_HELP, check_moe_imbalance, check_positions, check_plot_path, cost_table_for,
                                        check_schedule_flags, imbalance, memory_text, model_for, positive_int,
-                                       seconds_text)
+                                       print_refusals, seconds_text)
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Schedule
 
@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
         "sweep", help="price every valid (DP, PP, TP, CP, EP) layout: step time, tokens/s, memory, MFU",
         description="Price every valid (DP, PP, TP, CP, EP) layout of a model on N devices with the cost "
         "model: step time, tokens/s, peak memory per device, MFU (paper convention), whether it fits. "
-        "Best first.")
+        "Best first. A model whose layers are of several kinds (a hybrid: Bamba, Nemotron-H, DeepSeek-V3's "
+        "dense and MoE layers, ...) is priced under dp and pp, each pipeline stage as the sum of its own layers.")
     p.add_argument("--model", required=True, help="preset name (llama-7b, mamba2-1b, ...) or package.module:factory")
     p.add_argument("--hardware", required=True,
                    help="device profile: ascend-910b, a100-80g, h100, h200, cpu, or a JSON profile file")
@@ -72,12 +73,17 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
     pipeline schedule of every mesh with pp > 1 (None: 1F1B, GPipe with fewer micro-batches than
     stages); a mesh the schedule cannot run (`schedules.check_chunks`) is left out. Returns `Estimate`s,
     best first."""
-    from autoshard.passes.cost.cost import Layout, compile_table, estimate
+    from autoshard.passes.cost.cost import Layout, compile_table, estimate, mixed_violation
     from autoshard.rules.validity import sequence_parallel_violation, valid_meshes, zero_violation
     from autoshard.rules.sharding import runnable_strategies
 
     meshes = valid_meshes(spec, devices, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
     ct = compile_table(table, spec)
+    if ct.kinds:  # layers of several kinds: the layouts the per-kind tables price (dp x pp so far)
+        priced = [m for m in meshes if mixed_violation(ct, Layout(mesh=m)) is None]
+        if not priced:
+            raise InvalidConfigError(mixed_violation(ct, Layout(mesh=meshes[0])) + f"; {devices} devices leave none")
+        meshes = priced
     out = []
     for mesh in meshes:
         allowed = sequence_parallel_violation(spec, mesh, seq_len) is None  # else the mesh is priced without
@@ -97,6 +103,8 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
             for r in recomputes:
                 lay = Layout(mesh=mesh, micro_batch=micro_batch, zero=z, recompute=r, moe_imbalance=moe_imbalance,
                              schedule=sched, virtual_stages=v)
+                if mixed_violation(ct, lay):
+                    continue
                 uniform = {sp: estimate(ct, spec, hw, replace(lay, sequence_parallel=sp, strategies=layouts[sp]),
                                         global_batch=global_batch, seq_len=seq_len) for sp in sorted(sps)}
                 options += uniform.values()
@@ -199,6 +207,10 @@ def run(args) -> int:
         sys.stdout.write("\n")
     else:
         _print_table(results, hw, spec, args)
+        if table.mixed:
+            kinds = ", ".join(f"{b.count} {b.name}" for b in table.layer_blocks())
+            print(f"layers of {len(table.layer_blocks())} kinds ({kinds}): each stage priced as the sum of its own "
+                  "layers; tp, cp, ep, selective recompute and ZeRO-3 are not priced for a mixed stack yet")
     return 0
 
 
@@ -233,6 +245,7 @@ def _print_table(results, hw, spec, args) -> None:
         print(f"ep > 1 excluded: {spec.name} has no experts (not a mixture-of-experts model)")
     for ep, why in excluded if spec.is_moe else ():
         print(f"ep={ep} excluded: {why}")
+    print_refusals(spec)
     if results and not results[0].fits:
         print(f"no layout fits in {memory_text(hw.memory_gb)}; the smallest needs "
               f"{memory_text(min(e.memory_gb for e in results))}")

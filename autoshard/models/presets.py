@@ -355,7 +355,11 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                      grad_sum=F.grad_summed(facts), **common)
     if facts.experts_path:
         spec = _with_experts(spec, facts, config, value)
-    return replace(spec, refused=_refusals(spec, facts))
+    from autoshard.models.verdicts import failed_axes
+
+    found = _refusals(spec, facts)
+    verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
+    return replace(spec, refused=found + verified)
 
 
 def _with_experts(spec: ModelSpec, facts, config, value) -> ModelSpec:

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Fp8Recipe
 from autoshard.models.presets import ModelSpec
-from autoshard.runtime.tensor_parallel import SEQ_DIM, RowParallelLinear
+from autoshard.runtime.tensor_parallel import RowParallelLinear
 
 TORCHAO_HINT = "pip install 'autoshard[fp8]' (or pip install torchao>=0.18)"
 _ALIGN = 16  # torch._scaled_mm on CUDA: both dims of each operand multiples of 16
@@ -91,12 +91,12 @@ def apply_float8(model: nn.Module, spec: ModelSpec, recipe: Fp8Recipe, *, device
 
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     wanted = set(float8_modules(spec))
-    aligned = device.type != "cuda"
+    any_shape = device.type != "cuda"  # CPU's float8 GEMM takes any shape
 
     def keep(module: nn.Module, path: str) -> bool:
         if path not in wanted or module.weight.is_meta:
             return False
-        return aligned or (module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0)
+        return any_shape or (module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0)
 
     rows = {path: (m.tp_group, m.sequence_parallel) for path, m in model.named_modules()
             if isinstance(m, RowParallelLinear) and path in wanted}

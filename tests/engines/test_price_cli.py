@@ -1,4 +1,5 @@
-"""`autoshard price`: NVIDIA's published Llama-3.1-70B layout priced as it ran, and bad flags as one-line errors."""
+"""`autoshard price`: NVIDIA's published Llama-3.1-70B layout priced as it ran, a plan file priced to its own
+prediction, sweep under a given schedule, and bad flags as one-line errors."""
 
 from __future__ import annotations
 
@@ -55,3 +56,17 @@ def test_sweep_prices_the_schedule_asked_for(capsys):
     assert all(r["virtual_stages"] == 5 for r in rows if r["pp"] > 1)
     assert main(["sweep", *common, "--schedule", "1f1b", "--virtual-stages", "2"]) == 2
     assert "--virtual-stages" in capsys.readouterr().err
+
+
+def test_price_a_plan_file_reproduces_its_prediction(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    # a plan with recompute chosen per stage (priced from the planner's per-stage tables)
+    assert main(["plan", "--model", "qwen2-moe", "--hardware", "ascend-910b", "--devices", "64", "--global-batch", "256",
+                 "--seq-len", "2048", "--out", str(plan), "--json"]) == 0
+    solved = json.loads(capsys.readouterr().out)
+    assert len({st["recompute"] for st in solved["stages"]}) > 1
+    predicted = solved["predicted"]["step_time_s"]
+    assert main(["price", "--hardware", "ascend-910b", "--no-best", "--plan", str(plan), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predicted"]["step_time_s"] == pytest.approx(predicted, rel=1e-12)
+    rc, out = _price(capsys, "--plan", str(plan))  # h100
+    assert rc == 2 and "--hardware h100" in out.err

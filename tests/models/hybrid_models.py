@@ -58,6 +58,18 @@ _TINY = {
                         topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                         experts_implementation="grouped_mm"),
+    # not named by issue 25: Qwen2-MoE with dense layers between its MoE ones, Qwen3-Next (gated DeltaNet +
+    # attention), LFM2 (short convolutions + attention), Gemma-3 (sliding and full attention: one kind)
+    "qwen2_moe": dict(_COMMON, num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2,
+                      mlp_only_layers=[], experts_implementation="grouped_mm"),
+    "qwen3_next": dict(_COMMON, num_hidden_layers=4, intermediate_size=96, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=16,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, experts_implementation="grouped_mm"),
+    "lfm2": dict(_COMMON, num_hidden_layers=4, intermediate_size=96,
+                 layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "gemma3_text": dict(_COMMON, num_hidden_layers=6, intermediate_size=96, head_dim=16, sliding_window=8),
 }
 
 

@@ -8,12 +8,13 @@ Contract
   decoder layer list (`prefix`, e.g. "model.layers") and the kind of every layer, or None when the
   model has no such list. The layer list is the outermost `ModuleList` with `config.num_hidden_layers`
   children (without a config: the longest `ModuleList` of two or more children).
-* Kinds are the groups of layers of one class and the same parameter names and shapes, split further
-  by the label the config gives each layer where it has one (`layers_block_type` / `layer_types`: a
-  sliding-window layer is another kind than a full-attention one though their weights are alike).
-  A kind is named by that label, made unique where two kinds share one ("+moe" / "+dense": whether its
-  parameters hold experts; else "#2", ...); without a label by its mixer as its parameters show it
-  ("mamba": an SSD/selective-scan `A_log`; else "attention") and its feed-forward ("+moe" / "+dense").
+* Kinds are the groups of layers of one class and the same parameter names and shapes. A kind is named
+  by the label the config gives its layers (`layers_block_type` / `layer_types`) where they share one,
+  made unique where two kinds share it ("+moe" / "+dense": whether its parameters hold experts; else
+  "#2", ...); else by its mixer as its parameters show it ("mamba": an SSD / selective-scan `A_log`;
+  else "attention") and its feed-forward. Layers alike in weights but not in label (Gemma's or
+  Qwen2's sliding-window and full-attention layers) are one kind so far: they trace to the same ops
+  (sdpa with another mask), and the cost model prices them alike.
   A model whose layers are all of one kind has the single kind "layer": the uniform case, whose cost
   table is the one it always had.
 * `LayerStack.sequence` is the kind name of every layer in order; `LayerKind.layers` the indices of a
@@ -99,13 +100,13 @@ def find_layer_stack(model: nn.Module) -> LayerStack | None:
     prefix, layers = found
     config = getattr(model, "config", None)
     field, labels = _labels(config, len(layers))
-    signatures = [_signature(layer) for layer in layers]
     groups: dict[tuple, list[int]] = {}
-    for i, (sig, label) in enumerate(zip(signatures, labels)):
-        groups.setdefault((label, sig), []).append(i)
+    for i, layer in enumerate(layers):
+        groups.setdefault(_signature(layer), []).append(i)
     owned, shared = _owned_params(layers)
     keys = list(groups)
-    names = _names(keys, layers, from_config=field is not None)
+    common = [{labels[i] for i in groups[key]} for key in keys]
+    names = _names([next(iter(c)) if len(c) == 1 and field else "" for c in common], [layers[groups[k][0]] for k in keys])
     kinds = tuple(LayerKind(name=name, layers=tuple(groups[key]), cls=type(layers[groups[key][0]]).__name__,
                             params=owned[groups[key][0]])
                   for key, name in zip(keys, names))
@@ -241,16 +242,13 @@ def _owned_params(layers: nn.ModuleList) -> tuple[list[int], int]:
     return owned, shared
 
 
-def _names(keys: list[tuple], layers: nn.ModuleList, *, from_config: bool) -> list[str]:
-    if len(keys) == 1:
+def _names(labels: list[str], firsts: list[nn.Module]) -> list[str]:
+    """The kind names of the groups whose config labels are `labels` ("" for none or several) and whose
+    first layers are `firsts`."""
+    if len(labels) == 1:
         return [UNIFORM]
-    firsts = {key: next(i for i, layer in enumerate(layers) if (key[1] == _signature(layer))) for key in keys}
-    base = [key[0] if from_config else _mixer(layers[firsts[key]]) for key in keys]
-    names = []
-    for key, b in zip(keys, base):
-        if base.count(b) > 1:
-            b = f"{b}+{_feed_forward(layers[firsts[key]])}"
-        names.append(b)
+    base = [label or _mixer(layer) for label, layer in zip(labels, firsts)]
+    names = [f"{b}+{_feed_forward(layer)}" if base.count(b) > 1 else b for b, layer in zip(base, firsts)]
     seen: dict[str, int] = {}
     out = []
     for n in names:  # still alike (same label, same feed-forward): number them

@@ -21,8 +21,9 @@ its class and config). `cached_value(kind, key_parts, build)` does the same for 
 * Integrity: every entry stores `digest`, sha256 of its value's canonical JSON (`content_digest`). An
   entry of the user cache whose value does not match it (hand-edited: one changed `"params"` number
   moved a plan's predicted step from 0.007 s to 0.47 s; or damaged) is never used: one warning line on
-  stderr (logger `autoshard.cache`) and the table is rebuilt and the file replaced. A shipped entry is
-  checked alike when it carries a digest (`passes/capture/shipped.py` writes one).
+  stderr (logger `autoshard.cache`) and the table is rebuilt and the file replaced. The shipped entries
+  carry one too (`passes/capture/shipped.py` writes it; tests/passes/capture/test_shipped_tables.py checks it) and are
+  checked alike; one without a digest is still read (package data written before digests).
 * A file that cannot be read or decoded is a miss: the table is rebuilt and the file replaced.
   A directory that cannot be written only costs the speed-up; nothing fails.
 

@@ -312,6 +312,12 @@ class CompiledTable:
 
     spec: ModelSpec
     blocks: dict  # BlockKind -> CompiledBlock
+    # a mixed stack (layers of several kinds, CostTable.layer_kinds): one table per kind, each with the
+    # embedding, that kind's layer and the head (every per-block function prices a kind through its own),
+    # the index of every layer's kind, and (attention layers, Mamba-2 layers) for the model FLOPs
+    kinds: tuple = ()
+    layer_kinds: tuple[int, ...] = ()
+    mixers: tuple[int, int] = (0, 0)
     # what the planner computes once per model and keeps over plans (passes/solve/bounds.py: the ZeRO state of a
     # layout), each entry keyed on all it depends on besides the table
     memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -325,11 +331,7 @@ def compile_table(table: CostTable | CompiledTable, spec: ModelSpec) -> Compiled
     if isinstance(table, CompiledTable):
         return table
     if table.mixed:
-        kinds = ", ".join(f"{b.count} {b.name}" for b in table.layer_blocks())
-        raise InvalidConfigError(
-            f"{table.model}: its layers are of {len(table.layer_blocks())} kinds ({kinds}); the cost model prices "
-            "one repeated layer so far, so sweep / plan / parallelize cannot take it yet; `autoshard inspect` "
-            "shows its per-kind table")
+        return _compile_mixed(table, spec)
     blocks = {}
     for block in table.blocks:
         blocks[block.kind] = _compile_block(block, spec)
@@ -338,6 +340,45 @@ def compile_table(table: CostTable | CompiledTable, spec: ModelSpec) -> Compiled
             raise InvalidConfigError(f"cost table of {table.model} has no {kind.value} block; "
                                      "build it with autoshard.passes.capture.shapes.build_cost_table")
     return CompiledTable(spec=spec, blocks=blocks)
+
+
+def _compile_mixed(table: CostTable, spec: ModelSpec) -> CompiledTable:
+    """A mixed stack: a one-kind table per layer kind (the embedding, that kind's layer, the head)."""
+    edges = [b for b in table.blocks if b.kind is not BlockKind.LAYER]
+    layers = table.layer_blocks()
+    views = tuple(compile_table(replace(table, blocks=(edges[0], blk, edges[1]), layer_kinds=(), shared_params=0), spec)
+                  for blk in layers)
+    names = [b.name for b in layers]
+    return CompiledTable(spec=spec, blocks=views[0].blocks, kinds=views,
+                         layer_kinds=tuple(names.index(k) for k in table.layer_kinds),
+                         mixers=table.mixer_layers(mamba2=spec.family is Family.MAMBA2))
+
+
+def mixed_violation(ct: CompiledTable, layout: Layout) -> str | None:
+    """Why a mixed stack cannot be priced at `layout` yet, or None: what the per-kind tables cannot price."""
+    if not ct.kinds:
+        return None
+    mesh = layout.mesh
+    if mesh.tp > 1 or mesh.cp > 1 or mesh.ep > 1:
+        return (f"{ct.spec.name}: a model whose layers are of {len(ct.kinds)} kinds is priced under dp and pp "
+                f"only so far (tp {mesh.tp}, cp {mesh.cp}, ep {mesh.ep} asked): the sharding table of its layer "
+                "kinds is not read yet; use tp = cp = ep = 1")
+    if layout.recompute is Recompute.SELECTIVE or layout.zero == 3:
+        what = "selective recompute" if layout.recompute is Recompute.SELECTIVE else "ZeRO-3"
+        return (f"{ct.spec.name}: {what} is not priced for a model whose layers are of several kinds yet; "
+                "use recompute none or full, ZeRO 0-2")
+    return None
+
+
+def stage_blocks(ct: CompiledTable, stage: Stage) -> tuple[tuple[CompiledTable, BlockKind, int], ...]:
+    """(table, block, instances) of what `stage` holds: its embedding / head and its layers, a mixed
+    stack's by the kinds of its own layers (`stage.first_layer` .. `stage.end_layer`), each priced
+    through that kind's table."""
+    edges = ((ct, BlockKind.EMBED, int(stage.embed)), (ct, BlockKind.HEAD, int(stage.head)))
+    if not ct.kinds:
+        return edges[0], (ct, BlockKind.LAYER, stage.layers), edges[1]
+    held = ct.layer_kinds[stage.first_layer:stage.end_layer]
+    return (edges[0], *((view, BlockKind.LAYER, held.count(k)) for k, view in enumerate(ct.kinds)), edges[1])
 
 
 def priced_nodes(block) -> list:
@@ -1085,13 +1126,22 @@ def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
     top-k experts only, Megatron-Core's MoE convention); for Mamba-2, 6N plus 3x the SSD forward
     FLOPs of arXiv 2405.21060 sec. 8.3 per token."""
     spec = ct.spec
+    if ct.kinds:  # a mixed stack: 12 d s per attention layer, the SSD per Mamba-2 layer (read off its graph)
+        n = sum(v.block(BlockKind.LAYER).params * v.block(BlockKind.LAYER).count for v in ct.kinds) + sum(
+            ct.block(k).params for k in (BlockKind.EMBED, BlockKind.HEAD))
+        attention, mamba = ct.mixers
+        return 6.0 * n + 12.0 * attention * spec.hidden * seq_len + (3.0 * _ssd_flops(spec, seq_len) * mamba if mamba else 0.0)
     n = moe_cost.active_params_per_token(spec, sum(blk.params * blk.count for blk in ct.blocks.values()))
     if spec.family is Family.LLAMA:
         return 6.0 * n + 12.0 * spec.layers * spec.hidden * seq_len
+    return 6.0 * n + 3.0 * _ssd_flops(spec, seq_len) * spec.layers
+
+
+def _ssd_flops(spec: ModelSpec, seq_len: int) -> float:
+    """Forward FLOPs per token of one Mamba-2 layer's SSD (arXiv 2405.21060 sec. 8.3)."""
     h, p, nst = spec.heads, spec.head_dim, spec.state
     chunk = min(spec.chunk, seq_len)
-    ssd = 2 * (h * chunk * nst + h * chunk * p + h * p * nst + h * p * nst / chunk + h * p * nst)
-    return 6.0 * n + 3.0 * ssd * spec.layers
+    return 2 * (h * chunk * nst + h * chunk * p + h * p * nst + h * p * nst / chunk + h * p * nst)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1119,38 +1169,46 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     if len(stages) != mesh.pp or sum(st.layers for st in stages) != spec.layers:
         raise InvalidConfigError(f"{len(stages)} stages with {sum(st.layers for st in stages)} layers given; "
                                  f"expected pp={mesh.pp} stages covering all {spec.layers} layers")
-    kinds = (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD)
     levels = {st.recompute: replace(layout, recompute=st.recompute) for st in stages}  # each stage's own
-    bts = {r: {k: block_time(ct, hw, lay, k, seq_len=seq_len) for k in kinds} for r, lay in levels.items()}
-    acts = {r: {k: block_activation_bytes(ct, lay, k, seq_len=seq_len, hw=hw) for k in kinds} for r, lay in levels.items()}
-    prm = {k: block_params(ct, layout, k) for k in kinds}
-    expert_layer = expert_block_params(ct, layout, BlockKind.LAYER)
+    for lay in levels.values():
+        why = mixed_violation(ct, lay)
+        if why:
+            raise InvalidConfigError(why)
+    bts: dict = {}  # (recompute, kind's table, block) -> its numbers, asked as the stages hold them
     p2p = p2p_time(ct, hw, layout, seq_len=seq_len)
 
     times, parts, peaks = [], [], []
     for i, st in enumerate(stages):
-        bt, act = bts[st.recompute], acts[st.recompute]
-        counts = {BlockKind.EMBED: int(st.embed), BlockKind.LAYER: st.layers, BlockKind.HEAD: int(st.head)}
+        lay = levels[st.recompute]
+        held = stage_blocks(ct, st)
+        for view, k, _ in held:
+            if (st.recompute, id(view), k) not in bts:
+                bts[st.recompute, id(view), k] = (block_time(view, hw, lay, k, seq_len=seq_len),
+                                                  block_activation_bytes(view, lay, k, seq_len=seq_len, hw=hw),
+                                                  block_params(view, layout, k),
+                                                  expert_block_params(view, layout, k))
+        counts = [(bts[st.recompute, id(view), k], c) for view, k, c in held]
+        bt = [(b[0], c) for b, c in counts]
         if st.head and spec.tied and not st.embed:
-            counts_params = prm[BlockKind.EMBED]  # tied LM head keeps a copy of the embedding
+            counts_params = block_params(ct, layout, BlockKind.EMBED)  # tied LM head keeps a copy of the embedding
         else:
             counts_params = 0.0
-        params = sum(prm[k] * c for k, c in counts.items()) + counts_params
-        experts = expert_layer * st.layers  # the routed-expert share of `params` (MoE)
-        comp = sum((bt[k].compute_s) * c for k, c in counts.items())
-        reco = sum(bt[k].recompute_s * c for k, c in counts.items())
-        tpc = sum(bt[k].tp_comm_s * c for k, c in counts.items())
-        cpc = sum(bt[k].cp_comm_s * c for k, c in counts.items())
-        epc = sum(bt[k].ep_comm_s * c for k, c in counts.items())
-        bwd_last = sum(bt[k].bwd_s * c for k, c in counts.items())
-        fwd_first = sum(bt[k].fwd_s * c for k, c in counts.items())
+        params = sum(b[2] * c for b, c in counts) + counts_params
+        experts = sum(b[3] * c for b, c in counts)  # the routed-expert share of `params` (MoE)
+        comp = sum(b.compute_s * c for b, c in bt)
+        reco = sum(b.recompute_s * c for b, c in bt)
+        tpc = sum(b.tp_comm_s * c for b, c in bt)
+        cpc = sum(b.cp_comm_s * c for b, c in bt)
+        epc = sum(b.ep_comm_s * c for b, c in bt)
+        bwd_last = sum(b.bwd_s * c for b, c in bt)
+        fwd_first = sum(b.fwd_s * c for b, c in bt)
         zexp = float(zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts,
-                                       blocks=sum(counts.values())))
+                                       blocks=sum(c for _, c in counts)))
         t = comp + reco + tpc + cpc + epc + p2p + zexp
         times.append(t)
         parts.append((comp, reco, tpc, cpc, epc, p2p, zexp, params, experts, bwd_last, fwd_first))
         in_flight = schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages)
-        stage_act = sum(act[k] * c for k, c in counts.items()) * in_flight
+        stage_act = sum(b[1] * c for b, c in counts) * in_flight
         mem = state_bytes(params, layout, expert=experts)
         buffers = buffer_bytes(ct, layout, seq_len=seq_len) + zero2_staging_bytes(params, layout, expert=experts)
         logit = logits_bytes(ct, layout, seq_len=seq_len, hw=hw) if st.head else 0.0

@@ -398,6 +398,11 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     """Solve layouts in order of their step-time bound until the bound reaches the runner-up
     (the best plan on a mesh other than the best one), each with the best value it must beat
     as a cutoff. Deterministic: no wall clock decides anything."""
+    if ct.kinds:
+        raise InvalidConfigError(
+            f"{ct.spec.name}: its layers are of {len(ct.kinds)} kinds; the planner's stage split prices one repeated "
+            "layer so far, so `autoshard plan` cannot take it yet; `autoshard sweep` prices its dp x pp layouts "
+            "over its own layer sequence, `autoshard inspect` shows its per-kind table")
     if not isinstance(layouts, CandidateLayouts) or layouts.precision is Precision.AUTO:
         layouts = [cost.resolved(lay, hw) for lay in layouts]  # precision AUTO: the device's default
     memo: dict = {}  # lower_bounds' parameters and p2p times

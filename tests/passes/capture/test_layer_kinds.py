@@ -1,6 +1,7 @@
 """Layer kinds (passes/capture/layer_kinds.py): the kinds of HF's hybrid and mixed stacks, their one-layer copies,
 and the per-kind cost table (passes/capture/shapes_trace._mixed) with HF's exact parameter count."""
 
+import functools
 import json
 
 import pytest
@@ -25,6 +26,10 @@ KINDS = {  # model type -> the kind of every layer, as the tiny configs of tests
     "zamba2": ((M, "hybrid", M, "hybrid"), "config.layers_block_type"),
     "deepseek_v3": (("attention+dense", "attention+moe", "attention+moe"), "parameters"),
     "falcon_h1": (("layer",) * 3, "config.layers_block_type"),  # attention and Mamba-2 in every layer: one kind
+    "qwen2_moe": (("full_attention+dense", "full_attention+moe") * 2, "config.layer_types"),
+    "qwen3_next": ((M, M, M, A), "config.layer_types"),
+    "lfm2": (("conv", A, "conv", A), "config.layer_types"),
+    "gemma3_text": (("layer",) * 6, "config.layer_types"),  # sliding and full attention, the same weights
 }
 
 
@@ -58,12 +63,19 @@ def test_uniform_models_are_one_kind():
         assert layered_spec(model, name=name) is None  # the type gate reads it, as before
 
 
-@pytest.mark.parametrize("model_type", ["bamba", "deepseek_v3"])
-def test_mixed_table_counts_hf_parameters_and_round_trips(model_type, tmp_path, monkeypatch):
-    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
+@functools.lru_cache(maxsize=None)
+def _mixed_table(model_type):
+    """(model, spec, table) of a tiny hybrid, traced once per test session (no on-disk cache)."""
     model = _meta(model_type)
     spec = layered_spec(model, name=model_type)
-    table = build_cost_table(spec, model=model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOSHARD_CACHE_DIR", "off")
+        return model, spec, build_cost_table(spec, model=model)
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "deepseek_v3"])
+def test_mixed_table_counts_hf_parameters_and_round_trips(model_type):
+    model, spec, table = _mixed_table(model_type)
     sequence, _ = KINDS[model_type]
     assert table.layer_kinds == sequence
     assert [b.name for b in table.blocks] == ["embed", *dict.fromkeys(sequence), "head"]
@@ -71,8 +83,11 @@ def test_mixed_table_counts_hf_parameters_and_round_trips(model_type, tmp_path, 
     assert table.params == model.num_parameters()
     again = table_cache.table_from_json(json.loads(json.dumps(table_cache.table_to_json(table))))
     assert again == table
-    with pytest.raises(InvalidConfigError, match=r"layers are of 2 kinds .* sweep / plan / parallelize"):
-        cost.compile_table(table, spec)
+    from autoshard.hardware import load_hardware
+    from autoshard.passes.solve import planner as solve
+
+    with pytest.raises(InvalidConfigError, match=r"layers are of 2 kinds; the planner's stage split"):
+        solve.search(cost.compile_table(table, spec), load_hardware("h100"), global_batch=8, seq_len=64, layouts=[])
 
 
 def test_inspect_has_a_row_per_kind(capsys, tmp_path, monkeypatch):
@@ -86,3 +101,48 @@ def test_inspect_has_a_row_per_kind(capsys, tmp_path, monkeypatch):
     assert data["params"] == hybrid_models.nemotron_h_tiny().num_parameters()
     assert data["layer_kinds"] == list(KINDS["nemotron_h"][0])
     assert "attention layer (1)" in data["model_flops_formula"] and "Mamba-2 layer (2" in data["model_flops_formula"]
+
+
+def _as_two_kinds(table, sequence):
+    """llama-tiny's table with its one layer block split into kinds "a" and "b" of the same numbers."""
+    from dataclasses import replace
+
+    from autoshard.ir import BlockKind
+
+    embed, layer, head = (table.block(k) for k in (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD))
+    kinds = tuple(replace(layer, name=k, count=sequence.count(k)) for k in dict.fromkeys(sequence))
+    return replace(table, blocks=(embed, *kinds, head), layer_kinds=tuple(sequence))
+
+
+def test_a_mixed_stack_is_priced_as_the_sum_of_its_layers():
+    from autoshard.hardware import load_hardware
+    from autoshard.ir import Mesh, Recompute, Stage
+
+    spec, hw = get_spec("llama-tiny"), load_hardware("h100")
+    uniform = build_cost_table(spec)
+    mixed = _as_two_kinds(uniform, ("a", "b", "a", "a"))
+    kw = dict(global_batch=16, seq_len=256)
+    for mesh, recompute in ((Mesh(dp=2, pp=2), Recompute.FULL), (Mesh(pp=4), Recompute.NONE), (Mesh(dp=4), Recompute.NONE)):
+        layout = cost.Layout(mesh=mesh, micro_batch=1, zero=1, recompute=recompute)
+        for stages in (None, (Stage(first_layer=0, end_layer=1, embed=True, head=False),
+                                    Stage(first_layer=1, end_layer=4, embed=False, head=True))
+                       if mesh.pp == 2 else None):
+            want = cost.estimate(uniform, spec, hw, layout, stages=stages, **kw)
+            got = cost.estimate(mixed, spec, hw, layout, stages=stages, **kw)
+            # the same numbers, summed per kind (3 a + 1 b instead of 4 x: equal up to the last bit)
+            assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
+            assert got.stage_memory_gb == pytest.approx(want.stage_memory_gb, rel=1e-12)
+            assert got.mfu == pytest.approx(want.mfu, rel=1e-12)
+    # kinds of other numbers: a stage's time is its own layers' (moving the different layer moves its time)
+    _, bamba, table = _mixed_table("bamba")
+    layout = cost.Layout(mesh=Mesh(pp=2), micro_batch=1, zero=1, recompute=Recompute.NONE)
+    split = lambda n: (Stage(first_layer=0, end_layer=n, embed=True, head=False),
+                        Stage(first_layer=n, end_layer=4, embed=False, head=True))  # noqa: E731
+    one, three = (cost.estimate(table, bamba, hw, layout, stages=split(n), global_batch=16, seq_len=64) for n in (1, 3))
+    # layers M A M M: stage 0 holds M then M A M; stage 1 A M M then M
+    ct = cost.compile_table(table, bamba)
+    t = [cost.block_time(v, hw, layout, cost.BlockKind.LAYER, seq_len=64).compute_s for v in ct.kinds]  # M, A
+    assert three.stage_times_s[0] - one.stage_times_s[0] == pytest.approx(t[0] + t[1], rel=1e-9)
+    assert one.stage_times_s[1] - three.stage_times_s[1] == pytest.approx(t[0] + t[1], rel=1e-9)
+    with pytest.raises(InvalidConfigError, match=r"dp and pp only so far \(tp 2"):
+        cost.estimate(table, bamba, hw, cost.Layout(mesh=Mesh(tp=2), micro_batch=1), global_batch=16, seq_len=64)

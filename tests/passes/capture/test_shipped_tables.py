@@ -30,6 +30,9 @@ def test_every_preset_ships_its_entries_and_nothing_else(entries):
     present = set(table_cache.SHIPPED.glob("*/*.json"))
     assert expected <= present, f"shipped entries missing or stale (a preset or SHIPPED_FORMAT changed): run {REBUILD}"
     assert present <= expected, f"shipped entries no preset has: run {REBUILD}"
+    for path in present:  # each carries the digest of its content (table_cache "Integrity")
+        stored = json.loads(path.read_text())
+        assert stored.get("digest") == table_cache.content_digest(stored["value"]), f"{path}: digest; run {REBUILD}"
     size = sum(p.stat().st_size for p in present)
     assert size < 3e6, f"the shipped tables take {size / 1e6:.1f} MB"
 
