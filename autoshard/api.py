@@ -52,7 +52,7 @@ from autoshard import errors
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.fingerprint import check_plan_matches, fingerprint_module
 from autoshard.inference_plan import InferencePlan, is_inference_plan
-from autoshard.ir import AXES, Mesh, Plan, Precision
+from autoshard.ir import AXES, Mesh, Plan, Precision, is_positive_int
 from autoshard.models.presets import max_positions, position_violation, spec_from_hf_config
 from autoshard.rules.validity import MIN_SEQ_LEN, backend_violation, check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
@@ -269,8 +269,7 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
 def _check_arguments(*, global_batch, optimizer, seed, hardware, timeout_s) -> None:
     """parallelize's own arguments, on every rank alike before any process group (a world of one raises
     here; a wrong one would otherwise be ignored, e.g. global_batch=0 taken as 'not given')."""
-    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
-                                     or global_batch <= 0):
+    if global_batch is not None and not is_positive_int(global_batch):
         raise InvalidConfigError(f"global_batch must be a positive integer (sequences per optimizer step), got "
                                  f"{global_batch!r}; or leave it out to use the example batch's size")
     if optimizer is not None and not callable(optimizer):

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoshard.errors import PlanFileError
-from autoshard.ir import Mesh, Plan, _jsonable
+from autoshard.ir import Mesh, Plan, _jsonable, is_positive_int
 from autoshard.json_file import read_plan_json
 
 INFERENCE_SCHEMA_VERSION = 1
@@ -169,7 +169,7 @@ def _fields_violation(data: Mapping) -> str | None:
     import math
 
     def count(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return is_positive_int(value)
 
     unknown = sorted(set(data) - FILE_KEYS)
     if unknown:

@@ -116,7 +116,7 @@ class Mesh:
     def __post_init__(self) -> None:
         for axis in AXES:
             value = getattr(self, axis)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 raise InvalidConfigError(f"mesh axis {axis} must be a positive integer, got {value!r}")
 
     @property
@@ -224,7 +224,7 @@ def stage_rank(index: int, *, pp: int, virtual_stages: int, schedule: Schedule) 
 
 def check_schedule(schedule: Schedule, virtual_stages: Any, *, pp: int) -> None:
     """InvalidConfigError unless `virtual_stages` chunks per rank suit `schedule` at this pp."""
-    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
+    if not is_positive_int(virtual_stages):
         raise InvalidConfigError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
     if virtual_stages > 1 and pp == 1:
         raise InvalidConfigError(f"virtual_stages={virtual_stages} needs a pipeline (pp > 1); use virtual_stages=1 "
@@ -281,6 +281,12 @@ def check_stages(stages: tuple[Stage, ...], *, num_layers: int, pp: int) -> tupl
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_positive_int(value: Any) -> bool:
+    """The one rule for a count (a mesh degree, a batch, a length, a group size): an int of at least 1;
+    a bool is refused (True would pass as 1 otherwise)."""
+    return _is_int(value) and value >= 1
 
 
 def per_stage(value: Any, chunks: int) -> tuple:
@@ -368,7 +374,7 @@ class Plan:
     def __post_init__(self) -> None:
         for name in ("devices", "global_batch", "seq_len", "micro_batch", "schema_version"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_positive_int(value):
                 raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.mesh.size != self.devices:
             raise InvalidConfigError(

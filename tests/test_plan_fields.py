@@ -151,3 +151,27 @@ def test_sequence_parallel_bad_input(tmp_path, capsys):
     assert main(["show", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sequence_parallel needs tp > 1" in err
+
+
+def test_one_positive_integer_rule_refuses_booleans_everywhere():
+    """ir.is_positive_int is the one rule for a count: True (which int() and `value >= 1` take for 1)
+    is refused by the mesh, the cost model's layout, the planner, the collective model and the rules."""
+    from autoshard.errors import InvalidConfigError
+    from autoshard.hardware import load_hardware
+    from autoshard.ir import Mesh, is_positive_int
+    from autoshard.models.presets import get_spec
+    from autoshard.passes.cost.collectives import Collective, collective_time
+    from autoshard.passes.cost.layout import Layout
+    from autoshard.passes.solve.planner import solve
+    from autoshard.rules.validity import valid_meshes
+
+    assert [is_positive_int(v) for v in (1, 7, 0, -1, True, False, 2.0, "2", None)] == [True, True] + [False] * 7
+    spec, hw = get_spec("llama-tiny"), load_hardware("cpu")
+    refusals = [lambda: Mesh(dp=True), lambda: Layout(mesh=Mesh(), micro_batch=True),
+                lambda: Layout(mesh=Mesh(), virtual_stages=True),
+                lambda: solve(spec, hw, devices=True, global_batch=8, seq_len=64),
+                lambda: collective_time(hw, Collective.ALL_REDUCE, 1e6, size=True, stride=1),
+                lambda: valid_meshes(spec, True, global_batch=8, seq_len=64)]
+    for refused in refusals:
+        with pytest.raises(InvalidConfigError, match="positive integer"):
+            refused()

@@ -63,7 +63,7 @@ import math
 from collections.abc import Callable, Iterator
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Mesh, Plan, Precision, check_stages
+from autoshard.ir import Mesh, Plan, Precision, check_stages, is_positive_int
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.rules.schedules import check_chunks
 from autoshard.rules.sharding import choice_violation, sequence_violation, tp_violation
@@ -138,7 +138,7 @@ def divisors(n: int) -> tuple[int, ...]:
 def _meshes(devices: int, allowed: Callable[[str, int], bool] = lambda axis, size: True) -> Iterator[Mesh]:
     """Meshes with product `devices`, dp descending then pp, tp, cp, whose every axis size passes
     `allowed` (pruned axis by axis, so a huge device count costs what its few valid sizes cost)."""
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices <= 0:
+    if not is_positive_int(devices):
         raise InvalidConfigError(f"devices must be a positive integer, got {devices!r}")
     divs = divisors(devices)
     ok = {axis: [d for d in divs if allowed(axis, d)] for axis in ("dp", "pp", "tp", "cp", "ep")}
@@ -291,7 +291,7 @@ def sizes_violation(*, global_batch, seq_len, micro_batch=1) -> str | None:
     """Why a training step's sizes cannot be (not positive integers; fewer than `MIN_SEQ_LEN` tokens a
     sequence), or None. `plan_violation`, `valid_meshes` and the command line (`seq_len` type) ask here."""
     for name, value in (("global batch", global_batch), ("sequence length", seq_len), ("micro_batch", micro_batch)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not is_positive_int(value):
             return f"{name} must be a positive integer, got {value!r}"
     if seq_len < MIN_SEQ_LEN:
         return (f"sequence length {seq_len}: training predicts each next token, so a sequence needs at least "

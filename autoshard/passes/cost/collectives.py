@@ -43,6 +43,7 @@ from enum import Enum
 import numpy as np
 
 from autoshard.errors import InvalidConfigError
+from autoshard.ir import is_positive_int
 from autoshard.hardware import DeviceProfile
 
 
@@ -120,6 +121,7 @@ def group_link(hw: DeviceProfile, *, size: int, stride: int = 1) -> Link:
 def collective_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: int, stride: int = 1,
                     algo: Algorithm = Algorithm.RING) -> float:
     """Seconds for one collective: steps * alpha + volume / beta on the link the group spans."""
+    _check_size(size)
     if size == 1 and op is not Collective.SEND_RECV:
         return 0.0
     link = group_link(hw, size=size if op is not Collective.SEND_RECV else 2, stride=stride)
@@ -172,5 +174,5 @@ _best_time_memo = functools.lru_cache(maxsize=1 << 16)(_best_time)
 
 
 def _check_size(size: int) -> None:
-    if not isinstance(size, int) or size < 1:
+    if not is_positive_int(size):
         raise InvalidConfigError(f"collective group size must be a positive integer, got {size!r}")

@@ -12,7 +12,8 @@ from typing import Any
 
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Fp8Recipe, Mesh, Precision, Recompute, Schedule, Stage, _enum_field, fp8_recipe_of
+from autoshard.ir import (Fp8Recipe, Mesh, Precision, Recompute, Schedule, Stage, _enum_field, fp8_recipe_of,
+                          is_positive_int)
 from autoshard.passes.cost.precision import PrecisionNumbers, precision_numbers
 
 
@@ -54,9 +55,9 @@ class Layout:
             object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
         if self.fp8_recipe is not None or self.precision is Precision.FP8:
             object.__setattr__(self, "fp8_recipe", fp8_recipe_of(self.precision, self.fp8_recipe))
-        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+        if not is_positive_int(self.virtual_stages):
             raise InvalidConfigError(f"virtual_stages must be a positive integer, got {self.virtual_stages!r}")
-        if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
+        if not is_positive_int(self.micro_batch):
             raise InvalidConfigError(f"micro_batch must be a positive integer, got {self.micro_batch!r}")
         if self.zero not in (0, 1, 2, 3):
             raise InvalidConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")

@@ -72,7 +72,7 @@ import sympy
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import B, S, CostTable
-from autoshard.ir import BlockKind, Mesh, Stage, even_stages
+from autoshard.ir import BlockKind, Mesh, Stage, even_stages, is_positive_int
 from autoshard.models.presets import Family, ModelSpec
 from autoshard.passes.cost.collectives import Collective, best_time, collective_time
 from autoshard.ir import Precision
@@ -104,7 +104,7 @@ class ServeLayout:
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "replicas", "batch", "ep"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
 
     @property

@@ -37,7 +37,8 @@ from typing import Callable
 import numpy as np
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
-from autoshard.ir import Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, even_stages, stage_rank
+from autoshard.ir import (Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, even_stages,
+                          is_positive_int, stage_rank)
 from autoshard.passes.cost import cost
 from autoshard.passes.cost.cost import CompiledTable, Layout
 from autoshard.errors import AutoshardError
@@ -477,7 +478,7 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
     from autoshard.passes.capture.shapes import build_cost_table
 
     for name, value in (("devices", devices), ("global_batch", global_batch), ("seq_len", seq_len)):
-        if not isinstance(value, int) or value <= 0:
+        if not is_positive_int(value):
             raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
     hw = load_hardware(hw)
     t0 = time.perf_counter()
