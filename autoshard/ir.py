@@ -610,15 +610,3 @@ def _section_violation(section: Any, schema: Mapping[str, Any], where: str) -> s
             return f"'{where}.{key}' must be {kind}, found {value!r}"
     return None
 
-
-_SYMBOLIC = ("B", "S", "NodeCost", "BlockCost", "CostTable")
-
-
-def __getattr__(name: str) -> Any:
-    """The symbolic cost-table types moved to `autoshard.cost_table` (SymPy stays out of the plain
-    types the runtime imports); `from autoshard.ir import CostTable` still finds them there."""
-    if name in _SYMBOLIC:
-        from autoshard import cost_table
-
-        return getattr(cost_table, name)
-    raise AttributeError(f"module 'autoshard.ir' has no attribute {name!r}")

@@ -43,7 +43,7 @@ def _time(fn, repeat: int) -> float:
 
 
 def attention_times(seq: int, heads: int, kv_heads: int, head_dim: int, repeat: int) -> dict[int, list[float]]:
-    from autoshard.runtime.context_parallel import SeqLayout, gathered_order, sequence_positions
+    from autoshard.runtime.cp_sequence import SeqLayout, gathered_order, sequence_positions
     from autoshard.runtime.cp_attention import local_causal_attention
 
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def attention_times(seq: int, heads: int, kv_heads: int, head_dim: int, repeat: 
 def _counting(counter: dict):
     import autoshard.runtime.cp_attention as attn
     import autoshard.runtime.cp_mamba as mamba
-    from autoshard.runtime.context_parallel import all_gather_autograd
+    from autoshard.runtime.cp_sequence import all_gather_autograd
 
     def gather(x, ctx, *, dim=0):
         out = all_gather_autograd(x, ctx, dim=dim)

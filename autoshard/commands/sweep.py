@@ -206,7 +206,7 @@ def run(args) -> int:
         json.dump([e.to_json() for e in results], sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        _print_table(results, hw, spec, args)
+        _print_table(results, hw, spec, args, mixed=table.mixed)
         if table.mixed:
             kinds = ", ".join(f"{b.count} {b.name}" for b in table.layer_blocks())
             print(f"layers of {len(table.layer_blocks())} kinds ({kinds}): each stage priced as the sum of its own "
@@ -214,7 +214,7 @@ def run(args) -> int:
     return 0
 
 
-def _print_table(results, hw, spec, args) -> None:
+def _print_table(results, hw, spec, args, *, mixed: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -241,7 +241,8 @@ def _print_table(results, hw, spec, args) -> None:
         print(f"tp {tps}: {'does' if len(replicated) == 1 else 'do'} not divide the vocabulary of {spec.name} ({spec.vocab}), so those rows replicate the "
               'embedding and LM head: plan key strategies {"embedding": "replicate", "head": "replicate"}')
     excluded = excluded_eps(spec, args.devices, [e.layout.mesh for e in results])
-    if excluded and not spec.is_moe:  # one line: every ep > 1 is out for the same reason
+    # one line: every ep > 1 is out for the same reason (a mixed stack's: the line after the table)
+    if excluded and not spec.is_moe and not mixed:
         print(f"ep > 1 excluded: {spec.name} has no experts (not a mixture-of-experts model)")
     for ep, why in excluded if spec.is_moe else ():
         print(f"ep={ep} excluded: {why}")

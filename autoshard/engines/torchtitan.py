@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import re
 import shlex
 from dataclasses import replace
 
@@ -247,7 +248,9 @@ def _parse_with_torchtitan(words, source: str):
             return ConfigManager().parse_args(words)
     except SystemExit:
         lines = [ln.strip(" │╭╮╰╯─") for ln in err.getvalue().splitlines()]
-        said = "; ".join(ln for ln in lines if ln and "helptext" not in ln and "Parsing error" not in ln)[:300]
+        noise = re.compile(r"^([WIE]\d{4} |Failed to load|.*[Ww]arning)|helptext|Parsing error")  # import-time chatter
+        kept = [ln for ln in lines if ln.strip("-") and not noise.search(ln) and "has no effect" not in ln]
+        said = next((ln for ln in kept if ln.startswith("Unrecognized options:")), "; ".join(kept)[:400])
         raise InvalidConfigError(f"{source}: torchtitan refused the arguments: {said}") from None
     except (ValueError, ImportError, TypeError) as e:
         raise InvalidConfigError(f"{source}: torchtitan refused the arguments: {e}") from None

@@ -49,7 +49,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,8 +61,7 @@ from autoshard.runtime.data_parallel import ShardedOptimizer
 from autoshard.runtime.expert_parallel import ShardedOptimizers
 from autoshard.runtime.zero3 import full_tensor, like
 
-if TYPE_CHECKING:
-    from autoshard.runtime.dist_model import DistributedModel
+DistributedModel = Any  # runtime/dist_model.py's, whose methods call these functions (no import back)
 
 FORMAT_VERSION = 2  # 2: `digests` of every file
 META_FILE = "autoshard.json"

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
-from autoshard.runtime.context_parallel import CPContext, SeqLayout, all_gather_autograd, gathered_order
+from autoshard.runtime.cp_sequence import CPContext, SeqLayout, all_gather_autograd, gathered_order
 
 ATTN_NAME = "autoshard_cp"
 _CTX_ATTR = "autoshard_cp_context"

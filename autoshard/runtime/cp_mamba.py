@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
 from autoshard.rules.validity import sequence_split_violation
-from autoshard.runtime.context_parallel import CPContext, all_gather_autograd
+from autoshard.runtime.cp_sequence import CPContext, all_gather_autograd
 from autoshard.runtime.ssd import (gated_norm, head_groups, local_sizes, scan_head_group, ssd_chunk_scan,
                                    ssd_scan)
 

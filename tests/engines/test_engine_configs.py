@@ -103,3 +103,9 @@ def test_torchtitan_names_its_own_llama3_config():
     back, gb, sl = torchtitan.parse(words, spec=spec, devices=64)
     assert (back.mesh, back.zero, back.recompute, back.sequence_parallel, gb, sl) == (
         run.mesh, 3, (Recompute.FULL,), (True,), 64, 8192)
+    from autoshard.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match=r"Unrecognized options: --parallelism\.frob"):
+        torchtitan.parse(words + ["--parallelism.frob 2"], spec=spec, devices=64)
+    with pytest.raises(InvalidConfigError, match="not --devices 32"):
+        torchtitan.parse(words, spec=spec, devices=32)

@@ -12,10 +12,9 @@ import torch.nn.functional as F
 
 from autoshard.errors import InvalidConfigError, UnsupportedOpError
 from autoshard.models.presets import build_model, get_spec
-from autoshard.runtime.context_parallel import (
-    CPContext, SeqLayout, check_seq_len, cp_loss, enable_context_parallel, gather_sequence, layout_of,
-    sequence_positions, split_batch, split_sequence,
-)
+from autoshard.runtime.context_parallel import cp_loss, enable_context_parallel, layout_of, split_batch
+from autoshard.runtime.cp_sequence import (CPContext, SeqLayout, check_seq_len, gather_sequence, sequence_positions,
+                                           split_sequence)
 from autoshard.runtime.cp_attention import balanced_causal_attention
 from autoshard.runtime.cp_mamba import cp_mixer_forward, ssd_chunk_scan
 from tests.runtime.dist_harness import run_ranks

@@ -6,7 +6,7 @@ Contract
 
 * Input: a frozen `ModelSpec` (and, for a user model from `package.module:factory`, that model: its
   class and HF config are used). Nothing is allocated: the model is built on the meta device.
-* Output: `autoshard.ir.CostTable` with three `BlockCost`s: EMBED (everything before the first
+* Output: `autoshard.cost_table.CostTable` with three `BlockCost`s: EMBED (everything before the first
   repeated layer: token embedding, rotary tables, masks), one LAYER standing for `spec.layers`
   identical layers (`count`), and HEAD (final norm, LM head, loss, and backward nodes no layer owns).
   Each `NodeCost` holds SymPy expressions in `autoshard.ir.B` (micro-batch) and `S` (sequence):
@@ -101,7 +101,7 @@ def _build_for_layers(spec: ModelSpec, training: bool, dtype: str, model: nn.Mod
 @functools.lru_cache(maxsize=64)
 def _build_cached(spec: ModelSpec, training: bool, dtype: str, model: nn.Module | None,
                   kernels: tuple[str, ...]) -> CostTable:
-    build = functools.partial(_build, spec, training, dtype, model, kernels)  # a miss: trace (shapes_trace)
+    build = functools.partial(trace_table, spec, training, dtype, model, kernels)  # a miss: trace (shapes_trace)
     if model is None:  # a spec: the package may ship its table (passes/capture/table_cache.py, "Shipped tables")
         return table_cache.cached_table(lambda: _cache_key(spec, training, dtype, model, kernels), build,
                                         shipped=shipped_table_key(spec, training, dtype, kernels))
@@ -136,7 +136,7 @@ def _cache_key(spec: ModelSpec, training: bool, dtype: torch.dtype | str, model:
     return {**key, "class": f"{cls.__module__}.{cls.__qualname__}", "class_source": source, "config": config_json}
 
 
-def _build(spec: ModelSpec, training: bool, dtype: torch.dtype | str, model: nn.Module | None,
+def trace_table(spec: ModelSpec, training: bool, dtype: torch.dtype | str, model: nn.Module | None,
            kernels: tuple[str, ...]) -> CostTable:
     """Trace the 1-layer copy at the sample shapes and interpolate (passes/capture/shapes_trace.py)."""
     from autoshard.passes.capture import shapes_trace

@@ -22,7 +22,7 @@ its class and config). `cached_value(kind, key_parts, build)` does the same for 
   entry of the user cache whose value does not match it (hand-edited: one changed `"params"` number
   moved a plan's predicted step from 0.007 s to 0.47 s; or damaged) is never used: one warning line on
   stderr (logger `autoshard.cache`) and the table is rebuilt and the file replaced. The shipped entries
-  carry one too (`build_shipped` writes it; tests/passes/capture/test_shipped_tables.py checks it) and are
+  carry one too (`passes/capture/shipped.py` writes it; tests/passes/capture/test_shipped_tables.py checks it) and are
   checked alike; one without a digest is still read (package data written before digests).
 * A file that cannot be read or decoded is a miss: the table is rebuilt and the file replaced.
   A directory that cannot be written only costs the speed-up; nothing fails.
@@ -36,7 +36,7 @@ user cache and keyed by what they depend on (`shipped_key`): the spec's fields, 
 which changes on every edit; a fingerprint's key also names the transformers version (module names
 come from its modeling code, and a wrong fingerprint makes the runtime refuse the plan). Bump
 `SHIPPED_FORMAT` when capture / shapes change what a table holds, and rebuild them with
-`python -m autoshard.passes.capture.table_cache --build-shipped` (every preset at its own layer count; the
+`python -m autoshard.passes.capture.shipped` (passes/capture/shipped.py: every preset at its own layer count; the
 tables are those of the 1-layer copy, shared by every layer count). tests/passes/capture/test_shipped_tables.py
 rebuilds a sample with the current code and fails, naming that command, when a shipped one is stale.
 A user model (`package.module:factory`) or a spec no preset has is traced and kept in the user cache.
@@ -66,7 +66,6 @@ from autoshard.ir import BlockKind, OpKind
 FORMAT = 1
 SHIPPED_FORMAT = 1  # of the shipped tables' contents: bump when capture / shapes semantics change, then rebuild
 SHIPPED = Path(__file__).resolve().parents[2] / "shipped"
-REBUILD_SHIPPED = "python -m autoshard.passes.capture.table_cache --build-shipped"
 ENV = "AUTOSHARD_CACHE_DIR"
 OFF = "off"
 _log = logging.getLogger("autoshard.cache")
@@ -150,7 +149,7 @@ def cached_value(kind: str, key_parts: KeyParts, build: Callable[[], Any], *,
     if value is not None:
         return value
     value = build()
-    _write(path, key_parts, value, encode)
+    write_entry(path, key_parts, value, encode)
     return value
 
 
@@ -175,7 +174,7 @@ def _read(path: Path, key_parts: dict[str, Any], decode: Callable[[Any], Any], *
         return None
 
 
-def _write(path: Path, key_parts: dict[str, Any], value: Any, encode: Callable[[Any], Any]) -> None:
+def write_entry(path: Path, key_parts: dict[str, Any], value: Any, encode: Callable[[Any], Any]) -> None:
     try:
         encoded = encode(value)
         payload = json.dumps({"format": FORMAT, "key": key_parts, "value": encoded, "digest": content_digest(encoded)})
@@ -326,69 +325,6 @@ def _decode(encoded: Any) -> sympy.Expr:
     return sympy.Add(*out)
 
 
-# -- the shipped tables -------------------------------------------------------------------------------
-
-def shipped_entries() -> list[tuple[str, dict[str, Any], Callable[[], Any], Callable[[Any], Any]]]:
-    """(kind, shipped key, build, encode) of every entry the package ships: per preset, the training
-    table of its 1-layer copy for each set of substituted kernels a built-in device profile (or the
-    default) asks for, and its fingerprint (transformers' version in the key: see the module docstring)."""
-    import torch
-
-    from autoshard.fingerprint import fingerprint_module
-    from autoshard.hardware import hardware_names, load_hardware
-    from autoshard.models.presets import PRESETS, build_model
-    from autoshard.passes.capture import kernels as kernel_table
-    from autoshard.passes.capture import shapes
-
-    out = []
-    for spec in PRESETS.values():
-        one = replace(spec, layers=1)
-        options = {kernel_table.kernel_for(one, names) for names in
-                   [kernel_table.KERNEL_NAMES, *(load_hardware(h).kernels for h in hardware_names())]}
-        for kernels in sorted(options):
-            key = shapes.shipped_table_key(one, True, torch.bfloat16, kernels)
-            out.append(("tables", key, functools.partial(shapes._build, one, True, torch.bfloat16, None, kernels),
-                        table_to_json))
-        out.append(("fingerprints", fingerprint_key(spec),
-                    functools.partial(lambda s: fingerprint_module(build_model(s, device="meta")), spec),
-                    lambda v: v))
-    return out
-
-
 def fingerprint_key(spec: Any) -> dict[str, Any]:
     """The shipped key of `spec`'s fingerprint."""
     return shipped_key(spec, transformers=metadata.version("transformers"))
-
-
-def build_shipped(root: Path = SHIPPED) -> list[Path]:
-    """Rebuild every shipped entry under `root` (tracing each preset) and delete the ones no preset
-    has any more; the paths written."""
-    written = []
-    for kind, key, build, encode in shipped_entries():
-        path = root / kind / f"{digest(key)}.json"
-        _write(path, key, build(), encode)
-        if not path.is_file():
-            raise OSError(f"could not write {path}")
-        path.chmod(0o644)  # package data: readable by everyone (the cache's files are private)
-        written.append(path)
-    for stale in set(root.glob("*/*.json")) - set(written):
-        stale.unlink()
-    return written
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m autoshard.passes.capture.table_cache",
-                                 description="Rebuild the cost tables and fingerprints shipped in the package.")
-    ap.add_argument("--build-shipped", action="store_true", required=True,
-                    help=f"trace every preset and write {SHIPPED.relative_to(SHIPPED.parents[1])}/<kind>/<digest>.json")
-    ap.parse_args(argv)
-    paths = build_shipped()
-    size = sum(p.stat().st_size for p in paths)
-    print(f"{len(paths)} shipped entries written under {SHIPPED} ({size / 1e6:.2f} MB)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -15,7 +15,8 @@ from torch import nn
 from autoshard.commands.inspect import ssd_flops_per_token
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import load_hardware
-from autoshard.ir import B, S, BlockKind
+from autoshard.cost_table import B, S
+from autoshard.ir import BlockKind
 from autoshard.models.presets import build_model, get_spec
 from autoshard.passes.capture import kernels, shapes
 from autoshard.passes.capture.capture import capture_model

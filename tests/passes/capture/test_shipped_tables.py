@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from autoshard.models import get_spec
-from autoshard.passes.capture import shapes, table_cache
+from autoshard.passes.capture import shapes, shipped, table_cache
 
-REBUILD = table_cache.REBUILD_SHIPPED
+REBUILD = shipped.REBUILD
 # rebuilt in full here (a trace each, seconds): one preset per family and MoE flavour; the
 # other presets share their code paths (the listing test below still checks every key)
 SAMPLE = ("llama-tiny", "mamba2-tiny", "qwen2-moe-tiny")
@@ -18,7 +18,7 @@ SAMPLE = ("llama-tiny", "mamba2-tiny", "qwen2-moe-tiny")
 
 @pytest.fixture(scope="module")
 def entries():
-    return table_cache.shipped_entries()
+    return shipped.shipped_entries()
 
 
 def _path(kind, key):
@@ -76,7 +76,7 @@ def test_a_preset_is_planned_without_a_trace(fresh_machine, monkeypatch):
     from autoshard import fingerprint
     from autoshard.passes.solve.planner import solve
 
-    monkeypatch.setattr(shapes, "_build", lambda *a: pytest.fail("traced a preset"))
+    monkeypatch.setattr(shapes, "trace_table", lambda *a: pytest.fail("traced a preset"))
     monkeypatch.setattr(fingerprint, "fingerprint_module", lambda m: pytest.fail("built a preset to fingerprint it"))
     plan = solve(get_spec("llama-tiny"), "cpu", devices=2, global_batch=4, seq_len=64)
     assert plan.fingerprint and plan.solver["status"] == "optimal"
@@ -88,7 +88,7 @@ def test_a_preset_is_planned_without_a_trace(fresh_machine, monkeypatch):
 def test_a_model_no_preset_names_traces_into_the_user_cache(fresh_machine, monkeypatch):
     shipped = shapes.build_cost_table(get_spec("llama-tiny"))  # read from the package
     built = []  # the trace is stood in for (test_table_cache covers the user cache with real tables)
-    monkeypatch.setattr(shapes, "_build", lambda spec, *a: built.append(spec.name) or replace(shipped, model=spec.name))
+    monkeypatch.setattr(shapes, "trace_table", lambda spec, *a: built.append(spec.name) or replace(shipped, model=spec.name))
     spec = replace(get_spec("llama-tiny"), name="my-llama", hidden=96)
     table = shapes.build_cost_table(spec)
     assert built == ["my-llama"] and len(list(fresh_machine.glob("tables/*.json"))) == 1

@@ -28,7 +28,7 @@ def cache(tmp_path, monkeypatch):
 def tiny_table():
     spec = get_spec("llama-tiny", layers=1)
     kernels = shapes.kernel_table.kernel_for(spec, shapes.kernel_table.KERNEL_NAMES)
-    return shapes._build(spec, True, torch.bfloat16, None, kernels)
+    return shapes.trace_table(spec, True, torch.bfloat16, None, kernels)
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def count_builds(monkeypatch, tiny_table):
         calls.append(spec.name)
         return replace(tiny_table, model=spec.name)
 
-    monkeypatch.setattr(shapes, "_build", counted)
+    monkeypatch.setattr(shapes, "trace_table", counted)
     return calls
 
 
