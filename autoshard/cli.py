@@ -7,6 +7,7 @@ Each command lives in `autoshard/commands/<name>.py` with `add_parser(subparsers
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     # HF's notes (e.g. "falling back to the reference implementation") are not the user's concern here;
     # set before transformers is imported, so a command that needs no model never imports it
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # transformers' quantizers import torchao where it is installed (autoshard's fp8 runs on it): its notes
+    # on CUDA extensions a CPU build cannot load, and torch's deprecation notes on the enums it registers
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -222,6 +222,26 @@ def stage_rank(index: int, *, pp: int, virtual_stages: int, schedule: Schedule) 
     return index % pp
 
 
+def end_chunks(rank: int, *, pp: int, virtual_stages: int, schedule: Schedule) -> int:
+    """How many of pp rank `rank`'s model chunks hold the embedding or the LM head: the only chunks
+    that may hold no layer (check_stages)."""
+    last = pp * virtual_stages - 1
+    return sum(stage_rank(i, pp=pp, virtual_stages=virtual_stages, schedule=schedule) == rank
+               for i in sorted({0, last}))
+
+
+def chunk_layers(layers: int, *, rank: int, pp: int, virtual_stages: int, schedule: Schedule) -> tuple[int, ...]:
+    """Rank `rank`'s `layers` split over its model chunks (in model order), as evenly as they go, the
+    spare layers going first to the chunks without the embedding / head, so that no middle chunk is
+    empty while the rank holds at least one layer per middle chunk."""
+    mine = [i for i in range(pp * virtual_stages)
+            if stage_rank(i, pp=pp, virtual_stages=virtual_stages, schedule=schedule) == rank]
+    ends = {0, pp * virtual_stages - 1}
+    base, extra = divmod(layers, len(mine))
+    spare = set(sorted(mine, key=lambda i: (i in ends, i))[:extra])
+    return tuple(base + (i in spare) for i in mine)
+
+
 def check_schedule(schedule: Schedule, virtual_stages: Any, *, pp: int) -> None:
     """InvalidConfigError unless `virtual_stages` chunks per rank suit `schedule` at this pp."""
     if not is_positive_int(virtual_stages):

@@ -140,11 +140,8 @@ class Generator:
     def _run_stage(self, stage: StageModule, x: Tensor, cache, *, past: int) -> Tensor:
         """One chunk's layers on `x` with the cache; hidden states (b, t, h), or the last
         position's logits (b, 1, V / tp) on the last chunk."""
-        if isinstance(stage, OwnForwardStage):  # the model's own forward with the cache (its softcaps, scales, ...)
-            if len(self.placement) > 1:
-                raise InvalidConfigError(f"generate of {self.spec.name} over pipeline stages: its stages run the "
-                                         "model's own forward, whose cache masks a stage without layer 0 cannot "
-                                         "size; generate with pp=1 (tp may be any)")
+        if isinstance(stage, OwnForwardStage):  # the model's own forward with the cache (its softcaps, scales, ...);
+            # one chunk only (rules/validity.generate_violation refuses pipelines of such a model)
             positions = torch.arange(past, past + x.shape[1], device=x.device)[None]  # (1, t)
             return stage.run(x, cache=cache, logits_to_keep=1, position_ids=positions)
         hidden = stage.embed(x) if stage.embed is not None else x  # (b, t, h)

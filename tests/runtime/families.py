@@ -53,3 +53,25 @@ def check_families() -> None:
                     check_plan(source, plan)
                 continue
             check_plan(source, plan, logits=True)
+    _check_generate()
+
+
+def _check_generate() -> None:
+    """Greedy generation keeps the model's own forward (Gemma-2's softcap and scaled embedding, Granite's
+    multipliers) under tp; over pipeline stages such a model is refused by name."""
+    import pytest
+    import torch
+
+    import autoshard
+    from autoshard.errors import InvalidConfigError
+
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
+    for name in ("gemma2", "granite"):
+        ref = DENSE[name].build()
+        ref.generation_config.pad_token_id = 0
+        want = ref.generate(ids, max_new_tokens=5, do_sample=False)
+        dm = autoshard.parallelize(DENSE[name].build(), ids, plan=dict(tp=2), global_batch=2)
+        assert torch.equal(dm.generate(ids, max_new_tokens=5), want), name
+    dm = autoshard.parallelize(DENSE["granite"].build(), ids, plan=dict(pp=2), global_batch=2)
+    with pytest.raises(InvalidConfigError, match="over pipeline stages: its stages run the model's own forward"):
+        dm.generate(ids, max_new_tokens=2)

@@ -166,35 +166,40 @@ def _tokens(layout: Layout, seq_len: int) -> float:
     return layout.micro_batch * seq_len / layout.mesh.cp
 
 
-def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> tuple:
+def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int, *,
+             low_latency: bool = False) -> tuple:
     """(forward, backward) seconds of TP collectives of one block instance, one micro-batch
     (Megatron-LM, Narayanan et al. 2021 sec. 2.3: all-reduce after each row-parallel GEMM in
-    forward, after each column-parallel input in backward)."""
+    forward, after each column-parallel input in backward). `low_latency`: NCCL's LL protocol too
+    (the serving model's decode steps, collectives.best_time)."""
     tp = layout.mesh.tp
     if tp == 1:
         return 0.0, 0.0
     act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
-    ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=1)
+    ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=1, low_latency=low_latency)
     if kind is BlockKind.LAYER:
         n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
-        sync = _group_sync(ct, hw, layout, seq_len)
+        sync = _group_sync(ct, hw, layout, seq_len, low_latency=low_latency)
         return n * ar + sync, n * ar + sync
     if not sharding.vocab_parallel(ct.spec, kind, layout.strategies):
         return 0.0, 0.0  # replicated embedding / LM head and loss (the plan's choice): no collective
     if kind is BlockKind.EMBED:
         return ar, 0.0  # vocab-parallel lookup: partial sums all-reduced in forward
-    small = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * 3 * 4, size=tp, stride=1)
+    small = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * 3 * 4, size=tp, stride=1,
+                      low_latency=low_latency)
     return small, ar  # vocab-parallel CE (max, sum, target) forward; LM-head input grad backward
 
 
-def _group_sync(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: int) -> float:
+def _group_sync(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: int, *,
+                low_latency: bool = False) -> float:
     """Mamba-2 with its groups kept whole (tp does not divide them, or the plan chose "groups": "whole"):
     the gated norm's fp32 per-group sums of squares added over tp, once forward and once backward
     (runtime/ssd.py); else 0."""
     spec, tp = ct.spec, layout.mesh.tp
     if not sharding.groups_whole(spec, tp, layout.strategies):
         return 0.0
-    return best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * spec.groups * 4, size=tp, stride=1)
+    return best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * spec.groups * 4, size=tp, stride=1,
+                     low_latency=low_latency)
 
 
 def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> tuple:

@@ -16,8 +16,9 @@ Buffer convention (`nbytes` = M):
 Volumes per device (ring):  AllReduce 2(N-1)/N M;  AllGather, ReduceScatter, Gather, AllToAll
 (N-1)/N M;  Reduce 2(N-1)/N M (reduce-scatter then gather to the root);  SendRecv M.
 Protocols (NCCL's LL beside Simple, `low_latency_time`): where the profile has LL latencies
-(`ll_base_latency`, `intra_ll_latency`, `inter_ll_latency`: NCCL's tuning.cc baseLat / hwLat) a
-collective's time is the cheapest of the algorithms under either protocol: LL pays a fixed
+(`ll_base_latency`, `intra_ll_latency`, `inter_ll_latency`: NCCL's tuning.cc baseLat / hwLat) and the
+caller asks for it (`best_time(..., low_latency=True)`: the serving model; training is priced with Simple,
+as its published runs were checked) a collective's time is the cheapest under either protocol: LL pays a fixed
 base latency plus a small per-hop latency and moves data at half the link bandwidth, so it wins
 below tens of KB (a decode step's TP all-reduce), Simple above.
 Tree algorithms trade bandwidth for log2(N) steps (double binary tree AllReduce 2M, binomial
@@ -128,21 +129,24 @@ def collective_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: i
     return steps(op, size, algo) * link.latency + volume(op, nbytes, size, algo) / link.bandwidth
 
 
-def best_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: int, stride: int = 1) -> float:
+def best_time(hw: DeviceProfile, op: Collective, nbytes: float, *, size: int, stride: int = 1,
+              low_latency: bool = False) -> float:
     """The faster of ring and tree (what NCCL / HCCL pick by message size), tree only where the
     device's library has one for `op` (`hw.log_collectives`: NCCL's tree is AllReduce's alone).
     `nbytes` may be a numpy array: the result is then elementwise (the planner prices every stage
     size at once). Memoised on its arguments for a scalar `nbytes`: the planner asks for the same
-    collective for many layouts."""
+    collective for many layouts. `low_latency` adds NCCL's LL protocol (`low_latency_time`): the
+    serving model asks for it (a decode step's all-reduces of a few KB, checked against vLLM runs);
+    training keeps the Simple model its published runs were checked with (docs/cost_model.md)."""
     if isinstance(nbytes, np.ndarray):
-        return _best_time(hw, op, nbytes, size, stride)
-    return _best_time_memo(hw, op, nbytes, size, stride)
+        return _best_time(hw, op, nbytes, size, stride, low_latency)
+    return _best_time_memo(hw, op, nbytes, size, stride, low_latency)
 
 
-def _best_time(hw: DeviceProfile, op: Collective, nbytes, size: int, stride: int):
+def _best_time(hw: DeviceProfile, op: Collective, nbytes, size: int, stride: int, low_latency: bool):
     algos = (Algorithm.RING, Algorithm.TREE) if op.value in hw.log_collectives else (Algorithm.RING,)
     times = [collective_time(hw, op, nbytes, size=size, stride=stride, algo=a) for a in algos]
-    if hw.ll_base_latency is not None and size > 1 and op is not Collective.SEND_RECV:
+    if low_latency and hw.ll_base_latency is not None and size > 1 and op is not Collective.SEND_RECV:
         times += [low_latency_time(hw, op, nbytes, size=size, stride=stride, algo=a) for a in algos]
     best = times[0]
     for t in times[1:]:

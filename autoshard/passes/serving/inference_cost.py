@@ -372,8 +372,9 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
     lay = _layout(spec, tp, b)
     kinds = {BlockKind.EMBED: tokens, BlockKind.LAYER: tokens, BlockKind.HEAD: 1}  # head: last position only
     per = {k: _block_seconds(it, hw, tp, k, batch=b, seq_len=s, decode=decode, ep=layout.ep) for k, s in kinds.items()}
-    comm = {k: tp_comm_times(it.ct, hw, lay, k, tokens)[0] for k in (BlockKind.EMBED, BlockKind.LAYER)}
-    comm[BlockKind.HEAD] = (best_time(hw, Collective.ALL_GATHER, b * spec.vocab * LOGIT_BYTES, size=tp, stride=1)
+    comm = {k: tp_comm_times(it.ct, hw, lay, k, tokens, low_latency=True)[0] for k in (BlockKind.EMBED, BlockKind.LAYER)}
+    comm[BlockKind.HEAD] = (best_time(hw, Collective.ALL_GATHER, b * spec.vocab * LOGIT_BYTES, size=tp, stride=1,
+                                      low_latency=True)
                             if sharding.vocab_parallel(spec, BlockKind.HEAD, lay.strategies) else 0.0)  # replicated: none
     compute = spec.layers * per[BlockKind.LAYER] + per[BlockKind.EMBED] + per[BlockKind.HEAD]
     tp_comm = spec.layers * comm[BlockKind.LAYER] + comm[BlockKind.EMBED] + comm[BlockKind.HEAD]
@@ -381,15 +382,15 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
     pp_comm = 0.0
     if layout.pp > 1:
         hop = _hop_seconds(hw, layout, b * tokens * spec.hidden * ACT_BYTES)
-        token = best_time(hw, Collective.ALL_GATHER, b * 8.0, size=layout.pp, stride=tp)  # broadcast of b ids
+        token = best_time(hw, Collective.ALL_GATHER, b * 8.0, size=layout.pp, stride=tp, low_latency=True)  # broadcast of b ids
         pp_comm = (layout.pp - 1) * hop + token
     ep_comm = 0.0
     if layout.ep > 1:  # the experts' partial outputs summed over the ep ranks (stride tp), every MoE layer
         ep_comm = spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
-                                          size=layout.ep, stride=tp)
+                                          size=layout.ep, stride=tp, low_latency=True)
     if spec.is_moe and tp > 1:  # and over tp: every expert's GEMMs are split over the tp ranks
         tp_comm += spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
-                                           size=tp, stride=1)
+                                           size=tp, stride=1, low_latency=True)
     return PhaseTime(compute=compute, core=core, tp_comm=tp_comm, pp_comm=pp_comm, ep_comm=ep_comm,
                      fixed=_floor_seconds(it, hw))
 

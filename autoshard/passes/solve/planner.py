@@ -37,8 +37,8 @@ from typing import Callable
 import numpy as np
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
-from autoshard.ir import (Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, even_stages,
-                          is_positive_int, stage_rank)
+from autoshard.ir import (Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, chunk_layers,
+                          even_stages, is_positive_int, stage_rank)
 from autoshard.passes.cost import cost
 from autoshard.passes.cost.cost import CompiledTable, Layout
 from autoshard.errors import AutoshardError
@@ -643,7 +643,8 @@ def chunk_stages(a: Assignment, layout: Layout) -> tuple[Stage, ...]:
     if v == 1:
         return a.stages()
     ranks = [stage_rank(i, pp=pp, virtual_stages=v, schedule=layout.schedule) for i in range(pp * v)]
-    parts = {r: [n // v + (1 if k < n % v else 0) for k in range(v)] for r, n in enumerate(a.layers)}
+    parts = {r: list(chunk_layers(n, rank=r, pp=pp, virtual_stages=v, schedule=layout.schedule))
+             for r, n in enumerate(a.layers)}
     out, start = [], 0
     for i, r in enumerate(ranks):
         n = parts[r].pop(0)

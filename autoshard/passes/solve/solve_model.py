@@ -34,7 +34,7 @@ from typing import Iterator
 
 import numpy as np
 
-from autoshard.ir import BlockKind, Recompute, Stage, stage_rank
+from autoshard.ir import BlockKind, Recompute, Stage, end_chunks, stage_rank
 from autoshard.passes.cost import cost
 from autoshard.rules import schedules, sharding
 from autoshard.passes.cost.cost import CompiledTable, Layout
@@ -80,9 +80,12 @@ class MeshProblem:
 
     def min_layers(self, i: int) -> int:
         """Every model chunk holds a layer, except that the first and last may hold only the
-        embedding / head: v per middle rank, v - 1 on the first and last (v virtual stages)."""
-        v = self.layout.virtual_stages
-        return self.layers if self.pp == 1 else (v - 1 if i in (0, self.pp - 1) else v)
+        embedding / head: v per rank, v - 1 on a rank holding either (v virtual stages; under the
+        zero-bubble V both sit on rank 0 and rank pp - 1 needs v). ir.chunk_layers places the layers."""
+        lay, v = self.layout, self.layout.virtual_stages
+        if self.pp == 1:
+            return self.layers
+        return v - min(1, end_chunks(i, pp=self.pp, virtual_stages=v, schedule=lay.schedule))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -81,14 +81,16 @@ def test_nccl_has_a_tree_for_all_reduce_only():
     assert load_hardware("h200").log_collectives == load_hardware("a100-80g").log_collectives == ("all_reduce",)
     small = 1e4
     for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
-        ring = min(collective_time(h100, op, small, size=1024, stride=8, algo=Algorithm.RING),
-                   low_latency_time(h100, op, small, size=1024, stride=8, algo=Algorithm.RING))  # NCCL's LL or Simple
-        assert best_time(h100, op, small, size=1024, stride=8) == ring
+        ring = collective_time(h100, op, small, size=1024, stride=8, algo=Algorithm.RING)
+        assert best_time(h100, op, small, size=1024, stride=8) == ring  # training: Simple
+        ll = low_latency_time(h100, op, small, size=1024, stride=8, algo=Algorithm.RING)
+        assert best_time(h100, op, small, size=1024, stride=8, low_latency=True) == min(ring, ll)  # serving
         assert best_time(npu, op, small, size=1024, stride=8) < collective_time(npu, op, small, size=1024, stride=8,
                                                                                  algo=Algorithm.RING)
-    tree = min(collective_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8, algo=Algorithm.TREE),
-               low_latency_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8, algo=Algorithm.TREE))
+    tree = collective_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8, algo=Algorithm.TREE)
     assert best_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8) == tree
+    ll = low_latency_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8, algo=Algorithm.TREE)
+    assert best_time(h100, Collective.ALL_REDUCE, small, size=1024, stride=8, low_latency=True) == min(tree, ll)
 
 
 def test_low_latency_protocol_is_nccl_tuning_model_for_small_messages():
@@ -97,12 +99,14 @@ def test_low_latency_protocol_is_nccl_tuning_model_for_small_messages():
     h100 = load_hardware("h100")
     nbytes = 8192 * 2
     expected = 6.6e-6 + 4 * 0.6e-6 + 2 * nbytes / (h100.intra_bandwidth / 2)
-    assert best_time(h100, Collective.ALL_REDUCE, nbytes, size=4) == pytest.approx(expected)
-    assert best_time(h100, Collective.ALL_REDUCE, nbytes, size=4) < collective_time(
+    assert best_time(h100, Collective.ALL_REDUCE, nbytes, size=4, low_latency=True) == pytest.approx(expected)
+    assert best_time(h100, Collective.ALL_REDUCE, nbytes, size=4, low_latency=True) < collective_time(
         h100, Collective.ALL_REDUCE, nbytes, size=4, algo=Algorithm.TREE)  # Simple: 8 us per step
     big = 256e6  # gradient buckets: Simple, as before (LL's half bandwidth loses)
-    assert best_time(h100, Collective.ALL_REDUCE, big, size=4) == collective_time(
+    assert best_time(h100, Collective.ALL_REDUCE, big, size=4, low_latency=True) == collective_time(
         h100, Collective.ALL_REDUCE, big, size=4, algo=Algorithm.RING)
+    assert best_time(h100, Collective.ALL_REDUCE, nbytes, size=4) == collective_time(
+        h100, Collective.ALL_REDUCE, nbytes, size=4, algo=Algorithm.TREE)  # training is priced with Simple
     inter = low_latency_time(h100, Collective.ALL_REDUCE, nbytes, size=2, stride=8)  # across nodes: NET hops
     assert inter == pytest.approx(6.6e-6 + 2 * 2.7e-6 + nbytes / (h100.inter_bandwidth / 2))
 

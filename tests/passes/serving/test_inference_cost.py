@@ -195,11 +195,11 @@ def test_moe_tp_splits_the_experts_and_all_reduces_each_layer_over_tp():
     one, two = (estimate_serving(it, MOE, HW, ServeLayout(tp=tp, batch=BATCH), prompt_len=P, output_len=O)
                 for tp in (1, 2))
     lay = ic._layout(MOE, 2, BATCH)
-    dense = MOE.layers * tp_comm_times(it.ct, HW, lay, BlockKind.LAYER, 1)[0] + tp_comm_times(
-        it.ct, HW, lay, BlockKind.EMBED, 1)[0]
-    head = best_time(HW, Collective.ALL_GATHER, BATCH * MOE.vocab * 4.0, size=2, stride=1) \
+    dense = MOE.layers * tp_comm_times(it.ct, HW, lay, BlockKind.LAYER, 1, low_latency=True)[0] + tp_comm_times(
+        it.ct, HW, lay, BlockKind.EMBED, 1, low_latency=True)[0]
+    head = best_time(HW, Collective.ALL_GATHER, BATCH * MOE.vocab * 4.0, size=2, stride=1, low_latency=True) \
         if sharding.vocab_parallel(MOE, BlockKind.HEAD, lay.strategies) else 0.0
-    experts = MOE.layers * best_time(HW, Collective.ALL_REDUCE, BATCH * H * 2.0, size=2, stride=1)
+    experts = MOE.layers * best_time(HW, Collective.ALL_REDUCE, BATCH * H * 2.0, size=2, stride=1, low_latency=True)
     assert two.decode.tp_comm == pytest.approx(dense + head + experts)
     # memory: half of every expert per rank, the rest as training shards it (which keeps the experts whole)
     from autoshard.ir import Mesh
@@ -227,9 +227,10 @@ def test_moe_ep_reads_its_share_of_the_touched_experts_and_all_reduces_each_laye
                 for ep in (1, 2))
     assert one.decode.ep_comm == 0.0
     assert two.decode.ep_comm == pytest.approx(MOE.layers * best_time(HW, Collective.ALL_REDUCE, BATCH * H * 2.0,
-                                                                      size=2, stride=1))
+                                                                      size=2, stride=1, low_latency=True))
     assert two.prefill.ep_comm == pytest.approx(MOE.layers * best_time(HW, Collective.ALL_REDUCE,
-                                                                       BATCH * P * H * 2.0, size=2, stride=1))
+                                                                       BATCH * P * H * 2.0, size=2, stride=1,
+                                                                       low_latency=True))
     assert one.memory.weights - two.memory.weights == pytest.approx(MOE.layers * W_EXPERTS / 2)
     assert two.layout.devices == 2 and two.layout.as_dict()["ep"] == 2
     with pytest.raises(InvalidConfigError, match="ep"):

@@ -211,3 +211,22 @@ def test_check_plan_matches_names_the_mismatch(tiny):
         check_plan_matches(plan, fingerprint="0" * 16, devices=2)
     with pytest.raises(PlanFileError, match="made for 2 devices, this run has 4"):
         check_plan_matches(plan, fingerprint="f" * 16, devices=4)
+
+
+def test_no_virtual_stage_is_left_empty():
+    """Regression: a rank holding the embedding or head may hold v - 1 layers (the search allows it),
+    and its empty chunk must be the embedding / head one, never a middle chunk ("stage 8 (layers
+    [15, 15)) holds nothing" on qwen2-moe, 8 x ascend-910b); under the zero-bubble V, rank pp - 1
+    holds two middle chunks, so it needs v layers (min_layers counts its chunks with ir.end_chunks)."""
+    from autoshard.ir import Schedule, check_stages, end_chunks
+    from autoshard.passes.solve.planner import chunk_stages
+
+    assert [end_chunks(r, pp=4, virtual_stages=2, schedule=Schedule.ZERO_BUBBLE) for r in range(4)] == [2, 0, 0, 0]
+    assert [end_chunks(r, pp=4, virtual_stages=2, schedule=Schedule.INTERLEAVED_1F1B) for r in range(4)] == [1, 0, 0, 1]
+    for schedule, layers in ((Schedule.INTERLEAVED_1F1B, (1, 2, 2, 1)), (Schedule.ZERO_BUBBLE, (1, 2, 2, 2))):
+        layout = Layout(mesh=Mesh(dp=1, pp=4), micro_batch=1, zero=1, schedule=schedule, virtual_stages=2)
+        a = Assignment(layers=layers, recompute=(Recompute.NONE,) * 4)
+        check_stages(chunk_stages(a, layout), num_layers=sum(layers), pp=8)  # raises on an empty middle chunk
+    for name, devices, gb in (("qwen2-moe", 8, 32), ("llama-70b", 64, 256)):  # the shapes that raised
+        plan = solve(get_spec(name), load_hardware("ascend-910b"), devices=devices, global_batch=gb, seq_len=2048)
+        assert plan.virtual_stages == 1 or all(st.layers >= 1 for st in plan.stages[1:-1]), (name, plan.stages)
