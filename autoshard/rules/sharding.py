@@ -525,9 +525,13 @@ def _full(spec: ModelSpec, role: Role, path: str) -> str:
 # -- derived: the cost model's numbers ----------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1024)
-def role_divisors(spec: ModelSpec, tp: int, strategies=()) -> tuple[float, ...]:
-    """`role_divisor` of every role of the table under `strategies`, in table order (memoised)."""
-    return tuple(role_divisor(spec, r, tp) for r in table(spec, strategies))
+def role_divisors(spec: ModelSpec, tp: int, strategies=(), kind: BlockKind | None = None) -> tuple[float, ...]:
+    """`role_divisor` of every role of the table under `strategies`, in table order (memoised); with
+    `kind`, of block `kind`'s roles only (the others 1.0: a block's cost reads its own roles, and the
+    other blocks' choices in `strategies` need not suit `spec` at `tp`: the planner prices a block from
+    any layout with its node-time stem, `cost.node_stem`, perhaps one of another model)."""
+    return tuple(role_divisor(spec, r, tp) if kind is None or r.block is kind else 1.0
+                 for r in table(spec, strategies))
 
 
 @functools.lru_cache(maxsize=1024)

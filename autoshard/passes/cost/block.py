@@ -30,9 +30,10 @@ def _tp_divisor(blk: CompiledBlock, spec: ModelSpec, tp: int, sequence_parallel:
     """Per node: what TP divides its work and saved bytes by, its role's parts (the sharding table with
     the layout's intra-op choices: a replicated LM head divides nothing); under sequence parallelism tp
     for the ops on a sequence shard (passes/cost/sequence_cost.py)."""
-    key = ("tp_divisor", tp, sequence_parallel, tuple(strategies))
+    mine = sharding.block_strategies(strategies, blk.kind)  # what of them the block's roles read (`node_stem`)
+    key = ("tp_divisor", tp, sequence_parallel, mine)
     if key not in blk.memo:
-        parts = np.array([1.0, *sharding.role_divisors(spec, tp, tuple(strategies))])
+        parts = np.array([1.0, *sharding.role_divisors(spec, tp, mine, blk.kind)])
         if sequence_parallel and tp > 1:
             parts = sequence_cost.sequence_divisors(parts, spec, blk.kind, tp)
         blk.memo[key] = parts[blk.role + 1]

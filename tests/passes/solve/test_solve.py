@@ -230,3 +230,20 @@ def test_no_virtual_stage_is_left_empty():
     for name, devices, gb in (("qwen2-moe", 8, 32), ("llama-70b", 64, 256)):  # the shapes that raised
         plan = solve(get_spec(name), load_hardware("ascend-910b"), devices=devices, global_batch=gb, seq_len=2048)
         assert plan.virtual_stages == 1 or all(st.layers >= 1 for st in plan.stages[1:-1]), (name, plan.stages)
+
+
+def test_a_plan_after_another_models_plan(monkeypatch):
+    """Regression: the bound's node-time stems are kept over plans and models (bounds._CODES), so a block is
+    priced from any layout with its stem, perhaps another model's; its tp divisors must read only the block's own
+    choices. mamba2-1b (vocab 50288) at tp 32 after llama-1b had registered tp 32 with a vocab-parallel head
+    raised "lm_head: tp=32 splits its pieces into ['None'] parts"; now it plans as it does alone."""
+    from autoshard.passes.solve import bounds
+
+    hw = load_hardware("h100")
+    kw = dict(devices=32, global_batch=32, seq_len=4096)
+    monkeypatch.setattr(bounds, "_CODES", bounds._Codes())  # as in a fresh process
+    solve(get_spec("llama-1b"), hw, **kw)
+    after = solve(get_spec("mamba2-1b"), hw, **kw)
+    monkeypatch.setattr(bounds, "_CODES", bounds._Codes())
+    alone = solve(get_spec("mamba2-1b"), hw, **kw)
+    assert after.mesh == alone.mesh and after.predicted == alone.predicted
