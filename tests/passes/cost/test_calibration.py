@@ -21,7 +21,7 @@ from autoshard.models.presets import get_spec
 from autoshard.passes.cost.cost import Layout, compile_table, estimate
 from autoshard.rules.validity import valid_meshes
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the repository (tests/passes/cost/ is three below it)
 CANDIDATES = (ROOT.parent / "shared" / "reference" / "ascend910b_llama7b.json",
               ROOT / "shared" / "reference" / "ascend910b_llama7b.json")
 
