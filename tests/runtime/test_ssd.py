@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from autoshard.models.presets import Family, ModelSpec, build_model, get_spec
+from autoshard.model_spec import Family, ModelSpec
+from autoshard.models.presets import build_model, get_spec
 from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.runtime.measure import saved_activation_bytes
 from autoshard.runtime.ssd import install_ssd_mixers, ssd_scan
