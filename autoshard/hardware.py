@@ -29,7 +29,8 @@ TFLOPS = 1e12
 
 # Kernels a device profile may list in `kernels` (their cost rules: passes/cost/fused_regions.py)
 KERNEL_NAMES = ("flash_attention", "rmsnorm", "swiglu", "rope",
-                "ssd_chunk_scan")  # the Mamba-2 chunked SSD: substituted in the cost table (passes/capture/kernels.py)
+                "ssd_chunk_scan",  # the Mamba-2 chunked SSD: substituted in the cost table (passes/capture/kernels.py)
+                "ssd_chunk_scan_torch")  # the same SSD in torch ops under autograd, as MindSpeed-LLM runs it
 
 
 # Collectives (passes/cost/collectives.Collective values) that may have a log-depth algorithm
@@ -168,7 +169,7 @@ ASCEND_910B = DeviceProfile(
     gemm_efficiency=0.9,
     gemm_half_dim=64.0,
     vector_efficiency=0.85,
-    kernels=("ssd_chunk_scan",),
+    kernels=("ssd_chunk_scan_torch",),
     attention_efficiency=0.5,
     sources=(
         ("peak_flops", "arXiv 2602.09109 case study: 378.88 TFLOPS fp16/bf16 GEMM per 910B"),
@@ -187,9 +188,12 @@ ASCEND_910B = DeviceProfile(
         ("attention_efficiency", "unused: no fused kernels listed, attention priced as GEMMs (the calibration)"),
         ("log_collectives", "HCCL (CANN collective communication docs): besides the ring, full-mesh inside a node and "
                             "recursive halving-doubling / NHR across nodes for AllReduce, AllGather, ReduceScatter"),
-        ("kernels", "ssd_chunk_scan only (autoshard runtime/ssd.py on torch_npu: saves its inputs and chunk "
-                    "states, arXiv 2405.21060 sec. 6); no LLaMA kernel: the profile was calibrated on the unfused "
-                    "HF graph (docs/hardware.md)"),
+        ("kernels", "ssd_chunk_scan_torch only: the Mamba-2 SSD as MindSpeed-LLM trains it on the 910B "
+                    "(mindspeed_llm/tasks/models/ssm/state_space_duality.py StateSpaceProcessor: a chunked SSD in "
+                    "torch ops, the l x l decay and score tensors kept for backward; MindSpeed patches mamba_ssm's "
+                    "mamba_chunk_scan_combined with a dummy, there is no fused SSD on Ascend), docs/cost_model.md "
+                    "'Mamba-2 on the 910B'; no LLaMA kernel: the profile was calibrated on the unfused HF graph "
+                    "(docs/hardware.md)"),
     ),
 )
 
@@ -199,7 +203,8 @@ ASCEND_910B = DeviceProfile(
 # best shapes 6912x16384x2048 and 6144x17920x2816); capacity from what nvidia-smi reports, less the
 # CUDA context and NCCL / cuBLAS workspaces. `gemm_efficiency` is the MAMF share divided by the
 # shape factor at the MAMF best shape (so the model gives the MAMF there), see docs/hardware.md.
-_GPU_FUSED = KERNEL_NAMES  # flash attention (FA2 / FA3 / cuDNN), TE / Apex fused RMSNorm, SwiGLU, RoPE, Mamba-2 SSD
+# flash attention (FA2 / FA3 / cuDNN), TE / Apex fused RMSNorm, SwiGLU, RoPE, Mamba-2 SSD (mamba_ssm's)
+_GPU_FUSED = ("flash_attention", "rmsnorm", "swiglu", "rope", "ssd_chunk_scan")
 _FUSED_SOURCE = ("Megatron-Core / Transformer Engine production runs: fused RMSNorm (TE), bias-SwiGLU "
                  "fusion, fused RoPE, flash / cuDNN fused attention, priced in "
                  "passes/cost/fused_regions.py; the Mamba-2 SSD as mamba_ssm's "
