@@ -32,7 +32,18 @@ if TYPE_CHECKING:  # torch is imported where a model is built: planning a preset
     from torch import nn
 
 
+class Mixer(str, Enum):
+    """The sequence mixer of a model's layers (models/facts.py `mixer_of` finds it): what every rule that
+    prices or runs the token-mixing op keys on, never the model's type or class name."""
+
+    ATTENTION = "attention"  # a module calling HF's attention interface (softmax attention, any features)
+    SSD = "ssd"  # Mamba-2's state-space duality scan (the chunked selective scan)
+
+
 class Family(str, Enum):
+    """Deprecated: the model family the spec once named; `ModelSpec.family` derives it from `mixer`.
+    Nothing in autoshard branches on it (kept for callers outside the package)."""
+
     LLAMA = "llama"
     MAMBA2 = "mamba2"
 
@@ -46,7 +57,7 @@ class ModelSpec:
     """The numbers of a model that the cost model and the runtime's divisibility rules need."""
 
     name: str
-    family: Family
+    mixer: Mixer  # the layers' sequence mixer (a hybrid's spec: the mixer of the kind it was read from)
     vocab: int
     hidden: int
     layers: int
@@ -62,7 +73,7 @@ class ModelSpec:
     groups: int = 0
     conv: int = 0
     chunk: int = 0
-    # mixture of experts (LLaMA family): the HF architecture ("mixtral" / "qwen2_moe"), routed experts,
+    # mixture of experts (attention layers): the HF architecture ("mixtral" / "qwen2_moe"), routed experts,
     # experts per token, and the shared expert's MLP width (Qwen2-MoE; 0 for none)
     moe: str = ""
     experts: int = 0
@@ -80,6 +91,11 @@ class ModelSpec:
     #                                          not laid out as the presets (mlp.gate, mlp.experts)
 
     @property
+    def family(self) -> Family:
+        """Deprecated alias derived from `mixer` (see `Family`)."""
+        return Family.MAMBA2 if self.mixer is Mixer.SSD else Family.LLAMA
+
+    @property
     def is_moe(self) -> bool:
         return self.experts > 0
 
@@ -90,20 +106,20 @@ class ModelSpec:
 
     @property
     def attention_head_dim(self) -> int:
-        """LLaMA family: one attention head's width, HF's head_dim (hidden / heads unless the config sets
+        """Attention layers: one attention head's width, HF's head_dim (hidden / heads unless the config sets
         another, e.g. Gemma-style head_dim=256 at hidden 3072: q_proj then has heads x head_dim rows)."""
         return self.head_dim or self.hidden // self.heads
 
     @property
     def intermediate(self) -> int:
-        """Mamba-2 inner width (expand * hidden); LLaMA's ffn width."""
-        return self.expand * self.hidden if self.family is Family.MAMBA2 else self.ffn
+        """The SSD mixer's inner width (expand * hidden); for attention layers, the MLP's width."""
+        return self.expand * self.hidden if self.mixer is Mixer.SSD else self.ffn
 
     def hf_config(self):
         """The Hugging Face config this spec describes."""
         if self.is_moe:
             return _moe_config(self)
-        if self.family is Family.LLAMA:
+        if self.mixer is Mixer.ATTENTION:
             from transformers import LlamaConfig
 
             return LlamaConfig(
@@ -150,7 +166,7 @@ def max_positions(spec: ModelSpec, config=None) -> int | None:
     (no positions) and HF's dynamic RoPE, whose max_position_embeddings is the original length it rescales
     past (transformers.modeling_rope_utils.dynamic_rope_update)."""
     if config is None:
-        return None if spec.family is Family.MAMBA2 else MAX_POSITIONS
+        return None if spec.mixer is Mixer.SSD else MAX_POSITIONS
     limit = getattr(config, "max_position_embeddings", None)
     if not (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
         return None
@@ -216,18 +232,18 @@ def _moe_config(spec: ModelSpec):
 
 
 def _moe(name, moe, vocab, hidden, layers, heads, kv_heads, experts, top_k, ffn, shared_ffn=0) -> ModelSpec:
-    return ModelSpec(name=name, family=Family.LLAMA, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
+    return ModelSpec(name=name, mixer=Mixer.ATTENTION, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
                      heads=heads, kv_heads=kv_heads, tied=False, moe=moe, experts=experts, top_k=top_k,
                      shared_ffn=shared_ffn)
 
 
 def _llama(name, vocab, hidden, ffn, layers, heads, kv_heads, tied=False) -> ModelSpec:
-    return ModelSpec(name=name, family=Family.LLAMA, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
+    return ModelSpec(name=name, mixer=Mixer.ATTENTION, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
                      heads=heads, kv_heads=kv_heads, tied=tied)
 
 
 def _mamba2(name, vocab, hidden, layers, heads, groups, tied, state=128, head_dim=64, chunk=256) -> ModelSpec:
-    return ModelSpec(name=name, family=Family.MAMBA2, vocab=vocab, hidden=hidden, layers=layers, state=state,
+    return ModelSpec(name=name, mixer=Mixer.SSD, vocab=vocab, hidden=hidden, layers=layers, state=state,
                      expand=2, head_dim=head_dim, heads=heads, groups=groups, conv=4, chunk=chunk, tied=tied)
 
 
@@ -316,11 +332,11 @@ def _meta_model(config, *, name: str):
 def config_violation(spec: ModelSpec) -> str | None:
     """Why a model of `spec` cannot run its own forward, or None: counts HF's constructors accept and
     its forward then fails on with a shape error deep inside (reported as a trace failure before)."""
-    if spec.family is Family.LLAMA and spec.heads % spec.kv_heads:
+    if spec.mixer is Mixer.ATTENTION and spec.heads % spec.kv_heads:
         return (f"num_attention_heads ({spec.heads}) is not a multiple of num_key_value_heads ({spec.kv_heads}): "
                 "grouped-query attention shares each KV head among an equal number of query heads; use a "
                 f"num_key_value_heads that divides {spec.heads}")
-    if spec.family is Family.MAMBA2 and spec.heads % spec.groups:
+    if spec.mixer is Mixer.SSD and spec.heads % spec.groups:
         return (f"num_heads ({spec.heads}) is not a multiple of n_groups ({spec.groups}): each group's B and C "
                 f"serve an equal number of heads; use an n_groups that divides {spec.heads}")
     if spec.is_moe and not 0 < spec.top_k <= spec.experts:
@@ -336,7 +352,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     value = functools.partial(F.config_value, config)
     common = dict(name=name, vocab=value("vocab"), hidden=value("hidden"), layers=value("layers"), tied=tied)
     if facts.mixer == "ssd":
-        return ModelSpec(family=Family.MAMBA2, state=value("state"), expand=value("expand", 2),
+        return ModelSpec(mixer=Mixer.SSD, state=value("state"), expand=value("expand", 2),
                          head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
                          conv=value("conv"), chunk=value("chunk", 256), **common)
     if facts.mixer != "attention":
@@ -348,7 +364,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     heads = value("heads")
     usual = common["hidden"] // heads
     head_dim = value("head_dim", usual) or usual
-    spec = ModelSpec(family=Family.LLAMA, heads=heads, kv_heads=value("kv_heads", heads),
+    spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=value("kv_heads", heads),
                      head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or 0,
                      embedding_plain=facts.embedding_plain, own_forward=facts.own_forward,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
