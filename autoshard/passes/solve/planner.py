@@ -630,6 +630,8 @@ def predict(ct, hw, spec, layout: Layout, a: Assignment, *, global_batch: int, s
         "microbatches": problem.microbatches, "time_breakdown_s": est.time.as_dict(),
         "memory_breakdown_gb": est.memory.as_gb(), "fits": ev.peak_bytes <= hw.memory_bytes,
         "source": "cost.estimate(stages=)" if uniform else "cost component tables (per-stage recompute / strategy)",
+        **({"layer_kinds": ranges.kind_breakdown(ct, hw, layout, a, global_batch=global_batch, seq_len=seq_len)}
+           if ct.kinds else {}),
     }
 
 
