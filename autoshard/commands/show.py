@@ -57,7 +57,8 @@ def validate(plan, *, source: str = "the plan") -> None:
     import sys
 
     from autoshard.errors import InvalidConfigError, UnknownNameError
-    from autoshard.fingerprint import fingerprint_module, fingerprint_spec
+    from autoshard.fingerprint import fingerprint_module
+    from autoshard.passes.capture.shipped import fingerprint_spec
     from autoshard.inference_plan import InferencePlan
     from autoshard.ir import Mesh
     from autoshard.models.presets import get_spec, resolve_model

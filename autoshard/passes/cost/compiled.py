@@ -17,7 +17,7 @@ import sympy
 from autoshard.errors import InvalidConfigError
 from autoshard.cost_table import B, S, CostTable
 from autoshard.ir import BlockKind, OpKind, Recompute, Stage
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 from autoshard.passes.cost import fused_regions
 from autoshard.passes.cost.shape_memo import ShapeMemo
 from autoshard.rules import sharding

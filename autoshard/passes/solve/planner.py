@@ -665,7 +665,7 @@ def _other_eps(ct, hw, spec, result: SearchResult, ep: int, pred: dict, *, globa
 
 
 def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len, solve_s, fingerprint) -> Plan:
-    from autoshard.fingerprint import fingerprint_spec
+    from autoshard.passes.capture.shipped import fingerprint_spec
     from autoshard.rules.sharding import block_placements
 
     found = result.found
