@@ -90,3 +90,19 @@ def test_solve_plans_a_mixed_stack(mixed):
                            global_batch=16, seq_len=64)
     best = brute_force(problem)
     assert plan.predicted["step_time_s"] == pytest.approx(best[1].step_s, rel=1e-9)
+
+
+def test_show_has_a_row_per_layer_kind(mixed, capsys):
+    """The plan's per-kind breakdown counts every layer of each stage once, and `show` prints a row per kind."""
+    from autoshard.commands.show import render
+
+    spec, ct = mixed
+    plan = solve(spec, "h100", devices=4, global_batch=16, seq_len=64, table=ct)
+    rows = plan.predicted["layer_kinds"]
+    assert [r["kind"] for r in rows] == ["a", "b"] and [sum(r["layers"]) for r in rows] == [4, 3]
+    assert [sum(r["layers"][i] for r in rows) for i in range(len(plan.stages))] == [st.layers for st in plan.stages]
+    heavy, light = (sum(r["time_s"]) / sum(r["layers"]) for r in rows[::-1])
+    assert heavy > 2 * light  # "b" has three times the FLOPs
+    render(plan)
+    out = capsys.readouterr().out
+    assert "layer kinds" in out and "share of layer time" in out
