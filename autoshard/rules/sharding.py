@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from autoshard.ir import BlockKind
-from autoshard.models.presets import Mixer, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 
 
 class Strategy(str, Enum):

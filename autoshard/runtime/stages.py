@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Stage, check_stages, even_stages  # noqa: F401  (re-exported)
-from autoshard.models.presets import Mixer, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.runtime.comm import gather_sequence, split_sequence
 
 

@@ -3,7 +3,7 @@ import torch
 
 from autoshard.errors import UnknownNameError
 from autoshard.models import PRESETS, build_model, get_spec
-from autoshard.models.presets import Mixer
+from autoshard.model_spec import Mixer
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -12,7 +12,8 @@ import pytest
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Plan, Recompute
-from autoshard.models.presets import Mixer, get_spec
+from autoshard.model_spec import Mixer
+from autoshard.models.presets import get_spec
 from autoshard.passes.cost import cost
 from autoshard.rules import sharding
 from autoshard.passes.cost.cost import Layout
