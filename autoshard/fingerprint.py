@@ -25,19 +25,6 @@ def fingerprint_module(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def fingerprint_spec(spec) -> str:
-    """The fingerprint of the model `spec` describes (built on the meta device: no weights; 0.16 s
-    for llama-70b), shipped in the package for the presets and else kept in the on-disk cache
-    (passes/capture/table_cache.py), so that `autoshard plan` of a preset neither builds a model nor imports
-    transformers."""
-    from autoshard.models.presets import build_model
-    from autoshard.passes.capture import table_cache
-
-    return table_cache.cached_value("fingerprints", lambda: table_cache.spec_key(spec),
-                                    lambda: fingerprint_module(build_model(spec, device="meta")),
-                                    shipped=table_cache.fingerprint_key(spec))
-
-
 def check_plan_matches(plan, *, fingerprint: str, devices: int, source: str = "the plan") -> None:
     """Refuse a plan made for another model or world size (PlanFileError naming both sides)."""
     from autoshard.errors import PlanFileError

@@ -23,7 +23,8 @@ import time
 import torch
 
 import autoshard
-from autoshard.models.presets import Family, ModelSpec, build_model
+from autoshard.model_spec import Family, ModelSpec
+from autoshard.models.presets import build_model
 
 
 def _spec(args) -> ModelSpec:

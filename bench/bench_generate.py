@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import autoshard
-from autoshard.models.presets import ModelSpec, build_model, get_spec
+from autoshard.model_spec import ModelSpec
+from autoshard.models.presets import build_model, get_spec
 
 
 def _spec(args) -> ModelSpec:

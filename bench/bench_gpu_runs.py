@@ -28,7 +28,8 @@ from pathlib import Path
 
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Recompute
-from autoshard.models.presets import Family, ModelSpec, get_spec
+from autoshard.model_spec import Family, ModelSpec
+from autoshard.models.presets import get_spec
 from autoshard.models.published import CALIBRATION_RUNS, FP8_CALIBRATION_RUNS, PublishedRun
 from autoshard.passes.cost.cost import Layout, compile_table, estimate, model_flops_per_token
 from autoshard.passes.capture.shapes import build_cost_table

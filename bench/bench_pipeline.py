@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from autoshard.models.presets import Family, build_model, get_spec
+from autoshard.model_spec import Family
+from autoshard.models.presets import build_model, get_spec
 from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner, Schedule
 from autoshard.runtime.stages import even_stages
 

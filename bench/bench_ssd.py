@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from autoshard.models.presets import Family, ModelSpec, build_model
+from autoshard.model_spec import Family, ModelSpec
+from autoshard.models.presets import build_model
 from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.runtime.measure import saved_activation_bytes
 from autoshard.runtime.ssd import install_ssd_mixers

@@ -46,7 +46,8 @@ def test_fingerprint_spec_equals_the_full_model_one(name, layers):
     """`fingerprint_spec` (cached) gives the hash of the full model."""
     from dataclasses import replace
 
-    from autoshard.fingerprint import fingerprint_module, fingerprint_spec
+    from autoshard.fingerprint import fingerprint_module
+    from autoshard.passes.capture.shipped import fingerprint_spec
     from autoshard.models.presets import build_model, get_spec
 
     spec = replace(get_spec(name), layers=layers)

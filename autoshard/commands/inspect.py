@@ -23,7 +23,7 @@ from autoshard.commands.common import cost_table_for
 from autoshard.errors import InvalidConfigError
 from autoshard.cost_table import B, S, BlockCost, CostTable
 from autoshard.ir import OpKind
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 
 DEFAULT_SEQ_LEN = 4096
 

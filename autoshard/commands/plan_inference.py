@@ -111,7 +111,8 @@ def run(args) -> int:
 
 def make_plan(spec, table, hw, args, *, tpot_slo: float | None = None, module=None):
     """The `InferencePlan` for `args` (`module`: a factory's model, for its fingerprint; None for a preset)."""
-    from autoshard.fingerprint import fingerprint_module, fingerprint_spec
+    from autoshard.fingerprint import fingerprint_module
+    from autoshard.passes.capture.shipped import fingerprint_spec
     from autoshard.inference_plan import InferencePlan, Pool
     from autoshard.passes.serving.serving import plan_serving
 

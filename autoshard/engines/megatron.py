@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from autoshard.engines.training_run import TrainingRun, default_strategies, price, uniform
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Fp8Recipe, Mesh, Precision, Recompute, Schedule
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 
 # flags read into the run: name -> kind ("int", "str", "flag")
 LAYOUT_FLAGS = {

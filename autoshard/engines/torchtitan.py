@@ -30,7 +30,7 @@ from dataclasses import replace
 from autoshard.engines.training_run import TrainingRun, default_strategies, price, uniform
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Precision, Recompute, Schedule, stage_rank
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 
 # torchtitan's own Llama 3 sizes (torchtitan/models/llama3/__init__.py): (layers, dim, ffn, heads, kv, vocab)
 LLAMA3_CONFIGS = {(32, 4096, 14336, 32, 8, 128256): "llama3_8b", (80, 8192, 28672, 64, 8, 128256): "llama3_70b",

@@ -84,6 +84,8 @@ class ModelFacts:
     shared_path: str = ""  # the shared expert inside a layer ("mlp.shared_expert")
     experts_biased: bool = False  # the experts carry biases (GPT-OSS)
     experts_gated: bool = True  # HF's [gate; up] x hidden layout
+    experts_routed: bool = True  # the experts' forward takes the routing (HF's experts interface: hidden,
+    #                              top_k_index, top_k_weights), not tokens already scattered to every expert
     head_params: tuple[str, ...] = ()  # attention parameters indexed by head (GPT-OSS "sinks")
     attention_attrs: tuple[str, ...] = ()  # head counts the attention module keeps (StableLM's num_heads)
     layer_types: tuple[str, ...] = ()  # the config's layer_types (per-layer attention kinds)
@@ -101,6 +103,9 @@ def read_facts(config, model) -> ModelFacts:
     from torch import nn
 
     base_name = getattr(model, "base_model_prefix", "") or "model"
+    if not hasattr(getattr(model, base_name, None), "layers"):  # the prefix names another model (Llama-4's)
+        base_name = next((n for n, m in model.named_children() if isinstance(getattr(m, "layers", None), nn.ModuleList)),
+                         base_name)
     base = getattr(model, base_name, None)
     layers = getattr(base, "layers", None) if base is not None else None
     layer0 = layers[0] if isinstance(layers, nn.ModuleList) and len(layers) else None
@@ -110,6 +115,7 @@ def read_facts(config, model) -> ModelFacts:
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     plain = embed is not None and type(embed).forward is nn.Embedding.forward
     experts, router, shared, biased, gated = _moe_modules(layer0, config_value(config, "experts", 0) or 0)
+    routed = not experts or _takes_routing(layer0.get_submodule(experts))
     sinks = tuple(n.rpartition(".")[2] for n, p in (layer0.named_parameters() if layer0 is not None else ())
                   if p.dim() == 1 and p.shape[0] == heads and ".".join(n.split(".")[:-1]) == _attention_path(layer0)
                   and n.rpartition(".")[2] not in ("weight", "bias"))
@@ -121,6 +127,7 @@ def read_facts(config, model) -> ModelFacts:
         mixer=mixer, base=base_name, layer_params=names, embedding_plain=plain,
         tp_plan=tuple((getattr(config, "base_model_tp_plan", None) or {}).items()),
         experts_path=experts, router_path=router, shared_path=shared, experts_biased=biased, experts_gated=gated,
+        experts_routed=routed,
         head_params=sinks, attention_attrs=_count_attrs(layer0), layer_types=types, sliding_window=int(window),
         attn_softcap=float(config_value(config, "attn_softcap", 0.0) or 0.0),
         final_softcap=float(config_value(config, "final_softcap", 0.0) or 0.0), logit_scale=logit_scale,
@@ -205,6 +212,19 @@ def _moe_modules(layer, experts: int) -> tuple[str, str, str, bool, bool]:
             gated = bool(getattr(module, "has_gate", True)) and not getattr(module, "is_transposed", False)
             return path, router, shared, biased, gated
     return "", "", "", False, True
+
+
+def _takes_routing(experts) -> bool:
+    """Whether an experts module's forward is HF's experts interface (hidden states, top_k_index,
+    top_k_weights), the call expert parallelism dispatches; Llama-4's takes the tokens already repeated
+    per expert and scaled by the router instead."""
+    import inspect
+
+    try:
+        names = tuple(inspect.signature(type(experts).forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return "top_k_index" in names and "top_k_weights" in names
 
 
 def tp_refusal(facts: ModelFacts, roles: tuple[str, ...]) -> str | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from torch import nn
 
 from autoshard.errors import InvalidConfigError
-from autoshard.models.presets import Family, ModelSpec, config_violation
+from autoshard.model_spec import Family, ModelSpec, config_violation
 
 _SSD_ATTRS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size", "chunk_size")
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.ir import Fp8Recipe, Mesh, Precision, Recompute
-from autoshard.models.presets import PRESETS, Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
+from autoshard.models.presets import PRESETS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -72,12 +72,20 @@ def build_tiny(config, *, seed: int = 0, device: str = "cpu"):
 
     config = copy.deepcopy(config)
     config._attn_implementation = "sdpa" if _sdpa_ok(config) else "eager"
-    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
-        config._experts_implementation = "grouped_mm"
-    if str(device) != "meta":
-        torch.manual_seed(seed)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    grouped = bool(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None))
+    for experts in (("grouped_mm",) if grouped else ()) + (None,):
+        if experts is not None:
+            config._experts_implementation = experts
+        if str(device) != "meta":
+            torch.manual_seed(seed)
+        try:
+            with torch.device(device):
+                return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        except ValueError as e:  # a class with its own experts (Llama-4): HF refuses the setting
+            if experts is None or "experts implementation" not in str(e):
+                raise
+            config = copy.deepcopy(config)
+            config._experts_implementation_internal = None
 
 
 def _sdpa_ok(config) -> bool:

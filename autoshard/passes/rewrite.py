@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import BlockKind, Placement, Plan, Recompute, Replicate, Shard, ShardProgram, even_stages
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 from autoshard.rules import sharding
 from autoshard.rules.sharding import Strategy
 

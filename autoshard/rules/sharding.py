@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from autoshard.ir import BlockKind
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 
 
 class Strategy(str, Enum):

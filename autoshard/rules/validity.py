@@ -64,7 +64,7 @@ from collections.abc import Callable, Iterator
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Plan, Precision, check_stages, is_positive_int
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 from autoshard.rules.schedules import check_chunks
 from autoshard.rules.sharding import choice_violation, sequence_violation, tp_violation
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from torch import nn
 
 from autoshard.errors import InvalidConfigError
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 
 
 def compile_backend(setting: bool | str | None, spec: ModelSpec, device_type: str, *,

@@ -38,7 +38,8 @@ from torch import Tensor, nn
 
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.ir import Plan
-from autoshard.models.presets import Family, ModelSpec, max_positions
+from autoshard.model_spec import Family, ModelSpec
+from autoshard.models.presets import max_positions
 from autoshard.ir import Replicate, ShardProgram
 from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
 from autoshard.runtime.comm import gather_last_dim

@@ -61,7 +61,7 @@ from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Shard
-from autoshard.models.presets import ModelSpec
+from autoshard.model_spec import ModelSpec
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
 from autoshard.runtime.tensor_parallel import shard_tensor
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Fp8Recipe
-from autoshard.models.presets import ModelSpec
+from autoshard.model_spec import ModelSpec
 from autoshard.runtime.tensor_parallel import RowParallelLinear
 
 TORCHAO_HINT = "pip install 'autoshard[fp8]' (or pip install torchao>=0.18)"

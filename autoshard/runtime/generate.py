@@ -43,7 +43,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
-from autoshard.models.presets import Family, ModelSpec, max_positions, position_violation
+from autoshard.model_spec import Family, ModelSpec
+from autoshard.models.presets import max_positions, position_violation
 from autoshard.runtime.comm import gather_last_dim
 from autoshard.runtime.stages import OwnForwardStage, StageModule, attention_masks
 

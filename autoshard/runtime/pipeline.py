@@ -42,7 +42,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Precision, Schedule, Stage, check_schedule, stage_rank
-from autoshard.models.presets import ModelSpec
+from autoshard.model_spec import ModelSpec
 from autoshard.rules.schedules import check_chunks
 from autoshard.runtime.data_parallel import take_grad
 from autoshard.runtime.loss import causal_lm_loss

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Stage, check_stages, even_stages  # noqa: F401  (re-exported)
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 from autoshard.runtime.comm import gather_sequence, split_sequence
 
 
@@ -277,7 +277,7 @@ def _build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
         raise InvalidConfigError(f"stage layers [{stage.first_layer}, {stage.end_layer}) are outside the "
                                  f"model's {layers_total} layers; stages must lie within 0..{layers_total}")
     if spec.family is Family.LLAMA and spec.own_forward:
-        body = getattr(model, model.base_model_prefix)
+        body = model.model if isinstance(getattr(model, "model", None), nn.Module) else getattr(model, model.base_model_prefix)
         parts = dict(embed=body.get_input_embeddings() if hasattr(body, "get_input_embeddings") else body.embed_tokens,
                      layers=list(body.layers)[stage.first_layer:stage.end_layer], norm=body.norm,
                      lm_head=model.get_output_embeddings())

@@ -13,7 +13,8 @@ from autoshard.engines import megatron, torchtitan
 from autoshard.engines.training_run import default_strategies, price, run_of_plan
 from autoshard.errors import InfeasiblePlanError
 from autoshard.hardware import load_hardware
-from autoshard.models.presets import Family, get_spec, preset_names
+from autoshard.model_spec import Family
+from autoshard.models.presets import get_spec, preset_names
 from autoshard.passes.cost.cost import compile_table
 from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.passes.solve.planner import solve

@@ -3,7 +3,7 @@ import torch
 
 from autoshard.errors import UnknownNameError
 from autoshard.models import PRESETS, build_model, get_spec
-from autoshard.models.presets import Family
+from autoshard.model_spec import Family
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from autoshard.ir import Mesh, Plan
-from autoshard.models.presets import ModelSpec, build_model, get_spec, spec_from_hf_config
+from autoshard.model_spec import ModelSpec
+from autoshard.models.presets import build_model, get_spec, spec_from_hf_config
 from autoshard.rules.validity import check_plan, plan_violation
 from autoshard.passes.rewrite import Shard, shard_program
 from autoshard.passes.solve.planner import candidate_layouts

@@ -252,9 +252,10 @@ def _record_norm_tokens(model, spec) -> set:
 
 
 def _record_linear_outputs(model) -> set:
-    """The dtypes every nn.Linear of `model` outputs from now on (bf16-mixed: bf16 GEMMs)."""
+    """The dtypes every nn.Linear of `model` outputs from now on (bf16-mixed: bf16 GEMMs); a Linear subclass
+    returning a tuple (Llama-4's router: scores and logits) is skipped."""
     seen = set()
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            module.register_forward_hook(lambda mod, args, out: seen.add(out.dtype))
+            module.register_forward_hook(lambda mod, args, out: seen.add(out.dtype) if isinstance(out, torch.Tensor) else None)
     return seen

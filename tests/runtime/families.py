@@ -26,6 +26,7 @@ DENSE = {
 MOE = {
     "qwen3_moe": _tiny("qwen3_moe"),
     "gpt_oss": _tiny("gpt_oss"),  # attention sinks, biased experts (ep refused by name)
+    "llama4": _tiny("llama4_text"),  # base_model_prefix names another model; experts called pre-scattered
 }
 
 
@@ -34,7 +35,9 @@ MOE = {
 PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
 REFUSED = {("phi3", "tp"): "qkv_proj: HF declares it 'colwise_gather_output'",
            ("olmo2", "tp"): "q_proj: HF declares it 'colwise_gather_output'",
-           ("gpt_oss", "ep"): "mlp.experts: experts with biases"}
+           ("gpt_oss", "ep"): "mlp.experts: experts with biases",
+           ("llama4", "tp"): "HF's tp style 'packed_rowwise' has no rule",
+           ("llama4", "ep"): "feed_forward.experts: its forward takes the tokens already scattered to every expert"}
 
 
 def check_families() -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from autoshard.errors import InvalidConfigError
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 
 if TYPE_CHECKING:  # torch is imported by the functions that walk a graph: reading a table needs none
     import torch

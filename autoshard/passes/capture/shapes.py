@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Sequence
 from autoshard.cost_table import CostTable
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import BlockKind
-from autoshard.models.presets import ModelSpec
+from autoshard.model_spec import ModelSpec
 from autoshard.passes.capture import kernels as kernel_table
 from autoshard.passes.capture import table_cache
 

@@ -18,7 +18,8 @@ from torch import fx, nn
 from autoshard.errors import CaptureError
 from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
 from autoshard.ir import BlockKind, OpKind
-from autoshard.models.presets import Family, ModelSpec, build_model
+from autoshard.model_spec import Family, ModelSpec
+from autoshard.models.presets import build_model
 from autoshard.passes.capture import kernels as kernel_table
 from autoshard.passes.capture import layer_kinds
 from autoshard.passes.capture.capture import BWD, FWD, Captured, Site, capture_model

@@ -15,7 +15,7 @@ import numpy as np
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.ir import BlockKind, Precision, Recompute
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 from autoshard.passes.cost import fused_regions, moe_cost
 from autoshard.passes.cost.collectives import Collective, best_time
 from autoshard.passes.cost import sequence_cost

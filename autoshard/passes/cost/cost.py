@@ -79,7 +79,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import CostTable
 from autoshard.ir import BlockKind, Precision, Stage, check_schedule, even_stages
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 from autoshard.passes.cost import moe_cost
 from autoshard.rules import schedules
 from autoshard.rules.validity import plan_violation

@@ -45,7 +45,7 @@ import math
 
 import numpy as np
 
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 
 FLASH_TILE = 128  # key/query block of FlashAttention-2/3 for head dim 128 (flash-attn kernel traits)
 

@@ -38,7 +38,7 @@ Contract: plain functions of the model spec and the layout's mesh, used by `pass
 from __future__ import annotations
 
 from autoshard.ir import Mesh
-from autoshard.models.presets import ModelSpec
+from autoshard.model_spec import ModelSpec
 from autoshard.passes.cost.collectives import Collective, best_time
 
 COUNT_BYTES = 8.0  # the per-expert counts exchanged first: int64 (torch.bincount)

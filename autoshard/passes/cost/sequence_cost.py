@@ -36,7 +36,7 @@ import numpy as np
 
 from autoshard.hardware import DeviceProfile
 from autoshard.ir import BlockKind, Recompute
-from autoshard.models.presets import ModelSpec
+from autoshard.model_spec import ModelSpec
 from autoshard.rules import sharding
 from autoshard.passes.cost.collectives import Collective, best_time
 

@@ -62,7 +62,7 @@ import numpy as np
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import CostTable
-from autoshard.models.presets import ModelSpec
+from autoshard.model_spec import ModelSpec
 from autoshard.passes.serving import inference_cost as ic
 from autoshard.passes.serving.inference_cost import InferenceTable, ServeLayout
 from autoshard.passes.serving.serving import MAX_BATCH, largest_batch

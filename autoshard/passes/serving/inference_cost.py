@@ -77,7 +77,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import B, S, CostTable
 from autoshard.ir import BlockKind, Mesh, Stage, even_stages, is_positive_int
-from autoshard.models.presets import Family, ModelSpec
+from autoshard.model_spec import Family, ModelSpec
 from autoshard.passes.cost.collectives import Collective, best_time, collective_time
 from autoshard.ir import Precision
 from autoshard.passes.cost.cost import (CompiledTable, Layout, block_params, compile_table, expert_block_params,

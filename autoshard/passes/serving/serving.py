@@ -37,7 +37,7 @@ from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import CostTable
 from autoshard.ir import Mesh
-from autoshard.models.presets import ModelSpec
+from autoshard.model_spec import ModelSpec
 from autoshard.passes.serving import inference_cost as ic
 from autoshard.passes.cost.collectives import group_link
 from autoshard.passes.serving.inference_cost import InferenceTable, ServeEstimate, ServeLayout

@@ -11,7 +11,7 @@ from autoshard.commands.inspect import ssd_flops_per_token, summarize
 from autoshard.cost_table import B, S
 from autoshard.ir import BlockKind, OpKind
 from autoshard.models import PRESETS, build_model, get_spec
-from autoshard.models.presets import Family
+from autoshard.model_spec import Family
 from autoshard.passes.capture import shapes, shapes_trace
 from autoshard.passes.capture.capture import capture_model
 from autoshard.passes.capture.kernels import KERNEL_NAMES, kernel_for

@@ -135,13 +135,14 @@ def test_cli_cache_shows_and_clears(cache, count_builds, capsys):
 def test_plan_fingerprint_is_cached_and_exact(cache, monkeypatch):
     from autoshard import fingerprint
     from autoshard.models import build_model
+    from autoshard.passes.capture.shipped import fingerprint_spec
 
     spec = get_spec("llama-tiny", layers=3)
     full = fingerprint.fingerprint_module(build_model(spec, device="meta"))
-    assert fingerprint.fingerprint_spec(spec) == full
+    assert fingerprint_spec(spec) == full
     assert len(list(cache.parent.glob("fingerprints/*.json"))) == 1
     monkeypatch.setattr(fingerprint, "fingerprint_module", lambda model: pytest.fail("fingerprinted a model on a hit"))
-    assert fingerprint.fingerprint_spec(spec) == full
+    assert fingerprint_spec(spec) == full
 
 
 def test_an_expression_outside_the_stored_form_is_not_cached(cache, tiny_table):

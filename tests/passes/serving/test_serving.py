@@ -14,7 +14,8 @@ from autoshard.passes.serving import serving
 from autoshard.passes.serving.inference_cost import ServeLayout, estimate_serving
 from autoshard.passes.serving.serving import layouts, plan_serving
 from autoshard.ir import Mesh
-from autoshard.models.presets import Family, get_spec, spec_from_hf_config
+from autoshard.model_spec import Family
+from autoshard.models.presets import get_spec, spec_from_hf_config
 from autoshard.rules.sharding import runnable_strategies
 from autoshard.rules.validity import check_plan, generate_violation
 from tests.passes.serving.test_inference_cost import HW, LLAMA, LLAMA_TABLE, MAMBA, MAMBA_TABLE

@@ -1,0 +1,149 @@
+"""`ModelSpec`: the numbers of a model (sizes, counts, the facts read off a user's model) that the
+planner, the rules and the runtime read, and the Hugging Face config of a preset they describe.
+Presets and reading a user's model live in models/; this module imports neither."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Family(str, Enum):
+    LLAMA = "llama"
+    MAMBA2 = "mamba2"
+
+
+def _fact(default):
+    return field(default=default, metadata={"omit_default": True})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """The numbers of a model that the cost model and the runtime's divisibility rules need."""
+
+    name: str
+    family: Family
+    vocab: int
+    hidden: int
+    layers: int
+    tied: bool
+    # LLaMA (ffn: the MLP width; for a MoE model, each routed expert's)
+    ffn: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    # Mamba-2 (heads is the SSM head count)
+    state: int = 0
+    expand: int = 0
+    head_dim: int = 0
+    groups: int = 0
+    conv: int = 0
+    chunk: int = 0
+    # mixture of experts (LLaMA family): the HF architecture ("mixtral" / "qwen2_moe"), routed experts,
+    # experts per token, and the shared expert's MLP width (Qwen2-MoE; 0 for none)
+    moe: str = ""
+    experts: int = 0
+    top_k: int = 0
+    shared_ffn: int = 0
+    # facts read off a user's model (models/facts.py); at their defaults for the presets, and then left out
+    # of the cache keys (passes/capture/table_cache.py), so the presets' shipped tables still match
+    refused: tuple[tuple[str, str], ...] = _fact(())  # (axis, why) pairs this model cannot run yet
+    grad_sum: tuple[str, ...] = _fact(())  # layer paths replicated over tp whose gradient is summed (q/k norms)
+    head_params: tuple[str, ...] = _fact(())  # attention parameters indexed by head (sinks): split with the heads
+    attention_attrs: tuple[str, ...] = _fact(())  # the attention module's head-count attributes (num_heads, ...)
+    embedding_plain: bool = _fact(True)  # a plain nn.Embedding (else: no vocab-parallel embedding is offered)
+    own_forward: bool = _fact(False)  # pipeline stages run the model's own forward (models/facts.py)
+    moe_paths: tuple[str, ...] = _fact(())  # (router, experts, shared expert) inside a layer, for a MoE model
+    #                                          not laid out as the presets (mlp.gate, mlp.experts)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of the routed experts of ONE layer (gate, up and down of each expert)."""
+        return self.experts * 3 * self.hidden * self.ffn
+
+    @property
+    def attention_head_dim(self) -> int:
+        """LLaMA family: one attention head's width, HF's head_dim (hidden / heads unless the config sets
+        another, e.g. Gemma-style head_dim=256 at hidden 3072: q_proj then has heads x head_dim rows)."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def intermediate(self) -> int:
+        """Mamba-2 inner width (expand * hidden); LLaMA's ffn width."""
+        return self.expand * self.hidden if self.family is Family.MAMBA2 else self.ffn
+
+    def hf_config(self):
+        """The Hugging Face config this spec describes."""
+        if self.is_moe:
+            return _moe_config(self)
+        if self.family is Family.LLAMA:
+            from transformers import LlamaConfig
+
+            return LlamaConfig(
+                vocab_size=self.vocab,
+                hidden_size=self.hidden,
+                intermediate_size=self.ffn,
+                num_hidden_layers=self.layers,
+                num_attention_heads=self.heads,
+                num_key_value_heads=self.kv_heads,
+                **({"head_dim": self.head_dim} if self.head_dim else {}),  # absent: hidden / heads
+                tie_word_embeddings=self.tied,
+                max_position_embeddings=MAX_POSITIONS,
+                attn_implementation="sdpa",
+            )
+        from transformers import Mamba2Config
+
+        return Mamba2Config(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            state_size=self.state,
+            expand=self.expand,
+            head_dim=self.head_dim,
+            num_heads=self.heads,
+            n_groups=self.groups,
+            conv_kernel=self.conv,
+            chunk_size=self.chunk,
+            tie_word_embeddings=self.tied,
+        )
+
+
+MAX_POSITIONS = 2 * 65536  # the presets' max_position_embeddings (LLaMA family): 128k-token sequences
+EXPERTS_IMPLEMENTATION = "grouped_mm"  # fixed shapes: traces on fake tensors (module docstring)
+
+
+def _moe_config(spec: ModelSpec):
+    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                  num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                  num_experts_per_tok=spec.top_k, tie_word_embeddings=spec.tied,
+                  max_position_embeddings=MAX_POSITIONS, attn_implementation="sdpa",
+                  experts_implementation=EXPERTS_IMPLEMENTATION,
+                  **({"head_dim": spec.head_dim} if spec.head_dim else {}))  # absent: hidden / heads
+    if spec.moe == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(intermediate_size=spec.ffn, num_local_experts=spec.experts, sliding_window=None,
+                             **common)
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(moe_intermediate_size=spec.ffn, intermediate_size=spec.shared_ffn,
+                          shared_expert_intermediate_size=spec.shared_ffn, num_experts=spec.experts,
+                          decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, **common)
+
+
+def config_violation(spec: ModelSpec) -> str | None:
+    """Why a model of `spec` cannot run its own forward, or None: counts HF's constructors accept and
+    its forward then fails on with a shape error deep inside (reported as a trace failure before)."""
+    if spec.family is Family.LLAMA and spec.heads % spec.kv_heads:
+        return (f"num_attention_heads ({spec.heads}) is not a multiple of num_key_value_heads ({spec.kv_heads}): "
+                "grouped-query attention shares each KV head among an equal number of query heads; use a "
+                f"num_key_value_heads that divides {spec.heads}")
+    if spec.family is Family.MAMBA2 and spec.heads % spec.groups:
+        return (f"num_heads ({spec.heads}) is not a multiple of n_groups ({spec.groups}): each group's B and C "
+                f"serve an equal number of heads; use an n_groups that divides {spec.heads}")
+    if spec.is_moe and not 0 < spec.top_k <= spec.experts:
+        return (f"num_experts_per_tok ({spec.top_k}) must be between 1 and the number of experts ({spec.experts})")
+    return None
