@@ -410,12 +410,15 @@ def _announce(plan: Plan) -> None:
 
 
 def _resolve_plan(plan: Any, *, spec, seq_len: int, global_batch: int, hardware: str) -> Plan:
-    """The Plan of `plan`: itself, its file's, or a dict of PLAN_KEYS (a key given as None takes its default),
-    each value checked by its field's own rule (ir.PLAN_FIELDS) and named as a plan key."""
+    """The Plan of `plan`: itself, or a dict of PLAN_KEYS (a key given as None takes its default), each value
+    checked by its field's own rule (ir.PLAN_FIELDS) and named as a plan key. A file is read by the caller
+    (`read_plan_file`), once."""
     if isinstance(plan, Plan):
         return plan
-    if isinstance(plan, (str, Path)):
-        return Plan.load(plan)
+    if isinstance(plan, InferencePlan):
+        raise InvalidConfigError("an inference plan runs under autoshard.parallelize (dm.generate), not under the "
+                                 "torch.compile backend; give the backend a training plan, or a dict such as "
+                                 "dict(dp=2, tp=2)")
     if not isinstance(plan, Mapping):
         raise InvalidConfigError(f"plan must be a dict, a Plan or a path to a plan file, got {type(plan).__name__}")
     unknown = sorted(set(plan) - set(PLAN_KEYS))
@@ -452,7 +455,8 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
 
     def resolve() -> Plan:
         # the backend takes any sequence (no cp, no sequence parallelism): MIN_SEQ_LEN stands for it
-        given = _resolve_plan(requested, spec=spec, seq_len=MIN_SEQ_LEN,
+        given = _resolve_plan(read_plan_file(requested) if isinstance(requested, (str, Path)) else requested,
+                              spec=spec, seq_len=MIN_SEQ_LEN,
                               global_batch=global_batch or world, hardware="auto")
         why = backend_violation(spec, given)  # what the backend adds to the plan rules (check_plan, below)
         if why:
