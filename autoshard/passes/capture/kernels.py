@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from autoshard.errors import InvalidConfigError
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 
 if TYPE_CHECKING:  # torch is imported by the functions that walk a graph: reading a table needs none
     import torch
@@ -64,7 +64,7 @@ class Kernel:
     description: str  # what runs, and its source
     is_anchor: Callable[[fx.Node], bool]  # an op only this kernel's algorithm produces
     min_anchors: int  # a region must contain at least this many anchors
-    families: tuple[Family, ...]  # model families whose spec gives the rule its dimensions
+    mixers: tuple[Mixer, ...]  # the sequence mixers whose spec numbers give the rule its dimensions
     cost: Callable[[ModelSpec, int, int], KernelCost]  # (spec, micro-batch, sequence length) -> cost
 
 
@@ -127,7 +127,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            description="Mamba-2 chunked SSD scan as one kernel: chunk-local tensors stay on chip, backward "
                        "recomputes them from the saved inputs and chunk states (mamba_ssm "
                        "mamba_chunk_scan_combined; autoshard's runtime/ssd.py where that is not installed)",
-           is_anchor=_is_segsum_exp, min_anchors=2, families=(Family.MAMBA2,), cost=ssd_cost),
+           is_anchor=_is_segsum_exp, min_anchors=2, mixers=(Mixer.SSD,), cost=ssd_cost),
 )}
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 
@@ -340,7 +340,7 @@ def _check_names(names, known=None) -> None:
 
 
 def kernel_for(spec: ModelSpec, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The kernels of `names` that this step substitutes for `spec`'s family (a profile's other
+    """The kernels of `names` that this step substitutes for `spec`'s sequence mixer (a profile's other
     kernels, flash attention and the LLaMA fusions, are priced by passes/cost/fused_regions.py)."""
     _check_names(names)
-    return tuple(n for n in names if n in KERNELS and spec.family in KERNELS[n].families)
+    return tuple(n for n in names if n in KERNELS and spec.mixer in KERNELS[n].mixers)

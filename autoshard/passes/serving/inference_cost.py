@@ -73,7 +73,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import B, S, CostTable
 from autoshard.ir import BlockKind, Mesh, Stage, even_stages, is_positive_int
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost.collectives import Collective, best_time, collective_time
 from autoshard.ir import Precision
 from autoshard.passes.cost.cost import (CompiledTable, Layout, block_params, compile_table, expert_block_params,
@@ -201,7 +201,7 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
         lookup[block.kind] = np.array([n.target == "aten.embedding.default" for n in nodes], dtype=bool)
         paths[block.kind] = tuple(n.module_path for n in nodes)
         is_core = [_in_core(n.module_path, spec) for n in nodes]
-        if spec.family is Family.LLAMA:  # only the s x s attention runs differently in decode
+        if spec.mixer is Mixer.ATTENTION:  # only the s x s attention runs differently in decode
             is_core = [c and _degree_in_s(n.flops) >= 2 for c, n in zip(is_core, nodes)]
             if block.kind is BlockKind.LAYER:
                 attn = sum((n.flops.subs(S, 1) * C for n, c in zip(nodes, is_core) if c and n.phase == "fwd"),
@@ -293,7 +293,7 @@ def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
     """Bytes one device holds for one layer: LLaMA's K and V of `tokens` tokens (its share of the
     KV heads: kv_heads / min(tp, kv_heads)), or Mamba-2's conv state (model dtype) and fp32 SSM
     state (constant in tokens). `dtype_bytes`: the model's element size (bf16 when serving)."""
-    if spec.family is Family.LLAMA:
+    if spec.mixer is Mixer.ATTENTION:
         head_dim = spec.attention_head_dim
         kv_local = spec.kv_heads // sharding.parts(spec, "self_attn.k_proj", tp)
         return 2.0 * batch * tokens * kv_local * head_dim * dtype_bytes
@@ -312,7 +312,7 @@ def _conv_channels(spec: ModelSpec, tp: int) -> float:
 def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch: int, context: float) -> float:
     """One layer's sequence mixing for one decode step on one device (see the module docstring)."""
     spec = it.spec
-    if spec.family is Family.LLAMA:
+    if spec.mixer is Mixer.ATTENTION:
         flops = float(it.attention_flops(batch, context)) / tp  # heads split over tp
         q_out = 2.0 * batch * spec.hidden / tp * ACT_BYTES
         nbytes = cache_bytes_per_layer(spec, batch=batch, tokens=context, tp=tp) + q_out  # the config's head_dim
