@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
-from autoshard.ir import BlockKind
+from autoshard.ir import POSITIVE_INT, BlockKind, is_positive_int
 from autoshard.model_spec import MAX_POSITIONS, Mixer, ModelSpec, config_violation
 
 if TYPE_CHECKING:  # torch is imported where a model is built: planning a preset needs only its spec
@@ -45,7 +45,7 @@ def max_positions(spec: ModelSpec, config=None) -> int | None:
     if config is None:
         return None if spec.mixer is Mixer.SSD else MAX_POSITIONS
     limit = getattr(config, "max_position_embeddings", None)
-    if not (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
+    if not is_positive_int(limit):
         return None
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not isinstance(rope, dict):
@@ -138,8 +138,7 @@ def get_spec(name: str, *, layers: int | None = None) -> ModelSpec:
             "(or pass package.module:factory returning an nn.Module)"
         ) from None
     if layers is not None:
-        if layers <= 0:
-            raise InvalidConfigError(f"layers must be positive, got {layers}")
+        POSITIVE_INT.check("layers", layers)
         spec = replace(spec, layers=layers)
     return spec
 
