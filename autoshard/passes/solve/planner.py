@@ -490,8 +490,7 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     value it must beat as a cutoff, until the bound reaches the runner-up. The bound of a layout is
     `bounds.lower_bounds` with the mean layer of the stack's sequence (its summed work exact, its heaviest
     block no more than the heaviest), its state and peak memory the least over the kinds' tables."""
-    layouts = [cost.resolved(lay, hw) for lay in layouts
-               if lay.virtual_stages == 1 and cost.mixed_violation(ct, lay) is None]
+    layouts = [cost.resolved(lay, hw) for lay in layouts if _priced_layout(ct, lay)]
     counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
     memos = [{} for _ in ct.kinds]
     found_bounds = []
@@ -533,6 +532,13 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         visited += 1
         _keep(best, layout, result, progress, done, len(kept))
     return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
+
+
+def _priced_layout(ct: CompiledTable, layout: Layout) -> bool:
+    """Whether the planner searches `layout` for `ct`: every layout of a one-kind model; of a mixed stack those
+    its per-kind tables price (`cost.mixed_violation`) with one model chunk per rank (a rank of an interleaved
+    pipeline holds no one layer range)."""
+    return not ct.kinds or (layout.virtual_stages == 1 and cost.mixed_violation(ct, layout) is None)
 
 
 def _priced_mesh(ct: CompiledTable, mesh) -> bool:
@@ -596,7 +602,7 @@ def _infeasible(ct, hw, spec, layouts, *, devices, global_batch, seq_len) -> Inf
     for lay in layouts:
         top[lay.mesh] = max(top.get(lay.mesh, 0), lay.zero)
     # without data parallelism ZeRO shards nothing (ZeRO-3 only adds its gather buffer): every level there
-    small = [lay for lay in layouts if lay.micro_batch == 1
+    small = [lay for lay in layouts if lay.micro_batch == 1 and _priced_layout(ct, lay)
              and (lay.zero == top[lay.mesh] or lay.mesh.dp * lay.mesh.cp * lay.mesh.ep == 1)]
     best, where = math.inf, None
     for lay in small:
