@@ -353,6 +353,14 @@ def _squeeze(node, ins, ctx):
     return p.at(p.dim - sum(1 for d in gone if d < p.dim))
 
 
+def _complex(node, ins, ctx):
+    """view_as_complex (..., 2) -> (...) / view_as_real (...) -> (..., 2): a split dim other than the pair stays."""
+    p = ins[0]
+    if isinstance(p, Shard) and p.dim >= min(len(ctx.out), len(ctx.shapes[0])) - (_op(node) == "view_as_complex"):
+        raise Unprovable("op along the split dim", f"aten.{_op(node)} pairs the dim tp splits")
+    return p
+
+
 def _expand(node, ins, ctx):
     p = ins[0]
     if not isinstance(p, Shard):
@@ -732,7 +740,7 @@ RULES: dict[str, Callable] = {
     **{name: _like for name in ("zeros_like", "ones_like", "empty_like", "full_like", "rand_like")},
     "mm": _mm, "bmm": _bmm, "addmm": _addmm, "baddbmm": _baddbmm, "_grouped_mm": _grouped,
     "t": _transpose, "transpose": _transpose, "permute": _permute, "unsqueeze": _unsqueeze, "squeeze": _squeeze,
-    "expand": _expand, "view": _view, "_unsafe_view": _view, "reshape": _view,
+    "expand": _expand, "view_as_complex": _complex, "view_as_real": _complex, "view": _view, "_unsafe_view": _view, "reshape": _view,
     "sum": lambda n, i, c: _reduction(n, i, c, summing=True), "mean": lambda n, i, c: _reduction(n, i, c, summing=False),
     "amax": lambda n, i, c: _reduction(n, i, c, summing=False), "var": lambda n, i, c: _reduction(n, i, c, summing=False),
     "logsumexp": lambda n, i, c: _reduction(n, i, c, summing=False),

@@ -4,8 +4,8 @@ Contract: `strategy(spec, names, tp_plan) -> Strategy` turns the sharding table 
 `table(spec)`) into per-parameter placements: a colwise role's weight and bias `Shard(0)` (packed
 pieces listed, Mamba-2's in_proj), a rowwise role's weight `Shard(1)` (its bias whole), a region's
 own per-head parameters (Mamba-2's A_log / D / dt_bias, GPT-OSS's sinks) `Shard(0)`, everything else
-`Replicate()`. A layer parameter the table gives no role of its own takes HF's declared style for its
-module (`base_model_tp_plan`: colwise* / packed_colwise -> Shard(0), rowwise* -> Shard(1)), so a
+`Replicate()`. A layer parameter the table gives no role of its own, inside a tp region or outside every
+role, takes HF's declared style for its module (`base_model_tp_plan`: colwise* / packed_colwise -> Shard(0), rowwise* -> Shard(1)), so a
 fused projection HF declares (Phi-3's qkv_proj) is proven or refused by what the graph does with it.
 
 `prove_tp(spec, model)` traces the model's own class with one layer of each layer type (on the meta
@@ -58,6 +58,8 @@ def strategy(spec, names: tuple[str, ...], tp_plan: tuple[tuple[str, str], ...] 
             out[name] = _placement(spec, role, leaf)
         elif role is not None and leaf in role.params:  # a region's own parameters (per head)
             out[name] = Shard(0)
+        elif role is not None and role.strategy is not sharding.Strategy.REGION:
+            out[name] = R  # inside a module the table keeps whole (a shared expert, the routed experts)
         else:
             style = next((s for pattern, s in tp_plan if fnmatch.fnmatchcase(f"layers.*.{rel}", pattern)), "")
             out[name] = Shard(0) if style in COLWISE_STYLES else Shard(1) if style in ROWWISE_STYLES and leaf != "bias" \
@@ -108,7 +110,8 @@ def prove_tp(spec, model) -> Proof:
 
 def _one_of_each(model):
     """`model`'s class on the meta device with one layer of each layer type (the config's `layer_types`), in
-    bf16 when it has routed experts (HF's grouped_mm experts trace in bf16 only)."""
+    bf16 when it has routed experts (HF's grouped_mm experts trace in bf16 only; a model on HF's eager
+    experts does not trace: `capture_model` says to switch)."""
     import torch
 
     from autoshard.models.facts import ALIASES
@@ -124,9 +127,7 @@ def _one_of_each(model):
         except AttributeError:  # a config that derives its layer types (Mamba-2)
             pass
     experts = any(getattr(config, n, None) for n in ALIASES["experts"])
-    if experts:
-        config._experts_implementation = "grouped_mm"
-    with torch.device("meta"):
+    with torch.device("meta"):  # the config keeps the model's own experts implementation
         small = type(model)(config)
     return small.to(torch.bfloat16) if experts else small
 

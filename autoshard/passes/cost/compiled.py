@@ -17,7 +17,7 @@ import sympy
 from autoshard.errors import InvalidConfigError
 from autoshard.cost_table import B, S, CostTable
 from autoshard.ir import BlockKind, OpKind, Recompute, Stage
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost import fused_regions
 from autoshard.passes.cost.shape_memo import ShapeMemo
 from autoshard.rules import sharding
@@ -109,7 +109,7 @@ def _compile_mixed(table: CostTable, spec: ModelSpec) -> CompiledTable:
     names = [b.name for b in layers]
     return CompiledTable(spec=spec, blocks=views[0].blocks, kinds=views, kind_names=tuple(names),
                          layer_kinds=tuple(names.index(k) for k in table.layer_kinds),
-                         mixers=table.mixer_layers(mamba2=spec.family is Family.MAMBA2))
+                         mixers=table.mixer_layers(mamba2=spec.mixer is Mixer.SSD))
 
 
 def kind_spec(spec: ModelSpec, block) -> ModelSpec:

@@ -368,7 +368,7 @@ def _pair_layouts(mesh, micro_batch: int, intra: tuple, zeros: tuple, offload: b
     with the mesh (and offload) x the schedules. The same objects for the same arguments, so a re-plan in
     process builds only the pairs whose options changed (building one Layout validates it, ~8 us; a plan
     has ~30k), and `bounds.bound_columns` reads each layout's keys once."""
-    return tuple(Layout(mesh=mesh, micro_batch=micro_batch, zero=z, offload=o, schedule=sched, virtual_stages=v,
+    return tuple(Layout(mesh=mesh, micro_batch=micro_batch, zero=z, offload_optimizer=o, schedule=sched, virtual_stages=v,
                         sequence_parallel=sp, strategies=st, stage_choices=per, moe_imbalance=moe_imbalance,
                         precision=precision, fp8_recipe=fp8_recipe)
                  for sp, st, per in intra for z in zeros if zero_violation(mesh, z) is None
@@ -705,7 +705,7 @@ def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len,
     sp, strategies = chunk_strategies(a, layout)
     plan = Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
                 global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,
-                zero=layout.zero, offload_optimizer=layout.offload, recompute=rec, schedule=layout.schedule,
+                zero=layout.zero, offload_optimizer=layout.offload_optimizer, recompute=rec, schedule=layout.schedule,
                 # fp8 where the planner chose it; else the device's default (AUTO, as it was searched)
                 **({"precision": layout.precision, "fp8_recipe": layout.fp8_recipe}
                    if layout.precision is Precision.FP8 else {}),
