@@ -201,13 +201,17 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
             f"{name}: {type(model).__name__} has no sequence mixer autoshard knows (no attention module calling HF's "
             "attention interface, no SSD scan: state_size / n_groups / conv_kernel); autoshard plans decoders "
             "built of attention and Mamba-2 layers")
-    _check_layers_alike(model, facts, name=name)
+    from autoshard.models.layered import hybrid_refusals
+
+    hybrid = hybrid_refusals(model)  # None: one repeated kind of attention layer
+    if hybrid is None:
+        _check_layers_alike(model, facts, name=name)
     heads = value("heads")
     usual = common["hidden"] // heads
     head_dim = value("head_dim", usual) or usual
     spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=value("kv_heads", heads),
                      head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or 0,
-                     embedding_plain=facts.embedding_plain, own_forward=facts.own_forward,
+                     embedding_plain=facts.embedding_plain, own_forward=facts.own_forward or hybrid is not None,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
                      grad_sum=F.grad_summed(facts), **common)
     if facts.experts_path:
@@ -215,6 +219,8 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     from autoshard.models.verdicts import failed_axes
 
     found = _refusals(spec, facts)
+    if hybrid is not None:  # a hybrid's own refusals replace the one-kind rules' (models/layered.py)
+        found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
     return replace(spec, refused=found + verified)
 
