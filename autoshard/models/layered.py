@@ -13,6 +13,8 @@ name in `passes/cost.compile_table` until the cost model prices a stage as the s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from autoshard.errors import InvalidConfigError
@@ -53,9 +55,31 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
         spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads,
                          kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                          ffn=getattr(config, "intermediate_size", 0) or 0, **common)
+    spec = _with_experts(spec, model, stack, config)
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
     if why:
         raise InvalidConfigError(f"{name}: {why}")
+    return spec
+
+
+def _with_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec:
+    """`spec` with the routed experts of the stack's MoE layers (the first kind whose layer holds them, found as
+    models/facts.py finds a MoE block: an experts module of 3-d weights with `experts` rows, the router beside
+    it): their count, top-k, width and paths inside a layer, so that ep is searched and priced; the kinds
+    without them are priced as dense layers (passes/cost/compiled.py `kind_spec`). `spec` when none holds any."""
+    from autoshard.models.facts import _moe_modules, config_value
+
+    experts = config_value(config, "experts", 0) or 0
+    if not experts:
+        return spec
+    layers = model.get_submodule(stack.prefix)
+    for kind in stack.kinds:
+        path, router, shared, _, _ = _moe_modules(layers[kind.layers[0]], experts)
+        if path:
+            return replace(spec, experts=experts, top_k=config_value(config, "top_k", 1),
+                           ffn=config_value(config, "expert_ffn", None) or spec.ffn,
+                           shared_ffn=config_value(config, "shared_ffn", 0) or 0, moe="layout",
+                           moe_paths=(router, path, shared))
     return spec
 
 
