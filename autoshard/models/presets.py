@@ -24,8 +24,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
-from autoshard.ir import BlockKind
-from autoshard.model_spec import MAX_POSITIONS, Family, ModelSpec, config_violation
+from autoshard.ir import POSITIVE_INT, BlockKind, is_positive_int
+from autoshard.model_spec import MAX_POSITIONS, Mixer, ModelSpec, config_violation
 
 if TYPE_CHECKING:  # torch is imported where a model is built: planning a preset needs only its spec
     import torch
@@ -43,9 +43,9 @@ def max_positions(spec: ModelSpec, config=None) -> int | None:
     (no positions) and HF's dynamic RoPE, whose max_position_embeddings is the original length it rescales
     past (transformers.modeling_rope_utils.dynamic_rope_update)."""
     if config is None:
-        return None if spec.family is Family.MAMBA2 else MAX_POSITIONS
+        return None if spec.mixer is Mixer.SSD else MAX_POSITIONS
     limit = getattr(config, "max_position_embeddings", None)
-    if not (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
+    if not is_positive_int(limit):
         return None
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not isinstance(rope, dict):
@@ -89,18 +89,18 @@ def position_violation(limit: int | None, *, prompt: int, new: int = 0, where: s
 
 
 def _moe(name, moe, vocab, hidden, layers, heads, kv_heads, experts, top_k, ffn, shared_ffn=0) -> ModelSpec:
-    return ModelSpec(name=name, family=Family.LLAMA, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
+    return ModelSpec(name=name, mixer=Mixer.ATTENTION, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
                      heads=heads, kv_heads=kv_heads, tied=False, moe=moe, experts=experts, top_k=top_k,
                      shared_ffn=shared_ffn)
 
 
 def _llama(name, vocab, hidden, ffn, layers, heads, kv_heads, tied=False) -> ModelSpec:
-    return ModelSpec(name=name, family=Family.LLAMA, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
+    return ModelSpec(name=name, mixer=Mixer.ATTENTION, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
                      heads=heads, kv_heads=kv_heads, tied=tied)
 
 
 def _mamba2(name, vocab, hidden, layers, heads, groups, tied, state=128, head_dim=64, chunk=256) -> ModelSpec:
-    return ModelSpec(name=name, family=Family.MAMBA2, vocab=vocab, hidden=hidden, layers=layers, state=state,
+    return ModelSpec(name=name, mixer=Mixer.SSD, vocab=vocab, hidden=hidden, layers=layers, state=state,
                      expand=2, head_dim=head_dim, heads=heads, groups=groups, conv=4, chunk=chunk, tied=tied)
 
 
@@ -138,8 +138,7 @@ def get_spec(name: str, *, layers: int | None = None) -> ModelSpec:
             "(or pass package.module:factory returning an nn.Module)"
         ) from None
     if layers is not None:
-        if layers <= 0:
-            raise InvalidConfigError(f"layers must be positive, got {layers}")
+        POSITIVE_INT.check("layers", layers)
         spec = replace(spec, layers=layers)
     return spec
 
@@ -194,7 +193,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     value = functools.partial(F.config_value, config)
     common = dict(name=name, vocab=value("vocab"), hidden=value("hidden"), layers=value("layers"), tied=tied)
     if facts.mixer == "ssd":
-        return ModelSpec(family=Family.MAMBA2, state=value("state"), expand=value("expand", 2),
+        return ModelSpec(mixer=Mixer.SSD, state=value("state"), expand=value("expand", 2),
                          head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
                          conv=value("conv"), chunk=value("chunk", 256), **common)
     if facts.mixer != "attention":
@@ -202,23 +201,30 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
             f"{name}: {type(model).__name__} has no sequence mixer autoshard knows (no attention module calling HF's "
             "attention interface, no SSD scan: state_size / n_groups / conv_kernel); autoshard plans decoders "
             "built of attention and Mamba-2 layers")
-    _check_layers_alike(model, facts, name=name)
+    from autoshard.models.layered import hybrid_refusals
+
+    hybrid = hybrid_refusals(model)  # None: one repeated kind of attention layer
+    if hybrid is None:
+        _check_layers_alike(model, facts, name=name)
     heads = value("heads")
     usual = common["hidden"] // heads
     head_dim = value("head_dim", usual) or usual
-    spec = ModelSpec(family=Family.LLAMA, heads=heads, kv_heads=value("kv_heads", heads),
+    spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=value("kv_heads", heads),
                      head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or 0,
-                     embedding_plain=facts.embedding_plain, own_forward=facts.own_forward,
+                     embedding_plain=facts.embedding_plain, own_forward=facts.own_forward or hybrid is not None,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
                      **common)
     if facts.experts_path:
         spec = _with_experts(spec, facts, config, value)
-    proof, untraced = _tp_proof(spec, model)  # the table proven on the model's own graph
+    # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
+    proof, untraced = _tp_proof(spec, model) if hybrid is None else (None, None)
     if proof is not None:
         spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)
     from autoshard.models.verdicts import failed_axes
 
     found = _refusals(spec, facts, proof.refusal() if proof is not None else untraced)
+    if hybrid is not None:  # a hybrid's own refusals replace the one-kind rules' (models/layered.py)
+        found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
     return replace(spec, refused=found + verified)
 

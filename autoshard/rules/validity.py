@@ -64,7 +64,7 @@ from collections.abc import Callable, Iterator
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Plan, Precision, check_stages, is_positive_int
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.rules.schedules import check_chunks
 from autoshard.rules.sharding import choice_violation, sequence_violation, tp_violation
 
@@ -194,9 +194,9 @@ def refusal(spec: ModelSpec, axis: str) -> str | None:
 
 
 def _cp_violation(spec: ModelSpec, cp: int, seq: int) -> str | None:
-    """LLaMA splits the sequence in 2*cp chunks (balanced causal layout), Mamba-2 in cp contiguous
+    """Attention splits the sequence in 2*cp chunks (balanced causal layout), the SSD scan in cp contiguous
     slices of at least conv_kernel-1 tokens (runtime/context_parallel.py)."""
-    if spec.family is Family.LLAMA:
+    if spec.mixer is Mixer.ATTENTION:
         return sequence_split_violation(seq, cp, balanced=True, model=spec.name)
     return sequence_split_violation(seq, cp, balanced=False, min_local=spec.conv - 1, model=spec.name)
 
@@ -380,8 +380,8 @@ def backend_violation(spec: ModelSpec, plan: Plan) -> str | None:
     if plan.precision is Precision.FP8:
         return ("precision 'fp8' is not supported by the torch.compile backend (it slices the traced graph's weights "
                 "and keeps its matmuls); use autoshard.parallelize, which runs torchao's float8 training")
-    if mesh.tp > 1 and spec.family is not Family.LLAMA:
-        return (f"tp={mesh.tp} for {spec.family.value}: Dynamo bakes the Mamba-2 mixer's head counts into the "
+    if mesh.tp > 1 and spec.mixer is not Mixer.ATTENTION:
+        return (f"tp={mesh.tp} for {spec.name}: Dynamo bakes the Mamba-2 mixer's head counts into the "
                 "graph, so the backend cannot shard it; use autoshard.parallelize for Mamba-2 tensor parallelism, "
                 "or tp=1 here")
     return None

@@ -43,7 +43,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.ir import NON_NEGATIVE_INT
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import max_positions, position_violation
 from autoshard.runtime.comm import gather_last_dim
 from autoshard.runtime.stages import OwnForwardStage, StageModule, attention_masks
@@ -82,7 +83,7 @@ class Generator:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise InvalidConfigError(f"generate expects integer input_ids of shape (batch, prompt length), got "
                                      f"{input_ids.dtype} {tuple(input_ids.shape)}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if not NON_NEGATIVE_INT.ok(max_new_tokens):
             raise InvalidConfigError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         why = position_violation(max_positions(self.spec, self.config), prompt=input_ids.shape[1], new=max_new_tokens)
         if why:
@@ -153,7 +154,7 @@ class Generator:
         return stage.head(hidden[:, -1:]) if stage.lm_head is not None else hidden
 
     def _layer_kwargs(self, stage: StageModule, hidden: Tensor, cache, *, past: int) -> dict:
-        if self.spec.family is not Family.LLAMA:  # Mamba-2 blocks: the cache alone (no padding mask)
+        if self.spec.mixer is not Mixer.ATTENTION:  # SSD blocks: the cache alone (no padding mask)
             return {"cache": cache}
         t = hidden.shape[1]
         position_ids = torch.arange(past, past + t, device=hidden.device)[None]  # (1, t)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import build_model, get_spec
 from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.runtime.measure import saved_activation_bytes
@@ -17,7 +17,7 @@ from autoshard.runtime.ssd import install_ssd_mixers, ssd_scan
 from tests.runtime.equivalence import TOL
 
 # a mid-size Mamba-2: mamba2-1b's shape (one group, head_dim 64) at a quarter of its width
-MID = ModelSpec(name="mamba2-mid", family=Family.MAMBA2, vocab=2048, hidden=512, layers=2, tied=True, state=64,
+MID = ModelSpec(name="mamba2-mid", mixer=Mixer.SSD, vocab=2048, hidden=512, layers=2, tied=True, state=64,
                 expand=2, head_dim=64, heads=16, groups=1, conv=4, chunk=64)
 
 

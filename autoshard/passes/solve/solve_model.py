@@ -211,7 +211,7 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     memo = blocks.memo  # what depends on the blocks (not their p2p) and the layout's fields named in each key
     n, params, experts, comp, bwd_last, fwd_first, comp_other, act, units = _stage_sums(ct, layout, blocks, embed, head)
     mesh = layout.mesh
-    key = ("zero", embed, head, mesh, layout.zero, layout.offload)
+    key = ("zero", embed, head, mesh, layout.zero, layout.offload_optimizer)
     if key not in memo:
         state = cost.state_bytes(params, layout, expert=experts)
         memo[key] = (cost.zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts,
@@ -253,7 +253,7 @@ def stage_tails(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, *, 
     """[n]: the tail (exposed gradient sync + optimizer step) of a stage holding n = 0..layers layers, with or
     without the embedding / head (`mesh_problem`'s `tail_s`); `blocks`' first recompute level must be the
     tables' (none: the backward and forward the sync overlaps). Kept on `blocks`."""
-    key = ("tail", embed, head, layout.mesh, layout.zero, layout.offload, layout.virtual_stages)
+    key = ("tail", embed, head, layout.mesh, layout.zero, layout.offload_optimizer, layout.virtual_stages)
     if key not in blocks.memo:
         n, params, experts, _, bwd_last, fwd_first, *_ = _stage_sums(ct, layout, blocks, embed, head)
         tail = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)

@@ -145,3 +145,28 @@ def test_a_mixed_stack_is_priced_as_the_sum_of_its_layers():
     assert one.stage_times_s[1] - three.stage_times_s[1] == pytest.approx(t[0] + t[1], rel=1e-9)
     with pytest.raises(InvalidConfigError, match=r"dp and pp only so far \(tp 2"):
         cost.estimate(table, bamba, hw, cost.Layout(mesh=Mesh(tp=2), micro_batch=1), global_batch=16, seq_len=64)
+
+
+def test_moe_kinds_are_priced_under_ep():
+    """DeepSeek-V3's stack (a dense layer, then MoE layers): its MoE kind keeps the routed experts (split over
+    ep, all-to-alls priced), its dense kind is a data-parallel layer; plan searches ep."""
+    from autoshard.hardware import load_hardware
+    from autoshard.ir import Mesh
+    from autoshard.passes.solve import planner
+
+    _, spec, table = _mixed_table("deepseek_v3")
+    assert spec.is_moe and spec.experts == 4 and spec.moe_paths[1] == "mlp.experts"
+    ct = cost.compile_table(table, spec)
+    dense, moe = ct.kinds
+    assert not dense.spec.is_moe and moe.spec.is_moe
+    hw = load_hardware("h100")
+    one, two = (cost.Layout(mesh=Mesh(dp=4 // ep, ep=ep), micro_batch=1, zero=1) for ep in (1, 2))
+    assert cost.mixed_violation(ct, two) is None
+    held = [cost.block_params(moe, lay, cost.BlockKind.LAYER) for lay in (one, two)]
+    assert held[0] - held[1] == pytest.approx(spec.expert_params / 2)  # half the experts on each ep rank
+    assert cost.block_params(dense, two, cost.BlockKind.LAYER) == cost.block_params(dense, one, cost.BlockKind.LAYER)
+    assert cost.block_time(moe, hw, two, cost.BlockKind.LAYER, seq_len=64).ep_comm_s > 0
+    assert cost.block_time(dense, hw, two, cost.BlockKind.LAYER, seq_len=64).ep_comm_s == 0
+    plan = planner.solve(spec, hw, devices=4, global_batch=8, seq_len=64, table=table)
+    searched = {plan.mesh.ep, *(other["ep"] for other in plan.solver["other_eps"])}  # why this ep (show)
+    assert searched == {1, 2, 4}
