@@ -42,6 +42,7 @@ dp sync / optimizer, pipeline.py p2p and the logits peak; the CP-SAT planner bui
   p2p_time(ct, hw, layout, *, seq_len) -> float        stage-to-stage sends per micro-batch
   dp_exposed_time(hw, params, layout, *, backward_s, forward_s) -> float
                                                        gradient sync of one stage left exposed
+  tp_grad_sum_time(hw, spec, layout, layers) -> float  the tp all-reduces of proven-partial gradients (q/k norms)
   optimizer_time(hw, params, layout) -> float          Adam step on this device's shard (host under offload)
   offload_time(hw, params, layout) -> float            host-link copies of one micro-batch under offload
   logits_bytes(ct, layout, *, seq_len) -> float        fp32 logits peak of the head stage
@@ -94,8 +95,8 @@ from autoshard.passes.cost.block import (_block_time, _node_times, _recompute_ti
                                          cp_attention_overwork, expert_block_params, fwd_bwd_s, gemm_efficiency,
                                          memo_node_times, node_key, node_stem)
 from autoshard.passes.cost.state import (_sync_groups, bucketed_time, dp_bucket_params, dp_exposed_time,
-                                         offload_time, optimizer_time, state_bytes, zero2_staging_bytes, zero2_time,
-                                         zero3_time, zero_exposed_time)
+                                         offload_time, optimizer_time, state_bytes, tp_grad_sum_time,
+                                         zero2_staging_bytes, zero2_time, zero3_time, zero_exposed_time)
 from autoshard.passes.cost.pipeline import (_chunk_compute, logits_bytes, p2p_seconds, p2p_terms, p2p_time,
                                             pipeline_time, sequence_boundary_time)
 
@@ -209,8 +210,9 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     # stage where they end last. The gradient reduce overlaps the last micro-batch's backward,
     # the weight all-gather the first forward (`dp_exposed_time`).
     tail = []
-    for (*_, prm_i, exp_i, bwd_last, fwd_first) in parts:
-        exposed = float(dp_exposed_time(hw, prm_i, layout, backward_s=bwd_last, forward_s=fwd_first, expert=exp_i))
+    for st, (*_, prm_i, exp_i, bwd_last, fwd_first) in zip(stages, parts):
+        exposed = float(dp_exposed_time(hw, prm_i, layout, backward_s=bwd_last, forward_s=fwd_first, expert=exp_i)
+                        + tp_grad_sum_time(hw, spec, layout, st.layers))  # the proven grad sums (q/k norms)
         tail.append((exposed, optimizer_time(hw, prm_i, layout, expert=exp_i)))
     dp_exposed, opt = max(tail, key=lambda x: x[0] + x[1])
     step = pipe + dp_exposed + opt

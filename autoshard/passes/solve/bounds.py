@@ -544,7 +544,8 @@ def _tail_floor(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: di
     params, bwd, fwd = (np.stack(x) for x in zip(*sums))
     experts = n * cost.expert_block_params(ct, layout, BlockKind.LAYER)
     tails = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts)
-             + cost.optimizer_time(hw, params, layout, expert=experts))  # every place and variant at once
+             + cost.optimizer_time(hw, params, layout, expert=experts)
+             + cost.tp_grad_sum_time(hw, spec, layout, n))  # every place and variant at once
     least = np.broadcast_to(tails, params.shape).reshape(-1, len(places), len(n)).min(axis=0)
     stages = [(tail[fewest:], fewest, 1 if embed or head else mesh.pp - 2)
               for tail, (embed, head), fewest in zip(least, places, (v - 1, v - 1, v))]  # (tails, fewest, stages)
@@ -615,7 +616,7 @@ def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: i
                                   blocks=sum(counts.values()))  # every level that fits at once (elementwise)
     t, bwd, fwd = min((comp + other + z, bwd, fwd) for (_, comp, other, bwd, fwd), z in zip(fits, zexp.tolist()))
     tail = (float(cost.dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts))
-            + cost.optimizer_time(hw, params, layout, expert=experts))
+            + cost.optimizer_time(hw, params, layout, expert=experts) + cost.tp_grad_sum_time(hw, spec, layout, spec.layers))
     return microbatches * t + tail
 
 

@@ -257,7 +257,7 @@ def stage_tails(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, *, 
     if key not in blocks.memo:
         n, params, experts, _, bwd_last, fwd_first, *_ = _stage_sums(ct, layout, blocks, embed, head)
         tail = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)
-                + cost.optimizer_time(hw, params, layout, expert=experts))
+                + cost.optimizer_time(hw, params, layout, expert=experts) + cost.tp_grad_sum_time(hw, ct.spec, layout, n))
         blocks.memo[key] = np.broadcast_to(tail, n.shape)
     return blocks.memo[key]
 
