@@ -344,10 +344,6 @@ def generate_violation(spec: ModelSpec, mesh: Mesh, *, strategies=(), chunks: in
     if mesh.dp != 1 or mesh.cp != 1:
         return (f"generate runs one model replica: the plan has dp={mesh.dp}, cp={mesh.cp}; use a plan with "
                 "dp = cp = 1 (tp, pp and ep as you like) and start one such world per replica")
-    if spec.own_forward and (mesh.pp > 1 or (chunks or 1) > 1):
-        return (f"generate of {spec.name} over pipeline stages: its stages run the model's own forward "
-                "(runtime/stages.OwnForwardStage), whose cache masks a stage without layer 0 cannot size; "
-                "generate with pp=1 (tp and ep as you like)")
     # generation does not split the batch over ep (every ep rank holds the same sequences): the
     # training rule that ep divides the batch is met by asking with a batch of ep
     # and the sequence rules (cp = 1 here) hold for any prompt: MIN_SEQ_LEN stands for its length;
