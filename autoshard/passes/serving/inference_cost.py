@@ -76,8 +76,10 @@ from autoshard.ir import BlockKind, Mesh, Stage, even_stages, is_positive_int
 from autoshard.model_spec import Family, ModelSpec
 from autoshard.passes.cost.collectives import Collective, best_time, collective_time
 from autoshard.ir import Precision
-from autoshard.passes.cost.cost import (CompiledTable, Layout, block_params, compile_table, expert_block_params,
-                                   node_times, priced_nodes, tp_comm_times, tp_divisor)
+from autoshard.passes.cost.block import block_params, expert_block_params
+from autoshard.passes.cost.compiled import CompiledTable, compile_table, priced_nodes
+from autoshard.passes.cost.cost import node_times, tp_comm_times, tp_divisor
+from autoshard.passes.cost.layout import Layout
 from autoshard.rules import sharding
 from autoshard.passes.cost.precision import precision_numbers
 from autoshard.rules.sharding import selective_module
