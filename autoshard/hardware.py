@@ -29,7 +29,8 @@ TFLOPS = 1e12
 
 # Kernels a device profile may list in `kernels` (their cost rules: passes/cost/fused_regions.py)
 KERNEL_NAMES = ("flash_attention", "rmsnorm", "swiglu", "rope",
-                "ssd_chunk_scan")  # the Mamba-2 chunked SSD: substituted in the cost table (passes/capture/kernels.py)
+                "ssd_chunk_scan",  # the Mamba-2 chunked SSD: substituted in the cost table (passes/capture/kernels.py)
+                "ssd_chunk_scan_torch")  # the same SSD in torch ops under autograd, as MindSpeed-LLM runs it
 
 
 # Collectives (passes/cost/collectives.Collective values) that may have a log-depth algorithm
@@ -71,6 +72,8 @@ class DeviceProfile:
     intra_ll_latency: float | None = None  # s per LL step on the intra-node link (NCCL hwLat NVLink / PCI)
     inter_ll_latency: float | None = None  # s per LL step on the network (NCCL hwLat NET)
     kernel_floor_s: float | None = None  # s a kernel of a graph-launched forward costs beyond its bytes / FLOPs
+    # tp > 1: eager collectives the serving engine's driver broadcasts a step's inputs to its tp workers with
+    step_input_broadcasts: int | None = None
     # FP8 tensor cores (plan precision "fp8", passes/cost/precision.py); None: the device has none, fp8 is refused
     fp8_peak_flops: float | None = None  # dense FP8 (e4m3) GEMM FLOP/s
     fp8_gemm_efficiency: float | None = None  # achievable fraction of fp8_peak_flops for large GEMMs in training
@@ -104,6 +107,10 @@ class DeviceProfile:
                 raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a "
                                          f"{'non-negative' if f in SERVING_FIELDS else 'positive'} finite "
                                          f"number (or absent), got {value!r}")
+        if self.step_input_broadcasts is not None and not isinstance(self.step_input_broadcasts, int):
+            raise InvalidConfigError(f"hardware profile {self.name!r}: field 'step_input_broadcasts' counts the "
+                                     f"collectives of a serving step and must be a whole number, got "
+                                     f"{self.step_input_broadcasts!r}")
         if not isinstance(self.kernels, (list, tuple)) or not all(isinstance(k, str) for k in self.kernels):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'kernels' must be a list of "
                                      f"kernel names, got {self.kernels!r}")
@@ -145,7 +152,7 @@ class DeviceProfile:
         return data
 
 
-SERVING_FIELDS = ("ll_base_latency", "intra_ll_latency", "inter_ll_latency", "kernel_floor_s")
+SERVING_FIELDS = ("ll_base_latency", "intra_ll_latency", "inter_ll_latency", "kernel_floor_s", "step_input_broadcasts")
 _NUMERIC_FIELDS = ("peak_flops", "memory_bytes", "hbm_bandwidth", "devices_per_node", "intra_bandwidth",
                    "intra_latency", "inter_bandwidth", "inter_latency", "gemm_efficiency", "gemm_half_dim",
                    "vector_efficiency", "attention_efficiency")
@@ -168,7 +175,7 @@ ASCEND_910B = DeviceProfile(
     gemm_efficiency=0.9,
     gemm_half_dim=64.0,
     vector_efficiency=0.85,
-    kernels=("ssd_chunk_scan",),
+    kernels=("ssd_chunk_scan_torch",),
     attention_efficiency=0.5,
     sources=(
         ("peak_flops", "arXiv 2602.09109 case study: 378.88 TFLOPS fp16/bf16 GEMM per 910B"),
@@ -187,9 +194,12 @@ ASCEND_910B = DeviceProfile(
         ("attention_efficiency", "unused: no fused kernels listed, attention priced as GEMMs (the calibration)"),
         ("log_collectives", "HCCL (CANN collective communication docs): besides the ring, full-mesh inside a node and "
                             "recursive halving-doubling / NHR across nodes for AllReduce, AllGather, ReduceScatter"),
-        ("kernels", "ssd_chunk_scan only (autoshard runtime/ssd.py on torch_npu: saves its inputs and chunk "
-                    "states, arXiv 2405.21060 sec. 6); no LLaMA kernel: the profile was calibrated on the unfused "
-                    "HF graph (docs/hardware.md)"),
+        ("kernels", "ssd_chunk_scan_torch only: the Mamba-2 SSD as MindSpeed-LLM trains it on the 910B "
+                    "(mindspeed_llm/tasks/models/ssm/state_space_duality.py StateSpaceProcessor: a chunked SSD in "
+                    "torch ops, the l x l decay and score tensors kept for backward; MindSpeed patches mamba_ssm's "
+                    "mamba_chunk_scan_combined with a dummy, there is no fused SSD on Ascend), docs/cost_model.md "
+                    "'Mamba-2 on the 910B'; no LLaMA kernel: the profile was calibrated on the unfused HF graph "
+                    "(docs/hardware.md)"),
     ),
 )
 
@@ -199,7 +209,8 @@ ASCEND_910B = DeviceProfile(
 # best shapes 6912x16384x2048 and 6144x17920x2816); capacity from what nvidia-smi reports, less the
 # CUDA context and NCCL / cuBLAS workspaces. `gemm_efficiency` is the MAMF share divided by the
 # shape factor at the MAMF best shape (so the model gives the MAMF there), see docs/hardware.md.
-_GPU_FUSED = KERNEL_NAMES  # flash attention (FA2 / FA3 / cuDNN), TE / Apex fused RMSNorm, SwiGLU, RoPE, Mamba-2 SSD
+# flash attention (FA2 / FA3 / cuDNN), TE / Apex fused RMSNorm, SwiGLU, RoPE, Mamba-2 SSD (mamba_ssm's)
+_GPU_FUSED = ("flash_attention", "rmsnorm", "swiglu", "rope", "ssd_chunk_scan")
 _FUSED_SOURCE = ("Megatron-Core / Transformer Engine production runs: fused RMSNorm (TE), bias-SwiGLU "
                  "fusion, fused RoPE, flash / cuDNN fused attention, priced in "
                  "passes/cost/fused_regions.py; the Mamba-2 SSD as mamba_ssm's "
@@ -214,10 +225,23 @@ _LL_SOURCE = ("NCCL src/graph/tuning.cc (2.18-2.27): LL protocol baseLat (Ring) 
               "NVLink 0.6 us (PCI 1.0 us for PCIe cards), NET 2.7 us; the LL payload is half the link bandwidth")
 KERNEL_FLOOR = 5.2e-6
 _FLOOR_SOURCE = ("calibrated on issue 29's two given vLLM rows (Llama-3-8B 1 H100 tp1 b1 128/128 0.994 s, "
-                 "Llama-3-70B 4 H100 tp4 b1 2.462 s; the two solve to 5.5 and 4.9 us; 5.2 keeps both within 3%, docs/inference.md): the time a decode "
+                 "Llama-3-70B 4 H100 tp4 b1 2.462 s; the two solve to 5.5 and 4.8 us with the input broadcast priced; 5.2 keeps both within 2%, docs/inference.md): the time a decode "
                  "kernel costs beyond its bytes under CUDA graphs (graph node launch, the DRAM-latency ramp and the "
                  "tail of a GEMV that streams a few MB, 12 kernels per LLaMA layer); no per-step host term is "
                  "needed for those rows")
+# vLLM 0.5.x, the engine of issue 29's rows (argonne-lcf/LLM-Inference-Bench vLLM/H100/benchmark_latency.py is
+# v0.5.1-0.5.3's): every step the driver broadcasts the step's inputs to its tp workers, one NCCL broadcast per tensor
+STEP_INPUT_BROADCASTS = 9
+_STEP_INPUT_SOURCE = (
+    "vLLM 0.5.x (v0.5.1-0.5.3, the engine of issue 29's rows): each step the driver worker "
+    "(worker/worker_base.py LocalOrDistributedWorkerBase.execute_model) calls broadcast_tensor_dict "
+    "(distributed/parallel_state.py): the metadata list through the shared-memory MessageQueue (PR #5399; a host "
+    "memcpy, not priced), then one torch.distributed.broadcast over the tp device group (NCCL, eager: outside the "
+    "CUDA graph, serialised on the NCCL stream ahead of the graph on every rank) per non-empty GPU tensor of the "
+    "model input: input_tokens, input_positions, selected_token_indices (SamplingMetadata) and slot_mapping, "
+    "seq_lens_tensor, context_lens_tensor, block_tables, query_start_loc, seq_start_loc (FlashAttentionMetadata) "
+    "= 9; each priced by the collective model (a ring broadcast under NCCL's LL protocol, ~7-9 us on NVLink). "
+    "0 for an engine whose ranks each build their own inputs (SGLang's tp workers)")
 _RESERVE = 2 * GB  # CUDA context (~0.5-1 GB) + NCCL channel buffers and cuBLAS workspaces (~1 GB)
 _RESERVE_SOURCE = "; less 2 GB for the CUDA context (~0.5-1 GB) and NCCL / cuBLAS workspaces"
 
@@ -239,11 +263,13 @@ A100_80G = DeviceProfile(
     log_collectives=_NCCL_LOG,
     **_LL,
     kernel_floor_s=KERNEL_FLOOR,
+    step_input_broadcasts=STEP_INPUT_BROADCASTS,
     host_link_bandwidth=32 * GB,
     host_memory_bandwidth=51.2 * GB,
     sources=(
         ("ll_base_latency", _LL_SOURCE), ("intra_ll_latency", _LL_SOURCE), ("inter_ll_latency", _LL_SOURCE),
         ("kernel_floor_s", "as h100 (" + _FLOOR_SOURCE + "); not measured on A100"),
+        ("step_input_broadcasts", _STEP_INPUT_SOURCE),
         ("host_link_bandwidth", "NVIDIA A100 datasheet: PCIe Gen4 x16, 64 GB/s bidirectional = 32 GB/s per direction"),
         ("host_memory_bandwidth", "DGX A100 user guide: 2x AMD EPYC 7742, 8 channels DDR4-3200 each = 2 x 204.8 "
                                   "GB/s, shared by 8 GPUs = 51.2 GB/s per GPU"),
@@ -290,6 +316,7 @@ H100 = DeviceProfile(
     log_collectives=_NCCL_LOG,
     **_LL,
     kernel_floor_s=KERNEL_FLOOR,
+    step_input_broadcasts=STEP_INPUT_BROADCASTS,
     host_link_bandwidth=64 * GB,
     host_memory_bandwidth=76.8 * GB,
     fp8_peak_flops=1979 * TFLOPS,
@@ -297,7 +324,7 @@ H100 = DeviceProfile(
     fp8_gemm_half_dim=256.0,
     sources=(
         ("ll_base_latency", _LL_SOURCE), ("intra_ll_latency", _LL_SOURCE), ("inter_ll_latency", _LL_SOURCE),
-        ("kernel_floor_s", _FLOOR_SOURCE),
+        ("kernel_floor_s", _FLOOR_SOURCE), ("step_input_broadcasts", _STEP_INPUT_SOURCE),
         ("fp8_peak_flops", "NVIDIA H100 SXM datasheet: 3,958 TFLOPS FP8 with sparsity = 1,979 dense, twice the BF16 "
                            "peak (H200 the same die)"),
         ("fp8_gemm_efficiency", "derived, not fitted: gemm_efficiency (0.75 of the BF16 peak, sustained in training) "

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from autoshard.errors import InvalidConfigError, PlanFileError
 from autoshard.json_file import read_plan_json
@@ -115,9 +115,7 @@ class Mesh:
 
     def __post_init__(self) -> None:
         for axis in AXES:
-            value = getattr(self, axis)
-            if not is_positive_int(value):
-                raise InvalidConfigError(f"mesh axis {axis} must be a positive integer, got {value!r}")
+            POSITIVE_INT.check(f"mesh axis {axis}", getattr(self, axis))
 
     @property
     def size(self) -> int:
@@ -199,8 +197,7 @@ class Stage:
 
     def __post_init__(self) -> None:
         for name in ("first_layer", "end_layer"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
-                raise InvalidConfigError(f"stage {name} must be a non-negative integer, got {getattr(self, name)!r}")
+            NON_NEGATIVE_INT.check(f"stage {name}", getattr(self, name))
         if self.first_layer > self.end_layer:
             raise InvalidConfigError(f"stage layers [{self.first_layer}, {self.end_layer}): the first layer is after "
                                      "the end; a stage holds layers first_layer <= i < end_layer")
@@ -244,8 +241,7 @@ def chunk_layers(layers: int, *, rank: int, pp: int, virtual_stages: int, schedu
 
 def check_schedule(schedule: Schedule, virtual_stages: Any, *, pp: int) -> None:
     """InvalidConfigError unless `virtual_stages` chunks per rank suit `schedule` at this pp."""
-    if not is_positive_int(virtual_stages):
-        raise InvalidConfigError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    POSITIVE_INT.check("virtual_stages", virtual_stages)
     if virtual_stages > 1 and pp == 1:
         raise InvalidConfigError(f"virtual_stages={virtual_stages} needs a pipeline (pp > 1); use virtual_stages=1 "
                                  "with pp=1")
@@ -261,8 +257,7 @@ def check_schedule(schedule: Schedule, virtual_stages: Any, *, pp: int) -> None:
 def even_stages(layers: int, pp: int, *, recompute: Recompute = Recompute.NONE) -> tuple[Stage, ...]:
     """The default split: `layers` over `pp` stages, the first `layers % pp` one layer longer,
     every stage at recompute level `recompute`."""
-    if pp < 1:
-        raise InvalidConfigError(f"pp must be a positive integer, got {pp}")
+    POSITIVE_INT.check("pp", pp)
     if pp > layers:
         raise InvalidConfigError(f"pp ({pp}) is larger than the number of layers ({layers}); "
                                  f"use pp <= {layers} so every stage holds at least one layer")
@@ -305,8 +300,32 @@ def _is_int(value: Any) -> bool:
 
 def is_positive_int(value: Any) -> bool:
     """The one rule for a count (a mesh degree, a batch, a length, a group size): an int of at least 1;
-    a bool is refused (True would pass as 1 otherwise)."""
+    a bool is refused (True would pass as 1 otherwise), and so are 1.0 and "2"."""
     return _is_int(value) and value >= 1
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """What a value must be: `ok(value)`, and the phrase an error names it by ("a positive integer")."""
+
+    phrase: str
+    ok: Callable[[Any], bool]
+
+    def violation(self, what: str, value: Any, *, verb: str = "got") -> str | None:
+        """None if `value` passes, else "<what> must be <phrase>, <verb> <value>" (verb "found" in files)."""
+        return None if self.ok(value) else f"{what} must be {self.phrase}, {verb} {value!r}"
+
+    def check(self, what: str, value: Any) -> None:
+        """InvalidConfigError naming `what` unless `value` passes."""
+        why = self.violation(what, value)
+        if why:
+            raise InvalidConfigError(why)
+
+
+POSITIVE_INT = Check("a positive integer", is_positive_int)
+NON_NEGATIVE_INT = Check("a non-negative integer", lambda v: _is_int(v) and v >= 0)
+BOOLEAN = Check("true or false", lambda v: isinstance(v, bool))
+TEXT = Check("a string", lambda v: isinstance(v, str))
 
 
 def per_stage(value: Any, chunks: int) -> tuple:
@@ -358,9 +377,9 @@ def strategy_pairs(value: Any, chunks: int = 1) -> tuple[tuple[str, str | tuple[
 class Plan:
     """A parallel layout for one model on one cluster, and what it is predicted to cost.
 
-    `placements` maps an op group (e.g. "attn.q_proj", "mlp.down_proj", "embed", "lm_head")
-    to its placement name (e.g. "colwise", "rowwise", "vocab", "replicate").
-    `predicted` holds step_time_s, memory_gb, mfu, tokens_per_s and a breakdown.
+    Its fields, what each must be and its JSON are `PLAN_FIELDS` (below): one entry per field, which
+    this class's checks, `to_json` / `from_json`, `api.PLAN_KEYS` and the cost model's `Layout` read.
+    `placements` maps an op group (e.g. "attn.q_proj", "lm_head") to its placement name ("colwise", "vocab").
     """
 
     model: str
@@ -372,48 +391,34 @@ class Plan:
     mesh: Mesh
     micro_batch: int = 1
     zero: int = 0
-    offload_optimizer: bool = False  # ZeRO-3 shards and optimizer state in host memory (runtime/zero3.py)
+    offload_optimizer: bool = False
     recompute: Recompute = Recompute.NONE
     precision: Precision = Precision.AUTO
-    fp8_recipe: Fp8Recipe | None = None  # precision "fp8" only (tensorwise when not given); runtime/fp8.py
+    fp8_recipe: Fp8Recipe | None = None
     schedule: Schedule = Schedule.ONE_F_ONE_B
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved / zero-bubble schedules)
-    # Megatron SP: norms / residual on a tp shard of the sequence (needs tp > 1); one bool per model chunk when
-    # the stages differ (`stage_sequence_parallel`)
-    sequence_parallel: bool | tuple[bool, ...] = False
-    # intra-op choices {choice: option} (rules/sharding.py CHOICES, e.g. ("head", "replicate")); absent: the
-    # table's default (Megatron's layout); a layer choice ("groups") may name one option per model chunk
-    # (`stage_strategies`); checked against the model's table by rules/validity.py check_plan
+    virtual_stages: int = 1
+    sequence_parallel: bool | tuple[bool, ...] = False  # or one per model chunk (`stage_sequence_parallel`)
+    # {choice: option}; a layer choice ("groups") may name one option per model chunk (`stage_strategies`)
     strategies: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
-    stages: tuple[Stage, ...] = ()  # pp * virtual_stages chunks in model order (none: an even split)
+    stages: tuple[Stage, ...] = ()
     placements: tuple[tuple[str, str], ...] = ()
     predicted: Mapping[str, Any] = field(default_factory=dict)
     solver: Mapping[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        for name in ("devices", "global_batch", "seq_len", "micro_batch", "schema_version"):
-            value = getattr(self, name)
-            if not is_positive_int(value):
-                raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
+        check_fields(self, PLAN_FIELDS)
         if self.mesh.size != self.devices:
             raise InvalidConfigError(
                 f"mesh {self.mesh.as_dict()} multiplies to {self.mesh.size}, but devices is {self.devices}"
             )
-        if not _is_int(self.zero) or self.zero not in (0, 1, 2, 3):
-            raise InvalidConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if not isinstance(self.offload_optimizer, bool):
-            raise InvalidConfigError(f"offload_optimizer must be true or false, got {self.offload_optimizer!r}")
-        if self.offload_optimizer and self.zero != 3:
-            raise InvalidConfigError(f"offload_optimizer needs zero=3 (FSDP2 offloads the ZeRO-3 shards), got "
-                                     f"zero={self.zero}; set zero=3 or drop offload_optimizer")
-        chunks = self.chunks if _is_int(self.virtual_stages) else self.mesh.pp
+        why = offload_violation(self.offload_optimizer, self.zero)
+        if why:
+            raise InvalidConfigError(why)
+        chunks = self.chunks
         object.__setattr__(self, "sequence_parallel", _per_stage_value(
             self.sequence_parallel, chunks, lambda x: isinstance(x, bool), "sequence_parallel"))
-        object.__setattr__(self, "recompute", _enum_field(Recompute, self.recompute, "recompute"))
-        object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
         object.__setattr__(self, "fp8_recipe", fp8_recipe_of(self.precision, self.fp8_recipe))
-        object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
         object.__setattr__(self, "strategies", strategy_pairs(self.strategies, chunks))
         check_schedule(self.schedule, self.virtual_stages, pp=self.mesh.pp)
         if self.stages and len(self.stages) != self.mesh.pp * self.virtual_stages:
@@ -445,33 +450,13 @@ class Plan:
 
     # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            "model": self.model,
-            "fingerprint": self.fingerprint,
-            "hardware": self.hardware,
-            "devices": self.devices,
-            "global_batch": self.global_batch,
-            "seq_len": self.seq_len,
-            "mesh": self.mesh.as_dict(),
-            "micro_batch": self.micro_batch,
-            "zero": self.zero,
-            "offload_optimizer": self.offload_optimizer,
-            "recompute": self.recompute.value,
-            "precision": self.precision.value,
-            "schedule": self.schedule.value,
-            "virtual_stages": self.virtual_stages,
-            "sequence_parallel": _jsonable(self.sequence_parallel),
-            "strategies": {k: _jsonable(v) for k, v in self.strategies},
-            "stages": [
-                {**dataclasses.asdict(st), "recompute": st.recompute.value} for st in self.stages
-            ],
-            "placements": dict(self.placements),
-            "predicted": _jsonable(self.predicted),
-            "solver": _jsonable(self.solver),
-            # only under precision fp8, so the files of other plans stay as they were
-            **({"fp8_recipe": self.fp8_recipe.value} if self.fp8_recipe is not None else {}),
-        }
+        """The plan file's object: one key per field of PLAN_FIELDS, in its order (an optional one only when set)."""
+        out = {}
+        for f in PLAN_FIELDS:
+            value = getattr(self, f.name)
+            if not (f.optional and value is None):
+                out[f.name] = f.written(value)
+        return out
 
     def save(self, path: str | Path) -> None:
         try:
@@ -488,6 +473,14 @@ class Plan:
         return _plan_from_json(read_plan_json(path), source=str(path))
 
 
+def offload_violation(offload_optimizer: bool, zero: int) -> str | None:
+    """Why optimizer offload cannot go with ZeRO level `zero` (FSDP2 offloads ZeRO-3's shards), or None."""
+    if offload_optimizer and zero != 3:
+        return (f"offload_optimizer needs zero=3 (FSDP2 offloads the ZeRO-3 shards), got zero={zero}; set zero=3 or "
+                "drop offload_optimizer")
+    return None
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): _jsonable(v) for k, v in value.items()}
@@ -500,69 +493,141 @@ def _jsonable(value: Any) -> Any:
     return float(value) if hasattr(value, "__float__") else str(value)  # a SymPy number, numpy scalar
 
 
-PLAN_FILE_KEYS = frozenset((
-    "schema_version", "model", "fingerprint", "hardware", "devices", "global_batch", "seq_len", "mesh", "micro_batch",
-    "zero", "offload_optimizer", "recompute", "precision", "fp8_recipe", "schedule", "virtual_stages",
-    "sequence_parallel", "strategies", "stages", "placements", "predicted", "solver"))  # what Plan.to_json writes
+# -- the plan's fields, defined once -------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanField:
+    """One field of a plan: `name` is its attribute, its JSON key and (with `key`) its key in
+    `parallelize(plan={...})`; its type and default are the dataclass's own."""
+
+    name: str
+    doc: str  # its entry in docs/plan_format.md (tests/test_plan_fields.py holds the doc to every field)
+    check: Check | None = None  # what the value must be; None: a structure its class checks (mesh, stages, ...)
+    enum: type[Enum] | None = None  # an enum field: a member or its value, read into the member
+    key: bool = False  # a plan key of parallelize(plan={...}) / autoshard.backend (api.PLAN_KEYS)
+    optional: bool = False  # written only when set (not None), so the files of other plans stay as they were
+    written: Callable[[Any], Any] = _jsonable  # the value -> its JSON
+    read: Callable[[Any], Any] | None = None  # its JSON -> the value the class takes (None: as it is)
+
+    def parse(self, value: Any, what: str | None = None) -> Any:
+        """`value` as this field holds it (an enum's member), or InvalidConfigError naming `what` (the field's name)."""
+        what = what or self.name
+        if self.enum is not None:
+            return value if isinstance(value, self.enum) else _enum_field(self.enum, value, what)
+        if self.check is not None:
+            self.check.check(what, value)
+        return value
+
+
+def check_fields(obj: Any, fields: tuple[PlanField, ...]) -> None:
+    """Every field of `fields` of the frozen dataclass `obj` checked, an enum's value read into its member."""
+    for f in fields:
+        value = getattr(obj, f.name)
+        parsed = f.parse(value)
+        if parsed is not value:
+            object.__setattr__(obj, f.name, parsed)
+
+
+def _mesh_from_json(value: Any) -> Mesh:
+    if not isinstance(value, dict):
+        raise InvalidConfigError(f"field 'mesh' must be an object {{axis: degree}}, found {value!r}")
+    unknown = set(value) - set(AXES)
+    if unknown:
+        raise InvalidConfigError(f"mesh has unknown axes {sorted(unknown)}; known axes are {', '.join(AXES)}")
+    return Mesh(**{axis: value.get(axis, 1) for axis in AXES})
+
+
+def _stages_from_json(value: Any) -> tuple[Stage, ...]:
+    if not isinstance(value, list):
+        raise InvalidConfigError(f"field 'stages' must be a list of stage objects, found {type(value).__name__}")
+    return tuple(_stage_from_json(st, i) for i, st in enumerate(value))
+
+
+def _placements_from_json(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise InvalidConfigError("field 'placements' must be an object {op group: placement name}")
+    return tuple((str(k), v) for k, v in value.items())
+
+
+_MESH = Check("a Mesh (autoshard.ir.Mesh)", lambda v: isinstance(v, Mesh))
+_ZERO_LEVEL = Check("0, 1, 2 or 3", lambda v: _is_int(v) and 0 <= v <= 3)
+_OBJECT = Check("a mapping", lambda v: isinstance(v, Mapping))
+
+# In the plan file's order.
+PLAN_FIELDS: tuple[PlanField, ...] = (
+    PlanField(name="schema_version", check=POSITIVE_INT,
+              doc="2; a newer one is refused, a version-1 file loads with the defaults of precision, schedule and "
+                  "virtual_stages"),
+    PlanField(name="model", check=TEXT, doc="the preset or `package.module:factory` the plan was made for"),
+    PlanField(name="fingerprint", check=TEXT,
+              doc="16 hex digits: sha256 of module tree + parameter names/shapes/dtypes (autoshard/fingerprint.py)"),
+    PlanField(name="hardware", check=TEXT, doc="the device profile (a name or profile.json)"),
+    PlanField(name="devices", check=POSITIVE_INT, doc="the world size the plan runs on"),
+    PlanField(name="global_batch", check=POSITIVE_INT, doc="sequences per optimizer step"),
+    PlanField(name="seq_len", check=POSITIVE_INT, doc="tokens per sequence"),
+    PlanField(name="mesh", check=_MESH, written=Mesh.as_dict, read=_mesh_from_json,
+              doc="{dp, pp, tp, cp, ep}, multiplying to devices (an axis left out is 1)"),
+    PlanField(name="micro_batch", check=POSITIVE_INT, key=True, doc="sequences per micro-batch of a dp replica"),
+    PlanField(name="zero", check=_ZERO_LEVEL, key=True, doc="ZeRO level 0-3"),
+    PlanField(name="offload_optimizer", check=BOOLEAN, key=True,
+              doc="ZeRO-3 shards and optimizer state in host memory (runtime/zero3.py); needs zero 3"),
+    PlanField(name="recompute", enum=Recompute, key=True,
+              doc="the plan-wide recompute level (a stage's own when stages are given)"),
+    PlanField(name="precision", enum=Precision, key=True, doc="bf16-mixed, fp32, fp8 or auto (the device's own)"),
+    PlanField(name="schedule", enum=Schedule, key=True, doc="the pipeline schedule"),
+    PlanField(name="virtual_stages", check=POSITIVE_INT, key=True, doc="model chunks per pipeline rank"),
+    PlanField(name="sequence_parallel", key=True,
+              doc="Megatron-LM sequence parallelism: true / false, or one per model chunk"),
+    PlanField(name="strategies", key=True, written=lambda pairs: {k: _jsonable(v) for k, v in pairs},
+              doc="intra-op choices {choice: option} of the model's sharding table (rules/sharding.py CHOICES)"),
+    PlanField(name="stages", read=_stages_from_json,
+              written=lambda stages: [{**dataclasses.asdict(st), "recompute": st.recompute.value} for st in stages],
+              doc="pp * virtual_stages model chunks in model order, or none for an even split"),
+    PlanField(name="placements", written=dict, read=_placements_from_json, doc="{op group: placement}"),
+    PlanField(name="predicted", check=_OBJECT, doc="what the plan is predicted to cost (PREDICTED_FIELDS)"),
+    PlanField(name="solver", check=_OBJECT, doc="how it was solved, and the runner-up (SOLVER_FIELDS)"),
+    PlanField(name="fp8_recipe", key=True, optional=True,
+              doc="torchao's float8 recipe under precision fp8 only (tensorwise by default)"),
+)
+PLAN_FIELD = {f.name: f for f in PLAN_FIELDS}
+PLAN_FILE_KEYS = frozenset(PLAN_FIELD)  # what Plan.to_json writes
+_REQUIRED = tuple(f.name for f in dataclasses.fields(Plan)
+                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
 
 
 def _plan_from_json(data: Any, *, source: str) -> Plan:
+    """The Plan of a plan file's object: each field read by its PlanField, then checked by Plan itself."""
     def bad(msg: str) -> PlanFileError:
         return PlanFileError(f"{source}: {msg}")
 
     if not isinstance(data, dict):
         raise bad(f"expected a JSON object at the top level, found {type(data).__name__}")
     version = data.get("schema_version")
-    if not _is_int(version) or version < 1:
-        raise bad(f"field 'schema_version' must be a positive integer, found {version!r}; is this an autoshard "
-                  "plan file?")
+    why = POSITIVE_INT.violation("field 'schema_version'", version, verb="found")
+    if why:
+        raise bad(f"{why}; is this an autoshard plan file?")
     if version > SCHEMA_VERSION:
         raise bad(f"schema_version {version} is newer than this autoshard understands ({SCHEMA_VERSION}); "
                   "upgrade autoshard or re-export the plan with this version")
     unknown = sorted(set(data) - PLAN_FILE_KEYS)
     if unknown:  # a misspelt field would silently take its default
         raise bad(f"unknown field(s) {unknown}; a plan file has {', '.join(sorted(PLAN_FILE_KEYS))}")
-    required = {"model": str, "fingerprint": str, "hardware": str, "devices": int, "global_batch": int,
-                "seq_len": int, "mesh": dict}
-    for key, typ in required.items():
-        value = data.get(key)
-        if not isinstance(value, typ) or isinstance(value, bool):
-            raise bad(f"field {key!r} must be a {typ.__name__}, found {value!r}")
-    for key in ("micro_batch", "zero", "virtual_stages"):
-        if key in data and not _is_int(data[key]):
-            raise bad(f"field {key!r} must be an integer, found {data[key]!r}")
-    mesh_data = data["mesh"]
-    unknown = set(mesh_data) - set(AXES)
-    if unknown:
-        raise bad(f"mesh has unknown axes {sorted(unknown)}; known axes are {', '.join(AXES)}")
-    placements = data.get("placements", {})
-    if not isinstance(placements, dict) or not all(isinstance(v, str) for v in placements.values()):
-        raise bad("field 'placements' must be an object {op group: placement name}")
-    stages = data.get("stages", [])
-    if not isinstance(stages, list):
-        raise bad(f"field 'stages' must be a list of stage objects, found {type(stages).__name__}")
+    missing = [name for name in _REQUIRED if name not in data]
+    if missing:
+        raise bad(f"missing field(s) {missing}; re-export the plan with `autoshard plan --out`")
     for key, schema in (("predicted", PREDICTED_FIELDS), ("solver", SOLVER_FIELDS)):
         why = _section_violation(data.get(key, {}), schema, key)
         if why:
             raise bad(f"{why}; re-export the plan with `autoshard plan --out`")
+    values = {}
+    for f in PLAN_FIELDS:  # an older file's absent field takes the default (schema 1: precision, schedule, chunks)
+        if f.name in data and f.name != "schema_version":  # a loaded plan is of this version
+            try:
+                values[f.name] = f.read(data[f.name]) if f.read else data[f.name]
+            except InvalidConfigError as e:
+                raise bad(str(e)) from None
     try:
-        return Plan(
-            model=data["model"], fingerprint=data["fingerprint"], hardware=data["hardware"],
-            devices=data["devices"], global_batch=data["global_batch"], seq_len=data["seq_len"],
-            mesh=Mesh(**{axis: mesh_data.get(axis, 1) for axis in AXES}),
-            micro_batch=data.get("micro_batch", 1), zero=data.get("zero", 0),
-            offload_optimizer=data.get("offload_optimizer", False),
-            recompute=_enum_field(Recompute, data.get("recompute", "none"), "recompute"),
-            stages=tuple(_stage_from_json(st, i) for i, st in enumerate(stages)),
-            # schema 1 has none of these three: such a plan runs at its device's default precision, 1f1b, one chunk
-            precision=data.get("precision", Precision.AUTO.value), fp8_recipe=data.get("fp8_recipe"),
-            schedule=data.get("schedule", "1f1b"),
-            virtual_stages=data.get("virtual_stages", 1),
-            sequence_parallel=data.get("sequence_parallel", False),  # absent in older files: off
-            strategies=data.get("strategies", {}),  # absent in older files: the table's default layout
-            placements=tuple((str(k), v) for k, v in placements.items()),
-            predicted=data.get("predicted", {}), solver=data.get("solver", {}), schema_version=SCHEMA_VERSION,
-        )
+        return Plan(**values)
     except InvalidConfigError as e:
         raise bad(f"invalid plan: {e}") from None
 

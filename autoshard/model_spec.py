@@ -8,7 +8,18 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 
+class Mixer(str, Enum):
+    """The sequence mixer of a model's layers (models/facts.py `mixer_of` finds it): what every rule that
+    prices or runs the token-mixing op keys on, never the model's type or class name."""
+
+    ATTENTION = "attention"  # a module calling HF's attention interface (softmax attention, any features)
+    SSD = "ssd"  # Mamba-2's state-space duality scan (the chunked selective scan)
+
+
 class Family(str, Enum):
+    """Deprecated: the model family the spec once named; `ModelSpec.family` derives it from `mixer`.
+    Nothing in autoshard branches on it (kept for callers outside the package)."""
+
     LLAMA = "llama"
     MAMBA2 = "mamba2"
 
@@ -22,7 +33,7 @@ class ModelSpec:
     """The numbers of a model that the cost model and the runtime's divisibility rules need."""
 
     name: str
-    family: Family
+    mixer: Mixer  # the layers' sequence mixer (a hybrid's spec: the mixer of the kind it was read from)
     vocab: int
     hidden: int
     layers: int
@@ -38,7 +49,7 @@ class ModelSpec:
     groups: int = 0
     conv: int = 0
     chunk: int = 0
-    # mixture of experts (LLaMA family): the HF architecture ("mixtral" / "qwen2_moe"), routed experts,
+    # mixture of experts (attention layers): the HF architecture ("mixtral" / "qwen2_moe"), routed experts,
     # experts per token, and the shared expert's MLP width (Qwen2-MoE; 0 for none)
     moe: str = ""
     experts: int = 0
@@ -56,6 +67,11 @@ class ModelSpec:
     #                                          not laid out as the presets (mlp.gate, mlp.experts)
 
     @property
+    def family(self) -> Family:
+        """Deprecated alias derived from `mixer` (see `Family`)."""
+        return Family.MAMBA2 if self.mixer is Mixer.SSD else Family.LLAMA
+
+    @property
     def is_moe(self) -> bool:
         return self.experts > 0
 
@@ -66,20 +82,20 @@ class ModelSpec:
 
     @property
     def attention_head_dim(self) -> int:
-        """LLaMA family: one attention head's width, HF's head_dim (hidden / heads unless the config sets
+        """Attention layers: one attention head's width, HF's head_dim (hidden / heads unless the config sets
         another, e.g. Gemma-style head_dim=256 at hidden 3072: q_proj then has heads x head_dim rows)."""
         return self.head_dim or self.hidden // self.heads
 
     @property
     def intermediate(self) -> int:
-        """Mamba-2 inner width (expand * hidden); LLaMA's ffn width."""
-        return self.expand * self.hidden if self.family is Family.MAMBA2 else self.ffn
+        """The SSD mixer's inner width (expand * hidden); for attention layers, the MLP's width."""
+        return self.expand * self.hidden if self.mixer is Mixer.SSD else self.ffn
 
     def hf_config(self):
         """The Hugging Face config this spec describes."""
         if self.is_moe:
             return _moe_config(self)
-        if self.family is Family.LLAMA:
+        if self.mixer is Mixer.ATTENTION:
             from transformers import LlamaConfig
 
             return LlamaConfig(
@@ -137,11 +153,11 @@ def _moe_config(spec: ModelSpec):
 def config_violation(spec: ModelSpec) -> str | None:
     """Why a model of `spec` cannot run its own forward, or None: counts HF's constructors accept and
     its forward then fails on with a shape error deep inside (reported as a trace failure before)."""
-    if spec.family is Family.LLAMA and spec.heads % spec.kv_heads:
+    if spec.mixer is Mixer.ATTENTION and spec.heads % spec.kv_heads:
         return (f"num_attention_heads ({spec.heads}) is not a multiple of num_key_value_heads ({spec.kv_heads}): "
                 "grouped-query attention shares each KV head among an equal number of query heads; use a "
                 f"num_key_value_heads that divides {spec.heads}")
-    if spec.family is Family.MAMBA2 and spec.heads % spec.groups:
+    if spec.mixer is Mixer.SSD and spec.heads % spec.groups:
         return (f"num_heads ({spec.heads}) is not a multiple of n_groups ({spec.groups}): each group's B and C "
                 f"serve an equal number of heads; use an n_groups that divides {spec.heads}")
     if spec.is_moe and not 0 < spec.top_k <= spec.experts:

@@ -23,12 +23,12 @@ import time
 import torch
 
 import autoshard
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import build_model
 
 
 def _spec(args) -> ModelSpec:
-    return ModelSpec(name=f"llama-h{args.hidden}", family=Family.LLAMA, vocab=args.vocab, hidden=args.hidden,
+    return ModelSpec(name=f"llama-h{args.hidden}", mixer=Mixer.ATTENTION, vocab=args.vocab, hidden=args.hidden,
                      ffn=args.ffn, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, tied=False)
 
 

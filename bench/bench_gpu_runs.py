@@ -28,7 +28,7 @@ from pathlib import Path
 
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Recompute
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import get_spec
 from autoshard.models.published import CALIBRATION_RUNS, FP8_CALIBRATION_RUNS, PublishedRun
 from autoshard.passes.cost.compiled import compile_table
@@ -47,7 +47,7 @@ def runs_from_file(path: str | Path) -> list[PublishedRun]:
         m = r["model"]
         moe = ({"moe": m.get("moe", "mixtral"), "experts": m["experts"], "top_k": m["top_k"],
                 "shared_ffn": m.get("shared_ffn", 0)} if m.get("experts") else {})  # a mixture of experts
-        spec = ModelSpec(name=r["id"], family=Family.LLAMA, vocab=m["vocab"], hidden=m["hidden"], ffn=m["ffn"],
+        spec = ModelSpec(name=r["id"], mixer=Mixer.ATTENTION, vocab=m["vocab"], hidden=m["hidden"], ffn=m["ffn"],
                          layers=m["layers"], heads=m["heads"], kv_heads=m["kv_heads"], tied=False, **moe)
         rec = r.get("recompute", "none")
         run = PublishedRun(id=r["id"], source=r.get("source", ""), spec=spec, hardware=r["hardware"],

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from autoshard.model_spec import Family
+from autoshard.model_spec import Mixer
 from autoshard.models.presets import build_model, get_spec
 from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner, Schedule
 from autoshard.ir import even_stages
@@ -37,19 +37,19 @@ from autoshard.ir import even_stages
 class HandStage(nn.Module):
     """A hand-written stage: the HF model's own modules, called as its forward calls them."""
 
-    def __init__(self, model, family, first: int, end: int, is_first: bool, is_last: bool):
+    def __init__(self, model, mixer, first: int, end: int, is_first: bool, is_last: bool):
         super().__init__()
-        self.family, self.is_first, self.is_last = family, is_first, is_last
-        body = model.model if family is Family.LLAMA else model.backbone
-        self.embed = (body.embed_tokens if family is Family.LLAMA else body.embeddings) if is_first else None
+        self.mixer, self.is_first, self.is_last = mixer, is_first, is_last
+        body = model.model if mixer is Mixer.ATTENTION else model.backbone
+        self.embed = (body.embed_tokens if mixer is Mixer.ATTENTION else body.embeddings) if is_first else None
         self.layers = nn.ModuleList(list(body.layers)[first:end])
-        self.norm = (body.norm if family is Family.LLAMA else body.norm_f) if is_last else None
+        self.norm = (body.norm if mixer is Mixer.ATTENTION else body.norm_f) if is_last else None
         self.lm_head = model.lm_head if is_last else None
-        self.rotary = body.rotary_emb if family is Family.LLAMA else None
+        self.rotary = body.rotary_emb if mixer is Mixer.ATTENTION else None
 
     def forward(self, x):
         h = self.embed(x) if self.is_first else x
-        if self.family is Family.LLAMA:
+        if self.mixer is Mixer.ATTENTION:
             pos = torch.arange(h.shape[1])[None]
             pe = self.rotary(h, position_ids=pos)
             for layer in self.layers:
@@ -82,7 +82,7 @@ def _worker(rank, world, init_file, args, results):
     runner = PipelineRunner(ours_model, spec, stages, pp_group=dist.group.WORLD, device="cpu",
                             options=PipelineOptions(schedule=schedule, micro_batch=args.micro_batch))
     st = stages[rank]
-    hand = HandStage(hand_model, spec.family, st.first_layer, st.end_layer, st.embed, st.head)
+    hand = HandStage(hand_model, spec.mixer, st.first_layer, st.end_layer, st.embed, st.head)
     cls = ScheduleGPipe if schedule is Schedule.GPIPE else Schedule1F1B
     hand_sched = cls(PipelineStage(hand, rank, world, torch.device("cpu")), args.batch // args.micro_batch,
                      loss_fn=_mean_ce)

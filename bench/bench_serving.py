@@ -36,7 +36,7 @@ def main() -> None:
     rows += json.loads(Path(args.rows).read_text())["rows"]
     tables, errors = {}, {}
     print(f"{'row':28} {'group':8} {'pred s':>8} {'meas s':>8} {'error':>7} | TTFT ms  TPOT ms | decode step ms: "
-          "weights+GEMMs  kernel floors  tp all-reduce")
+          "weights+GEMMs  kernel floors  tp all-reduce  input broadcast")
     for r in rows:
         model = r["model"]
         key = model if isinstance(model, str) else model.name
@@ -53,7 +53,8 @@ def main() -> None:
         errors.setdefault(r["group"], []).append(abs(err))
         d = e.decode
         print(f"{r['id']:28} {r['group']:8} {total:8.3f} {r['total_s']:8.3f} {100 * err:+6.1f}% | {e.ttft_s * 1e3:7.1f} "
-              f"{e.tpot_s * 1e3:7.2f} | {(d.compute + d.core) * 1e3:13.2f} {d.fixed * 1e3:14.2f} {d.tp_comm * 1e3:14.2f}")
+              f"{e.tpot_s * 1e3:7.2f} | {(d.compute + d.core) * 1e3:13.2f} {d.fixed * 1e3:14.2f} {d.tp_comm * 1e3:14.2f} "
+              f"{d.step_inputs * 1e3:16.2f}")
     for group, errs in errors.items():
         print(f"mean absolute error, {group}: {100 * statistics.mean(errs):.1f}% over {len(errs)} rows")
     every = [e for errs in errors.values() for e in errs]

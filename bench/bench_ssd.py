@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import build_model
 from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.runtime.ssd import install_ssd_mixers
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    spec = ModelSpec(name="mamba2-bench", family=Family.MAMBA2, vocab=4096, hidden=args.hidden, layers=args.layers,
+    spec = ModelSpec(name="mamba2-bench", mixer=Mixer.SSD, vocab=4096, hidden=args.hidden, layers=args.layers,
                      tied=True, state=64, expand=2, head_dim=64, heads=2 * args.hidden // 64, groups=1, conv=4,
                      chunk=128)
     hf = build_model(spec, seed=0)

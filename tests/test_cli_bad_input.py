@@ -112,9 +112,10 @@ SHOW_CASES = [
     ("seq_len", 1, "sequence length 1: training predicts each next token, so a sequence needs at least 2 tokens"),
     ("global_batch", -4, "global_batch must be a positive integer, got -4"),
     ("global_batch", 0, "global_batch must be a positive integer, got 0"),
-    ("devices", True, "field 'devices' must be a int"),
-    ("micro_batch", "2", "field 'micro_batch' must be an integer"),
-    ("zero", True, "field 'zero' must be an integer"),
+    ("devices", True, "devices must be a positive integer, got True"),  # one message shape: Plan's own check
+    ("micro_batch", "2", "micro_batch must be a positive integer, got '2'"),
+    ("zero", True, "zero must be 0, 1, 2 or 3, got True"),
+    ("model", 7, "model must be a string, got 7"),
     ("stages.1.first_layer", 5, "first layer is after the end"),
     ("stages.0.first_layer", -1, "non-negative"),
     ("stages.0.end_layer", 3, "does not follow the previous stage"),

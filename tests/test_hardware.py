@@ -94,3 +94,5 @@ def test_serving_fields_are_optional_sourced_and_checked():
     assert dataclasses.replace(h100, kernel_floor_s=0).kernel_floor_s == 0
     with pytest.raises(InvalidConfigError, match="'intra_ll_latency' must be a non-negative finite number"):
         dataclasses.replace(h100, intra_ll_latency=-1e-6)
+    with pytest.raises(InvalidConfigError, match="'step_input_broadcasts' counts the collectives"):
+        dataclasses.replace(h100, step_input_broadcasts=9.5)

@@ -23,7 +23,7 @@ from autoshard.commands.common import cost_table_for
 from autoshard.errors import InvalidConfigError
 from autoshard.cost_table import B, S, BlockCost, CostTable
 from autoshard.ir import OpKind
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 
 DEFAULT_SEQ_LEN = 4096
 
@@ -105,13 +105,13 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
     params = sum(blk["params_total"] for blk in blocks) + table.shared_params
     moe = moe_params(spec, params)
     if table.mixed:
-        attention, ssd = table.mixer_layers(mamba2=spec.family is Family.MAMBA2)
+        attention, ssd = table.mixer_layers(mamba2=spec.mixer is Mixer.SSD)
         model_flops = 6 * params + 12 * attention * spec.hidden * seq_len
         if ssd:
             model_flops += ssd_flops_per_token(spec, seq_len) * ssd / spec.layers
         formula = (f"6*N + 12*d*s per attention layer ({attention})"
                    + (f" + SSD per Mamba-2 layer ({ssd}; arXiv 2405.21060 sec. 8.3)" if ssd else ""))
-    elif spec.family is Family.MAMBA2:
+    elif spec.mixer is Mixer.SSD:
         model_flops = 6 * params + ssd_flops_per_token(spec, seq_len)
         formula = "6*N + SSD (arXiv 2405.21060 sec. 8.3, training = 3x forward)"
     elif moe:

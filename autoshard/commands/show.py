@@ -166,6 +166,9 @@ def render(plan) -> None:
                        *((mine,) if plan.per_stage else ()), *((str(rank),) if chunked else ()),
                        _num(times, rank), memory_text(mems[rank]) if rank < len(mems) else "-")
     con.print(stages)
+    kinds = _kind_table(pred.get("layer_kinds"), plan.stages)
+    if kinds is not None:
+        con.print(kinds)
     groups = defaultdict(list)
     for op, placement in plan.placements:
         groups[placement].append(op)
@@ -194,6 +197,25 @@ def render(plan) -> None:
             slower = f" ({100 * (ru['step_time_s'] / best - 1):.1f}% slower)" if best > 0 else ""
             con.print(f"runner-up: {mesh} ZeRO-{ru.get('zero')} at {ru['step_time_s']:.4g} s/step{slower}: "
                       f"{ru['why']}")
+
+
+def _kind_table(rows, stages):
+    """A row per layer kind of a mixed stack's plan (`predicted.layer_kinds`, passes/solve/ranges.py
+    `kind_breakdown`): its layers on each stage, their seconds per micro-batch and memory per device there, and
+    its share of all the layers' time; None for a model whose layers are of one kind."""
+    from rich.table import Table
+
+    if not rows:
+        return None
+    table = Table(title="layer kinds (per stage: layers, s/micro-batch, memory per device)")
+    for col in ("kind", "layers", *(f"stage {i}" for i in range(len(stages))), "share of layer time"):
+        table.add_column(col)
+    total = sum(sum(r["time_s"]) for r in rows) or 1.0
+    for r in rows:
+        cells = [f"{n}: {t:.3g} s, {memory_text(g)}" if n else "-"
+                 for n, t, g in zip(r["layers"], r["time_s"], r["memory_gb"])]
+        table.add_row(r["kind"], str(sum(r["layers"])), *cells, f"{100 * sum(r['time_s']) / total:.0f}%")
+    return table
 
 
 def _num(values, i: int) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from autoshard.engines.training_run import TrainingRun, default_strategies, price, uniform
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Fp8Recipe, Mesh, Precision, Recompute, Schedule
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.rules.schedules import microbatches_per_step
 
 # flags read into the run: name -> kind ("int", "str", "flag")
@@ -199,7 +199,7 @@ def _even(layers: int, pp: int) -> tuple[int, ...]:
 def model_arguments(spec: ModelSpec) -> list[str]:
     """The model's sizes in Megatron's names (GPT / LLaMA-style decoder, MoE, Mamba)."""
     out = [f"--num-layers {spec.layers}", f"--hidden-size {spec.hidden}", f"--vocab-size {spec.vocab}"]
-    if spec.family is Family.MAMBA2:
+    if spec.mixer is Mixer.SSD:
         return out + [f"--mamba-state-dim {spec.state}", f"--mamba-head-dim {spec.head_dim}",
                       f"--mamba-num-groups {spec.groups}", f"--hybrid-override-pattern {'M' * spec.layers}",
                       "--tokenizer-type NullTokenizer", "--normalization RMSNorm"]
@@ -417,7 +417,7 @@ def spec_of(model: dict, *, name: str = "megatron-model", source: str = "--from-
     if missing:
         raise InvalidConfigError(f"{source}: without --model the model's sizes are needed: give {', '.join(missing)}")
     heads = model["--num-attention-heads"]
-    return ModelSpec(name=name, family=Family.LLAMA, vocab=model["--vocab-size"], hidden=model["--hidden-size"],
+    return ModelSpec(name=name, mixer=Mixer.ATTENTION, vocab=model["--vocab-size"], hidden=model["--hidden-size"],
                      ffn=model["--ffn-hidden-size"], layers=model["--num-layers"], heads=heads,
                      kv_heads=model.get("--num-query-groups", heads),
                      tied="--untie-embeddings-and-output-weights" not in model, head_dim=model.get("--kv-channels", 0))
@@ -426,7 +426,7 @@ def spec_of(model: dict, *, name: str = "megatron-model", source: str = "--from-
 def check_model(spec: ModelSpec, model: dict, *, source: str) -> None:
     """The model sizes a command line gives must be the model's own."""
     facts = {"--num-layers": spec.layers, "--hidden-size": spec.hidden, "--vocab-size": spec.vocab}
-    if spec.family is Family.LLAMA:
+    if spec.mixer is Mixer.ATTENTION:
         facts.update({"--ffn-hidden-size": spec.ffn, "--num-attention-heads": spec.heads,
                       "--num-query-groups": spec.kv_heads})
         if spec.is_moe:

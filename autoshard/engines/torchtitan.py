@@ -30,7 +30,7 @@ from dataclasses import replace
 from autoshard.engines.training_run import TrainingRun, default_strategies, price, uniform
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Precision, Recompute, Schedule, stage_rank
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 
 # torchtitan's own Llama 3 sizes (torchtitan/models/llama3/__init__.py): (layers, dim, ffn, heads, kv, vocab)
 LLAMA3_CONFIGS = {(32, 4096, 14336, 32, 8, 128256): "llama3_8b", (80, 8192, 28672, 64, 8, 128256): "llama3_70b",
@@ -80,7 +80,7 @@ def _splits(layers: int, pp: int, v: int, schedule: Schedule):
 def project(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int,
             moe_imbalance: float = 1.0) -> tuple[TrainingRun, list[str]]:
     """The run torchtitan expresses, and what it could not express of `run` (one note each)."""
-    if spec.family is Family.MAMBA2:
+    if spec.mixer is Mixer.SSD:
         raise InvalidConfigError(f"torchtitan 0.3 has no Mamba-2 model ({spec.name}); emit megatron or accelerate")
     notes = []
     if run.per_stage_recompute or run.per_stage_sequence_parallel:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from torch import nn
 
 from autoshard.errors import InvalidConfigError
-from autoshard.model_spec import Family, ModelSpec, config_violation
+from autoshard.model_spec import Mixer, ModelSpec, config_violation
 
 _SSD_ATTRS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size", "chunk_size")
 
@@ -45,12 +45,12 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
     mixers = ssd_mixers(model)
     if mixers:
         m = mixers[0][1]
-        spec = ModelSpec(family=Family.MAMBA2, state=m.ssm_state_size, expand=max(1, m.intermediate_size // config.hidden_size),
+        spec = ModelSpec(mixer=Mixer.SSD, state=m.ssm_state_size, expand=max(1, m.intermediate_size // config.hidden_size),
                          head_dim=m.head_dim, heads=m.num_heads, groups=m.n_groups, conv=m.conv_kernel_size,
                          chunk=m.chunk_size, **common)
     else:
         heads = getattr(config, "num_attention_heads", 0) or 0
-        spec = ModelSpec(family=Family.LLAMA, heads=heads,
+        spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads,
                          kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                          ffn=getattr(config, "intermediate_size", 0) or 0, **common)
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None

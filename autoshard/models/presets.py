@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
 from autoshard.ir import BlockKind
-from autoshard.model_spec import MAX_POSITIONS, Family, ModelSpec, config_violation
+from autoshard.model_spec import MAX_POSITIONS, Mixer, ModelSpec, config_violation
 
 if TYPE_CHECKING:  # torch is imported where a model is built: planning a preset needs only its spec
     import torch
@@ -43,7 +43,7 @@ def max_positions(spec: ModelSpec, config=None) -> int | None:
     (no positions) and HF's dynamic RoPE, whose max_position_embeddings is the original length it rescales
     past (transformers.modeling_rope_utils.dynamic_rope_update)."""
     if config is None:
-        return None if spec.family is Family.MAMBA2 else MAX_POSITIONS
+        return None if spec.mixer is Mixer.SSD else MAX_POSITIONS
     limit = getattr(config, "max_position_embeddings", None)
     if not (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
         return None
@@ -89,18 +89,18 @@ def position_violation(limit: int | None, *, prompt: int, new: int = 0, where: s
 
 
 def _moe(name, moe, vocab, hidden, layers, heads, kv_heads, experts, top_k, ffn, shared_ffn=0) -> ModelSpec:
-    return ModelSpec(name=name, family=Family.LLAMA, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
+    return ModelSpec(name=name, mixer=Mixer.ATTENTION, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
                      heads=heads, kv_heads=kv_heads, tied=False, moe=moe, experts=experts, top_k=top_k,
                      shared_ffn=shared_ffn)
 
 
 def _llama(name, vocab, hidden, ffn, layers, heads, kv_heads, tied=False) -> ModelSpec:
-    return ModelSpec(name=name, family=Family.LLAMA, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
+    return ModelSpec(name=name, mixer=Mixer.ATTENTION, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
                      heads=heads, kv_heads=kv_heads, tied=tied)
 
 
 def _mamba2(name, vocab, hidden, layers, heads, groups, tied, state=128, head_dim=64, chunk=256) -> ModelSpec:
-    return ModelSpec(name=name, family=Family.MAMBA2, vocab=vocab, hidden=hidden, layers=layers, state=state,
+    return ModelSpec(name=name, mixer=Mixer.SSD, vocab=vocab, hidden=hidden, layers=layers, state=state,
                      expand=2, head_dim=head_dim, heads=heads, groups=groups, conv=4, chunk=chunk, tied=tied)
 
 
@@ -194,7 +194,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     value = functools.partial(F.config_value, config)
     common = dict(name=name, vocab=value("vocab"), hidden=value("hidden"), layers=value("layers"), tied=tied)
     if facts.mixer == "ssd":
-        return ModelSpec(family=Family.MAMBA2, state=value("state"), expand=value("expand", 2),
+        return ModelSpec(mixer=Mixer.SSD, state=value("state"), expand=value("expand", 2),
                          head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
                          conv=value("conv"), chunk=value("chunk", 256), **common)
     if facts.mixer != "attention":
@@ -206,7 +206,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     heads = value("heads")
     usual = common["hidden"] // heads
     head_dim = value("head_dim", usual) or usual
-    spec = ModelSpec(family=Family.LLAMA, heads=heads, kv_heads=value("kv_heads", heads),
+    spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=value("kv_heads", heads),
                      head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or 0,
                      embedding_plain=facts.embedding_plain, own_forward=facts.own_forward,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.ir import Fp8Recipe, Mesh, Precision, Recompute
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import PRESETS
 
 
@@ -43,7 +43,7 @@ class PublishedRun:
 
 
 def _llama(name, *, layers, hidden, heads, kv_heads, ffn, vocab) -> ModelSpec:
-    return ModelSpec(name=name, family=Family.LLAMA, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
+    return ModelSpec(name=name, mixer=Mixer.ATTENTION, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
                      heads=heads, kv_heads=kv_heads, tied=False)
 
 

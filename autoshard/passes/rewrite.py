@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import BlockKind, Placement, Plan, Recompute, Replicate, Shard, ShardProgram, even_stages
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.rules import sharding
 from autoshard.rules.sharding import Strategy
 
@@ -85,7 +85,7 @@ def layer_chunks(plan: Plan, spec: ModelSpec) -> tuple[int, ...]:
 
 def _layer_index(spec: ModelSpec, name: str) -> int | None:
     """The layer index of parameter `name` ("model.layers.3.mlp..." -> 3), None outside the layers."""
-    base = sharding.BASES[spec.family] + ".layers."
+    base = sharding.base_path(spec) + ".layers."
     if not name.startswith(base):
         return None
     return int(name[len(base):].split(".", 1)[0])
@@ -143,7 +143,7 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
     head = sharding.modules(spec, Strategy.VOCAB, BlockKind.HEAD, strategies[0])
     common = dict(regions=sharding.modules(spec, Strategy.REGION), rowwise=sharding.modules(spec, Strategy.ROWWISE),
                   vocab_embed=embed[0] if embed else None, vocab_head=head[0] if head else None)
-    if spec.family is Family.LLAMA:
+    if spec.mixer is Mixer.ATTENTION:
         attrs = []
         if spec.kv_heads < tp:  # one KV head per rank serves heads/tp query heads
             attrs += [(f"{p}.self_attn", "num_key_value_groups", spec.heads // tp) for p in layers]

@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from autoshard.ir import BlockKind
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 
 
 class Strategy(str, Enum):
@@ -189,9 +189,9 @@ MAMBA2 = (
     Role("", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), params=()),
 )
 
-TABLES: dict[Family, tuple[Role, ...]] = {Family.LLAMA: LLAMA, Family.MAMBA2: MAMBA2}
-BASES: dict[Family, str] = {Family.LLAMA: "model", Family.MAMBA2: "backbone"}
-SELECTIVE: dict[Family, str] = {Family.LLAMA: "self_attn", Family.MAMBA2: "mixer"}
+# one table per sequence mixer of the layers (models/facts.py `mixer_of`): attention layers (any HF decoder
+# calling the attention interface) and Mamba-2 SSD layers; the facts adjust it per model (`_base_table`)
+TABLES: dict[Mixer, tuple[Role, ...]] = {Mixer.ATTENTION: LLAMA, Mixer.SSD: MAMBA2}
 
 
 def table(spec: ModelSpec, strategies: tuple[tuple[str, str], ...] = ()) -> tuple[Role, ...]:
@@ -210,7 +210,7 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
     if spec.moe_paths:
         base = _LLAMA_NO_MLP + _moe_block(*spec.moe_paths)
     else:
-        base = MOE_TABLES[spec.moe] if spec.is_moe else TABLES[spec.family]
+        base = MOE_TABLES[spec.moe] if spec.is_moe else TABLES[spec.mixer]
     out = []
     for role in base:
         if role.path == "self_attn" and spec.head_params:
@@ -366,8 +366,15 @@ def groups_whole(spec: ModelSpec, tp: int, strategies=()) -> bool:
     return any(any(whole_pieces(spec, r, tp)) for r in table(spec, strategies))
 
 
+@functools.lru_cache(maxsize=256)
+def base_path(spec: ModelSpec) -> str:
+    """The base model's path, whose `layers` the LAYER roles sit under ("model", "backbone"): the table's
+    own, read off its embedding role."""
+    return next(r.path for r in table(spec) if r.block is BlockKind.EMBED).rpartition(".")[0]
+
+
 def layer_prefix(spec: ModelSpec, index: int) -> str:
-    return f"{BASES[spec.family]}.layers.{index}"
+    return f"{base_path(spec)}.layers.{index}"
 
 
 # -- derived: how many parts, what tp may be ----------------------------------------------------------
@@ -489,7 +496,7 @@ def role_of(spec: ModelSpec, kind: BlockKind, path: str, strategies=()) -> Role 
     the captured graph, e.g. "model.layers.0.self_attn.q_proj"), or None (replicated)."""
     if kind is BlockKind.LAYER:
         parts = path.split(".")
-        base = BASES[spec.family].split(".")
+        base = base_path(spec).split(".")
         n = len(base) + 2
         if parts[:len(base) + 1] != [*base, "layers"] or len(parts) < n:
             return None
@@ -518,7 +525,7 @@ def role_at(spec: ModelSpec, path: str, strategies=()) -> Role | None:
 def _full(spec: ModelSpec, role: Role, path: str) -> str:
     if role.block is not BlockKind.LAYER:
         return role.path
-    n = len(BASES[spec.family].split(".")) + 2
+    n = len(base_path(spec).split(".")) + 2
     return ".".join([*path.split(".")[:n], role.path])
 
 
@@ -585,8 +592,9 @@ def row_parallel_count(spec: ModelSpec, kind: BlockKind, *, under: str = "") -> 
 
 def selective_module(spec: ModelSpec) -> str:
     """The layer submodule selective recompute checkpoints: the attention module / the Mamba-2
-    mixer, whose forward holds one row-parallel all-reduce (rewrite and cost model both ask here)."""
-    return SELECTIVE[spec.family]
+    mixer, whose forward holds one row-parallel all-reduce (rewrite and cost model both ask here): the
+    layer's first REGION role, its sequence mixer."""
+    return next(r.path for r in table(spec) if r.block is BlockKind.LAYER and r.strategy is Strategy.REGION)
 
 
 # -- derived: the runtime's modules and the plan's placements ----------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Plan, Precision, Schedule, check_stages, is_positive_int
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.rules.schedules import check_chunks, microbatches_per_step, rows_per_microbatch
 from autoshard.rules.sharding import choice_violation, sequence_violation, tp_violation
 
@@ -305,7 +305,7 @@ def _dp_batch(q: PlanQuestion) -> str | None:
 
 def _cp_split(q: PlanQuestion) -> str | None:
     spec = q.spec
-    if spec.family is Family.LLAMA:  # 2*cp chunks (balanced causal layout, runtime/context_parallel.py)
+    if spec.mixer is Mixer.ATTENTION:  # 2*cp chunks (balanced causal layout, runtime/context_parallel.py)
         return sequence_split_violation(q.seq_len, q.mesh.cp, balanced=True, model=spec.name)
     return sequence_split_violation(q.seq_len, q.mesh.cp, balanced=False, min_local=spec.conv - 1, model=spec.name)
 
@@ -538,8 +538,8 @@ def _backend_fp8(q: BackendQuestion) -> str | None:
 
 def _backend_tp(q: BackendQuestion) -> str | None:
     plan, spec = q
-    if plan.mesh.tp > 1 and spec.family is not Family.LLAMA:
-        return (f"tp={plan.mesh.tp} for {spec.family.value}: Dynamo bakes the Mamba-2 mixer's head counts into the "
+    if plan.mesh.tp > 1 and spec.mixer is not Mixer.ATTENTION:
+        return (f"tp={plan.mesh.tp} for {spec.name}: Dynamo bakes the Mamba-2 mixer's head counts into the "
                 "graph, so the backend cannot shard it; use autoshard.parallelize for Mamba-2 tensor parallelism, "
                 "or tp=1 here")
     return None

@@ -1,7 +1,7 @@
 """Context-parallel Mamba-2 mixer: state passing between ranks (contiguous layout).
 
-Contract: `install_cp_mixers(model, ctx)` replaces the forward of every HF `Mamba2Mixer` of
-`model` with `cp_mixer_forward`: fed this rank's contiguous slice of L = S/cp tokens, it returns
+Contract: `install_cp_mixers(model, ctx)` replaces the forward of every Mamba-2 SSD mixer of
+`model` (found by its pattern, not its class: runtime/ssd.py `install_mixer_forward`) with `cp_mixer_forward`: fed this rank's contiguous slice of L = S/cp tokens, it returns
 exactly this slice of the full-sequence mixer output (training path, no cache), with the
 module's own in_proj / conv1d / norm / out_proj, so tensor-parallel wrappers of those still
 apply (sizes are read off the parameters, not the config: heads may be TP-local).
@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from autoshard.errors import InvalidConfigError
 from autoshard.rules.validity import sequence_split_violation
 from autoshard.runtime.cp_sequence import CPContext, all_gather_autograd
-from autoshard.runtime.ssd import (gated_norm, head_groups, local_sizes, scan_head_group, ssd_chunk_scan,
-                                   ssd_scan)
+from autoshard.runtime.ssd import (gated_norm, head_groups, install_mixer_forward, local_sizes, projected,
+                                   scan_head_group, ssd_chunk_scan, ssd_scan)
 
 __all__ = ["conv_with_halo", "cp_mixer_forward", "install_cp_mixers", "prefix_state", "ssd_chunk_scan"]
 
@@ -70,14 +70,14 @@ def conv_with_halo(xbc: Tensor, conv: nn.Conv1d, ctx: CPContext) -> Tensor:
 
 def cp_mixer_forward(mixer: nn.Module, ctx: CPContext, hidden_states: Tensor, cache=None,
                      attention_mask: Tensor | None = None, **kwargs) -> Tensor:
-    """Mamba2Mixer.forward for this rank's contiguous slice (b, L, d) -> (b, L, d)."""
+    """The SSD mixer's forward for this rank's contiguous slice (b, L, d) -> (b, L, d)."""
     if cache is not None:
         raise InvalidConfigError("CP Mamba-2 mixer runs training forwards only (no generation cache); "
                                  "call the model with use_cache=False")
     dtype = hidden_states.dtype
     if attention_mask is not None:
         hidden_states = hidden_states * attention_mask[:, :, None].to(dtype)
-    proj = mixer.in_proj(hidden_states)  # (b, L, 2 d_in + 2 g n + h)
+    proj = projected(mixer, hidden_states)  # (b, L, 2 d_in + 2 g n + h), Falcon-H1's multipliers included
     heads, head_dim, groups, n = local_sizes(mixer)
     inner = heads * head_dim
     gate, xbc, dt = proj.split([inner, inner + 2 * groups * n, heads], dim=-1)
@@ -104,15 +104,8 @@ def cp_mixer_forward(mixer: nn.Module, ctx: CPContext, hidden_states: Tensor, ca
 
 
 def install_cp_mixers(model: nn.Module, ctx: CPContext) -> int:
-    """Replace the forward of every Mamba2Mixer in `model` with the CP one; returns how many."""
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ == "Mamba2Mixer":
-            def forward(hidden_states, cache=None, attention_mask=None, _mixer=module, **kwargs):
-                return cp_mixer_forward(_mixer, ctx, hidden_states, cache, attention_mask, **kwargs)
-
-            module.forward = forward
-            count += 1
+    """Replace the forward of every Mamba-2 SSD mixer in `model` with the CP one; returns how many."""
+    count = install_mixer_forward(model, lambda mixer, *args, **kwargs: cp_mixer_forward(mixer, ctx, *args, **kwargs))
     if count == 0:
-        raise InvalidConfigError(f"{type(model).__name__} has no Mamba2Mixer; CP mixers cannot be installed")
+        raise InvalidConfigError(f"{type(model).__name__} has no Mamba-2 SSD mixer; CP mixers cannot be installed")
     return count

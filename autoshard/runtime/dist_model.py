@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.ir import Plan
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import max_positions
 from autoshard.ir import Replicate, ShardProgram
 from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
@@ -230,7 +230,7 @@ class DistributedModel:
         Through the model's own root forward, always: whatever `ForCausalLM.forward` does around its LM
         head (Granite's logits_scaling, Cohere's logit_scale, Gemma-2's final softcap) runs as in one
         process; under tp those are elementwise on this rank's vocab slice of the logits."""
-        if self.plan.sequence_parallel and self._setup.spec.family is Family.LLAMA and "position_ids" not in kwargs:
+        if self.plan.sequence_parallel and self._setup.spec.mixer is Mixer.ATTENTION and "position_ids" not in kwargs:
             # HF would number the positions of the 1/tp shard it sees between layers
             kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)[None]}
         if getattr(self.model.config, "output_router_logits", False) and torch.is_grad_enabled() and not self._zero3:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import max_positions, position_violation
 from autoshard.runtime.comm import gather_last_dim
 from autoshard.runtime.stages import OwnForwardStage, StageModule, attention_masks
@@ -153,7 +153,7 @@ class Generator:
         return stage.head(hidden[:, -1:]) if stage.lm_head is not None else hidden
 
     def _layer_kwargs(self, stage: StageModule, hidden: Tensor, cache, *, past: int) -> dict:
-        if self.spec.family is not Family.LLAMA:  # Mamba-2 blocks: the cache alone (no padding mask)
+        if self.spec.mixer is not Mixer.ATTENTION:  # SSD blocks: the cache alone (no padding mask)
             return {"cache": cache}
         t = hidden.shape[1]
         position_ids = torch.arange(past, past + t, device=hidden.device)[None]  # (1, t)

@@ -17,9 +17,15 @@ Contract
   mamba_ssm is installed, with or without its CUDA extensions (production Mamba-2 training's kernel,
   the same math and arguments as HF's `mamba2_chunk_scan`, and what the GPU profiles price), else None and `ssd_scan` runs the torch
   Function above (on CUDA with a one-time warning: 4.4-6.5x slower than priced on an H200).
-* `mixer_forward(mixer, hidden_states, ...)`: HF `Mamba2Mixer.forward` (training path, no cache)
+* `mixer_forward(mixer, hidden_states, ...)`: HF's Mamba-2 mixer forward (training path, no cache)
   with the scan above; every op outside the scan is HF's own, so what they save for backward is
-  what the captured graph says. `install_ssd_mixers(model)` puts it on every `Mamba2Mixer`.
+  what the captured graph says. `install_ssd_mixers(model)` puts it on every SSD mixer, found by
+  its pattern (models/layered.py `ssd_mixers`: A_log, D, dt_bias, conv1d and HF's size attributes),
+  not its class: Mamba2Mixer, BambaMixer, NemotronHMamba2Mixer, GraniteMoeHybridMambaLayer,
+  Zamba2MambaMixer, FalconH1Mixer. Their forwards differ only where `projected` and `gated_norm`
+  read the mixer: Falcon-H1's mup multipliers (`ssm_in_multiplier` on the input, `mup_vector` per
+  in_proj channel), its optional norm (`mamba_rms_norm` False: y * silu(gate)) and
+  `norm_before_gate`; the dt limits are each mixer's `time_step_limit`.
   With a cache (generation, runtime/generate.py) it runs `cached_mixer_forward`: HF's cached
   torch path (prefill by the chunked scan from the cached state, one token by `recurrent_step`)
   with every local head reading its own group, as the scan does -- so tp may keep the groups
@@ -39,6 +45,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from autoshard.errors import InvalidConfigError
 
 
 # -- the math, in phases ------------------------------------------------------------------------------
@@ -279,9 +287,25 @@ def scan_head_group(mixer: nn.Module, heads: int, groups: int, device) -> Tensor
     return head_groups(mixer, heads, groups, device)
 
 
+def projected(mixer: nn.Module, hidden_states: Tensor) -> Tensor:
+    """The mixer's in_proj output (b, L, 2 d_in + 2 g n + h), with Falcon-H1's mup multipliers where the
+    mixer has them: `ssm_in_multiplier` on the input, `mup_vector` (1, 1, channels) on the output."""
+    scale = getattr(mixer, "ssm_in_multiplier", None)
+    if scale is not None:
+        hidden_states = hidden_states * scale
+    proj = mixer.in_proj(hidden_states)
+    mup = getattr(mixer, "mup_vector", None)
+    if mup is None:
+        return proj
+    if mup.shape[-1] != proj.shape[-1]:
+        raise InvalidConfigError(f"{type(mixer).__name__}: mup_vector has {mup.shape[-1]} channels and in_proj "
+                                 f"{proj.shape[-1]} on this rank: the multipliers were not split with in_proj")
+    return proj * mup
+
+
 def mixer_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention_mask: Tensor | None = None,
                   **kwargs) -> Tensor:
-    """HF Mamba2Mixer.forward (torch path, training, no cache) with `ssd_scan` for the chunk scan."""
+    """HF's Mamba-2 mixer forward (torch path, training, no cache) with `ssd_scan` for the chunk scan."""
     if cache is not None:
         return cached_mixer_forward(mixer, hidden_states, cache, attention_mask)
     from transformers.models.mamba2.modeling_mamba2 import apply_mask_to_padding_states, causal_conv1d_fn
@@ -291,7 +315,7 @@ def mixer_forward(mixer: nn.Module, hidden_states: Tensor, cache=None, attention
     heads, head_dim, groups, n = local_sizes(mixer)
     inner = heads * head_dim
     hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
-    proj = mixer.in_proj(hidden_states)  # (b, L, 2 d_in + 2 g n + h)
+    proj = projected(mixer, hidden_states)  # (b, L, 2 d_in + 2 g n + h)
     A = -torch.exp(mixer.A_log.float())
     gate, xbc, dt = proj.split([inner, inner + 2 * groups * n, heads], dim=-1)
     xbc = causal_conv1d_fn(xbc.transpose(1, 2), mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias,
@@ -322,7 +346,7 @@ def cached_mixer_forward(mixer: nn.Module, hidden_states: Tensor, cache, attenti
     conv_state = cache.get_conv_state(layer, state_idx=0)
     ssm_state = cache.get_recurrent_state(layer, state_idx=0)
     hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
-    gate, xbc, dt = mixer.in_proj(hidden_states).split([inner, inner + 2 * groups * n, heads], dim=-1)
+    gate, xbc, dt = projected(mixer, hidden_states).split([inner, inner + 2 * groups * n, heads], dim=-1)
     A = -torch.exp(mixer.A_log.float())
     xbc = xbc.transpose(1, 2)  # (b, channels, L)
     weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias
@@ -363,18 +387,22 @@ def recurrent_step(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C
 
 
 def gated_norm(mixer: nn.Module, y: Tensor, gate: Tensor) -> Tensor:
-    """The mixer's gated RMSNorm (HF MambaRMSNormGated: y * silu(gate), RMS per group of channels).
-    When tensor parallelism kept the groups whole (`mixer.ssd_norm_group_size`, the global group
+    """The mixer's gated RMSNorm (HF's *RMSNormGated: y * silu(gate), RMS per group of channels; Falcon-H1
+    may normalise before the gate, `norm_before_gate`, or have no norm, `mamba_rms_norm` False: the gate
+    alone). When tensor parallelism kept the groups whole (`mixer.ssd_norm_group_size`, the global group
     width), a group's channels lie on several ranks: each rank sums the squares of its heads per
     group and the sums are added over the tp group (`comm.sum_over_group`) before normalising."""
+    norm = mixer.norm
+    if getattr(norm, "weight", None) is None:  # Falcon-H1 with mamba_rms_norm False: nn.Identity
+        return y * F.silu(gate)
     size = getattr(mixer, "ssd_norm_group_size", None)
     if size is None:
-        return mixer.norm(y, gate)
+        return norm(y, gate)
     from autoshard.runtime.comm import sum_over_group
 
-    norm = mixer.norm
     dtype = y.dtype
-    h = y.float() * F.silu(gate.float())  # (b, L, heads p)
+    before = bool(getattr(norm, "norm_before_gate", False))
+    h = y.float() if before else y.float() * F.silu(gate.float())  # (b, L, heads p)
     heads, head_dim, groups, _ = local_sizes(mixer)
     per_head = h.view(*h.shape[:-1], heads, head_dim)
     group_of = head_groups(mixer, heads, groups, y.device)
@@ -383,17 +411,27 @@ def gated_norm(mixer: nn.Module, y: Tensor, gate: Tensor) -> Tensor:
     sums = sum_over_group(sums, getattr(mixer, "ssd_tp_group", None))  # (b, L, groups), all ranks
     rstd = torch.rsqrt(sums / size + norm.variance_epsilon).index_select(-1, group_of)  # (b, L, heads)
     h = (per_head * rstd[..., None]).reshape(h.shape)
+    if before:
+        return (norm.weight * h * F.silu(gate.float())).to(dtype)
     return norm.weight * h.to(dtype)
 
 
 def install_ssd_mixers(model: nn.Module) -> int:
-    """Run every HF Mamba2Mixer of `model` through `mixer_forward`; returns how many."""
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ == "Mamba2Mixer":
-            def forward(hidden_states, cache=None, attention_mask=None, _mixer=module, **kwargs):
-                return mixer_forward(_mixer, hidden_states, cache, attention_mask, **kwargs)
+    """Run every Mamba-2 SSD mixer of `model` (by pattern, models/layered.py `ssd_mixers`) through
+    `mixer_forward`; returns how many."""
+    return install_mixer_forward(model, mixer_forward)
 
-            module.forward = forward
-            count += 1
-    return count
+
+def install_mixer_forward(model: nn.Module, forward_of) -> int:
+    """Replace the forward of every SSD mixer of `model` by `forward_of(mixer, hidden_states, cache,
+    attention_mask, **kwargs)`; returns how many (the HF keyword `cache_params` read as `cache`)."""
+    from autoshard.models.layered import ssd_mixers
+
+    mixers = ssd_mixers(model)
+    for _, module in mixers:
+        def forward(hidden_states, cache=None, attention_mask=None, _mixer=module, **kwargs):
+            cache = kwargs.pop("cache_params", None) if cache is None else cache
+            return forward_of(_mixer, hidden_states, cache, attention_mask, **kwargs)
+
+        module.forward = forward
+    return len(mixers)

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Stage
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.runtime.comm import gather_sequence, split_sequence
 
 
@@ -276,26 +276,33 @@ def _build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
     if not 0 <= stage.first_layer <= stage.end_layer <= (layers_total or 0):
         raise InvalidConfigError(f"stage layers [{stage.first_layer}, {stage.end_layer}) are outside the "
                                  f"model's {layers_total} layers; stages must lie within 0..{layers_total}")
-    if spec.family is Family.LLAMA and spec.own_forward:
-        body = model.model if isinstance(getattr(model, "model", None), nn.Module) else getattr(model, model.base_model_prefix)
-        parts = dict(embed=body.get_input_embeddings() if hasattr(body, "get_input_embeddings") else body.embed_tokens,
-                     layers=list(body.layers)[stage.first_layer:stage.end_layer], norm=body.norm,
-                     lm_head=model.get_output_embeddings())
-        return OwnForwardStage(stage, config=config, model=model, base=body, positions=positions,
-                               **_keep(parts, stage))
-    if spec.family is Family.LLAMA:
-        body = model.model
-        parts = dict(embed=body.embed_tokens, layers=list(body.layers)[stage.first_layer:stage.end_layer],
-                     norm=body.norm, lm_head=model.lm_head)
-        return LlamaStage(stage, config=config, rotary_emb=body.rotary_emb, positions=positions,
-                          **_keep(parts, stage))
-    if spec.family is Family.MAMBA2:
-        body = model.backbone
-        parts = dict(embed=body.embeddings, layers=list(body.layers)[stage.first_layer:stage.end_layer],
-                     norm=body.norm_f, lm_head=model.lm_head)
-        return Mamba2Stage(stage, config=config, **_keep(parts, stage))
-    raise InvalidConfigError(f"pipeline stages are built for LLaMA and Mamba-2 models, got family "
-                             f"{spec.family!r}; use pp=1 for other models")
+    body, parts = _parts(model, stage)
+    if spec.mixer is Mixer.ATTENTION and spec.own_forward:
+        return OwnForwardStage(stage, config=config, model=model, base=body, positions=positions, **parts)
+    if spec.mixer is Mixer.ATTENTION:  # rotary embeddings and the causal mask, made per stage
+        return LlamaStage(stage, config=config, rotary_emb=body.rotary_emb, positions=positions, **parts)
+    return Mamba2Stage(stage, config=config, **parts)  # SSD blocks: the hidden state alone
+
+
+def _parts(model: nn.Module, stage: Stage) -> tuple[nn.Module, dict]:
+    """(the base model holding the layers, this stage's embed / layers / norm / lm_head), found by the
+    model's structure: the base is the child holding the `layers` list (model.model first: Llama-4's
+    base_model_prefix names another model), the final norm its last child with parameters after the
+    layers, the embedding and head HF's input / output embeddings."""
+    body = model.model if isinstance(getattr(model, "model", None), nn.Module) else None
+    if not isinstance(getattr(body, "layers", None), nn.ModuleList):
+        body = next((m for m in model.children() if isinstance(getattr(m, "layers", None), nn.ModuleList)), None)
+    if body is None:
+        raise InvalidConfigError(f"{type(model).__name__}: no child module holds the decoder layers (a .layers "
+                                 "ModuleList); pipeline stages cut that list; use pp=1")
+    children = list(body.named_children())
+    after = [m for n, m in children[[n for n, _ in children].index("layers") + 1:]
+             if any(True for _ in m.parameters())]
+    if not after:
+        raise InvalidConfigError(f"{type(body).__name__}: no final norm after its layers; use pp=1")
+    parts = dict(embed=model.get_input_embeddings(), layers=list(body.layers)[stage.first_layer:stage.end_layer],
+                 norm=after[-1], lm_head=model.get_output_embeddings())
+    return body, _keep(parts, stage)
 
 
 def _keep(parts: dict, stage: Stage) -> dict:

@@ -3,7 +3,7 @@ import torch
 
 from autoshard.errors import UnknownNameError
 from autoshard.models import PRESETS, build_model, get_spec
-from autoshard.model_spec import Family
+from autoshard.model_spec import Mixer
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -20,7 +20,7 @@ def test_preset_numbers_match_the_table():
     spec = get_spec("llama-70b")
     assert (spec.vocab, spec.hidden, spec.ffn, spec.layers, spec.heads, spec.kv_heads) == (128256, 8192, 28672, 80, 64, 8)
     m7 = get_spec("mamba2-7b")
-    assert (m7.family, m7.heads, m7.groups, m7.state, m7.tied) == (Family.MAMBA2, 128, 8, 128, False)
+    assert (m7.mixer, m7.heads, m7.groups, m7.state, m7.tied) == (Mixer.SSD, 128, 8, 128, False)
     assert get_spec("mamba2-1b").tied
 
 

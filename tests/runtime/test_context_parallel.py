@@ -152,23 +152,34 @@ def _case_model(ctx: CPContext, name: str, seq: int) -> None:
 
 
 def _case_mixer_with_mask(ctx: CPContext, *, seq: int) -> None:
-    """The mixer alone, with a padding mask, against HF's own torch path."""
+    """The mixer alone, with a padding mask, against HF's own torch path: Mamba2Mixer and every hybrid's
+    mixer class (Bamba, Nemotron-H, Granite-4, Zamba2, Falcon-H1's multipliers and norm variants), which
+    state passing finds by the SSD pattern."""
+    from tests.runtime.test_ssd import HYBRID_MIXERS, hybrid_mixer
+
     spec = get_spec("mamba2-tiny", layers=1)
-    model = build_model(spec, seed=3)
-    mixer = model.backbone.layers[0].mixer
-    torch.manual_seed(2)
-    x = torch.randn(2, seq, spec.hidden, requires_grad=True)
-    mask = torch.ones(2, seq)
-    mask[1, : seq // 4] = 0
-    ref = mixer(x, attention_mask=mask)
-    w = torch.randn_like(ref)
-    (ref * w).sum().backward()
-    lay = SeqLayout.CONTIGUOUS
-    xl = split_sequence(x.detach(), ctx, lay).requires_grad_()
-    out = cp_mixer_forward(mixer, ctx, xl, attention_mask=split_sequence(mask, ctx, lay))
-    torch.testing.assert_close(out, split_sequence(ref.detach(), ctx, lay), **TOL)
-    (out * split_sequence(w, ctx, lay)).sum().backward()
-    torch.testing.assert_close(xl.grad, split_sequence(x.grad, ctx, lay), **TOL)
+    mixers = [("mamba2-tiny", build_model(spec, seed=3).backbone.layers[0].mixer)]
+    mixers += [(name, hybrid_mixer(name, seed=3)[0]) for name in HYBRID_MIXERS]
+    for name, mixer in mixers:
+        hidden = mixer.in_proj.in_features
+        torch.manual_seed(2)
+        x = torch.randn(2, seq, hidden, requires_grad=True)
+        mask = torch.ones(2, seq)
+        mask[1, : seq // 4] = 0
+        ref = type(mixer).forward(mixer, x, attention_mask=mask)
+        w = torch.randn_like(ref)
+        params = [p for _, p in mixer.named_parameters()]
+        ref_grads = torch.autograd.grad((ref * w).sum(), [x, *params])
+        lay = SeqLayout.CONTIGUOUS
+        xl = split_sequence(x.detach(), ctx, lay).requires_grad_()
+        out = cp_mixer_forward(mixer, ctx, xl, attention_mask=split_sequence(mask, ctx, lay))
+        torch.testing.assert_close(out, split_sequence(ref.detach(), ctx, lay), **TOL, msg=lambda m: f"{name}: {m}")
+        grads = torch.autograd.grad((out * split_sequence(w, ctx, lay)).sum(), [xl, *params])
+        torch.testing.assert_close(grads[0], split_sequence(ref_grads[0], ctx, lay), **TOL)
+        for pname, got, want in zip([n for n, _ in mixer.named_parameters()], grads[1:], ref_grads[1:]):
+            got = got.clone()
+            dist.all_reduce(got, group=ctx.group)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} grad {pname}: {m}")
 
 
 @pytest.mark.parametrize("world", [2, 4])

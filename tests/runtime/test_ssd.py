@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import build_model, get_spec
 from autoshard.passes.capture.shapes import build_cost_table
 from tests.runtime.measure import saved_activation_bytes
@@ -17,7 +17,7 @@ from autoshard.runtime.ssd import install_ssd_mixers, ssd_scan
 from tests.runtime.equivalence import TOL
 
 # a mid-size Mamba-2: mamba2-1b's shape (one group, head_dim 64) at a quarter of its width
-MID = ModelSpec(name="mamba2-mid", family=Family.MAMBA2, vocab=2048, hidden=512, layers=2, tied=True, state=64,
+MID = ModelSpec(name="mamba2-mid", mixer=Mixer.SSD, vocab=2048, hidden=512, layers=2, tied=True, state=64,
                 expand=2, head_dim=64, heads=16, groups=1, conv=4, chunk=64)
 
 
@@ -199,3 +199,66 @@ def test_a_triton_only_mamba_ssm_install_gives_the_fused_kernel(tmp_path, monkey
         for key in [k for k in sys.modules if k.split(".")[0] == "mamba_ssm"]:
             del sys.modules[key]
         ssd._mamba_ssm_scan.cache_clear()
+
+
+# the hybrids' Mamba-2 mixers (other classes than Mamba2Mixer, found by the SSD pattern); Falcon-H1 with its mup
+# multipliers exaggerated and each of its norm variants (none: the gate alone; after / before the gate)
+_FALCON_MUP = dict(ssm_in_multiplier=1.7, ssm_multipliers=[0.6, 1.9, 0.7, 1.4, 2.3])
+HYBRID_MIXERS = {"bamba": {}, "nemotron_h": {}, "granitemoehybrid": {}, "zamba2": {},
+                 "falcon_h1": _FALCON_MUP,
+                 "falcon_h1-norm": dict(_FALCON_MUP, mamba_rms_norm=True, mamba_norm_before_gate=False),
+                 "falcon_h1-norm-first": dict(_FALCON_MUP, mamba_rms_norm=True, mamba_norm_before_gate=True)}
+
+
+def hybrid_mixer(name: str, seed: int = 0):
+    """The first Mamba-2 mixer of the tiny hybrid `name` (tests/models/hybrid_models.py) and its config."""
+    from autoshard.models.layered import ssd_mixers
+    from tests.models import hybrid_models
+
+    torch.manual_seed(seed)
+    model = hybrid_models.build(name.partition("-")[0], **HYBRID_MIXERS[name])
+    with torch.no_grad():  # HF initialises D to ones and dt_bias to ones / log-spaced: random, so each shows
+        for _, mixer in ssd_mixers(model):
+            mixer.D.normal_()
+            mixer.dt_bias.normal_()
+            if getattr(mixer.norm, "weight", None) is not None:
+                mixer.norm.weight.normal_(1.0, 0.5)
+    return ssd_mixers(model)[0][1], model.config
+
+
+@pytest.mark.parametrize("name", list(HYBRID_MIXERS))
+def test_hybrid_mixers_are_hfs_forward(name):
+    """`mixer_forward` (training) and `cached_mixer_forward` (a prompt, then tokens) on every hybrid's mixer
+    class give HF's own torch forward: outputs, the gradients of the input and every mixer parameter, and the
+    conv / SSM states left in the cache. L = 40: not a multiple of the chunk (16)."""
+    from transformers import DynamicCache
+
+    from autoshard.runtime.ssd import cached_mixer_forward, install_ssd_mixers, mixer_forward
+
+    mixer, config = hybrid_mixer(name)
+    x = torch.randn(2, 40, config.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    weight = torch.randn(2, 40, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    params = [p for _, p in mixer.named_parameters()]
+    results = []
+    for forward in (type(mixer).forward, mixer_forward):
+        out = forward(mixer, x)
+        results.append((out, torch.autograd.grad((out * weight).sum(), [x, *params])))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, **TOL)
+    for pname, a, e in zip(["input", *(n for n, _ in mixer.named_parameters())], got_grads, want_grads):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} grad {pname}: {m}")
+    ours, theirs = DynamicCache(config=config), DynamicCache(config=config)
+    steps = [x.detach()[:, :20]] + [x.detach()[:, 20 + i:21 + i] for i in range(3)]
+    with torch.no_grad():
+        for h in steps:
+            torch.testing.assert_close(cached_mixer_forward(mixer, h, ours), type(mixer).forward(mixer, h, cache=theirs),
+                                       rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} cached: {m}")
+    layer = mixer.layer_idx
+    for get in ("get_conv_state", "get_recurrent_state"):
+        torch.testing.assert_close(getattr(ours, get)(layer), getattr(theirs, get)(layer), rtol=1e-4, atol=1e-5)
+    from tests.models import hybrid_models
+
+    model = hybrid_models.build(name.partition("-")[0], **HYBRID_MIXERS[name])
+    from autoshard.models.layered import ssd_mixers
+
+    assert install_ssd_mixers(model) == len(ssd_mixers(model)) > 0

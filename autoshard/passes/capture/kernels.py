@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from autoshard.errors import InvalidConfigError
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 
 if TYPE_CHECKING:  # torch is imported by the functions that walk a graph: reading a table needs none
     import torch
@@ -64,7 +64,7 @@ class Kernel:
     description: str  # what runs, and its source
     is_anchor: Callable[[fx.Node], bool]  # an op only this kernel's algorithm produces
     min_anchors: int  # a region must contain at least this many anchors
-    families: tuple[Family, ...]  # model families whose spec gives the rule its dimensions
+    mixers: tuple[Mixer, ...]  # the sequence mixers whose spec numbers give the rule its dimensions
     cost: Callable[[ModelSpec, int, int], KernelCost]  # (spec, micro-batch, sequence length) -> cost
 
 
@@ -122,12 +122,39 @@ def ssd_cost(spec: ModelSpec, b: int, s: int) -> KernelCost:
                       gemm=(b * chunks * h, l, p, n))
 
 
+def ssd_torch_cost(spec: ModelSpec, b: int, s: int) -> KernelCost:
+    """The same chunked SSD written in torch ops under autograd, as MindSpeed-LLM runs it on the 910B
+    (`mindspeed_llm/tasks/models/ssm/state_space_duality.py` `StateSpaceProcessor`, the path without context
+    parallelism): the FLOPs of `ssd_cost`, a backward of twice the forward (autograd keeps every intermediate,
+    nothing is recomputed), and saved for backward, per token of the padded length T and per head, beyond the
+    inputs x, B, C, dt the trace already counts (bf16 = 2 B, fp32 = 4 B; p head dim, n state, l chunk):
+
+      the l x l mask and scores    exp(segsum) fp32 4l, L in bf16 2l, C B^T 2l, (C B^T) * L 2l     10 l
+      B and C per head             B, C repeated from groups to heads, the bmm copies of C and B,
+                                   B times the chunk decay (all bf16)                             8 n
+      x copies                     x permuted for the bmms, the inter-chunk C h before its decay   4 p
+      chunk states                 the states, their inter-chunk einsum operand and bmm copy       6 p n / l
+      dt and decays                softplus / clamp inputs, x * dt's dt, the fp32 decays, exp(A_cum) 16
+
+    At mamba2-7b, tp 2, b 1, s 4096, chunk 256 that is 1.06 GB per layer (the fused kernel's chunk states: 0.03 GB)."""
+    l, h, p, n = spec.chunk, spec.heads, spec.head_dim, spec.state
+    fused = ssd_cost(spec, b, s)
+    t = -(-s // l) * l
+    per_head_token = 10 * l + 8 * n + 4 * p + 6 * p * n / l + 16
+    return KernelCost(fwd_flops=fused.fwd_flops, bwd_flops=2 * fused.fwd_flops,
+                      state_bytes=int(b * t * h * per_head_token), gemm=fused.gemm)
+
+
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel(name="ssd_chunk_scan",
            description="Mamba-2 chunked SSD scan as one kernel: chunk-local tensors stay on chip, backward "
                        "recomputes them from the saved inputs and chunk states (mamba_ssm "
                        "mamba_chunk_scan_combined; autoshard's runtime/ssd.py where that is not installed)",
-           is_anchor=_is_segsum_exp, min_anchors=2, families=(Family.MAMBA2,), cost=ssd_cost),
+           is_anchor=_is_segsum_exp, min_anchors=2, mixers=(Mixer.SSD,), cost=ssd_cost),
+    Kernel(name="ssd_chunk_scan_torch",
+           description="Mamba-2 chunked SSD in torch ops under autograd, every intermediate kept for backward "
+                       "(MindSpeed-LLM's StateSpaceProcessor on the 910B: no fused SSD there)",
+           is_anchor=_is_segsum_exp, min_anchors=2, mixers=(Mixer.SSD,), cost=ssd_torch_cost),
 )}
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 
@@ -139,10 +166,10 @@ def find_regions(cap: Captured, *, kernels: tuple[str, ...] = KERNEL_NAMES) -> t
     _check_names(kernels, tuple(KERNELS))
     graph = _GraphView(cap)
     found: list[Region] = []
+    taken: set[fx.Node] = set()  # a node is in one region at most: of two kernels for one region, the first listed
     for name in kernels:
         kernel = KERNELS[name]
         anchors = [n for n in graph.fwd if kernel.is_anchor(n)]
-        taken: set[fx.Node] = set()
         for anchor in anchors:
             if anchor in taken:
                 continue
@@ -340,7 +367,13 @@ def _check_names(names, known=None) -> None:
 
 
 def kernel_for(spec: ModelSpec, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The kernels of `names` that this step substitutes for `spec`'s family (a profile's other
-    kernels, flash attention and the LLaMA fusions, are priced by passes/cost/fused_regions.py)."""
+    """The kernels of `names` that this step substitutes for `spec`'s sequence mixer (a profile's other
+    kernels, flash attention and the LLaMA fusions, are priced by passes/cost/fused_regions.py); of two
+    that replace the same region (the same anchors: the fused SSD and its torch version), the first."""
     _check_names(names)
-    return tuple(n for n in names if n in KERNELS and spec.family in KERNELS[n].families)
+    out: list[str] = []
+    for n in names:
+        if n in KERNELS and spec.mixer in KERNELS[n].mixers and \
+                all(KERNELS[k].is_anchor is not KERNELS[n].is_anchor for k in out):
+            out.append(n)
+    return tuple(out)

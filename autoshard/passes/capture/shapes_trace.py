@@ -18,7 +18,7 @@ from torch import fx, nn
 from autoshard.errors import CaptureError
 from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
 from autoshard.ir import BlockKind, OpKind
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import build_model
 from autoshard.passes.capture import kernels as kernel_table
 from autoshard.passes.capture import layer_kinds
@@ -86,7 +86,7 @@ def _mixed(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module
 
 def _table_of(spec: ModelSpec, truncated: nn.Module, training: bool, kernels: tuple[str, ...]) -> CostTable:
     """The table of the one-layer model `truncated`, its LAYER block standing for `spec.layers` layers."""
-    chunk = spec.chunk if spec.family is Family.MAMBA2 else 0
+    chunk = spec.chunk if spec.mixer is Mixer.SSD else 0
     s_samples = tuple(chunk * k for k in (2, 3, 4)) if chunk else (64, 128, 192)
     traces = {(b, s): _trace(truncated, b, s, training) for b in B_SAMPLES for s in s_samples}
     _common_names(traces, spec)

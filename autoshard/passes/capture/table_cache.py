@@ -100,10 +100,18 @@ def content_digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
+# The shipped tables were keyed when a spec named its family ("llama" / "mamba2") instead of its layers'
+# sequence mixer: the key keeps that name for the mixer, so the tables still match (one to one)
+_KEY_MIXER = {"attention": "llama", "ssd": "mamba2"}
+
+
 def _spec_fields(spec: Any) -> dict[str, Any]:
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
               if not (f.metadata.get("omit_default") and getattr(spec, f.name) == f.default)}
-    return {k: v.value if isinstance(v, Enum) else v for k, v in fields.items()}
+    out = {k: v.value if isinstance(v, Enum) else v for k, v in fields.items()}
+    if "mixer" in out:
+        out["family"] = _KEY_MIXER[out.pop("mixer")]
+    return out
 
 
 def spec_key(spec: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import numpy as np
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.ir import BlockKind, Precision, Recompute
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost import fused_regions, moe_cost
 from autoshard.passes.cost.collectives import Collective, best_time
 from autoshard.passes.cost import sequence_cost
@@ -94,7 +94,7 @@ def _fused_scales(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bl
 
 
 def _flash(ct: CompiledTable, hw: DeviceProfile) -> bool:
-    return hw.fuses("flash_attention") and ct.spec.family is Family.LLAMA
+    return hw.fuses("flash_attention") and ct.spec.mixer is Mixer.ATTENTION
 
 
 def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> np.ndarray:
@@ -158,7 +158,7 @@ def cp_attention_overwork(spec: ModelSpec, cp: int) -> float:
     an exact causal split is 2cp*2cp/2/cp = 2cp pairs. So (2cp+1)/(2cp) (1.25 at cp2, 1.125 at
     cp4); the mask's slower kernel path (docs/context_parallel.md, measured) is not priced.
     Mamba-2's scan is linear in S: no factor."""
-    if cp == 1 or spec.family is not Family.LLAMA:
+    if cp == 1 or spec.mixer is not Mixer.ATTENTION:
         return 1.0
     return (2 * cp + 1) / (2 * cp)
 
@@ -214,7 +214,7 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     if cp == 1 or kind is not BlockKind.LAYER:
         return 0.0, 0.0
     b = layout.micro_batch
-    if spec.family is Family.LLAMA:
+    if spec.mixer is Mixer.ATTENTION:
         head_dim = spec.attention_head_dim
         kv_local = spec.kv_heads / sharding.parts(spec, "self_attn.k_proj", tp)
         kv_full = 2 * b * seq_len * kv_local * head_dim * layout.numbers.act_bytes
@@ -385,7 +385,7 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
     if kind is BlockKind.LAYER and layout.recompute is Recompute.SELECTIVE:
         keep &= ~blk.rerun  # the checkpoint keeps the module's input: the norm's output, kept anyway
     total = float(saved[keep].sum())
-    if kind is BlockKind.LAYER and mesh.cp > 1 and spec.family is Family.LLAMA:
+    if kind is BlockKind.LAYER and mesh.cp > 1 and spec.mixer is Mixer.ATTENTION:
         # the gathered K/V of the other CP ranks stay alive for the attention backward
         head_dim = spec.attention_head_dim
         kv_local = spec.kv_heads / sharding.parts(spec, "self_attn.k_proj", mesh.tp)

@@ -12,9 +12,11 @@ Buffer convention (`nbytes` = M):
   ReduceScatter:     the full input on each rank; each rank keeps M/N.
   AllToAll:          the buffer each rank holds (it keeps M/N, sends the rest).
   SendRecv:          the message.
+  Broadcast:         the root's buffer (every rank ends with all of it).
 
 Volumes per device (ring):  AllReduce 2(N-1)/N M;  AllGather, ReduceScatter, Gather, AllToAll
-(N-1)/N M;  Reduce 2(N-1)/N M (reduce-scatter then gather to the root);  SendRecv M.
+(N-1)/N M;  Reduce 2(N-1)/N M (reduce-scatter then gather to the root);  SendRecv M;  Broadcast M
+(NCCL's ring broadcast: each rank forwards the pipelined buffer to the next, N-1 steps; ring only).
 Protocols (NCCL's LL beside Simple, `low_latency_time`): where the profile has LL latencies
 (`ll_base_latency`, `intra_ll_latency`, `inter_ll_latency`: NCCL's tuning.cc baseLat / hwLat) and the
 caller asks for it (`best_time(..., low_latency=True)`: the serving model; training is priced with Simple,
@@ -56,6 +58,7 @@ class Collective(str, Enum):
     ALL_REDUCE = "all_reduce"
     ALL_TO_ALL = "all_to_all"
     SEND_RECV = "send_recv"
+    BROADCAST = "broadcast"
 
 
 class Algorithm(str, Enum):
@@ -82,7 +85,7 @@ def volume(op: Collective, nbytes: float, size: int, algo: Algorithm = Algorithm
     if size == 1 and op is not Collective.SEND_RECV:
         return 0.0
     frac = (size - 1) / size
-    if op is Collective.SEND_RECV:
+    if op in (Collective.SEND_RECV, Collective.BROADCAST):
         return nbytes * 1.0  # a number, or a numpy array of them (the planner prices many layouts at once)
     if op is Collective.ALL_REDUCE:
         return 2 * frac * nbytes if algo is Algorithm.RING else 2.0 * nbytes

@@ -17,7 +17,7 @@ import sympy
 from autoshard.errors import InvalidConfigError
 from autoshard.cost_table import B, S, CostTable
 from autoshard.ir import BlockKind, OpKind, Recompute, Stage
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost import fused_regions
 from autoshard.passes.cost.shape_memo import ShapeMemo
 from autoshard.rules import sharding
@@ -74,6 +74,7 @@ class CompiledTable:
     # the index of every layer's kind, and (attention layers, Mamba-2 layers) for the model FLOPs
     kinds: tuple = ()
     layer_kinds: tuple[int, ...] = ()
+    kind_names: tuple[str, ...] = ()  # the name of each kind (passes/capture/layer_kinds.py), in `kinds` order
     mixers: tuple[int, int] = (0, 0)
     # what the planner computes once per model and keeps over plans (passes/solve/bounds.py: the ZeRO state of a
     # layout), each entry keyed on all it depends on besides the table
@@ -106,9 +107,9 @@ def _compile_mixed(table: CostTable, spec: ModelSpec) -> CompiledTable:
     views = tuple(compile_table(replace(table, blocks=(edges[0], blk, edges[1]), layer_kinds=(), shared_params=0), spec)
                   for blk in layers)
     names = [b.name for b in layers]
-    return CompiledTable(spec=spec, blocks=views[0].blocks, kinds=views,
+    return CompiledTable(spec=spec, blocks=views[0].blocks, kinds=views, kind_names=tuple(names),
                          layer_kinds=tuple(names.index(k) for k in table.layer_kinds),
-                         mixers=table.mixer_layers(mamba2=spec.family is Family.MAMBA2))
+                         mixers=table.mixer_layers(mamba2=spec.mixer is Mixer.SSD))
 
 
 def mixed_violation(ct: CompiledTable, layout: Layout) -> str | None:

@@ -79,7 +79,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import CostTable
 from autoshard.ir import BlockKind, Precision, Stage, check_schedule, even_stages
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost import moe_cost
 from autoshard.rules import schedules
 from autoshard.rules.validity import plan_violation
@@ -106,7 +106,7 @@ def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
         attention, mamba = ct.mixers
         return 6.0 * n + 12.0 * attention * spec.hidden * seq_len + (3.0 * _ssd_flops(spec, seq_len) * mamba if mamba else 0.0)
     n = moe_cost.active_params_per_token(spec, sum(blk.params * blk.count for blk in ct.blocks.values()))
-    if spec.family is Family.LLAMA:
+    if spec.mixer is Mixer.ATTENTION:
         return 6.0 * n + 12.0 * spec.layers * spec.hidden * seq_len
     return 6.0 * n + 3.0 * _ssd_flops(spec, seq_len) * spec.layers
 

@@ -44,7 +44,7 @@ import math
 
 import numpy as np
 
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 
 FLASH_TILE = 128  # key/query block of FlashAttention-2/3 for head dim 128 (flash-attn kernel traits)
 
@@ -53,7 +53,7 @@ RMSNORM, ROPE, SWIGLU = "rmsnorm", "rope", "swiglu"
 
 def region_of(path: str, is_vector: bool, spec: ModelSpec) -> tuple[str, str] | None:
     """(kernel, region key) of a traced vector node that a fused kernel replaces, or None."""
-    if not is_vector or spec.family is not Family.LLAMA:
+    if not is_vector or spec.mixer is not Mixer.ATTENTION:
         return None
     parts = path.split(".") if path else []
     if not parts:

@@ -127,7 +127,7 @@ def replica_times(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *,
         lay = ServeLayout(tp=layout.tp, pp=layout.pp, ep=layout.ep, batch=b)
         return ic.memory(it, lay, prompt_len=prompt_len, output_len=output_len).total <= hw.memory_bytes
 
-    return ReplicaTimes(decode=decode, prefill_s=prefill.total - prefill.fixed,
+    return ReplicaTimes(decode=decode, prefill_s=prefill.total - prefill.per_step,
                         max_sequences=largest_batch(fits, cap=MAX_BATCH))
 
 

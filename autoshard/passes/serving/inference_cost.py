@@ -37,7 +37,10 @@ priced by the collective model with NCCL's low-latency protocol where the profil
 (`collectives.low_latency_time`: ~8-10 us on NVLink). An embedding lookup reads its tokens' rows.
 Fixed work (`PhaseTime.fixed`, prefill and decode): `hw.kernel_floor_s` per kernel the forward
 launches as an engine runs it (`kernels_per_forward`), the cost of a kernel beyond its bytes under
-CUDA graphs; at small batch it is a quarter of a decode step (docs/inference.md). The last stage gathers the logits of the last
+CUDA graphs; at small batch it is a quarter of a decode step (docs/inference.md). tp > 1
+(`PhaseTime.step_inputs`): the engine's driver broadcasts each step's inputs to the other ranks,
+`hw.step_input_broadcasts` eager NCCL broadcasts ahead of the forward (vLLM 0.5.x's
+`broadcast_tensor_dict`, `_step_input_seconds`). The last stage gathers the logits of the last
 position over tp (fp32) and broadcasts the next tokens over the pipeline; PP adds one p2p hop
 of (batch, 1, hidden) per stage boundary.
 
@@ -63,6 +66,7 @@ set at (batch, P) (its inputs and output, weights excluded), plus the fp32 last-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +77,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import B, S, CostTable
 from autoshard.ir import BlockKind, Mesh, Stage, even_stages, is_positive_int
-from autoshard.model_spec import Family, ModelSpec
+from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost.collectives import Collective, best_time, collective_time
 from autoshard.ir import Precision
 from autoshard.passes.cost.block import block_params, expert_block_params
@@ -132,14 +136,21 @@ class PhaseTime:
     pp_comm: float  # stage-to-stage hops and the token broadcast
     ep_comm: float = 0.0  # ep > 1: the all-reduce of every MoE layer's output over the ep group
     fixed: float = 0.0  # the kernels' fixed cost beyond their bytes (`_floor_seconds`)
+    step_inputs: float = 0.0  # tp > 1: the driver's broadcast of the step's inputs to its workers (`_step_input_seconds`)
 
     @property
     def total(self) -> float:
-        return self.compute + self.core + self.tp_comm + self.pp_comm + self.ep_comm + self.fixed
+        return self.compute + self.core + self.tp_comm + self.pp_comm + self.ep_comm + self.fixed + self.step_inputs
+
+    @property
+    def per_step(self) -> float:
+        """What a forward costs whatever it carries (kernel floors, the input broadcast): an engine
+        iteration pays it once for every sequence and prompt it runs together."""
+        return self.fixed + self.step_inputs
 
     def as_dict(self) -> dict[str, float]:
         return {"compute": self.compute, "core": self.core, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
-                "ep_comm": self.ep_comm, "fixed": self.fixed}
+                "ep_comm": self.ep_comm, "fixed": self.fixed, "step_inputs": self.step_inputs}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,7 +214,7 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
         lookup[block.kind] = np.array([n.target == "aten.embedding.default" for n in nodes], dtype=bool)
         paths[block.kind] = tuple(n.module_path for n in nodes)
         is_core = [_in_core(n.module_path, spec) for n in nodes]
-        if spec.family is Family.LLAMA:  # only the s x s attention runs differently in decode
+        if spec.mixer is Mixer.ATTENTION:  # only the s x s attention runs differently in decode
             is_core = [c and _degree_in_s(n.flops) >= 2 for c, n in zip(is_core, nodes)]
             if block.kind is BlockKind.LAYER:
                 attn = sum((n.flops.subs(S, 1) * C for n, c in zip(nodes, is_core) if c and n.phase == "fwd"),
@@ -295,7 +306,7 @@ def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
     """Bytes one device holds for one layer: LLaMA's K and V of `tokens` tokens (its share of the
     KV heads: kv_heads / min(tp, kv_heads)), or Mamba-2's conv state (model dtype) and fp32 SSM
     state (constant in tokens). `dtype_bytes`: the model's element size (bf16 when serving)."""
-    if spec.family is Family.LLAMA:
+    if spec.mixer is Mixer.ATTENTION:
         head_dim = spec.attention_head_dim
         kv_local = spec.kv_heads // sharding.parts(spec, "self_attn.k_proj", tp)
         return 2.0 * batch * tokens * kv_local * head_dim * dtype_bytes
@@ -314,7 +325,7 @@ def _conv_channels(spec: ModelSpec, tp: int) -> float:
 def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch: int, context: float) -> float:
     """One layer's sequence mixing for one decode step on one device (see the module docstring)."""
     spec = it.spec
-    if spec.family is Family.LLAMA:
+    if spec.mixer is Mixer.ATTENTION:
         flops = float(it.attention_flops(batch, context)) / tp  # heads split over tp
         q_out = 2.0 * batch * spec.hidden / tp * ACT_BYTES
         nbytes = cache_bytes_per_layer(spec, batch=batch, tokens=context, tp=tp) + q_out  # the config's head_dim
@@ -360,6 +371,27 @@ def _floor_seconds(it: InferenceTable, hw: DeviceProfile) -> float:
     return kernels * hw.kernel_floor_s
 
 
+KV_BLOCK_TOKENS = 16  # vLLM's default KV-cache block size (--block-size 16): one block-table entry per 16 tokens
+
+
+def _step_input_seconds(hw: DeviceProfile, layout: ServeLayout, *, tokens: int, context: float | None) -> float:
+    """tp > 1: a serving engine's driver broadcasts each step's inputs to the other ranks of its
+    replica before they can run the forward -- `hw.step_input_broadcasts` eager NCCL broadcasts
+    (vLLM 0.5.x: one per GPU tensor of the model input, see the profile's source), serialised on
+    every rank ahead of the graph-launched forward. Each is priced by the collective model (a ring
+    broadcast, NCCL's LL protocol where the profile has it) at the largest such tensor: one int64
+    per token (ids, positions, slot mapping) or the block table, one int32 per 16 cached tokens per
+    sequence. The engine's host time around them (pickling the metadata, the Python calls) is not
+    priced: no published per-step figure (docs/inference.md)."""
+    ranks = layout.tp * layout.ep
+    if ranks == 1 or not hw.step_input_broadcasts:
+        return 0.0
+    cached = tokens if context is None else context + tokens
+    nbytes = layout.batch * max(8.0 * tokens, 4.0 * math.ceil(cached / KV_BLOCK_TOKENS))
+    return hw.step_input_broadcasts * best_time(hw, Collective.BROADCAST, nbytes, size=ranks, stride=1,
+                                                low_latency=True)
+
+
 def _hop_seconds(hw: DeviceProfile, layout: ServeLayout, nbytes: float) -> float:
     """One stage-to-stage send (ranks of consecutive stages are tp apart in a replica)."""
     return collective_time(hw, Collective.SEND_RECV, nbytes, size=2, stride=layout.tp)
@@ -394,7 +426,8 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
         tp_comm += spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
                                            size=tp, stride=1, low_latency=True)
     return PhaseTime(compute=compute, core=core, tp_comm=tp_comm, pp_comm=pp_comm, ep_comm=ep_comm,
-                     fixed=_floor_seconds(it, hw))
+                     fixed=_floor_seconds(it, hw), step_inputs=_step_input_seconds(hw, layout, tokens=tokens,
+                                                                                   context=context))
 
 
 def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_len: int,

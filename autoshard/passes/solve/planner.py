@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
-from autoshard.ir import (Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, chunk_layers,
+from autoshard.ir import (BlockKind, Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, chunk_layers,
                           even_stages, is_positive_int, stage_rank)
 from autoshard.passes.cost import cost
 from autoshard.passes.cost.compiled import compile_table
@@ -48,7 +48,8 @@ from autoshard.rules.validity import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALL
                                      sequence_parallel_violation, zero_violation)
 from autoshard.passes.cost.precision import resolve_precision
 from autoshard.rules.schedules import check_chunks, microbatches_per_step
-from autoshard.passes.solve.bounds import Bounds, LazyBounds, refined_step_bound
+from autoshard.passes.solve import ranges
+from autoshard.passes.solve.bounds import Bounds, LazyBounds, least_block_s, lower_bounds, refined_step_bound
 from autoshard.rules.sharding import choices, strategy_options
 from autoshard.passes.solve.solve_model import (Assignment, MeshProblem, SplitSearch, evaluate, mesh_problem,
                                           min_stage_sum, split_search, stage_numbers, stage_variants)
@@ -81,7 +82,10 @@ def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assign
     fit, or whose stage alone makes the step slower than `cutoff_s` (m * t_i > cutoff), are
     removed from the domains before the model is built; "cut" means nothing beats the cutoff.
     `max_steps`: min-plus passes the exact split search may run first (0: CP-SAT alone); when it
-    proves its assignment optimal CP-SAT is not called."""
+    proves its assignment optimal CP-SAT is not called. A mixed stack's problem (`problem.sequence`: stages
+    are layer ranges) is solved by its own exact search (passes/solve/ranges.py), always proven."""
+    if problem.sequence:
+        return _solve_ranges(problem, cutoff_s=cutoff_s)
     L = problem.layers
     m_mb = problem.microbatches
     ok = problem.mem_bytes <= problem.capacity_bytes
@@ -114,6 +118,17 @@ def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assign
         return MeshResult(status="cut", assignment=None, step_s=math.inf, bound_s=lower, wall_s=0.0)
     return _merge(_cpsat(problem, _domains(problem, ok), floor=floor, cutoff_s=cutoff_s, hint=hint,
                          time_limit_s=time_limit_s), exact)
+
+
+def _solve_ranges(problem: MeshProblem, *, cutoff_s: float) -> MeshResult:
+    """`solve_mesh` of a mixed stack: the exact search over the stages' layer ranges (`ranges.range_search`)."""
+    t0 = time.perf_counter()
+    ok = problem.mem_bytes <= problem.capacity_bytes
+    if math.isfinite(cutoff_s):
+        ok &= problem.time_s * problem.microbatches <= cutoff_s * (1 + 1e-12)
+    a, step, bound = ranges.range_search(problem, ok, cutoff_s=cutoff_s)
+    status = "optimal" if a is not None else ("cut" if math.isfinite(cutoff_s) else "infeasible")
+    return MeshResult(status=status, assignment=a, step_s=step, bound_s=bound, wall_s=time.perf_counter() - t0)
 
 
 def _layer_ranges(problem: MeshProblem) -> list[tuple[int, int]]:
@@ -402,10 +417,7 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     (the best plan on a mesh other than the best one), each with the best value it must beat
     as a cutoff. Deterministic: no wall clock decides anything."""
     if ct.kinds:
-        raise InvalidConfigError(
-            f"{ct.spec.name}: its layers are of {len(ct.kinds)} kinds; the planner's stage split prices one repeated "
-            "layer so far, so `autoshard plan` cannot take it yet; `autoshard sweep` prices its dp x pp layouts "
-            "over its own layer sequence, `autoshard inspect` shows its per-kind table")
+        return ranges_search(ct, hw, global_batch=global_batch, seq_len=seq_len, layouts=layouts, progress=progress)
     if not isinstance(layouts, CandidateLayouts) or layouts.precision is Precision.AUTO:
         layouts = [cost.resolved(lay, hw) for lay in layouts]  # precision AUTO: the device's default
     memo: dict = {}  # lower_bounds' parameters and p2p times
@@ -422,13 +434,9 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
     best: dict = {}  # mesh -> best Candidate on it
     visited = 0
 
-    def top2() -> tuple[Candidate | None, float]:
-        ranked = sorted(best.values(), key=lambda c: c.result.step_s)
-        return (ranked[0] if ranked else None), (ranked[1].result.step_s if len(ranked) > 1 else math.inf)
-
     for done, k in enumerate(cols.ordered(kept)):  # by (bound, index)
         layout, bound = layouts[k], float(cols.step_s[k])
-        first, second = top2()
+        first, second = _top2(best)
         if bound >= second * (1 - 1e-9):
             break
         cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
@@ -444,15 +452,86 @@ def search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: l
         problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key])
         result = solve_mesh(problem, time_limit_s=time_limit_s, hint=_even(problem), cutoff_s=cutoff)
         visited += 1
-        if result.assignment is not None and not _all_sequence_parallel(problem, result.assignment):
-            mine = best.get(layout.mesh)
-            if mine is None or result.step_s < mine.result.step_s:
-                best[layout.mesh] = Candidate(layout=layout, result=result)
-        if progress is not None:
-            progress(done + 1, len(kept), top2()[0].result.step_s if best else math.inf)
+        _keep(best, layout, result, progress, done, len(kept),
+              keep=result.assignment is not None and not _all_sequence_parallel(problem, result.assignment))
+    return _searched(best, visited=visited, pruned=pruned, layouts=len(layouts), ep_bounds=ep_bounds)
+
+
+def _keep(best: dict, layout: Layout, result: MeshResult, progress: Progress | None, done: int, total: int, *,
+          keep: bool = True) -> None:
+    """Keep `result` (`keep`: a plan to keep) as its mesh's best (`best`: mesh -> Candidate) when it is, and
+    report the progress."""
+    if keep and result.assignment is not None:
+        mine = best.get(layout.mesh)
+        if mine is None or result.step_s < mine.result.step_s:
+            best[layout.mesh] = Candidate(layout=layout, result=result)
+    if progress is not None:
+        progress(done + 1, total, _top2(best)[0].result.step_s if best else math.inf)
+
+
+def _top2(best: dict) -> tuple[Candidate | None, float]:
+    """The best candidate of `best` (mesh -> Candidate) and the step of the runner-up (inf: none)."""
+    ranked = sorted(best.values(), key=lambda c: c.result.step_s)
+    return (ranked[0] if ranked else None), (ranked[1].result.step_s if len(ranked) > 1 else math.inf)
+
+
+def _searched(best: dict, *, visited: int, pruned: int, layouts: int, ep_bounds: dict) -> SearchResult:
     found = tuple(sorted(best.values(), key=lambda c: (c.result.step_s, str(c.layout))))
-    return SearchResult(found=found, visited=visited, pruned_memory=pruned, layouts=len(layouts),
+    return SearchResult(found=found, visited=visited, pruned_memory=pruned, layouts=layouts,
                         ep_bounds=tuple((ep, s, p) for ep, (s, p) in sorted(ep_bounds.items())))
+
+
+def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, layouts: list[Layout],
+                  progress: Progress | None = None) -> SearchResult:
+    """`search` of a mixed stack (`ct.kinds`): the layouts its per-kind tables price (`cost.mixed_violation`;
+    one model chunk per rank, since a rank of an interleaved pipeline holds no one layer range) in order of a
+    lower bound on their step, each solved exactly over its stages' layer ranges (`_solve_ranges`) with the
+    value it must beat as a cutoff, until the bound reaches the runner-up. The bound of a layout is
+    `bounds.lower_bounds` with the mean layer of the stack's sequence (its summed work exact, its heaviest
+    block no more than the heaviest), its state and peak memory the least over the kinds' tables."""
+    layouts = [cost.resolved(lay, hw) for lay in layouts
+               if lay.virtual_stages == 1 and cost.mixed_violation(ct, lay) is None]
+    counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
+    memos = [{} for _ in ct.kinds]
+    found_bounds = []
+    for lay in layouts:
+        each = [least_block_s(view, hw, lay, seq_len=seq_len) for view in ct.kinds]
+        block_s = dict(each[0])
+        block_s[BlockKind.LAYER] = float(counts @ [b[BlockKind.LAYER] for b in each]) / counts.sum()
+        per = [lower_bounds(view, hw, lay, global_batch=global_batch, seq_len=seq_len, block_s=block_s, memo=memo)
+               for view, memo in zip(ct.kinds, memos)]
+        found_bounds.append((min(b.step_s for b in per), min(b.peak_bytes for b in per)))
+    step_b = np.array([b[0] for b in found_bounds]) if layouts else np.zeros(0)
+    peak_b = np.array([b[1] for b in found_bounds]) if layouts else np.zeros(0)
+    fits = peak_b <= hw.memory_bytes
+    ep_bounds = {}
+    for e in sorted({lay.mesh.ep for lay in layouts}):
+        mine = np.array([lay.mesh.ep == e for lay in layouts])
+        ep_bounds[e] = (float(step_b[mine & fits].min(initial=math.inf)), float(peak_b[mine].min()))
+    kept = sorted(np.flatnonzero(fits).tolist(), key=lambda k: (step_b[k], k))
+    best: dict = {}  # mesh -> best Candidate on it
+    numbers: dict = {}
+    visited = 0
+
+    for done, k in enumerate(kept):
+        layout, bound = layouts[k], float(step_b[k])
+        first, second = _top2(best)
+        if bound >= second * (1 - 1e-9):
+            break
+        cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
+        if bound >= cutoff * (1 - 1e-9):
+            continue
+        key = (layout.mesh, layout.micro_batch, layout.strategies, layout.schedule, layout.virtual_stages,
+               layout.precision, layout.fp8_recipe)
+        if key not in numbers:
+            numbers[key] = stage_numbers(ct, hw, layout, seq_len=seq_len, memo=numbers,
+                                         recomputes=(Recompute.NONE, Recompute.FULL))
+        problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key],
+                               recomputes=(Recompute.NONE, Recompute.FULL))
+        result = _solve_ranges(problem, cutoff_s=cutoff)
+        visited += 1
+        _keep(best, layout, result, progress, done, len(kept))
+    return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
 
 
 def _all_sequence_parallel(problem: MeshProblem, a: Assignment) -> bool:
@@ -553,6 +632,8 @@ def predict(ct, hw, spec, layout: Layout, a: Assignment, *, global_batch: int, s
         "microbatches": problem.microbatches, "time_breakdown_s": est.time.as_dict(),
         "memory_breakdown_gb": est.memory.as_gb(), "fits": ev.peak_bytes <= hw.memory_bytes,
         "source": "cost.estimate(stages=)" if uniform else "cost component tables (per-stage recompute / strategy)",
+        **({"layer_kinds": ranges.kind_breakdown(ct, hw, layout, a, global_batch=global_batch, seq_len=seq_len)}
+           if ct.kinds else {}),
     }
 
 

@@ -40,6 +40,7 @@ from autoshard.passes.cost.block import block_activation_bytes, block_params, bl
 from autoshard.passes.cost.pipeline import logits_bytes, p2p_time, pipeline_time, sequence_boundary_time
 from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, zero2_staging_bytes,
                                          zero_exposed_time)
+from autoshard.passes.solve import ranges
 from autoshard.rules import schedules, sharding
 from autoshard.passes.cost.compiled import CompiledTable
 from autoshard.passes.cost.layout import Layout
@@ -64,6 +65,9 @@ class MeshProblem:
     # the layouts a stage may take (`stage_variants`: one, or the per-stage sequence parallelism / groups of
     # `layout.stage_choices`); the options O are (recompute level, variant) pairs, `options`
     variants: tuple[Layout, ...] = ()
+    # a mixed stack (layers of several kinds): the kind index of every layer; the tables' last axis is then a
+    # stage's layer range [start, end), column start * (layers + 1) + end (passes/solve/ranges.py), not its count
+    sequence: tuple[int, ...] = ()
 
     @property
     def pp(self) -> int:
@@ -82,6 +86,13 @@ class MeshProblem:
         opts = [self.options[int(o)] for o in options]
         return Assignment(layers=tuple(int(n) for n in layers), recompute=tuple(r for r, _ in opts),
                           variant=tuple(v for _, v in opts) if len(self.variants) > 1 else ())
+
+    def columns(self, layers) -> tuple[int, ...]:
+        """The tables' column of each stage of a split with `layers` per stage: its count, or for a mixed stack
+        its range's index (`ranges.range_column`)."""
+        if not self.sequence:
+            return tuple(int(n) for n in layers)
+        return ranges.range_columns(layers, self.layers)
 
     def min_layers(self, i: int) -> int:
         """Every model chunk holds a layer, except that the first and last may hold only the
@@ -137,6 +148,9 @@ class BlockNumbers:
     params: np.ndarray  # [kind] parameters on one device (TP-sharded, before ZeRO)
     p2p_s: float
     logits_bytes: float
+    # a mixed stack: the columns are the embedding, one per layer kind (passes/cost/compiled.py `CompiledTable.kinds`)
+    # and the head, and `experts` the routed-expert parameters of one instance of each (None: one kind of layer)
+    experts: np.ndarray | None = None
     # `_stage_columns`' terms that do not depend on the p2p (shared by the copies `replace` makes)
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -161,6 +175,18 @@ def block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
 
 def _block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
                    recomputes: tuple[Recompute, ...]) -> BlockNumbers:
+    if ct.kinds:  # a column per layer kind, each priced through its own table, between the embedding and the head
+        parts = [_block_numbers(view, hw, layout, seq_len=seq_len, recomputes=recomputes) for view in ct.kinds]
+        first = parts[0]
+
+        def cols(name):
+            return np.concatenate([getattr(first, name)[..., :1], *(getattr(b, name)[..., 1:2] for b in parts),
+                                   getattr(first, name)[..., 2:]], axis=-1)
+
+        experts = [cost.expert_block_params(view, layout, BlockKind.LAYER) for view in ct.kinds]
+        return replace(first, compute_s=cols("compute_s"), other_s=cols("other_s"), bwd_s=cols("bwd_s"),
+                       fwd_s=cols("fwd_s"), act_bytes=cols("act_bytes"), params=cols("params"),
+                       experts=np.array([0.0, *experts, 0.0]), memo={})
     comp, other, bwd, fwd, act = (np.zeros((len(recomputes), len(KINDS))) for _ in range(5))
     for ri, r in enumerate(recomputes):
         lay = replace(layout, recompute=r)
@@ -208,6 +234,13 @@ def _stage_sums(ct: CompiledTable, layout: Layout, blocks: BlockNumbers, embed: 
     """(n, params, experts, compute [r, n], backward and forward at the first level, compute + other [r, n],
     activations [r, n], FSDP units) of a stage holding n = 0..layers layers, kept on `blocks`."""
     key = ("counts", embed, head, ct.spec.layers)
+    if key not in blocks.memo and ct.kinds:  # a mixed stack: a column per layer range, its layers counted by kind
+        counts = ranges.range_counts(ct.layer_kinds, len(ct.kinds), embed=embed, head=head)  # [column, range]
+        tied = blocks.params[0] if head and ct.spec.tied and not embed else 0.0
+        comp = blocks.compute_s @ counts
+        blocks.memo[key] = (counts[1:-1].sum(axis=0), blocks.params @ counts + tied, blocks.experts @ counts, comp,
+                            blocks.bwd_s[0] @ counts, blocks.fwd_s[0] @ counts, comp + blocks.other_s @ counts,
+                            blocks.act_bytes @ counts, counts.sum(axis=0))
     if key not in blocks.memo:
         n = np.arange(ct.spec.layers + 1, dtype=float)
         counts = np.stack([np.full_like(n, float(embed)), n, np.full_like(n, float(head))])  # [kind, n]
@@ -272,6 +305,8 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     layout = cost.resolved(layout, hw)
     mesh, layers, spec = layout.mesh, ct.spec.layers, ct.spec
     m = layout.microbatches(global_batch)
+    if ct.kinds:  # selective recompute is not priced per layer kind yet (cost.mixed_violation)
+        recomputes = tuple(r for r in recomputes if r is not Recompute.SELECTIVE)
     variants = stage_variants(layout)
     if blocks is None:
         blocks = stage_numbers(ct, hw, layout, seq_len=seq_len, recomputes=recomputes)
@@ -283,7 +318,8 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     ranks = [stage_rank(c, pp=mesh.pp, virtual_stages=layout.virtual_stages, schedule=layout.schedule)
              for c in range(chunks)]
     mixed = "sequence_parallel" in layout.stage_choices
-    times, mems, tails = (np.empty((mesh.pp, len(variants) * len(recomputes), layers + 1)) for _ in range(3))
+    width = (layers + 1) ** 2 if ct.kinds else layers + 1  # columns: a stage's layer ranges, or its layer counts
+    times, mems, tails = (np.empty((mesh.pp, len(variants) * len(recomputes), width)) for _ in range(3))
     cols: dict = {}
     for v, (lay, blk) in enumerate(zip(variants, blocks)):
         o = slice(v * len(recomputes), (v + 1) * len(recomputes))
@@ -307,21 +343,25 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
             if not valid:
                 mems[i, o] = np.inf
             tails[i, o] = tail
+    if ct.kinds:  # a range that ends before it starts is no stage
+        empty = ranges.range_counts(ct.layer_kinds, len(ct.kinds), embed=False, head=False)[:-1].sum(axis=0) < 0
+        times[..., empty], mems[..., empty] = np.inf, np.inf
     for a in (times, mems, tails):
         a.flags.writeable = False
     return MeshProblem(layout=layout, layers=layers, microbatches=m, capacity_bytes=hw.memory_bytes,
                        recomputes=tuple(recomputes), time_s=times, mem_bytes=mems, tail_s=tails,
                        bubble=float(schedules.bubble_fraction(layout.schedule, layout.virtual_stages,
                                                                  microbatches=m, pp=mesh.pp)),
-                       variants=variants if len(variants) > 1 else ())
+                       variants=variants if len(variants) > 1 else (), sequence=ct.layer_kinds)
 
 
 def evaluate(problem: MeshProblem, a: Assignment) -> Evaluation:
     """Step time and per-stage memory of one assignment, from the tables."""
     opts = [problem.option(r, a.variant_of(i)) for i, r in enumerate(a.recompute)]
-    times = tuple(float(problem.time_s[i, o, n]) for i, (n, o) in enumerate(zip(a.layers, opts)))
-    mems = tuple(float(problem.mem_bytes[i, o, n]) for i, (n, o) in enumerate(zip(a.layers, opts)))
-    tail = max(float(problem.tail_s[i, o, n]) for i, (n, o) in enumerate(zip(a.layers, opts)))
+    cols = problem.columns(a.layers)
+    times = tuple(float(problem.time_s[i, o, n]) for i, (n, o) in enumerate(zip(cols, opts)))
+    mems = tuple(float(problem.mem_bytes[i, o, n]) for i, (n, o) in enumerate(zip(cols, opts)))
+    tail = max(float(problem.tail_s[i, o, n]) for i, (n, o) in enumerate(zip(cols, opts)))
     lay = problem.layout
     step = pipeline_time(times, problem.microbatches, schedule=lay.schedule,
                               virtual_stages=lay.virtual_stages) + tail

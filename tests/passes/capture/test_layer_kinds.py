@@ -86,11 +86,10 @@ def test_mixed_table_counts_hf_parameters_and_round_trips(model_type):
     assert table.params == model.num_parameters()
     again = table_cache.table_from_json(json.loads(json.dumps(table_cache.table_to_json(table))))
     assert again == table
-    from autoshard.hardware import load_hardware
-    from autoshard.passes.solve import planner as solve
+    from autoshard.passes.solve import planner
 
-    with pytest.raises(InvalidConfigError, match=r"layers are of 2 kinds; the planner's stage split"):
-        solve.search(compile_table(table, spec), load_hardware("h100"), global_batch=8, seq_len=64, layouts=[])
+    plan = planner.solve(spec, "h100", devices=4, global_batch=8, seq_len=64, table=table)  # its stages over its layers
+    assert plan.stages[0].first_layer == 0 and plan.stages[-1].end_layer == len(sequence)
 
 
 def test_inspect_has_a_row_per_kind(capsys, tmp_path, monkeypatch):

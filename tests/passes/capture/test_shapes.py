@@ -11,7 +11,7 @@ from autoshard.commands.inspect import ssd_flops_per_token, summarize
 from autoshard.cost_table import B, S
 from autoshard.ir import BlockKind, OpKind
 from autoshard.models import PRESETS, build_model, get_spec
-from autoshard.model_spec import Family
+from autoshard.model_spec import Mixer
 from autoshard.passes.capture import shapes, shapes_trace
 from autoshard.passes.capture.capture import capture_model
 from autoshard.passes.capture.kernels import KERNEL_NAMES, kernel_for
@@ -103,7 +103,7 @@ def test_block_params_add_up_to_hf_num_parameters(name, tied):
     assert [blk.kind for blk in table.blocks] == [BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD]
 
 
-@pytest.mark.parametrize("name", [n for n, s in PRESETS.items() if s.family is Family.LLAMA and "tiny" not in n])
+@pytest.mark.parametrize("name", [n for n, s in PRESETS.items() if s.mixer is Mixer.ATTENTION and "tiny" not in n])
 def test_llama_flops_per_token_within_2pct_of_6_n_minus_vd_plus_12lds(name):
     # a MoE model executes only its top-k experts: N is then the parameters active per token
     spec = get_spec(name)

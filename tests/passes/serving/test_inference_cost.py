@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 import sympy
@@ -111,6 +112,26 @@ def test_tp_shards_cache_and_adds_latency_bound_all_reduces():
     assert two.decode.tp_comm > latency
     four = estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(tp=4, batch=BATCH), prompt_len=P, output_len=O)
     assert four.memory.cache == pytest.approx(two.memory.cache)  # 2 KV heads: each of 4 ranks keeps one
+
+
+def test_tp_steps_pay_the_drivers_broadcast_of_the_step_inputs():
+    """tp > 1: each forward (prefill and decode) pays `step_input_broadcasts` ring broadcasts of the
+    step's largest input tensor (one int64 per token, or the block table: one int32 per 16 cached
+    tokens) over the replica's ranks; tp 1 and profiles without the count pay none."""
+    one, two = (estimate_serving(LLAMA_TABLE, LLAMA, HW, ServeLayout(tp=tp, batch=BATCH), prompt_len=P,
+                                 output_len=O) for tp in (1, 2))
+    assert one.decode.step_inputs == 0 == one.prefill.step_inputs
+    context = P + O / 2.0  # the mean decode step: 1 new token over P + O/2 cached
+    decode = HW.step_input_broadcasts * best_time(HW, Collective.BROADCAST, BATCH * max(8.0, 4.0 * math.ceil(
+        (context + 1) / 16)), size=2, stride=1, low_latency=True)
+    assert two.decode.step_inputs == pytest.approx(decode) and decode > 0
+    assert two.prefill.step_inputs == pytest.approx(HW.step_input_broadcasts * best_time(
+        HW, Collective.BROADCAST, BATCH * 8.0 * P, size=2, stride=1, low_latency=True))
+    assert two.decode.total == pytest.approx(sum(two.decode.as_dict().values()))
+    assert two.decode.per_step == pytest.approx(two.decode.fixed + two.decode.step_inputs)
+    spmd = dataclasses.replace(HW, step_input_broadcasts=0)
+    assert estimate_serving(LLAMA_TABLE, LLAMA, spmd, ServeLayout(tp=2, batch=BATCH), prompt_len=P,
+                            output_len=O).decode.step_inputs == 0
 
 
 def test_memory_is_weights_cache_at_prompt_plus_output_and_prefill_activations():

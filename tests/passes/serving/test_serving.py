@@ -13,7 +13,7 @@ from autoshard.passes.serving import serving
 from autoshard.passes.serving.inference_cost import ServeLayout, estimate_serving
 from autoshard.passes.serving.serving import layouts, plan_serving
 from autoshard.ir import Mesh
-from autoshard.model_spec import Family
+from autoshard.model_spec import Mixer
 from autoshard.models.presets import get_spec, spec_from_hf_config
 from autoshard.rules.sharding import runnable_strategies
 from autoshard.rules.validity import check_plan, generate_violation
@@ -126,7 +126,7 @@ def test_every_emitted_inference_plan_passes_generates_own_check():
     roomy = dataclasses.replace(HW, memory_bytes=1e15)
     for _ in range(20):
         spec, devices = _random_spec(rng), rng.randint(1, 12)
-        table = MAMBA_TABLE if spec.family is Family.MAMBA2 else LLAMA_TABLE  # the rules read the spec only
+        table = MAMBA_TABLE if spec.mixer is Mixer.SSD else LLAMA_TABLE  # the rules read the spec only
         grid = set(layouts(spec, devices))
         for tp, pp, ep in itertools.product(range(1, devices + 1), repeat=3):
             if devices % (tp * pp * ep) == 0:  # a vocabulary tp does not divide: embedding and head replicated

@@ -12,6 +12,7 @@ import pytest
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Plan, Recompute
+from autoshard.model_spec import Mixer
 from autoshard.models.presets import get_spec
 from autoshard.passes.cost import cost
 from autoshard.passes.cost.block import block_params, block_time
@@ -45,7 +46,7 @@ def test_strategy_options_cover_the_table(tiny):
     spec, _ = tiny
     assert sharding.strategy_options(spec, 1) == ((),)
     options = set(sharding.strategy_options(spec, 2))
-    expected = {"embedding", "head"} | ({"groups"} if spec.family.value == "mamba2" else set())
+    expected = {"embedding", "head"} | ({"groups"} if spec.mixer is Mixer.SSD else set())
     assert {name for combo in options for name, _ in combo} == expected
     assert len(options) == 2 ** len(expected)  # untied presets: every combination
     layouts = candidate_layouts(spec, devices=4, global_batch=1, seq_len=64)
@@ -105,7 +106,7 @@ def test_stages_choose_their_strategy(tiny):
     exact split search and CP-SAT alone both reach the brute force over every per-stage mix."""
     spec, ct = tiny
     kw = dict(global_batch=2, seq_len=128)
-    mamba = spec.family.value == "mamba2"
+    mamba = spec.mixer is Mixer.SSD
     expect = {"sequence_parallel"} | ({"groups"} if mamba else set())
     layouts = candidate_layouts(spec, devices=4, **kw)
     per = [lay for lay in layouts if lay.stage_choices]

@@ -1,0 +1,127 @@
+"""The placement propagation proves each family's tp strategy on its own traced graph (no spawn): the
+gradients it finds partial are exactly the ones the equivalence runs sum (tests/runtime/families.py), the
+families refused under tp are refused naming the same module, and a deliberately wrong table is caught
+with a named finding."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from autoshard.models.presets import build_model, get_spec
+from autoshard.passes.capture.placement_rules import R, Shard
+from autoshard.passes.capture.tp_proof import prove_tp, strategy, table_findings
+from tests.runtime.families import DENSE, MOE, REFUSED
+
+PRESETS = ("llama-tiny", "mamba2-tiny", "mixtral-tiny", "qwen2-moe-tiny")
+# the families the proof refuses under tp, and the module its finding names (families.REFUSED: the message
+# the runs check); the others REFUSED lists under tp are refused for an HF tp style autoshard has no rule for
+REFUSED_BY = {"phi3": "self_attn.qkv_proj", "olmo2": "self_attn.q_proj"}
+
+
+@functools.cache
+def _model(name: str):
+    if name in PRESETS:
+        spec = get_spec(name)
+        return spec, build_model(spec, device="meta")
+    source = {**DENSE, **MOE}[name]
+    return source.spec, source.build()
+
+
+@functools.cache
+def _proof(name: str):
+    return prove_tp(*_model(name))
+
+
+@pytest.mark.parametrize("name", [*DENSE, *MOE, *PRESETS])
+def test_the_proof_matches_the_equivalence_runs(name):
+    spec, _ = _model(name)
+    proof = _proof(name)
+    if name in REFUSED_BY:
+        assert not proof.proven
+        assert REFUSED_BY[name] in proof.refusal(), proof.refusal()
+        return
+    assert (name, "tp") not in REFUSED or "HF's tp style" in REFUSED[name, "tp"]
+    assert proof.proven, [f.message() for f in proof.findings]
+    assert set(proof.grad_sums) == set(spec.grad_sum)  # Qwen3 / Gemma3 / Qwen3-MoE: q_norm, k_norm; else none
+    assert not table_findings(spec, proof)
+    # every parameter's gradient is placed as the parameter is, but for the summed ones
+    placed = dict(proof.placements)
+    for param, grad in proof.grads:
+        module = param.rpartition(".")[0]
+        assert grad == ("Partial" if module in proof.grad_sums else placed[param]), (param, grad)
+    reduces = {m for _, m in proof.reduces}
+    rowwise = {f"layers.*.{p}" for p, s in proof.placements if s == "Shard(1)"}
+    assert {m + ".weight" for m in reduces if ("fwd", m) in proof.reduces} == rowwise  # one all-reduce per row-parallel linear
+
+
+def test_qwen3_norms_are_summed_and_gpt_oss_sinks_split_by_head():
+    assert set(_proof("qwen3").grad_sums) == {"self_attn.q_norm", "self_attn.k_norm"}
+    oss = dict(_proof("gpt_oss").grads)
+    assert oss["self_attn.sinks"] == "Shard(0)" and oss["self_attn.o_proj.bias"] == "Replicate"
+
+
+def test_olmo2_full_width_norm_is_a_reduction_over_the_split_dim():
+    f = next(f for f in _proof("olmo2").findings if f.where == "layers.*.self_attn.q_norm")
+    assert f.kind == "reduction over the split dim" and f.op == "aten.mean" and f.phase == "fwd"
+
+
+def test_phi3_fused_qkv_is_a_fused_projection():
+    f = _proof("phi3").findings[0]
+    assert f.kind == "fused projection" and "self_attn.qkv_proj" in f.detail
+
+
+def _wrong(name: str, change):
+    """The proof of `name`'s table with `change(params)` applied to its placements."""
+    from autoshard.passes.capture.capture import capture_model
+    from autoshard.passes.capture.propagate import propagate
+    from autoshard.passes.capture.tp_proof import _one_of_each
+
+    import torch
+
+    spec, model = _model(name)
+    cap = capture_model(_one_of_each(model), (torch.zeros(2, 8, dtype=torch.long),))
+    st = strategy(spec, cap.param_names, tuple(model.config.base_model_tp_plan.items()), layers=cap.repeated[0].prefix)
+    params = dict(st.params)
+    change(params)
+    return spec, propagate(cap, params, regions=st.regions, rowwise=st.rowwise)
+
+
+def test_a_dropped_grad_sum_is_caught():
+    from dataclasses import replace
+
+    spec, _ = _model("qwen3")
+    dropped = replace(spec, grad_sum=("self_attn.q_norm",))  # k_norm's sum dropped
+    found = table_findings(dropped, _proof("qwen3"))
+    assert found == ("layers.*.self_attn.k_norm: its gradient comes out partial on each tp rank, but the sharding "
+                     "table does not sum it over tp",)
+    extra = replace(spec, grad_sum=("self_attn.q_norm", "self_attn.k_norm", "input_layernorm"))
+    assert "layers.*.input_layernorm: the sharding table sums" in table_findings(extra, _proof("qwen3"))[0]
+
+
+def test_a_sharded_norm_weight_is_caught():
+    def shard_norm(params):
+        params["model.layers.0.input_layernorm.weight"] = Shard(0)
+
+    _, proof = _wrong("mistral", shard_norm)
+    f = proof.findings[0]
+    assert f.where == "layers.*.input_layernorm" and f.kind == "replicated meets split", f.message()
+
+
+def test_a_rowwise_linear_marked_colwise_is_caught():
+    def colwise_o_proj(params):
+        params["model.layers.0.self_attn.o_proj.weight"] = Shard(0)
+
+    _, proof = _wrong("mistral", colwise_o_proj)
+    f = proof.findings[0]
+    assert f.where == "layers.*.self_attn.o_proj" and f.op == "aten.mm", f.message()
+
+
+def test_replicated_sinks_beside_split_heads_are_caught():
+    def whole_sinks(params):
+        params["model.layers.0.self_attn.sinks"] = R
+
+    _, proof = _wrong("gpt_oss", whole_sinks)
+    f = proof.findings[0]
+    assert f.where == "layers.*.self_attn" and "self_attn.sinks" in f.detail, f.message()

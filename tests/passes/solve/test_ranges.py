@@ -1,0 +1,108 @@
+"""The planner on a mixed layer stack: its exact split search over layer ranges finds the optimum of every
+contiguous split enumerated, its tables agree with estimate, and `solve` plans it."""
+
+from dataclasses import replace
+
+import pytest
+
+from autoshard.hardware import load_hardware
+from autoshard.ir import BlockKind, Mesh, Recompute
+from autoshard.models.presets import get_spec
+from autoshard.passes.capture.shapes import build_cost_table
+from autoshard.passes.cost import cost
+from autoshard.passes.cost.cost import Layout
+from autoshard.passes.solve.planner import solve, solve_mesh
+from autoshard.passes.solve.solve_model import Assignment, brute_force, evaluate, mesh_problem
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """llama-tiny's table as a stack of two kinds: "b" is its layer with three times the FLOPs and twice the
+    saved bytes (a heavier kind), laid out a a b a b b a (7 layers)."""
+    spec = replace(get_spec("llama-tiny"), layers=7)
+    table = build_cost_table(get_spec("llama-tiny"))
+    embed, layer, head = (table.block(k) for k in (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD))
+    heavy = replace(layer, name="b", params=layer.params * 2, nodes=tuple(
+        replace(n, flops=n.flops * 3, saved_bytes=n.saved_bytes * 2) for n in layer.nodes))
+    sequence = ("a", "a", "b", "a", "b", "b", "a")
+    mixed = replace(table, blocks=(embed, replace(layer, name="a", count=4), replace(heavy, count=3), head),
+                    layer_kinds=sequence)
+    return spec, cost.compile_table(mixed, spec)
+
+
+def _tight(hw, problem, fraction):
+    """A device whose memory sits `fraction` of the way between the smallest and largest finite stage."""
+    finite = problem.mem_bytes[problem.mem_bytes < float("inf")]
+    return replace(hw, memory_bytes=float(finite.min() + fraction * (finite.max() - finite.min())))
+
+
+@pytest.mark.parametrize("pp, dp, zero, schedule, fraction", [
+    (2, 4, 1, "1f1b", 1.0), (3, 1, 0, "1f1b", 0.4), (4, 2, 2, "1f1b", 0.3), (4, 1, 1, "gpipe", 0.6),
+    (3, 2, 1, "zero-bubble", 0.5), (5, 1, 0, "1f1b", 0.2), (1, 8, 1, "1f1b", 1.0)])
+def test_range_search_finds_the_brute_force_optimum(mixed, pp, dp, zero, schedule, fraction):
+    """Every contiguous split of the 7 layers over the stages at every recompute level per stage, enumerated,
+    against the planner's exact search, under memory that rules some of them out."""
+    spec, ct = mixed
+    layout = Layout(mesh=Mesh(dp=dp, pp=pp), micro_batch=1, zero=zero, schedule=schedule)
+    kw = dict(global_batch=16, seq_len=64)
+    roomy = mesh_problem(ct, load_hardware("cpu"), layout, **kw)
+    hw = _tight(load_hardware("cpu"), roomy, fraction)
+    problem = mesh_problem(ct, hw, layout, **kw)
+    assert problem.sequence == (0, 0, 1, 0, 1, 1, 0) and problem.recomputes == (Recompute.NONE, Recompute.FULL)
+    best = brute_force(problem)
+    got = solve_mesh(problem)
+    if best is None:
+        assert got.assignment is None and got.status == "infeasible"
+        return
+    assert got.status == "optimal"
+    assert evaluate(problem, got.assignment).peak_bytes <= hw.memory_bytes
+    assert got.step_s == pytest.approx(best[1].step_s, rel=1e-9)
+
+
+def test_stage_time_follows_its_own_layers(mixed):
+    """A stage's time is the sum of its layers' kinds: the heavy layers make uneven splits the better ones, and
+    the tables agree with estimate at every split."""
+    spec, ct = mixed
+    hw = load_hardware("h100")
+    layout = Layout(mesh=Mesh(dp=4, pp=2), micro_batch=1, zero=1, recompute=Recompute.NONE)
+    problem = mesh_problem(ct, hw, layout, global_batch=16, seq_len=64)
+    for n in range(8):
+        a = Assignment(layers=(n, 7 - n), recompute=(Recompute.NONE,) * 2)
+        est = cost.estimate(ct, spec, hw, layout, stages=a.stages(), global_batch=16, seq_len=64)
+        ev = evaluate(problem, a)
+        assert ev.step_s == pytest.approx(est.step_time_s, rel=1e-9)
+        assert max(ev.stage_bytes) == pytest.approx(est.memory_gb * 1e9, rel=1e-9)
+    # layers a a b a | b b a: 3 a + 1 b vs 2 a + 2 b, not 4 vs 3 of one time
+    t = problem.time_s[0, 0]
+    one = [cost.block_time(v, hw, layout, BlockKind.LAYER, seq_len=64).total_s for v in ct.kinds]
+    assert t[4] - t[3] == pytest.approx(one[0], rel=1e-9) and t[3] - t[2] == pytest.approx(one[1], rel=1e-9)
+
+
+def test_solve_plans_a_mixed_stack(mixed):
+    """`solve` on the mixed table: a plan whose stages cover the sequence, its prediction estimate's own, and
+    no split of its layout beats it."""
+    spec, ct = mixed
+    plan = solve(spec, "h100", devices=8, global_batch=16, seq_len=64, table=ct)
+    stages = plan.stages
+    assert stages[0].first_layer == 0 and stages[-1].end_layer == 7 and plan.mesh.tp == plan.mesh.cp == 1
+    layout = Layout(mesh=plan.mesh, micro_batch=plan.micro_batch, zero=plan.zero, schedule=plan.schedule)
+    problem = mesh_problem(ct, load_hardware("h100"), cost.resolved(layout, load_hardware("h100")),
+                           global_batch=16, seq_len=64)
+    best = brute_force(problem)
+    assert plan.predicted["step_time_s"] == pytest.approx(best[1].step_s, rel=1e-9)
+
+
+def test_show_has_a_row_per_layer_kind(mixed, capsys):
+    """The plan's per-kind breakdown counts every layer of each stage once, and `show` prints a row per kind."""
+    from autoshard.commands.show import render
+
+    spec, ct = mixed
+    plan = solve(spec, "h100", devices=4, global_batch=16, seq_len=64, table=ct)
+    rows = plan.predicted["layer_kinds"]
+    assert [r["kind"] for r in rows] == ["a", "b"] and [sum(r["layers"]) for r in rows] == [4, 3]
+    assert [sum(r["layers"][i] for r in rows) for i in range(len(plan.stages))] == [st.layers for st in plan.stages]
+    heavy, light = (sum(r["time_s"]) / sum(r["layers"]) for r in rows[::-1])
+    assert heavy > 2 * light  # "b" has three times the FLOPs
+    render(plan)
+    out = capsys.readouterr().out
+    assert "layer kinds" in out and "share of layer time" in out
