@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
+from autoshard.ir import POSITIVE_INT
 from autoshard.json_file import load_json
 
 GB = 1e9
@@ -89,9 +90,9 @@ class DeviceProfile:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a positive finite "
                                          f"number, got {value!r}")
-        if not isinstance(self.devices_per_node, int):
-            raise InvalidConfigError(f"hardware profile {self.name!r}: field 'devices_per_node' must be an "
-                                     f"integer, got {self.devices_per_node!r}")
+        why = POSITIVE_INT.violation("field 'devices_per_node'", self.devices_per_node)
+        if why:
+            raise InvalidConfigError(f"hardware profile {self.name!r}: {why}")
         fp8 = [getattr(self, f) is None for f in _FP8_FIELDS]
         if any(fp8) and not all(fp8):
             raise InvalidConfigError(f"hardware profile {self.name!r}: give all of {', '.join(_FP8_FIELDS)} (a device "

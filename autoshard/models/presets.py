@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
-from autoshard.ir import BlockKind
+from autoshard.ir import POSITIVE_INT, BlockKind, is_positive_int
 from autoshard.model_spec import MAX_POSITIONS, Mixer, ModelSpec, config_violation
 
 if TYPE_CHECKING:  # torch is imported where a model is built: planning a preset needs only its spec
@@ -45,7 +45,7 @@ def max_positions(spec: ModelSpec, config=None) -> int | None:
     if config is None:
         return None if spec.mixer is Mixer.SSD else MAX_POSITIONS
     limit = getattr(config, "max_position_embeddings", None)
-    if not (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
+    if not is_positive_int(limit):
         return None
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not isinstance(rope, dict):
@@ -138,8 +138,7 @@ def get_spec(name: str, *, layers: int | None = None) -> ModelSpec:
             "(or pass package.module:factory returning an nn.Module)"
         ) from None
     if layers is not None:
-        if layers <= 0:
-            raise InvalidConfigError(f"layers must be positive, got {layers}")
+        POSITIVE_INT.check("layers", layers)
         spec = replace(spec, layers=layers)
     return spec
 
@@ -202,13 +201,17 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
             f"{name}: {type(model).__name__} has no sequence mixer autoshard knows (no attention module calling HF's "
             "attention interface, no SSD scan: state_size / n_groups / conv_kernel); autoshard plans decoders "
             "built of attention and Mamba-2 layers")
-    _check_layers_alike(model, facts, name=name)
+    from autoshard.models.layered import hybrid_refusals
+
+    hybrid = hybrid_refusals(model)  # None: one repeated kind of attention layer
+    if hybrid is None:
+        _check_layers_alike(model, facts, name=name)
     heads = value("heads")
     usual = common["hidden"] // heads
     head_dim = value("head_dim", usual) or usual
     spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=value("kv_heads", heads),
                      head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or 0,
-                     embedding_plain=facts.embedding_plain, own_forward=facts.own_forward,
+                     embedding_plain=facts.embedding_plain, own_forward=facts.own_forward or hybrid is not None,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
                      grad_sum=F.grad_summed(facts), **common)
     if facts.experts_path:
@@ -216,6 +219,8 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     from autoshard.models.verdicts import failed_axes
 
     found = _refusals(spec, facts)
+    if hybrid is not None:  # a hybrid's own refusals replace the one-kind rules' (models/layered.py)
+        found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
     return replace(spec, refused=found + verified)
 

@@ -41,7 +41,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Precision, Schedule, Stage, check_schedule, check_stages, stage_rank
+from autoshard.ir import POSITIVE_INT, Precision, Schedule, Stage, check_schedule, check_stages, stage_rank
 from autoshard.model_spec import ModelSpec
 from autoshard.rules.schedules import check_chunks
 from autoshard.runtime.data_parallel import take_grad
@@ -64,8 +64,7 @@ class PipelineOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, Schedule):
             object.__setattr__(self, "schedule", _parse_schedule(self.schedule))
-        if self.micro_batch < 1:
-            raise InvalidConfigError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        POSITIVE_INT.check("micro_batch", self.micro_batch)
 
 
 def _parse_schedule(value) -> Schedule:

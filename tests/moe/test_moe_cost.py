@@ -145,7 +145,7 @@ def test_planner_searches_ep_and_its_plan_passes_the_runtime_check(mixtral, caps
 def _layout_plan(spec, lay, *, devices, global_batch, seq_len):
     return Plan(model=spec.name, fingerprint="", hardware="h100", devices=devices, global_batch=global_batch,
                 seq_len=seq_len, mesh=lay.mesh, micro_batch=lay.micro_batch, zero=lay.zero,
-                offload_optimizer=lay.offload, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+                offload_optimizer=lay.offload_optimizer, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
                 sequence_parallel=lay.sequence_parallel, strategies=lay.strategies)
 
 

@@ -101,14 +101,21 @@ def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
     FLOPs of arXiv 2405.21060 sec. 8.3 per token."""
     spec = ct.spec
     if ct.kinds:  # a mixed stack: 12 d s per attention layer, the SSD per Mamba-2 layer (read off its graph)
-        n = sum(v.block(BlockKind.LAYER).params * v.block(BlockKind.LAYER).count for v in ct.kinds) + sum(
-            ct.block(k).params for k in (BlockKind.EMBED, BlockKind.HEAD))
+        n = sum(_active_layer_params(v) for v in ct.kinds) + sum(ct.block(k).params for k in (BlockKind.EMBED, BlockKind.HEAD))
         attention, mamba = ct.mixers
         return 6.0 * n + 12.0 * attention * spec.hidden * seq_len + (3.0 * _ssd_flops(spec, seq_len) * mamba if mamba else 0.0)
     n = moe_cost.active_params_per_token(spec, sum(blk.params * blk.count for blk in ct.blocks.values()))
     if spec.mixer is Mixer.ATTENTION:
         return 6.0 * n + 12.0 * spec.layers * spec.hidden * seq_len
     return 6.0 * n + 3.0 * _ssd_flops(spec, seq_len) * spec.layers
+
+
+def _active_layer_params(view: CompiledTable) -> float:
+    """Parameters a token meets in one kind's layers (`view`: the kind's table): all of them but, in a MoE kind,
+    the (E - k)/E of each layer's experts it is not routed to."""
+    blk, spec = view.block(BlockKind.LAYER), view.spec
+    skipped = spec.expert_params * (spec.experts - spec.top_k) / spec.experts if spec.is_moe else 0.0
+    return (blk.params - skipped) * blk.count
 
 
 def _ssd_flops(spec: ModelSpec, seq_len: int) -> float:

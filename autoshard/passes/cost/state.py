@@ -52,7 +52,7 @@ def state_bytes(params: float, layout: Layout, *, expert: float = 0.0) -> Memory
     them that are routed experts over dp x cp; none of it on the device under offload (FSDP2's
     CPUOffloadPolicy keeps the ZeRO-3 shards in host memory). What a rank keeps between steps; the
     transient ZeRO-2 adds while a step runs is `zero2_staging_bytes`."""
-    if layout.offload:  # the shards live in host memory; a block is gathered on the device as it runs (buffer_bytes)
+    if layout.offload_optimizer:  # the shards live in host memory; a block is gathered on the device as it runs (buffer_bytes)
         return MemoryBreakdown(weights=0.0, grads=0.0, optimizer=0.0)
     groups, z, nb = _sync_groups(params, layout, expert), layout.zero, layout.numbers
 
@@ -169,7 +169,7 @@ def offload_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: fl
     """Host-link traffic of one micro-batch of one stage under offload (ZeRO-Offload, arXiv 2101.06840,
     sec. 4; FSDP2 CPUOffloadPolicy): this device's weight shard copied host -> device before each of
     ZeRO-3's two gathers, its gradient shard device -> host after the reduce-scatter."""
-    if not layout.offload:
+    if not layout.offload_optimizer:
         return 0.0
     link = _host(hw, "host_link_bandwidth")
     return _shard(params, layout, expert) * (2 * layout.numbers.sharded_weight_bytes + layout.numbers.grad_bytes) / link
@@ -199,6 +199,6 @@ def optimizer_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: 
     """Adam on this device's shard: memory-bound, OPTIM_TRAFFIC bytes per parameter (under offload
     on the host, at the host memory bandwidth per device)."""
     shard = _shard(params, layout, expert) if layout.zero >= 1 else params
-    if layout.offload:
+    if layout.offload_optimizer:
         return shard * OPTIM_TRAFFIC / (_host(hw, "host_memory_bandwidth") * hw.vector_efficiency)
     return shard * OPTIM_TRAFFIC / (hw.hbm_bandwidth * hw.vector_efficiency)

@@ -481,7 +481,7 @@ def _activation_bytes(it: InferenceTable, tp: int, *, batch: int, tokens: int, d
 def estimate_serving(table: CostTable | InferenceTable, spec: ModelSpec, hw: DeviceProfile, layout: ServeLayout, *,
                      prompt_len: int, output_len: int) -> ServeEstimate:
     """TTFT, TPOT, throughput and memory of `layout` (see the module docstring)."""
-    if prompt_len < 1 or output_len < 1:
+    if not (is_positive_int(prompt_len) and is_positive_int(output_len)):
         raise InvalidConfigError(f"prompt length and output length must be positive, got {prompt_len} and "
                                  f"{output_len}")
     if layout.pp > spec.layers:

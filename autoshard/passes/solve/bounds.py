@@ -425,7 +425,7 @@ def _bubble_key(layout: Layout, microbatches: int) -> tuple:
 
 def _state_key(layout: Layout) -> tuple:
     """The ZeRO-dependent terms: of the mesh, the parameters (tp, strategies) and the buffers (micro-batch)."""
-    return ("state", layout.mesh, layout.micro_batch, layout.strategies, layout.zero, layout.offload, layout.numerics)
+    return ("state", layout.mesh, layout.micro_batch, layout.strategies, layout.zero, layout.offload_optimizer, layout.numerics)
 
 
 def _layer_choices(strategies: tuple, memo: dict) -> tuple:
@@ -455,7 +455,7 @@ def _fixed_state(ct: CompiledTable, hw, layout: Layout) -> tuple[float, float]:
             params += block_params(ct, layout, BlockKind.EMBED)  # the head's copy
         ct.memo[key] = params
     avg = ct.memo[key] / mesh.pp  # the stage with the most parameters holds at least the average
-    key = ("state bytes", hw, mesh, layout.strategies, layout.zero, layout.offload, layout.numerics)  # not the micro-batch
+    key = ("state bytes", hw, mesh, layout.strategies, layout.zero, layout.offload_optimizer, layout.numerics)  # not the micro-batch
     if key not in ct.memo:
         experts = spec.layers * expert_block_params(ct, layout, BlockKind.LAYER) / mesh.pp
         ct.memo[key] = (state_bytes(avg, layout, expert=experts).total
@@ -493,7 +493,7 @@ def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *,
     m = layout.microbatches(global_batch)
     if mesh.pp == 1:
         key = ("single", mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.zero,
-               layout.offload, layout.numerics, layout.moe_imbalance)
+               layout.offload_optimizer, layout.numerics, layout.moe_imbalance)
         if key not in memo:
             memo[key] = _single_stage_step(ct, hw, layout, microbatches=m, seq_len=seq_len,
                                            fixed_bytes=bounds.peak_bytes, memo=memo)
@@ -525,7 +525,7 @@ def _tail_floor(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: di
     from autoshard.passes.solve.solve_model import stage_variants
 
     key = ("tail floor", layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies,
-           layout.stage_choices, layout.zero, layout.offload, layout.numerics, layout.virtual_stages,
+           layout.stage_choices, layout.zero, layout.offload_optimizer, layout.numerics, layout.virtual_stages,
            layout.moe_imbalance)
     if key in memo:
         return memo[key]

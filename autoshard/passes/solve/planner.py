@@ -40,7 +40,7 @@ from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 from autoshard.ir import (BlockKind, Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, chunk_layers,
                           even_stages, is_positive_int, stage_rank)
 from autoshard.passes.cost import cost
-from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.compiled import compile_table, mixed_violation
 from autoshard.passes.cost.compiled import CompiledTable
 from autoshard.passes.cost.layout import Layout
 from autoshard.errors import AutoshardError
@@ -290,7 +290,7 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
                       schedules: tuple = RUNTIME_SCHEDULES, offload: bool = False,
                       sequence_parallel: tuple[bool, ...] = RUNTIME_SEQUENCE_PARALLEL,
                       moe_imbalance: float = 1.0, precision: Precision = Precision.AUTO,
-                      fp8_recipe: Fp8Recipe | None = None) -> CandidateLayouts:
+                      fp8_recipe: Fp8Recipe | None = None, meshes: Callable | None = None) -> CandidateLayouts:
     """Every (mesh, micro-batch, intra-op strategy, ZeRO, schedule) the planner searches: the valid
     (mesh, micro-batch) pairs of `validity.mesh_micro_batches` (the divisibility rules `sweep` uses)
     times, under tp > 1, sequence parallelism on / off (`sequence_parallel`, the values the runtime
@@ -301,9 +301,12 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
     runtime runs (`validity.RUNTIME_SCHEDULES`); `offload`: ZeRO-3 also with optimizer offload (where
     the device profile prices the host link); `moe_imbalance`: the busiest expert's load over the mean
     (passes/cost/moe_cost.py), the same for every layout; `precision` (and `fp8_recipe`): of every layout (the
-    planner asks once per precision the device runs, `planner_precisions`)."""
+    planner asks once per precision the device runs, `planner_precisions`); `meshes`: which meshes to keep (a
+    mixed stack's: those its per-kind tables price), None all."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
+    if meshes is not None:
+        pairs = [(mesh, mb) for mesh, mb in pairs if meshes(mesh)]
     options: dict = {}  # tp -> the sharding table's choices; (tp, sequence parallel) -> their valid combinations
     intra = {}  # mesh -> its (sequence_parallel, strategies, stage choices) options
     for mesh in {mesh for mesh, _ in pairs}:
@@ -367,7 +370,7 @@ def _pair_layouts(mesh, micro_batch: int, intra: tuple, zeros: tuple, offload: b
     with the mesh (and offload) x the schedules. The same objects for the same arguments, so a re-plan in
     process builds only the pairs whose options changed (building one Layout validates it, ~8 us; a plan
     has ~30k), and `bounds.bound_columns` reads each layout's keys once."""
-    return tuple(Layout(mesh=mesh, micro_batch=micro_batch, zero=z, offload=o, schedule=sched, virtual_stages=v,
+    return tuple(Layout(mesh=mesh, micro_batch=micro_batch, zero=z, offload_optimizer=o, schedule=sched, virtual_stages=v,
                         sequence_parallel=sp, strategies=st, stage_choices=per, moe_imbalance=moe_imbalance,
                         precision=precision, fp8_recipe=fp8_recipe)
                  for sp, st, per in intra for z in zeros if zero_violation(mesh, z) is None
@@ -489,8 +492,7 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     value it must beat as a cutoff, until the bound reaches the runner-up. The bound of a layout is
     `bounds.lower_bounds` with the mean layer of the stack's sequence (its summed work exact, its heaviest
     block no more than the heaviest), its state and peak memory the least over the kinds' tables."""
-    layouts = [cost.resolved(lay, hw) for lay in layouts
-               if lay.virtual_stages == 1 and cost.mixed_violation(ct, lay) is None]
+    layouts = [cost.resolved(lay, hw) for lay in layouts if _priced_layout(ct, lay)]
     counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
     memos = [{} for _ in ct.kinds]
     found_bounds = []
@@ -534,6 +536,18 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
 
 
+def _priced_layout(ct: CompiledTable, layout: Layout) -> bool:
+    """Whether the planner searches `layout` for `ct`: every layout of a one-kind model; of a mixed stack those
+    its per-kind tables price (`cost.mixed_violation`) with one model chunk per rank (a rank of an interleaved
+    pipeline holds no one layer range)."""
+    return not ct.kinds or (layout.virtual_stages == 1 and mixed_violation(ct, layout) is None)
+
+
+def _priced_mesh(ct: CompiledTable, mesh) -> bool:
+    """Whether a mixed stack's per-kind tables price `mesh` (`cost.mixed_violation`)."""
+    return mixed_violation(ct, Layout(mesh=mesh)) is None
+
+
 def _all_sequence_parallel(problem: MeshProblem, a: Assignment) -> bool:
     """Whether every stage of a layout whose stages choose their sequence parallelism took it: the layout
     with sequence parallelism everywhere runs (and prices lower) that plan, its boundaries carrying the shard."""
@@ -564,10 +578,12 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
     hw = load_hardware(hw)
     t0 = time.perf_counter()
     offload = hw.host_link_bandwidth is not None and hw.host_memory_bandwidth is not None
+    mixed = compile_table(table, spec) if table is not None else None
+    meshes = functools.partial(_priced_mesh, mixed) if mixed is not None and mixed.kinds else None
     parts = [part for precision, recipe in planner_precisions(hw)
              for part in candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len,
                                            precision=precision, fp8_recipe=recipe, offload=offload,
-                                           moe_imbalance=moe_imbalance).parts]
+                                           moe_imbalance=moe_imbalance, meshes=meshes).parts]
     layouts = CandidateLayouts(parts, precision=resolve_precision(Precision.AUTO, hw))  # every layout concrete
     if not layouts:
         raise InvalidConfigError(
@@ -588,7 +604,7 @@ def _infeasible(ct, hw, spec, layouts, *, devices, global_batch, seq_len) -> Inf
     for lay in layouts:
         top[lay.mesh] = max(top.get(lay.mesh, 0), lay.zero)
     # without data parallelism ZeRO shards nothing (ZeRO-3 only adds its gather buffer): every level there
-    small = [lay for lay in layouts if lay.micro_batch == 1
+    small = [lay for lay in layouts if lay.micro_batch == 1 and _priced_layout(ct, lay)
              and (lay.zero == top[lay.mesh] or lay.mesh.dp * lay.mesh.cp * lay.mesh.ep == 1)]
     best, where = math.inf, None
     for lay in small:
@@ -691,7 +707,7 @@ def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len,
     sp, strategies = chunk_strategies(a, layout)
     plan = Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
                 global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,
-                zero=layout.zero, offload_optimizer=layout.offload, recompute=rec, schedule=layout.schedule,
+                zero=layout.zero, offload_optimizer=layout.offload_optimizer, recompute=rec, schedule=layout.schedule,
                 # fp8 where the planner chose it; else the device's default (AUTO, as it was searched)
                 **({"precision": layout.precision, "fp8_recipe": layout.fp8_recipe}
                    if layout.precision is Precision.FP8 else {}),

@@ -83,23 +83,16 @@ def range_sums(stage_table, pp: int, layers: int, count: int) -> tuple[np.ndarra
 
 
 def bottleneck(problem, ok: np.ndarray) -> float | None:
-    """The least slowest-stage time any split of `problem` has with every stage in `ok` (binary search over
-    the table's times with a reachability DP), or None when no split is allowed."""
+    """The least slowest-stage time any split of `problem` has with every stage in `ok`, or None when no split is
+    allowed: a min-max DP over the stages and their boundaries (best_i[b] = min_a max(best_{i-1}[a], t_i[a, b]))."""
     fastest = np.where(ok, problem.time_s, np.inf).min(axis=1)  # [i, column]
-    values = np.unique(fastest[np.isfinite(fastest)])
-    size, p = problem.layers + 1, problem.pp
-
-    def reachable(cap: float) -> bool:
-        return bool(np.isfinite(range_sums(lambda i: np.where(fastest[i] <= cap, 0.0, np.inf).reshape(1, size, size),
-                                           p, problem.layers, 1)[0][0]))
-
-    if not len(values) or not reachable(values[-1]):
-        return None
-    left, right = 0, len(values) - 1
-    while left < right:
-        mid = (left + right) // 2
-        left, right = (left, mid) if reachable(values[mid]) else (mid + 1, right)
-    return float(values[left])
+    size = problem.layers + 1
+    best = np.full(size, np.inf)
+    best[0] = 0.0
+    for i in range(problem.pp):
+        best = np.maximum(best[:, None], fastest[i].reshape(size, size)).min(axis=0)
+    value = float(best[problem.layers])
+    return value if math.isfinite(value) else None
 
 
 def _chunks(values: np.ndarray, limit: int):

@@ -183,7 +183,7 @@ def _block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
             return np.concatenate([getattr(first, name)[..., :1], *(getattr(b, name)[..., 1:2] for b in parts),
                                    getattr(first, name)[..., 2:]], axis=-1)
 
-        experts = [cost.expert_block_params(view, layout, BlockKind.LAYER) for view in ct.kinds]
+        experts = [expert_block_params(view, layout, BlockKind.LAYER) for view in ct.kinds]
         return replace(first, compute_s=cols("compute_s"), other_s=cols("other_s"), bwd_s=cols("bwd_s"),
                        fwd_s=cols("fwd_s"), act_bytes=cols("act_bytes"), params=cols("params"),
                        experts=np.array([0.0, *experts, 0.0]), memo={})
@@ -216,7 +216,7 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     memo = blocks.memo  # what depends on the blocks (not their p2p) and the layout's fields named in each key
     n, params, experts, comp, bwd_last, fwd_first, comp_other, act, units = _stage_sums(ct, layout, blocks, embed, head)
     mesh = layout.mesh
-    key = ("zero", embed, head, mesh, layout.zero, layout.offload)
+    key = ("zero", embed, head, mesh, layout.zero, layout.offload_optimizer)
     if key not in memo:
         state = state_bytes(params, layout, expert=experts)
         memo[key] = (zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts,
@@ -258,7 +258,7 @@ def stage_tails(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, *, 
     """[n]: the tail (exposed gradient sync + optimizer step) of a stage holding n = 0..layers layers, with or
     without the embedding / head (`mesh_problem`'s `tail_s`); `blocks`' first recompute level must be the
     tables' (none: the backward and forward the sync overlaps). Kept on `blocks`."""
-    key = ("tail", embed, head, layout.mesh, layout.zero, layout.offload, layout.virtual_stages)
+    key = ("tail", embed, head, layout.mesh, layout.zero, layout.offload_optimizer, layout.virtual_stages)
     if key not in blocks.memo:
         n, params, experts, _, bwd_last, fwd_first, *_ = _stage_sums(ct, layout, blocks, embed, head)
         tail = (dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)

@@ -67,7 +67,7 @@ def lay(**kw):
     zero = kw.pop("zero", 0)
     rc = kw.pop("recompute", Recompute.NONE)
     offload = kw.pop("offload", False)
-    return Layout(mesh=Mesh(**kw), micro_batch=mb, zero=zero, recompute=rc, offload=offload)
+    return Layout(mesh=Mesh(**kw), micro_batch=mb, zero=zero, recompute=rc, offload_optimizer=offload)
 
 
 def test_block_time_is_the_roofline_sum():
@@ -400,9 +400,9 @@ def test_zero2_and_3_need_pp_1():
     found = candidate_layouts(SPEC, devices=4, global_batch=GB, seq_len=SEQ)
     assert {lt.zero for lt in found} == {0, 1, 2, 3}  # what the runtime runs (3: FSDP2)
     assert all(lt.zero < 2 for lt in found if lt.mesh.pp > 1)
-    assert not any(lt.offload for lt in found)
+    assert not any(lt.offload_optimizer for lt in found)
     offloaded = candidate_layouts(SPEC, devices=4, global_batch=GB, seq_len=SEQ, offload=True)
-    assert {lt.zero for lt in offloaded if lt.offload} == {3}
+    assert {lt.zero for lt in offloaded if lt.offload_optimizer} == {3}
 
 
 def test_offload_moves_state_to_the_host_and_pays_the_host_link():

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from autoshard.hardware import load_hardware
-from autoshard.ir import BlockKind
+from autoshard.ir import BlockKind, Precision
 from autoshard.models.presets import get_spec
-from autoshard.passes.cost import cost
 from autoshard.passes.cost.compiled import compile_table
 from autoshard.passes.solve.bounds import LazyBounds, bound_columns, least_block_s, lower_bounds, refined_step_bound
 from autoshard.passes.cost.precision import resolve_precision
@@ -29,7 +28,7 @@ def test_bound_columns_equal_lower_bounds_of_each_layout(name, hardware, devices
     for batch, seq in SHAPES:
         kw = dict(global_batch=batch, seq_len=seq)
         layouts = candidate_layouts(spec, devices=devices, offload=True, moe_imbalance=1.25,
-                                    precision=resolve_precision(cost.Precision.AUTO, hw), **kw)
+                                    precision=resolve_precision(Precision.AUTO, hw), **kw)
         assert len({lay.mesh.pp for lay in layouts}) > 1 and len({lay.mesh.ep for lay in layouts}) > (name == "mixtral-tiny")
         memo, alone = {}, {}
         cols = bound_columns(ct, hw, layouts, memo=memo, **kw)

@@ -11,7 +11,7 @@ import pytest
 
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import load_hardware
-from autoshard.ir import Mesh, Plan, Recompute
+from autoshard.ir import BlockKind, Mesh, Plan, Recompute
 from autoshard.model_spec import Mixer
 from autoshard.models.presets import get_spec
 from autoshard.passes.cost import cost
@@ -236,12 +236,12 @@ def test_replicated_head_is_priced_as_it_runs():
     hw = load_hardware("h100")
     vocab = Layout(mesh=Mesh(tp=2))
     whole = replace(vocab, strategies=(("head", "replicate"),))
-    head = cost.BlockKind.HEAD
+    head = BlockKind.HEAD
     assert block_time(ct, hw, whole, head, seq_len=64).tp_comm_s == 0.0
     assert block_time(ct, hw, vocab, head, seq_len=64).tp_comm_s > 0.0
     assert logits_bytes(ct, whole, seq_len=64) == 2 * logits_bytes(ct, vocab, seq_len=64)
     assert block_params(ct, whole, head) > block_params(ct, vocab, head)
-    assert block_params(ct, whole, cost.BlockKind.EMBED) == block_params(ct, vocab, cost.BlockKind.EMBED)
+    assert block_params(ct, whole, BlockKind.EMBED) == block_params(ct, vocab, BlockKind.EMBED)
 
 
 def _plan(spec, mesh, strategies) -> Plan:

@@ -4,7 +4,7 @@ on (tp, cp, ep) rather than the mesh and priced many at once, and lower_bounds' 
 import pytest
 
 from autoshard.hardware import load_hardware
-from autoshard.ir import Recompute
+from autoshard.ir import BlockKind, Precision, Recompute
 from autoshard.models.presets import get_spec
 from autoshard.passes.cost import cost
 from autoshard.passes.cost.block import _block_time, _node_times, block_time, block_times
@@ -21,7 +21,7 @@ def _layouts(name, hardware, devices):
     spec, hw = get_spec(name), load_hardware(hardware)
     ct = compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
     layouts = candidate_layouts(spec, devices=devices, global_batch=32, seq_len=256, offload=True,
-                                precision=resolve_precision(cost.Precision.AUTO, hw), moe_imbalance=1.25)
+                                precision=resolve_precision(Precision.AUTO, hw), moe_imbalance=1.25)
     assert len({lay.mesh.pp for lay in layouts}) > 1 and len({lay.zero for lay in layouts}) > 2
     return ct, hw, layouts
 
@@ -33,7 +33,7 @@ def test_memoised_block_times_equal_each_priced_alone(name, hardware, devices):
     ct, hw, layouts = _layouts(name, hardware, devices)
     for r in Recompute:
         lays = [cost.replace(lay, recompute=r) for lay in layouts[::3]]
-        for kind in cost.BlockKind:
+        for kind in BlockKind:
             together = block_times(ct, hw, lays, kind, seq_len=256)
             for lay, bt in zip(lays, together):
                 alone = _block_time(ct, hw, lay, kind, 256, _node_times(ct, hw, lay, kind, 256))
