@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
-from autoshard.ir import POSITIVE_INT
+from autoshard.ir import NON_NEGATIVE_INT, POSITIVE_INT
 from autoshard.json_file import load_json
 
 GB = 1e9
@@ -108,9 +108,9 @@ class DeviceProfile:
                 raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a "
                                          f"{'non-negative' if f in SERVING_FIELDS else 'positive'} finite "
                                          f"number (or absent), got {value!r}")
-        if self.step_input_broadcasts is not None and not isinstance(self.step_input_broadcasts, int):
+        if self.step_input_broadcasts is not None and not NON_NEGATIVE_INT.ok(self.step_input_broadcasts):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'step_input_broadcasts' counts the "
-                                     f"collectives of a serving step and must be a whole number, got "
+                                     f"collectives of a serving step and must be {NON_NEGATIVE_INT.phrase}, got "
                                      f"{self.step_input_broadcasts!r}")
         if not isinstance(self.kernels, (list, tuple)) or not all(isinstance(k, str) for k in self.kernels):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'kernels' must be a list of "

@@ -253,6 +253,12 @@ def test_a_count_is_refused_alike_on_every_entry_point(capsys):
                       "--seq-len", "64", "--micro-batch", text])
             err = capsys.readouterr().err
             assert err.count("\n") <= 3 and "argument --micro-batch:" in err and "a positive integer, got" in err, err
+    from autoshard.hardware import load_hardware
+
+    cpu = load_hardware("cpu")
+    for field_name, bad in (("devices_per_node", 1.5), ("step_input_broadcasts", 2.5)):
+        with pytest.raises(InvalidConfigError, match=f"field '{field_name}' .*must be a .*integer, got {bad!r}"):
+            dataclasses.replace(cpu, **{field_name: bad})  # a profile's counts: the same rule
     with pytest.raises(InvalidConfigError, match="plan key 'micro_batch' must be a positive integer, got True"):
         autoshard.parallelize(model, ids, plan=dict(micro_batch=True))
     with pytest.raises(InvalidConfigError, match="plan key 'zero' must be 0, 1, 2 or 3, got False"):

@@ -213,12 +213,16 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                      head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or 0,
                      embedding_plain=facts.embedding_plain, own_forward=facts.own_forward or hybrid is not None,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
-                     grad_sum=F.grad_summed(facts), **common)
+                     **common)
     if facts.experts_path:
         spec = _with_experts(spec, facts, config, value)
+    # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
+    proof, untraced = _tp_proof(spec, model) if hybrid is None else (None, None)
+    if proof is not None:
+        spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)
     from autoshard.models.verdicts import failed_axes
 
-    found = _refusals(spec, facts)
+    found = _refusals(spec, facts, proof.refusal() if proof is not None else untraced)
     if hybrid is not None:  # a hybrid's own refusals replace the one-kind rules' (models/layered.py)
         found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
@@ -237,14 +241,34 @@ def _with_experts(spec: ModelSpec, facts, config, value) -> ModelSpec:
                    moe=moe or "layout", moe_paths=() if moe else paths)
 
 
-def _refusals(spec: ModelSpec, facts) -> tuple[tuple[str, str], ...]:
-    """(axis, why) of every axis this model cannot run yet (models/facts.py)."""
+def _tp_proof(spec: ModelSpec, model):
+    """(the proof of `spec`'s tp strategy on `model`'s traced graph, None) (passes/capture/tp_proof.py), or
+    (None, why) when the model does not trace; memoised per model class and config."""
+    key = (type(model), model.config.to_json_string(use_diff=False), spec)
+    if key not in _PROOFS:
+        from autoshard.errors import CaptureError
+        from autoshard.passes.capture.tp_proof import prove_tp
+
+        try:
+            _PROOFS[key] = prove_tp(spec, model), None
+        except CaptureError as e:
+            _PROOFS[key] = None, (f"the model's graph does not trace, so its tp strategy cannot be proven ({e}); "
+                                  "tp is not offered for this model (dp, pp, cp and ep still plan)")
+    return _PROOFS[key]
+
+
+_PROOFS: dict = {}  # a memo, not state: the proof of a model class and config never changes
+
+
+def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, str], ...]:
+    """(axis, why) of every axis this model cannot run yet (models/facts.py); `unproven`: why the placement
+    propagation cannot prove its tp strategy, or None."""
     from autoshard.models import facts as F
     from autoshard.rules import sharding
 
     out = []
     roles = tuple(r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER)
-    why = F.tp_refusal(facts, roles)
+    why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts), unproven) if w)
     if why:
         out.append(("tp", why))
     if spec.is_moe and (facts.experts_biased or not facts.experts_gated):

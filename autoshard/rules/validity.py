@@ -260,14 +260,6 @@ def _one_replica(q: PlanQuestion) -> str | None:
     return None
 
 
-def _own_forward_stages(q: PlanQuestion) -> str | None:
-    if q.spec.own_forward and (q.mesh.pp > 1 or (q.chunks or 1) > 1):
-        return (f"generate of {q.spec.name} over pipeline stages: its stages run the model's own forward "
-                "(runtime/stages.OwnForwardStage), whose cache masks a stage without layer 0 cannot size; "
-                "generate with pp=1 (tp and ep as you like)")
-    return None
-
-
 def _sizes_positive(q: PlanQuestion) -> str | None:
     for name, value in (("global batch", q.global_batch), ("sequence length", q.seq_len),
                         ("micro_batch", q.micro_batch)):
@@ -379,8 +371,6 @@ RULES: tuple[Rule, ...] = (
     Rule(name="world-size", checks="the mesh multiplies to the world size it runs on", violation=_world_size),
     Rule(name="one-replica", checks="generation runs one model replica: dp = cp = 1", violation=_one_replica,
          modes=GENERATE),
-    Rule(name="own-forward-stages", checks="a model whose stages run its own forward generates with pp = 1",
-         violation=_own_forward_stages, modes=GENERATE),
     Rule(name="sizes-positive", checks="global batch, sequence length and micro-batch are positive integers",
          violation=_sizes_positive),
     Rule(name="sequence-predicts", checks=f"a training sequence holds at least {MIN_SEQ_LEN} tokens",

@@ -29,8 +29,6 @@ def _ask(spec=LLAMA, mesh=Mesh(), **fields) -> PlanQuestion:
 CASES = {
     "world-size": (_ask(mesh=Mesh(dp=2), world_size=4), r"multiplies to 2, but the world size is 4"),
     "one-replica": (_ask(mesh=Mesh(dp=2), generate=True), r"generate runs one model replica: the plan has dp=2"),
-    "own-forward-stages": (_ask(replace(LLAMA, own_forward=True), Mesh(pp=2), generate=True),
-                           r"generate with pp=1"),
     "sizes-positive": (_ask(global_batch=0), r"global batch must be a positive integer, got 0"),
     "sequence-predicts": (_ask(seq_len=1), r"a sequence needs at least 2 tokens"),
     "ep-refused": (_ask(_refusing(MIXTRAL, "ep"), Mesh(ep=2)), r"ep is refused for mixtral-tiny"),

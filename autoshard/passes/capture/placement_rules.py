@@ -198,7 +198,10 @@ POINTWISE = ("rsqrt", "sqrt", "exp", "log", "silu", "gelu", "tanh", "sigmoid", "
 # linear in every tensor operand (a sum of partials is partial) / in the operand at these positions
 LINEAR = {"add": (0, 1), "add_": (0, 1), "sub": (0, 1), "sub_": (0, 1), "neg": (0,), "_to_copy": (0,), "clone": (0,),
           "detach": (0,), "alias": (0,), "lift_fresh_copy": (0,), "contiguous": (0,), "copy": (1,), "copy_": (1,),
-          "mul": (0, 1), "mul_": (0, 1), "div": (0,), "div_": (0,), "rsub": (0, 1)}
+          "mul": (0, 1), "mul_": (0, 1), "div": (0,), "div_": (0,), "rsub": (0, 1),
+          # an activation's backward is linear in the incoming gradient (its first operand)
+          **{f"{act}_backward": (0,) for act in ("silu", "gelu", "tanh", "sigmoid", "softplus", "threshold", "elu",
+                                                 "leaky_relu", "hardtanh", "mish", "hardswish", "hardsigmoid")}}
 
 
 def _linear(name):
@@ -744,7 +747,7 @@ RULES: dict[str, Callable] = {
     "sum": lambda n, i, c: _reduction(n, i, c, summing=True), "mean": lambda n, i, c: _reduction(n, i, c, summing=False),
     "amax": lambda n, i, c: _reduction(n, i, c, summing=False), "var": lambda n, i, c: _reduction(n, i, c, summing=False),
     "logsumexp": lambda n, i, c: _reduction(n, i, c, summing=False),
-    "scatter": _scatter_gather, "gather": _scatter_gather, "index_select": _scatter_gather, "max": _max_dim, "min": _max_dim, "_softmax": _softmax, "_log_softmax": _softmax, "_softmax_backward_data": _softmax,
+    "scatter": _scatter_gather, "gather": _scatter_gather, "index_select": _scatter_gather, "max": _max_dim, "min": _max_dim, "_softmax": _softmax, "_safe_softmax": _softmax, "_log_softmax": _softmax, "_softmax_backward_data": _softmax,
     "_log_softmax_backward_data": _softmax,
     "native_layer_norm": _layer_norm, "native_layer_norm_backward": _layer_norm_backward,
     **{name: _attention for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",

@@ -42,6 +42,7 @@ dp sync / optimizer, pipeline.py p2p and the logits peak; the CP-SAT planner bui
   p2p_time(ct, hw, layout, *, seq_len) -> float        stage-to-stage sends per micro-batch
   dp_exposed_time(hw, params, layout, *, backward_s, forward_s) -> float
                                                        gradient sync of one stage left exposed
+  tp_grad_sum_time(hw, spec, layout, layers) -> float  the tp all-reduces of proven-partial gradients (q/k norms)
   optimizer_time(hw, params, layout) -> float          Adam step on this device's shard (host under offload)
   offload_time(hw, params, layout) -> float            host-link copies of one micro-batch under offload
   logits_bytes(ct, layout, *, seq_len) -> float        fp32 logits peak of the head stage
@@ -89,8 +90,8 @@ from autoshard.passes.cost.layout import Estimate, Layout, MemoryBreakdown, Time
 from autoshard.passes.cost.compiled import CompiledTable, compile_table, mixed_violation, stage_blocks
 from autoshard.passes.cost.block import (_node_times, _tp_comm, _tp_divisor, block_activation_bytes, block_params,
                                          block_time, expert_block_params)
-from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, zero2_staging_bytes,
-                                         zero_exposed_time)
+from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, tp_grad_sum_time,
+                                         zero2_staging_bytes, zero_exposed_time)
 from autoshard.passes.cost.pipeline import logits_bytes, p2p_time, pipeline_time
 
 
@@ -203,8 +204,9 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     # stage where they end last. The gradient reduce overlaps the last micro-batch's backward,
     # the weight all-gather the first forward (`dp_exposed_time`).
     tail = []
-    for (*_, prm_i, exp_i, bwd_last, fwd_first) in parts:
-        exposed = float(dp_exposed_time(hw, prm_i, layout, backward_s=bwd_last, forward_s=fwd_first, expert=exp_i))
+    for st, (*_, prm_i, exp_i, bwd_last, fwd_first) in zip(stages, parts):
+        exposed = float(dp_exposed_time(hw, prm_i, layout, backward_s=bwd_last, forward_s=fwd_first, expert=exp_i)
+                        + tp_grad_sum_time(hw, spec, layout, st.layers))  # the proven grad sums (q/k norms)
         tail.append((exposed, optimizer_time(hw, prm_i, layout, expert=exp_i)))
     dp_exposed, opt = max(tail, key=lambda x: x[0] + x[1])
     step = pipe + dp_exposed + opt

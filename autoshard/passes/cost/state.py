@@ -77,6 +77,20 @@ def zero2_staging_bytes(params, layout: Layout, *, expert=0.0):
                for p, n, _ in _sync_groups(params, layout, expert))
 
 
+def tp_grad_sum_time(hw: DeviceProfile, spec, layout: Layout, layers):
+    """Per-step seconds of the tp all-reduces of the gradients the placement propagation proves partial
+    (passes/capture/tp_proof.py: replicated parameters used on this rank's heads only, Qwen3's per-head q/k
+    norms; `spec.grad_sum`, `spec.grad_sum_numel` elements per layer), for a stage of `layers` layers (a number
+    or a numpy array). The runtime (runtime/tensor_parallel.py `partial_grad_reducer`) all-reduces each such
+    gradient over tp once per step, before the data-parallel sync, on the critical path; one collective per
+    module and layer (a few hundred bytes: latency-bound), priced as collectives.best_time prices any."""
+    tp = layout.mesh.tp
+    if tp == 1 or not spec.grad_sum:
+        return 0.0 * layers
+    each = spec.grad_sum_numel / len(spec.grad_sum) * layout.numbers.grad_bytes
+    return layers * len(spec.grad_sum) * best_time(hw, Collective.ALL_REDUCE, each, size=tp, stride=1)
+
+
 def dp_exposed_time(hw: DeviceProfile, params, layout: Layout, *, backward_s, forward_s, expert=0.0):
     """Per-step gradient sync of one stage left on the critical path (numbers or numpy arrays), as
     Megatron-LM's distributed optimizer overlaps it (`overlap_grad_reduce`, `overlap_param_gather`):

@@ -58,7 +58,7 @@ MoE layer of the layer's output (batch, tokens, hidden) bf16 over the ep group (
 latency-bound in decode, `collectives.best_time`). Memory holds E/ep experts per layer.
 
 Memory per device (the busiest stage): weights (bf16, sharded by tp as training shards them,
-cost.block_params), the cache -- KV at P + O tokens per sequence (LLaMA) or the constant conv +
+block.block_params), the cache -- KV at P + O tokens per sequence (LLaMA) or the constant conv +
 SSM state (Mamba-2) of the stage's layers -- and the activations of the largest prefill: the
 residual stream and its normed copy (batch, P, hidden) plus the largest single node's working
 set at (batch, P) (its inputs and output, weights excluded), plus the fp32 last-position logits.

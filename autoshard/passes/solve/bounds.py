@@ -41,8 +41,8 @@ from autoshard.passes.cost import cost
 from autoshard.passes.cost.block import (block_activation_bytes, block_params, block_time, block_times,
                                          expert_block_params, fwd_bwd_s, memo_node_times, node_key, node_stem)
 from autoshard.passes.cost.pipeline import p2p_seconds, p2p_terms, p2p_time
-from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, zero2_staging_bytes,
-                                         zero_exposed_time)
+from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, tp_grad_sum_time,
+                                         zero2_staging_bytes, zero_exposed_time)
 from autoshard.rules import schedules, sharding
 from autoshard.passes.cost.compiled import CompiledTable
 from autoshard.passes.cost.layout import Layout
@@ -549,7 +549,8 @@ def _tail_floor(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: di
     params, bwd, fwd = (np.stack(x) for x in zip(*sums))
     experts = n * expert_block_params(ct, layout, BlockKind.LAYER)
     tails = (dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts)
-             + optimizer_time(hw, params, layout, expert=experts))  # every place and variant at once
+             + optimizer_time(hw, params, layout, expert=experts)
+             + tp_grad_sum_time(hw, spec, layout, n))  # every place and variant at once
     least = np.broadcast_to(tails, params.shape).reshape(-1, len(places), len(n)).min(axis=0)
     stages = [(tail[fewest:], fewest, 1 if embed or head else mesh.pp - 2)
               for tail, (embed, head), fewest in zip(least, places, (v - 1, v - 1, v))]  # (tails, fewest, stages)
@@ -620,7 +621,7 @@ def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: i
                                   blocks=sum(counts.values()))  # every level that fits at once (elementwise)
     t, bwd, fwd = min((comp + other + z, bwd, fwd) for (_, comp, other, bwd, fwd), z in zip(fits, zexp.tolist()))
     tail = (float(dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts))
-            + optimizer_time(hw, params, layout, expert=experts))
+            + optimizer_time(hw, params, layout, expert=experts) + tp_grad_sum_time(hw, spec, layout, spec.layers))
     return microbatches * t + tail
 
 

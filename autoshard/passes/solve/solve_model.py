@@ -38,8 +38,8 @@ from autoshard.ir import BlockKind, Recompute, Stage, end_chunks, stage_rank
 from autoshard.passes.cost import cost
 from autoshard.passes.cost.block import block_activation_bytes, block_params, block_time, expert_block_params
 from autoshard.passes.cost.pipeline import logits_bytes, p2p_time, pipeline_time, sequence_boundary_time
-from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, zero2_staging_bytes,
-                                         zero_exposed_time)
+from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, tp_grad_sum_time,
+                                         zero2_staging_bytes, zero_exposed_time)
 from autoshard.passes.solve import ranges
 from autoshard.rules import schedules, sharding
 from autoshard.passes.cost.compiled import CompiledTable
@@ -262,7 +262,7 @@ def stage_tails(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, *, 
     if key not in blocks.memo:
         n, params, experts, _, bwd_last, fwd_first, *_ = _stage_sums(ct, layout, blocks, embed, head)
         tail = (dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)
-                + optimizer_time(hw, params, layout, expert=experts))
+                + optimizer_time(hw, params, layout, expert=experts) + tp_grad_sum_time(hw, ct.spec, layout, n))
         blocks.memo[key] = np.broadcast_to(tail, n.shape)
     return blocks.memo[key]
 

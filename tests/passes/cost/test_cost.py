@@ -457,3 +457,18 @@ def test_selective_prices_the_module_the_runtime_checkpoints(spec_name):
     t_none, t_sel = (block_time(ct, HW, lay(recompute=r), BlockKind.LAYER, seq_len=seq)
                      for r in (Recompute.NONE, Recompute.SELECTIVE))
     assert t_sel.recompute_s > 0 and t_none.recompute_s == 0
+
+
+def test_proven_grad_sums_are_priced_once_per_step():
+    """A replicated parameter whose gradient the placement propagation proves partial (Qwen3's q/k norms,
+    passes/capture/tp_proof.py) costs one tp all-reduce per module and layer each step."""
+    from autoshard.passes.cost.collectives import Collective, best_time
+
+    summed = dataclasses.replace(SPEC, grad_sum=("self_attn.q_norm", "self_attn.k_norm"), grad_sum_numel=32)
+    layout = lay(tp=2)
+    plain = estimate(compile_table(toy_table(), SPEC), SPEC, HW, layout, global_batch=GB, seq_len=SEQ)
+    proven = estimate(compile_table(toy_table(), summed), summed, HW, layout, global_batch=GB, seq_len=SEQ)
+    one = best_time(HW, Collective.ALL_REDUCE, 16 * layout.numbers.grad_bytes, size=2, stride=1)
+    assert proven.step_time_s - plain.step_time_s == pytest.approx(SPEC.layers * 2 * one)
+    assert proven.time.dp_comm_exposed - plain.time.dp_comm_exposed == pytest.approx(SPEC.layers * 2 * one)
+    assert cost.tp_grad_sum_time(HW, summed, lay(dp=2), SPEC.layers) == 0.0  # no tp: nothing to sum
