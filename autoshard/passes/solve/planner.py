@@ -512,7 +512,7 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         ep_bounds[e] = (float(step_b[mine & fits].min(initial=math.inf)), float(peak_b[mine].min()))
     kept = sorted(np.flatnonzero(fits).tolist(), key=lambda k: (step_b[k], k))
     best: dict = {}  # mesh -> best Candidate on it
-    numbers: dict = {}
+    numbers = _kept_numbers(ct, hw, seq_len)
     visited = 0
 
     for done, k in enumerate(kept):
@@ -523,8 +523,8 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
         if bound >= cutoff * (1 - 1e-9):
             continue
-        key = (layout.mesh, layout.micro_batch, layout.strategies, layout.schedule, layout.virtual_stages,
-               layout.precision, layout.fp8_recipe)
+        key = ("stage numbers", layout.mesh, layout.micro_batch, layout.strategies, layout.sequence_parallel,
+               layout.schedule, layout.virtual_stages, layout.precision, layout.fp8_recipe, layout.moe_imbalance)
         if key not in numbers:
             numbers[key] = stage_numbers(ct, hw, layout, seq_len=seq_len, memo=numbers,
                                          recomputes=(Recompute.NONE, Recompute.FULL))
@@ -534,6 +534,18 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         visited += 1
         _keep(best, layout, result, progress, done, len(kept))
     return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
+
+
+def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:
+    """The block numbers a mixed stack's search reuses over plans (a re-plan at another global batch needs the
+    same ones), kept in `ct.memo` for the last two (device, sequence length) pairs."""
+    kept = ct.memo.setdefault("range numbers", {})
+    key = (hw, seq_len)
+    if key not in kept:
+        while len(kept) >= 2:
+            kept.pop(next(iter(kept)))
+        kept[key] = {}
+    return kept[key]
 
 
 def _priced_layout(ct: CompiledTable, layout: Layout) -> bool:

@@ -344,7 +344,7 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
                 mems[i, o] = np.inf
             tails[i, o] = tail
     if ct.kinds:  # a range that ends before it starts is no stage
-        empty = ranges.range_counts(ct.layer_kinds, len(ct.kinds), embed=False, head=False)[:-1].sum(axis=0) < 0
+        empty = ranges.range_lengths(layers) < 0
         times[..., empty], mems[..., empty] = np.inf, np.inf
     for a in (times, mems, tails):
         a.flags.writeable = False
