@@ -143,7 +143,8 @@ class Generator:
         """One chunk's layers on `x` with the cache; hidden states (b, t, h), or the last
         position's logits (b, 1, V / tp) on the last chunk."""
         if isinstance(stage, OwnForwardStage):  # the model's own forward with the cache (its softcaps, scales, ...);
-            # one chunk only (rules/validity.generate_violation refuses pipelines of such a model)
+            # over pipeline stages too: each rank's cache holds its own layers, and HF sizes a mask from a layer
+            # of its type (tests: Gemma-2's windows on a later stage, Bamba's and Nemotron-H's hybrid caches)
             positions = torch.arange(past, past + x.shape[1], device=x.device)[None]  # (1, t)
             return stage.run(x, cache=cache, logits_to_keep=1, position_ids=positions)
         hidden = stage.embed(x) if stage.embed is not None else x  # (b, t, h)

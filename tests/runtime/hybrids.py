@@ -55,3 +55,17 @@ def check_hybrids() -> None:
                     check_plan(source, plan)
                 continue
             check_plan(source, plan, logits=True)
+    _check_generate()
+
+
+def _check_generate() -> None:
+    """Greedy generation of Bamba and Nemotron-H over pipeline stages equals HF's: each stage's cache holds
+    the K/V of its attention layers and the conv / SSM states of its Mamba-2 layers (runtime/ssd.py
+    `cached_mixer_forward`); tp is refused for them, as in training."""
+    import torch
+
+    from tests.runtime.families import check_generate
+
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
+    for name in ("bamba", "nemotron_h"):
+        check_generate(HYBRIDS[name], dict(pp=2), ids)
