@@ -31,14 +31,14 @@ def main() -> None:
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import resolve_model
     from autoshard.passes.capture.shapes import build_cost_table
-    from autoshard.passes.cost import cost
+    from autoshard.passes.cost.compiled import compile_table
     from autoshard.passes.solve.planner import solve
 
     hw = load_hardware(args.hardware)
     for name in args.models.split(","):
         t0 = time.perf_counter()
         spec, model = resolve_model(MODELS[name], device="meta")
-        table = cost.compile_table(build_cost_table(spec, model=model, kernels=hw.kernels), spec)
+        table = compile_table(build_cost_table(spec, model=model, kernels=hw.kernels), spec)
         capture = time.perf_counter() - t0
         fingerprint = fingerprint_module(model)  # as `autoshard plan` passes it (else solve builds a model of the spec)
         print(f"{name}: {spec.layers} layers of {len(table.kinds)} kinds "

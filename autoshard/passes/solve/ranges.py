@@ -179,13 +179,15 @@ def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
 def kind_breakdown(ct, hw, layout, a, *, global_batch: int, seq_len: int) -> list[dict]:
     """Where a mixed stack's plan spends its time and memory, per layer kind (what `autoshard show` prints): for
     each kind (`CompiledTable.kind_names`) its layers on every stage of assignment `a`, their seconds per
-    micro-batch there (forward, backward, recompute and the kind's own collectives: `cost.block_time`) and the
+    micro-batch there (forward, backward, recompute and the kind's own collectives: `block_time`) and the
     bytes they keep per device (weights, gradients and optimizer state under the plan's ZeRO, and the
     activations of the micro-batches the stage holds in flight)."""
     from dataclasses import replace
 
     from autoshard.ir import BlockKind
     from autoshard.passes.cost import cost
+    from autoshard.passes.cost.block import block_activation_bytes, block_params, block_time, expert_block_params
+    from autoshard.passes.cost.state import state_bytes
     from autoshard.rules import schedules
 
     layout = cost.resolved(layout, hw)
@@ -193,15 +195,15 @@ def kind_breakdown(ct, hw, layout, a, *, global_batch: int, seq_len: int) -> lis
     out = []
     for k, (name, view) in enumerate(zip(ct.kind_names, ct.kinds)):
         counts, times, mems = [], [], []
-        params = cost.block_params(view, layout, BlockKind.LAYER)
-        experts = cost.expert_block_params(view, layout, BlockKind.LAYER)
+        params = block_params(view, layout, BlockKind.LAYER)
+        experts = expert_block_params(view, layout, BlockKind.LAYER)
         for i, st in enumerate(stages):
             n = ct.layer_kinds[st.first_layer:st.end_layer].count(k)
             lay = replace(layout, recompute=st.recompute)
-            bt = cost.block_time(view, hw, lay, BlockKind.LAYER, seq_len=seq_len)
-            act = cost.block_activation_bytes(view, lay, BlockKind.LAYER, seq_len=seq_len, hw=hw) * \
+            bt = block_time(view, hw, lay, BlockKind.LAYER, seq_len=seq_len)
+            act = block_activation_bytes(view, lay, BlockKind.LAYER, seq_len=seq_len, hw=hw) * \
                 schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages)
-            state = cost.state_bytes(params * n, layout, expert=experts * n)
+            state = state_bytes(params * n, layout, expert=experts * n)
             counts.append(n)
             times.append(n * bt.total_s)
             mems.append((state.weights + state.grads + state.optimizer + n * act) / 1e9)
