@@ -164,7 +164,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     install_ssd_mixers(model)  # the SSD as the cost model prices it (passes/capture/kernels.py, runtime/ssd.py)
     # CP first: its Mamba-2 mixers replace the mixer's forward, which TP's wrappers (checkpoint, the
     # sequence-parallel gather) then wrap
-    cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
+    cp = setup_context_parallel(model, plan.mesh, groups)  # None when cp == 1
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
     experts, expert_tp = frozenset(), ()
@@ -195,7 +195,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     runner = None
     if plan.mesh.pp > 1:
         from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner
-        from autoshard.runtime.stages import even_stages
+        from autoshard.ir import even_stages
 
         stages = plan.stages or even_stages(spec.layers, plan.chunks)
         runner = PipelineRunner(model, spec, stages, pp_group=groups.pp, device=device,
@@ -249,7 +249,7 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
     its plan (or the error its checks raised) with the others' in one small all-gather, so a rank given
     another plan or a bad one ends every rank with the same error instead of a hang
     (runtime/agreement.py); then this rank's groups and shard table: (plan, groups, program).
-    `generate`: a generation replica's plan, checked by generate's rules (layouts.check_plan)."""
+    `generate`: a generation replica's plan, checked by generate's rules (rules/validity.check_plan)."""
     try:
         plan, error = resolve(), None
         check_plan(plan, spec, world_size=world, generate=generate)

@@ -17,7 +17,7 @@ fingerprint, hardware, devices, mesh) plus:
 
 Each replica runs `autoshard.parallelize(model, ids, plan=plan)` (the `InferencePlan` or its
 file) on its tp * pp * ep ranks, then `dm.generate(...)`: `parallelize` takes the replica's
-`Plan` from `replica_training_plan` and checks it with the generation rules (`layouts.check_plan(...,
+`Plan` from `replica_training_plan` and checks it with the generation rules (`validity.check_plan(...,
 generate=True)`), not the training batch rules, so any batch generates; such a model generates and
 evaluates but does not train. `replica_plan(role)` is the bare {"tp", "pp", "ep"} of a replica.
 """

@@ -20,7 +20,6 @@ from typing import Any
 import sympy
 
 from autoshard.commands.common import cost_table_for
-from autoshard.errors import InvalidConfigError
 from autoshard.cost_table import B, S, BlockCost, CostTable
 from autoshard.ir import POSITIVE_INT, OpKind
 from autoshard.model_spec import Mixer, ModelSpec

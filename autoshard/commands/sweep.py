@@ -73,7 +73,9 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
     pipeline schedule of every mesh with pp > 1 (None: 1F1B, GPipe with fewer micro-batches than
     stages); a mesh the schedule cannot run (`schedules.check_chunks`) is left out. Returns `Estimate`s,
     best first."""
-    from autoshard.passes.cost.cost import Layout, compile_table, estimate, mixed_violation
+    from autoshard.passes.cost.compiled import compile_table, mixed_violation
+    from autoshard.passes.cost.cost import estimate
+    from autoshard.passes.cost.layout import Layout
     from autoshard.rules.validity import sequence_parallel_violation, valid_meshes, zero_violation
     from autoshard.rules.sharding import runnable_strategies
 

@@ -70,7 +70,7 @@ class TrainingRun:
 
     def layout(self, *, moe_imbalance: float = 1.0):
         """The cost model's Layout: the per-rank choices as `stage_choices` where the ranks differ."""
-        from autoshard.passes.cost.cost import Layout
+        from autoshard.passes.cost.layout import Layout
 
         sp_differ = self.per_stage_sequence_parallel
         groups_differ = len(set(self.groups)) > 1

@@ -8,7 +8,7 @@ the family of its sequence mixer: MAMBA2 when a layer holds a Mamba-2 SSD mixer,
 `head_dim`, `n_groups`, `ssm_state_size`, `conv_kernel_size`, `chunk_size`), not by class name, with
 those numbers; else LLAMA with the config's attention numbers. What the spec holds is what capture and
 `inspect` need (the family's sampled lengths and fused kernels); planning a mixed stack is refused by
-name in `passes/cost.compile_table` until the cost model prices a stage as the sum of its kinds.
+name in `passes/cost/compiled.compile_table` until the cost model prices a stage as the sum of its kinds.
 """
 
 from __future__ import annotations

@@ -81,17 +81,6 @@ def split_batch(input_ids: Tensor, labels: Tensor | None, ctx: CPContext,
     return split_sequence(input_ids, ctx, layout), positions, targets
 
 
-def cp_loss(logits: Tensor, targets: Tensor, *, num_tokens: int | Tensor) -> Tensor:
-    """Sum of cross-entropy over this rank's valid (already shifted) targets / `num_tokens`.
-
-    `num_tokens` is the valid-token count of the global batch, so the sum of this value over
-    the CP (and DP) group is the global mean loss.
-    """
-    total = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                              ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / num_tokens
-
-
 # -- switching a model ----------------------------------------------------------------------
 
 def enable_context_parallel(model: nn.Module, ctx: CPContext) -> SeqLayout:

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Recompute, Stage, check_stages, even_stages  # noqa: F401  (re-exported)
+from autoshard.ir import Recompute, Stage
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.runtime.comm import gather_sequence, split_sequence
 

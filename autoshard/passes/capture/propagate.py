@@ -33,8 +33,9 @@ from typing import Mapping
 from torch import fx
 
 from autoshard.passes.capture.capture import Captured
-from autoshard.passes.capture.placement_rules import P, R, RULES, X, Z, Context, Partial, Placement, Replicate, \
-    Shard, Unknown, Unprovable, fill_zeros, flatten
+from autoshard.passes.capture.placement_rules import RULES
+from autoshard.passes.capture.placements import (P, R, X, Z, Context, Partial, Placement, Replicate, Shard, Unknown,
+                                                  Unprovable, fill_zeros, flatten)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -45,7 +45,6 @@ from enum import Enum
 
 import numpy as np
 
-from autoshard.errors import InvalidConfigError
 from autoshard.ir import POSITIVE_INT
 from autoshard.hardware import DeviceProfile
 

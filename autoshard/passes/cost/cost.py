@@ -85,20 +85,14 @@ from autoshard.passes.cost import moe_cost
 from autoshard.rules import schedules
 from autoshard.rules.validity import plan_violation
 from autoshard.passes.cost.precision import resolve_precision
-# the pieces (passes/cost/{layout,compiled,block,state,pipeline}.py): what `estimate` composes, and what
-# the planner and the serving model read as cost.NAME
-from autoshard.passes.cost.layout import BlockTime, Estimate, Layout, MemoryBreakdown, OPTIM_TRAFFIC, TimeBreakdown
-from autoshard.passes.cost.compiled import (CompiledBlock, CompiledTable, compile_table, mixed_violation,
-                                            priced_nodes, stage_blocks)
-from autoshard.passes.cost.block import (_block_time, _node_times, _recompute_time, _tokens, _tp_comm, _tp_divisor,
-                                         block_activation_bytes, block_params, block_time, block_times,
-                                         cp_attention_overwork, expert_block_params, fwd_bwd_s, gemm_efficiency,
-                                         memo_node_times, node_key, node_stem)
-from autoshard.passes.cost.state import (_sync_groups, bucketed_time, dp_bucket_params, dp_exposed_time,
-                                         offload_time, optimizer_time, state_bytes, tp_grad_sum_time,
-                                         zero2_staging_bytes, zero2_time, zero3_time, zero_exposed_time)
-from autoshard.passes.cost.pipeline import (_chunk_compute, logits_bytes, p2p_seconds, p2p_terms, p2p_time,
-                                            pipeline_time, sequence_boundary_time)
+# the pieces `estimate` composes (each imported from its own module by whoever else uses it)
+from autoshard.passes.cost.layout import Estimate, Layout, MemoryBreakdown, TimeBreakdown
+from autoshard.passes.cost.compiled import CompiledTable, compile_table, mixed_violation, stage_blocks
+from autoshard.passes.cost.block import (_node_times, _tp_comm, _tp_divisor, block_activation_bytes, block_params,
+                                         block_time, expert_block_params)
+from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, tp_grad_sum_time,
+                                         zero2_staging_bytes, zero_exposed_time)
+from autoshard.passes.cost.pipeline import logits_bytes, p2p_time, pipeline_time
 
 
 def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:

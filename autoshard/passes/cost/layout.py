@@ -15,6 +15,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.ir import (BOOLEAN, PLAN_FIELD, Fp8Recipe, Mesh, Precision, Recompute, Schedule, Stage, check_fields,
                           fp8_recipe_of, offload_violation)
 from autoshard.passes.cost.precision import PrecisionNumbers, precision_numbers
+from autoshard.rules.schedules import microbatches_per_step
 
 
 OPTIM_TRAFFIC = 30.0  # HBM bytes per parameter of an Adam step: grad r, master/m/v r+w, bf16 w
@@ -79,9 +80,8 @@ class Layout:
         return self.precision, self.fp8_recipe
 
     def microbatches(self, global_batch: int) -> int:
-        """Micro-batches per step: the batch splits over dp x ep (the ep peers take their own rows, as
-        runtime/dist_model.py slices them), each replica's rows into micro-batches."""
-        return global_batch // (self.mesh.dp * self.mesh.ep * self.micro_batch)
+        """Micro-batches per step (rules/schedules.microbatches_per_step)."""
+        return microbatches_per_step(global_batch, self.mesh, self.micro_batch)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

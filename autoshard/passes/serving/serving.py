@@ -6,7 +6,7 @@ best TPOT any configuration reaches, and the constraint that binds).
 
 Search (exhaustive; every number from `passes/serving/inference_cost.py`):
 * layouts: every (tp, pp, ep) with tp * pp * ep dividing `devices` that generate's own check
-  accepts (`layouts.generate_violation`, what `DistributedModel.generate` asks: tp as the sharding
+  accepts (`validity.generate_violation`, what `DistributedModel.generate` asks: tp as the sharding
   table allows, pp <= layers, ep dividing the experts of a MoE model, 1 for a dense one);
   replicas = devices / (tp * pp * ep).
 * colocated (what `DistributedModel.generate` runs, per replica): for each layout the largest batch

@@ -40,14 +40,16 @@ from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 from autoshard.ir import (BlockKind, Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, chunk_layers,
                           even_stages, is_positive_int, stage_rank)
 from autoshard.passes.cost import cost
-from autoshard.passes.cost.cost import CompiledTable, Layout
+from autoshard.passes.cost.compiled import compile_table, mixed_violation
+from autoshard.passes.cost.compiled import CompiledTable
+from autoshard.passes.cost.layout import Layout
 from autoshard.errors import AutoshardError
 from autoshard.rules.validity import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALLEL, RUNTIME_ZERO, mesh_micro_batches,
                                      sequence_parallel_violation, zero_violation)
 from autoshard.passes.cost.precision import resolve_precision
-from autoshard.rules.schedules import bubble_fraction, check_chunks
+from autoshard.rules.schedules import check_chunks, microbatches_per_step
 from autoshard.passes.solve import ranges
-from autoshard.passes.solve.bounds import Bounds, LazyBounds, least_block_s, lower_bounds, refined_step_bound  # noqa: F401 (lower_bounds: tests)
+from autoshard.passes.solve.bounds import Bounds, LazyBounds, least_block_s, lower_bounds, refined_step_bound
 from autoshard.rules.sharding import choices, strategy_options
 from autoshard.passes.solve.solve_model import (Assignment, MeshProblem, SplitSearch, evaluate, mesh_problem,
                                           min_stage_sum, split_search, stage_numbers, stage_variants)
@@ -290,13 +292,13 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
                       moe_imbalance: float = 1.0, precision: Precision = Precision.AUTO,
                       fp8_recipe: Fp8Recipe | None = None, meshes: Callable | None = None) -> CandidateLayouts:
     """Every (mesh, micro-batch, intra-op strategy, ZeRO, schedule) the planner searches: the valid
-    (mesh, micro-batch) pairs of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses)
+    (mesh, micro-batch) pairs of `validity.mesh_micro_batches` (the divisibility rules `sweep` uses)
     times, under tp > 1, sequence parallelism on / off (`sequence_parallel`, the values the runtime
-    runs: `layouts.RUNTIME_SEQUENCE_PARALLEL`) and every combination of the sharding table's intra-op
+    runs: `validity.RUNTIME_SEQUENCE_PARALLEL`) and every combination of the sharding table's intra-op
     choices that goes with it (`sharding.strategy_options`: embedding / head vocab-parallel or
     replicated, Mamba-2 groups split or whole) times the ZeRO levels the runtime runs that go with the
-    mesh (`layouts.zero_violation`) times, for pp > 1, the pipeline schedules and virtual stages the
-    runtime runs (`layouts.RUNTIME_SCHEDULES`); `offload`: ZeRO-3 also with optimizer offload (where
+    mesh (`validity.zero_violation`) times, for pp > 1, the pipeline schedules and virtual stages the
+    runtime runs (`validity.RUNTIME_SCHEDULES`); `offload`: ZeRO-3 also with optimizer offload (where
     the device profile prices the host link); `moe_imbalance`: the busiest expert's load over the mean
     (passes/cost/moe_cost.py), the same for every layout; `precision` (and `fp8_recipe`): of every layout (the
     planner asks once per precision the device runs, `planner_precisions`); `meshes`: which meshes to keep (a
@@ -321,7 +323,7 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
     schedules_of = {}  # (pp, micro-batches) -> the schedules that go with them
     parts = []
     for mesh, mb in pairs:
-        key = (mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))
+        key = (mesh.pp, microbatches_per_step(global_batch, mesh, mb))
         if key not in schedules_of:
             schedules_of[key] = tuple(pipeline_schedules(spec, *key, schedules))
         parts.append(_pair_layouts(mesh, mb, intra[mesh], zeros, offload, schedules_of[key], moe_imbalance, precision,
@@ -510,7 +512,7 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         ep_bounds[e] = (float(step_b[mine & fits].min(initial=math.inf)), float(peak_b[mine].min()))
     kept = sorted(np.flatnonzero(fits).tolist(), key=lambda k: (step_b[k], k))
     best: dict = {}  # mesh -> best Candidate on it
-    numbers: dict = {}
+    numbers = _kept_numbers(ct, hw, seq_len)
     visited = 0
 
     for done, k in enumerate(kept):
@@ -521,8 +523,8 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
         if bound >= cutoff * (1 - 1e-9):
             continue
-        key = (layout.mesh, layout.micro_batch, layout.strategies, layout.schedule, layout.virtual_stages,
-               layout.precision, layout.fp8_recipe)
+        key = ("stage numbers", layout.mesh, layout.micro_batch, layout.strategies, layout.sequence_parallel,
+               layout.schedule, layout.virtual_stages, layout.precision, layout.fp8_recipe, layout.moe_imbalance)
         if key not in numbers:
             numbers[key] = stage_numbers(ct, hw, layout, seq_len=seq_len, memo=numbers,
                                          recomputes=(Recompute.NONE, Recompute.FULL))
@@ -534,16 +536,28 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
 
 
+def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:
+    """The block numbers a mixed stack's search reuses over plans (a re-plan at another global batch needs the
+    same ones), kept in `ct.memo` for the last two (device, sequence length) pairs."""
+    kept = ct.memo.setdefault("range numbers", {})
+    key = (hw, seq_len)
+    if key not in kept:
+        while len(kept) >= 2:
+            kept.pop(next(iter(kept)))
+        kept[key] = {}
+    return kept[key]
+
+
 def _priced_layout(ct: CompiledTable, layout: Layout) -> bool:
     """Whether the planner searches `layout` for `ct`: every layout of a one-kind model; of a mixed stack those
     its per-kind tables price (`cost.mixed_violation`) with one model chunk per rank (a rank of an interleaved
     pipeline holds no one layer range)."""
-    return not ct.kinds or (layout.virtual_stages == 1 and cost.mixed_violation(ct, layout) is None)
+    return not ct.kinds or (layout.virtual_stages == 1 and mixed_violation(ct, layout) is None)
 
 
 def _priced_mesh(ct: CompiledTable, mesh) -> bool:
     """Whether a mixed stack's per-kind tables price `mesh` (`cost.mixed_violation`)."""
-    return cost.mixed_violation(ct, Layout(mesh=mesh)) is None
+    return mixed_violation(ct, Layout(mesh=mesh)) is None
 
 
 def _all_sequence_parallel(problem: MeshProblem, a: Assignment) -> bool:
@@ -576,7 +590,7 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
     hw = load_hardware(hw)
     t0 = time.perf_counter()
     offload = hw.host_link_bandwidth is not None and hw.host_memory_bandwidth is not None
-    mixed = cost.compile_table(table, spec) if table is not None else None
+    mixed = compile_table(table, spec) if table is not None else None
     meshes = functools.partial(_priced_mesh, mixed) if mixed is not None and mixed.kinds else None
     parts = [part for precision, recipe in planner_precisions(hw)
              for part in candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len,
@@ -588,7 +602,7 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
             f"no valid layout of {devices} devices for {spec.name}: tp must divide the heads ({spec.heads}), "
             f"pp <= layers ({spec.layers}), dp x micro-batch must divide the global batch ({global_batch}); "
             "change the device count or the global batch")
-    ct = cost.compile_table(table if table is not None else build_cost_table(spec, kernels=hw.kernels), spec)
+    ct = compile_table(table if table is not None else build_cost_table(spec, kernels=hw.kernels), spec)
     result = search(ct, hw, global_batch=global_batch, seq_len=seq_len, layouts=layouts,
                     time_limit_s=time_limit_s, progress=progress)
     if not result.found:

@@ -10,7 +10,7 @@ import functools
 import pytest
 
 from autoshard.models.presets import build_model, get_spec
-from autoshard.passes.capture.placement_rules import R, Shard
+from autoshard.passes.capture.placements import R, Shard
 from autoshard.passes.capture.tp_proof import prove_tp, strategy, table_findings
 from tests.runtime.families import DENSE, MOE, REFUSED
 
