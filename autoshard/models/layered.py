@@ -55,7 +55,9 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
         spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads,
                          kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                          ffn=getattr(config, "intermediate_size", 0) or 0, **common)
-    spec = _with_experts(spec, model, stack, config)
+    # the axes the runtime refuses on this model are not searched either (rules/validity.axis_violation): a plan
+    # of `autoshard plan` is one `parallelize` runs
+    spec = replace(_with_experts(spec, model, stack, config), refused=hybrid_refusals(model) or ())
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
     if why:
         raise InvalidConfigError(f"{name}: {why}")
