@@ -79,3 +79,18 @@ def test_rope_scaling_lifts_the_position_limit():
     assert max_positions(spec, LlamaConfig(max_position_embeddings=131072, rope_parameters=llama31)) == 131072
     assert max_positions(spec, LlamaConfig(max_position_embeddings=8, rope_parameters=dict(rope, rope_type="dynamic",
                                                                                           factor=2.0))) is None
+
+
+@pytest.mark.parametrize("model_type,overrides,want", [
+    ("mistral", dict(sliding_window=4), (4, 2)),  # config.sliding_window, passed by every layer's attention
+    ("gemma2", {}, (4, 1)),  # alternating: the attention module's own sliding_window, None on full layers
+    ("qwen2", dict(sliding_window=4, use_sliding_window=False), (0, 0)),  # a window the config turns off
+    ("llama", {}, (0, 0)),
+])
+def test_sliding_window_is_read_where_the_attention_call_gets_it(model_type, overrides, want):
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.models.tiny import build_tiny, tiny_config
+
+    config = tiny_config(model_type, **overrides)
+    spec = spec_from_hf_config(config, name=model_type, model=build_tiny(config, device="meta"))
+    assert (spec.sliding_window, spec.window_layers) == want

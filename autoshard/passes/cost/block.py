@@ -145,7 +145,8 @@ def _node_times_many(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Lay
         gemm_t = np.where(blk.float8, float8_gemm_seconds(hw, flops, dims, cast_bytes=first.numbers.cast_bytes), gemm_t)
     if _flash(ct, hw):  # the attention nodes as the flash kernel runs them (passes/cost/fused_regions.py)
         attn = blk.is_gemm & blk.quadratic
-        flash = fused_regions.flash_attention_flops(flops, blk.fwd, seq_len=seq_len, causal=True)
+        share = fused_regions.attention_tile_fraction(ct.spec, seq_len)  # causal, or a sliding window's band
+        flash = fused_regions.flash_attention_flops(flops, blk.fwd, share=share)
         gemm_t = np.where(attn, flash / (peak * hw.attention_efficiency), gemm_t)
     return np.maximum(gemm_t, mem_t)
 

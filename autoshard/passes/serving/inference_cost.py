@@ -307,7 +307,7 @@ def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
     if spec.mixer is Mixer.ATTENTION:
         head_dim = spec.attention_head_dim
         kv_local = spec.kv_heads // sharding.parts(spec, "self_attn.k_proj", tp)
-        return 2.0 * batch * tokens * kv_local * head_dim * dtype_bytes
+        return 2.0 * batch * spec.attended_tokens(tokens) * kv_local * head_dim * dtype_bytes  # a window: its tokens
     ssm = batch * (spec.heads // tp) * spec.head_dim * spec.state * SSM_STATE_BYTES
     conv = batch * _conv_channels(spec, tp) * spec.conv * dtype_bytes
     return float(ssm + conv)
@@ -324,7 +324,7 @@ def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch
     """One layer's sequence mixing for one decode step on one device (see the module docstring)."""
     spec = it.spec
     if spec.mixer is Mixer.ATTENTION:
-        flops = float(it.attention_flops(batch, context)) / tp  # heads split over tp
+        flops = float(it.attention_flops(batch, spec.attended_tokens(context))) / tp  # heads split over tp; a window's keys
         q_out = 2.0 * batch * spec.hidden / tp * ACT_BYTES
         nbytes = cache_bytes_per_layer(spec, batch=batch, tokens=context, tp=tp) + q_out  # the config's head_dim
     else:
