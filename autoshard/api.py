@@ -51,8 +51,8 @@ from torch import Tensor, nn
 from autoshard import errors
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.fingerprint import check_plan_matches, fingerprint_module
-from autoshard.inference_plan import InferencePlan, is_inference_plan
-from autoshard.ir import AXES, Mesh, Plan, Precision, is_positive_int
+from autoshard.inference_plan import InferencePlan, read_plan_file
+from autoshard.ir import AXES, INTEGER, PLAN_FIELD, POSITIVE_INT, Mesh, Plan, Precision
 from autoshard.models.presets import max_positions, position_violation, spec_from_hf_config
 from autoshard.rules.validity import MIN_SEQ_LEN, backend_violation, check_plan
 from autoshard.passes.rewrite import Replicate, shard_program
@@ -69,8 +69,7 @@ from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 log = logging.getLogger("autoshard")
 
 PLAN_HINT = "give every rank the same plan, model and settings of autoshard.parallelize"
-PLAN_KEYS = (*AXES, "micro_batch", "zero", "offload_optimizer", "recompute", "precision", "fp8_recipe", "schedule",
-             "virtual_stages", "sequence_parallel", "strategies")
+PLAN_KEYS = (*AXES, *(name for name, f in PLAN_FIELD.items() if f.key))  # the mesh and the plan keys of ir.PLAN_FIELDS
 
 
 def parallelize(model: nn.Module, example_inputs: Any, *,
@@ -106,7 +105,14 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     device = _device(model, device, hardware)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     fingerprint = fingerprint_module(model)
-    serving = plan is not None and is_inference_plan(plan)  # one generation replica: generate's own rules
+    # a plan file is read once, here; what is wrong with it is raised inside resolve(), on every rank alike
+    requested, unreadable = plan, None
+    if isinstance(plan, (str, Path)):
+        try:
+            requested = read_plan_file(plan)
+        except AutoshardError as e:
+            unreadable = e
+    serving = isinstance(requested, InferencePlan)  # one generation replica: generate's own rules
     if plan is None:  # rank 0 solves, every rank runs what it broadcasts
         init_default_group(backend=backend_for(device), env=dict(os.environ), device=device, timeout_s=timeout_s)
         # first, that every rank asked for it: a rank given a plan meets this, not the solver's broadcast
@@ -117,20 +123,19 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                                  device=device)
         given = lambda: solved  # noqa: E731
     else:
-        requested = plan
-
         def given() -> Plan:
+            if unreadable is not None:
+                raise unreadable
             if serving:
-                inference = requested if isinstance(requested, InferencePlan) else InferencePlan.load(requested)
                 from autoshard.rules.sharding import runnable_strategies
 
-                strategies = runnable_strategies(spec, inference.pools[-1].tp) or ()  # what the planner priced
-                return inference.replica_training_plan(world=world, seq_len=ids.shape[1], fingerprint=fingerprint,
+                strategies = runnable_strategies(spec, requested.pools[-1].tp) or ()  # what the planner priced
+                return requested.replica_training_plan(world=world, seq_len=ids.shape[1], fingerprint=fingerprint,
                                                        strategies=strategies)
             out = _resolve_plan(requested, spec=spec, seq_len=ids.shape[1],
                                 global_batch=global_batch or ids.shape[0], hardware=hardware)
             if not isinstance(requested, Mapping):  # a Plan or a file: made for this model and world size?
-                source = f"plan file {requested}" if isinstance(requested, (str, Path)) else "the plan"
+                source = f"plan file {plan}" if isinstance(plan, (str, Path)) else "the plan"
                 check_plan_matches(out, fingerprint=fingerprint, devices=world, source=source)
             return out
 
@@ -159,7 +164,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     install_ssd_mixers(model)  # the SSD as the cost model prices it (passes/capture/kernels.py, runtime/ssd.py)
     # CP first: its Mamba-2 mixers replace the mixer's forward, which TP's wrappers (checkpoint, the
     # sequence-parallel gather) then wrap
-    cp = setup_context_parallel(model, plan.mesh, groups)  # issue 6: None when cp == 1
+    cp = setup_context_parallel(model, plan.mesh, groups)  # None when cp == 1
     apply_tensor_parallel(model, program, groups.tp if plan.mesh.tp > 1 else None, seed=seed)
     model.to(device)
     experts, expert_tp = frozenset(), ()
@@ -190,7 +195,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     runner = None
     if plan.mesh.pp > 1:
         from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner
-        from autoshard.runtime.stages import even_stages
+        from autoshard.ir import even_stages
 
         stages = plan.stages or even_stages(spec.layers, plan.chunks)
         runner = PipelineRunner(model, spec, stages, pp_group=groups.pp, device=device,
@@ -244,7 +249,7 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
     its plan (or the error its checks raised) with the others' in one small all-gather, so a rank given
     another plan or a bad one ends every rank with the same error instead of a hang
     (runtime/agreement.py); then this rank's groups and shard table: (plan, groups, program).
-    `generate`: a generation replica's plan, checked by generate's rules (layouts.check_plan)."""
+    `generate`: a generation replica's plan, checked by generate's rules (rules/validity.check_plan)."""
     try:
         plan, error = resolve(), None
         check_plan(plan, spec, world_size=world, generate=generate)
@@ -269,15 +274,14 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
 def _check_arguments(*, global_batch, optimizer, seed, hardware, timeout_s) -> None:
     """parallelize's own arguments, on every rank alike before any process group (a world of one raises
     here; a wrong one would otherwise be ignored, e.g. global_batch=0 taken as 'not given')."""
-    if global_batch is not None and not is_positive_int(global_batch):
+    if global_batch is not None and not POSITIVE_INT.ok(global_batch):
         raise InvalidConfigError(f"global_batch must be a positive integer (sequences per optimizer step), got "
                                  f"{global_batch!r}; or leave it out to use the example batch's size")
     if optimizer is not None and not callable(optimizer):
         raise InvalidConfigError(f"optimizer must be a callable taking the parameters and returning a "
                                  f"torch.optim.Optimizer (e.g. functools.partial(torch.optim.AdamW, lr=1e-3)), got "
                                  f"{type(optimizer).__name__}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidConfigError(f"seed must be an integer, got {seed!r}")
+    INTEGER.check("seed", seed)
     check_timeout(timeout_s)
     if hardware != "auto":
         from autoshard.hardware import load_hardware
@@ -406,27 +410,28 @@ def _announce(plan: Plan) -> None:
 
 
 def _resolve_plan(plan: Any, *, spec, seq_len: int, global_batch: int, hardware: str) -> Plan:
+    """The Plan of `plan`: itself, or a dict of PLAN_KEYS (a key given as None takes its default), each value
+    checked by its field's own rule (ir.PLAN_FIELDS) and named as a plan key. A file is read by the caller
+    (`read_plan_file`), once."""
     if isinstance(plan, Plan):
         return plan
-    if isinstance(plan, (str, Path)):
-        return Plan.load(plan)
+    if isinstance(plan, InferencePlan):
+        raise InvalidConfigError("an inference plan runs under autoshard.parallelize (dm.generate), not under the "
+                                 "torch.compile backend; give the backend a training plan, or a dict such as "
+                                 "dict(dp=2, tp=2)")
     if not isinstance(plan, Mapping):
         raise InvalidConfigError(f"plan must be a dict, a Plan or a path to a plan file, got {type(plan).__name__}")
     unknown = sorted(set(plan) - set(PLAN_KEYS))
     if unknown:
         raise InvalidConfigError(f"unknown plan keys {unknown}; known keys: {', '.join(PLAN_KEYS)}")
-    mesh = Mesh(**{axis: plan.get(axis, 1) for axis in AXES})
-    for key, default in (("micro_batch", 1), ("zero", 0)):
-        value = plan.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise InvalidConfigError(f"plan key {key!r} must be an integer, got {value!r}")
-    options = {key: plan[key] for key in ("precision", "fp8_recipe", "schedule", "virtual_stages", "offload_optimizer",
-                                          "sequence_parallel", "strategies")
-               if plan.get(key) is not None}
+    given = {key: value for key, value in plan.items() if value is not None}
+    for key, value in given.items():
+        if key not in AXES:  # a mesh axis: Mesh's own check
+            PLAN_FIELD[key].parse(value, f"plan key {key!r}")
+    mesh = Mesh(**{axis: given.pop(axis, 1) for axis in AXES})
     # devices: the mesh's own size; check_plan (the one validator) compares it with the world size
     return Plan(model=spec.name, fingerprint="", hardware=hardware, devices=mesh.size, global_batch=global_batch,
-                seq_len=seq_len, mesh=mesh, micro_batch=plan.get("micro_batch", 1), zero=plan.get("zero", 0),
-                recompute=plan.get("recompute") or "none", **options)
+                seq_len=seq_len, mesh=mesh, **given)
 
 
 # -- torch.compile backend -------------------------------------------------------------------
@@ -450,7 +455,8 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
 
     def resolve() -> Plan:
         # the backend takes any sequence (no cp, no sequence parallelism): MIN_SEQ_LEN stands for it
-        given = _resolve_plan(requested, spec=spec, seq_len=MIN_SEQ_LEN,
+        given = _resolve_plan(read_plan_file(requested) if isinstance(requested, (str, Path)) else requested,
+                              spec=spec, seq_len=MIN_SEQ_LEN,
                               global_batch=global_batch or world, hardware="auto")
         why = backend_violation(spec, given)  # what the backend adds to the plan rules (check_plan, below)
         if why:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
+from autoshard.ir import NON_NEGATIVE_INT, POSITIVE_INT
 from autoshard.json_file import load_json
 
 GB = 1e9
@@ -89,9 +90,9 @@ class DeviceProfile:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a positive finite "
                                          f"number, got {value!r}")
-        if not isinstance(self.devices_per_node, int):
-            raise InvalidConfigError(f"hardware profile {self.name!r}: field 'devices_per_node' must be an "
-                                     f"integer, got {self.devices_per_node!r}")
+        why = POSITIVE_INT.violation("field 'devices_per_node'", self.devices_per_node)
+        if why:
+            raise InvalidConfigError(f"hardware profile {self.name!r}: {why}")
         fp8 = [getattr(self, f) is None for f in _FP8_FIELDS]
         if any(fp8) and not all(fp8):
             raise InvalidConfigError(f"hardware profile {self.name!r}: give all of {', '.join(_FP8_FIELDS)} (a device "
@@ -107,9 +108,9 @@ class DeviceProfile:
                 raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a "
                                          f"{'non-negative' if f in SERVING_FIELDS else 'positive'} finite "
                                          f"number (or absent), got {value!r}")
-        if self.step_input_broadcasts is not None and not isinstance(self.step_input_broadcasts, int):
+        if self.step_input_broadcasts is not None and not NON_NEGATIVE_INT.ok(self.step_input_broadcasts):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'step_input_broadcasts' counts the "
-                                     f"collectives of a serving step and must be a whole number, got "
+                                     f"collectives of a serving step and must be {NON_NEGATIVE_INT.phrase}, got "
                                      f"{self.step_input_broadcasts!r}")
         if not isinstance(self.kernels, (list, tuple)) or not all(isinstance(k, str) for k in self.kernels):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'kernels' must be a list of "
@@ -175,7 +176,7 @@ ASCEND_910B = DeviceProfile(
     gemm_efficiency=0.9,
     gemm_half_dim=64.0,
     vector_efficiency=0.85,
-    kernels=("ssd_chunk_scan_torch",),
+    kernels=("ssd_chunk_scan",),
     attention_efficiency=0.5,
     sources=(
         ("peak_flops", "arXiv 2602.09109 case study: 378.88 TFLOPS fp16/bf16 GEMM per 910B"),
@@ -194,12 +195,12 @@ ASCEND_910B = DeviceProfile(
         ("attention_efficiency", "unused: no fused kernels listed, attention priced as GEMMs (the calibration)"),
         ("log_collectives", "HCCL (CANN collective communication docs): besides the ring, full-mesh inside a node and "
                             "recursive halving-doubling / NHR across nodes for AllReduce, AllGather, ReduceScatter"),
-        ("kernels", "ssd_chunk_scan_torch only: the Mamba-2 SSD as MindSpeed-LLM trains it on the 910B "
-                    "(mindspeed_llm/tasks/models/ssm/state_space_duality.py StateSpaceProcessor: a chunked SSD in "
-                    "torch ops, the l x l decay and score tensors kept for backward; MindSpeed patches mamba_ssm's "
-                    "mamba_chunk_scan_combined with a dummy, there is no fused SSD on Ascend), docs/cost_model.md "
-                    "'Mamba-2 on the 910B'; no LLaMA kernel: the profile was calibrated on the unfused HF graph "
-                    "(docs/hardware.md)"),
+        ("kernels", "ssd_chunk_scan only: autoshard's runtime/ssd.py on torch_npu (saves its inputs and chunk "
+                    "states, arXiv 2405.21060 sec. 6), which is what an autoshard plan runs; MindSpeed-LLM's own "
+                    "torch SSD (StateSpaceProcessor) keeps far more and is the rule ssd_chunk_scan_torch, not "
+                    "listed: priced as it keeps, it moves the held-out runs that fit in 60 GB further from fitting "
+                    "(docs/cost_model.md 'Mamba-2 on the 910B'); no LLaMA kernel: the profile was calibrated on the "
+                    "unfused HF graph (docs/hardware.md)"),
     ),
 )
 

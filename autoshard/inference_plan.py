@@ -17,7 +17,7 @@ fingerprint, hardware, devices, mesh) plus:
 
 Each replica runs `autoshard.parallelize(model, ids, plan=plan)` (the `InferencePlan` or its
 file) on its tp * pp * ep ranks, then `dm.generate(...)`: `parallelize` takes the replica's
-`Plan` from `replica_training_plan` and checks it with the generation rules (`layouts.check_plan(...,
+`Plan` from `replica_training_plan` and checks it with the generation rules (`validity.check_plan(...,
 generate=True)`), not the training batch rules, so any batch generates; such a model generates and
 evaluates but does not train. `replica_plan(role)` is the bare {"tp", "pp", "ep"} of a replica.
 """
@@ -25,12 +25,13 @@ evaluates but does not train. `replica_plan(role)` is the bare {"tp", "pp", "ep"
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from autoshard.errors import PlanFileError
-from autoshard.ir import Mesh, Plan, _jsonable, is_positive_int
+from autoshard.errors import InvalidConfigError, PlanFileError
+from autoshard.ir import POSITIVE_INT, TEXT, Check, Mesh, Plan, PlanField, check_fields
 from autoshard.json_file import read_plan_json
 
 INFERENCE_SCHEMA_VERSION = 1
@@ -45,6 +46,9 @@ class Pool:
     replicas: int
     batch: int
     ep: int = 1
+
+    def __post_init__(self) -> None:
+        check_fields(self, POOL_FIELDS)
 
     @property
     def devices(self) -> int:
@@ -67,6 +71,7 @@ class InferencePlan:
     schema_version: int = INFERENCE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        check_fields(self, INFERENCE_FIELDS)
         used = sum(p.devices for p in self.pools)
         if used != self.devices:
             raise PlanFileError(f"the pools use {used} devices but the plan has {self.devices}")
@@ -82,6 +87,19 @@ class InferencePlan:
     def mesh(self) -> Mesh:
         pool = self.pools[-1]
         return Mesh(dp=pool.replicas, pp=pool.pp, tp=pool.tp, ep=pool.ep)
+
+    @property
+    def kind(self) -> str:
+        return "inference"  # what tells the file from a training plan's
+
+    @property
+    def mode(self) -> str:
+        return "disaggregated" if self.disaggregated else "colocated"
+
+    @property
+    def batch(self) -> int:
+        """Sequences at once in a replica of the served pool."""
+        return self.pools[-1].batch
 
     def pool(self, role: str) -> Pool:
         for p in self.pools:
@@ -116,16 +134,8 @@ class InferencePlan:
 
     # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version, "kind": "inference", "model": self.model,
-            "fingerprint": self.fingerprint, "hardware": self.hardware, "devices": self.devices,
-            "mesh": self.mesh.as_dict(), "mode": "disaggregated" if self.disaggregated else "colocated",
-            "batch": self.pools[-1].batch, "prompt_len": self.prompt_len, "output_len": self.output_len,
-            "ttft_slo_s": self.ttft_slo_s, "tpot_slo_s": self.tpot_slo_s,
-            "pools": [{"role": p.role, "tp": p.tp, "pp": p.pp, "ep": p.ep, "replicas": p.replicas, "batch": p.batch}
-                      for p in self.pools],
-            "predicted": _jsonable(self.predicted), "solver": _jsonable(self.solver),
-        }
+        """One key per field of INFERENCE_FIELDS, in its order (kind, mesh, mode, batch: what the fields imply)."""
+        return {f.name: f.written(getattr(self, f.name)) for f in INFERENCE_FIELDS}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -142,14 +152,9 @@ class InferencePlan:
         if why:
             raise PlanFileError(f"{source}: {why}; make the plan again with `autoshard plan --inference --out`")
         try:
-            pools = tuple(Pool(role=str(p["role"]), tp=int(p["tp"]), pp=int(p["pp"]), ep=int(p.get("ep", 1)),
-                               replicas=int(p["replicas"]), batch=int(p["batch"])) for p in data["pools"])
-            return cls(model=str(data["model"]), fingerprint=str(data["fingerprint"]), hardware=str(data["hardware"]),
-                       devices=int(data["devices"]), prompt_len=int(data["prompt_len"]),
-                       output_len=int(data["output_len"]), ttft_slo_s=float(data["ttft_slo_s"]),
-                       tpot_slo_s=float(data["tpot_slo_s"]), pools=pools, predicted=dict(data.get("predicted", {})),
-                       solver=dict(data.get("solver", {})))
-        except (KeyError, TypeError, ValueError) as e:
+            pools = tuple(Pool(**_read(POOL_FIELDS, p)) for p in data["pools"])
+            return cls(**{**_read(INFERENCE_FIELDS, data), "pools": pools})
+        except (TypeError, InvalidConfigError) as e:  # a field left out (TypeError names it), a value Pool refuses
             raise PlanFileError(f"{source}: malformed inference plan ({type(e).__name__}: {e})") from None
 
     @classmethod
@@ -157,30 +162,63 @@ class InferencePlan:
         return cls.from_json(read_plan_json(path), source=str(path))
 
 
-FILE_KEYS = frozenset(("schema_version", "kind", "model", "fingerprint", "hardware", "devices", "mesh", "mode", "batch",
-                       "prompt_len", "output_len", "ttft_slo_s", "tpot_slo_s", "pools", "predicted", "solver"))
-POOL_KEYS = frozenset(("role", "tp", "pp", "ep", "replicas", "batch"))
+_SECONDS = Check("a positive finite number of seconds",
+                 lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf)
+_ROLE = Check(f"one of {', '.join(map(repr, ROLES))}", lambda v: v in ROLES)
+
+# In the file's order; `written_only`: what the other fields imply, written for the reader of the file, not read.
+INFERENCE_FIELDS: tuple[PlanField, ...] = (
+    PlanField(name="schema_version", check=POSITIVE_INT, doc="1"),
+    PlanField(name="kind", written_only=True, doc='"inference": what tells the file from a training plan\'s'),
+    PlanField(name="model", check=TEXT, doc="the preset or `package.module:factory` the plan was made for"),
+    PlanField(name="fingerprint", check=TEXT, doc="the model's fingerprint (autoshard/fingerprint.py)"),
+    PlanField(name="hardware", check=TEXT, doc="the device profile"),
+    PlanField(name="devices", check=POSITIVE_INT, doc="the devices of every pool together"),
+    PlanField(name="mesh", written=Mesh.as_dict, written_only=True,
+              doc="the served pool's replica mesh, dp = its replicas (the decode pool's when disaggregated)"),
+    PlanField(name="mode", written_only=True, doc='"colocated" or "disaggregated"'),
+    PlanField(name="batch", written_only=True, doc="sequences at once in a replica of the served pool"),
+    PlanField(name="prompt_len", check=POSITIVE_INT, doc="prompt tokens the plan was made for"),
+    PlanField(name="output_len", check=POSITIVE_INT, doc="generated tokens the plan was made for"),
+    PlanField(name="ttft_slo_s", check=_SECONDS, read=float, doc="time-to-first-token target, seconds"),
+    PlanField(name="tpot_slo_s", check=_SECONDS, read=float, doc="time-per-output-token target, seconds"),
+    PlanField(name="pools", form="a list of pool objects (below)",
+              written=lambda pools: [{f.name: getattr(p, f.name) for f in POOL_FIELDS} for p in pools],
+              doc="one per role: 'both' (colocated), or 'prefill' and 'decode' (disaggregated)"),
+    PlanField(name="predicted", read=dict, form="an object",
+              doc="ttft_s, tpot_s, throughput_tokens_per_s, memory_gb, memory_breakdown_gb, batch, time breakdowns"),
+    PlanField(name="solver", read=dict, form="an object",
+              doc="the runner-up and why it lost, layouts priced, seconds taken"),
+)
+POOL_FIELDS: tuple[PlanField, ...] = (
+    PlanField(name="role", check=_ROLE, doc="'both', 'prefill' or 'decode'"),
+    PlanField(name="tp", check=POSITIVE_INT, doc="tensor-parallel degree of a replica"),
+    PlanField(name="pp", check=POSITIVE_INT, doc="pipeline stages of a replica"),
+    PlanField(name="ep", check=POSITIVE_INT, doc="expert-parallel degree of a replica (1 unless a mixture of experts)"),
+    PlanField(name="replicas", check=POSITIVE_INT, doc="copies of the replica"),
+    PlanField(name="batch", check=POSITIVE_INT, doc="sequences a replica serves at once"),
+)
+FILE_KEYS = frozenset(f.name for f in INFERENCE_FIELDS)
+POOL_KEYS = frozenset(f.name for f in POOL_FIELDS)
+
+
+def _read(fields: tuple[PlanField, ...], data: Mapping) -> dict[str, Any]:
+    """The constructor's arguments from a file's object: each field that is read and present, by its `read`."""
+    return {f.name: f.read(data[f.name]) if f.read else data[f.name]
+            for f in fields if not f.written_only and f.name in data and f.name != "pools"}
 
 
 def _fields_violation(data: Mapping) -> str | None:
-    """What is wrong with an inference plan's fields (None: nothing): unknown keys (a misspelt one would
-    take its default), sizes that are not positive integers (`true`, 2.5 and "2" included: int() would
-    take them), targets that are not positive finite seconds."""
-    import math
-
-    def count(value) -> bool:
-        return is_positive_int(value)
-
+    """What is wrong with an inference plan's fields (None: nothing), named as the file's fields: unknown keys
+    (a misspelt one would take its default), values their field's check refuses (`true`, 2.5 and "2" are no
+    sizes: int() would take them; a target is positive finite seconds)."""
     unknown = sorted(set(data) - FILE_KEYS)
     if unknown:
         return f"unknown field(s) {unknown}; an inference plan has {', '.join(sorted(FILE_KEYS))}"
-    for key in ("devices", "prompt_len", "output_len"):
-        if key in data and not count(data[key]):
-            return f"field {key!r} must be a positive integer, found {data[key]!r}"
-    for key in ("ttft_slo_s", "tpot_slo_s"):
-        value = data.get(key)
-        if key in data and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
-            return f"field {key!r} must be a positive finite number of seconds, found {value!r}"
+    for f in INFERENCE_FIELDS:
+        why = f.check and f.name in data and f.check.violation(f"field {f.name!r}", data[f.name], verb="found")
+        if why:
+            return why
     pools = data.get("pools")
     if not isinstance(pools, list) or not all(isinstance(p, Mapping) for p in pools):
         return f"field 'pools' must be a list of pool objects, found {pools!r}"
@@ -188,21 +226,17 @@ def _fields_violation(data: Mapping) -> str | None:
         unknown = sorted(set(pool) - POOL_KEYS)
         if unknown:
             return f"pool {i}: unknown field(s) {unknown}; a pool has {', '.join(sorted(POOL_KEYS))}"
-        for key in ("tp", "pp", "ep", "replicas", "batch"):
-            if key in pool and not count(pool[key]):
-                return f"pool {i}: field {key!r} must be a positive integer, found {pool[key]!r}"
+        for f in POOL_FIELDS:
+            why = f.name in pool and f.check.violation(f"pool {i}: field {f.name!r}", pool[f.name], verb="found")
+            if why:
+                return why
     return None
 
 
-def is_inference_plan(plan: Any) -> bool:
-    """Whether `plan` is an `InferencePlan` or names a file of one ("kind": "inference"). Never
-    raises: a file that cannot be read is left to the loader, which names the problem."""
-    if isinstance(plan, InferencePlan):
-        return True
-    if not isinstance(plan, (str, Path)):
-        return False
-    try:
-        data = read_plan_json(plan)
-    except PlanFileError:
-        return False
-    return isinstance(data, Mapping) and data.get("kind") == "inference"
+def read_plan_file(path: str | Path) -> Plan | InferencePlan:
+    """The plan in the file at `path`, read once: an `InferencePlan` when it says `"kind": "inference"`,
+    else a training `Plan`; PlanFileError naming what is wrong."""
+    data = read_plan_json(path)
+    if isinstance(data, Mapping) and data.get("kind") == "inference":
+        return InferencePlan.from_json(data, source=str(path))
+    return Plan.from_json(data, source=str(path))

@@ -3,7 +3,9 @@ the `ShardProgram` one tensor-parallel rank carries out (its `Replicate` / `Shar
 
 Terms: an *axis* is a mesh axis (dp, pp, tp, cp, ep); a *dim* is a tensor dimension.
 A `Plan` is what `solve` decides and `rewrite` carries out; it is JSON (never pickle) with a
-schema version, and refers to layers and op groups by stable names. No SymPy here: the
+schema version, and refers to layers and op groups by stable names. Its fields are defined once,
+in `PLAN_FIELDS` (what each must be, its JSON, its doc line), with the one rule of a count
+(`POSITIVE_INT`: booleans refused). No SymPy here: the
 symbolic cost table (`b`, `s`, NodeCost, CostTable) lives in `autoshard.cost_table`, so the
 runtime, which imports this module, never loads it.
 """
@@ -301,7 +303,7 @@ def _is_int(value: Any) -> bool:
 def is_positive_int(value: Any) -> bool:
     """The one rule for a count (a mesh degree, a batch, a length, a group size): an int of at least 1;
     a bool is refused (True would pass as 1 otherwise), and so are 1.0 and "2"."""
-    return _is_int(value) and value >= 1
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +324,7 @@ class Check:
             raise InvalidConfigError(why)
 
 
+INTEGER = Check("an integer", _is_int)
 POSITIVE_INT = Check("a positive integer", is_positive_int)
 NON_NEGATIVE_INT = Check("a non-negative integer", lambda v: _is_int(v) and v >= 0)
 BOOLEAN = Check("true or false", lambda v: isinstance(v, bool))
@@ -502,10 +505,12 @@ class PlanField:
 
     name: str
     doc: str  # its entry in docs/plan_format.md (tests/test_plan_fields.py holds the doc to every field)
+    form: str = ""  # what its JSON must be, for the docs, where `check` / `enum` do not say it (a structure)
     check: Check | None = None  # what the value must be; None: a structure its class checks (mesh, stages, ...)
     enum: type[Enum] | None = None  # an enum field: a member or its value, read into the member
     key: bool = False  # a plan key of parallelize(plan={...}) / autoshard.backend (api.PLAN_KEYS)
     optional: bool = False  # written only when set (not None), so the files of other plans stay as they were
+    written_only: bool = False  # what the other fields imply (a property): written for the file's reader, never read
     written: Callable[[Any], Any] = _jsonable  # the value -> its JSON
     read: Callable[[Any], Any] | None = None  # its JSON -> the value the class takes (None: as it is)
 
@@ -519,13 +524,29 @@ class PlanField:
         return value
 
 
+def fields_table(fields: tuple[PlanField, ...]) -> str:
+    """The markdown table of `fields` (name, what it must be, doc) that docs/plan_format.md carries."""
+    def must(f: PlanField) -> str:
+        if f.form:
+            return f.form
+        if f.enum is not None:
+            return ", ".join(f"`{m.value}`" for m in f.enum)
+        return "(implied by the others; written, not read)" if f.written_only else f.check.phrase if f.check else ""
+
+    rows = [f"| `{f.name}` | {must(f)} | {f.doc} |" for f in fields]
+    return "\n".join(["| field | must be | what it is |", "| --- | --- | --- |", *rows])
+
+
 def check_fields(obj: Any, fields: tuple[PlanField, ...]) -> None:
-    """Every field of `fields` of the frozen dataclass `obj` checked, an enum's value read into its member."""
+    """Every field of `fields` of the frozen dataclass `obj` checked, an enum's value read into its member
+    (`PlanField.parse`, inlined: the planner builds ~10^5 layouts)."""
     for f in fields:
         value = getattr(obj, f.name)
-        parsed = f.parse(value)
-        if parsed is not value:
-            object.__setattr__(obj, f.name, parsed)
+        if f.enum is not None:
+            if not isinstance(value, f.enum):
+                object.__setattr__(obj, f.name, _enum_field(f.enum, value, f.name))
+        elif f.check is not None and not f.check.ok(value):
+            raise InvalidConfigError(f.check.violation(f.name, value))
 
 
 def _mesh_from_json(value: Any) -> Mesh:
@@ -550,7 +571,7 @@ def _placements_from_json(value: Any) -> tuple[tuple[str, str], ...]:
 
 
 _MESH = Check("a Mesh (autoshard.ir.Mesh)", lambda v: isinstance(v, Mesh))
-_ZERO_LEVEL = Check("0, 1, 2 or 3", lambda v: _is_int(v) and 0 <= v <= 3)
+_ZERO_LEVEL = Check("0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3) and _is_int(v))
 _OBJECT = Check("a mapping", lambda v: isinstance(v, Mapping))
 
 # In the plan file's order.
@@ -565,8 +586,8 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
     PlanField(name="devices", check=POSITIVE_INT, doc="the world size the plan runs on"),
     PlanField(name="global_batch", check=POSITIVE_INT, doc="sequences per optimizer step"),
     PlanField(name="seq_len", check=POSITIVE_INT, doc="tokens per sequence"),
-    PlanField(name="mesh", check=_MESH, written=Mesh.as_dict, read=_mesh_from_json,
-              doc="{dp, pp, tp, cp, ep}, multiplying to devices (an axis left out is 1)"),
+    PlanField(name="mesh", check=_MESH, form="an object of positive integers", written=Mesh.as_dict,
+              read=_mesh_from_json, doc="{dp, pp, tp, cp, ep}, multiplying to devices (an axis left out is 1)"),
     PlanField(name="micro_batch", check=POSITIVE_INT, key=True, doc="sequences per micro-batch of a dp replica"),
     PlanField(name="zero", check=_ZERO_LEVEL, key=True, doc="ZeRO level 0-3"),
     PlanField(name="offload_optimizer", check=BOOLEAN, key=True,
@@ -576,18 +597,21 @@ PLAN_FIELDS: tuple[PlanField, ...] = (
     PlanField(name="precision", enum=Precision, key=True, doc="bf16-mixed, fp32, fp8 or auto (the device's own)"),
     PlanField(name="schedule", enum=Schedule, key=True, doc="the pipeline schedule"),
     PlanField(name="virtual_stages", check=POSITIVE_INT, key=True, doc="model chunks per pipeline rank"),
-    PlanField(name="sequence_parallel", key=True,
-              doc="Megatron-LM sequence parallelism: true / false, or one per model chunk"),
-    PlanField(name="strategies", key=True, written=lambda pairs: {k: _jsonable(v) for k, v in pairs},
-              doc="intra-op choices {choice: option} of the model's sharding table (rules/sharding.py CHOICES)"),
-    PlanField(name="stages", read=_stages_from_json,
+    PlanField(name="sequence_parallel", key=True, form="true or false, or a list of them (one per model chunk)",
+              doc="Megatron-LM sequence parallelism (\"Per-stage choices\" below)"),
+    PlanField(name="strategies", key=True, form="an object {choice: option, or a list of options per chunk}",
+              written=lambda pairs: {k: _jsonable(v) for k, v in pairs},
+              doc="intra-op choices of the model's sharding table (rules/sharding.py CHOICES)"),
+    PlanField(name="stages", form="a list of {first_layer, end_layer, embed, head, recompute}",
               written=lambda stages: [{**dataclasses.asdict(st), "recompute": st.recompute.value} for st in stages],
-              doc="pp * virtual_stages model chunks in model order, or none for an even split"),
-    PlanField(name="placements", written=dict, read=_placements_from_json, doc="{op group: placement}"),
-    PlanField(name="predicted", check=_OBJECT, doc="what the plan is predicted to cost (PREDICTED_FIELDS)"),
-    PlanField(name="solver", check=_OBJECT, doc="how it was solved, and the runner-up (SOLVER_FIELDS)"),
-    PlanField(name="fp8_recipe", key=True, optional=True,
-              doc="torchao's float8 recipe under precision fp8 only (tensorwise by default)"),
+              read=_stages_from_json, doc="pp * virtual_stages model chunks in model order, or none for an even split"),
+    PlanField(name="placements", form="an object of strings", written=dict, read=_placements_from_json,
+              doc="{op group: placement}"),
+    PlanField(name="predicted", check=_OBJECT, form="an object",
+              doc="what the plan is predicted to cost (PREDICTED_FIELDS)"),
+    PlanField(name="solver", check=_OBJECT, form="an object", doc="how it was solved, and the runner-up (SOLVER_FIELDS)"),
+    PlanField(name="fp8_recipe", key=True, optional=True, form="`tensorwise` or `rowwise` (written only under fp8)",
+              doc="torchao's float8 recipe, precision fp8 only (tensorwise by default)"),
 )
 PLAN_FIELD = {f.name: f for f in PLAN_FIELDS}
 PLAN_FILE_KEYS = frozenset(PLAN_FIELD)  # what Plan.to_json writes

@@ -59,6 +59,7 @@ class ModelSpec:
     # of the cache keys (passes/capture/table_cache.py), so the presets' shipped tables still match
     refused: tuple[tuple[str, str], ...] = _fact(())  # (axis, why) pairs this model cannot run yet
     grad_sum: tuple[str, ...] = _fact(())  # layer paths replicated over tp whose gradient is summed (q/k norms)
+    grad_sum_numel: int = _fact(0)  # elements per layer of those parameters (their tp all-reduce, priced per step)
     head_params: tuple[str, ...] = _fact(())  # attention parameters indexed by head (sinks): split with the heads
     attention_attrs: tuple[str, ...] = _fact(())  # the attention module's head-count attributes (num_heads, ...)
     embedding_plain: bool = _fact(True)  # a plain nn.Embedding (else: no vocab-parallel embedding is offered)

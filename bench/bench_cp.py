@@ -133,7 +133,9 @@ def predicted_volume(name: str, cp: int, seq: int, batch: int) -> float:
     from autoshard.hardware import load_hardware
     from autoshard.ir import BlockKind, Mesh
     from autoshard.models.presets import get_spec
-    from autoshard.passes.cost.cost import Layout, block_time, compile_table
+    from autoshard.passes.cost.block import block_time
+    from autoshard.passes.cost.compiled import compile_table
+    from autoshard.passes.cost.layout import Layout
     from autoshard.passes.capture.shapes import build_cost_table
 
     spec = get_spec(name)

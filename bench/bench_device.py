@@ -219,7 +219,9 @@ def predict(cfg: Config, hw_name: str, tables: dict) -> dict:
     from autoshard.commands.common import cost_table_for
     from autoshard.hardware import load_hardware
     from autoshard.ir import Mesh, Recompute
-    from autoshard.passes.cost.cost import Layout, compile_table, estimate
+    from autoshard.passes.cost.compiled import compile_table
+    from autoshard.passes.cost.cost import estimate
+    from autoshard.passes.cost.layout import Layout
 
     hw = load_hardware(hw_name)
     if cfg.model not in tables:

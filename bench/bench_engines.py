@@ -51,7 +51,7 @@ def express() -> None:
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import get_spec, preset_names
     from autoshard.passes.capture.shapes import build_cost_table
-    from autoshard.passes.cost.cost import compile_table
+    from autoshard.passes.cost.compiled import compile_table
     from autoshard.passes.solve.planner import solve
 
     engines = {"megatron": megatron, "torchtitan": torchtitan, "accelerate": accelerate}

@@ -53,7 +53,9 @@ def _side(spec: ModelSpec, ids, precision: str, recipe: str | None, device: str)
 def _predicted(spec: ModelSpec, hardware: str, batch: int, seq: int, recipe: str) -> dict:
     from autoshard.hardware import load_hardware
     from autoshard.ir import Mesh
-    from autoshard.passes.cost.cost import Layout, compile_table, estimate
+    from autoshard.passes.cost.compiled import compile_table
+    from autoshard.passes.cost.cost import estimate
+    from autoshard.passes.cost.layout import Layout
     from autoshard.passes.capture.shapes import build_cost_table
 
     hw = load_hardware(hardware)

@@ -31,7 +31,9 @@ from autoshard.ir import Mesh, Recompute
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import get_spec
 from autoshard.models.published import CALIBRATION_RUNS, FP8_CALIBRATION_RUNS, PublishedRun
-from autoshard.passes.cost.cost import Layout, compile_table, estimate, model_flops_per_token
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.cost import estimate, model_flops_per_token
+from autoshard.passes.cost.layout import Layout
 from autoshard.passes.capture.shapes import build_cost_table
 
 

@@ -19,7 +19,9 @@ from autoshard.commands.common import cost_table_for
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh
 from autoshard.passes.cost import moe_cost
-from autoshard.passes.cost.cost import Layout, compile_table, estimate, model_flops_per_token
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.cost import estimate, model_flops_per_token
+from autoshard.passes.cost.layout import Layout
 
 MEASURED_TFLOPS = 468.0  # Megatron-Core MoE README, Mixtral 8x7B, 64 H100
 MESH = Mesh(dp=2, pp=4, tp=1, ep=8)

@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from autoshard.model_spec import Mixer
 from autoshard.models.presets import build_model, get_spec
 from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner, Schedule
-from autoshard.runtime.stages import even_stages
+from autoshard.ir import even_stages
 
 
 class HandStage(nn.Module):

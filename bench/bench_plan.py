@@ -99,12 +99,12 @@ def replans() -> dict:
     bit)."""
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import get_spec
-    from autoshard.passes.cost import cost
+    from autoshard.passes.cost.compiled import compile_table
     from autoshard.passes.capture.shapes import build_cost_table
     from autoshard.passes.solve.planner import solve
 
     hw, spec = load_hardware("h100"), get_spec("llama-70b")
-    ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    ct = compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
     out = {}
     for name, (b, s) in (("first solve 1024/4096", (1024, 4096)), *((f"re-plan {b}/{s}", (b, s)) for b, s in SHAPES)):
         _, cpu, plan = timed(lambda: solve(spec, hw, devices=1024, global_batch=b, seq_len=s, table=ct,
@@ -184,13 +184,13 @@ def main() -> None:
 
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import get_spec
-    from autoshard.passes.cost import cost
+    from autoshard.passes.cost.compiled import compile_table
     from autoshard.passes.capture.shapes import build_cost_table
     from autoshard.passes.solve.planner import solve
 
     hw = load_hardware("h100")
     spec = get_spec("llama-70b")
-    wall, cpu, ct = timed(lambda: cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec))
+    wall, cpu, ct = timed(lambda: compile_table(build_cost_table(spec, kernels=hw.kernels), spec))
     print(f"in process: cost table read + compiled {wall:.2f} s wall, {cpu:.2f} s CPU")
     run = lambda b, s, d=1024, table=ct, sp=spec: solve(sp, hw, devices=d, global_batch=b, seq_len=s, table=table,
                                                        fingerprint="bench")
@@ -210,12 +210,12 @@ def memo_growth() -> None:
     where there is one: passes/cost/shape_memo.py) and the process's max RSS."""
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import get_spec
-    from autoshard.passes.cost import cost
+    from autoshard.passes.cost.compiled import compile_table
     from autoshard.passes.capture.shapes import build_cost_table
     from autoshard.passes.solve.planner import solve
 
     hw, spec = load_hardware("h100"), get_spec("llama-70b")
-    ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    ct = compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
     for s in range(1024, 16385, 1024):
         _, cpu, _ = timed(lambda: solve(spec, hw, devices=1024, global_batch=1024, seq_len=s, table=ct, fingerprint="bench"))
         held = sum(len(b.memo) + len(getattr(b, "shaped", ())) for b in ct.blocks.values())
@@ -231,7 +231,7 @@ def curve() -> None:
     from autoshard.errors import InfeasiblePlanError
     from autoshard.hardware import load_hardware
     from autoshard.models.presets import get_spec
-    from autoshard.passes.cost import cost
+    from autoshard.passes.cost.compiled import compile_table
     from autoshard.passes.capture.shapes import build_cost_table
     from autoshard.passes.solve.planner import solve
 
@@ -242,7 +242,7 @@ def curve() -> None:
     print("layers  devices  wall_s  cpu_s  layouts solved/total  plan   (llama-70b config on h100, batch 1024, seq 4096)")
     for layers, devices in [(n, 64) for n in (2, 8, 20, 40, 80)] + [(80, d) for d in (8, 512, 1024, 4096)]:
         sp = get_spec("llama-70b", layers=layers)
-        table = cost.compile_table(build_cost_table(sp, kernels=hw.kernels), sp)  # fresh memos per row
+        table = compile_table(build_cost_table(sp, kernels=hw.kernels), sp)  # fresh memos per row
         try:
             wall, cpu, plan = timed(lambda: run(1024, 4096, devices, table, sp))
         except InfeasiblePlanError as e:  # e.g. 70B with Adam state on 8 devices: the answer is "no plan"

@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import autoshard
 from autoshard.models.presets import build_model, get_spec
-from autoshard.runtime.stages import even_stages
+from autoshard.ir import even_stages
 
 COMPARISONS = ("ws1", "bf16", "dp2", "tp2", "pp2")
 LOCAL = ("ws1", "bf16")  # run in this process as a world of one

@@ -18,15 +18,19 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import build_model
 from autoshard.passes.capture.shapes import build_cost_table
-from autoshard.runtime.measure import saved_activation_bytes
 from autoshard.runtime.ssd import install_ssd_mixers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.runtime.measure import saved_activation_bytes  # noqa: E402
 
 
 def step_time(model, ids, repeat: int) -> float:

@@ -49,7 +49,7 @@ def command(repeat: int) -> None:
 
 def in_process() -> None:
     from autoshard.commands.sweep import sweep
-    from autoshard.passes.cost.cost import compile_table
+    from autoshard.passes.cost.compiled import compile_table
     from autoshard.passes.capture.shapes import build_cost_table
 
     spec, hw = get_spec("llama-70b"), load_hardware("h100")

@@ -395,7 +395,7 @@ def test_show_checks_an_inference_plan_against_its_model(tmp_path, capsys):
 
 def short_yarn_llama():
     """llama-tiny with 64 positions that HF's yarn rope scaling (factor 4) stretches to 256."""
-    from autoshard.models.presets import build_model, get_spec
+    from autoshard.models.presets import get_spec
 
     config = get_spec("llama-tiny").hf_config()
     config.max_position_embeddings = 64

@@ -33,7 +33,7 @@ def test_json_lists_every_valid_layout_best_first(capsys):
 
 
 def test_zero2_and_3_only_without_pipeline(capsys):
-    # ZeRO-2/3 reduce-scatter gradients every micro-batch: no pipeline schedule (layouts.zero_violation)
+    # ZeRO-2/3 reduce-scatter gradients every micro-batch: no pipeline schedule (validity.zero_violation)
     for zero in ("2", "3"):
         rows = run_json(capsys, BASE + ["--zero", zero, "--recompute", "none"])
         assert rows and all(r["pp"] == 1 and r["zero"] == int(zero) for r in rows)
@@ -135,13 +135,14 @@ def test_sequence_parallel_per_stage(capsys, tmp_path):
     from autoshard.ir import Mesh, Plan, Recompute
     from autoshard.models.presets import get_spec
     from autoshard.passes.cost import cost
+    from autoshard.passes.cost.compiled import compile_table
     from autoshard.rules.validity import check_plan
     from autoshard.passes.capture.shapes import build_cost_table
     from autoshard.passes.solve.solve_model import Assignment, evaluate, mesh_problem
 
     spec, hw = get_spec("llama-tiny"), replace(load_hardware("h100"), memory_bytes=9.9e6)
     kw = dict(global_batch=4, seq_len=1024)
-    ct = cost.compile_table(build_cost_table(spec), spec)
+    ct = compile_table(build_cost_table(spec), spec)
     rows = sweep(spec, ct, hw, devices=4, micro_batch=2, zeros=(0, 1), recomputes=tuple(Recompute),
                  sequence_parallel=(False, True), **kw)
     row = next(e for e in rows if e.layout.mesh == Mesh(pp=2, tp=2))
@@ -180,7 +181,7 @@ def test_every_sweep_row_is_a_plan_the_runtime_runs():
     from autoshard.hardware import load_hardware
     from autoshard.ir import Plan, Recompute
     from autoshard.models.presets import get_spec
-    from autoshard.passes.cost import cost
+    from autoshard.passes.cost.compiled import compile_table
     from autoshard.rules.validity import check_plan
     from autoshard.passes.capture.shapes import build_cost_table
 
@@ -188,7 +189,7 @@ def test_every_sweep_row_is_a_plan_the_runtime_runs():
     mixed = 0
     for preset, devices, seq_len in (("llama-tiny", 4, 1024), ("llama-tiny", 8, 256), ("mamba2-tiny", 4, 512)):
         spec = get_spec(preset)
-        ct = cost.compile_table(build_cost_table(spec), spec)
+        ct = compile_table(build_cost_table(spec), spec)
         for hw in (h100, replace(h100, memory_bytes=9.9e6)):
             for mb in (1, 2):
                 rows = sweep(spec, ct, hw, devices=devices, global_batch=4, seq_len=seq_len, micro_batch=mb,

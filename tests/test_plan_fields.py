@@ -175,3 +175,93 @@ def test_one_positive_integer_rule_refuses_booleans_everywhere():
     for refused in refusals:
         with pytest.raises(InvalidConfigError, match="positive integer"):
             refused()
+
+
+def test_docs_carry_the_field_tables():
+    """docs/plan_format.md's tables are generated from the field definitions: a field added, renamed or
+    re-documented without the docs fails here (regenerate with ir.fields_table)."""
+    from pathlib import Path
+
+    from autoshard.inference_plan import INFERENCE_FIELDS, POOL_FIELDS
+    from autoshard.ir import PLAN_FIELDS, fields_table
+
+    doc = (Path(__file__).parents[1] / "docs" / "plan_format.md").read_text()
+    for name, fields in (("PLAN_FIELDS", PLAN_FIELDS), ("INFERENCE_FIELDS", INFERENCE_FIELDS),
+                         ("POOL_FIELDS", POOL_FIELDS)):
+        assert fields_table(fields) in doc, f"docs/plan_format.md lacks ir.fields_table({name}) as it is now"
+    assert {f.name for f in dataclasses.fields(Plan)} == {f.name for f in PLAN_FIELDS}
+
+
+def test_one_schema_derives_keys_file_and_layout():
+    """api.PLAN_KEYS, the plan file's keys and the cost model's Layout come from ir.PLAN_FIELDS."""
+    from autoshard.api import PLAN_KEYS
+    from autoshard.ir import AXES, PLAN_FIELDS, PLAN_FILE_KEYS
+    from autoshard.passes.cost.layout import LAYOUT_FIELDS, Layout
+
+    assert PLAN_KEYS == (*AXES, *(f.name for f in PLAN_FIELDS if f.key))
+    assert set(_plan(precision="fp8").to_json()) == PLAN_FILE_KEYS == {f.name for f in PLAN_FIELDS}
+    assert list(_plan().to_json()) == [f.name for f in PLAN_FIELDS if f.name != "fp8_recipe"]  # the file's order
+    layout_names = {f.name for f in dataclasses.fields(Layout)}
+    assert {f.name for f in LAYOUT_FIELDS} <= layout_names
+    shared = layout_names & {f.name for f in PLAN_FIELDS}
+    assert shared == {f.name for f in LAYOUT_FIELDS} | {"mesh", "fp8_recipe", "sequence_parallel", "strategies"}
+
+
+BAD_COUNTS = (True, False, 0, -1, 1.0, "2")
+
+
+def test_a_count_is_refused_alike_on_every_entry_point(capsys):
+    """ir.POSITIVE_INT on every way in: Plan(...), the JSON reader, parallelize(plan={...}) (one process:
+    no process group is made), the cost model's Layout, an inference plan's file and the CLI flags; each
+    says '<what> must be a positive integer, <got|found> <value>'."""
+    import re
+
+    import torch
+
+    import autoshard
+    from autoshard.inference_plan import InferencePlan, Pool
+    from autoshard.models.presets import build_model
+    from autoshard.passes.cost.layout import Layout
+
+    spec = get_spec("llama-tiny")
+    model, ids = build_model(spec), torch.zeros(2, 16, dtype=torch.long)
+    serve = InferencePlan(model="llama-tiny", fingerprint="", hardware="cpu", devices=1, prompt_len=8, output_len=8,
+                          ttft_slo_s=1.0, tpot_slo_s=1.0, pools=(Pool(role="both", tp=1, pp=1, replicas=1, batch=1),))
+    for value in BAD_COUNTS:
+        said = f"must be a positive integer, got {value!r}"
+        with pytest.raises(InvalidConfigError, match=re.escape(f"micro_batch {said}")):
+            _plan(micro_batch=value)
+        with pytest.raises(InvalidConfigError, match=re.escape(f"mesh axis tp {said}")):
+            Mesh(tp=value)
+        with pytest.raises(PlanFileError, match=re.escape(f"invalid plan: seq_len {said}")):
+            Plan.from_json(json.loads(json.dumps({**_plan().to_json(), "seq_len": value})))
+        with pytest.raises(InvalidConfigError, match=re.escape(f"plan key 'virtual_stages' {said}")):
+            _resolve_plan(dict(virtual_stages=value), spec=spec, seq_len=16, global_batch=8, hardware="cpu")
+        with pytest.raises(InvalidConfigError, match=re.escape(f"micro_batch {said}")):
+            Layout(mesh=Mesh(), micro_batch=value)
+        with pytest.raises(InvalidConfigError, match=re.escape(f"batch {said}")):
+            Pool(role="both", tp=1, pp=1, replicas=1, batch=value)
+        data = serve.to_json()
+        data["pools"][0]["tp"] = value
+        with pytest.raises(PlanFileError, match=re.escape(f"pool 0: field 'tp' must be a positive integer, found "
+                                                          f"{value!r}")):
+            InferencePlan.from_json(json.loads(json.dumps(data)))
+        text = str(value)
+        if text != "2":  # on the command line "2" is the number 2
+            with pytest.raises(SystemExit):
+                main(["sweep", "--model", "llama-tiny", "--hardware", "cpu", "--devices", "2", "--global-batch", "8",
+                      "--seq-len", "64", "--micro-batch", text])
+            err = capsys.readouterr().err
+            assert err.count("\n") <= 3 and "argument --micro-batch:" in err and "a positive integer, got" in err, err
+    from autoshard.hardware import load_hardware
+
+    cpu = load_hardware("cpu")
+    for field_name, bad in (("devices_per_node", 1.5), ("step_input_broadcasts", 2.5)):
+        with pytest.raises(InvalidConfigError, match=f"field '{field_name}' .*must be a .*integer, got {bad!r}"):
+            dataclasses.replace(cpu, **{field_name: bad})  # a profile's counts: the same rule
+    with pytest.raises(InvalidConfigError, match="plan key 'micro_batch' must be a positive integer, got True"):
+        autoshard.parallelize(model, ids, plan=dict(micro_batch=True))
+    with pytest.raises(InvalidConfigError, match="plan key 'zero' must be 0, 1, 2 or 3, got False"):
+        autoshard.parallelize(model, ids, plan=dict(zero=False))
+    with pytest.raises(InvalidConfigError, match="plan key 'offload_optimizer' must be true or false, got 1"):
+        autoshard.parallelize(model, ids, plan=dict(offload_optimizer=1))

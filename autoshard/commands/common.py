@@ -7,15 +7,17 @@ import math
 from pathlib import Path
 
 from autoshard.errors import InvalidConfigError
+from autoshard.ir import POSITIVE_INT
 
 
 def positive_int(text: str) -> int:
+    """A count flag (--devices, --seq-len, ...): ir.POSITIVE_INT, the one rule of a plan's counts."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {POSITIVE_INT.phrase}, got {text!r}") from None
+    if not POSITIVE_INT.ok(value):
+        raise argparse.ArgumentTypeError(f"must be {POSITIVE_INT.phrase}, got {value}")
     return value
 
 

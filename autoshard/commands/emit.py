@@ -15,7 +15,7 @@ from autoshard.errors import InvalidConfigError
 def emit_training(args, plan, spec, hw, table) -> int:
     from autoshard.engines import accelerate, megatron, torchtitan
     from autoshard.engines.training_run import price, run_of_plan
-    from autoshard.passes.cost.cost import compile_table
+    from autoshard.passes.cost.compiled import compile_table
 
     ct = compile_table(table if table is not None else _table(spec, hw), spec)
     engine = {"megatron": megatron, "torchtitan": torchtitan, "accelerate": accelerate}[args.emit]

@@ -20,9 +20,8 @@ from typing import Any
 import sympy
 
 from autoshard.commands.common import cost_table_for
-from autoshard.errors import InvalidConfigError
 from autoshard.cost_table import B, S, BlockCost, CostTable
-from autoshard.ir import OpKind
+from autoshard.ir import POSITIVE_INT, OpKind
 from autoshard.model_spec import Mixer, ModelSpec
 
 DEFAULT_SEQ_LEN = 4096
@@ -50,8 +49,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch)):
-        if value <= 0:
-            raise InvalidConfigError(f"{flag} must be a positive integer, got {value}")
+        POSITIVE_INT.check(flag, value)
     kernels = None
     if args.hardware is not None:
         from autoshard.hardware import load_hardware

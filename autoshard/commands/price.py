@@ -100,7 +100,7 @@ def run(args) -> int:
     check_moe_imbalance(spec, args.moe_imbalance)
     _, table = cost_table_for(spec.name, spinner=not args.json, spec=spec, module=module, kernels=hw.kernels)
     from autoshard.engines.training_run import compare, price
-    from autoshard.passes.cost.cost import compile_table
+    from autoshard.passes.cost.compiled import compile_table
 
     ct = compile_table(table, spec)
     priced = price(ct, hw, spec, run_, global_batch=global_batch, seq_len=seq_len, moe_imbalance=args.moe_imbalance)

@@ -20,29 +20,16 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import json
 
-    from autoshard.errors import PlanFileError
-    from autoshard.inference_plan import InferencePlan
-    from autoshard.json_file import read_plan_json
-    from autoshard.ir import Plan
+    from autoshard.inference_plan import InferencePlan, read_plan_file
 
-    try:
-        data = read_plan_json(args.plan)
-    except PlanFileError:
-        data = None  # Plan.load says what is wrong with it
-    if isinstance(data, dict) and data.get("kind") == "inference":  # `autoshard plan --inference`
-        from autoshard.commands.plan_inference import render as render_inference
-
-        plan = InferencePlan.from_json(data, source=args.plan)
-        validate(plan, source=args.plan)
-        if args.json:
-            print(json.dumps(plan.to_json(), indent=2))
-        else:
-            render_inference(plan)
-        return 0
-    plan = Plan.load(args.plan)
+    plan = read_plan_file(args.plan)  # a training plan, or `autoshard plan --inference`'s
     validate(plan, source=args.plan)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
+    elif isinstance(plan, InferencePlan):
+        from autoshard.commands.plan_inference import render as render_inference
+
+        render_inference(plan)
     else:
         render(plan)
     return 0

@@ -73,13 +73,15 @@ def sweep(spec, table, hw, *, devices: int, global_batch: int, seq_len: int, mic
     pipeline schedule of every mesh with pp > 1 (None: 1F1B, GPipe with fewer micro-batches than
     stages); a mesh the schedule cannot run (`schedules.check_chunks`) is left out. Returns `Estimate`s,
     best first."""
-    from autoshard.passes.cost.cost import Layout, compile_table, estimate, mixed_violation
+    from autoshard.passes.cost.compiled import compile_table, mixed_violation
+    from autoshard.passes.cost.cost import estimate
+    from autoshard.passes.cost.layout import Layout
     from autoshard.rules.validity import sequence_parallel_violation, valid_meshes, zero_violation
     from autoshard.rules.sharding import runnable_strategies
 
     meshes = valid_meshes(spec, devices, global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch)
     ct = compile_table(table, spec)
-    if ct.kinds:  # layers of several kinds: the layouts the per-kind tables price (dp x pp so far)
+    if ct.kinds:  # layers of several kinds: the layouts the per-kind tables price (dp x pp, ep for MoE kinds)
         priced = [m for m in meshes if mixed_violation(ct, Layout(mesh=m)) is None]
         if not priced:
             raise InvalidConfigError(mixed_violation(ct, Layout(mesh=meshes[0])) + f"; {devices} devices leave none")
@@ -209,8 +211,9 @@ def run(args) -> int:
         _print_table(results, hw, spec, args, mixed=table.mixed)
         if table.mixed:
             kinds = ", ".join(f"{b.count} {b.name}" for b in table.layer_blocks())
+            ep = "ep (its MoE layers' experts; the others data-parallel), " if spec.is_moe else ""
             print(f"layers of {len(table.layer_blocks())} kinds ({kinds}): each stage priced as the sum of its own "
-                  "layers; tp, cp, ep, selective recompute and ZeRO-3 are not priced for a mixed stack yet")
+                  f"layers; {ep}dp and pp priced, tp, cp, selective recompute and ZeRO-3 not for a mixed stack yet")
     return 0
 
 

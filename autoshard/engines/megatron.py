@@ -25,6 +25,7 @@ from autoshard.engines.training_run import TrainingRun, default_strategies, pric
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Fp8Recipe, Mesh, Precision, Recompute, Schedule
 from autoshard.model_spec import Mixer, ModelSpec
+from autoshard.rules.schedules import microbatches_per_step
 
 # flags read into the run: name -> kind ("int", "str", "flag")
 LAYOUT_FLAGS = {
@@ -113,7 +114,7 @@ def project(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int,
         run = replace(run, fp8_recipe=Fp8Recipe.TENSORWISE)
     if run.schedule is Schedule.GPIPE:
         notes.append("GPipe schedule: Megatron runs 1F1B (with fewer micro-batches than stages, GPipe's bubble)")
-        m = global_batch // (run.mesh.dp * run.mesh.ep * run.micro_batch)
+        m = microbatches_per_step(global_batch, run.mesh, run.micro_batch)
         run = replace(run, schedule=Schedule.GPIPE if m < pp else Schedule.ONE_F_ONE_B)
     return run, notes
 

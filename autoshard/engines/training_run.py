@@ -70,13 +70,13 @@ class TrainingRun:
 
     def layout(self, *, moe_imbalance: float = 1.0):
         """The cost model's Layout: the per-rank choices as `stage_choices` where the ranks differ."""
-        from autoshard.passes.cost.cost import Layout
+        from autoshard.passes.cost.layout import Layout
 
         sp_differ = self.per_stage_sequence_parallel
         groups_differ = len(set(self.groups)) > 1
         strategies = tuple(sorted(self.strategies + ((("groups", self.groups[0]),)
                                                      if self.groups and not groups_differ and self.groups[0] != "split" else ())))
-        return Layout(mesh=self.mesh, micro_batch=self.micro_batch, zero=self.zero, offload=self.offload,
+        return Layout(mesh=self.mesh, micro_batch=self.micro_batch, zero=self.zero, offload_optimizer=self.offload,
                       recompute=max(self.recompute, key=list(Recompute).index), schedule=self.schedule,
                       virtual_stages=self.virtual_stages,
                       sequence_parallel=False if sp_differ else self.sequence_parallel[0], strategies=strategies,

@@ -13,11 +13,11 @@ Terms:
   groups and a conv kernel: Mamba-2). A model with neither is refused.
 * *alias table* (`ALIASES`): {fact: config field names, in the order tried}. A family that names a
   field differently is one more name here, not a branch.
-* *region*: a layer submodule tensor parallelism splits (the attention, the dense MLP). Every
-  parameter inside a region must be split by a role of the sharding table, or be declared by HF
-  as replicated with its gradient summed (`replicated_with_grad_allreduce`: Qwen3's per-head q/k
-  norms), or be indexed by head (GPT-OSS's attention sinks: split with the heads); anything else
-  there is a construct TP cannot prove, and tp is refused naming it.
+* *tp proof*: HF's declared tp styles autoshard does not run are refused here by name
+  (`tp_style_refusal`); whether the sharding table holds for the model's code (which parameters'
+  gradients must be summed over tp, Qwen3's per-head q/k norms; what cannot be split, OLMo2's
+  full-width norm, Phi-3's fused qkv) is proven by placement propagation over the traced graph
+  (passes/capture/tp_proof.py), not guessed from module names.
 """
 
 from __future__ import annotations
@@ -245,28 +245,13 @@ def _takes_routing(experts) -> bool:
     return "top_k_index" in names and "top_k_weights" in names
 
 
-def tp_refusal(facts: ModelFacts, roles: tuple[str, ...]) -> str | None:
-    """Why tensor parallelism cannot run this model, naming the module, or None. `roles`: the layer
-    paths the sharding table splits or replicates on purpose (module docstring, "region")."""
+def tp_style_refusal(facts: ModelFacts) -> str | None:
+    """Why HF's declared tp plan names a style autoshard does not run, naming the module, or None. Whether
+    the sharding table itself holds is proven on the traced graph (passes/capture/tp_proof.py)."""
     for pattern, style in facts.tp_plan:
         if style in NOT_YET:
             return (f"{pattern}: HF declares it {style!r}: {NOT_YET[style]}; tp is not offered for this model "
                     "(dp, pp, cp and ep still plan)")
         if style not in RUN_STYLES:
             return f"{pattern}: HF's tp style {style!r} has no rule in autoshard; tp is not offered for this model"
-    declared = {p.removeprefix("layers.*.") for p, s in facts.tp_plan if s == "replicated_with_grad_allreduce"}
-    regions = ("self_attn.", "mlp.") if not facts.experts_path else ("self_attn.",)
-    for name in facts.layer_params:
-        module = name.rpartition(".")[0]
-        if not name.startswith(regions) or module in declared or name.rpartition(".")[2] in facts.head_params:
-            continue
-        if not any(module == r for r in roles):
-            return (f"layers.*.{name}: a parameter inside a tensor-parallel region that no sharding rule splits "
-                    "(and HF declares no replicated_with_grad_allreduce for it); tp is not offered for this model "
-                    "(dp, pp, cp and ep still plan)")
     return None
-
-
-def grad_summed(facts: ModelFacts) -> tuple[str, ...]:
-    """Layer paths HF declares replicated with their gradient summed over tp (per-head q/k norms)."""
-    return tuple(p.removeprefix("layers.*.") for p, s in facts.tp_plan if s == "replicated_with_grad_allreduce")

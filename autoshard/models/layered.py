@@ -8,10 +8,12 @@ the family of its sequence mixer: MAMBA2 when a layer holds a Mamba-2 SSD mixer,
 `head_dim`, `n_groups`, `ssm_state_size`, `conv_kernel_size`, `chunk_size`), not by class name, with
 those numbers; else LLAMA with the config's attention numbers. What the spec holds is what capture and
 `inspect` need (the family's sampled lengths and fused kernels); planning a mixed stack is refused by
-name in `passes/cost.compile_table` until the cost model prices a stage as the sum of its kinds.
+name in `passes/cost/compiled.compile_table` until the cost model prices a stage as the sum of its kinds.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from torch import nn
 
@@ -53,7 +55,74 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
         spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads,
                          kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                          ffn=getattr(config, "intermediate_size", 0) or 0, **common)
+    spec = _with_experts(spec, model, stack, config)
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
     if why:
         raise InvalidConfigError(f"{name}: {why}")
     return spec
+
+
+def _with_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec:
+    """`spec` with the routed experts of the stack's MoE layers (the first kind whose layer holds them, found as
+    models/facts.py finds a MoE block: an experts module of 3-d weights with `experts` rows, the router beside
+    it): their count, top-k, width and paths inside a layer, so that ep is searched and priced; the kinds
+    without them are priced as dense layers (passes/cost/compiled.py `kind_spec`). `spec` when none holds any."""
+    from autoshard.models.facts import _moe_modules, config_value
+
+    experts = config_value(config, "experts", 0) or 0
+    if not experts:
+        return spec
+    layers = model.get_submodule(stack.prefix)
+    for kind in stack.kinds:
+        path, router, shared, _, _ = _moe_modules(layers[kind.layers[0]], experts)
+        if path:
+            return replace(spec, experts=experts, top_k=config_value(config, "top_k", 1),
+                           ffn=config_value(config, "expert_ffn", None) or spec.ffn,
+                           shared_ffn=config_value(config, "shared_ffn", 0) or 0, moe="layout",
+                           moe_paths=(router, path, shared))
+    return spec
+
+
+def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
+    """What the runtime cannot run yet on a hybrid, as (axis, why) pairs; None for a model that is no hybrid
+    (one kind of layer, no SSD mixer beside attention). A hybrid is a mixed stack (layers of several kinds:
+    Bamba, Nemotron-H, Jamba, DeepSeek-V3's dense and MoE layers) or one whose layers hold an SSD mixer beside
+    attention (Falcon-H1). Its pipeline stages run the model's own forward (HF's hybrid cache, a mask per layer
+    type); dp, pp and cp run, cp by state passing in the Mamba-2 layers (runtime/cp_mamba.py) and the
+    attention algorithm in the attention layers. Refused by name: cp where a layer holds a sequence mixer no
+    CP algorithm splits (Mamba-1's selective scan), tp / ep / sequence parallelism (the runtime's rules
+    split one kind of layer)."""
+    from autoshard.passes.capture.layer_kinds import find_layer_stack
+
+    stack = find_layer_stack(model)
+    if stack is None:
+        return None
+    ssd = ssd_mixers(model)
+    if stack.uniform and not ssd:
+        return None
+    base = stack.prefix.rpartition(".")[0]
+    what = (f"its layers are of several kinds ({', '.join(k.name for k in stack.kinds)})" if not stack.uniform
+            else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside attention")
+    out = [("tp", f"{what}: the runtime's tensor-parallel rules split one kind of layer; use tp=1 "
+                  "(dp, pp and cp run)"),
+           ("sequence_parallel", f"{what}: sequence parallelism runs with tp, which this model does not run yet; "
+                                 "set sequence_parallel to false")]
+    experts = [p for p, m in model.named_modules() if p.endswith(".experts")]
+    if experts:
+        out.append(("ep", f"{what}: the experts of {_relative(experts[0], base)} are dispatched over ep in one "
+                          "repeated layer only; use ep=1"))
+    scan = next((p for p, m in model.named_modules() if _selective_scan(m)), None)
+    if scan is not None:
+        out.append(("cp", f"the Mamba-1 selective scan of {_relative(scan, base)} has no CP algorithm; use cp=1"))
+    return tuple(out)
+
+
+def _selective_scan(module: nn.Module) -> bool:
+    """A Mamba-1 mixer: its own A_log (heads x state) and the dt / x projections, no SSD dt_bias."""
+    own = {k for k, _ in module.named_parameters(recurse=False)}
+    return "A_log" in own and "dt_bias" not in own and hasattr(module, "x_proj") and hasattr(module, "dt_proj")
+
+
+def _relative(path: str, base: str) -> str:
+    """`path` below the base model ("model.layers.2.mamba" -> "layers.2.mamba")."""
+    return path[len(base) + 1:] if base and path.startswith(base + ".") else path

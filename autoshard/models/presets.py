@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
-from autoshard.ir import BlockKind
+from autoshard.ir import POSITIVE_INT, BlockKind, is_positive_int
 from autoshard.model_spec import MAX_POSITIONS, Mixer, ModelSpec, config_violation
 
 if TYPE_CHECKING:  # torch is imported where a model is built: planning a preset needs only its spec
@@ -45,7 +45,7 @@ def max_positions(spec: ModelSpec, config=None) -> int | None:
     if config is None:
         return None if spec.mixer is Mixer.SSD else MAX_POSITIONS
     limit = getattr(config, "max_position_embeddings", None)
-    if not (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
+    if not is_positive_int(limit):
         return None
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not isinstance(rope, dict):
@@ -138,8 +138,7 @@ def get_spec(name: str, *, layers: int | None = None) -> ModelSpec:
             "(or pass package.module:factory returning an nn.Module)"
         ) from None
     if layers is not None:
-        if layers <= 0:
-            raise InvalidConfigError(f"layers must be positive, got {layers}")
+        POSITIVE_INT.check("layers", layers)
         spec = replace(spec, layers=layers)
     return spec
 
@@ -202,21 +201,30 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
             f"{name}: {type(model).__name__} has no sequence mixer autoshard knows (no attention module calling HF's "
             "attention interface, no SSD scan: state_size / n_groups / conv_kernel); autoshard plans decoders "
             "built of attention and Mamba-2 layers")
-    _check_layers_alike(model, facts, name=name)
+    from autoshard.models.layered import hybrid_refusals
+
+    hybrid = hybrid_refusals(model)  # None: one repeated kind of attention layer
+    if hybrid is None:
+        _check_layers_alike(model, facts, name=name)
     heads = value("heads")
     usual = common["hidden"] // heads
     head_dim = value("head_dim", usual) or usual
     spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=value("kv_heads", heads),
                      head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or 0,
-                     embedding_plain=facts.embedding_plain, own_forward=facts.own_forward,
+                     embedding_plain=facts.embedding_plain, own_forward=facts.own_forward or hybrid is not None,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
-                     grad_sum=F.grad_summed(facts), sliding_window=facts.sliding_window,
-                     window_layers=facts.window_layers, **common)
+                     sliding_window=facts.sliding_window, window_layers=facts.window_layers, **common)
     if facts.experts_path:
         spec = _with_experts(spec, facts, config, value)
+    # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
+    proof, untraced = _tp_proof(spec, model) if hybrid is None else (None, None)
+    if proof is not None:
+        spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)
     from autoshard.models.verdicts import failed_axes
 
-    found = _refusals(spec, facts)
+    found = _refusals(spec, facts, proof.refusal() if proof is not None else untraced)
+    if hybrid is not None:  # a hybrid's own refusals replace the one-kind rules' (models/layered.py)
+        found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
     return replace(spec, refused=found + verified)
 
@@ -233,14 +241,34 @@ def _with_experts(spec: ModelSpec, facts, config, value) -> ModelSpec:
                    moe=moe or "layout", moe_paths=() if moe else paths)
 
 
-def _refusals(spec: ModelSpec, facts) -> tuple[tuple[str, str], ...]:
-    """(axis, why) of every axis this model cannot run yet (models/facts.py)."""
+def _tp_proof(spec: ModelSpec, model):
+    """(the proof of `spec`'s tp strategy on `model`'s traced graph, None) (passes/capture/tp_proof.py), or
+    (None, why) when the model does not trace; memoised per model class and config."""
+    key = (type(model), model.config.to_json_string(use_diff=False), spec)
+    if key not in _PROOFS:
+        from autoshard.errors import CaptureError
+        from autoshard.passes.capture.tp_proof import prove_tp
+
+        try:
+            _PROOFS[key] = prove_tp(spec, model), None
+        except CaptureError as e:
+            _PROOFS[key] = None, (f"the model's graph does not trace, so its tp strategy cannot be proven ({e}); "
+                                  "tp is not offered for this model (dp, pp, cp and ep still plan)")
+    return _PROOFS[key]
+
+
+_PROOFS: dict = {}  # a memo, not state: the proof of a model class and config never changes
+
+
+def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, str], ...]:
+    """(axis, why) of every axis this model cannot run yet (models/facts.py); `unproven`: why the placement
+    propagation cannot prove its tp strategy, or None."""
     from autoshard.models import facts as F
     from autoshard.rules import sharding
 
     out = []
     roles = tuple(r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER)
-    why = F.tp_refusal(facts, roles)
+    why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts), unproven) if w)
     if why:
         out.append(("tp", why))
     if spec.is_moe and (facts.experts_biased or not facts.experts_gated):

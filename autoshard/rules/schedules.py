@@ -31,7 +31,19 @@ from __future__ import annotations
 from fractions import Fraction
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Schedule
+from autoshard.ir import Mesh, Schedule
+
+
+def rows_per_microbatch(mesh: Mesh, micro_batch: int) -> int:
+    """Sequences one micro-batch takes over all replicas: the batch splits over dp x ep (the ep ranks take
+    their own rows, as runtime/dist_model.py slices them), each replica's rows into micro-batches."""
+    return mesh.dp * mesh.ep * micro_batch
+
+
+def microbatches_per_step(global_batch: int, mesh: Mesh, micro_batch: int) -> int:
+    """Micro-batches each pipeline runs per step (`rows_per_microbatch`): the one count of them, read by
+    the validity rules, the cost model, the planner and the engines' translations."""
+    return global_batch // rows_per_microbatch(mesh, micro_batch)
 
 
 def bubble_fraction(schedule: Schedule | str, virtual_stages: int = 1, *, microbatches: int | None = None,

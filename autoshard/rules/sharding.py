@@ -204,7 +204,8 @@ def table(spec: ModelSpec, strategies: tuple[tuple[str, str], ...] = ()) -> tupl
 def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
     """The family's table as the model's facts adjust it (models/facts.py): a MoE block at the model's own
     paths (`moe_paths`), head-indexed attention parameters (sinks) split with the heads, HF's
-    replicated_with_grad_allreduce modules (q/k norms) replicated with their gradient summed over tp, and
+    modules whose gradient the placement propagation proves partial (`spec.grad_sum`, q/k norms:
+    passes/capture/tp_proof.py) replicated with their gradient summed over tp, and
     an embedding whose forward is not a plain lookup (Gemma's scale) replicated: no vocab-parallel class
     swap may drop its forward (with it a tied LM head)."""
     if spec.moe_paths:

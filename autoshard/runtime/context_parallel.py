@@ -15,6 +15,11 @@ Terms (S = global sequence length, cp = CP group size):
   `cp_attention.py`.
 * *contiguous* layout (Mamba-2): rank i holds tokens [i*S/cp, (i+1)*S/cp); a scan has no
   causal imbalance. The mixer passes chunk-final SSM states between ranks, see `cp_mamba.py`.
+* a hybrid (Mamba-2 SSD mixers and attention in one model: Bamba, Nemotron-H, Falcon-H1, ...):
+  contiguous, the layout state passing needs; its attention layers all-gather K and V as above and
+  each rank attends its one contiguous chunk (`cp_attention.py`, the work is not balanced). A layer
+  holding a sequence mixer with no CP algorithm (Mamba-1's selective scan) is refused by the plan
+  check (models/layered.py `stack_refusals`).
 
 Labels: the causal shift (target[t] = label[t+1]) crosses chunk borders, so labels are shifted
 over the *whole* sequence first (`split_targets`) and split afterwards with the same layout.
@@ -40,19 +45,26 @@ IGNORE_INDEX = -100
 # -- layouts ---------------------------------------------------------------------------------
 
 def layout_of(model: nn.Module) -> SeqLayout:
-    """The sequence layout CP uses for `model`, by its sequence mixer (models/facts.py `mixer_of`): causal
-    attention balanced, the SSD scan contiguous; raises for a model with neither."""
+    """The sequence layout CP uses for `model`, by its sequence mixers (models/facts.py `mixer_of`,
+    models/layered.py `ssd_mixers`): causal attention alone balanced, any SSD scan contiguous (a hybrid's
+    attention then runs on the contiguous chunks); raises for a model with neither."""
     from autoshard.models.facts import mixer_of
+    from autoshard.models.layered import ssd_mixers
 
-    mixer = mixer_of(model)
-    if mixer == "attention":  # causal attention (MoE MLPs are per token)
-        return SeqLayout.BALANCED
-    if mixer == "ssd":
+    if ssd_mixers(model):
         return SeqLayout.CONTIGUOUS
+    if mixer_of(model) == "attention":  # causal attention (MoE MLPs are per token)
+        return SeqLayout.BALANCED
     raise UnsupportedOpError(
         f"context parallelism has no rule for {type(model).__name__}: it holds no HF attention module and no SSD "
         "scan (Mamba-2), the sequence mixers autoshard splits the sequence of; run this model with cp=1"
     )
+
+
+def has_attention(model: nn.Module) -> bool:
+    from autoshard.models.facts import is_attention
+
+    return any(is_attention(m) for m in model.modules())
 
 
 def split_targets(labels: Tensor, ctx: CPContext, layout: SeqLayout) -> Tensor:
@@ -69,21 +81,10 @@ def split_batch(input_ids: Tensor, labels: Tensor | None, ctx: CPContext,
     return split_sequence(input_ids, ctx, layout), positions, targets
 
 
-def cp_loss(logits: Tensor, targets: Tensor, *, num_tokens: int | Tensor) -> Tensor:
-    """Sum of cross-entropy over this rank's valid (already shifted) targets / `num_tokens`.
-
-    `num_tokens` is the valid-token count of the global batch, so the sum of this value over
-    the CP (and DP) group is the global mean loss.
-    """
-    total = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                              ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / num_tokens
-
-
 # -- switching a model ----------------------------------------------------------------------
 
 def enable_context_parallel(model: nn.Module, ctx: CPContext) -> SeqLayout:
-    """Switch `model`'s attention (LLaMA) or mixers (Mamba-2) to their CP versions, in place.
+    """Switch `model`'s attention (LLaMA) and / or SSD mixers (Mamba-2, hybrids) to their CP versions, in place.
 
     Returns the layout the inputs must be split with. With ctx.size == 1 nothing changes.
     Raises UnsupportedOpError (before any collective) for a model with no CP rule.
@@ -92,11 +93,11 @@ def enable_context_parallel(model: nn.Module, ctx: CPContext) -> SeqLayout:
     if ctx.size == 1:
         return layout
     model.config.use_cache = False  # a cache would hold only this rank's slice
-    if layout is SeqLayout.BALANCED:
+    if has_attention(model):
         from autoshard.runtime.cp_attention import install_cp_attention
 
-        install_cp_attention(model, ctx)
-    else:
+        install_cp_attention(model, ctx, layout)
+    if layout is SeqLayout.CONTIGUOUS:
         from autoshard.runtime.cp_mamba import install_cp_mixers
 
         install_cp_mixers(model, ctx)
@@ -113,6 +114,7 @@ class CPRuntime:
     ctx: CPContext
     layout: SeqLayout
     grad_group: dist.ProcessGroup
+    attention: bool = True  # the model holds attention layers: its rotary needs the real positions
 
     def local_inputs(self, input_ids: Tensor, labels: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """(b, S) ids and unshifted labels -> this rank's ids, position ids and *shifted* targets."""
@@ -123,8 +125,8 @@ class CPRuntime:
         return sequence_positions(local_len * self.ctx.size, self.ctx.size, self.ctx.rank, self.layout)[None]
 
     def model_kwargs(self, position_ids: Tensor) -> dict[str, Tensor]:
-        """Extra forward kwargs of the base model: LLaMA needs the real positions (rotary)."""
-        return {"position_ids": position_ids} if self.layout is SeqLayout.BALANCED else {}
+        """Extra forward kwargs of the base model: attention layers need the real positions (rotary)."""
+        return {"position_ids": position_ids} if self.attention else {}
 
     def full_sequence(self, local: Tensor) -> Tensor:
         """Every rank's slice (b, S/cp, ...) -> the whole sequence (b, S, ...) in natural order."""
@@ -150,4 +152,4 @@ def setup_context_parallel(model: nn.Module, mesh, groups) -> CPRuntime | None:
     made = [dist.new_group(ranks, backend=groups.backend) for ranks in sets]
     ctx = CPContext.from_group(groups.cp)
     enable_context_parallel(model, ctx)
-    return CPRuntime(ctx=ctx, layout=layout, grad_group=made[mine])
+    return CPRuntime(ctx=ctx, layout=layout, grad_group=made[mine], attention=has_attention(model))

@@ -16,6 +16,10 @@ Algorithm (all-gather, the cheap choice under GQA):
    from the real global positions (query position >= key position). Rank i thus computes
    (i+1) + (2cp-i) = 2cp+1 chunk pairs: the same on every rank (the load balance).
 
+Under the contiguous layout (a hybrid whose SSD mixers pass states: runtime/context_parallel.py)
+`install_cp_attention(model, ctx, SeqLayout.CONTIGUOUS)` makes each rank attend its one chunk of
+S / cp tokens [r S/cp, (r+1) S/cp) to the key prefix [0, (r+1) S/cp) instead (`causal_attention`).
+
 HF creates no mask for an attention implementation it does not know, so the mask is ours.
 """
 
@@ -30,6 +34,7 @@ from autoshard.runtime.cp_sequence import CPContext, SeqLayout, all_gather_autog
 
 ATTN_NAME = "autoshard_cp"
 _CTX_ATTR = "autoshard_cp_context"
+_LAYOUT_ATTR = "autoshard_cp_layout"
 
 
 def cp_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -57,8 +62,9 @@ def cp_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
     if unknown:
         raise InvalidConfigError(f"{type(module).__name__} passes the attention kwargs {unknown}, which context-"
                                  "parallel attention does not implement; run this model with cp=1")
-    return balanced_causal_attention(query, key, value, ctx, scale=scaling, window=window, softcap=softcap,
-                                     sinks=sinks), None
+    layout = getattr(module, _LAYOUT_ATTR, SeqLayout.BALANCED)
+    return causal_attention(query, key, value, ctx, layout, scale=scaling, window=window, softcap=softcap,
+                            sinks=sinks), None
 
 
 # kwargs HF's attention modules pass that do not change the result of causal attention over positions
@@ -75,15 +81,25 @@ def balanced_causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CP
 
     query (b, hq, 2c, d), key/value (b, hkv, 2c, d) -> (b, 2c, hq, d).
     """
+    return causal_attention(query, key, value, ctx, SeqLayout.BALANCED, scale=scale, window=window,
+                            softcap=softcap, sinks=sinks)
+
+
+def causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CPContext, layout: SeqLayout, *,
+                     scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                     sinks: Tensor | None = None) -> Tensor:
+    """`balanced_causal_attention` for this rank's slice in `layout`: balanced (chunks r and 2cp-1-r of
+    2cp) or contiguous (chunk r of cp). query (b, hq, L, d), key/value (b, hkv, L, d) -> (b, L, hq, d)."""
     b, hkv, local, d = key.shape
-    if local % 2:
+    balanced = layout is SeqLayout.BALANCED
+    if balanced and local % 2:
         raise InvalidConfigError(f"CP attention got {local} local tokens; the balanced layout needs an even count")
     seq = local * ctx.size
-    kv = torch.cat([key, value], dim=1)  # (b, 2 hkv, 2c, d): one collective for both
+    kv = torch.cat([key, value], dim=1)  # (b, 2 hkv, L, d): one collective for both
     kv = all_gather_autograd(kv, ctx, dim=2)  # (b, 2 hkv, S, d), rank order
-    kv = kv.index_select(2, gathered_order(seq, ctx.size, SeqLayout.BALANCED).to(kv.device))  # natural order
-    return local_causal_attention(query, kv, rank=ctx.rank, cp=ctx.size, scale=scale, window=window,
-                                  softcap=softcap, sinks=sinks)
+    kv = kv.index_select(2, gathered_order(seq, ctx.size, layout).to(kv.device))  # natural order
+    chunks = (ctx.rank, 2 * ctx.size - 1 - ctx.rank) if balanced else (ctx.rank,)
+    return _attend_chunks(query, kv, chunks, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, scale: float | None = None,
@@ -92,9 +108,17 @@ def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, sca
     """Rank `rank`'s share of the work: its two query chunks (b, hq, 2c, d) against the key prefixes
     they can see in `kv` (b, 2 hkv, S, d), K then V, natural order; `window` as in
     `balanced_causal_attention`. -> (b, 2c, hq, d)."""
-    chunk, hkv = query.shape[2] // 2, kv.shape[1] // 2
+    return _attend_chunks(query, kv, (rank, 2 * cp - 1 - rank), scale=scale, window=window, softcap=softcap,
+                          sinks=sinks)
+
+
+def _attend_chunks(query: Tensor, kv: Tensor, chunk_ids: tuple[int, ...], *, scale: float | None,
+                   window: int | None, softcap: float | None, sinks: Tensor | None) -> Tensor:
+    """Query chunks `chunk_ids` (of equal size, held in that order in `query` (b, hq, L, d)) against the
+    key prefixes they can see in `kv` (b, 2 hkv, S, d), K then V, natural order. -> (b, L, hq, d)."""
+    chunk, hkv = query.shape[2] // len(chunk_ids), kv.shape[1] // 2
     outs = []
-    for part, chunk_id in enumerate((rank, 2 * cp - 1 - rank)):
+    for part, chunk_id in enumerate(chunk_ids):
         q = query[:, :, part * chunk:(part + 1) * chunk]  # (b, hq, c, d)
         end = (chunk_id + 1) * chunk
         k, v = kv[:, :hkv, :end], kv[:, hkv:, :end]  # (b, hkv, end, d)
@@ -108,7 +132,7 @@ def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, sca
             continue
         outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                    enable_gqa=q.shape[1] != hkv))
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()  # (b, 2c, hq, d)
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()  # (b, L, hq, d)
 
 
 def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, scale: float | None,
@@ -132,8 +156,9 @@ def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, scale:
     return torch.matmul(probs, v)
 
 
-def install_cp_attention(model: nn.Module, ctx: CPContext) -> int:
-    """Register the CP attention function and switch every attention module of `model` to it.
+def install_cp_attention(model: nn.Module, ctx: CPContext, layout: SeqLayout = SeqLayout.BALANCED) -> int:
+    """Register the CP attention function and switch every attention module of `model` to it, for this
+    rank's slice in `layout` (contiguous: a hybrid's attention layers beside state-passing SSD mixers).
 
     Returns the number of attention modules switched (0 means the model had none: an error).
     """
@@ -146,6 +171,7 @@ def install_cp_attention(model: nn.Module, ctx: CPContext) -> int:
     for module in model.modules():
         if is_attention(module):
             setattr(module, _CTX_ATTR, ctx)
+            setattr(module, _LAYOUT_ATTR, layout)
             module.config._attn_implementation = ATTN_NAME
             count += 1
     if count == 0:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from autoshard.errors import InvalidConfigError
+from autoshard.ir import is_positive_int
 from autoshard.rules.validity import sequence_split_violation
 
 
@@ -32,7 +33,7 @@ class CPContext:
     size: int
 
     def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
+        if not is_positive_int(self.size) or not 0 <= self.rank < self.size:
             raise InvalidConfigError(f"CP rank {self.rank} must lie in [0, {self.size}) and size must be >= 1")
         if self.size > 1 and self.group is None:
             raise InvalidConfigError(f"CP size {self.size} needs a process group, got None")

@@ -65,7 +65,7 @@ class RankSetup:
     groups: Groups
     program: ShardProgram
     pipeline: object | None = None  # runtime.pipeline.PipelineRunner when pp > 1
-    cp: CPRuntime | None = None  # context parallelism (issue 6) when cp > 1
+    cp: CPRuntime | None = None  # context parallelism when cp > 1
     expert_names: frozenset[str] = frozenset()  # ep > 1: parameters of this rank's experts
     expert_tp: tuple = ()  # (name, Shard) of expert weights split over tp (serving replicas of MoE models)
     fingerprint: str = ""  # of the model before it was sliced (fingerprint.fingerprint_module)

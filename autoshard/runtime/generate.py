@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
+from autoshard.ir import NON_NEGATIVE_INT
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import max_positions, position_violation
 from autoshard.runtime.comm import gather_last_dim
@@ -82,7 +83,7 @@ class Generator:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise InvalidConfigError(f"generate expects integer input_ids of shape (batch, prompt length), got "
                                      f"{input_ids.dtype} {tuple(input_ids.shape)}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if not NON_NEGATIVE_INT.ok(max_new_tokens):
             raise InvalidConfigError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         why = position_violation(max_positions(self.spec, self.config), prompt=input_ids.shape[1], new=max_new_tokens)
         if why:
@@ -142,7 +143,8 @@ class Generator:
         """One chunk's layers on `x` with the cache; hidden states (b, t, h), or the last
         position's logits (b, 1, V / tp) on the last chunk."""
         if isinstance(stage, OwnForwardStage):  # the model's own forward with the cache (its softcaps, scales, ...);
-            # one chunk only (rules/validity.generate_violation refuses pipelines of such a model)
+            # over pipeline stages too: each rank's cache holds its own layers, and HF sizes a mask from a layer
+            # of its type (tests: Gemma-2's windows on a later stage, Bamba's and Nemotron-H's hybrid caches)
             positions = torch.arange(past, past + x.shape[1], device=x.device)[None]  # (1, t)
             return stage.run(x, cache=cache, logits_to_keep=1, position_ids=positions)
         hidden = stage.embed(x) if stage.embed is not None else x  # (b, t, h)

@@ -41,13 +41,13 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Precision, Schedule, Stage, check_schedule, stage_rank
+from autoshard.ir import POSITIVE_INT, Precision, Schedule, Stage, check_schedule, check_stages, stage_rank
 from autoshard.model_spec import ModelSpec
 from autoshard.rules.schedules import check_chunks
 from autoshard.runtime.data_parallel import take_grad
 from autoshard.runtime.loss import causal_lm_loss
 from autoshard.runtime.precision import Autocast
-from autoshard.runtime.stages import build_stage_module, check_stages, original_names
+from autoshard.runtime.stages import build_stage_module, original_names
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,8 +64,7 @@ class PipelineOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, Schedule):
             object.__setattr__(self, "schedule", _parse_schedule(self.schedule))
-        if self.micro_batch < 1:
-            raise InvalidConfigError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        POSITIVE_INT.check("micro_batch", self.micro_batch)
 
 
 def _parse_schedule(value) -> Schedule:
@@ -107,7 +106,7 @@ class PipelineRunner:
         self.local = tuple(i for i, r in enumerate(self.placement) if r == self.rank)
         self.first_rank, self.last_rank = self.placement[0], self.placement[-1]
         self.has_first, self.has_last = self.rank == self.first_rank, self.rank == self.last_rank
-        self.cp = cp  # context parallelism (issue 6): runtime.context_parallel.CPRuntime or None
+        self.cp = cp  # context parallelism: runtime.context_parallel.CPRuntime or None
         positions = cp.positions if cp is not None else None
         shards = options.sequence_shards
         shards = shards if isinstance(shards, tuple) else (shards,) * len(self.stages)
@@ -207,15 +206,6 @@ class PipelineRunner:
                 x = self._wrap(modules[i])(x)
         return x if self.has_last else None
 
-    def local_grads(self) -> dict[str, torch.Tensor]:
-        """{original name: gradient} of this stage's parameters (zeros where none was computed)."""
-        params = {self.names[n]: p for n, p in self.module.named_parameters()}
-        return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
-
-    def local_state(self) -> dict[str, torch.Tensor]:
-        """{original name: parameter} of this stage."""
-        return {self.names[n]: p.detach() for n, p in self.module.named_parameters()}
-
     def gather(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{original name: tensor} of every stage on every pp rank; `tensors` holds this stage's."""
         out: dict[str, torch.Tensor] = {}
@@ -245,7 +235,7 @@ class PipelineRunner:
                                          f"choose a micro_batch that divides {batch}")
             pp, chunks = dist.get_world_size(self.pp_group), batch // micro
             schedule = self.options.schedule
-            if train:  # the one rule (layouts.check_plan calls it too): what torch's schedules accept
+            if train:  # the one rule (rules/validity.check_plan calls it too): what torch's schedules accept
                 check_chunks(schedule, self.options.virtual_stages, pp=pp, microbatches=chunks,
                              layers=len(self.stages))
             stages = [PipelineStage(self._wrap(module), index, len(self.stages), self.device, group=self.pp_group)

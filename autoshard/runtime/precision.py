@@ -4,7 +4,7 @@ Contract: `autocast(precision, device)` is the context every forward of the runt
 (the single-stage step, each pipeline chunk, the evaluation forward); `precision` is the plan's,
 already resolved for the device (`Precision.resolve`). Under `Precision.BF16_MIXED` the state a
 rank keeps is the one the cost model prices (passes/cost/precision.py; measured against
-`cost.state_bytes` by tests/runtime/test_state_bytes.py):
+`passes/cost/state.state_bytes` by tests/runtime/test_state_bytes.py):
 
 * ZeRO 0, 1, 2 (runtime/dist_model.py, runtime/data_parallel.py; Megatron-LM's DDP `main_grad`
   and distributed optimizer): the model's parameters are bf16 (2 B/param; buffers such as RoPE's

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Recompute, Stage, check_stages, even_stages  # noqa: F401  (re-exported)
+from autoshard.ir import Recompute, Stage
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.runtime.comm import gather_sequence, split_sequence
 
@@ -169,7 +169,7 @@ class OwnForwardStage(StageModule):
         inputs = {"input_ids": x} if stage.embed else {"inputs_embeds": x}
         hooks = []
         if not stage.embed:  # the received hidden states enter at this stage's first layer (or its norm)
-            entry = layers[first] if first < stage.end_layer else base.norm
+            entry = layers[first] if first < stage.end_layer else final_norm(base)
             hooks.append(entry.register_forward_pre_hook(_swap_input(x), with_kwargs=True))
         stand_ins = nn.ModuleList([layer if first <= i < stage.end_layer else _Skip(layer)
                                    for i, layer in enumerate(layers)])
@@ -224,21 +224,48 @@ def _swap_input(x: torch.Tensor):
 
 
 class _Skip(nn.Module):
-    """Stands in for a layer of another stage: passes the hidden states through; other attributes (the
-    layer's attention_type, which the base forward may read) are the real layer's."""
+    """Stands in for a layer of another stage: passes the hidden states through, in the structure the real
+    layer returns them (a tuple where its forward is annotated to return one: Bamba's (hidden, attention
+    weights)); other attributes (the layer's attention_type, which the base forward may read) are the real
+    layer's."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.__dict__["_real"] = layer
+        self.__dict__["_outputs"] = _tuple_length(type(layer).forward)
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
+        outputs = self.__dict__["_outputs"]
+        return hidden_states if outputs is None else (hidden_states, *([None] * (outputs - 1)))
 
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.__dict__["_real"], name)
+
+
+def _tuple_length(forward) -> int | None:
+    """How many values `forward` is annotated to return as a tuple (hidden states first), else None."""
+    import inspect
+    import typing
+
+    try:
+        returned = inspect.signature(forward).return_annotation
+    except (TypeError, ValueError):
+        return None
+    if isinstance(returned, str):  # a postponed annotation: "tuple[torch.Tensor, torch.Tensor | None]"
+        if not returned.startswith("tuple[") or returned.endswith(", ...]"):
+            return 1 if returned.startswith("tuple[") else None
+        depth, count = 0, 1
+        for c in returned[6:-1]:
+            depth += (c == "[") - (c == "]")
+            count += c == "," and depth == 0
+        return count
+    if typing.get_origin(returned) is tuple:
+        parts = typing.get_args(returned)
+        return 1 if len(parts) == 2 and parts[1] is Ellipsis else len(parts)
+    return None
 
 
 class Mamba2Stage(StageModule):
@@ -295,14 +322,19 @@ def _parts(model: nn.Module, stage: Stage) -> tuple[nn.Module, dict]:
     if body is None:
         raise InvalidConfigError(f"{type(model).__name__}: no child module holds the decoder layers (a .layers "
                                  "ModuleList); pipeline stages cut that list; use pp=1")
+    parts = dict(embed=model.get_input_embeddings(), layers=list(body.layers)[stage.first_layer:stage.end_layer],
+                 norm=final_norm(body), lm_head=model.get_output_embeddings())
+    return body, _keep(parts, stage)
+
+
+def final_norm(body: nn.Module) -> nn.Module:
+    """The base model's final norm: its last child with parameters after the layers."""
     children = list(body.named_children())
     after = [m for n, m in children[[n for n, _ in children].index("layers") + 1:]
              if any(True for _ in m.parameters())]
     if not after:
         raise InvalidConfigError(f"{type(body).__name__}: no final norm after its layers; use pp=1")
-    parts = dict(embed=model.get_input_embeddings(), layers=list(body.layers)[stage.first_layer:stage.end_layer],
-                 norm=after[-1], lm_head=model.get_output_embeddings())
-    return body, _keep(parts, stage)
+    return after[-1]
 
 
 def _keep(parts: dict, stage: Stage) -> dict:

@@ -16,7 +16,7 @@ without knowing about them, and parameters stay DTensors over that mesh (`Shard(
   its all-gather, so the gathered block (the transient copy `cost.buffer_bytes` prices) and the
   backward's gradients are bf16, and reduce-scatters them in fp32 into the fp32 gradient shards.
   Forward still runs under autocast (runtime/precision.py). State per parameter: (4 + 4 + 8) B / dp
-  (`cost.state_bytes`).
+  (`passes/cost/state.state_bytes`).
 * Gradients are SUMMED over the group, not averaged (the loss is already divided by the global
   token count, runtime/loss.py): every FSDP unit gets divide factor 1 and sum-only reductions
   (gloo has no PREMUL_SUM).

@@ -12,7 +12,7 @@ from autoshard.engines.training_run import TrainingRun, default_strategies, pric
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Recompute, Schedule
 from autoshard.models.presets import get_spec
-from autoshard.passes.cost.cost import compile_table
+from autoshard.passes.cost.compiled import compile_table
 from autoshard.passes.capture.shapes import build_cost_table
 
 # (preset, run): NVIDIA's 70B layout; uneven first / last stages with full recompute; MoE with ep and ZeRO-2

@@ -15,7 +15,7 @@ from autoshard.errors import InfeasiblePlanError
 from autoshard.hardware import load_hardware
 from autoshard.model_spec import Mixer
 from autoshard.models.presets import get_spec, preset_names
-from autoshard.passes.cost.cost import compile_table
+from autoshard.passes.cost.compiled import compile_table
 from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.passes.solve.planner import solve
 

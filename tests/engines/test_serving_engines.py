@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from autoshard.cli import main
 from autoshard.engines.serving import commands

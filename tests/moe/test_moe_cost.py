@@ -13,7 +13,10 @@ from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Plan
 from autoshard.models import get_spec
 from autoshard.passes.cost import moe_cost
-from autoshard.passes.cost.cost import Layout, compile_table, estimate, state_bytes
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.cost import estimate
+from autoshard.passes.cost.layout import Layout
+from autoshard.passes.cost.state import state_bytes
 from autoshard.rules.validity import excluded_eps
 from autoshard.rules.validity import check_plan
 from autoshard.passes.capture.shapes import build_cost_table
@@ -142,14 +145,14 @@ def test_planner_searches_ep_and_its_plan_passes_the_runtime_check(mixtral, caps
 def _layout_plan(spec, lay, *, devices, global_batch, seq_len):
     return Plan(model=spec.name, fingerprint="", hardware="h100", devices=devices, global_batch=global_batch,
                 seq_len=seq_len, mesh=lay.mesh, micro_batch=lay.micro_batch, zero=lay.zero,
-                offload_optimizer=lay.offload, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+                offload_optimizer=lay.offload_optimizer, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
                 sequence_parallel=lay.sequence_parallel, strategies=lay.strategies)
 
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen2-moe-tiny"])
 def test_every_layout_the_planner_searches_passes_the_runtime_check(name):
     """ep > 1 with every other option the planner searches (ZeRO 0-3, offload, micro-batches, pp): each
-    layout is a plan `parallelize` accepts (layouts.check_plan, the one validator), ZeRO-3 under ep among
+    layout is a plan `parallelize` accepts (validity.check_plan, the one validator), ZeRO-3 under ep among
     them (FSDP2: dense over dp x ep, experts over dp, runtime/zero3.py)."""
     from autoshard.passes.solve.planner import candidate_layouts
 
@@ -175,7 +178,7 @@ def test_expert_gradients_sync_over_dp_on_their_own_link():
     """dp 2 x ep 8 on 8-GPU nodes: dense gradients over all 16 ranks, the experts' over the 2 dp peers,
     8 ranks apart (another node): priced on the inter-node link, one group after the other."""
     from autoshard.passes.cost.collectives import Collective, best_time
-    from autoshard.passes.cost.cost import dp_exposed_time
+    from autoshard.passes.cost.state import dp_exposed_time
 
     lay = Layout(mesh=Mesh(dp=2, ep=8), zero=0, precision="bf16-mixed")
     got = dp_exposed_time(H100, 100e6, lay, backward_s=0.0, forward_s=0.0, expert=60e6)
@@ -193,7 +196,8 @@ def test_expert_sync_over_one_rank_prices_stage_arrays():
 
     from autoshard.hardware import load_hardware
     from autoshard.ir import Mesh
-    from autoshard.passes.cost.cost import Layout, dp_exposed_time
+    from autoshard.passes.cost.layout import Layout
+    from autoshard.passes.cost.state import dp_exposed_time
 
     hw, lay = load_hardware("h100"), Layout(mesh=Mesh(tp=2, ep=4), zero=1)
     params, experts = np.array([1e9, 2e9]), np.array([5e8, 1e9])

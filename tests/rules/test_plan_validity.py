@@ -59,7 +59,7 @@ def _plan(spec: ModelSpec, layout, *, devices: int, global_batch: int, seq_len: 
     sp, strategies = chunk_strategies(a, layout)
     return Plan(model=spec.name, fingerprint="", hardware="cpu", devices=devices, global_batch=global_batch,
                 seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch, zero=layout.zero,
-                offload_optimizer=layout.offload, schedule=layout.schedule, virtual_stages=layout.virtual_stages,
+                offload_optimizer=layout.offload_optimizer, schedule=layout.schedule, virtual_stages=layout.virtual_stages,
                 sequence_parallel=sp, strategies=strategies)
 
 

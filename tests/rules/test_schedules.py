@@ -6,7 +6,7 @@ import pytest
 
 from autoshard.errors import InvalidConfigError
 from autoshard.rules import schedules
-from autoshard.passes.cost.cost import pipeline_time
+from autoshard.passes.cost.pipeline import pipeline_time
 
 
 @pytest.mark.parametrize("schedule, v, f", [("1f1b", 1, 1), ("gpipe", 1, 1), ("interleaved-1f1b", 2, Fraction(1, 2)),
@@ -56,7 +56,8 @@ def test_estimate_prices_what_each_schedule_keeps_alive():
     from dataclasses import replace
 
     from autoshard.ir import Mesh
-    from autoshard.passes.cost.cost import Layout, estimate
+    from autoshard.passes.cost.cost import estimate
+    from autoshard.passes.cost.layout import Layout
     from tests.passes.cost.test_cost import CT, GB, HW, SEQ, SPEC
 
     base = Layout(mesh=Mesh(pp=2), micro_batch=1)
@@ -66,10 +67,10 @@ def test_estimate_prices_what_each_schedule_keeps_alive():
     inter = estimate(CT, SPEC, HW, replace(base, schedule="interleaved-1f1b", virtual_stages=2), **kw)
     zb = estimate(CT, SPEC, HW, replace(base, schedule="zero-bubble"), **kw)
     from autoshard.ir import BlockKind
-    from autoshard.passes.cost import cost
+    from autoshard.passes.cost.block import block_activation_bytes
 
     # stage 0 holds the embedding and 2 of the 4 layers: its activations per micro-batch
-    per_mb = sum(cost.block_activation_bytes(CT, base, k, seq_len=SEQ, hw=HW) * c
+    per_mb = sum(block_activation_bytes(CT, base, k, seq_len=SEQ, hw=HW) * c
                  for k, c in ((BlockKind.EMBED, 1), (BlockKind.LAYER, 2)))
     first = [e.stage_memory_gb[0] * 1e9 for e in (one, gpipe, inter, zb)]
     assert first[1] - first[0] == pytest.approx(per_mb * (GB - 2))  # all m = GB in flight against p = 2

@@ -124,7 +124,7 @@ def _plans_that_disagree(rank: int, tmp: str) -> None:
                 "ranks disagree on the plan", "solved on rank 0 (plan=None): rank 0 1, rank 1 0")
     # a plan only one rank refuses: its error on both ranks (was: a hang in the other's collective)
     _same_error(rank, lambda: _parallelize(dict(dp=2, zero="one" if rank == 1 else 1)), InvalidConfigError,
-                "plan key 'zero' must be an integer, got 'one'", "(rank 1 of 2; rank 0 found none")
+                "plan key 'zero' must be 0, 1, 2 or 3, got 'one'", "(rank 1 of 2; rank 0 found none")
     _same_error(rank, lambda: _parallelize(dict(dp=2 if rank == 0 else 4)), InvalidConfigError,
                 "multiplies to 4, but the world size is 2", "(rank 1 of 2")
 
@@ -132,7 +132,7 @@ def _plans_that_disagree(rank: int, tmp: str) -> None:
 def _api_probes(rank: int, tmp: str) -> None:
     """Issue 16's API cases, each refused the same way on every rank."""
     _same_error(rank, lambda: _parallelize(dict(dp=2, zero="one")), InvalidConfigError,
-                "plan key 'zero' must be an integer, got 'one'")
+                "plan key 'zero' must be 0, 1, 2 or 3, got 'one'")
     _same_error(rank, lambda: _parallelize(dict(dp=2, micro_batch=1.5)), InvalidConfigError, "'micro_batch'")
     plan = Plan(model=SPEC.name, fingerprint="x", hardware="cpu", devices=2, global_batch=BATCH, seq_len=SEQ,
                 mesh=Mesh(pp=2), stages=(Stage(first_layer=0, end_layer=5, embed=True, head=False),
@@ -196,6 +196,6 @@ def test_a_batch_the_step_cannot_train_is_refused(change, needle):
 
 
 def test_a_world_of_one_refuses_a_bad_plan_without_a_process_group():
-    with pytest.raises(InvalidConfigError, match="plan key 'zero' must be an integer, got 'one'"):
+    with pytest.raises(InvalidConfigError, match="plan key 'zero' must be 0, 1, 2 or 3, got 'one'"):
         autoshard.parallelize(build_model(SPEC, seed=0), _batch()[0], plan=dict(zero="one"), global_batch=BATCH)
     assert not dist.is_initialized()

@@ -77,7 +77,7 @@ def test_backend_four_ranks_dp_tp():
     run_ranks(4, _check_plans, [("llama-tiny", dict(dp=2, tp=2))])
 
 
-def test_backend_refuses_what_it_cannot_shard(monkeypatch):
+def test_backend_refuses_what_it_cannot_shard(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     model = build_model(get_spec("mamba2-tiny"), device="meta")
     with pytest.raises(InvalidConfigError, match="parallelize"):
@@ -91,6 +91,14 @@ def test_backend_refuses_what_it_cannot_shard(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")  # a per-stage plan (layouts.backend_violation): pp is named first
     with pytest.raises(InvalidConfigError, match=r"pp=2 \(and with it per-stage choices\) is not supported"):
         autoshard.backend(llama, plan=dict(tp=2, pp=2, sequence_parallel=[True, False]))
+    from autoshard.inference_plan import InferencePlan, Pool
+
+    served = tmp_path / "serve.json"  # a plan file: read once (read_plan_file), an inference plan refused by name
+    InferencePlan(model="llama-tiny", fingerprint="", hardware="cpu", devices=4, prompt_len=8, output_len=8,
+                  ttft_slo_s=1.0, tpot_slo_s=1.0,
+                  pools=(Pool(role="both", tp=2, pp=1, replicas=2, batch=1),)).save(served)
+    with pytest.raises(InvalidConfigError, match="an inference plan runs under autoshard.parallelize"):
+        autoshard.backend(llama, plan=served)
     assert not torch.distributed.is_initialized()  # refused before any process group exists
 
 

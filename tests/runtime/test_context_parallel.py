@@ -12,11 +12,12 @@ import torch.nn.functional as F
 
 from autoshard.errors import InvalidConfigError, UnsupportedOpError
 from autoshard.models.presets import build_model, get_spec
-from autoshard.runtime.context_parallel import cp_loss, enable_context_parallel, layout_of, split_batch
+from autoshard.runtime.context_parallel import enable_context_parallel, layout_of, split_batch
 from autoshard.runtime.cp_sequence import (CPContext, SeqLayout, check_seq_len, gather_sequence, sequence_positions,
                                            split_sequence)
 from autoshard.runtime.cp_attention import balanced_causal_attention
 from autoshard.runtime.cp_mamba import cp_mixer_forward, ssd_chunk_scan
+from autoshard.runtime.loss import causal_lm_loss
 from tests.runtime.dist_harness import run_ranks
 from tests.runtime.equivalence import check_plan
 
@@ -137,7 +138,7 @@ def _case_model(ctx: CPContext, name: str, seq: int) -> None:
     kwargs = {"position_ids": positions} if layout is SeqLayout.BALANCED else {}
     logits = model(local_ids, **kwargs).logits
     num_tokens = int((labels[:, 1:] != -100).sum())
-    loss = cp_loss(logits, targets, num_tokens=num_tokens)
+    loss = causal_lm_loss(logits, targets, num_tokens=num_tokens, shifted=True)  # what train_step runs
     loss.backward()
     torch.testing.assert_close(gather_sequence(logits.detach(), ctx, layout), ref_logits, **TOL)
     total = loss.detach().clone()

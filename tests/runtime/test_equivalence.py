@@ -147,6 +147,9 @@ def _run_all(rank: int, world: int, configs) -> None:
         from tests.runtime.families import check_families
 
         check_families()  # Qwen3, Mistral, Gemma-2/3, Phi-3, OLMo2, Granite, Qwen3-MoE, GPT-OSS (issue 24)
+        from tests.runtime.hybrids import check_hybrids
+
+        check_hybrids()  # Bamba, Nemotron-H, Falcon-H1, DeepSeek-V3, Jamba (issue 25)
         _check_shard_saved()
         for preset, plan in COMPILED:
             check_plan(preset, plan, compile="aot_eager")

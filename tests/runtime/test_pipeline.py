@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Recompute, Stage
+from autoshard.fingerprint import fingerprint_module
+from autoshard.ir import Mesh, Plan, Recompute, Stage, check_stages, even_stages
 from autoshard.models.presets import build_model, get_spec
 from autoshard.runtime.pipeline import PipelineOptions, PipelineRunner, Schedule
-from autoshard.runtime.stages import build_stage_module, check_stages, even_stages, original_names
+from autoshard.runtime.stages import build_stage_module, original_names
 from tests.runtime.dist_harness import run_ranks
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -117,33 +118,35 @@ def _reference(spec, steps: int = 2):
 
 
 def _check_config(spec, stages, schedule, micro_batch, reference):
+    """A plan of these stages run by `parallelize`, read back the way users read it (full_grads,
+    full_state_dict); the runner's own checks (freed weights, refused batches) on `dm._runner`."""
     ref_logits, ref_losses, ref_grads, ref_weights = reference
     model = build_model(spec)
-    virtual = len(stages) // dist.get_world_size()
-    runner = PipelineRunner(model, spec, stages, pp_group=dist.group.WORLD, device="cpu",
-                            options=PipelineOptions(schedule=schedule, micro_batch=micro_batch, virtual_stages=virtual))
+    world = dist.get_world_size()
+    virtual = len(stages) // world
+    plan = Plan(model=spec.name, fingerprint=fingerprint_module(model), hardware="cpu", devices=world,
+                global_batch=BATCH, seq_len=SEQ, mesh=Mesh(pp=world), micro_batch=micro_batch, schedule=schedule,
+                virtual_stages=virtual, stages=stages)
     ids, labels = _batch(spec.vocab)
+    dm = autoshard.parallelize(model, ids, plan=plan, optimizer=functools.partial(torch.optim.AdamW, **ADAM))
+    runner = dm._runner
     held = {n for n, p in model.named_parameters() if p.device.type != "meta"}
     assert held == set(runner.names.values())  # other stages' weights were freed
-    torch.testing.assert_close(runner.forward(ids), ref_logits, **TOL)
+    torch.testing.assert_close(dm(ids), ref_logits, **TOL)
     if schedule is Schedule.ONE_F_ONE_B and len(stages) > 2 and virtual == 1:  # fewer micro-batches than stages
-        # the one rule (schedules.check_chunks, which layouts.check_plan calls too)
+        # the one rule (schedules.check_chunks, which validity.check_plan calls too)
         with pytest.raises(InvalidConfigError, match=r"1f1b needs at least as many micro-batches \(2\) as stages \(4\)"):
             runner.step(ids[:2], labels[:2])
     if micro_batch > 1:  # raised on every rank before any collective: nothing hangs
         with pytest.raises(InvalidConfigError, match=rf"batch \(3\) is not divisible by micro_batch \({micro_batch}\)"):
             runner.step(ids[:3], labels[:3])
-    opt = torch.optim.AdamW(runner.parameters(), **ADAM)
     for step in range(len(ref_losses)):
-        loss = runner.step(ids, labels, num_tokens=int((labels[:, 1:] != -100).sum()))
-        torch.testing.assert_close(loss, ref_losses[step], **TOL)
-        grads = runner.gather(runner.local_grads())
+        torch.testing.assert_close(dm.train_step(ids, labels), ref_losses[step], **TOL)
+        grads = dm.full_grads()
         assert grads.keys() == ref_grads[step].keys()
         for name, grad in grads.items():
             torch.testing.assert_close(grad, ref_grads[step][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
-        opt.step()
-        opt.zero_grad()
-    weights = runner.gather(runner.local_state())
+    weights = dm.full_state_dict()
     for name, weight in weights.items():
         torch.testing.assert_close(weight, ref_weights[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
     if spec.tied and runner.has_last:  # the last stage's copy equals the first stage's

@@ -12,7 +12,7 @@ import torch
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import build_model, get_spec
 from autoshard.passes.capture.shapes import build_cost_table
-from autoshard.runtime.measure import saved_activation_bytes
+from tests.runtime.measure import saved_activation_bytes
 from autoshard.runtime.ssd import install_ssd_mixers, ssd_scan
 from tests.runtime.equivalence import TOL
 

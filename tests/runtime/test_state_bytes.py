@@ -31,7 +31,9 @@ import autoshard
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh
 from autoshard.models.presets import build_model, get_spec
-from autoshard.passes.cost.cost import Layout, compile_table, estimate
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.cost import estimate
+from autoshard.passes.cost.layout import Layout
 from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.runtime import data_parallel
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer

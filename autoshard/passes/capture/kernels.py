@@ -10,7 +10,7 @@ Contract
   backward nodes that differentiate them, its activation inputs (`inputs`, nodes outside the
   region), its output node and the module it runs in. The graph itself is not changed:
   passes/capture/shapes measures the graph with every region's nodes replaced by two fused nodes
-  (`fused_node_names`), priced by the kernel's `KernelCost` rule, and reads the saved
+  (`Region.fwd_name`, `Region.bwd_name`), priced by the kernel's `KernelCost` rule, and reads the saved
   activations off the substituted graph: the region's inputs (the kernel saves them), what the
   kernel saves itself (`KernelCost.state_bytes`), and whatever ops outside the region read.
 * Regions are found by PATTERN, not by module name: a kernel names its *anchors* (ops that only

@@ -2,122 +2,27 @@
 
 Contract: `RULES[name](node, ins, ctx) -> placement` (a tuple of placements for an op with several
 outputs). `name` is the op's overload packet name ("mm", "view", ...); `ins` mirrors `node.args`
-with every tensor argument replaced by its placement (`Replicate`, `Shard(dim)`, `Partial`) and every
-other argument kept; `ctx` is the `Context` of the node (its phase, the shapes of its inputs and
-output, the head counts the model's attention module keeps). A rule that cannot place the op raises
-`Unprovable(kind, detail)`; passes/capture/propagate.py records it as a named finding. An op with no
-rule is a finding too ("no placement rule"), never silently replicated.
-
-Placements (DTensor's, torch/distributed/tensor/placement_types.py): `Replicate` (every rank holds
-the whole tensor), `Shard(dim)` (each rank holds a slice along `dim`; `pieces`: the tensor is packed
-along `dim` of pieces that are each split, e.g. Mamba-2's in_proj output [z, x, B, C, dt]),
-`Partial` (each rank holds a summand; an all-reduce makes it whole). Shapes are the traced (whole)
-shapes; a rule is independent of the tp degree.
+with every tensor argument replaced by its placement (passes/capture/placements.py: `Replicate`,
+`Shard(dim)`, `Partial`) and every other argument kept; `ctx` is the node's `Context` (its phase, the
+shapes of its inputs and output, the sizes the rewrite sets per rank). A rule that cannot place the op
+raises `Unprovable(kind, detail)`; passes/capture/propagate.py records it as a named finding. An op with
+no rule taking a split or partial tensor is a finding too ("no placement rule"), never silently
+replicated. Shapes are the traced (whole) shapes; a rule is independent of the tp degree.
 
 Adding a rule: write `def _myop(node, ins, ctx)` returning the output placement from the inputs'
 (raise `Unprovable` where the op would mix a split tensor with a whole one, or reduce over the split
 dim), and register it: `RULES["myop"] = _myop` (or add the name to one of the op families below:
-`POINTWISE`, `LINEAR`, `VIEWS`, `ROUTING`). docs/sharding_rules.md, "Proving the table".
+`POINTWISE`, `LINEAR`, `ROUTING`). docs/sharding_rules.md, "Proving the table on the graph".
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Callable
 
-
-@dataclass(frozen=True, slots=True)
-class Replicate:
-    def __str__(self) -> str:
-        return "Replicate"
-
-
-@dataclass(frozen=True, slots=True)
-class Partial:
-    def __str__(self) -> str:
-        return "Partial"
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    dim: int
-    pieces: tuple[int, ...] = ()  # packed pieces along `dim` (whole lengths), each split over tp
-    outer: int = 1  # `dim` is (outer, split) merged, split on the inner part (batch x heads in eager attention)
-
-    def at(self, dim: int) -> Shard:
-        return Shard(dim, self.pieces, self.outer)
-
-    def __str__(self) -> str:
-        extra = (f", pieces {list(self.pieces)}" if self.pieces else "") + (f", inside {self.outer}" if self.outer > 1 else "")
-        return f"Shard({self.dim}{extra})"
-
-
-@dataclass(frozen=True, slots=True)
-class Unknown:
-    """Past a finding: not proven either way (no second finding is reported from it)."""
-
-    def __str__(self) -> str:
-        return "unproven"
-
-
-@dataclass(frozen=True, slots=True)
-class Zeros:
-    """A fresh zero-filled tensor made in backward by autograd (sized from the gradient it serves, so on a rank
-    the local size): it takes the placement of whatever it meets (`fill_zeros`)."""
-
-    def __str__(self) -> str:
-        return "zeros"
-
-
-R, P, X, Z = Replicate(), Partial(), Unknown(), Zeros()
-Placement = Replicate | Partial | Shard | Unknown | Zeros
-ZERO_FILLS = ("zeros", "new_zeros", "empty", "new_empty", "empty_strided")
-
-
-def fill_zeros(ins):
-    """`ins` with every `Zeros` placed as the other operands are: their split, else partial, else whole."""
-    flat = [a for a in flatten(ins) if _is_pl(a) and a is not Z]
-    if len(flat) == len([a for a in flatten(ins) if _is_pl(a)]):
-        return ins
-    dom = next((a for a in flat if isinstance(a, Shard)), P if P in flat else X if X in flat else R)
-    return _map(ins, lambda a: dom if a is Z else a)
-
-
-def flatten(xs):
-    for x in xs:
-        if isinstance(x, (list, tuple)):
-            yield from flatten(x)
-        else:
-            yield x
-
-
-def _map(xs, f):
-    return type(xs)(_map(x, f) if isinstance(x, (list, tuple)) else f(x) for x in xs)
-
-
-class Unprovable(Exception):
-    """An op the placements cannot pass through: `kind` (a short name) and `detail` (what was found)."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind, self.detail = kind, detail
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Context:
-    """What a rule may read besides the placements: `shapes` mirrors `ins` (a tensor argument's
-    shape, else None), `out` the output shape(s), `phase` "fwd" / "bwd", `counts` the head counts the
-    attention module keeps as attributes (the rewrite sets them per rank), `rowwise`: the node is the
-    output of a row-parallel linear, `names` mirrors `ins` with the parameter a tensor comes from."""
-
-    shapes: tuple
-    out: Any
-    phase: str
-    counts: frozenset[int] = frozenset()
-    rowwise: bool = False
-    names: tuple = ()
-    handled: list = None  # findings the runtime handles (appended by rules; see `constant_size`)
+from autoshard.passes.capture.placements import (P, R, X, Z, ZERO_FILLS, Context, Placement, Shard, Unprovable,
+                                                  is_placement as _is_pl)
 
 
 def _tensors(ins, shapes, names=()):
@@ -130,10 +35,6 @@ def _tensors(ins, shapes, names=()):
         elif _is_pl(a):
             out.append((a, s, n))
     return out
-
-
-def _is_pl(a) -> bool:
-    return isinstance(a, (Replicate, Partial, Shard, Unknown))
 
 
 def _dim(d: int, ndim: int) -> int:
@@ -198,7 +99,10 @@ POINTWISE = ("rsqrt", "sqrt", "exp", "log", "silu", "gelu", "tanh", "sigmoid", "
 # linear in every tensor operand (a sum of partials is partial) / in the operand at these positions
 LINEAR = {"add": (0, 1), "add_": (0, 1), "sub": (0, 1), "sub_": (0, 1), "neg": (0,), "_to_copy": (0,), "clone": (0,),
           "detach": (0,), "alias": (0,), "lift_fresh_copy": (0,), "contiguous": (0,), "copy": (1,), "copy_": (1,),
-          "mul": (0, 1), "mul_": (0, 1), "div": (0,), "div_": (0,), "rsub": (0, 1)}
+          "mul": (0, 1), "mul_": (0, 1), "div": (0,), "div_": (0,), "rsub": (0, 1),
+          # an activation's backward is linear in the incoming gradient (its first operand)
+          **{f"{act}_backward": (0,) for act in ("silu", "gelu", "tanh", "sigmoid", "softplus", "threshold", "elu",
+                                                 "leaky_relu", "hardtanh", "mish", "hardswish", "hardsigmoid")}}
 
 
 def _linear(name):
@@ -310,6 +214,8 @@ def _shifted(ctx: Context) -> Context:
 def _grouped(node, ins, ctx):
     """torch._grouped_mm (the routed experts): whole on every tp rank (experts split over ep, not tp)."""
     ops = [a for a in ins if _is_pl(a)]
+    if X in ops:
+        return X
     if all(p is R for p in ops):
         return R
     if all(p in (R, P) for p in ops) and sum(p is P for p in ops) == 1 and ins[0] is P:
@@ -737,14 +643,15 @@ RULES: dict[str, Callable] = {
     **{name: _creation for name in ("zeros", "ones", "full", "empty", "arange", "scalar_tensor", "new_zeros",
                                     "new_ones", "new_empty", "new_full", "empty_strided", "rand", "randn", "tensor",
                                     "_tensor_constant", "linspace", "eye")},
-    **{name: _like for name in ("zeros_like", "ones_like", "empty_like", "full_like", "rand_like")},
+    **{name: _like for name in ("zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "bernoulli")},
+    "native_dropout": lambda n, i, c: (_like(n, i, c),) * 2, "native_dropout_backward": pointwise,
     "mm": _mm, "bmm": _bmm, "addmm": _addmm, "baddbmm": _baddbmm, "_grouped_mm": _grouped,
     "t": _transpose, "transpose": _transpose, "permute": _permute, "unsqueeze": _unsqueeze, "squeeze": _squeeze,
     "expand": _expand, "view_as_complex": _complex, "view_as_real": _complex, "view": _view, "_unsafe_view": _view, "reshape": _view,
     "sum": lambda n, i, c: _reduction(n, i, c, summing=True), "mean": lambda n, i, c: _reduction(n, i, c, summing=False),
     "amax": lambda n, i, c: _reduction(n, i, c, summing=False), "var": lambda n, i, c: _reduction(n, i, c, summing=False),
     "logsumexp": lambda n, i, c: _reduction(n, i, c, summing=False),
-    "scatter": _scatter_gather, "gather": _scatter_gather, "index_select": _scatter_gather, "max": _max_dim, "min": _max_dim, "_softmax": _softmax, "_log_softmax": _softmax, "_softmax_backward_data": _softmax,
+    "scatter": _scatter_gather, "gather": _scatter_gather, "index_select": _scatter_gather, "max": _max_dim, "min": _max_dim, "_softmax": _softmax, "_safe_softmax": _softmax, "_log_softmax": _softmax, "_softmax_backward_data": _softmax,
     "_log_softmax_backward_data": _softmax,
     "native_layer_norm": _layer_norm, "native_layer_norm_backward": _layer_norm_backward,
     **{name: _attention for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",

@@ -33,8 +33,9 @@ from typing import Mapping
 from torch import fx
 
 from autoshard.passes.capture.capture import Captured
-from autoshard.passes.capture.placement_rules import P, R, RULES, X, Z, Context, Partial, Placement, Replicate, \
-    Shard, Unknown, Unprovable, fill_zeros, flatten
+from autoshard.passes.capture.placement_rules import RULES
+from autoshard.passes.capture.placements import (P, R, X, Z, Context, Partial, Placement, Replicate, Shard, Unknown,
+                                                  Unprovable, fill_zeros, flatten)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,6 +61,7 @@ class Proof:
     placements: tuple[tuple[str, str], ...]
     grads: tuple[tuple[str, str], ...]
     grad_sums: tuple[str, ...]  # modules whose replicated parameters' gradients are partial: summed over tp
+    summed_numel: int = 0  # elements of one layer's parameters in `grad_sums` (what the sum all-reduces)
     reduces: tuple[tuple[str, str], ...]  # (phase, module) of each all-reduce the strategy needs
     handled: tuple[str, ...]
     findings: tuple[Finding, ...]
@@ -103,6 +105,7 @@ class _Walk:
         self.grads: dict[str, str] = {}
         self.mismatch: list[Finding] = []
         self.grad_sums: dict[str, None] = {}
+        self.summed_numel = 0
         self.n_placeholder = 0
 
     # -- where a node sits -------------------------------------------------------------------
@@ -150,7 +153,8 @@ class _Walk:
     def call(self, node: fx.Node):
         site = self.cap.sites.get(node.name)
         path, phase = (site.module_path, site.phase) if site else ("", "fwd")
-        ins = fill_zeros(fx.node.map_arg(node.args, lambda a: self.read(a, path, phase)))
+        join = phase == "bwd" and self.joins(node)
+        ins = fill_zeros(fx.node.map_arg(node.args, lambda a: self.read(a, path, phase, join=join)))
         val = node.meta.get("val")
         ctx = Context(shapes=_shapes(node.args), out=_shape(val), phase=phase, counts=self.counts,
                       rowwise=phase == "fwd" and self.under(self.rel(path), self.rowwise) is not None,
@@ -162,7 +166,7 @@ class _Walk:
             origin = self.origin.get(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
             if origin:
                 self.origin[node] = origin
-        rule = RULES.get(name)
+        rule = RULES.get(name) or RULES.get(name.rstrip("_"))  # an in-place variant places as its op
         flat = [a for a in flatten(ins) if isinstance(a, (Replicate, Partial, Shard, Unknown))]  # Zeros filled
         if rule is None:
             if all(a is R for a in flat):
@@ -185,9 +189,21 @@ class _Walk:
             self.handled[f"{self.where(path)}: {note}"] = None
         return out
 
-    def read(self, arg: fx.Node, path: str, phase: str):
+    def joins(self, node: fx.Node) -> bool:
+        """Whether `node` is autograd's sum of a region's partial input gradient with a whole one (the residual
+        stream read by a region directly, Exaone-4's post-norm MLP; the attention and the MLP side by side,
+        Cohere's parallel block): the region's share is all-reduced as it leaves, whatever module the sum is
+        attributed to."""
+        if getattr(node.target, "overloadpacket", None) is None or node.target.overloadpacket.__name__ != "add":
+            return False
+        return any(self.place.get(a, R) is R for a in node.all_input_nodes) or len({
+            self.under(self.rel(self.cap.sites[a.name].module_path), self.regions)
+            for a in node.all_input_nodes if a.name in self.cap.sites}) > 1
+
+    def read(self, arg: fx.Node, path: str, phase: str, *, join: bool = False):
         """The placement of `arg` as its consumer at `path` sees it: a partial sum leaving a row-parallel
-        linear (forward) or a tp region (backward) is all-reduced on the way."""
+        linear (forward) or a tp region (backward; `join`: into a sum of gradients of several regions, `joins`)
+        is all-reduced on the way."""
         p = self.place.get(arg, R)
         if p is not P or arg.op != "call_function":
             return p
@@ -196,7 +212,7 @@ class _Walk:
             return p
         modules = self.rowwise if site.phase == "fwd" else self.regions
         m = self.under(self.rel(site.module_path), modules)
-        if m is not None and self.under(self.rel(path), (m,)) is None:
+        if m is not None and (self.under(self.rel(path), (m,)) is None or (join and site.phase == "bwd")):
             self.reduces[(site.phase, f"layers.*.{m}")] = None
             return R
         return p
@@ -227,6 +243,8 @@ class _Walk:
             got = want if got is Z else got
             if want is R and got is P:
                 self.grad_sums[rel] = None
+                if short not in self.grads:
+                    self.summed_numel += arg.meta["val"].numel() if "val" in arg.meta else 0
             elif got != want and not (isinstance(want, Shard) and isinstance(got, Shard) and want.dim == got.dim):
                 self.find(Finding(kind="gradient placement", where=f"layers.*.{rel}", op="output", phase="bwd",
                                   detail=f"the gradient of {short} comes out {got} while the parameter is {want}"))
@@ -239,7 +257,7 @@ class _Walk:
             if rel is not None:
                 placed.setdefault(f"{rel}.{name.rpartition('.')[2]}".lstrip("."), str(self.params.get(name, R)))
         return Proof(placements=tuple(placed.items()), grads=tuple(self.grads.items()),
-                     grad_sums=tuple(self.grad_sums), reduces=tuple(self.reduces), handled=tuple(self.handled),
+                     grad_sums=tuple(self.grad_sums), summed_numel=int(self.summed_numel), reduces=tuple(self.reduces), handled=tuple(self.handled),
                      findings=tuple(self.findings.values()))
 
 

@@ -22,7 +22,7 @@ import fnmatch
 from dataclasses import dataclass
 
 from autoshard.ir import BlockKind
-from autoshard.passes.capture.placement_rules import R, Shard
+from autoshard.passes.capture.placements import R, Shard
 from autoshard.passes.capture.propagate import Proof, propagate
 
 COLWISE_STYLES = ("colwise", "colwise_gather_output", "packed_colwise", "local_colwise")

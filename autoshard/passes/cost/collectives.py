@@ -45,8 +45,7 @@ from enum import Enum
 
 import numpy as np
 
-from autoshard.errors import InvalidConfigError
-from autoshard.ir import is_positive_int
+from autoshard.ir import POSITIVE_INT
 from autoshard.hardware import DeviceProfile
 
 
@@ -112,8 +111,7 @@ def steps(op: Collective, size: int, algo: Algorithm = Algorithm.RING) -> int:
 def group_link(hw: DeviceProfile, *, size: int, stride: int = 1) -> Link:
     """The link that limits a group of `size` ranks spaced `stride` apart in the rank order."""
     _check_size(size)
-    if stride < 1:
-        raise InvalidConfigError(f"group stride must be >= 1, got {stride}")
+    POSITIVE_INT.check("group stride", stride)
     span = stride * size
     if size == 1 or (span <= hw.devices_per_node and hw.devices_per_node % span == 0):
         return Link(name="intra", bandwidth=hw.intra_bandwidth, latency=hw.intra_latency)
@@ -181,5 +179,4 @@ _best_time_memo = functools.lru_cache(maxsize=1 << 16)(_best_time)
 
 
 def _check_size(size: int) -> None:
-    if not is_positive_int(size):
-        raise InvalidConfigError(f"collective group size must be a positive integer, got {size!r}")
+    POSITIVE_INT.check("collective group size", size)

@@ -104,12 +104,24 @@ def _compile_mixed(table: CostTable, spec: ModelSpec) -> CompiledTable:
     """A mixed stack: a one-kind table per layer kind (the embedding, that kind's layer, the head)."""
     edges = [b for b in table.blocks if b.kind is not BlockKind.LAYER]
     layers = table.layer_blocks()
-    views = tuple(compile_table(replace(table, blocks=(edges[0], blk, edges[1]), layer_kinds=(), shared_params=0), spec)
-                  for blk in layers)
+    views = tuple(compile_table(replace(table, blocks=(edges[0], blk, edges[1]), layer_kinds=(), shared_params=0),
+                                kind_spec(spec, blk)) for blk in layers)
     names = [b.name for b in layers]
     return CompiledTable(spec=spec, blocks=views[0].blocks, kinds=views, kind_names=tuple(names),
                          layer_kinds=tuple(names.index(k) for k in table.layer_kinds),
                          mixers=table.mixer_layers(mamba2=spec.mixer is Mixer.SSD))
+
+
+def kind_spec(spec: ModelSpec, block) -> ModelSpec:
+    """The spec one layer kind of a mixed stack is priced with: the stack's, without its routed experts for a
+    kind whose layer holds none (DeepSeek-V3's dense layers, Nemotron-H's Mamba-2 / attention / MLP layers):
+    such a layer is data-parallel over the ep ranks, its gradients reduced over dp x ep."""
+    if not spec.is_moe:
+        return spec
+    experts = spec.moe_paths[1] if spec.moe_paths else "mlp.experts"
+    if any(f".{experts}." in f"{n.module_path}." for n in block.nodes):
+        return spec
+    return replace(spec, experts=0, top_k=0, shared_ffn=0, moe="", moe_paths=())
 
 
 def mixed_violation(ct: CompiledTable, layout: Layout) -> str | None:
@@ -117,10 +129,12 @@ def mixed_violation(ct: CompiledTable, layout: Layout) -> str | None:
     if not ct.kinds:
         return None
     mesh = layout.mesh
-    if mesh.tp > 1 or mesh.cp > 1 or mesh.ep > 1:
-        return (f"{ct.spec.name}: a model whose layers are of {len(ct.kinds)} kinds is priced under dp and pp "
+    experts = any(view.spec.is_moe for view in ct.kinds)  # ep: the MoE kinds' experts, the others data-parallel
+    if mesh.tp > 1 or mesh.cp > 1 or (mesh.ep > 1 and not experts):
+        axes = "dp, pp and ep" if experts else "dp and pp"
+        return (f"{ct.spec.name}: a model whose layers are of {len(ct.kinds)} kinds is priced under {axes} "
                 f"only so far (tp {mesh.tp}, cp {mesh.cp}, ep {mesh.ep} asked): the sharding table of its layer "
-                "kinds is not read yet; use tp = cp = ep = 1")
+                f"kinds is not read yet; use tp = cp = 1{'' if experts else ' and ep = 1'}")
     if layout.recompute is Recompute.SELECTIVE or layout.zero == 3:
         what = "selective recompute" if layout.recompute is Recompute.SELECTIVE else "ZeRO-3"
         return (f"{ct.spec.name}: {what} is not priced for a model whose layers are of several kinds yet; "

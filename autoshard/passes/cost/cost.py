@@ -42,6 +42,7 @@ dp sync / optimizer, pipeline.py p2p and the logits peak; the CP-SAT planner bui
   p2p_time(ct, hw, layout, *, seq_len) -> float        stage-to-stage sends per micro-batch
   dp_exposed_time(hw, params, layout, *, backward_s, forward_s) -> float
                                                        gradient sync of one stage left exposed
+  tp_grad_sum_time(hw, spec, layout, layers) -> float  the tp all-reduces of proven-partial gradients (q/k norms)
   optimizer_time(hw, params, layout) -> float          Adam step on this device's shard (host under offload)
   offload_time(hw, params, layout) -> float            host-link copies of one micro-batch under offload
   logits_bytes(ct, layout, *, seq_len) -> float        fp32 logits peak of the head stage
@@ -84,20 +85,14 @@ from autoshard.passes.cost import moe_cost
 from autoshard.rules import schedules
 from autoshard.rules.validity import plan_violation
 from autoshard.passes.cost.precision import resolve_precision
-# the pieces (passes/cost/{layout,compiled,block,state,pipeline}.py): what `estimate` composes, and what
-# the planner and the serving model read as cost.NAME
-from autoshard.passes.cost.layout import BlockTime, Estimate, Layout, MemoryBreakdown, OPTIM_TRAFFIC, TimeBreakdown
-from autoshard.passes.cost.compiled import (CompiledBlock, CompiledTable, compile_table, mixed_violation,
-                                            priced_nodes, stage_blocks)
-from autoshard.passes.cost.block import (_block_time, _node_times, _recompute_time, _tokens, _tp_comm, _tp_divisor,
-                                         block_activation_bytes, block_params, block_time, block_times,
-                                         cp_attention_overwork, expert_block_params, fwd_bwd_s, gemm_efficiency,
-                                         memo_node_times, node_key, node_stem)
-from autoshard.passes.cost.state import (_sync_groups, bucketed_time, dp_bucket_params, dp_exposed_time,
-                                         offload_time, optimizer_time, state_bytes, zero2_staging_bytes, zero2_time,
-                                         zero3_time, zero_exposed_time)
-from autoshard.passes.cost.pipeline import (_chunk_compute, logits_bytes, p2p_seconds, p2p_terms, p2p_time,
-                                            pipeline_time, sequence_boundary_time)
+# the pieces `estimate` composes (each imported from its own module by whoever else uses it)
+from autoshard.passes.cost.layout import Estimate, Layout, MemoryBreakdown, TimeBreakdown
+from autoshard.passes.cost.compiled import CompiledTable, compile_table, mixed_violation, stage_blocks
+from autoshard.passes.cost.block import (_node_times, _tp_comm, _tp_divisor, block_activation_bytes, block_params,
+                                         block_time, expert_block_params)
+from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, tp_grad_sum_time,
+                                         zero2_staging_bytes, zero_exposed_time)
+from autoshard.passes.cost.pipeline import logits_bytes, p2p_time, pipeline_time
 
 
 def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
@@ -107,14 +102,21 @@ def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
     FLOPs of arXiv 2405.21060 sec. 8.3 per token."""
     spec = ct.spec
     if ct.kinds:  # a mixed stack: 12 d s per attention layer, the SSD per Mamba-2 layer (read off its graph)
-        n = sum(v.block(BlockKind.LAYER).params * v.block(BlockKind.LAYER).count for v in ct.kinds) + sum(
-            ct.block(k).params for k in (BlockKind.EMBED, BlockKind.HEAD))
+        n = sum(_active_layer_params(v) for v in ct.kinds) + sum(ct.block(k).params for k in (BlockKind.EMBED, BlockKind.HEAD))
         attention, mamba = ct.mixers
         return 6.0 * n + 12.0 * attention * spec.hidden * seq_len + (3.0 * _ssd_flops(spec, seq_len) * mamba if mamba else 0.0)
     n = moe_cost.active_params_per_token(spec, sum(blk.params * blk.count for blk in ct.blocks.values()))
     if spec.mixer is Mixer.ATTENTION:
         return 6.0 * n + 12.0 * spec.layers * spec.hidden * seq_len
     return 6.0 * n + 3.0 * _ssd_flops(spec, seq_len) * spec.layers
+
+
+def _active_layer_params(view: CompiledTable) -> float:
+    """Parameters a token meets in one kind's layers (`view`: the kind's table): all of them but, in a MoE kind,
+    the (E - k)/E of each layer's experts it is not routed to."""
+    blk, spec = view.block(BlockKind.LAYER), view.spec
+    skipped = spec.expert_params * (spec.experts - spec.top_k) / spec.experts if spec.is_moe else 0.0
+    return (blk.params - skipped) * blk.count
 
 
 def _ssd_flops(spec: ModelSpec, seq_len: int) -> float:
@@ -202,8 +204,9 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     # stage where they end last. The gradient reduce overlaps the last micro-batch's backward,
     # the weight all-gather the first forward (`dp_exposed_time`).
     tail = []
-    for (*_, prm_i, exp_i, bwd_last, fwd_first) in parts:
-        exposed = float(dp_exposed_time(hw, prm_i, layout, backward_s=bwd_last, forward_s=fwd_first, expert=exp_i))
+    for st, (*_, prm_i, exp_i, bwd_last, fwd_first) in zip(stages, parts):
+        exposed = float(dp_exposed_time(hw, prm_i, layout, backward_s=bwd_last, forward_s=fwd_first, expert=exp_i)
+                        + tp_grad_sum_time(hw, spec, layout, st.layers))  # the proven grad sums (q/k norms)
         tail.append((exposed, optimizer_time(hw, prm_i, layout, expert=exp_i)))
     dp_exposed, opt = max(tail, key=lambda x: x[0] + x[1])
     step = pipe + dp_exposed + opt

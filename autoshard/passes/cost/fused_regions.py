@@ -7,8 +7,7 @@ two casts), RoPE as mul/neg/cat/add, SwiGLU as silu and mul, and SDPA as one fla
 A production GPU run (Megatron-Core / Transformer Engine, torchtitan) runs each of these as ONE
 kernel. A device profile lists the kernels it fuses (`DeviceProfile.kernels`, names in
 `hardware.KERNEL_NAMES`); for those this module gives the cost rule of the fused op, applied by
-passes/cost/cost.py at pricing time (these rules are meant to become entries of the kernel-substitution
-step of issue 11 when it lands, which rewrites the cost table itself):
+passes/cost/compiled.py (region_kinds) and passes/cost/block.py (fused_scales) at pricing time:
 
   region_kinds(paths, kinds, spec) -> (region id per node, kind per region)    at compile time
   fused_scales(...) -> (bytes scale, saved scale) per node                      at pricing time
@@ -37,7 +36,7 @@ trace counts the full s x s square with backward 2x forward, so the causal kerne
 logsumexp, never the s x s scores) are what the trace of the flash op already records.
 Priced at `DeviceProfile.attention_efficiency` of peak (fwd+bwd, as flash counts FLOPs).
 
-Only LLaMA's regions are recognised here; the Mamba-2 SSD scan has its own substitution (issue 11).
+Only LLaMA's regions are recognised here; the Mamba-2 SSD scan is substituted at capture (passes/capture/kernels.py).
 """
 
 from __future__ import annotations

@@ -12,17 +12,24 @@ from typing import Any
 
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import (Fp8Recipe, Mesh, Precision, Recompute, Schedule, Stage, _enum_field, fp8_recipe_of,
-                          is_positive_int)
+from autoshard.ir import (BOOLEAN, PLAN_FIELD, Fp8Recipe, Mesh, Precision, Recompute, Schedule, Stage, check_fields,
+                          fp8_recipe_of, offload_violation)
 from autoshard.passes.cost.precision import PrecisionNumbers, precision_numbers
+from autoshard.rules.schedules import microbatches_per_step
 
 
 OPTIM_TRAFFIC = 30.0  # HBM bytes per parameter of an Adam step: grad r, master/m/v r+w, bf16 w
 
 
+# The plan's fields a layout holds as they are (ir.PLAN_FIELDS: their checks, the enums read into members).
+LAYOUT_FIELDS = tuple(PLAN_FIELD[name] for name in ("micro_batch", "zero", "offload_optimizer", "recompute", "precision",
+                                                    "schedule", "virtual_stages"))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Layout:
-    """One parallel layout: the mesh plus the memory options."""
+    """One parallel layout: the mesh plus the memory options, the Plan's fields of the same names (LAYOUT_FIELDS;
+    `sequence_parallel` and `strategies` one option each, what differs per stage being `stage_choices`)."""
 
     mesh: Mesh
     micro_batch: int = 1
@@ -32,7 +39,7 @@ class Layout:
     fp8_recipe: Fp8Recipe | None = None  # precision fp8 only (tensorwise when None): torchao's recipe
     schedule: Schedule = Schedule.ONE_F_ONE_B  # pipeline schedule, priced by rules/schedules.py
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b, zero-bubble V)
-    offload: bool = False  # ZeRO-3 shards and optimizer state in host memory (plan key offload_optimizer)
+    offload_optimizer: bool = False  # ZeRO-3 shards and optimizer state in host memory (passes/cost/state.py)
     sequence_parallel: bool = False  # norms / residual on a tp shard of the sequence (passes/cost/sequence_cost.py)
     # intra-op choices as (choice, option) pairs that differ from the table's default (Plan.strategies,
     # rules/sharding.py CHOICES): what the sharding table splits, hence every TP divisor and collective
@@ -46,33 +53,21 @@ class Layout:
     stage_choices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        check_fields(self, LAYOUT_FIELDS)  # (the planner builds ~10^5 layouts: members pass as they are)
+        BOOLEAN.check("sequence_parallel", self.sequence_parallel)
         if not isinstance(self.moe_imbalance, (int, float)) or not self.moe_imbalance >= 1.0:
             raise InvalidConfigError(f"moe_imbalance is the busiest expert's load over the mean, so a number, at least 1.0; "
                                      f"got {self.moe_imbalance!r}")
-        if not isinstance(self.precision, Precision):  # (the planner builds ~10^5 layouts: members pass as they are)
-            object.__setattr__(self, "precision", _enum_field(Precision, self.precision, "precision"))
-        if not isinstance(self.schedule, Schedule):
-            object.__setattr__(self, "schedule", _enum_field(Schedule, self.schedule, "schedule"))
         if self.fp8_recipe is not None or self.precision is Precision.FP8:
             object.__setattr__(self, "fp8_recipe", fp8_recipe_of(self.precision, self.fp8_recipe))
-        if not is_positive_int(self.virtual_stages):
-            raise InvalidConfigError(f"virtual_stages must be a positive integer, got {self.virtual_stages!r}")
-        if not is_positive_int(self.micro_batch):
-            raise InvalidConfigError(f"micro_batch must be a positive integer, got {self.micro_batch!r}")
-        if self.zero not in (0, 1, 2, 3):
-            raise InvalidConfigError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise InvalidConfigError(f"sequence_parallel must be true or false, got {self.sequence_parallel!r}")
-        if self.offload and self.zero != 3:
-            raise InvalidConfigError(f"optimizer offload needs zero=3 (FSDP2 offloads the ZeRO-3 shards), got "
-                                     f"zero={self.zero}")
+        why = offload_violation(self.offload_optimizer, self.zero)
+        if why:
+            raise InvalidConfigError(why)
         if self.stage_choices and not set(self.stage_choices) <= {"sequence_parallel", "groups"} or self.stage_choices and (
                 self.sequence_parallel and "sequence_parallel" in self.stage_choices) or (
                 "groups" in self.stage_choices and "groups" in dict(self.strategies)):
             raise InvalidConfigError(f"stage_choices {self.stage_choices!r}: per-stage sequence_parallel / groups, "
                                      "with the layout's own off / split")
-        if not isinstance(self.recompute, Recompute):
-            object.__setattr__(self, "recompute", Recompute(self.recompute))
 
     @property
     def numbers(self) -> PrecisionNumbers:
@@ -85,9 +80,8 @@ class Layout:
         return self.precision, self.fp8_recipe
 
     def microbatches(self, global_batch: int) -> int:
-        """Micro-batches per step: the batch splits over dp x ep (the ep peers take their own rows, as
-        runtime/dist_model.py slices them), each replica's rows into micro-batches."""
-        return global_batch // (self.mesh.dp * self.mesh.ep * self.micro_batch)
+        """Micro-batches per step (rules/schedules.microbatches_per_step)."""
+        return microbatches_per_step(global_batch, self.mesh, self.micro_batch)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,7 +174,7 @@ class Estimate:
         e.g. arXiv 2602.09109's), `peak_memory_gb` the busiest device (first pipeline stage)."""
         mesh, lay = self.layout.mesh, self.layout
         return {
-            **mesh.as_dict(), "zero": lay.zero, "offload": lay.offload, "recompute": lay.recompute.value, "micro_batch": lay.micro_batch,
+            **mesh.as_dict(), "zero": lay.zero, "offload": lay.offload_optimizer, "recompute": lay.recompute.value, "micro_batch": lay.micro_batch,
             "precision": lay.precision.value, **({"fp8_recipe": lay.fp8_recipe.value} if lay.fp8_recipe else {}),
             "schedule": lay.schedule.value, "virtual_stages": lay.virtual_stages,
             "sequence_parallel": list(self.stage_sequence_parallel) or lay.sequence_parallel,

@@ -3,7 +3,7 @@
 Contract: `precision_numbers(precision) -> PrecisionNumbers` for a plan's `precision` (ir.Precision);
 `resolve_precision(precision, hw)` turns AUTO into the device's default (ir.Precision.resolve).
 The numbers are what the runtime keeps (runtime/precision.py says the same from its side;
-tests/runtime/test_state_bytes.py measures a rank's tensors against `cost.state_bytes`):
+tests/runtime/test_state_bytes.py measures a rank's tensors against `state.state_bytes`):
 
 * "bf16-mixed" (Lightning's name) at ZeRO 0-2 runs Megatron-LM's layout (MindSpeed's too; ZeRO
   paper arXiv 1910.02054 sec. 3.1): bf16 weights (2 B/param) and activations (2 B), fp32 main

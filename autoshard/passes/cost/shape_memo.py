@@ -22,6 +22,8 @@ whose re-plans visit 5 shapes and then the first again, every one held at 8), an
 
 from __future__ import annotations
 
+from autoshard.ir import is_positive_int
+
 KEEP = 8
 
 
@@ -31,7 +33,7 @@ class ShapeMemo:
     __slots__ = ("keep", "_by", "_last", "_last_dict")
 
     def __init__(self, keep: int = KEEP) -> None:
-        if keep < 1:
+        if not is_positive_int(keep):
             raise ValueError(f"ShapeMemo keeps at least one sequence length, not {keep}")
         self.keep = keep
         self._by: dict = {}  # seq_len -> dict, least recently asked first (dicts keep insertion order)

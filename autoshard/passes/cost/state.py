@@ -52,7 +52,7 @@ def state_bytes(params: float, layout: Layout, *, expert: float = 0.0) -> Memory
     them that are routed experts over dp x cp; none of it on the device under offload (FSDP2's
     CPUOffloadPolicy keeps the ZeRO-3 shards in host memory). What a rank keeps between steps; the
     transient ZeRO-2 adds while a step runs is `zero2_staging_bytes`."""
-    if layout.offload:  # the shards live in host memory; a block is gathered on the device as it runs (buffer_bytes)
+    if layout.offload_optimizer:  # the shards live in host memory; a block is gathered on the device as it runs (buffer_bytes)
         return MemoryBreakdown(weights=0.0, grads=0.0, optimizer=0.0)
     groups, z, nb = _sync_groups(params, layout, expert), layout.zero, layout.numbers
 
@@ -75,6 +75,20 @@ def zero2_staging_bytes(params, layout: Layout, *, expert=0.0):
         return _zeros_like(params)
     return sum(np.minimum(p, 2 * _bucket_params(n)) * layout.numbers.grad_bytes
                for p, n, _ in _sync_groups(params, layout, expert))
+
+
+def tp_grad_sum_time(hw: DeviceProfile, spec, layout: Layout, layers):
+    """Per-step seconds of the tp all-reduces of the gradients the placement propagation proves partial
+    (passes/capture/tp_proof.py: replicated parameters used on this rank's heads only, Qwen3's per-head q/k
+    norms; `spec.grad_sum`, `spec.grad_sum_numel` elements per layer), for a stage of `layers` layers (a number
+    or a numpy array). The runtime (runtime/tensor_parallel.py `partial_grad_reducer`) all-reduces each such
+    gradient over tp once per step, before the data-parallel sync, on the critical path; one collective per
+    module and layer (a few hundred bytes: latency-bound), priced as collectives.best_time prices any."""
+    tp = layout.mesh.tp
+    if tp == 1 or not spec.grad_sum:
+        return 0.0 * layers
+    each = spec.grad_sum_numel / len(spec.grad_sum) * layout.numbers.grad_bytes
+    return layers * len(spec.grad_sum) * best_time(hw, Collective.ALL_REDUCE, each, size=tp, stride=1)
 
 
 def dp_exposed_time(hw: DeviceProfile, params, layout: Layout, *, backward_s, forward_s, expert=0.0):
@@ -169,7 +183,7 @@ def offload_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: fl
     """Host-link traffic of one micro-batch of one stage under offload (ZeRO-Offload, arXiv 2101.06840,
     sec. 4; FSDP2 CPUOffloadPolicy): this device's weight shard copied host -> device before each of
     ZeRO-3's two gathers, its gradient shard device -> host after the reduce-scatter."""
-    if not layout.offload:
+    if not layout.offload_optimizer:
         return 0.0
     link = _host(hw, "host_link_bandwidth")
     return _shard(params, layout, expert) * (2 * layout.numbers.sharded_weight_bytes + layout.numbers.grad_bytes) / link
@@ -199,6 +213,6 @@ def optimizer_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: 
     """Adam on this device's shard: memory-bound, OPTIM_TRAFFIC bytes per parameter (under offload
     on the host, at the host memory bandwidth per device)."""
     shard = _shard(params, layout, expert) if layout.zero >= 1 else params
-    if layout.offload:
+    if layout.offload_optimizer:
         return shard * OPTIM_TRAFFIC / (_host(hw, "host_memory_bandwidth") * hw.vector_efficiency)
     return shard * OPTIM_TRAFFIC / (hw.hbm_bandwidth * hw.vector_efficiency)

@@ -62,6 +62,7 @@ import numpy as np
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import CostTable
+from autoshard.ir import is_positive_int
 from autoshard.model_spec import ModelSpec
 from autoshard.passes.serving import inference_cost as ic
 from autoshard.passes.serving.inference_cost import InferenceTable, ServeLayout
@@ -138,7 +139,7 @@ def estimate_continuous(table: CostTable | InferenceTable, spec: ModelSpec, hw: 
     if not (isinstance(request_rate, (int, float)) and 0 < request_rate < math.inf):
         raise InvalidConfigError(f"the request rate must be a positive number of requests per second, "
                                  f"got {request_rate!r}")
-    if prompt_len < 1 or output_len < 1:
+    if not (is_positive_int(prompt_len) and is_positive_int(output_len)):
         raise InvalidConfigError(f"prompt and output lengths must be positive, got {prompt_len} and {output_len}")
     if times is None:
         times = replica_times(ic.compile_inference_table(table, spec), hw, layout, prompt_len=prompt_len,

@@ -58,7 +58,7 @@ MoE layer of the layer's output (batch, tokens, hidden) bf16 over the ep group (
 latency-bound in decode, `collectives.best_time`). Memory holds E/ep experts per layer.
 
 Memory per device (the busiest stage): weights (bf16, sharded by tp as training shards them,
-cost.block_params), the cache -- KV at P + O tokens per sequence (LLaMA) or the constant conv +
+block.block_params), the cache -- KV at P + O tokens per sequence (LLaMA) or the constant conv +
 SSM state (Mamba-2) of the stage's layers -- and the activations of the largest prefill: the
 residual stream and its normed copy (batch, P, hidden) plus the largest single node's working
 set at (batch, P) (its inputs and output, weights excluded), plus the fp32 last-position logits.
@@ -80,8 +80,10 @@ from autoshard.ir import BlockKind, Mesh, Stage, even_stages, is_positive_int
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost.collectives import Collective, best_time, collective_time
 from autoshard.ir import Precision
-from autoshard.passes.cost.cost import (CompiledTable, Layout, block_params, compile_table, expert_block_params,
-                                   node_times, priced_nodes, tp_comm_times, tp_divisor)
+from autoshard.passes.cost.block import block_params, expert_block_params
+from autoshard.passes.cost.compiled import CompiledTable, compile_table, priced_nodes
+from autoshard.passes.cost.cost import node_times, tp_comm_times, tp_divisor
+from autoshard.passes.cost.layout import Layout
 from autoshard.rules import sharding
 from autoshard.passes.cost.precision import precision_numbers
 from autoshard.rules.sharding import selective_module
@@ -479,7 +481,7 @@ def _activation_bytes(it: InferenceTable, tp: int, *, batch: int, tokens: int, d
 def estimate_serving(table: CostTable | InferenceTable, spec: ModelSpec, hw: DeviceProfile, layout: ServeLayout, *,
                      prompt_len: int, output_len: int) -> ServeEstimate:
     """TTFT, TPOT, throughput and memory of `layout` (see the module docstring)."""
-    if prompt_len < 1 or output_len < 1:
+    if not (is_positive_int(prompt_len) and is_positive_int(output_len)):
         raise InvalidConfigError(f"prompt length and output length must be positive, got {prompt_len} and "
                                  f"{output_len}")
     if layout.pp > spec.layers:

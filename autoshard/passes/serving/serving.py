@@ -6,7 +6,7 @@ best TPOT any configuration reaches, and the constraint that binds).
 
 Search (exhaustive; every number from `passes/serving/inference_cost.py`):
 * layouts: every (tp, pp, ep) with tp * pp * ep dividing `devices` that generate's own check
-  accepts (`layouts.generate_violation`, what `DistributedModel.generate` asks: tp as the sharding
+  accepts (`validity.generate_violation`, what `DistributedModel.generate` asks: tp as the sharding
   table allows, pp <= layers, ep dividing the experts of a MoE model, 1 for a dense one);
   replicas = devices / (tp * pp * ep).
 * colocated (what `DistributedModel.generate` runs, per replica): for each layout the largest batch
@@ -36,7 +36,7 @@ from typing import Any
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import CostTable
-from autoshard.ir import Mesh
+from autoshard.ir import Mesh, is_positive_int
 from autoshard.model_spec import ModelSpec
 from autoshard.passes.serving import inference_cost as ic
 from autoshard.passes.cost.collectives import group_link
@@ -260,7 +260,7 @@ def plan_serving(table: CostTable | InferenceTable, spec: ModelSpec, hw: DeviceP
     """See the module docstring."""
     if not (ttft_slo_s > 0 and tpot_slo_s > 0) or math.isinf(ttft_slo_s + tpot_slo_s):
         raise InvalidConfigError(f"TTFT and TPOT targets must be positive seconds, got {ttft_slo_s} and {tpot_slo_s}")
-    if prompt_len < 1 or output_len < 1:
+    if not (is_positive_int(prompt_len) and is_positive_int(output_len)):
         raise InvalidConfigError(f"prompt and output lengths must be positive, got {prompt_len} and {output_len}")
     it = ic.compile_inference_table(table, spec)
     price = _Pricer(it, spec, hw, prompt_len=prompt_len, output_len=output_len)

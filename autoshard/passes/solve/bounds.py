@@ -38,8 +38,14 @@ import numpy as np
 
 from autoshard.ir import BlockKind, Recompute
 from autoshard.passes.cost import cost
+from autoshard.passes.cost.block import (block_activation_bytes, block_params, block_time, block_times,
+                                         expert_block_params, fwd_bwd_s, memo_node_times, node_key, node_stem)
+from autoshard.passes.cost.pipeline import p2p_seconds, p2p_terms, p2p_time
+from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, tp_grad_sum_time,
+                                         zero2_staging_bytes, zero_exposed_time)
 from autoshard.rules import schedules, sharding
-from autoshard.passes.cost.cost import CompiledTable, Layout
+from autoshard.passes.cost.compiled import CompiledTable
+from autoshard.passes.cost.layout import Layout
 from autoshard.rules.schedules import bubble_fraction
 
 KINDS = (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD)
@@ -63,7 +69,6 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     (not ZeRO), the bubble fraction (the schedule) and the ZeRO-dependent terms (not the schedule nor
     sequence parallelism; their shape-independent part, the parameters and ZeRO state per device, is
     kept in `ct.memo` over plans)."""
-    kinds = KINDS
     if block_s is None:
         block_s = least_block_s(ct, hw, layout, seq_len=seq_len)
     bt = block_s
@@ -72,7 +77,7 @@ def lower_bounds(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     key = _p2p_key(layout, memo)
     p2p = memo.get(key)
     if p2p is None:
-        p2p = memo[key] = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
+        p2p = memo[key] = p2p_time(ct, hw, layout, seq_len=seq_len)
     work = sum(bt.values()) + (spec.layers - 1) * bt[BlockKind.LAYER] + mesh.pp * p2p
     m = layout.microbatches(global_batch)
     heaviest = max(bt.values()) + p2p
@@ -97,13 +102,13 @@ def least_block_s(ct: CompiledTable, hw, layout: Layout, *, seq_len: int) -> dic
 
 
 def least_block_s_many(ct: CompiledTable, hw, layouts, *, seq_len: int) -> list[dict]:
-    """`least_block_s` of each of `layouts`, their block times priced together (`cost.block_times`)."""
+    """`least_block_s` of each of `layouts`, their block times priced together (`block_times`)."""
     from autoshard.passes.solve.solve_model import stage_variants
 
     variants = [[v if v.recompute is Recompute.NONE else replace(v, recompute=Recompute.NONE)
                  for v in stage_variants(lay)] for lay in layouts]
     flat = [v for vs in variants for v in vs]
-    times = {k: iter(cost.block_times(ct, hw, flat, k, seq_len=seq_len)) for k in KINDS}
+    times = {k: iter(block_times(ct, hw, flat, k, seq_len=seq_len)) for k in KINDS}
     return [{k: min(next(times[k]).total_s for _ in vs) for k in KINDS} for vs in variants]
 
 
@@ -143,7 +148,7 @@ class LazyBounds:
         n = len(layouts)
         block, self._p2p_code, state_code, sched_code, self._pp, rows, self.ep = layout_codes(layouts).T
         self.block_code = block
-        self._m = m = global_batch // rows  # Layout.microbatches
+        self._m = m = global_batch // rows  # schedules.microbatches_per_step, over arrays
         reps = _CODES.reps
         optimizer_s, peak = np.zeros(len(reps)), np.zeros(len(reps))
         codes = np.unique(state_code)
@@ -238,8 +243,8 @@ class LazyBounds:
 
 
 def _p2p_columns(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) -> np.ndarray:
-    """`cost.p2p_time` of the p2p codes `codes` (of each code's layout), the same float operations over arrays
-    (`cost.p2p_seconds`); their shape-independent terms (`cost.p2p_terms`, the layer's node-time stem) kept in
+    """`p2p_time` of the p2p codes `codes` (of each code's layout), the same float operations over arrays
+    (`p2p_seconds`); their shape-independent terms (`p2p_terms`, the layer's node-time stem) kept in
     the table's memo over plans, per device and `_CODES` epoch."""
     table = _epoch_table(ct, "p2p columns", hw)
     rows = []
@@ -251,26 +256,26 @@ def _p2p_columns(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) -> np
                 row = (0.0, 1, 1, 1.0, 1, 0.0, 1.0, 1, 0, -1)  # p2p 0 (the pipelined flag first)
             else:
                 base = lay if lay.recompute is Recompute.NONE else replace(lay, recompute=Recompute.NONE)
-                per_chunk = max(1, ct.spec.layers // (lay.mesh.pp * lay.virtual_stages))  # cost._chunk_compute's
-                row = (1.0, *cost.p2p_terms(hw, lay), per_chunk,
-                       _CODES.stem(cost.node_stem(base, BlockKind.LAYER), base))
+                per_chunk = max(1, ct.spec.layers // (lay.mesh.pp * lay.virtual_stages))  # pipeline._chunk_compute's
+                row = (1.0, *p2p_terms(hw, lay), per_chunk,
+                       _CODES.stem(node_stem(base, BlockKind.LAYER), base))
             row = table[c] = row
         rows.append(row)
     cols = np.array(rows, dtype=np.float64).reshape(-1, 10)
     piped, mb, cp, act_bytes, shard, latency, bandwidth, crossings, per_chunk, stem = cols.T
     fwd, bwd = np.zeros(len(rows)), np.zeros(len(rows))
     chunked = np.flatnonzero((crossings != 1) & (piped > 0))
-    if len(chunked):  # cost._chunk_compute: the layer's forward / backward node-time sums (`cost.block_time`'s)
+    if len(chunked):  # pipeline._chunk_compute: the layer's forward / backward node-time sums (`block_time`'s)
         blk, stems = ct.block(BlockKind.LAYER), stem[chunked].astype(np.int64)
         uniq = np.unique(stems).tolist()
-        keys = [cost.node_key(hw, _CODES.stems[i][0], seq_len) for i in uniq]
-        cost.memo_node_times(ct, hw, BlockKind.LAYER, {key: _CODES.stems[i][1] for key, i in zip(keys, uniq)},
+        keys = [node_key(hw, _CODES.stems[i][0], seq_len) for i in uniq]
+        memo_node_times(ct, hw, BlockKind.LAYER, {key: _CODES.stems[i][1] for key, i in zip(keys, uniq)},
                              seq_len=seq_len)
         memo = blk.shaped.at(seq_len)
-        sums = {i: cost.fwd_bwd_s(blk, memo[key]) for i, key in zip(uniq, keys)}
+        sums = {i: fwd_bwd_s(blk, memo[key]) for i, key in zip(uniq, keys)}
         pairs = np.array([sums[i] for i in stems.tolist()]).reshape(-1, 2)
         fwd[chunked], bwd[chunked] = per_chunk[chunked] * pairs[:, 0], per_chunk[chunked] * pairs[:, 1]
-    p2p = cost.p2p_seconds(ct, mb.astype(np.int64), cp.astype(np.int64), act_bytes, shard.astype(np.int64), latency,
+    p2p = p2p_seconds(ct, mb.astype(np.int64), cp.astype(np.int64), act_bytes, shard.astype(np.int64), latency,
                            bandwidth, crossings.astype(np.int64), fwd, bwd, seq_len=seq_len)
     return np.where(piped > 0, p2p, 0.0)
 
@@ -291,7 +296,7 @@ def _compute_floors(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) ->
     """[block code, kind]: for each of `codes` and block kind, the least over the code's variants
     (`least_block_s`) of the sum of the block's node times, the forward and backward compute `block_time` adds
     recompute and communication to (any order of the sum: the caller lowers it by 1e-9 of itself). The node
-    times go in the block's memo of the sequence length, where `cost.block_times` reads them."""
+    times go in the block's memo of the sequence length, where `block_times` reads them."""
     out = np.zeros((len(_CODES.reps), len(KINDS)))
     for ki, kind in enumerate(KINDS):
         owner, ids = [], []
@@ -300,8 +305,8 @@ def _compute_floors(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) ->
             owner.extend([c] * len(stems)), ids.extend(stems)
         ids = np.array(ids, dtype=np.int64)
         uniq = np.unique(ids).tolist()
-        keys = [cost.node_key(hw, _CODES.stems[i][0], seq_len) for i in uniq]
-        cost.memo_node_times(ct, hw, kind, {key: _CODES.stems[i][1] for key, i in zip(keys, uniq)}, seq_len=seq_len)
+        keys = [node_key(hw, _CODES.stems[i][0], seq_len) for i in uniq]
+        memo_node_times(ct, hw, kind, {key: _CODES.stems[i][1] for key, i in zip(keys, uniq)}, seq_len=seq_len)
         memo = ct.block(kind).shaped.at(seq_len)
         sums = np.zeros(len(_CODES.stems))
         sums[uniq] = [float(memo[key].sum()) for key in keys]
@@ -312,7 +317,7 @@ def _compute_floors(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) ->
 
 
 def _variant_stems(code: int) -> tuple:
-    """Per block kind, the node-time stems (`cost.node_stem`, as ids in `_CODES.stems`) of the variants of block
+    """Per block kind, the node-time stems (`node_stem`, as ids in `_CODES.stems`) of the variants of block
     code `code`'s layouts (`least_block_s`); kept over plans."""
     stems = _CODES.variant_stems.get(code)
     if stems is None:
@@ -320,7 +325,7 @@ def _variant_stems(code: int) -> tuple:
 
         variants = [v if v.recompute is Recompute.NONE else replace(v, recompute=Recompute.NONE)
                     for v in stage_variants(_CODES.reps[code])]
-        stems = _CODES.variant_stems[code] = tuple(tuple(_CODES.stem((cost.node_stem(v, k)), v) for v in variants)
+        stems = _CODES.variant_stems[code] = tuple(tuple(_CODES.stem((node_stem(v, k)), v) for v in variants)
                                                     for k in KINDS)
     return stems
 
@@ -404,11 +409,11 @@ def _codes_of(layout: Layout) -> tuple:
     return (_CODES.code((block, plan), layout), _CODES.code((_p2p_key(layout, _CODES.choices), plan), layout),
             _CODES.code((_state_key(layout), plan), layout),
             _CODES.code((("schedule", layout.schedule, layout.virtual_stages), ()), layout), mesh.pp,
-            mesh.dp * mesh.ep * layout.micro_batch, mesh.ep)
+            schedules.rows_per_microbatch(mesh, layout.micro_batch), mesh.ep)
 
 
 def _p2p_key(layout: Layout, memo: dict) -> tuple:
-    """What `cost.p2p_time` reads: of the schedule, the boundaries each micro-batch crosses and v."""
+    """What `p2p_time` reads: of the schedule, the boundaries each micro-batch crosses and v."""
     return ("p2p", layout.mesh, layout.micro_batch, layout.sequence_parallel,  # the layers' choices: their compute
             _layer_choices(layout.strategies, memo), schedules.p2p_factor(layout.schedule, layout.virtual_stages),
             layout.virtual_stages)
@@ -420,7 +425,7 @@ def _bubble_key(layout: Layout, microbatches: int) -> tuple:
 
 def _state_key(layout: Layout) -> tuple:
     """The ZeRO-dependent terms: of the mesh, the parameters (tp, strategies) and the buffers (micro-batch)."""
-    return ("state", layout.mesh, layout.micro_batch, layout.strategies, layout.zero, layout.offload, layout.numerics)
+    return ("state", layout.mesh, layout.micro_batch, layout.strategies, layout.zero, layout.offload_optimizer, layout.numerics)
 
 
 def _layer_choices(strategies: tuple, memo: dict) -> tuple:
@@ -444,18 +449,18 @@ def _fixed_state(ct: CompiledTable, hw, layout: Layout) -> tuple[float, float]:
     mesh, spec = layout.mesh, ct.spec
     key = ("params", mesh.tp, mesh.ep, mesh.pp > 1, layout.strategies)
     if key not in ct.memo:
-        params = sum(cost.block_params(ct, layout, k) for k in kinds) + \
-            (spec.layers - 1) * cost.block_params(ct, layout, BlockKind.LAYER)
+        params = sum(block_params(ct, layout, k) for k in kinds) + \
+            (spec.layers - 1) * block_params(ct, layout, BlockKind.LAYER)
         if spec.tied and mesh.pp > 1:
-            params += cost.block_params(ct, layout, BlockKind.EMBED)  # the head's copy
+            params += block_params(ct, layout, BlockKind.EMBED)  # the head's copy
         ct.memo[key] = params
     avg = ct.memo[key] / mesh.pp  # the stage with the most parameters holds at least the average
-    key = ("state bytes", hw, mesh, layout.strategies, layout.zero, layout.offload, layout.numerics)  # not the micro-batch
+    key = ("state bytes", hw, mesh, layout.strategies, layout.zero, layout.offload_optimizer, layout.numerics)  # not the micro-batch
     if key not in ct.memo:
-        experts = spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER) / mesh.pp
-        ct.memo[key] = (cost.state_bytes(avg, layout, expert=experts).total
-                        + cost.zero2_staging_bytes(avg, layout, expert=experts),
-                        cost.optimizer_time(hw, avg, layout, expert=experts))
+        experts = spec.layers * expert_block_params(ct, layout, BlockKind.LAYER) / mesh.pp
+        ct.memo[key] = (state_bytes(avg, layout, expert=experts).total
+                        + zero2_staging_bytes(avg, layout, expert=experts),
+                        optimizer_time(hw, avg, layout, expert=experts))
     return ct.memo[key]
 
 
@@ -488,7 +493,7 @@ def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *,
     m = layout.microbatches(global_batch)
     if mesh.pp == 1:
         key = ("single", mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies, layout.zero,
-               layout.offload, layout.numerics, layout.moe_imbalance)
+               layout.offload_optimizer, layout.numerics, layout.moe_imbalance)
         if key not in memo:
             memo[key] = _single_stage_step(ct, hw, layout, microbatches=m, seq_len=seq_len,
                                            fixed_bytes=bounds.peak_bytes, memo=memo)
@@ -520,7 +525,7 @@ def _tail_floor(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: di
     from autoshard.passes.solve.solve_model import stage_variants
 
     key = ("tail floor", layout.mesh, layout.micro_batch, layout.sequence_parallel, layout.strategies,
-           layout.stage_choices, layout.zero, layout.offload, layout.numerics, layout.virtual_stages,
+           layout.stage_choices, layout.zero, layout.offload_optimizer, layout.numerics, layout.virtual_stages,
            layout.moe_imbalance)
     if key in memo:
         return memo[key]
@@ -532,8 +537,8 @@ def _tail_floor(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: di
         what = ("tail sums", var.mesh.tp, var.mesh.cp, var.mesh.ep, var.micro_batch, var.numerics,
                 var.sequence_parallel, var.strategies, var.moe_imbalance, len(places))  # what they read
         if what not in memo:
-            bt = {k: cost.block_time(ct, hw, var, k, seq_len=seq_len) for k in KINDS}  # (the bounds priced them)
-            prm = np.array([cost.block_params(ct, var, k) for k in KINDS])
+            bt = {k: block_time(ct, hw, var, k, seq_len=seq_len) for k in KINDS}  # (the bounds priced them)
+            prm = np.array([block_params(ct, var, k) for k in KINDS])
             bwd, fwd = np.array([bt[k].bwd_s for k in KINDS]), np.array([bt[k].fwd_s for k in KINDS])
             memo[what] = []
             for embed, head in places:
@@ -542,9 +547,10 @@ def _tail_floor(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: di
                 memo[what].append((prm @ counts + tied, bwd @ counts, fwd @ counts))
         sums.extend(memo[what])
     params, bwd, fwd = (np.stack(x) for x in zip(*sums))
-    experts = n * cost.expert_block_params(ct, layout, BlockKind.LAYER)
-    tails = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts)
-             + cost.optimizer_time(hw, params, layout, expert=experts))  # every place and variant at once
+    experts = n * expert_block_params(ct, layout, BlockKind.LAYER)
+    tails = (dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts)
+             + optimizer_time(hw, params, layout, expert=experts)
+             + tp_grad_sum_time(hw, spec, layout, n))  # every place and variant at once
     least = np.broadcast_to(tails, params.shape).reshape(-1, len(places), len(n)).min(axis=0)
     stages = [(tail[fewest:], fewest, 1 if embed or head else mesh.pp - 2)
               for tail, (embed, head), fewest in zip(least, places, (v - 1, v - 1, v))]  # (tails, fewest, stages)
@@ -604,18 +610,18 @@ def _single_stage_step(ct: CompiledTable, hw, layout: Layout, *, microbatches: i
     if key not in memo:
         edge: dict = {}  # the embedding's and head's numbers, the same at every level (they do not recompute)
         memo[key] = ([_single_stage_blocks(ct, hw, replace(layout, recompute=r), counts, seq_len=seq_len, edge=edge)
-                      for r in Recompute], sum(cost.block_params(ct, layout, k) * c for k, c in counts.items()),
-                     spec.layers * cost.expert_block_params(ct, layout, BlockKind.LAYER))
+                      for r in Recompute], sum(block_params(ct, layout, k) * c for k, c in counts.items()),
+                     spec.layers * expert_block_params(ct, layout, BlockKind.LAYER))
     levels, params, experts = memo[key]
     fits = [level for level in levels if fixed_bytes + level[0] <= hw.memory_bytes * (1 + 1e-9)]
     if not fits:
         return math.inf
-    zexp = cost.zero_exposed_time(hw, params, layout, compute_s=np.array([c for _, c, _, _, _ in fits]),
+    zexp = zero_exposed_time(hw, params, layout, compute_s=np.array([c for _, c, _, _, _ in fits]),
                                   backward_s=np.array([b for _, _, _, b, _ in fits]), expert=experts,
                                   blocks=sum(counts.values()))  # every level that fits at once (elementwise)
     t, bwd, fwd = min((comp + other + z, bwd, fwd) for (_, comp, other, bwd, fwd), z in zip(fits, zexp.tolist()))
-    tail = (float(cost.dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts))
-            + cost.optimizer_time(hw, params, layout, expert=experts))
+    tail = (float(dp_exposed_time(hw, params, layout, backward_s=bwd, forward_s=fwd, expert=experts))
+            + optimizer_time(hw, params, layout, expert=experts) + tp_grad_sum_time(hw, spec, layout, spec.layers))
     return microbatches * t + tail
 
 
@@ -626,8 +632,8 @@ def _single_stage_blocks(ct: CompiledTable, hw, layout: Layout, counts: dict, *,
     nums = {}
     for k in KINDS:
         if k is BlockKind.LAYER or k not in edge:
-            nums[k] = (cost.block_activation_bytes(ct, layout, k, seq_len=seq_len, hw=hw),
-                       cost.block_time(ct, hw, layout, k, seq_len=seq_len))
+            nums[k] = (block_activation_bytes(ct, layout, k, seq_len=seq_len, hw=hw),
+                       block_time(ct, hw, layout, k, seq_len=seq_len))
             if k is not BlockKind.LAYER:
                 edge[k] = nums[k]
         else:

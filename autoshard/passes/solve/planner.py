@@ -40,14 +40,16 @@ from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 from autoshard.ir import (BlockKind, Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, chunk_layers,
                           even_stages, is_positive_int, stage_rank)
 from autoshard.passes.cost import cost
-from autoshard.passes.cost.cost import CompiledTable, Layout
+from autoshard.passes.cost.compiled import compile_table, mixed_violation
+from autoshard.passes.cost.compiled import CompiledTable
+from autoshard.passes.cost.layout import Layout
 from autoshard.errors import AutoshardError
 from autoshard.rules.validity import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALLEL, RUNTIME_ZERO, mesh_micro_batches,
                                      sequence_parallel_violation, zero_violation)
 from autoshard.passes.cost.precision import resolve_precision
-from autoshard.rules.schedules import bubble_fraction, check_chunks
+from autoshard.rules.schedules import check_chunks, microbatches_per_step
 from autoshard.passes.solve import ranges
-from autoshard.passes.solve.bounds import Bounds, LazyBounds, least_block_s, lower_bounds, refined_step_bound  # noqa: F401 (lower_bounds: tests)
+from autoshard.passes.solve.bounds import Bounds, LazyBounds, least_block_s, lower_bounds, refined_step_bound
 from autoshard.rules.sharding import choices, strategy_options
 from autoshard.passes.solve.solve_model import (Assignment, MeshProblem, SplitSearch, evaluate, mesh_problem,
                                           min_stage_sum, split_search, stage_numbers, stage_variants)
@@ -288,20 +290,23 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
                       schedules: tuple = RUNTIME_SCHEDULES, offload: bool = False,
                       sequence_parallel: tuple[bool, ...] = RUNTIME_SEQUENCE_PARALLEL,
                       moe_imbalance: float = 1.0, precision: Precision = Precision.AUTO,
-                      fp8_recipe: Fp8Recipe | None = None) -> CandidateLayouts:
+                      fp8_recipe: Fp8Recipe | None = None, meshes: Callable | None = None) -> CandidateLayouts:
     """Every (mesh, micro-batch, intra-op strategy, ZeRO, schedule) the planner searches: the valid
-    (mesh, micro-batch) pairs of `layouts.mesh_micro_batches` (the divisibility rules `sweep` uses)
+    (mesh, micro-batch) pairs of `validity.mesh_micro_batches` (the divisibility rules `sweep` uses)
     times, under tp > 1, sequence parallelism on / off (`sequence_parallel`, the values the runtime
-    runs: `layouts.RUNTIME_SEQUENCE_PARALLEL`) and every combination of the sharding table's intra-op
+    runs: `validity.RUNTIME_SEQUENCE_PARALLEL`) and every combination of the sharding table's intra-op
     choices that goes with it (`sharding.strategy_options`: embedding / head vocab-parallel or
     replicated, Mamba-2 groups split or whole) times the ZeRO levels the runtime runs that go with the
-    mesh (`layouts.zero_violation`) times, for pp > 1, the pipeline schedules and virtual stages the
-    runtime runs (`layouts.RUNTIME_SCHEDULES`); `offload`: ZeRO-3 also with optimizer offload (where
+    mesh (`validity.zero_violation`) times, for pp > 1, the pipeline schedules and virtual stages the
+    runtime runs (`validity.RUNTIME_SCHEDULES`); `offload`: ZeRO-3 also with optimizer offload (where
     the device profile prices the host link); `moe_imbalance`: the busiest expert's load over the mean
     (passes/cost/moe_cost.py), the same for every layout; `precision` (and `fp8_recipe`): of every layout (the
-    planner asks once per precision the device runs, `planner_precisions`)."""
+    planner asks once per precision the device runs, `planner_precisions`); `meshes`: which meshes to keep (a
+    mixed stack's: those its per-kind tables price), None all."""
     pairs = mesh_micro_batches(spec, devices, global_batch=global_batch, seq_len=seq_len,
                                micro_batches=micro_batches)
+    if meshes is not None:
+        pairs = [(mesh, mb) for mesh, mb in pairs if meshes(mesh)]
     options: dict = {}  # tp -> the sharding table's choices; (tp, sequence parallel) -> their valid combinations
     intra = {}  # mesh -> its (sequence_parallel, strategies, stage choices) options
     for mesh in {mesh for mesh, _ in pairs}:
@@ -318,7 +323,7 @@ def candidate_layouts(spec, *, devices: int, global_batch: int, seq_len: int,
     schedules_of = {}  # (pp, micro-batches) -> the schedules that go with them
     parts = []
     for mesh, mb in pairs:
-        key = (mesh.pp, global_batch // (mesh.dp * mesh.ep * mb))
+        key = (mesh.pp, microbatches_per_step(global_batch, mesh, mb))
         if key not in schedules_of:
             schedules_of[key] = tuple(pipeline_schedules(spec, *key, schedules))
         parts.append(_pair_layouts(mesh, mb, intra[mesh], zeros, offload, schedules_of[key], moe_imbalance, precision,
@@ -365,7 +370,7 @@ def _pair_layouts(mesh, micro_batch: int, intra: tuple, zeros: tuple, offload: b
     with the mesh (and offload) x the schedules. The same objects for the same arguments, so a re-plan in
     process builds only the pairs whose options changed (building one Layout validates it, ~8 us; a plan
     has ~30k), and `bounds.bound_columns` reads each layout's keys once."""
-    return tuple(Layout(mesh=mesh, micro_batch=micro_batch, zero=z, offload=o, schedule=sched, virtual_stages=v,
+    return tuple(Layout(mesh=mesh, micro_batch=micro_batch, zero=z, offload_optimizer=o, schedule=sched, virtual_stages=v,
                         sequence_parallel=sp, strategies=st, stage_choices=per, moe_imbalance=moe_imbalance,
                         precision=precision, fp8_recipe=fp8_recipe)
                  for sp, st, per in intra for z in zeros if zero_violation(mesh, z) is None
@@ -487,8 +492,7 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     value it must beat as a cutoff, until the bound reaches the runner-up. The bound of a layout is
     `bounds.lower_bounds` with the mean layer of the stack's sequence (its summed work exact, its heaviest
     block no more than the heaviest), its state and peak memory the least over the kinds' tables."""
-    layouts = [cost.resolved(lay, hw) for lay in layouts
-               if lay.virtual_stages == 1 and cost.mixed_violation(ct, lay) is None]
+    layouts = [cost.resolved(lay, hw) for lay in layouts if _priced_layout(ct, lay)]
     counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
     memos = [{} for _ in ct.kinds]
     found_bounds = []
@@ -508,7 +512,7 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         ep_bounds[e] = (float(step_b[mine & fits].min(initial=math.inf)), float(peak_b[mine].min()))
     kept = sorted(np.flatnonzero(fits).tolist(), key=lambda k: (step_b[k], k))
     best: dict = {}  # mesh -> best Candidate on it
-    numbers: dict = {}
+    numbers = _kept_numbers(ct, hw, seq_len)
     visited = 0
 
     for done, k in enumerate(kept):
@@ -519,8 +523,8 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         cutoff = first.result.step_s if first is not None and first.layout.mesh == layout.mesh else second
         if bound >= cutoff * (1 - 1e-9):
             continue
-        key = (layout.mesh, layout.micro_batch, layout.strategies, layout.schedule, layout.virtual_stages,
-               layout.precision, layout.fp8_recipe)
+        key = ("stage numbers", layout.mesh, layout.micro_batch, layout.strategies, layout.sequence_parallel,
+               layout.schedule, layout.virtual_stages, layout.precision, layout.fp8_recipe, layout.moe_imbalance)
         if key not in numbers:
             numbers[key] = stage_numbers(ct, hw, layout, seq_len=seq_len, memo=numbers,
                                          recomputes=(Recompute.NONE, Recompute.FULL))
@@ -530,6 +534,30 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         visited += 1
         _keep(best, layout, result, progress, done, len(kept))
     return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
+
+
+def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:
+    """The block numbers a mixed stack's search reuses over plans (a re-plan at another global batch needs the
+    same ones), kept in `ct.memo` for the last two (device, sequence length) pairs."""
+    kept = ct.memo.setdefault("range numbers", {})
+    key = (hw, seq_len)
+    if key not in kept:
+        while len(kept) >= 2:
+            kept.pop(next(iter(kept)))
+        kept[key] = {}
+    return kept[key]
+
+
+def _priced_layout(ct: CompiledTable, layout: Layout) -> bool:
+    """Whether the planner searches `layout` for `ct`: every layout of a one-kind model; of a mixed stack those
+    its per-kind tables price (`cost.mixed_violation`) with one model chunk per rank (a rank of an interleaved
+    pipeline holds no one layer range)."""
+    return not ct.kinds or (layout.virtual_stages == 1 and mixed_violation(ct, layout) is None)
+
+
+def _priced_mesh(ct: CompiledTable, mesh) -> bool:
+    """Whether a mixed stack's per-kind tables price `mesh` (`cost.mixed_violation`)."""
+    return mixed_violation(ct, Layout(mesh=mesh)) is None
 
 
 def _all_sequence_parallel(problem: MeshProblem, a: Assignment) -> bool:
@@ -562,17 +590,19 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
     hw = load_hardware(hw)
     t0 = time.perf_counter()
     offload = hw.host_link_bandwidth is not None and hw.host_memory_bandwidth is not None
+    mixed = compile_table(table, spec) if table is not None else None
+    meshes = functools.partial(_priced_mesh, mixed) if mixed is not None and mixed.kinds else None
     parts = [part for precision, recipe in planner_precisions(hw)
              for part in candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len,
                                            precision=precision, fp8_recipe=recipe, offload=offload,
-                                           moe_imbalance=moe_imbalance).parts]
+                                           moe_imbalance=moe_imbalance, meshes=meshes).parts]
     layouts = CandidateLayouts(parts, precision=resolve_precision(Precision.AUTO, hw))  # every layout concrete
     if not layouts:
         raise InvalidConfigError(
             f"no valid layout of {devices} devices for {spec.name}: tp must divide the heads ({spec.heads}), "
             f"pp <= layers ({spec.layers}), dp x micro-batch must divide the global batch ({global_batch}); "
             "change the device count or the global batch")
-    ct = cost.compile_table(table if table is not None else build_cost_table(spec, kernels=hw.kernels), spec)
+    ct = compile_table(table if table is not None else build_cost_table(spec, kernels=hw.kernels), spec)
     result = search(ct, hw, global_batch=global_batch, seq_len=seq_len, layouts=layouts,
                     time_limit_s=time_limit_s, progress=progress)
     if not result.found:
@@ -586,7 +616,7 @@ def _infeasible(ct, hw, spec, layouts, *, devices, global_batch, seq_len) -> Inf
     for lay in layouts:
         top[lay.mesh] = max(top.get(lay.mesh, 0), lay.zero)
     # without data parallelism ZeRO shards nothing (ZeRO-3 only adds its gather buffer): every level there
-    small = [lay for lay in layouts if lay.micro_batch == 1
+    small = [lay for lay in layouts if lay.micro_batch == 1 and _priced_layout(ct, lay)
              and (lay.zero == top[lay.mesh] or lay.mesh.dp * lay.mesh.cp * lay.mesh.ep == 1)]
     best, where = math.inf, None
     for lay in small:
@@ -689,7 +719,7 @@ def _plan(ct, hw, spec, result: SearchResult, *, devices, global_batch, seq_len,
     sp, strategies = chunk_strategies(a, layout)
     plan = Plan(model=spec.name, fingerprint=fingerprint or fingerprint_spec(spec), hardware=hw.name, devices=devices,
                 global_batch=global_batch, seq_len=seq_len, mesh=layout.mesh, micro_batch=layout.micro_batch,
-                zero=layout.zero, offload_optimizer=layout.offload, recompute=rec, schedule=layout.schedule,
+                zero=layout.zero, offload_optimizer=layout.offload_optimizer, recompute=rec, schedule=layout.schedule,
                 # fp8 where the planner chose it; else the device's default (AUTO, as it was searched)
                 **({"precision": layout.precision, "fp8_recipe": layout.fp8_recipe}
                    if layout.precision is Precision.FP8 else {}),

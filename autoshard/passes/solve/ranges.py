@@ -22,6 +22,7 @@ Terms: L layers, p stages, a / b a stage's first layer / one past its last, m mi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -41,6 +42,7 @@ def range_columns(counts, layers: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=64)
 def range_counts(sequence: tuple[int, ...], kinds: int, *, embed: bool, head: bool) -> np.ndarray:
     """[kinds + 2, (L + 1)^2]: per range [a, b) (column `range_column`), the embedding (0 / 1), the layers of
     each kind in it (b < a: negative, no stage) and the head, in the order of `BlockNumbers`' columns."""
@@ -51,28 +53,41 @@ def range_counts(sequence: tuple[int, ...], kinds: int, *, embed: bool, head: bo
     prefix = np.cumsum(onehot, axis=1)  # [k, x]: layers of kind k among the first x
     held = (prefix[:, None, :] - prefix[:, :, None]).reshape(kinds, size * size)  # [k, a * size + b]
     edge = np.full((1, size * size), 1.0)
-    return np.concatenate([edge * float(embed), held, edge * float(head)])
+    out = np.concatenate([edge * float(embed), held, edge * float(head)])
+    out.flags.writeable = False  # memoised: shared by every table of the model
+    return out
 
 
+@functools.lru_cache(maxsize=64)
 def range_lengths(layers: int) -> np.ndarray:
     """[(L + 1)^2]: the layers of each range, b - a (negative: no stage)."""
     x = np.arange(layers + 1)
-    return (x[None, :] - x[:, None]).reshape(-1)
+    out = (x[None, :] - x[:, None]).reshape(-1)
+    out.flags.writeable = False
+    return out
 
 
-def range_sums(stage_table, pp: int, layers: int, count: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """The least sum over stages of t_i[a_i, a_{i+1}] with a_0 = 0 and a_pp = L, for `count` tables side by side:
-    `stage_table(i)` gives stage i's [count, L + 1, L + 1] (inf: not allowed). Returns (sums [count],
-    counts [count, pp] of the splits reaching them; a row is meaningless where its sum is inf)."""
+def range_sums(stage_table, pp: int, layers: int, count: int, lows) -> tuple[np.ndarray, np.ndarray | None]:
+    """The least sum over stages of t_i[a_i, a_{i+1}] with a_0 = 0 and a_pp = L, for `count` tables side by side,
+    stage i holding at least `lows[i]` layers: `stage_table(i, starts, ends)` gives stage i's [count, starts, ends]
+    (inf: not allowed) for the slices of starts and ends the other stages' least layers leave open. Returns
+    (sums [count], counts [count, pp] of the splits reaching them; a row is meaningless where its sum is inf)."""
     size = layers + 1
+    before = np.concatenate([[0], np.cumsum(lows)]).astype(int)  # least layers of the stages before i
+    after = int(before[-1])
     best = np.full((count, size), np.inf)
     best[:, 0] = 0.0
     args = []
     for i in range(pp):
-        cand = best[:, :, None] + stage_table(i)  # [j, a, b]
+        a0, a1 = int(before[i]), layers - (after - int(before[i]))  # the starts stage i can have
+        b0, b1 = a0 + int(lows[i]), layers - (after - int(before[i + 1]))  # and its ends
+        cand = best[:, a0:a1 + 1, None] + stage_table(i, slice(a0, a1 + 1), slice(b0, b1 + 1))  # [j, a, b]
         arg = cand.argmin(axis=1)  # [j, b]: the smallest start on ties
-        best = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
-        args.append(arg)
+        best = np.full((count, size), np.inf)
+        best[:, b0:b1 + 1] = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
+        full = np.zeros((count, size), dtype=np.int64)
+        full[:, b0:b1 + 1] = arg + a0
+        args.append(full)
     ends = np.full(count, layers)
     bounds = [ends]
     for arg in reversed(args):  # each table's boundaries, from the last stage back
@@ -83,23 +98,16 @@ def range_sums(stage_table, pp: int, layers: int, count: int) -> tuple[np.ndarra
 
 
 def bottleneck(problem, ok: np.ndarray) -> float | None:
-    """The least slowest-stage time any split of `problem` has with every stage in `ok` (binary search over
-    the table's times with a reachability DP), or None when no split is allowed."""
+    """The least slowest-stage time any split of `problem` has with every stage in `ok`, or None when no split is
+    allowed: a min-max DP over the stages and their boundaries (best_i[b] = min_a max(best_{i-1}[a], t_i[a, b]))."""
     fastest = np.where(ok, problem.time_s, np.inf).min(axis=1)  # [i, column]
-    values = np.unique(fastest[np.isfinite(fastest)])
-    size, p = problem.layers + 1, problem.pp
-
-    def reachable(cap: float) -> bool:
-        return bool(np.isfinite(range_sums(lambda i: np.where(fastest[i] <= cap, 0.0, np.inf).reshape(1, size, size),
-                                           p, problem.layers, 1)[0][0]))
-
-    if not len(values) or not reachable(values[-1]):
-        return None
-    left, right = 0, len(values) - 1
-    while left < right:
-        mid = (left + right) // 2
-        left, right = (left, mid) if reachable(values[mid]) else (mid + 1, right)
-    return float(values[left])
+    size = problem.layers + 1
+    best = np.full(size, np.inf)
+    best[0] = 0.0
+    for i in range(problem.pp):
+        best = np.maximum(best[:, None], fastest[i].reshape(size, size)).min(axis=0)
+    value = float(best[problem.layers])
+    return value if math.isfinite(value) else None
 
 
 def _chunks(values: np.ndarray, limit: int):
@@ -124,7 +132,9 @@ def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
     floor = bottleneck(problem, ok & ~short[:, None, :])
     if floor is None:
         return None, math.inf, math.inf
-    total = float(range_sums(lambda i: fastest[i].reshape(1, size, size), p, L, 1)[0][0])
+    lows = [problem.min_layers(i) for i in range(p)]
+    square = fastest.reshape(p, size, size)  # [i, a, b]
+    total = float(range_sums(lambda i, ra, rb: square[i, None, ra, rb], p, L, 1, lows)[0][0])
     live = np.isfinite(fastest)
     tail_lo = float(max(tail[i][live[i]].min(initial=math.inf) for i in range(p)))
     best_a, best = None, math.inf
@@ -144,9 +154,9 @@ def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
     for chunk in _chunks(times, limit):
         if (m - f) * chunk[0] + f * total + tail_lo >= min(best, cutoff_s):
             break
-        caps = chunk[:, None]
-        sums, splits = range_sums(lambda i: np.where(fastest[i] <= caps, fastest[i], np.inf).reshape(-1, size, size),
-                                  p, L, len(chunk))
+        caps = chunk[:, None, None]
+        sums, splits = range_sums(lambda i, ra, rb: np.where(square[i, None, ra, rb] <= caps, square[i, None, ra, rb],
+                                                             np.inf), p, L, len(chunk), lows)
         for cap, s_t, counts in zip(chunk, sums, splits):
             goal = min(best, cutoff_s)
             if (m - f) * cap + f * total + tail_lo >= goal:
@@ -160,7 +170,7 @@ def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
                 if (m - f) * cap + f * s_t + u >= min(best, cutoff_s):
                     break
                 under = np.where(tail <= u, capped, np.inf)
-                s_u, split = range_sums(lambda i: under[i].reshape(1, size, size), p, L, 1)
+                s_u, split = range_sums(lambda i, ra, rb: under.reshape(p, size, size)[i, None, ra, rb], p, L, 1, lows)
                 if math.isfinite(s_u[0]):
                     found(split[0])
     return best_a, best, min(best, cutoff_s)
@@ -169,13 +179,15 @@ def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
 def kind_breakdown(ct, hw, layout, a, *, global_batch: int, seq_len: int) -> list[dict]:
     """Where a mixed stack's plan spends its time and memory, per layer kind (what `autoshard show` prints): for
     each kind (`CompiledTable.kind_names`) its layers on every stage of assignment `a`, their seconds per
-    micro-batch there (forward, backward, recompute and the kind's own collectives: `cost.block_time`) and the
+    micro-batch there (forward, backward, recompute and the kind's own collectives: `block_time`) and the
     bytes they keep per device (weights, gradients and optimizer state under the plan's ZeRO, and the
     activations of the micro-batches the stage holds in flight)."""
     from dataclasses import replace
 
     from autoshard.ir import BlockKind
     from autoshard.passes.cost import cost
+    from autoshard.passes.cost.block import block_activation_bytes, block_params, block_time, expert_block_params
+    from autoshard.passes.cost.state import state_bytes
     from autoshard.rules import schedules
 
     layout = cost.resolved(layout, hw)
@@ -183,15 +195,15 @@ def kind_breakdown(ct, hw, layout, a, *, global_batch: int, seq_len: int) -> lis
     out = []
     for k, (name, view) in enumerate(zip(ct.kind_names, ct.kinds)):
         counts, times, mems = [], [], []
-        params = cost.block_params(view, layout, BlockKind.LAYER)
-        experts = cost.expert_block_params(view, layout, BlockKind.LAYER)
+        params = block_params(view, layout, BlockKind.LAYER)
+        experts = expert_block_params(view, layout, BlockKind.LAYER)
         for i, st in enumerate(stages):
             n = ct.layer_kinds[st.first_layer:st.end_layer].count(k)
             lay = replace(layout, recompute=st.recompute)
-            bt = cost.block_time(view, hw, lay, BlockKind.LAYER, seq_len=seq_len)
-            act = cost.block_activation_bytes(view, lay, BlockKind.LAYER, seq_len=seq_len, hw=hw) * \
+            bt = block_time(view, hw, lay, BlockKind.LAYER, seq_len=seq_len)
+            act = block_activation_bytes(view, lay, BlockKind.LAYER, seq_len=seq_len, hw=hw) * \
                 schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages)
-            state = cost.state_bytes(params * n, layout, expert=experts * n)
+            state = state_bytes(params * n, layout, expert=experts * n)
             counts.append(n)
             times.append(n * bt.total_s)
             mems.append((state.weights + state.grads + state.optimizer + n * act) / 1e9)

@@ -36,9 +36,14 @@ import numpy as np
 
 from autoshard.ir import BlockKind, Recompute, Stage, end_chunks, stage_rank
 from autoshard.passes.cost import cost
+from autoshard.passes.cost.block import block_activation_bytes, block_params, block_time, expert_block_params
+from autoshard.passes.cost.pipeline import logits_bytes, p2p_time, pipeline_time, sequence_boundary_time
+from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, tp_grad_sum_time,
+                                         zero2_staging_bytes, zero_exposed_time)
 from autoshard.passes.solve import ranges
 from autoshard.rules import schedules, sharding
-from autoshard.passes.cost.cost import CompiledTable, Layout
+from autoshard.passes.cost.compiled import CompiledTable
+from autoshard.passes.cost.layout import Layout
 
 KINDS = (BlockKind.EMBED, BlockKind.LAYER, BlockKind.HEAD)
 
@@ -164,7 +169,7 @@ def block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
     core = memo.get(key)
     if core is None:
         core = memo[key] = _block_numbers(ct, hw, layout, seq_len=seq_len, recomputes=recomputes)
-    p2p = cost.p2p_time(ct, hw, layout, seq_len=seq_len)
+    p2p = p2p_time(ct, hw, layout, seq_len=seq_len)
     return core if p2p == core.p2p_s else replace(core, p2p_s=p2p)
 
 
@@ -178,7 +183,7 @@ def _block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
             return np.concatenate([getattr(first, name)[..., :1], *(getattr(b, name)[..., 1:2] for b in parts),
                                    getattr(first, name)[..., 2:]], axis=-1)
 
-        experts = [cost.expert_block_params(view, layout, BlockKind.LAYER) for view in ct.kinds]
+        experts = [expert_block_params(view, layout, BlockKind.LAYER) for view in ct.kinds]
         return replace(first, compute_s=cols("compute_s"), other_s=cols("other_s"), bwd_s=cols("bwd_s"),
                        fwd_s=cols("fwd_s"), act_bytes=cols("act_bytes"), params=cols("params"),
                        experts=np.array([0.0, *experts, 0.0]), memo={})
@@ -190,15 +195,15 @@ def _block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
                 for a in (comp, bwd, fwd, other, act):
                     a[ri, ki] = a[0, ki]
                 continue
-            bt = cost.block_time(ct, hw, lay, k, seq_len=seq_len)
+            bt = block_time(ct, hw, lay, k, seq_len=seq_len)
             comp[ri, ki], bwd[ri, ki], fwd[ri, ki] = bt.compute_s, bt.bwd_s, bt.fwd_s
             other[ri, ki] = bt.recompute_s + bt.comm_s
-            act[ri, ki] = cost.block_activation_bytes(ct, lay, k, seq_len=seq_len, hw=hw)
+            act[ri, ki] = block_activation_bytes(ct, lay, k, seq_len=seq_len, hw=hw)
     return BlockNumbers(recomputes=tuple(recomputes), compute_s=comp, other_s=other, bwd_s=bwd, fwd_s=fwd,
                         act_bytes=act,
-                        params=np.array([cost.block_params(ct, layout, k) for k in KINDS]),
-                        p2p_s=cost.p2p_time(ct, hw, layout, seq_len=seq_len),
-                        logits_bytes=cost.logits_bytes(ct, layout, seq_len=seq_len, hw=hw))
+                        params=np.array([block_params(ct, layout, k) for k in KINDS]),
+                        p2p_s=p2p_time(ct, hw, layout, seq_len=seq_len),
+                        logits_bytes=logits_bytes(ct, layout, seq_len=seq_len, hw=hw))
 
 
 def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, *, embed: bool, head: bool,
@@ -211,13 +216,13 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     memo = blocks.memo  # what depends on the blocks (not their p2p) and the layout's fields named in each key
     n, params, experts, comp, bwd_last, fwd_first, comp_other, act, units = _stage_sums(ct, layout, blocks, embed, head)
     mesh = layout.mesh
-    key = ("zero", embed, head, mesh, layout.zero, layout.offload)
+    key = ("zero", embed, head, mesh, layout.zero, layout.offload_optimizer)
     if key not in memo:
-        state = cost.state_bytes(params, layout, expert=experts)
-        memo[key] = (cost.zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts,
+        state = state_bytes(params, layout, expert=experts)
+        memo[key] = (zero_exposed_time(hw, params, layout, compute_s=comp, backward_s=bwd_last, expert=experts,
                                             blocks=units),
                      state.weights + state.grads + state.optimizer + (blocks.logits_bytes if head else 0.0)
-                     + cost.zero2_staging_bytes(params, layout, expert=experts)
+                     + zero2_staging_bytes(params, layout, expert=experts)
                      + cost.buffer_bytes(ct, layout, seq_len=seq_len))
     zexp, other_mem = memo[key]
     time = comp_other + (blocks.p2p_s if p2p_s is None else p2p_s) + zexp
@@ -243,7 +248,7 @@ def _stage_sums(ct: CompiledTable, layout: Layout, blocks: BlockNumbers, embed: 
         comp = blocks.compute_s @ counts  # [r, n]
         # experts: MoE, reduced over dp x cp apart; backward / forward: the last backward and first forward the
         # gradient sync overlaps do not depend on the recompute level
-        blocks.memo[key] = (n, blocks.params @ counts + tied, n * cost.expert_block_params(ct, layout, BlockKind.LAYER),
+        blocks.memo[key] = (n, blocks.params @ counts + tied, n * expert_block_params(ct, layout, BlockKind.LAYER),
                             comp, blocks.bwd_s[0] @ counts, blocks.fwd_s[0] @ counts, comp + blocks.other_s @ counts,
                             blocks.act_bytes @ counts, counts.sum(axis=0))
     return blocks.memo[key]
@@ -253,11 +258,11 @@ def stage_tails(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, *, 
     """[n]: the tail (exposed gradient sync + optimizer step) of a stage holding n = 0..layers layers, with or
     without the embedding / head (`mesh_problem`'s `tail_s`); `blocks`' first recompute level must be the
     tables' (none: the backward and forward the sync overlaps). Kept on `blocks`."""
-    key = ("tail", embed, head, layout.mesh, layout.zero, layout.offload, layout.virtual_stages)
+    key = ("tail", embed, head, layout.mesh, layout.zero, layout.offload_optimizer, layout.virtual_stages)
     if key not in blocks.memo:
         n, params, experts, _, bwd_last, fwd_first, *_ = _stage_sums(ct, layout, blocks, embed, head)
-        tail = (cost.dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)
-                + cost.optimizer_time(hw, params, layout, expert=experts))
+        tail = (dp_exposed_time(hw, params, layout, backward_s=bwd_last, forward_s=fwd_first, expert=experts)
+                + optimizer_time(hw, params, layout, expert=experts) + tp_grad_sum_time(hw, ct.spec, layout, n))
         blocks.memo[key] = np.broadcast_to(tail, n.shape)
     return blocks.memo[key]
 
@@ -293,7 +298,7 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
 
     Stages that choose their sequence parallelism (`layout.stage_choices`): a sequence-parallel stage
     pays the whole sequence's p2p (the boundaries of a pipeline whose stages differ carry it) and
-    `cost.sequence_boundary_time` at its boundaries; an assignment where every stage is on is what the
+    `sequence_boundary_time` at its boundaries; an assignment where every stage is on is what the
     layout with `sequence_parallel=True` prices lower (the shard crosses): the planner takes it from
     there. A variant the plan validator refuses on a stage (a replicated embedding / head with the
     first / last stage sequence-parallel) has infinite memory there."""
@@ -323,7 +328,7 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
             if mixed and lay.sequence_parallel:
                 mine = [c for c in range(chunks) if ranks[c] == i]
                 crossings = sum((c > 0) + (c < chunks - 1) for c in mine)
-                p2p = blocks[0].p2p_s + cost.sequence_boundary_time(ct, hw, lay, seq_len=seq_len, boundaries=crossings)
+                p2p = blocks[0].p2p_s + sequence_boundary_time(ct, hw, lay, seq_len=seq_len, boundaries=crossings)
                 sp = tuple(ranks[c] == i for c in range(chunks))
                 valid = sharding.choice_violation(spec, mesh.tp, lay.strategies, sequence_parallel=sp,
                                                   chunks=chunks) is None
@@ -339,7 +344,7 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
                 mems[i, o] = np.inf
             tails[i, o] = tail
     if ct.kinds:  # a range that ends before it starts is no stage
-        empty = ranges.range_counts(ct.layer_kinds, len(ct.kinds), embed=False, head=False)[:-1].sum(axis=0) < 0
+        empty = ranges.range_lengths(layers) < 0
         times[..., empty], mems[..., empty] = np.inf, np.inf
     for a in (times, mems, tails):
         a.flags.writeable = False
@@ -358,7 +363,7 @@ def evaluate(problem: MeshProblem, a: Assignment) -> Evaluation:
     mems = tuple(float(problem.mem_bytes[i, o, n]) for i, (n, o) in enumerate(zip(cols, opts)))
     tail = max(float(problem.tail_s[i, o, n]) for i, (n, o) in enumerate(zip(cols, opts)))
     lay = problem.layout
-    step = cost.pipeline_time(times, problem.microbatches, schedule=lay.schedule,
+    step = pipeline_time(times, problem.microbatches, schedule=lay.schedule,
                               virtual_stages=lay.virtual_stages) + tail
     return Evaluation(step_s=step, stage_s=times, stage_bytes=mems, tail_s=tail)
 

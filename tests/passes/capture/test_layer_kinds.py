@@ -12,6 +12,10 @@ from autoshard.errors import InvalidConfigError
 from autoshard.models import build_model, get_spec
 from autoshard.models.layered import layered_spec
 from autoshard.passes.cost import cost
+from autoshard.ir import BlockKind
+from autoshard.passes.cost.block import block_params, block_time
+from autoshard.passes.cost.compiled import compile_table, mixed_violation
+from autoshard.passes.cost.layout import Layout
 from autoshard.passes.capture import table_cache
 from autoshard.passes.capture.layer_kinds import find_layer_stack, one_layer_copy
 from autoshard.passes.capture.shapes import build_cost_table
@@ -122,7 +126,7 @@ def test_a_mixed_stack_is_priced_as_the_sum_of_its_layers():
     mixed = _as_two_kinds(uniform, ("a", "b", "a", "a"))
     kw = dict(global_batch=16, seq_len=256)
     for mesh, recompute in ((Mesh(dp=2, pp=2), Recompute.FULL), (Mesh(pp=4), Recompute.NONE), (Mesh(dp=4), Recompute.NONE)):
-        layout = cost.Layout(mesh=mesh, micro_batch=1, zero=1, recompute=recompute)
+        layout = Layout(mesh=mesh, micro_batch=1, zero=1, recompute=recompute)
         for stages in (None, (Stage(first_layer=0, end_layer=1, embed=True, head=False),
                                     Stage(first_layer=1, end_layer=4, embed=False, head=True))
                        if mesh.pp == 2 else None):
@@ -134,14 +138,39 @@ def test_a_mixed_stack_is_priced_as_the_sum_of_its_layers():
             assert got.mfu == pytest.approx(want.mfu, rel=1e-12)
     # kinds of other numbers: a stage's time is its own layers' (moving the different layer moves its time)
     _, bamba, table = _mixed_table("bamba")
-    layout = cost.Layout(mesh=Mesh(pp=2), micro_batch=1, zero=1, recompute=Recompute.NONE)
+    layout = Layout(mesh=Mesh(pp=2), micro_batch=1, zero=1, recompute=Recompute.NONE)
     split = lambda n: (Stage(first_layer=0, end_layer=n, embed=True, head=False),
                         Stage(first_layer=n, end_layer=4, embed=False, head=True))  # noqa: E731
     one, three = (cost.estimate(table, bamba, hw, layout, stages=split(n), global_batch=16, seq_len=64) for n in (1, 3))
     # layers M A M M: stage 0 holds M then M A M; stage 1 A M M then M
-    ct = cost.compile_table(table, bamba)
-    t = [cost.block_time(v, hw, layout, cost.BlockKind.LAYER, seq_len=64).compute_s for v in ct.kinds]  # M, A
+    ct = compile_table(table, bamba)
+    t = [block_time(v, hw, layout, BlockKind.LAYER, seq_len=64).compute_s for v in ct.kinds]  # M, A
     assert three.stage_times_s[0] - one.stage_times_s[0] == pytest.approx(t[0] + t[1], rel=1e-9)
     assert one.stage_times_s[1] - three.stage_times_s[1] == pytest.approx(t[0] + t[1], rel=1e-9)
     with pytest.raises(InvalidConfigError, match=r"dp and pp only so far \(tp 2"):
-        cost.estimate(table, bamba, hw, cost.Layout(mesh=Mesh(tp=2), micro_batch=1), global_batch=16, seq_len=64)
+        cost.estimate(table, bamba, hw, Layout(mesh=Mesh(tp=2), micro_batch=1), global_batch=16, seq_len=64)
+
+
+def test_moe_kinds_are_priced_under_ep():
+    """DeepSeek-V3's stack (a dense layer, then MoE layers): its MoE kind keeps the routed experts (split over
+    ep, all-to-alls priced), its dense kind is a data-parallel layer; plan searches ep."""
+    from autoshard.hardware import load_hardware
+    from autoshard.ir import Mesh
+    from autoshard.passes.solve import planner
+
+    _, spec, table = _mixed_table("deepseek_v3")
+    assert spec.is_moe and spec.experts == 4 and spec.moe_paths[1] == "mlp.experts"
+    ct = compile_table(table, spec)
+    dense, moe = ct.kinds
+    assert not dense.spec.is_moe and moe.spec.is_moe
+    hw = load_hardware("h100")
+    one, two = (Layout(mesh=Mesh(dp=4 // ep, ep=ep), micro_batch=1, zero=1) for ep in (1, 2))
+    assert mixed_violation(ct, two) is None
+    held = [block_params(moe, lay, BlockKind.LAYER) for lay in (one, two)]
+    assert held[0] - held[1] == pytest.approx(spec.expert_params / 2)  # half the experts on each ep rank
+    assert block_params(dense, two, BlockKind.LAYER) == block_params(dense, one, BlockKind.LAYER)
+    assert block_time(moe, hw, two, BlockKind.LAYER, seq_len=64).ep_comm_s > 0
+    assert block_time(dense, hw, two, BlockKind.LAYER, seq_len=64).ep_comm_s == 0
+    plan = planner.solve(spec, hw, devices=4, global_batch=8, seq_len=64, table=table)
+    searched = {plan.mesh.ep, *(other["ep"] for other in plan.solver["other_eps"])}  # why this ep (show)
+    assert searched == {1, 2, 4}

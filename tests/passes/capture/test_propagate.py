@@ -10,10 +10,11 @@ import functools
 import pytest
 
 from autoshard.models.presets import build_model, get_spec
-from autoshard.passes.capture.placement_rules import R, Shard
+from autoshard.passes.capture.placements import R, Shard
 from autoshard.passes.capture.tp_proof import prove_tp, strategy, table_findings
 from tests.runtime.families import DENSE, MOE, REFUSED
 
+GRAD_SUMS = {name: ("self_attn.q_norm", "self_attn.k_norm") for name in ("qwen3", "gemma3", "qwen3_moe")}
 PRESETS = ("llama-tiny", "mamba2-tiny", "mixtral-tiny", "qwen2-moe-tiny")
 # the families the proof refuses under tp, and the module its finding names (families.REFUSED: the message
 # the runs check); the others REFUSED lists under tp are refused for an HF tp style autoshard has no rule for
@@ -41,10 +42,16 @@ def test_the_proof_matches_the_equivalence_runs(name):
     if name in REFUSED_BY:
         assert not proof.proven
         assert REFUSED_BY[name] in proof.refusal(), proof.refusal()
+        assert proof.refusal() in dict(spec.refused)["tp"]  # the spec refuses tp with the proof's finding
         return
     assert (name, "tp") not in REFUSED or "HF's tp style" in REFUSED[name, "tp"]
     assert proof.proven, [f.message() for f in proof.findings]
-    assert set(proof.grad_sums) == set(spec.grad_sum)  # Qwen3 / Gemma3 / Qwen3-MoE: q_norm, k_norm; else none
+    # exactly the gradients the equivalence runs sum (HF's replicated_with_grad_allreduce modules), and the
+    # spec the cost model, the validator and the runtime read is the proof's
+    declared = {p.removeprefix("layers.*.") for p, s in (getattr(_model(name)[1].config, "base_model_tp_plan", None)
+                                                         or {}).items() if s == "replicated_with_grad_allreduce"}
+    assert set(proof.grad_sums) == declared == set(GRAD_SUMS.get(name, ()))
+    assert spec.grad_sum == proof.grad_sums or name in PRESETS
     assert not table_findings(spec, proof)
     # every parameter's gradient is placed as the parameter is, but for the summed ones
     placed = dict(proof.placements)
@@ -125,3 +132,18 @@ def test_replicated_sinks_beside_split_heads_are_caught():
     _, proof = _wrong("gpt_oss", whole_sinks)
     f = proof.findings[0]
     assert f.where == "layers.*.self_attn" and "self_attn.sinks" in f.detail, f.message()
+
+
+def test_what_hf_does_not_declare_is_found_on_the_graph():
+    """Hunyuan declares no tp plan for its per-head q/k layer norms: the proof finds their gradients partial
+    (the spec sums them); Cohere's attention and MLP read one norm side by side: each region's partial input
+    gradient is all-reduced as it leaves, and the strategy is proven."""
+    from autoshard.models.tiny import exaggerated, tiny_config
+    from tests.runtime.equivalence import Tiny
+
+    hunyuan = Tiny("hunyuan-tiny", exaggerated(tiny_config("hunyuan_v1_dense")))
+    assert hunyuan.spec.grad_sum == ("self_attn.query_layernorm", "self_attn.key_layernorm")
+    assert "tp" not in dict(hunyuan.spec.refused)
+    cohere = Tiny("cohere-tiny", exaggerated(tiny_config("cohere")))
+    proof = prove_tp(cohere.spec, cohere.build())
+    assert proof.proven and ("bwd", "layers.*.self_attn") in proof.reduces, [f.message() for f in proof.findings]

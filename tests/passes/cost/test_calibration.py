@@ -18,7 +18,9 @@ import pytest
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Recompute
 from autoshard.models.presets import get_spec
-from autoshard.passes.cost.cost import Layout, compile_table, estimate
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.cost import estimate
+from autoshard.passes.cost.layout import Layout
 from autoshard.rules.validity import valid_meshes
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository (tests/passes/cost/ is three below it)

@@ -11,7 +11,16 @@ from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
 from autoshard.ir import BlockKind, Mesh, OpKind, Recompute
 from autoshard.models.presets import get_spec
 from autoshard.passes.cost import cost
-from autoshard.passes.cost.cost import Layout, compile_table, estimate
+from autoshard.passes.cost.block import (block_activation_bytes, block_params, block_time, cp_attention_overwork,
+                                         gemm_efficiency)
+from autoshard.passes.cost.compiled import priced_nodes
+from autoshard.passes.cost.layout import OPTIM_TRAFFIC
+from autoshard.passes.cost.pipeline import logits_bytes, p2p_time, pipeline_time
+from autoshard.passes.cost.state import (bucketed_time, dp_bucket_params, dp_exposed_time, offload_time, optimizer_time,
+                                         state_bytes, zero2_time, zero3_time)
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.cost import estimate
+from autoshard.passes.cost.layout import Layout
 from autoshard.rules.validity import factorizations, plan_violation, valid_meshes
 
 SPEC = get_spec("llama-tiny")  # hidden 64, 4 heads, 2 KV heads, 4 layers, vocab 256
@@ -58,19 +67,19 @@ def lay(**kw):
     zero = kw.pop("zero", 0)
     rc = kw.pop("recompute", Recompute.NONE)
     offload = kw.pop("offload", False)
-    return Layout(mesh=Mesh(**kw), micro_batch=mb, zero=zero, recompute=rc, offload=offload)
+    return Layout(mesh=Mesh(**kw), micro_batch=mb, zero=zero, recompute=rc, offload_optimizer=offload)
 
 
 def test_block_time_is_the_roofline_sum():
-    bt = cost.block_time(CT, HW, lay(), BlockKind.LAYER, seq_len=SEQ)
+    bt = block_time(CT, HW, lay(), BlockKind.LAYER, seq_len=SEQ)
     assert bt.fwd_s == pytest.approx(4 * T * H / 1e11 + 2 * T * H * 256 / 1e12)
     assert bt.bwd_s == pytest.approx(8 * T * H / 1e11 + 4 * T * H * 256 / 1e12)
     assert bt.tp_comm_s == bt.cp_comm_s == bt.recompute_s == 0
 
 
 def test_tp_splits_the_mlp_not_the_norm_and_adds_all_reduces():
-    one = cost.block_time(CT, HW, lay(), BlockKind.LAYER, seq_len=SEQ)
-    two = cost.block_time(CT, HW, lay(tp=2), BlockKind.LAYER, seq_len=SEQ)
+    one = block_time(CT, HW, lay(), BlockKind.LAYER, seq_len=SEQ)
+    two = block_time(CT, HW, lay(tp=2), BlockKind.LAYER, seq_len=SEQ)
     assert two.fwd_s == pytest.approx(4 * T * H / 1e11 + T * H * 256 / 1e12)  # norm whole, GEMM halved
     act = T * H * 2
     ar = min(2 * HW.intra_latency + act / HW.intra_bandwidth, 2 * HW.intra_latency + 2 * act / HW.intra_bandwidth)
@@ -81,19 +90,19 @@ def test_tp_splits_the_mlp_not_the_norm_and_adds_all_reduces():
 def test_gemm_efficiency_falls_for_thin_shapes():
     hw = load_hardware("ascend-910b")
     import numpy as np
-    big, thin = cost.gemm_efficiency(hw, *(np.array([4096.0]),) * 3), cost.gemm_efficiency(
+    big, thin = gemm_efficiency(hw, *(np.array([4096.0]),) * 3), gemm_efficiency(
         hw, np.array([4096.0]), np.array([128.0]), np.array([4096.0]))
     assert thin[0] < big[0] < hw.gemm_efficiency
 
 
 def test_activation_memory_from_saved_bytes_and_recompute():
-    act = cost.block_activation_bytes(CT, lay(), BlockKind.LAYER, seq_len=SEQ)
+    act = block_activation_bytes(CT, lay(), BlockKind.LAYER, seq_len=SEQ)
     assert act == 2 * T * H + 2 * T * 256
-    assert cost.block_activation_bytes(CT, lay(tp=2), BlockKind.LAYER, seq_len=SEQ) == 2 * T * H + T * 256
-    assert cost.block_activation_bytes(CT, lay(cp=2), BlockKind.LAYER, seq_len=SEQ) > act / 2  # + gathered K/V
+    assert block_activation_bytes(CT, lay(tp=2), BlockKind.LAYER, seq_len=SEQ) == 2 * T * H + T * 256
+    assert block_activation_bytes(CT, lay(cp=2), BlockKind.LAYER, seq_len=SEQ) > act / 2  # + gathered K/V
     full = lay(recompute=Recompute.FULL)
-    assert cost.block_activation_bytes(CT, full, BlockKind.LAYER, seq_len=SEQ) == T * H * 2
-    bt = cost.block_time(CT, HW, full, BlockKind.LAYER, seq_len=SEQ)
+    assert block_activation_bytes(CT, full, BlockKind.LAYER, seq_len=SEQ) == T * H * 2
+    bt = block_time(CT, HW, full, BlockKind.LAYER, seq_len=SEQ)
     assert bt.recompute_s == pytest.approx(bt.fwd_s)
 
 
@@ -121,9 +130,9 @@ def test_recompute_reruns_the_forward_collectives_inside_the_checkpoint(spec_nam
         halo = b * (spec.conv - 1) * (spec.intermediate + 2 * spec.groups * spec.state) / tp * 2 * cp
         cp_f = sum(_collective(Collective.ALL_GATHER, n, cp, tp) for n in (state, halo))
         tp_f = ar
-    base = cost.block_time(ct, HW, lay(tp=tp, cp=cp), BlockKind.LAYER, seq_len=SEQ)
-    full = cost.block_time(ct, HW, lay(tp=tp, cp=cp, recompute=Recompute.FULL), BlockKind.LAYER, seq_len=SEQ)
-    sel = cost.block_time(ct, HW, lay(tp=tp, cp=cp, recompute=Recompute.SELECTIVE), BlockKind.LAYER, seq_len=SEQ)
+    base = block_time(ct, HW, lay(tp=tp, cp=cp), BlockKind.LAYER, seq_len=SEQ)
+    full = block_time(ct, HW, lay(tp=tp, cp=cp, recompute=Recompute.FULL), BlockKind.LAYER, seq_len=SEQ)
+    sel = block_time(ct, HW, lay(tp=tp, cp=cp, recompute=Recompute.SELECTIVE), BlockKind.LAYER, seq_len=SEQ)
     assert cp_f > 0 and base.recompute_s == 0
     assert full.recompute_s == pytest.approx(base.fwd_s + tp_f + cp_f)
     assert sel.recompute_s == pytest.approx(ar + cp_f)  # the toy layer has no attention core node
@@ -141,27 +150,27 @@ def test_cp_attention_does_2cp_plus_1_chunk_pairs():
     blocks = tuple(dataclasses.replace(b, nodes=b.nodes + (scores,)) if b.kind is BlockKind.LAYER else b
                    for b in base.blocks)
     ct = compile_table(dataclasses.replace(base, blocks=blocks), SPEC)
-    linear = cost.block_time(CT, HW, lay(), BlockKind.LAYER, seq_len=SEQ).fwd_s
+    linear = block_time(CT, HW, lay(), BlockKind.LAYER, seq_len=SEQ).fwd_s
     attn = 4 * SPEC.heads * T * T * hd / 1e12
-    assert cost.block_time(ct, HW, lay(), BlockKind.LAYER, seq_len=SEQ).fwd_s == pytest.approx(linear + attn)
+    assert block_time(ct, HW, lay(), BlockKind.LAYER, seq_len=SEQ).fwd_s == pytest.approx(linear + attn)
     for cp in (2, 4):
-        got = cost.block_time(ct, HW, lay(cp=cp), BlockKind.LAYER, seq_len=SEQ).fwd_s
+        got = block_time(ct, HW, lay(cp=cp), BlockKind.LAYER, seq_len=SEQ).fwd_s
         assert got == pytest.approx(linear / cp + attn / cp * (2 * cp + 1) / (2 * cp))
     mamba = get_spec("mamba2-tiny")
-    assert cost.cp_attention_overwork(mamba, 4) == 1.0 == cost.cp_attention_overwork(SPEC, 1)
+    assert cp_attention_overwork(mamba, 4) == 1.0 == cp_attention_overwork(SPEC, 1)
 
 
 def test_state_bytes_under_zero():
     p = 1000.0
-    assert cost.state_bytes(p, lay(dp=4)).total == 18 * p  # 2 + 4 + 12 bytes per parameter
-    assert cost.state_bytes(p, lay(dp=4, zero=1)).total == (2 + 4 + 12 / 4) * p
-    assert cost.state_bytes(p, lay(dp=2, cp=2, zero=2)).total == (2 + 16 / 4) * p  # shards over dp x cp
-    assert cost.state_bytes(p, lay(dp=4, zero=3)).total == (4 + 4 + 8) * p / 4  # FSDP2: fp32 shards are the masters
+    assert state_bytes(p, lay(dp=4)).total == 18 * p  # 2 + 4 + 12 bytes per parameter
+    assert state_bytes(p, lay(dp=4, zero=1)).total == (2 + 4 + 12 / 4) * p
+    assert state_bytes(p, lay(dp=2, cp=2, zero=2)).total == (2 + 16 / 4) * p  # shards over dp x cp
+    assert state_bytes(p, lay(dp=4, zero=3)).total == (4 + 4 + 8) * p / 4  # FSDP2: fp32 shards are the masters
 
 
 def test_pipeline_time_is_1f1b():
-    assert cost.pipeline_time([1.0] * 4, 8) == pytest.approx(8 + 4 - 1)  # (m + p - 1) t
-    assert cost.pipeline_time([1.0, 2.0], 10) == pytest.approx(3 + 9 * 2)  # the slow stage paces
+    assert pipeline_time([1.0] * 4, 8) == pytest.approx(8 + 4 - 1)  # (m + p - 1) t
+    assert pipeline_time([1.0, 2.0], 10) == pytest.approx(3 + 9 * 2)  # the slow stage paces
 
 
 def test_estimate_is_the_composition_of_the_components():
@@ -169,20 +178,20 @@ def test_estimate_is_the_composition_of_the_components():
     e = estimate(CT, SPEC, HW, layout, global_batch=GB, seq_len=SEQ)
     m = GB // 2
     assert e.microbatches == m
-    bt = {k: cost.block_time(CT, HW, layout, k, seq_len=SEQ) for k in BlockKind}
-    p2p = cost.p2p_time(CT, HW, layout, seq_len=SEQ)
+    bt = {k: block_time(CT, HW, layout, k, seq_len=SEQ) for k in BlockKind}
+    p2p = p2p_time(CT, HW, layout, seq_len=SEQ)
     t0 = bt[BlockKind.EMBED].total_s + 2 * bt[BlockKind.LAYER].total_s + p2p
     t1 = 2 * bt[BlockKind.LAYER].total_s + bt[BlockKind.HEAD].total_s + p2p
     assert e.stage_times_s == pytest.approx((t0, t1))
-    assert e.step_time_s == pytest.approx(cost.pipeline_time([t0, t1], m) + e.time.dp_comm_exposed
+    assert e.step_time_s == pytest.approx(pipeline_time([t0, t1], m) + e.time.dp_comm_exposed
                                           + e.time.optimizer)
     assert sum(e.time.as_dict().values()) == pytest.approx(e.step_time_s)
     # memory: stage 0 holds 2 micro-batches in flight under 1F1B, stage 1 one plus the logits peak
     def stage_bytes(kinds, in_flight, head):
-        params = sum(c * cost.block_params(CT, layout, k) for k, c in kinds)
-        act = sum(c * cost.block_activation_bytes(CT, layout, k, seq_len=SEQ) for k, c in kinds)
-        extra = cost.logits_bytes(CT, layout, seq_len=SEQ) if head else 0.0
-        return cost.state_bytes(params, layout).total + in_flight * act + extra + 2 * T * H * 2
+        params = sum(c * block_params(CT, layout, k) for k, c in kinds)
+        act = sum(c * block_activation_bytes(CT, layout, k, seq_len=SEQ) for k, c in kinds)
+        extra = logits_bytes(CT, layout, seq_len=SEQ) if head else 0.0
+        return state_bytes(params, layout).total + in_flight * act + extra + 2 * T * H * 2
     s0 = stage_bytes([(BlockKind.EMBED, 1), (BlockKind.LAYER, 2)], 2, False)
     s1 = stage_bytes([(BlockKind.LAYER, 2), (BlockKind.HEAD, 1)], 1, True)
     assert e.memory_gb == pytest.approx(max(s0, s1) / 1e9)
@@ -213,7 +222,7 @@ def test_stages_are_priced_at_their_own_recompute_level(levels):
         assert mixed.stage_memory_gb[i] == pytest.approx(uniform[i].stage_memory_gb[i])
     assert uniform[0].stage_times_s != uniform[1].stage_times_s  # the levels do differ here
     assert mixed.memory_gb == pytest.approx(max(mixed.stage_memory_gb))
-    assert mixed.step_time_s == pytest.approx(cost.pipeline_time(mixed.stage_times_s, mixed.microbatches)
+    assert mixed.step_time_s == pytest.approx(pipeline_time(mixed.stage_times_s, mixed.microbatches)
                                               + mixed.time.dp_comm_exposed + mixed.time.optimizer)
     # no stages given: every stage at layout.recompute
     full = dataclasses.replace(layout, recompute=Recompute.FULL)
@@ -225,9 +234,9 @@ def test_more_devices_of_the_same_kind_run_faster_and_dp_sync_overlaps():
     e1 = estimate(CT, SPEC, HW, lay(), global_batch=GB, seq_len=SEQ)
     e4 = estimate(CT, SPEC, HW, lay(dp=4), global_batch=GB, seq_len=SEQ)
     assert e4.step_time_s < e1.step_time_s / 3
-    params = sum(cost.block_params(CT, lay(dp=4), k) * c
+    params = sum(block_params(CT, lay(dp=4), k) * c
                  for k, c in {BlockKind.EMBED: 1, BlockKind.LAYER: 4, BlockKind.HEAD: 1}.items())
-    unhidden = cost.dp_exposed_time(HW, params, lay(dp=4), backward_s=0.0, forward_s=0.0)  # the whole sync
+    unhidden = dp_exposed_time(HW, params, lay(dp=4), backward_s=0.0, forward_s=0.0)  # the whole sync
     assert 0 < unhidden and e4.time.dp_comm_exposed <= unhidden
 
 
@@ -239,12 +248,12 @@ def test_interleaved_sends_overlap_the_next_chunk():
     slow = dataclasses.replace(HW, intra_bandwidth=HW.intra_bandwidth / 1e4)  # a send outlasts a chunk
     one, two = lay(pp=2), dataclasses.replace(lay(pp=2), schedule="interleaved-1f1b", virtual_stages=2)
     send = collective_time(slow, Collective.SEND_RECV, T * H * 2, size=2, stride=1)
-    bt = cost.block_time(CT, slow, two, BlockKind.LAYER, seq_len=SEQ)  # 4 layers / (2 x 2): one per chunk
+    bt = block_time(CT, slow, two, BlockKind.LAYER, seq_len=SEQ)  # 4 layers / (2 x 2): one per chunk
     assert send > bt.bwd_s > bt.fwd_s
-    assert cost.p2p_time(CT, slow, one, seq_len=SEQ) == pytest.approx(2 * send)
-    assert cost.p2p_time(CT, slow, two, seq_len=SEQ) == pytest.approx(2 * (2 * send - bt.fwd_s - bt.bwd_s))
+    assert p2p_time(CT, slow, one, seq_len=SEQ) == pytest.approx(2 * send)
+    assert p2p_time(CT, slow, two, seq_len=SEQ) == pytest.approx(2 * (2 * send - bt.fwd_s - bt.bwd_s))
     fast = dataclasses.replace(HW, intra_bandwidth=HW.intra_bandwidth * 1e3, intra_latency=1e-9)
-    assert cost.p2p_time(CT, fast, two, seq_len=SEQ) == 0.0 < cost.p2p_time(CT, fast, one, seq_len=SEQ)
+    assert p2p_time(CT, fast, two, seq_len=SEQ) == 0.0 < p2p_time(CT, fast, one, seq_len=SEQ)
 
 
 def test_dp_sync_exposes_the_last_bucket_and_one_chunk_of_v():
@@ -255,23 +264,23 @@ def test_dp_sync_exposes_the_last_bucket_and_one_chunk_of_v():
 
     params, one = 4e9, lay(dp=4, zero=1)
     two = dataclasses.replace(lay(dp=4, zero=1), schedule="interleaved-1f1b", virtual_stages=2)
-    assert cost.dp_bucket_params(one) == 40e6 and cost.dp_bucket_params(lay(dp=256, zero=1)) == 256e6
+    assert dp_bucket_params(one) == 40e6 and dp_bucket_params(lay(dp=256, zero=1)) == 256e6
     nb = one.numbers
 
     def t(op, n, b):  # n parameters in 40M buckets
         return n / 40e6 * best_time(HW, op, 40e6 * b, size=4, stride=1)
 
     rs, ag = t(Collective.REDUCE_SCATTER, params, nb.grad_bytes), t(Collective.ALL_GATHER, params, nb.param_bytes)
-    assert cost.bucketed_time(HW, Collective.REDUCE_SCATTER, params, nb.grad_bytes, size=4, stride=1) == pytest.approx(rs)
+    assert bucketed_time(HW, Collective.REDUCE_SCATTER, params, nb.grad_bytes, size=4, stride=1) == pytest.approx(rs)
     last = t(Collective.REDUCE_SCATTER, 40e6, nb.grad_bytes) + t(Collective.ALL_GATHER, 40e6, nb.param_bytes)
-    hidden = cost.dp_exposed_time(HW, params, one, backward_s=1e3, forward_s=1e3)
+    hidden = dp_exposed_time(HW, params, one, backward_s=1e3, forward_s=1e3)
     assert hidden == pytest.approx(last)  # all but one bucket behind a long backward / forward
-    assert cost.dp_exposed_time(HW, params, one, backward_s=0.0, forward_s=0.0) == pytest.approx(rs + ag)
+    assert dp_exposed_time(HW, params, one, backward_s=0.0, forward_s=0.0) == pytest.approx(rs + ag)
     bwd, fwd = rs / 4, ag / 4  # the sync outlasts the compute it overlaps
-    assert cost.dp_exposed_time(HW, params, two, backward_s=bwd, forward_s=fwd) == pytest.approx(
+    assert dp_exposed_time(HW, params, two, backward_s=bwd, forward_s=fwd) == pytest.approx(
         rs / 2 - bwd / 2 + ag / 2 - fwd / 2)
-    assert (cost.dp_exposed_time(HW, params, two, backward_s=bwd, forward_s=fwd)
-            < cost.dp_exposed_time(HW, params, one, backward_s=bwd, forward_s=fwd))
+    assert (dp_exposed_time(HW, params, two, backward_s=bwd, forward_s=fwd)
+            < dp_exposed_time(HW, params, one, backward_s=bwd, forward_s=fwd))
 
 
 def test_zero3_pays_one_ring_per_block():
@@ -287,11 +296,11 @@ def test_zero3_pays_one_ring_per_block():
         return k * (2 * ag + best_time(h100, Collective.REDUCE_SCATTER, params / k * nb.grad_bytes, size=1024,
                                        stride=1))
 
-    assert cost.zero3_time(h100, params, layout, blocks=82) == pytest.approx(per_block(82))
-    assert cost.zero3_time(h100, params, layout) == pytest.approx(per_block(1))
+    assert zero3_time(h100, params, layout, blocks=82) == pytest.approx(per_block(82))
+    assert zero3_time(h100, params, layout) == pytest.approx(per_block(1))
     # 81 more ring latencies x 3 collectives: (N - 1) steps of inter_latency each
     extra = 81 * 3 * 1023 * h100.inter_latency
-    assert cost.zero3_time(h100, params, layout, blocks=82) - cost.zero3_time(h100, params, layout) == \
+    assert zero3_time(h100, params, layout, blocks=82) - zero3_time(h100, params, layout) == \
         pytest.approx(extra, rel=1e-6)
 
 
@@ -362,19 +371,19 @@ def test_zero2_reduce_scatters_with_every_micro_batch():
     slow = dataclasses.replace(HW, intra_bandwidth=HW.intra_bandwidth / 1000)  # the reduce-scatter outlasts a backward
     l1, l2 = lay(dp=4, zero=1), lay(dp=4, zero=2)
     kinds = {BlockKind.EMBED: 1, BlockKind.LAYER: 4, BlockKind.HEAD: 1}
-    params = sum(cost.block_params(CT, l2, k) * c for k, c in kinds.items())
-    bwd = sum(cost.block_time(CT, slow, l2, k, seq_len=SEQ).bwd_s * c for k, c in kinds.items())
-    fwd = sum(cost.block_time(CT, slow, l2, k, seq_len=SEQ).fwd_s * c for k, c in kinds.items())
+    params = sum(block_params(CT, l2, k) * c for k, c in kinds.items())
+    bwd = sum(block_time(CT, slow, l2, k, seq_len=SEQ).bwd_s * c for k, c in kinds.items())
+    fwd = sum(block_time(CT, slow, l2, k, seq_len=SEQ).fwd_s * c for k, c in kinds.items())
     rs = best_time(slow, Collective.REDUCE_SCATTER, params * l2.numbers.grad_bytes, size=4, stride=1)
     ag = best_time(slow, Collective.ALL_GATHER, params * l2.numbers.param_bytes, size=4, stride=1)
-    assert cost.zero2_time(slow, params, l2) == rs > bwd
-    assert cost.zero2_time(slow, params, l1) == 0.0 == cost.zero2_time(slow, params, lay(zero=2))
+    assert zero2_time(slow, params, l2) == rs > bwd
+    assert zero2_time(slow, params, l1) == 0.0 == zero2_time(slow, params, lay(zero=2))
     e1, e2 = (estimate(CT, SPEC, slow, lt, global_batch=GB, seq_len=SEQ) for lt in (l1, l2))
     m = GB // 4
     # ZeRO-2's per-micro-batch reduce-scatter hides behind that backward; the step's DP sync is one
-    # bucket here (params < cost.dp_bucket_params), ready only when the backward ends / needed before
+    # bucket here (params < dp_bucket_params), ready only when the backward ends / needed before
     # the forward starts: all of it exposed (ZeRO-1's reduce-scatter, both levels' weight all-gather)
-    assert params < cost.dp_bucket_params(l1)
+    assert params < dp_bucket_params(l1)
     assert e2.time.dp_comm_exposed == pytest.approx(m * (rs - bwd) + ag)
     assert e1.time.dp_comm_exposed == pytest.approx(rs + ag)
     assert e2.step_time_s > e1.step_time_s and e2.memory.grads == pytest.approx(e1.memory.grads / 4)
@@ -391,9 +400,9 @@ def test_zero2_and_3_need_pp_1():
     found = candidate_layouts(SPEC, devices=4, global_batch=GB, seq_len=SEQ)
     assert {lt.zero for lt in found} == {0, 1, 2, 3}  # what the runtime runs (3: FSDP2)
     assert all(lt.zero < 2 for lt in found if lt.mesh.pp > 1)
-    assert not any(lt.offload for lt in found)
+    assert not any(lt.offload_optimizer for lt in found)
     offloaded = candidate_layouts(SPEC, devices=4, global_batch=GB, seq_len=SEQ, offload=True)
-    assert {lt.zero for lt in offloaded if lt.offload} == {3}
+    assert {lt.zero for lt in offloaded if lt.offload_optimizer} == {3}
 
 
 def test_offload_moves_state_to_the_host_and_pays_the_host_link():
@@ -402,19 +411,19 @@ def test_offload_moves_state_to_the_host_and_pays_the_host_link():
     # (before each gather) and the gradient shard once; Adam runs at the host's memory bandwidth
     p = 4000.0
     on, off = lay(dp=4, zero=3), lay(dp=4, zero=3, offload=True)
-    assert cost.state_bytes(p, off).total == 0.0 < cost.state_bytes(p, on).total
+    assert state_bytes(p, off).total == 0.0 < state_bytes(p, on).total
     shard = p / 4
     n = off.numbers  # bytes per weight / gradient at the layout's precision
-    assert cost.offload_time(HW, p, off) == pytest.approx(shard * (2 * n.sharded_weight_bytes + n.grad_bytes) / HW.host_link_bandwidth)
-    assert cost.offload_time(HW, p, on) == 0.0
-    assert cost.optimizer_time(HW, p, off) == pytest.approx(
-        shard * cost.OPTIM_TRAFFIC / (HW.host_memory_bandwidth * HW.vector_efficiency))
+    assert offload_time(HW, p, off) == pytest.approx(shard * (2 * n.sharded_weight_bytes + n.grad_bytes) / HW.host_link_bandwidth)
+    assert offload_time(HW, p, on) == 0.0
+    assert optimizer_time(HW, p, off) == pytest.approx(
+        shard * OPTIM_TRAFFIC / (HW.host_memory_bandwidth * HW.vector_efficiency))
     e_on, e_off = (estimate(CT, SPEC, HW, lt, global_batch=GB, seq_len=SEQ) for lt in (on, off))
     assert e_off.memory.total < e_on.memory.total and e_off.step_time_s > e_on.step_time_s
     with pytest.raises(InvalidConfigError, match="needs zero=3"):
         lay(dp=4, zero=1, offload=True)
     with pytest.raises(InvalidConfigError, match="ascend-910b.* has no host_link_bandwidth"):
-        cost.offload_time(load_hardware("ascend-910b"), p, off)
+        offload_time(load_hardware("ascend-910b"), p, off)
 
 
 @pytest.mark.parametrize("spec_name", ["llama-tiny", "mamba2-tiny"])
@@ -429,7 +438,7 @@ def test_selective_prices_the_module_the_runtime_checkpoints(spec_name):
     ct = compile_table(table, spec)
     prefix = ("model" if spec_name.startswith("llama") else "backbone") + ".layers.0"
     (module,) = _checkpointed(spec, [prefix], [Recompute.SELECTIVE])
-    nodes = cost.priced_nodes(table.block(BlockKind.LAYER))
+    nodes = priced_nodes(table.block(BlockKind.LAYER))
     blk = ct.block(BlockKind.LAYER)
     inside = [n.module_path == module or n.module_path.startswith(module + ".") for n in nodes]
     assert list(blk.rerun) == inside and any(inside) and not all(inside)
@@ -441,10 +450,25 @@ def test_selective_prices_the_module_the_runtime_checkpoints(spec_name):
         proj = 2 * t * spec.hidden * (2 * spec.hidden + 2 * spec.kv_heads * hd)
         assert rerun_flops == proj + 4 * b * spec.heads * s * s * hd
     seq = 64
-    none, sel = (cost.block_activation_bytes(ct, lay(recompute=r), BlockKind.LAYER, seq_len=seq)
+    none, sel = (block_activation_bytes(ct, lay(recompute=r), BlockKind.LAYER, seq_len=seq)
                  for r in (Recompute.NONE, Recompute.SELECTIVE))
     vals = blk.evaluate(1, seq)
     assert none - sel == pytest.approx(float(vals[2][blk.fwd & blk.rerun].sum())) and sel < none
-    t_none, t_sel = (cost.block_time(ct, HW, lay(recompute=r), BlockKind.LAYER, seq_len=seq)
+    t_none, t_sel = (block_time(ct, HW, lay(recompute=r), BlockKind.LAYER, seq_len=seq)
                      for r in (Recompute.NONE, Recompute.SELECTIVE))
     assert t_sel.recompute_s > 0 and t_none.recompute_s == 0
+
+
+def test_proven_grad_sums_are_priced_once_per_step():
+    """A replicated parameter whose gradient the placement propagation proves partial (Qwen3's q/k norms,
+    passes/capture/tp_proof.py) costs one tp all-reduce per module and layer each step."""
+    from autoshard.passes.cost.collectives import Collective, best_time
+
+    summed = dataclasses.replace(SPEC, grad_sum=("self_attn.q_norm", "self_attn.k_norm"), grad_sum_numel=32)
+    layout = lay(tp=2)
+    plain = estimate(compile_table(toy_table(), SPEC), SPEC, HW, layout, global_batch=GB, seq_len=SEQ)
+    proven = estimate(compile_table(toy_table(), summed), summed, HW, layout, global_batch=GB, seq_len=SEQ)
+    one = best_time(HW, Collective.ALL_REDUCE, 16 * layout.numbers.grad_bytes, size=2, stride=1)
+    assert proven.step_time_s - plain.step_time_s == pytest.approx(SPEC.layers * 2 * one)
+    assert proven.time.dp_comm_exposed - plain.time.dp_comm_exposed == pytest.approx(SPEC.layers * 2 * one)
+    assert cost.tp_grad_sum_time(HW, summed, lay(dp=2), SPEC.layers) == 0.0  # no tp: nothing to sum

@@ -11,7 +11,10 @@ from autoshard.hardware import load_hardware
 from autoshard.ir import BlockKind, Mesh, Precision
 from autoshard.models.presets import get_spec
 from autoshard.passes.cost import cost
-from autoshard.passes.cost.cost import Layout, estimate
+from autoshard.passes.cost.block import _node_times
+from autoshard.passes.cost.state import zero3_time
+from autoshard.passes.cost.cost import estimate
+from autoshard.passes.cost.layout import Layout
 from autoshard.passes.solve.planner import planner_precisions, solve
 
 from tests.passes.cost.test_cost import CT, GB, HW, SEQ, SPEC, H
@@ -21,7 +24,7 @@ FP8_HW = dataclasses.replace(HW, fp8_peak_flops=2e12, fp8_gemm_efficiency=1.0, f
 
 
 def _layer_times(hw, **kw):
-    return cost._node_times(CT, hw, cost.resolved(Layout(mesh=Mesh(), **kw), hw), BlockKind.LAYER, SEQ)
+    return _node_times(CT, hw, cost.resolved(Layout(mesh=Mesh(), **kw), hw), BlockKind.LAYER, SEQ)
 
 
 def test_float8_gemms_by_hand():
@@ -35,7 +38,7 @@ def test_float8_gemms_by_hand():
     assert bf16[1] == pytest.approx(fwd_flops / 1e12)
     assert fp8[1] == pytest.approx(fwd_flops / 2e12 + 5 * (t * H + H * 256) / 1e11)  # (t x H) . (H x 256)
     assert fp8[2] == pytest.approx(bwd_flops / 2e12 + 5 * (t * 256 + 256 * H) / 1e11)  # gemm (1, t, H, 256)
-    head = lambda p: cost._node_times(CT, FP8_HW, Layout(mesh=Mesh(), precision=p), BlockKind.HEAD, SEQ)  # noqa: E731
+    head = lambda p: _node_times(CT, FP8_HW, Layout(mesh=Mesh(), precision=p), BlockKind.HEAD, SEQ)  # noqa: E731
     assert np.array_equal(head("fp8"), head("bf16-mixed"))
 
 
@@ -51,9 +54,9 @@ def test_fp8_state_is_bf16_mixed_and_tensorwise_gathers_float8():
     assert tensorwise.memory.optimizer == bf16.memory.optimizer
     assert tensorwise.memory.activations == bf16.memory.activations
     assert tensorwise.memory.buffers < rowwise.memory.buffers == bf16.memory.buffers  # the gathered layer
-    z3 = {name: cost.zero3_time(FP8_HW, 1e6, Layout(mesh=mesh, zero=3, precision="fp8", fp8_recipe=name))
+    z3 = {name: zero3_time(FP8_HW, 1e6, Layout(mesh=mesh, zero=3, precision="fp8", fp8_recipe=name))
           for name in ("tensorwise", "rowwise")}
-    assert z3["tensorwise"] < z3["rowwise"] == cost.zero3_time(FP8_HW, 1e6, Layout(mesh=mesh, zero=3,
+    assert z3["tensorwise"] < z3["rowwise"] == zero3_time(FP8_HW, 1e6, Layout(mesh=mesh, zero=3,
                                                                                       precision="bf16-mixed"))
 
 

@@ -9,8 +9,12 @@ import pytest
 from autoshard.hardware import load_hardware
 from autoshard.ir import BlockKind, Mesh, Precision
 from autoshard.models.presets import get_spec
-from autoshard.passes.cost import cost, fused_regions
-from autoshard.passes.cost.cost import Layout, compile_table
+from autoshard.passes.cost import fused_regions
+from autoshard.passes.cost.block import block_activation_bytes, block_time
+from autoshard.passes.cost.pipeline import logits_bytes
+from autoshard.passes.cost.state import state_bytes
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.layout import Layout
 
 SPEC = get_spec("llama-tiny")  # hidden 64, 4 heads, 2 KV heads (h_kv 32), ffn 176
 H100 = load_hardware("h100")
@@ -40,16 +44,16 @@ def test_fused_layer_saves_what_megatron_keeps(ct):
     want = 2 * (2 * a * h + 4) + a * (h + 2 * h_kv) + (a * h + 4 * heads) + 2 * a * f + a * f
     tokens = 1 * 16
     layout = Layout(mesh=Mesh(), micro_batch=1)
-    got = cost.block_activation_bytes(ct, layout, BlockKind.LAYER, seq_len=16, hw=H100)
+    got = block_activation_bytes(ct, layout, BlockKind.LAYER, seq_len=16, hw=H100)
     assert got == pytest.approx(want * tokens)
-    unfused = cost.block_activation_bytes(ct, layout, BlockKind.LAYER, seq_len=16, hw=UNFUSED)
+    unfused = block_activation_bytes(ct, layout, BlockKind.LAYER, seq_len=16, hw=UNFUSED)
     assert unfused > got  # the HF graph also saves the fp32 norm copies and silu's output
 
 
 def test_kernels_cut_vector_time_not_gemm_time(ct):
     layout = Layout(mesh=Mesh(), micro_batch=2)
-    fused = cost.block_time(ct, H100, layout, BlockKind.LAYER, seq_len=4096)
-    plain = cost.block_time(ct, dataclasses.replace(UNFUSED, attention_efficiency=H100.attention_efficiency),
+    fused = block_time(ct, H100, layout, BlockKind.LAYER, seq_len=4096)
+    plain = block_time(ct, dataclasses.replace(UNFUSED, attention_efficiency=H100.attention_efficiency),
                             layout, BlockKind.LAYER, seq_len=4096)
     assert fused.compute_s < plain.compute_s
 
@@ -57,12 +61,12 @@ def test_kernels_cut_vector_time_not_gemm_time(ct):
 def test_fp32_doubles_bytes_and_halves_the_gemm_rate(ct):
     bf16 = Layout(mesh=Mesh(), micro_batch=1)
     fp32 = Layout(mesh=Mesh(), micro_batch=1, precision="fp32")
-    act = [cost.block_activation_bytes(ct, lay, BlockKind.LAYER, seq_len=64, hw=H100) for lay in (bf16, fp32)]
+    act = [block_activation_bytes(ct, lay, BlockKind.LAYER, seq_len=64, hw=H100) for lay in (bf16, fp32)]
     assert act[1] == pytest.approx(2 * act[0])
-    assert cost.state_bytes(1000.0, fp32).total == pytest.approx(16000.0)  # 4 + 4 + 8 B per parameter
-    assert cost.state_bytes(1000.0, bf16).total == pytest.approx(18000.0)  # 2 + 4 + 12 B per parameter
+    assert state_bytes(1000.0, fp32).total == pytest.approx(16000.0)  # 4 + 4 + 8 B per parameter
+    assert state_bytes(1000.0, bf16).total == pytest.approx(18000.0)  # 2 + 4 + 12 B per parameter
     big = dataclasses.replace(H100, hbm_bandwidth=1e18)  # compute-bound: the GEMM rate alone
-    t = [cost.block_time(ct, big, lay, BlockKind.LAYER, seq_len=4096).compute_s for lay in (bf16, fp32)]
+    t = [block_time(ct, big, lay, BlockKind.LAYER, seq_len=4096).compute_s for lay in (bf16, fp32)]
     assert t[1] == pytest.approx(2 * t[0])
 
 
@@ -81,9 +85,9 @@ def test_the_logits_peak_is_what_the_in_place_loss_holds_on_every_device(ct):
     layout = Layout(mesh=Mesh(dp=1), micro_batch=2, zero=0, precision=Precision.BF16_MIXED)
     tokens_vocab = 2 * 64 * ct.spec.vocab
     for hw in ("h100", "ascend-910b", "cpu"):
-        assert cost.logits_bytes(ct, layout, seq_len=64, hw=load_hardware(hw)) == 2 * tokens_vocab
+        assert logits_bytes(ct, layout, seq_len=64, hw=load_hardware(hw)) == 2 * tokens_vocab
     fp32 = dataclasses.replace(layout, precision=Precision.FP32)
-    assert cost.logits_bytes(ct, fp32, seq_len=64, hw=load_hardware("cpu")) == 4 * tokens_vocab
+    assert logits_bytes(ct, fp32, seq_len=64, hw=load_hardware("cpu")) == 4 * tokens_vocab
 
 
 def test_sliding_window_prices_its_band_not_the_causal_triangle():
@@ -107,8 +111,8 @@ def test_sliding_window_cuts_the_layer_time_and_the_kv_cache(ct):
 
     windowed = dataclasses.replace(SPEC, sliding_window=512, window_layers=SPEC.layers)
     layout = Layout(mesh=Mesh(), micro_batch=2)
-    full = cost.block_time(ct, H100, layout, BlockKind.LAYER, seq_len=8192).compute_s
-    band = cost.block_time(compile_table(_table(), windowed), H100, layout, BlockKind.LAYER, seq_len=8192).compute_s
+    full = block_time(ct, H100, layout, BlockKind.LAYER, seq_len=8192).compute_s
+    band = block_time(compile_table(_table(), windowed), H100, layout, BlockKind.LAYER, seq_len=8192).compute_s
     assert band < full
     kv = [cache_bytes_per_layer(s, batch=1, tokens=4096, tp=1) for s in (SPEC, windowed)]
     assert kv[1] == pytest.approx(kv[0] * 512 / 4096)  # each layer keeps its window's K and V

@@ -11,7 +11,9 @@ import pytest
 
 from autoshard.hardware import load_hardware
 from autoshard.models.published import CALIBRATION_RUNS, FP8_CALIBRATION_RUNS
-from autoshard.passes.cost.cost import Layout, compile_table, estimate
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.cost import estimate
+from autoshard.passes.cost.layout import Layout
 
 
 @pytest.fixture(scope="module")

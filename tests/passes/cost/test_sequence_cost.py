@@ -10,10 +10,13 @@ from autoshard.errors import InvalidConfigError
 from autoshard.hardware import load_hardware
 from autoshard.ir import BlockKind, Mesh, Recompute
 from autoshard.models.presets import get_spec
-from autoshard.passes.cost import cost
+from autoshard.passes.cost.block import block_time
+from autoshard.passes.cost.pipeline import p2p_time
 from autoshard.rules import sharding
 from autoshard.passes.cost.collectives import Collective, best_time, volume
-from autoshard.passes.cost.cost import Layout, compile_table, estimate
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.cost import estimate
+from autoshard.passes.cost.layout import Layout
 from autoshard.commands.common import cost_table_for, model_for
 
 # h100 numbers with no fused kernels: the saved tensors are the traced graph's (HF's RMSNorm unfused)
@@ -55,10 +58,10 @@ def test_collectives_move_the_all_reduce_volume(llama):
         pytest.approx(volume(Collective.ALL_REDUCE, act, tp))
     lay = Layout(mesh=Mesh(tp=tp), precision="bf16-mixed", sequence_parallel=True)
     ag, rs = (best_time(HW, op, act, size=tp, stride=1) for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER))
-    layer = cost.block_time(ct, HW, lay, BlockKind.LAYER, seq_len=seq)
-    embed = cost.block_time(ct, HW, lay, BlockKind.EMBED, seq_len=seq)
+    layer = block_time(ct, HW, lay, BlockKind.LAYER, seq_len=seq)
+    embed = block_time(ct, HW, lay, BlockKind.EMBED, seq_len=seq)
     assert sharding.row_parallel_count(spec, BlockKind.LAYER) == 2
-    full = cost.block_time(ct, HW, dataclasses.replace(lay, recompute=Recompute.FULL), BlockKind.LAYER, seq_len=seq)
+    full = block_time(ct, HW, dataclasses.replace(lay, recompute=Recompute.FULL), BlockKind.LAYER, seq_len=seq)
     assert full.recompute_s == pytest.approx(full.fwd_s + 2 * ag + 2 * rs)  # the rerun forward gathers again
     assert embed.tp_comm_s == pytest.approx(rs + ag)  # forward reduce-scatter, backward all-gather
     assert layer.tp_comm_s >= 2 * (ag + rs) + 2 * ag  # forward, and the row outputs' gradients gathered
@@ -71,8 +74,8 @@ def test_time_about_equal_memory_lower_and_pipeline_sends_the_shard(llama):
         assert on.memory_gb < off.memory_gb, mesh
         assert on.step_time_s == pytest.approx(off.step_time_s, rel=0.25), mesh
     lay = Layout(mesh=Mesh(pp=2, tp=2), precision="bf16-mixed")
-    assert cost.p2p_time(ct, HW, dataclasses.replace(lay, sequence_parallel=True), seq_len=64) < \
-        cost.p2p_time(ct, HW, lay, seq_len=64)
+    assert p2p_time(ct, HW, dataclasses.replace(lay, sequence_parallel=True), seq_len=64) < \
+        p2p_time(ct, HW, lay, seq_len=64)
 
 
 def test_bad_sequence_parallel_layouts_are_refused(llama):

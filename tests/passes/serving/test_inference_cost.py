@@ -224,7 +224,8 @@ def test_moe_tp_splits_the_experts_and_all_reduces_each_layer_over_tp():
     assert two.decode.tp_comm == pytest.approx(dense + head + experts)
     # memory: half of every expert per rank, the rest as training shards it (which keeps the experts whole)
     from autoshard.ir import Mesh
-    from autoshard.passes.cost.cost import Layout, block_params
+    from autoshard.passes.cost.block import block_params
+    from autoshard.passes.cost.layout import Layout
 
     def training_bytes(tp):
         held = Layout(mesh=Mesh(tp=tp), micro_batch=BATCH, strategies=ic._layout(MOE, tp, BATCH).strategies)

@@ -9,7 +9,6 @@ import pytest
 
 from autoshard.api import _resolve_plan
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
-from autoshard.passes.serving import inference_cost as ic
 from autoshard.passes.serving import serving
 from autoshard.passes.serving.inference_cost import ServeLayout, estimate_serving
 from autoshard.passes.serving.serving import layouts, plan_serving
@@ -122,7 +121,7 @@ def _random_spec(rng: random.Random):
 def test_every_emitted_inference_plan_passes_generates_own_check():
     """Property: random user-built models and device counts; the planner searches exactly the
     layouts generate accepts, and every pool of the best and runner-up plans, made into the replica
-    plan parallelize takes, passes check_plan and generate's check (layouts.generate_violation)."""
+    plan parallelize takes, passes check_plan and generate's check (validity.generate_violation)."""
     rng = random.Random(15)
     roomy = dataclasses.replace(HW, memory_bytes=1e15)
     for _ in range(20):

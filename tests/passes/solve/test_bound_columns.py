@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from autoshard.hardware import load_hardware
-from autoshard.ir import BlockKind
+from autoshard.ir import BlockKind, Precision
 from autoshard.models.presets import get_spec
-from autoshard.passes.cost import cost
+from autoshard.passes.cost.compiled import compile_table
 from autoshard.passes.solve.bounds import LazyBounds, bound_columns, least_block_s, lower_bounds, refined_step_bound
 from autoshard.passes.cost.precision import resolve_precision
 from autoshard.passes.cost.shape_memo import KEEP
@@ -24,11 +24,11 @@ SHAPES = [(32, 256), (64, 128), (32, 256)]  # the last: a re-plan at the first s
 @pytest.mark.parametrize("name, hardware, devices", CASES)
 def test_bound_columns_equal_lower_bounds_of_each_layout(name, hardware, devices):
     spec, hw = get_spec(name), load_hardware(hardware)
-    ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    ct = compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
     for batch, seq in SHAPES:
         kw = dict(global_batch=batch, seq_len=seq)
         layouts = candidate_layouts(spec, devices=devices, offload=True, moe_imbalance=1.25,
-                                    precision=resolve_precision(cost.Precision.AUTO, hw), **kw)
+                                    precision=resolve_precision(Precision.AUTO, hw), **kw)
         assert len({lay.mesh.pp for lay in layouts}) > 1 and len({lay.mesh.ep for lay in layouts}) > (name == "mixtral-tiny")
         memo, alone = {}, {}
         cols = bound_columns(ct, hw, layouts, memo=memo, **kw)
@@ -57,14 +57,14 @@ def test_a_re_plan_in_process_gives_the_fresh_plan(name, hardware, devices):
     """Planning shape after shape with one table (the planner's memos, its Layouts and their keys kept over
     plans) gives at each shape the plan a table of its own gives."""
     spec, hw = get_spec(name), load_hardware(hardware)
-    ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    ct = compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
     def plan(b, s, table):
         p = solve(spec, hw, devices=devices, global_batch=b, seq_len=s, table=table, fingerprint="t").to_json()
         p["solver"].pop("solve_time_s")
         return p
 
     plans = [plan(b, s, ct) for b, s in SHAPES]
-    fresh = {(b, s): plan(b, s, cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec))
+    fresh = {(b, s): plan(b, s, compile_table(build_cost_table(spec, kernels=hw.kernels), spec))
              for b, s in SHAPES[:2]}  # each shape planned in a table of its own: no memo of another shape
     assert plans[0] == plans[2] == fresh[SHAPES[0]]
     assert plans[1] == fresh[SHAPES[1]]  # a re-plan at a new shape in the same process: the fresh plan
@@ -77,7 +77,7 @@ def test_memos_stay_bounded_over_many_shapes(name, hardware, devices):
     its own holds after planning that shape; the shape-independent memos (a block's `memo`, the table's) do not
     grow on the second pass; and every plan is the one a table of its own gives."""
     spec, hw = get_spec(name), load_hardware(hardware)
-    new_table = lambda: cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    new_table = lambda: compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
     ct = new_table()
     shapes = [(32 if i % 2 else 64, 64 * (i + 1)) for i in range(KEEP + 3)]
 

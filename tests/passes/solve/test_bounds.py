@@ -8,12 +8,13 @@ import pytest
 
 from autoshard.hardware import load_hardware
 from autoshard.models.presets import get_spec
-from autoshard.passes.cost import cost
+from autoshard.passes.cost.compiled import compile_table
 from autoshard.passes.solve.bounds import least_block_s, lower_bounds, refined_step_bound, slowest_stage_floor
 from autoshard.passes.cost.precision import resolve_precision
 from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.passes.solve.planner import candidate_layouts, solve_mesh
 from autoshard.passes.solve.solve_model import mesh_problem
+from autoshard.ir import Precision
 
 
 def test_slowest_stage_floor_is_the_least_slowest_stage_of_any_split():
@@ -38,12 +39,12 @@ def test_slowest_stage_floor_is_the_least_slowest_stage_of_any_split():
 @pytest.mark.parametrize("name, hardware", [("llama-tiny", "h100"), ("mamba2-tiny", "cpu"), ("mixtral-tiny", "h100")])
 def test_bounds_never_exceed_a_layouts_optimum(name, hardware):
     spec, hw = get_spec(name), load_hardware(hardware)
-    ct = cost.compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    ct = compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
     kw = dict(global_batch=32, seq_len=256)
-    layouts = candidate_layouts(spec, devices=8, offload=True, precision=resolve_precision(cost.Precision.AUTO, hw),
+    layouts = candidate_layouts(spec, devices=8, offload=True, precision=resolve_precision(Precision.AUTO, hw),
                                 **kw)
     memo, checked, tighter = {}, 0, 0
-    # every layout, dp x cp = 1 < ep included (a one-rank expert group: cost.dp_exposed_time once failed there)
+    # every layout, dp x cp = 1 < ep included (a one-rank expert group: dp_exposed_time once failed there)
     for lay in layouts[::2]:
         b = lower_bounds(ct, hw, lay, memo=memo, **kw)
         block_s = least_block_s(ct, hw, lay, seq_len=kw["seq_len"])  # (per-stage choices: the least variant)
@@ -66,9 +67,9 @@ def test_single_stage_bound_with_memory_binding_never_exceeds_the_optimum(name, 
     from dataclasses import replace
 
     spec, roomy = get_spec(name), load_hardware(hardware)
-    ct = cost.compile_table(build_cost_table(spec, kernels=roomy.kernels), spec)
+    ct = compile_table(build_cost_table(spec, kernels=roomy.kernels), spec)
     kw = dict(global_batch=32, seq_len=256)
-    layouts = [lay for lay in candidate_layouts(spec, devices=8, precision=resolve_precision(cost.Precision.AUTO,
+    layouts = [lay for lay in candidate_layouts(spec, devices=8, precision=resolve_precision(Precision.AUTO,
                                                                                              roomy), **kw)
                if lay.mesh.pp == 1]
     peaks = sorted(float(mesh_problem(ct, roomy, lay, **kw).mem_bytes[0, 0, -1]) for lay in layouts)

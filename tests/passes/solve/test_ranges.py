@@ -13,6 +13,8 @@ from autoshard.passes.cost import cost
 from autoshard.passes.cost.cost import Layout
 from autoshard.passes.solve.planner import solve, solve_mesh
 from autoshard.passes.solve.solve_model import Assignment, brute_force, evaluate, mesh_problem
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.block import block_time
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def mixed():
     sequence = ("a", "a", "b", "a", "b", "b", "a")
     mixed = replace(table, blocks=(embed, replace(layer, name="a", count=4), replace(heavy, count=3), head),
                     layer_kinds=sequence)
-    return spec, cost.compile_table(mixed, spec)
+    return spec, compile_table(mixed, spec)
 
 
 def _tight(hw, problem, fraction):
@@ -74,7 +76,7 @@ def test_stage_time_follows_its_own_layers(mixed):
         assert max(ev.stage_bytes) == pytest.approx(est.memory_gb * 1e9, rel=1e-9)
     # layers a a b a | b b a: 3 a + 1 b vs 2 a + 2 b, not 4 vs 3 of one time
     t = problem.time_s[0, 0]
-    one = [cost.block_time(v, hw, layout, BlockKind.LAYER, seq_len=64).total_s for v in ct.kinds]
+    one = [block_time(v, hw, layout, BlockKind.LAYER, seq_len=64).total_s for v in ct.kinds]
     assert t[4] - t[3] == pytest.approx(one[0], rel=1e-9) and t[3] - t[2] == pytest.approx(one[1], rel=1e-9)
 
 

@@ -9,7 +9,8 @@ from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Recompute
 from autoshard.models.presets import get_spec
 from autoshard.passes.cost import cost
-from autoshard.passes.cost.cost import Layout
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.layout import Layout
 from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.passes.solve.planner import candidate_layouts, min_peak_bytes, solve, solve_mesh
 from autoshard.passes.solve.solve_model import Assignment, brute_force, evaluate, mesh_problem, min_stage_sums
@@ -18,7 +19,7 @@ from autoshard.passes.solve.solve_model import Assignment, brute_force, evaluate
 @pytest.fixture(scope="module", params=["llama-tiny", "mamba2-tiny"])
 def tiny(request):
     spec = get_spec(request.param)
-    return spec, cost.compile_table(build_cost_table(spec), spec)
+    return spec, compile_table(build_cost_table(spec), spec)
 
 
 def _tight(hw, ct, layout, fraction):
@@ -168,7 +169,7 @@ def test_infeasible_names_the_smallest_plan_over_every_mesh():
     parallel (tp4 with sequence parallelism since the planner searches it; before, pp2 tp2 ZeRO-1). (No host link in the
     profile: with one, offload would move the state off the device and fit.)"""
     spec = get_spec("llama-tiny")
-    ct = cost.compile_table(build_cost_table(spec), spec)
+    ct = compile_table(build_cost_table(spec), spec)
     hw = replace(load_hardware("cpu"), memory_bytes=1e6, host_link_bandwidth=None, host_memory_bandwidth=None)
     from autoshard.passes.cost.precision import resolve_precision
 
@@ -191,7 +192,7 @@ def test_reference_setup_beats_the_best_sweep_row(name):
     from autoshard.rules.validity import RUNTIME_ZERO
 
     spec = get_spec(name)
-    ct = cost.compile_table(build_cost_table(spec), spec)
+    ct = compile_table(build_cost_table(spec), spec)
     hw = load_hardware("ascend-910b")
     plan = solve(spec, hw, devices=8, global_batch=1024, seq_len=4096, table=ct, fingerprint="0" * 16)
     rows = [e for mb in (1, 2, 4, 8) for e in sweep(spec, ct, hw, devices=8, global_batch=1024, seq_len=4096,

@@ -11,12 +11,15 @@ import pytest
 
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import load_hardware
-from autoshard.ir import Mesh, Plan, Recompute
+from autoshard.ir import BlockKind, Mesh, Plan, Recompute
 from autoshard.model_spec import Mixer
 from autoshard.models.presets import get_spec
 from autoshard.passes.cost import cost
+from autoshard.passes.cost.block import block_params, block_time
+from autoshard.passes.cost.compiled import compile_table
+from autoshard.passes.cost.pipeline import logits_bytes, p2p_time, sequence_boundary_time
 from autoshard.rules import sharding
-from autoshard.passes.cost.cost import Layout
+from autoshard.passes.cost.layout import Layout
 from autoshard.rules.validity import check_plan
 from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.passes.solve.planner import candidate_layouts, search, solve, solve_mesh
@@ -26,7 +29,7 @@ from autoshard.passes.solve.solve_model import Assignment, brute_force, evaluate
 @pytest.fixture(scope="module", params=["llama-tiny", "mamba2-tiny"])
 def tiny(request):
     spec = get_spec(request.param)
-    return spec, cost.compile_table(build_cost_table(spec), spec)
+    return spec, compile_table(build_cost_table(spec), spec)
 
 
 def _brute(ct, hw, layouts, *, global_batch, seq_len):
@@ -140,7 +143,7 @@ def test_a_per_stage_mix_beats_every_uniform_choice():
     over every per-stage mix does. (Over all 4-device layouts dp4 wins by far on these tiny presets: no
     per-stage mix is globally best there, see docs/solver.md.)"""
     spec = get_spec("llama-tiny")
-    ct = cost.compile_table(build_cost_table(spec), spec)
+    ct = compile_table(build_cost_table(spec), spec)
     hw = replace(load_hardware("h100"), memory_bytes=9.9e6)
     kw = dict(global_batch=4, seq_len=1024)
     layouts = [lay for lay in candidate_layouts(spec, devices=4, **kw) if lay.mesh == Mesh(pp=2, tp=2)]
@@ -160,7 +163,7 @@ def test_mixed_sequence_parallel_is_priced_as_it_runs():
     stage; on, the SP layout's stage with the whole sequence's p2p in place of the shard's and one all-gather
     per boundary (runtime/stages.py: the boundaries carry the whole sequence)."""
     spec = get_spec("llama-tiny")
-    ct = cost.compile_table(build_cost_table(spec), spec)
+    ct = compile_table(build_cost_table(spec), spec)
     hw = load_hardware("h100")
     kw = dict(global_batch=4, seq_len=64)
     base = Layout(mesh=Mesh(pp=2, tp=2), micro_batch=1, zero=1)
@@ -172,9 +175,9 @@ def test_mixed_sequence_parallel_is_priced_as_it_runs():
         assert (getattr(mixed, table)[:, :r] == getattr(off, table)).all()
     assert (mixed.mem_bytes[:, r:] == on.mem_bytes).all() and (mixed.tail_s[:, r:] == on.tail_s).all()
     lay = cost.resolved(replace(base, sequence_parallel=True), hw)
-    shard, whole = (cost.p2p_time(ct, hw, cost.resolved(replace(base, sequence_parallel=sp), hw), seq_len=64)
+    shard, whole = (p2p_time(ct, hw, cost.resolved(replace(base, sequence_parallel=sp), hw), seq_len=64)
                     for sp in (True, False))
-    gather = cost.sequence_boundary_time(ct, hw, lay, seq_len=64, boundaries=1)  # first and last: one boundary
+    gather = sequence_boundary_time(ct, hw, lay, seq_len=64, boundaries=1)  # first and last: one boundary
     assert gather > 0 and whole > shard
     assert mixed.time_s[:, r:] == pytest.approx(on.time_s - shard + whole + gather, rel=1e-12)
     a = Assignment(layers=(2, 2), recompute=(Recompute.NONE,) * 2, variant=(1, 0))
@@ -187,7 +190,7 @@ def test_planner_writes_a_per_stage_plan_as_priced():
     from autoshard.passes.solve.planner import Candidate, MeshResult, SearchResult, _plan
 
     spec = get_spec("mamba2-tiny")
-    ct = cost.compile_table(build_cost_table(spec), spec)
+    ct = compile_table(build_cost_table(spec), spec)
     hw = load_hardware("h100")
     kw = dict(global_batch=4, seq_len=64)
     layout = cost.resolved(Layout(mesh=Mesh(pp=2, tp=2), micro_batch=1, zero=1,
@@ -229,16 +232,16 @@ def test_replicated_head_is_priced_as_it_runs():
     """A replicated LM head and loss: no TP collective, the logits and their FLOPs whole on every rank,
     the LM head's weights whole; a vocab-parallel one divides them by tp."""
     spec = get_spec("llama-tiny")
-    ct = cost.compile_table(build_cost_table(spec), spec)
+    ct = compile_table(build_cost_table(spec), spec)
     hw = load_hardware("h100")
     vocab = Layout(mesh=Mesh(tp=2))
     whole = replace(vocab, strategies=(("head", "replicate"),))
-    head = cost.BlockKind.HEAD
-    assert cost.block_time(ct, hw, whole, head, seq_len=64).tp_comm_s == 0.0
-    assert cost.block_time(ct, hw, vocab, head, seq_len=64).tp_comm_s > 0.0
-    assert cost.logits_bytes(ct, whole, seq_len=64) == 2 * cost.logits_bytes(ct, vocab, seq_len=64)
-    assert cost.block_params(ct, whole, head) > cost.block_params(ct, vocab, head)
-    assert cost.block_params(ct, whole, cost.BlockKind.EMBED) == cost.block_params(ct, vocab, cost.BlockKind.EMBED)
+    head = BlockKind.HEAD
+    assert block_time(ct, hw, whole, head, seq_len=64).tp_comm_s == 0.0
+    assert block_time(ct, hw, vocab, head, seq_len=64).tp_comm_s > 0.0
+    assert logits_bytes(ct, whole, seq_len=64) == 2 * logits_bytes(ct, vocab, seq_len=64)
+    assert block_params(ct, whole, head) > block_params(ct, vocab, head)
+    assert block_params(ct, whole, BlockKind.EMBED) == block_params(ct, vocab, BlockKind.EMBED)
 
 
 def _plan(spec, mesh, strategies) -> Plan:

@@ -1,0 +1,55 @@
+"""Published configs of two large mixed layer stacks, as `package.module:factory` callables (`--model
+autoshard.models.hybrids:nemotron_h_56b`): the HF model built from its config, on the device the caller sets
+(`resolve_model` builds on meta: no weights are materialised), for planning; bench/bench_mixed_plan.py plans both.
+
+* `nemotron_h_56b`: NVIDIA Nemotron-H-56B-Base-8K (arXiv 2504.03624; the layer pattern, widths and head
+  counts of Megatron-Bridge's `NemotronHModelProvider56B`): 118 layers, 54 Mamba-2 ("M"), 10 attention
+  ("*") and 54 squared-ReLU MLP ("-") layers, hidden 8192, 64 attention heads (8 KV, head dim 128), MLP
+  32768, Mamba-2 256 heads of 64, 8 groups, state 256, conv 4, chunk 128, vocabulary 131072.
+* `deepseek_v3`: DeepSeek-V3 (arXiv 2412.19437, its config.json): 61 layers, the first 3 dense (MLP 18432),
+  the others 256 routed experts of width 2048, top-8, 1 shared expert; MLA with 128 heads, q rank 1536, KV
+  rank 512, rope / nope / value head dims 64 / 128 / 128; hidden 7168, vocabulary 129280; its experts in
+  HF's fixed-shape `grouped_mm` (traceable on fake tensors); no multi-token-prediction layer.
+"""
+
+from __future__ import annotations
+
+# "M" Mamba-2, "*" attention, "-" MLP (Nemotron-H's hybrid_override_pattern letters)
+NEMOTRON_H_56B_PATTERN = ("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-"
+                          "M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")
+_NEMOTRON_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def nemotron_h_56b_config():
+    from transformers import NemotronHConfig
+
+    return NemotronHConfig(
+        vocab_size=131072, hidden_size=8192, layers_block_type=[_NEMOTRON_KINDS[c] for c in NEMOTRON_H_56B_PATTERN],
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, intermediate_size=32768,
+        mlp_hidden_act="relu2", ssm_state_size=256, mamba_num_heads=256, mamba_head_dim=64, n_groups=8,
+        conv_kernel=4, expand=2, chunk_size=128, max_position_embeddings=8192, tie_word_embeddings=False,
+        use_mamba_kernels=False, attn_implementation="sdpa")
+
+
+def nemotron_h_56b():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(nemotron_h_56b_config())
+
+
+def deepseek_v3_config():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=8, topk_group=4, num_attention_heads=128, num_key_value_heads=128,
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        max_position_embeddings=163840, tie_word_embeddings=False, attn_implementation="sdpa",
+        experts_implementation="grouped_mm")
+
+
+def deepseek_v3():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(deepseek_v3_config())

@@ -1,0 +1,71 @@
+"""The hybrids of issue 25 trained under every axis on two ranks, inside the shared world-2 spawn
+(test_equivalence.py): loss, every gradient and the weights after two AdamW steps against one process.
+
+The configs are tests/models/hybrid_models.py's (2-6 layers, every kind of layer the model has), Falcon-H1's
+mup multipliers exaggerated (a dropped multiplier shows) and its gated norm on. An axis the runtime cannot
+run yet on a model is refused by name, on every rank (models/layered.py `hybrid_refusals`)."""
+
+from __future__ import annotations
+
+from tests.runtime.equivalence import Tiny
+
+_FALCON = dict(ssm_in_multiplier=1.7, ssm_multipliers=[0.6, 1.9, 0.7, 1.4, 2.3], ssm_out_multiplier=0.6,
+               attention_in_multiplier=1.3, attention_out_multiplier=0.7, key_multiplier=1.6,
+               mlp_multipliers=[1.5, 0.6], embedding_multiplier=2.0, lm_head_multiplier=0.5,
+               mamba_rms_norm=True)
+
+
+def _tiny(model_type: str, **overrides) -> Tiny:
+    from tests.models.hybrid_models import config
+
+    return Tiny(f"{model_type}-tiny", config(model_type, **overrides))
+
+
+HYBRIDS = {
+    "bamba": _tiny("bamba"),  # Mamba-2 layers, attention at 1
+    "nemotron_h": _tiny("nemotron_h"),  # Mamba-2, MoE, attention and MLP layers
+    "falcon_h1": _tiny("falcon_h1", **_FALCON),  # attention and Mamba-2 side by side in every layer
+    "deepseek_v3": _tiny("deepseek_v3"),  # MLA; a dense layer, then MoE layers
+    "jamba": _tiny("jamba"),  # Mamba-1 selective scan, attention, MoE
+}
+PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(cp=2), dict(tp=2), dict(ep=2))
+WHY = {"tp": "the runtime's tensor-parallel rules split one kind of layer",
+       "ep": "are dispatched over ep in one repeated layer only",
+       "cp": "the Mamba-1 selective scan of layers.0.mamba has no CP algorithm"}
+REFUSED = {("bamba", "tp"), ("nemotron_h", "tp"), ("falcon_h1", "tp"), ("deepseek_v3", "tp"), ("jamba", "tp"),
+           ("nemotron_h", "ep"), ("deepseek_v3", "ep"), ("jamba", "ep"), ("jamba", "cp")}
+MOE = ("nemotron_h", "deepseek_v3", "jamba")
+
+
+def check_hybrids() -> None:
+    import re
+
+    import pytest
+
+    from autoshard.errors import InvalidConfigError
+    from tests.runtime.equivalence import check_plan
+
+    for name, source in HYBRIDS.items():
+        for plan in PLANS:
+            axis = next(iter(plan))
+            if axis == "ep" and name not in MOE:
+                continue
+            if (name, axis) in REFUSED:
+                with pytest.raises(InvalidConfigError, match=f"{axis} is refused for .*: .*" + re.escape(WHY[axis])):
+                    check_plan(source, plan)
+                continue
+            check_plan(source, plan, logits=True)
+    _check_generate()
+
+
+def _check_generate() -> None:
+    """Greedy generation of Bamba and Nemotron-H over pipeline stages equals HF's: each stage's cache holds
+    the K/V of its attention layers and the conv / SSM states of its Mamba-2 layers (runtime/ssd.py
+    `cached_mixer_forward`); tp is refused for them, as in training."""
+    import torch
+
+    from tests.runtime.families import check_generate
+
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
+    for name in ("bamba", "nemotron_h"):
+        check_generate(HYBRIDS[name], dict(pp=2), ids)
