@@ -155,15 +155,14 @@ def _windows(config, layers) -> tuple[int, int]:
 
 
 def mixer_of(model) -> str:
-    """The sequence mixer of `model`: "attention" (a module calling HF's attention interface), "ssd" (the
-    config has an SSM state and a conv kernel, and no attention module), or "" (none autoshard knows)."""
-    config = getattr(model, "config", None)
+    """The sequence mixer of `model`: "attention" (a module calling HF's attention interface), "ssd" (a
+    Mamba-2 SSD mixer by its pattern, models/layered.py `ssd_mixers`, and no attention module), or "" (none
+    autoshard knows: Mamba-1's selective scan has a state size and a conv kernel too, but no SSD)."""
+    from autoshard.models.layered import ssd_mixers
+
     if any(is_attention(m) for m in model.modules()):
         return "attention"
-    if config is not None and config_value(config, "state", None) is not None \
-            and config_value(config, "conv", None) is not None:
-        return "ssd"
-    return ""
+    return "ssd" if ssd_mixers(model) else ""
 
 
 def _needs_own_forward(facts: dict, config) -> bool:

@@ -197,10 +197,16 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                          head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
                          conv=value("conv"), chunk=value("chunk", 256), **common)
     if facts.mixer != "attention":
+        from autoshard.models.layered import unknown_mixer
+
+        layers = getattr(getattr(model, facts.base, None), "layers", None)
+        other = unknown_mixer(layers[0]) if layers is not None and len(layers) else ""
+        module = f"{facts.base}.layers.0.{other} ({type(layers[0].get_submodule(other)).__name__})" if other else \
+            type(model).__name__
         raise InvalidConfigError(
-            f"{name}: {type(model).__name__} has no sequence mixer autoshard knows (no attention module calling HF's "
-            "attention interface, no SSD scan: state_size / n_groups / conv_kernel); autoshard plans decoders "
-            "built of attention and Mamba-2 layers")
+            f"{name}: {module} is a sequence mixer autoshard has no rule for (neither a module calling HF's attention "
+            "interface nor the Mamba-2 SSD scan), so no axis can be priced or run for it; autoshard plans decoders "
+            "whose layers mix tokens by attention or SSD (mixed stacks may hold other mixers: dp and pp)")
     from autoshard.models.layered import hybrid_refusals
 
     hybrid = hybrid_refusals(model)  # None: one repeated kind of attention layer

@@ -94,3 +94,33 @@ def test_sliding_window_is_read_where_the_attention_call_gets_it(model_type, ove
     config = tiny_config(model_type, **overrides)
     spec = spec_from_hf_config(config, name=model_type, model=build_tiny(config, device="meta"))
     assert (spec.sliding_window, spec.window_layers) == want
+
+
+def test_constructs_without_a_rule_are_refused_by_name_and_the_other_axes_plan():
+    """Zamba2's shared transformer block (one module in several layers): pp refused naming it; LFM2's short
+    convolution and Qwen3-Next's gated DeltaNet (sequence mixers with no CP algorithm): cp refused naming
+    them; a uniform stack of such a mixer (Mamba-1) is refused whole, naming the module."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from autoshard.errors import InvalidConfigError
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.rules.validity import refusal
+    from tests.models import hybrid_models
+
+    for model_type, axis, want in (("zamba2", "pp", "layers.1.shared_transformer: one module shared by layers 1, 3"),
+                                   ("lfm2", "cp", "layers.0.conv: a sequence mixer with no CP algorithm"),
+                                   ("qwen3_next", "cp", "layers.0.linear_attn: a sequence mixer with no CP algorithm")):
+        model = hybrid_models.build(model_type)
+        for spec in (spec_from_hf_config(model.config, name=model_type, model=model),  # parallelize's
+                     resolve_model_spec(model, model_type)):  # plan's
+            assert want in (refusal(spec, axis) or ""), (model_type, spec.refused)
+            assert refusal(spec, "dp") is None
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2))
+    with pytest.raises(InvalidConfigError, match=r"backbone\.layers\.0\.mixer \(MambaMixer\) is a sequence mixer"):
+        spec_from_hf_config(mamba.config, name="mamba", model=mamba)
+
+
+def resolve_model_spec(model, name):
+    from autoshard.models.layered import layered_spec
+
+    return layered_spec(model, name=name)
