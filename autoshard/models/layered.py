@@ -55,7 +55,10 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
         spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads,
                          kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                          ffn=getattr(config, "intermediate_size", 0) or 0, **common)
-    spec = replace(_with_experts(spec, model, stack, config), refused=construct_refusals(model, stack))
+    # what `parallelize` refuses for the constructs no axis rule covers (a shared block: pp; a mixer with no CP
+    # algorithm: cp) is not searched by `plan` either
+    spec = replace(_with_experts(spec, model, stack, config),
+                   refused=tuple(r for r in hybrid_refusals(model) or () if r[0] in ("pp", "cp")))
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
     if why:
         raise InvalidConfigError(f"{name}: {why}")
@@ -90,94 +93,63 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     attention (Falcon-H1). Its pipeline stages run the model's own forward (HF's hybrid cache, a mask per layer
     type); dp, pp and cp run, cp by state passing in the Mamba-2 layers (runtime/cp_mamba.py) and the
     attention algorithm in the attention layers. Refused by name: cp where a layer holds a sequence mixer no
-    CP algorithm splits (Mamba-1's selective scan), tp / ep / sequence parallelism (the runtime's rules
-    split one kind of layer)."""
+    CP algorithm splits (Mamba-1's selective scan, gated DeltaNet, short convolutions), pp where layers share
+    a block (Zamba2), tp / ep / sequence parallelism (the runtime's rules split one kind of layer)."""
     from autoshard.passes.capture.layer_kinds import find_layer_stack
 
     stack = find_layer_stack(model)
     if stack is None:
         return None
     ssd = ssd_mixers(model)
-    base = stack.prefix.rpartition(".")[0]
     if stack.uniform and not ssd:
-        return construct_refusals(model, stack) or None
+        return None
+    base = stack.prefix.rpartition(".")[0]
     what = (f"its layers are of several kinds ({', '.join(k.name for k in stack.kinds)})" if not stack.uniform
             else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside attention")
-    out = [("tp", f"{what}: the runtime's tensor-parallel rules split one kind of layer; use tp=1 "
-                  "(dp, pp and cp run)"),
+    out = [("tp", f"{what}: the runtime's tensor-parallel rules split one kind of layer; use tp=1"),
            ("sequence_parallel", f"{what}: sequence parallelism runs with tp, which this model does not run yet; "
                                  "set sequence_parallel to false")]
     experts = [p for p, m in model.named_modules() if p.endswith(".experts")]
     if experts:
         out.append(("ep", f"{what}: the experts of {_relative(experts[0], base)} are dispatched over ep in one "
                           "repeated layer only; use ep=1"))
-    return construct_refusals(model, stack) + tuple(out)
-
-
-def construct_refusals(model: nn.Module, stack) -> tuple[tuple[str, str], ...]:
-    """(axis, why) of the constructs no axis rule covers, each naming its module: a block shared by several
-    layers (pp: `_shared_block`) and a sequence mixer without a CP algorithm (cp: Mamba-1's selective scan, or
-    any other `unknown_mixer`); the planner does not search those axes (the layered spec carries them) and
-    `parallelize` refuses them, while every other axis still plans."""
-    layers = model.get_submodule(stack.prefix)
-    out = list(_shared_block(layers, stack.prefix))
-    base = stack.prefix.rpartition(".")[0]
-    scan = next((p for p, m in model.named_modules() if _selective_scan(m)), None)
-    if scan is not None:
-        out.append(("cp", f"the Mamba-1 selective scan of {_relative(scan, base)} has no CP algorithm; use cp=1"))
-        return tuple(out)
-    other = next(((k.layers[0], p) for k in stack.kinds if (p := unknown_mixer(layers[k.layers[0]]))), None)
-    if other:
-        out.append(("cp", f"layers.{other[0]}.{other[1]}: a sequence mixer with no CP algorithm (neither a module "
-                          "calling HF's attention interface nor the Mamba-2 SSD scan); use cp=1"))
+    mixer = _mixer_without_cp(model, stack)
+    if mixer is not None:
+        out.append(("cp", f"{mixer} has no CP algorithm; use cp=1"))
+    if stack.shared_params:
+        out.append(("pp", f"its layers share a block ({stack.shared_params} parameters held by several layers: "
+                          "Zamba2's shared transformer, which reads the embeddings' output); pipeline stages cut "
+                          "layers that own their weights; use pp=1"))
     return tuple(out)
 
 
-def _shared_block(layers: nn.ModuleList, prefix: str) -> tuple[tuple[str, str], ...]:
-    """(("pp", why),) where one module object serves several layers (Zamba2's shared transformer block), else
-    (): pipeline stages on different ranks would each hold a copy whose gradients no rule sums."""
-    seen: dict[int, list[tuple[int, str]]] = {}
-    for index, layer in enumerate(layers):
-        for path, param in layer.named_parameters(remove_duplicate=False):
-            seen.setdefault(id(param), []).append((index, path))
-    for uses in seen.values():
-        indices = sorted({i for i, _ in uses})
-        if len(indices) > 1:
-            i, path = uses[0]
-            top = path.split(".")[0]
-            return (("pp", f"layers.{i}.{top}: one module shared by layers {', '.join(map(str, indices))}: pipeline "
-                           "stages would each hold a copy whose gradients no rule sums over stages; use pp=1 "
-                           "(dp and the other axes still plan)"),)
-    return ()
-
-
-def unknown_mixer(layer: nn.Module) -> str:
-    """The path in `layer` of a sequence mixer autoshard has no rule for, or "": in a layer without a module
-    calling HF's attention interface and without the SSD scan, the first child that is no norm, no MLP (all
-    its parameters in linears) and no MoE block (routed experts: 3-d weights, one row per expert): Mamba-1's
-    selective scan, RWKV's time mixing, a short convolution, a gated DeltaNet."""
+def _mixer_without_cp(model: nn.Module, stack) -> str | None:
+    """The first layer's sequence mixer that context parallelism has no algorithm for, named ("the Mamba-1
+    selective scan of layers.0.mamba"), or None: a layer with neither an attention module nor an SSD mixer
+    but a child holding a Conv1d or an A_log mixes its sequence some other way (Mamba-1's selective scan, Qwen3-Next's gated DeltaNet, LFM2's short
+    convolutions)."""
     from autoshard.models.facts import is_attention
 
-    if any(is_attention(m) for m in layer.modules()) or ssd_mixers(layer):
-        return ""
-    for name, child in layer.named_children():
-        params = list(child.parameters())
-        if not params or _is_norm(child):
+    base = stack.prefix.rpartition(".")[0]
+    layers = model.get_submodule(stack.prefix)
+    for i, layer in enumerate(layers):
+        if any(is_attention(m) for m in layer.modules()) or ssd_mixers(layer):
             continue
-        if all(isinstance(m, nn.Linear) or not any(True for _ in m.parameters(recurse=False)) for m in child.modules()):
-            continue  # an MLP
-        if any(p.dim() == 3 and p.shape[0] > 1 for m in child.modules() if not isinstance(m, nn.Conv1d)
-               for p in m.parameters(recurse=False)):
-            continue  # a MoE block
-        return name
-    return ""
+        scan = next((p for p, m in layer.named_modules() if _selective_scan(m)), None)
+        if scan is not None:
+            return f"the Mamba-1 selective scan of {_relative(f'{stack.prefix}.{i}.{scan}', base)}"
+        mixer = next(((p, m) for p, m in layer.named_children() if _mixes_sequence(m)), None)
+        if mixer is None:  # a layer of per-token ops alone (Nemotron-H's MLP and MoE layers)
+            continue
+        path = _relative(f"{stack.prefix}.{i}.{mixer[0]}", base)
+        return f"the sequence mixer {path} ({type(mixer[1]).__name__}, neither attention nor a Mamba-2 SSD)"
+    return None
 
 
-def _is_norm(module: nn.Module) -> bool:
-    """A norm: only vector parameters of its own and no children holding any (RMSNorm, LayerNorm)."""
-    own = list(module.parameters(recurse=False))
-    return bool(own) and all(p.dim() == 1 for p in own) and not any(
-        True for m in module.children() for _ in m.parameters())
+def _mixes_sequence(module: nn.Module) -> bool:
+    """A layer child that mixes along the sequence: it holds a Conv1d or a recurrence's A_log."""
+    return any(isinstance(m, nn.Conv1d) or "A_log" in dict(m.named_parameters(recurse=False))
+               for m in module.modules())
 
 
 def _selective_scan(module: nn.Module) -> bool:

@@ -197,14 +197,13 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                          head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
                          conv=value("conv"), chunk=value("chunk", 256), **common)
     if facts.mixer != "attention":
-        from autoshard.models.layered import unknown_mixer
+        from autoshard.models.layered import _mixer_without_cp
+        from autoshard.passes.capture.layer_kinds import find_layer_stack
 
-        layers = getattr(getattr(model, facts.base, None), "layers", None)
-        other = unknown_mixer(layers[0]) if layers is not None and len(layers) else ""
-        module = f"{facts.base}.layers.0.{other} ({type(layers[0].get_submodule(other)).__name__})" if other else \
-            type(model).__name__
+        stack = find_layer_stack(model)
+        mixer = (_mixer_without_cp(model, stack) if stack is not None else None) or type(model).__name__
         raise InvalidConfigError(
-            f"{name}: {module} is a sequence mixer autoshard has no rule for (neither a module calling HF's attention "
+            f"{name}: {mixer}: a sequence mixer autoshard has no rule for (neither a module calling HF's attention "
             "interface nor the Mamba-2 SSD scan), so no axis can be priced or run for it; autoshard plans decoders "
             "whose layers mix tokens by attention or SSD (mixed stacks may hold other mixers: dp and pp)")
     from autoshard.models.layered import hybrid_refusals

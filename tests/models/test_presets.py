@@ -107,16 +107,16 @@ def test_constructs_without_a_rule_are_refused_by_name_and_the_other_axes_plan()
     from autoshard.rules.validity import refusal
     from tests.models import hybrid_models
 
-    for model_type, axis, want in (("zamba2", "pp", "layers.1.shared_transformer: one module shared by layers 1, 3"),
-                                   ("lfm2", "cp", "layers.0.conv: a sequence mixer with no CP algorithm"),
-                                   ("qwen3_next", "cp", "layers.0.linear_attn: a sequence mixer with no CP algorithm")):
+    for model_type, axis, want in (("zamba2", "pp", "its layers share a block"),
+                                   ("lfm2", "cp", "the sequence mixer layers.0.conv (Lfm2ShortConv"),
+                                   ("qwen3_next", "cp", "the sequence mixer layers.0.linear_attn (")):
         model = hybrid_models.build(model_type)
         for spec in (spec_from_hf_config(model.config, name=model_type, model=model),  # parallelize's
                      resolve_model_spec(model, model_type)):  # plan's
             assert want in (refusal(spec, axis) or ""), (model_type, spec.refused)
             assert refusal(spec, "dp") is None
     mamba = MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2))
-    with pytest.raises(InvalidConfigError, match=r"backbone\.layers\.0\.mixer \(MambaMixer\) is a sequence mixer"):
+    with pytest.raises(InvalidConfigError, match=r"the Mamba-1 selective scan of layers\.0\.mixer: a sequence mixer autoshard has no rule for"):
         spec_from_hf_config(mamba.config, name="mamba", model=mamba)
 
 
