@@ -156,9 +156,8 @@ def _windows(config, layers) -> tuple[int, int]:
 
 def mixer_of(model) -> str:
     """The sequence mixer of `model`: "attention" (a module calling HF's attention interface), "ssd" (a
-    Mamba-2 SSD mixer by its pattern, models/layered.py `ssd_mixers`, and no attention module), or "" (none
+    Mamba-2 SSD mixer by its pattern, `ssd_mixers` below, and no attention module), or "" (none
     autoshard knows: Mamba-1's selective scan has a state size and a conv kernel too, but no SSD)."""
-    from autoshard.models.layered import ssd_mixers
 
     if any(is_attention(m) for m in model.modules()):
         return "attention"
@@ -254,3 +253,17 @@ def tp_style_refusal(facts: ModelFacts) -> str | None:
         if style not in RUN_STYLES:
             return f"{pattern}: HF's tp style {style!r} has no rule in autoshard; tp is not offered for this model"
     return None
+
+
+_SSD_ATTRS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size", "chunk_size")
+
+
+def ssd_mixers(model) -> list:
+    """(path, module) of every Mamba-2 SSD mixer of `model`, by its pattern: parameters `A_log`, `D`, `dt_bias`, a `conv1d` child and HF's mixer size attributes (`_SSD_ATTRS`), not its class name."""
+    out = []
+    for path, module in model.named_modules():
+        params = {k for k, _ in module.named_parameters(recurse=False)}
+        if {"A_log", "D", "dt_bias"} <= params and hasattr(module, "conv1d") and \
+                all(isinstance(getattr(module, a, None), int) for a in _SSD_ATTRS):
+            out.append((path, module))
+    return out
