@@ -64,6 +64,10 @@ class ModelSpec:
     attention_attrs: tuple[str, ...] = _fact(())  # the attention module's head-count attributes (num_heads, ...)
     embedding_plain: bool = _fact(True)  # a plain nn.Embedding (else: no vocab-parallel embedding is offered)
     own_forward: bool = _fact(False)  # pipeline stages run the model's own forward (models/facts.py)
+    # attention features read at HF's attention-interface call (models/facts.py): the window of the layers
+    # that attend within one (sliding_window tokens; Mistral all layers, Gemma-2/3 and GPT-OSS alternate ones)
+    sliding_window: int = _fact(0)
+    window_layers: int = _fact(0)  # how many of the layers attend within sliding_window
     moe_paths: tuple[str, ...] = _fact(())  # (router, experts, shared expert) inside a layer, for a MoE model
     #                                          not laid out as the presets (mlp.gate, mlp.experts)
 
@@ -71,6 +75,14 @@ class ModelSpec:
     def family(self) -> Family:
         """Deprecated alias derived from `mixer` (see `Family`)."""
         return Family.MAMBA2 if self.mixer is Mixer.SSD else Family.LLAMA
+
+    def attended_tokens(self, tokens: float) -> float:
+        """The keys one query attends to (and one layer's KV cache holds) at `tokens` of context, the mean
+        over the layers: min(tokens, sliding_window) in a windowed layer, all of them elsewhere."""
+        if not (self.sliding_window and self.window_layers):
+            return tokens
+        windowed = min(tokens, self.sliding_window)
+        return ((self.layers - self.window_layers) * tokens + self.window_layers * windowed) / self.layers
 
     @property
     def is_moe(self) -> bool:

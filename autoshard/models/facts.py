@@ -90,6 +90,7 @@ class ModelFacts:
     attention_attrs: tuple[str, ...] = ()  # head counts the attention module keeps (StableLM's num_heads)
     layer_types: tuple[str, ...] = ()  # the config's layer_types (per-layer attention kinds)
     sliding_window: int = 0
+    window_layers: int = 0  # layers whose attention call gets sliding_window (HF's attention interface kwarg)
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     logit_scale: float = 1.0  # what ForCausalLM multiplies the logits by (Cohere logit_scale, 1/Granite logits_scaling)
@@ -121,14 +122,15 @@ def read_facts(config, model) -> ModelFacts:
                   and n.rpartition(".")[2] not in ("weight", "bias"))
     scaling = getattr(config, "logits_scaling", None)
     logit_scale = float(getattr(config, "logit_scale", None) or 1.0) / float(scaling or 1.0)
-    window = config_value(config, "sliding_window", 0) or 0
+    window, windowed = _windows(config, layers if isinstance(layers, nn.ModuleList) else ())
     types = tuple(getattr(config, "layer_types", None) or ())
     facts = dict(
         mixer=mixer, base=base_name, layer_params=names, embedding_plain=plain,
         tp_plan=tuple((getattr(config, "base_model_tp_plan", None) or {}).items()),
         experts_path=experts, router_path=router, shared_path=shared, experts_biased=biased, experts_gated=gated,
         experts_routed=routed,
-        head_params=sinks, attention_attrs=_count_attrs(layer0), layer_types=types, sliding_window=int(window),
+        head_params=sinks, attention_attrs=_count_attrs(layer0), layer_types=types, sliding_window=window,
+        window_layers=windowed,
         attn_softcap=float(config_value(config, "attn_softcap", 0.0) or 0.0),
         final_softcap=float(config_value(config, "final_softcap", 0.0) or 0.0), logit_scale=logit_scale,
         embedding_multiplier=float(getattr(config, "embedding_multiplier", None) or 1.0))
@@ -136,16 +138,30 @@ def read_facts(config, model) -> ModelFacts:
     return ModelFacts(**facts)
 
 
+def _windows(config, layers) -> tuple[int, int]:
+    """(sliding window, layers that use it): what each layer's attention passes HF's attention interface as
+    `sliding_window`: the module's own attribute where it keeps one (Gemma-2/3, GPT-OSS, Qwen2: None on a
+    full-attention layer), else the config's (Mistral, Mixtral pass config.sliding_window in every layer)."""
+    config_window = config_value(config, "sliding_window", None)
+    windows = []
+    for layer in layers:
+        module = next((m for m in layer.modules() if is_attention(m)), None)
+        if module is None:
+            continue
+        window = getattr(module, "sliding_window", config_window)
+        windows.append(window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else 0)
+    used = [w for w in windows if w]
+    return (max(used), len(used)) if used else (0, 0)
+
+
 def mixer_of(model) -> str:
-    """The sequence mixer of `model`: "attention" (a module calling HF's attention interface), "ssd" (the
-    config has an SSM state and a conv kernel, and no attention module), or "" (none autoshard knows)."""
-    config = getattr(model, "config", None)
+    """The sequence mixer of `model`: "attention" (a module calling HF's attention interface), "ssd" (a
+    Mamba-2 SSD mixer by its pattern, `ssd_mixers` below, and no attention module), or "" (none
+    autoshard knows: Mamba-1's selective scan has a state size and a conv kernel too, but no SSD)."""
+
     if any(is_attention(m) for m in model.modules()):
         return "attention"
-    if config is not None and config_value(config, "state", None) is not None \
-            and config_value(config, "conv", None) is not None:
-        return "ssd"
-    return ""
+    return "ssd" if ssd_mixers(model) else ""
 
 
 def _needs_own_forward(facts: dict, config) -> bool:
@@ -237,3 +253,17 @@ def tp_style_refusal(facts: ModelFacts) -> str | None:
         if style not in RUN_STYLES:
             return f"{pattern}: HF's tp style {style!r} has no rule in autoshard; tp is not offered for this model"
     return None
+
+
+_SSD_ATTRS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size", "chunk_size")
+
+
+def ssd_mixers(model) -> list:
+    """(path, module) of every Mamba-2 SSD mixer of `model`, by its pattern: parameters `A_log`, `D`, `dt_bias`, a `conv1d` child and HF's mixer size attributes (`_SSD_ATTRS`), not its class name."""
+    out = []
+    for path, module in model.named_modules():
+        params = {k for k, _ in module.named_parameters(recurse=False)}
+        if {"A_log", "D", "dt_bias"} <= params and hasattr(module, "conv1d") and \
+                all(isinstance(getattr(module, a, None), int) for a in _SSD_ATTRS):
+            out.append((path, module))
+    return out

@@ -19,20 +19,7 @@ from torch import nn
 
 from autoshard.errors import InvalidConfigError
 from autoshard.model_spec import Mixer, ModelSpec, config_violation
-
-_SSD_ATTRS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "conv_kernel_size", "chunk_size")
-
-
-def ssd_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(path, module) of every Mamba-2 SSD mixer of `model`, by the pattern of the module docstring."""
-    out = []
-    for path, module in model.named_modules():
-        params = {k for k, _ in module.named_parameters(recurse=False)}
-        if {"A_log", "D", "dt_bias"} <= params and hasattr(module, "conv1d") and \
-                all(isinstance(getattr(module, a, None), int) for a in _SSD_ATTRS):
-            out.append((path, module))
-    return out
-
+from autoshard.models.facts import ssd_mixers
 
 def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
     """The spec of a mixed layer stack (None for one kind of layer); see the module docstring."""

@@ -197,10 +197,15 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                          head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
                          conv=value("conv"), chunk=value("chunk", 256), **common)
     if facts.mixer != "attention":
+        from autoshard.models.layered import _mixer_without_cp
+        from autoshard.passes.capture.layer_kinds import find_layer_stack
+
+        stack = find_layer_stack(model)
+        mixer = (_mixer_without_cp(model, stack) if stack is not None else None) or type(model).__name__
         raise InvalidConfigError(
-            f"{name}: {type(model).__name__} has no sequence mixer autoshard knows (no attention module calling HF's "
-            "attention interface, no SSD scan: state_size / n_groups / conv_kernel); autoshard plans decoders "
-            "built of attention and Mamba-2 layers")
+            f"{name}: {mixer}: a sequence mixer autoshard has no rule for (neither a module calling HF's attention "
+            "interface nor the Mamba-2 SSD scan), so no axis can be priced or run for it; autoshard plans decoders "
+            "whose layers mix tokens by attention or SSD (mixed stacks may hold other mixers: dp and pp)")
     from autoshard.models.layered import hybrid_refusals
 
     hybrid = hybrid_refusals(model)  # None: one repeated kind of attention layer
@@ -213,7 +218,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                      head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or 0,
                      embedding_plain=facts.embedding_plain, own_forward=facts.own_forward or hybrid is not None,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
-                     **common)
+                     sliding_window=facts.sliding_window, window_layers=facts.window_layers, **common)
     if facts.experts_path:
         spec = _with_experts(spec, facts, config, value)
     # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)

@@ -46,10 +46,10 @@ IGNORE_INDEX = -100
 
 def layout_of(model: nn.Module) -> SeqLayout:
     """The sequence layout CP uses for `model`, by its sequence mixers (models/facts.py `mixer_of`,
-    models/layered.py `ssd_mixers`): causal attention alone balanced, any SSD scan contiguous (a hybrid's
+    models/facts.py `ssd_mixers`): causal attention alone balanced, any SSD scan contiguous (a hybrid's
     attention then runs on the contiguous chunks); raises for a model with neither."""
     from autoshard.models.facts import mixer_of
-    from autoshard.models.layered import ssd_mixers
+    from autoshard.models.facts import ssd_mixers
 
     if ssd_mixers(model):
         return SeqLayout.CONTIGUOUS

@@ -29,8 +29,7 @@ import torch.distributed as dist
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh
-
-MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first
+from autoshard.rules.ranks import MESH_AXES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,7 +20,7 @@ Contract
 * `mixer_forward(mixer, hidden_states, ...)`: HF's Mamba-2 mixer forward (training path, no cache)
   with the scan above; every op outside the scan is HF's own, so what they save for backward is
   what the captured graph says. `install_ssd_mixers(model)` puts it on every SSD mixer, found by
-  its pattern (models/layered.py `ssd_mixers`: A_log, D, dt_bias, conv1d and HF's size attributes),
+  its pattern (models/facts.py `ssd_mixers`: A_log, D, dt_bias, conv1d and HF's size attributes),
   not its class: Mamba2Mixer, BambaMixer, NemotronHMamba2Mixer, GraniteMoeHybridMambaLayer,
   Zamba2MambaMixer, FalconH1Mixer. Their forwards differ only where `projected` and `gated_norm`
   read the mixer: Falcon-H1's mup multipliers (`ssm_in_multiplier` on the input, `mup_vector` per
@@ -417,7 +417,7 @@ def gated_norm(mixer: nn.Module, y: Tensor, gate: Tensor) -> Tensor:
 
 
 def install_ssd_mixers(model: nn.Module) -> int:
-    """Run every Mamba-2 SSD mixer of `model` (by pattern, models/layered.py `ssd_mixers`) through
+    """Run every Mamba-2 SSD mixer of `model` (by pattern, models/facts.py `ssd_mixers`) through
     `mixer_forward`; returns how many."""
     return install_mixer_forward(model, mixer_forward)
 
@@ -425,7 +425,7 @@ def install_ssd_mixers(model: nn.Module) -> int:
 def install_mixer_forward(model: nn.Module, forward_of) -> int:
     """Replace the forward of every SSD mixer of `model` by `forward_of(mixer, hidden_states, cache,
     attention_mask, **kwargs)`; returns how many (the HF keyword `cache_params` read as `cache`)."""
-    from autoshard.models.layered import ssd_mixers
+    from autoshard.models.facts import ssd_mixers
 
     mixers = ssd_mixers(model)
     for _, module in mixers:

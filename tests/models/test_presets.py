@@ -79,3 +79,48 @@ def test_rope_scaling_lifts_the_position_limit():
     assert max_positions(spec, LlamaConfig(max_position_embeddings=131072, rope_parameters=llama31)) == 131072
     assert max_positions(spec, LlamaConfig(max_position_embeddings=8, rope_parameters=dict(rope, rope_type="dynamic",
                                                                                           factor=2.0))) is None
+
+
+@pytest.mark.parametrize("model_type,overrides,want", [
+    ("mistral", dict(sliding_window=4), (4, 2)),  # config.sliding_window, passed by every layer's attention
+    ("gemma2", {}, (4, 1)),  # alternating: the attention module's own sliding_window, None on full layers
+    ("qwen2", dict(sliding_window=4, use_sliding_window=False), (0, 0)),  # a window the config turns off
+    ("llama", {}, (0, 0)),
+])
+def test_sliding_window_is_read_where_the_attention_call_gets_it(model_type, overrides, want):
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.models.tiny import build_tiny, tiny_config
+
+    config = tiny_config(model_type, **overrides)
+    spec = spec_from_hf_config(config, name=model_type, model=build_tiny(config, device="meta"))
+    assert (spec.sliding_window, spec.window_layers) == want
+
+
+def test_constructs_without_a_rule_are_refused_by_name_and_the_other_axes_plan():
+    """Zamba2's shared transformer block (one module in several layers): pp refused naming it; LFM2's short
+    convolution and Qwen3-Next's gated DeltaNet (sequence mixers with no CP algorithm): cp refused naming
+    them; a uniform stack of such a mixer (Mamba-1) is refused whole, naming the module."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from autoshard.errors import InvalidConfigError
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.rules.validity import refusal
+    from tests.models import hybrid_models
+
+    for model_type, axis, want in (("zamba2", "pp", "its layers share a block"),
+                                   ("lfm2", "cp", "the sequence mixer layers.0.conv (Lfm2ShortConv"),
+                                   ("qwen3_next", "cp", "the sequence mixer layers.0.linear_attn (")):
+        model = hybrid_models.build(model_type)
+        for spec in (spec_from_hf_config(model.config, name=model_type, model=model),  # parallelize's
+                     resolve_model_spec(model, model_type)):  # plan's
+            assert want in (refusal(spec, axis) or ""), (model_type, spec.refused)
+            assert refusal(spec, "dp") is None
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2))
+    with pytest.raises(InvalidConfigError, match=r"the Mamba-1 selective scan of layers\.0\.mixer: a sequence mixer autoshard has no rule for"):
+        spec_from_hf_config(mamba.config, name="mamba", model=mamba)
+
+
+def resolve_model_spec(model, name):
+    from autoshard.models.layered import layered_spec
+
+    return layered_spec(model, name=name)

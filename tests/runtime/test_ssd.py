@@ -212,7 +212,7 @@ HYBRID_MIXERS = {"bamba": {}, "nemotron_h": {}, "granitemoehybrid": {}, "zamba2"
 
 def hybrid_mixer(name: str, seed: int = 0):
     """The first Mamba-2 mixer of the tiny hybrid `name` (tests/models/hybrid_models.py) and its config."""
-    from autoshard.models.layered import ssd_mixers
+    from autoshard.models.facts import ssd_mixers
     from tests.models import hybrid_models
 
     torch.manual_seed(seed)
@@ -259,6 +259,6 @@ def test_hybrid_mixers_are_hfs_forward(name):
     from tests.models import hybrid_models
 
     model = hybrid_models.build(name.partition("-")[0], **HYBRID_MIXERS[name])
-    from autoshard.models.layered import ssd_mixers
+    from autoshard.models.facts import ssd_mixers
 
     assert install_ssd_mixers(model) == len(ssd_mixers(model)) > 0

@@ -21,6 +21,7 @@ from autoshard.passes.cost.collectives import Collective, best_time
 from autoshard.passes.cost import sequence_cost
 from autoshard.rules import sharding
 from autoshard.rules.sharding import selective_module
+from autoshard.rules.ranks import group_stride
 from autoshard.passes.cost.layout import BlockTime, Layout
 from autoshard.passes.cost.compiled import CompiledBlock, CompiledTable
 
@@ -145,7 +146,8 @@ def _node_times_many(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Lay
         gemm_t = np.where(blk.float8, float8_gemm_seconds(hw, flops, dims, cast_bytes=first.numbers.cast_bytes), gemm_t)
     if _flash(ct, hw):  # the attention nodes as the flash kernel runs them (passes/cost/fused_regions.py)
         attn = blk.is_gemm & blk.quadratic
-        flash = fused_regions.flash_attention_flops(flops, blk.fwd, seq_len=seq_len, causal=True)
+        share = fused_regions.attention_tile_fraction(ct.spec, seq_len)  # causal, or a sliding window's band
+        flash = fused_regions.flash_attention_flops(flops, blk.fwd, share=share)
         gemm_t = np.where(attn, flash / (peak * hw.attention_efficiency), gemm_t)
     return np.maximum(gemm_t, mem_t)
 
@@ -177,7 +179,7 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     if tp == 1:
         return 0.0, 0.0
     act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
-    ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=1, low_latency=low_latency)
+    ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=group_stride(layout.mesh, "tp"), low_latency=low_latency)
     if kind is BlockKind.LAYER:
         n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
         sync = _group_sync(ct, hw, layout, seq_len, low_latency=low_latency)
@@ -186,7 +188,7 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
         return 0.0, 0.0  # replicated embedding / LM head and loss (the plan's choice): no collective
     if kind is BlockKind.EMBED:
         return ar, 0.0  # vocab-parallel lookup: partial sums all-reduced in forward
-    small = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * 3 * 4, size=tp, stride=1,
+    small = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * 3 * 4, size=tp, stride=group_stride(layout.mesh, "tp"),
                       low_latency=low_latency)
     return small, ar  # vocab-parallel CE (max, sum, target) forward; LM-head input grad backward
 
@@ -199,7 +201,7 @@ def _group_sync(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: i
     spec, tp = ct.spec, layout.mesh.tp
     if not sharding.groups_whole(spec, tp, layout.strategies):
         return 0.0
-    return best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * spec.groups * 4, size=tp, stride=1,
+    return best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * spec.groups * 4, size=tp, stride=group_stride(layout.mesh, "tp"),
                      low_latency=low_latency)
 
 
@@ -218,8 +220,8 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
         head_dim = spec.attention_head_dim
         kv_local = spec.kv_heads / sharding.parts(spec, "self_attn.k_proj", tp)
         kv_full = 2 * b * seq_len * kv_local * head_dim * layout.numbers.act_bytes
-        ag = best_time(hw, Collective.ALL_GATHER, kv_full, size=cp, stride=tp)
-        rs = best_time(hw, Collective.REDUCE_SCATTER, kv_full, size=cp, stride=tp)
+        ag = best_time(hw, Collective.ALL_GATHER, kv_full, size=cp, stride=group_stride(mesh, "cp"))
+        rs = best_time(hw, Collective.REDUCE_SCATTER, kv_full, size=cp, stride=group_stride(mesh, "cp"))
         return ag, rs
     # as runtime/cp_mamba.py runs it: each rank contributes its fp32 final state and log-decay per
     # head, and its last d_conv - 1 pre-conv tokens (both all-gathered; backward reduce-scatters)
@@ -228,7 +230,7 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     groups_local = spec.groups / (1 if sharding.groups_whole(spec, tp, layout.strategies) else tp)
     conv_dim = spec.intermediate / tp + 2 * groups_local * spec.state
     halo = b * (spec.conv - 1) * conv_dim * layout.numbers.act_bytes
-    fwd, bwd = (sum(best_time(hw, op, nbytes * cp, size=cp, stride=tp) for nbytes in (state, halo))
+    fwd, bwd = (sum(best_time(hw, op, nbytes * cp, size=cp, stride=group_stride(mesh, "cp")) for nbytes in (state, halo))
                 for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER))
     return fwd, bwd
 
@@ -342,7 +344,8 @@ def _sequence_tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind
     with Mamba-2's gated-norm sync in a layer when its groups are kept whole (as without SP)."""
     tp = layout.mesh.tp
     sync = _group_sync(ct, hw, layout, seq_len) if kind is BlockKind.LAYER else 0.0
-    small = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * 3 * 4, size=tp, stride=1)
+    small = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * 3 * 4, size=tp,
+                      stride=group_stride(layout.mesh, "tp"))
     act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
     comm = sequence_cost.tp_comm(ct.spec, hw, kind=kind, tp=tp, act_bytes=act, small_all_reduce_s=small,
                                  recompute=layout.recompute)

@@ -179,7 +179,7 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
     splits = [r is not None and r.strategy is not sharding.Strategy.REPLICATE for r in found]
     tp_dim = np.array([_tp_dim(n, spec) if c else -1 for n, c in zip(nodes, splits)], dtype=np.int8)
     cp_dim = np.array([_cp_dim(n) for n in nodes], dtype=np.int8)
-    quadratic = np.array([_degree_in_s(n.flops) >= 2 for n in nodes], dtype=bool)
+    quadratic = np.array([degree_in_s(n.flops) >= 2 for n in nodes], dtype=bool)
     fwd = np.array([n.phase == "fwd" for n in nodes], dtype=bool)
     paths = [n.module_path for n in nodes]
     region, region_kernels = fused_regions.region_kinds(paths, [n.kind is OpKind.VECTOR for n in nodes], spec)
@@ -194,7 +194,7 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
                          expert=expert, float8=float8)
 
 
-def _degree_in_s(expr) -> int:
+def degree_in_s(expr) -> int:
     """Degree of a node's FLOPs in the sequence length (0 when not a polynomial in S)."""
     try:
         return int(sympy.degree(sympy.expand(expr), S))
@@ -206,7 +206,7 @@ def _parts(path: str) -> list[str]:
     return path.split(".") if path else []
 
 
-def _is_core(path: str, spec: ModelSpec) -> bool:
+def is_core(path: str, spec: ModelSpec) -> bool:
     """An op of the attention module / Mamba-2 mixer itself (not of its projections)."""
     parts = _parts(path)
     return bool(parts) and parts[-1] == selective_module(spec)
@@ -224,7 +224,7 @@ def _symbols(expr) -> set:
 def _tp_dim(node, spec: ModelSpec) -> int:
     if node.gemm is None:
         return -1
-    if _is_core(node.module_path, spec) and node.gemm[0] != 1:
+    if is_core(node.module_path, spec) and node.gemm[0] != 1:
         return 0  # batched attention / SSD matmuls: heads live in the batch dim
     weight_dims = [i for i in (1, 2, 3) if not _symbols(node.gemm[i])]
     if not weight_dims:

@@ -11,7 +11,8 @@ Contract
   level (`Stage.recompute`: the planner mixes levels per stage; `layout.recompute` is then only
   the plan's label); default: an even split, the first stages taking the remainder, embedding on
   the first stage and head on the last, every stage at `layout.recompute`.
-* Runtime convention: rank order (pp, dp, ep, cp, tp), tp innermost. A tp group is contiguous
+* Runtime convention: rank order (pp, dp, ep, cp, tp), tp innermost (rules/ranks.py; every stride the
+  cost modules pass is `ranks.group_stride` of its group's axes). A tp group is contiguous
   ranks (stride 1), cp stride tp, ep stride cp*tp, dp stride ep*cp*tp (the dense gradient group
   dp x ep x cp has stride tp; the experts' dp x cp spans the same ranks at ep times the spacing),
   pp stride dp*ep*cp*tp.

@@ -11,7 +11,8 @@ passes/cost/compiled.py (region_kinds) and passes/cost/block.py (fused_scales) a
 
   region_kinds(paths, kinds, spec) -> (region id per node, kind per region)    at compile time
   fused_scales(...) -> (bytes scale, saved scale) per node                      at pricing time
-  flash_attention_flops(flops, fwd, seq_len, cp) -> FLOPs the flash kernel really does
+  flash_attention_flops(flops, fwd, share) -> FLOPs the flash kernel really does (share: attention_tile_fraction,
+                                             the causal triangle or a sliding window's band)
 
 A fused region's traffic is one read of its inputs and one write of its outputs (below, per token,
 `a` bytes per activation element, h hidden, h_kv the K/V width, f the MLP width); the region's
@@ -120,10 +121,29 @@ def causal_tile_fraction(seq_len: int) -> float:
     return (n + 1) / (2 * n)
 
 
-def flash_attention_flops(traced_flops: np.ndarray, fwd: np.ndarray, *, seq_len: int, causal: bool) -> np.ndarray:
+def window_tile_fraction(seq_len: int, window: int) -> float:
+    """Share of the s x s tiles a causal flash kernel with a sliding window of `window` tokens visits
+    (flash-attn's window_size=(window - 1, 0)): query tile row i visits the tiles of its last `window`
+    keys, min(i + 1, ceil(window / FLASH_TILE) + 1) of them (the band's partial tile at each end)."""
+    n = max(1, math.ceil(seq_len / FLASH_TILE))
+    band = math.ceil(window / FLASH_TILE) + 1
+    return sum(min(i + 1, band) for i in range(n)) / (n * n)
+
+
+def attention_tile_fraction(spec: ModelSpec, seq_len: int) -> float:
+    """The causal kernel's tile share, the mean over the layers: a windowed layer's band
+    (`window_tile_fraction`, `spec.window_layers` of them), the causal triangle in the others."""
+    causal = causal_tile_fraction(seq_len)
+    if not (spec.sliding_window and spec.window_layers):
+        return causal
+    windowed = min(causal, window_tile_fraction(seq_len, spec.sliding_window))
+    return ((spec.layers - spec.window_layers) * causal + spec.window_layers * windowed) / spec.layers
+
+
+def flash_attention_flops(traced_flops: np.ndarray, fwd: np.ndarray, *, share: float) -> np.ndarray:
     """FLOPs the flash kernel runs for the traced attention nodes (full-square forward 4 s^2 h d,
-    backward 2x): causal tiles only, backward 2.5x forward (scores recomputed)."""
-    share = causal_tile_fraction(seq_len) if causal else 1.0
+    backward 2x): the `share` of the tiles it visits (`attention_tile_fraction`: the causal triangle, a
+    sliding window's band), backward 2.5x forward (scores recomputed)."""
     return traced_flops * share * np.where(fwd, 1.0, 2.5 / 2.0)
 
 

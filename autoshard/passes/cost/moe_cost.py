@@ -40,6 +40,7 @@ from __future__ import annotations
 from autoshard.ir import Mesh
 from autoshard.model_spec import ModelSpec
 from autoshard.passes.cost.collectives import Collective, best_time
+from autoshard.rules.ranks import group_stride
 
 COUNT_BYTES = 8.0  # the per-expert counts exchanged first: int64 (torch.bincount)
 
@@ -71,7 +72,7 @@ def ep_comm_time(hw, spec: ModelSpec, mesh: Mesh, *, tokens: float, imbalance: f
     """(forward, backward) seconds of one MoE layer's all-to-alls for `tokens` local tokens."""
     if not spec.is_moe or mesh.ep == 1:
         return 0.0, 0.0
-    stride = mesh.cp * mesh.tp
+    stride = group_stride(mesh, "ep")
     rows = tokens * spec.top_k * spec.hidden * act_bytes * expert_flops_factor(mesh, imbalance)
     a2a = best_time(hw, Collective.ALL_TO_ALL, rows, size=mesh.ep, stride=stride)
     counts = best_time(hw, Collective.ALL_TO_ALL, spec.experts * COUNT_BYTES, size=mesh.ep, stride=stride)

@@ -21,6 +21,7 @@ from autoshard.passes.cost.precision import precision_numbers, resolve_precision
 from autoshard.passes.cost.compiled import CompiledTable
 from autoshard.passes.cost.layout import Layout
 from autoshard.passes.cost.block import _tokens, block_time
+from autoshard.rules.ranks import group_stride
 
 
 def p2p_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, *, seq_len: int) -> float:
@@ -43,7 +44,7 @@ def p2p_terms(hw: DeviceProfile, layout: Layout) -> tuple:
     the shape: (micro-batch, cp, activation bytes per value, the shard the stages exchange (tp under sequence
     parallelism, else 1), the send's link latency and bandwidth, boundary crossings per micro-batch)."""
     mesh = layout.mesh
-    link = group_link(hw, size=2, stride=mesh.dp * mesh.ep * mesh.cp * mesh.tp)  # a send: collective_time's link
+    link = group_link(hw, size=2, stride=group_stride(mesh, "pp"))  # a send: collective_time's link
     return (layout.micro_batch, mesh.cp, layout.numbers.act_bytes, mesh.tp if layout.sequence_parallel else 1,
             link.latency, link.bandwidth, schedules.p2p_factor(layout.schedule, layout.virtual_stages))
 
@@ -68,7 +69,8 @@ def sequence_boundary_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout,
     (runtime/stages.py; Megatron-LM's gather / scatter_to_sequence_parallel_region). Blocking:
     on the critical path."""
     act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
-    return boundaries * best_time(hw, Collective.ALL_GATHER, act, size=layout.mesh.tp, stride=1)
+    return boundaries * best_time(hw, Collective.ALL_GATHER, act, size=layout.mesh.tp,
+                                    stride=group_stride(layout.mesh, "tp"))
 
 
 def _chunk_compute(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: int) -> tuple[float, float]:

@@ -35,10 +35,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoshard.hardware import DeviceProfile
-from autoshard.ir import BlockKind, Recompute
+from autoshard.ir import BlockKind, Mesh, Recompute
 from autoshard.model_spec import ModelSpec
 from autoshard.rules import sharding
 from autoshard.passes.cost.collectives import Collective, best_time
+from autoshard.rules.ranks import group_stride
 
 
 def sequence_divisors(parts: np.ndarray, spec: ModelSpec, kind: BlockKind, tp: int) -> np.ndarray:
@@ -68,8 +69,9 @@ def tp_comm(spec: ModelSpec, hw: DeviceProfile, *, kind: BlockKind, tp: int, act
             small_all_reduce_s: float, recompute: Recompute) -> SequenceComm:
     """The collectives of the module docstring; `act_bytes`: the full activation of one micro-batch
     (tokens of this cp rank x hidden x bytes), `small_all_reduce_s`: the cross-entropy's."""
-    ag = best_time(hw, Collective.ALL_GATHER, act_bytes, size=tp, stride=1)
-    rs = best_time(hw, Collective.REDUCE_SCATTER, act_bytes, size=tp, stride=1)
+    stride = group_stride(Mesh(tp=tp), "tp")
+    ag = best_time(hw, Collective.ALL_GATHER, act_bytes, size=tp, stride=stride)
+    rs = best_time(hw, Collective.REDUCE_SCATTER, act_bytes, size=tp, stride=stride)
     if kind is BlockKind.EMBED:
         return SequenceComm(forward=rs, backward_overlapped=(), backward_exposed=ag)
     if kind is BlockKind.HEAD:

@@ -15,6 +15,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.passes.cost.collectives import Collective, best_time
 from autoshard.rules.buckets import gradient_bucket_params
+from autoshard.rules.ranks import group_stride
 from autoshard.passes.cost.layout import Layout, MemoryBreakdown, OPTIM_TRAFFIC
 
 
@@ -31,10 +32,12 @@ def _sync_groups(params, layout: Layout, expert) -> tuple:
     over dp x ep x cp (stride tp), the experts over dp x cp, which spans the same ranks at ep times
     the spacing (stride ep*tp in the rank order (pp, dp, ep, cp, tp); exact for cp = 1). One group
     when ep = 1."""
-    tp, ep = layout.mesh.tp, layout.mesh.ep
-    if ep == 1 or not np.any(expert):
-        return ((params, _dp_group(layout), tp),)
-    return ((params - expert, _dp_group(layout), tp), (expert, _dp_group(layout, experts=True), ep * tp))
+    mesh = layout.mesh
+    dense = group_stride(mesh, "dp", "ep", "cp")
+    if mesh.ep == 1 or not np.any(expert):
+        return ((params, _dp_group(layout), dense),)
+    return ((params - expert, _dp_group(layout), dense),
+            (expert, _dp_group(layout, experts=True), group_stride(mesh, "dp", "cp")))
 
 
 def _group_time(hw: DeviceProfile, op: Collective, groups: tuple, per_param: float):
@@ -88,7 +91,8 @@ def tp_grad_sum_time(hw: DeviceProfile, spec, layout: Layout, layers):
     if tp == 1 or not spec.grad_sum:
         return 0.0 * layers
     each = spec.grad_sum_numel / len(spec.grad_sum) * layout.numbers.grad_bytes
-    return layers * len(spec.grad_sum) * best_time(hw, Collective.ALL_REDUCE, each, size=tp, stride=1)
+    return layers * len(spec.grad_sum) * best_time(hw, Collective.ALL_REDUCE, each, size=tp,
+                                                     stride=group_stride(layout.mesh, "tp"))
 
 
 def dp_exposed_time(hw: DeviceProfile, params, layout: Layout, *, backward_s, forward_s, expert=0.0):

@@ -79,14 +79,14 @@ from autoshard.cost_table import B, S, CostTable
 from autoshard.ir import BlockKind, Mesh, Stage, even_stages, is_positive_int
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost.collectives import Collective, best_time, collective_time
+from autoshard.rules.ranks import group_stride
 from autoshard.ir import Precision
 from autoshard.passes.cost.block import block_params, expert_block_params
-from autoshard.passes.cost.compiled import CompiledTable, compile_table, priced_nodes
+from autoshard.passes.cost.compiled import CompiledTable, compile_table, degree_in_s, is_core, priced_nodes
 from autoshard.passes.cost.cost import node_times, tp_comm_times, tp_divisor
 from autoshard.passes.cost.layout import Layout
 from autoshard.rules import sharding
 from autoshard.passes.cost.precision import precision_numbers
-from autoshard.rules.sharding import selective_module
 
 _SERVE = precision_numbers(Precision.BF16_MIXED)  # bf16 weights and activations (passes/cost/precision.py)
 ACT_BYTES, PARAM_BYTES = _SERVE.act_bytes, _SERVE.param_bytes
@@ -213,27 +213,15 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
         nodes = priced_nodes(block)  # the nodes compile_table keeps, in its order
         lookup[block.kind] = np.array([n.target == "aten.embedding.default" for n in nodes], dtype=bool)
         paths[block.kind] = tuple(n.module_path for n in nodes)
-        is_core = [_in_core(n.module_path, spec) for n in nodes]
+        in_core = [is_core(n.module_path, spec) for n in nodes]
         if spec.mixer is Mixer.ATTENTION:  # only the s x s attention runs differently in decode
-            is_core = [c and _degree_in_s(n.flops) >= 2 for c, n in zip(is_core, nodes)]
+            in_core = [c and degree_in_s(n.flops) >= 2 for c, n in zip(in_core, nodes)]
             if block.kind is BlockKind.LAYER:
-                attn = sum((n.flops.subs(S, 1) * C for n, c in zip(nodes, is_core) if c and n.phase == "fwd"),
+                attn = sum((n.flops.subs(S, 1) * C for n, c in zip(nodes, in_core) if c and n.phase == "fwd"),
                            sympy.Integer(0))
-        core[block.kind] = np.array(is_core, dtype=bool)
+        core[block.kind] = np.array(in_core, dtype=bool)
         skip[block.kind] = np.array([block.kind is BlockKind.HEAD and n.module_path == "" for n in nodes], dtype=bool)
     return InferenceTable(ct=ct, core=core, skip=skip, lookup=lookup, paths=paths, attention_flops=sympy.lambdify((B, C), attn, modules=[np]))
-
-
-def _in_core(path: str, spec: ModelSpec) -> bool:
-    parts = path.split(".") if path else []
-    return bool(parts) and parts[-1] == selective_module(spec)
-
-
-def _degree_in_s(expr) -> int:
-    try:
-        return int(sympy.degree(sympy.expand(expr), S))
-    except (sympy.PolynomialError, TypeError, ValueError):
-        return 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,7 +297,7 @@ def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
     if spec.mixer is Mixer.ATTENTION:
         head_dim = spec.attention_head_dim
         kv_local = spec.kv_heads // sharding.parts(spec, "self_attn.k_proj", tp)
-        return 2.0 * batch * tokens * kv_local * head_dim * dtype_bytes
+        return 2.0 * batch * spec.attended_tokens(tokens) * kv_local * head_dim * dtype_bytes  # a window: its tokens
     ssm = batch * (spec.heads // tp) * spec.head_dim * spec.state * SSM_STATE_BYTES
     conv = batch * _conv_channels(spec, tp) * spec.conv * dtype_bytes
     return float(ssm + conv)
@@ -326,7 +314,7 @@ def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch
     """One layer's sequence mixing for one decode step on one device (see the module docstring)."""
     spec = it.spec
     if spec.mixer is Mixer.ATTENTION:
-        flops = float(it.attention_flops(batch, context)) / tp  # heads split over tp
+        flops = float(it.attention_flops(batch, spec.attended_tokens(context))) / tp  # heads split over tp; a window's keys
         q_out = 2.0 * batch * spec.hidden / tp * ACT_BYTES
         nbytes = cache_bytes_per_layer(spec, batch=batch, tokens=context, tp=tp) + q_out  # the config's head_dim
     else:
@@ -388,13 +376,19 @@ def _step_input_seconds(hw: DeviceProfile, layout: ServeLayout, *, tokens: int, 
         return 0.0
     cached = tokens if context is None else context + tokens
     nbytes = layout.batch * max(8.0 * tokens, 4.0 * math.ceil(cached / KV_BLOCK_TOKENS))
-    return hw.step_input_broadcasts * best_time(hw, Collective.BROADCAST, nbytes, size=ranks, stride=1,
+    return hw.step_input_broadcasts * best_time(hw, Collective.BROADCAST, nbytes, size=ranks,
+                                                stride=group_stride(_replica_mesh(layout), "ep", "tp"),
                                                 low_latency=True)
 
 
 def _hop_seconds(hw: DeviceProfile, layout: ServeLayout, nbytes: float) -> float:
-    """One stage-to-stage send (ranks of consecutive stages are tp apart in a replica)."""
-    return collective_time(hw, Collective.SEND_RECV, nbytes, size=2, stride=layout.tp)
+    """One stage-to-stage send (consecutive stages' ranks are ep x tp apart in a replica, rules/ranks.py)."""
+    return collective_time(hw, Collective.SEND_RECV, nbytes, size=2, stride=group_stride(_replica_mesh(layout), "pp"))
+
+
+def _replica_mesh(layout: ServeLayout) -> Mesh:
+    """One replica's mesh (its ranks in the runtime's order, rules/ranks.py)."""
+    return Mesh(pp=layout.pp, ep=layout.ep, tp=layout.tp)
 
 
 def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, tokens: int,
@@ -407,7 +401,9 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
     kinds = {BlockKind.EMBED: tokens, BlockKind.LAYER: tokens, BlockKind.HEAD: 1}  # head: last position only
     per = {k: _block_seconds(it, hw, tp, k, batch=b, seq_len=s, decode=decode, ep=layout.ep) for k, s in kinds.items()}
     comm = {k: tp_comm_times(it.ct, hw, lay, k, tokens, low_latency=True)[0] for k in (BlockKind.EMBED, BlockKind.LAYER)}
-    comm[BlockKind.HEAD] = (best_time(hw, Collective.ALL_GATHER, b * spec.vocab * LOGIT_BYTES, size=tp, stride=1,
+    mesh = _replica_mesh(layout)
+    comm[BlockKind.HEAD] = (best_time(hw, Collective.ALL_GATHER, b * spec.vocab * LOGIT_BYTES, size=tp,
+                                      stride=group_stride(mesh, "tp"),
                                       low_latency=True)
                             if sharding.vocab_parallel(spec, BlockKind.HEAD, lay.strategies) else 0.0)  # replicated: none
     compute = spec.layers * per[BlockKind.LAYER] + per[BlockKind.EMBED] + per[BlockKind.HEAD]
@@ -416,15 +412,16 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
     pp_comm = 0.0
     if layout.pp > 1:
         hop = _hop_seconds(hw, layout, b * tokens * spec.hidden * ACT_BYTES)
-        token = best_time(hw, Collective.ALL_GATHER, b * 8.0, size=layout.pp, stride=tp, low_latency=True)  # broadcast of b ids
+        token = best_time(hw, Collective.ALL_GATHER, b * 8.0, size=layout.pp, stride=group_stride(mesh, "pp"),
+                          low_latency=True)  # broadcast of b ids
         pp_comm = (layout.pp - 1) * hop + token
     ep_comm = 0.0
-    if layout.ep > 1:  # the experts' partial outputs summed over the ep ranks (stride tp), every MoE layer
+    if layout.ep > 1:  # the experts' partial outputs summed over the ep ranks, every MoE layer
         ep_comm = spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
-                                          size=layout.ep, stride=tp, low_latency=True)
+                                          size=layout.ep, stride=group_stride(mesh, "ep"), low_latency=True)
     if spec.is_moe and tp > 1:  # and over tp: every expert's GEMMs are split over the tp ranks
         tp_comm += spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
-                                           size=tp, stride=1, low_latency=True)
+                                           size=tp, stride=group_stride(mesh, "tp"), low_latency=True)
     return PhaseTime(compute=compute, core=core, tp_comm=tp_comm, pp_comm=pp_comm, ep_comm=ep_comm,
                      fixed=_floor_seconds(it, hw), step_inputs=_step_input_seconds(hw, layout, tokens=tokens,
                                                                                    context=context))

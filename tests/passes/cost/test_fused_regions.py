@@ -32,7 +32,7 @@ def test_causal_flash_visits_the_lower_triangle_of_tiles():
     assert fused_regions.causal_tile_fraction(128) == 1.0  # one tile: computed whole
     assert fused_regions.causal_tile_fraction(8192) == pytest.approx(65 / 128)  # n = 64 tiles: n(n+1)/2 of n^2
     traced = np.array([100.0, 200.0])  # forward full square, backward 2x (the trace's convention)
-    got = fused_regions.flash_attention_flops(traced, np.array([True, False]), seq_len=8192, causal=True)
+    got = fused_regions.flash_attention_flops(traced, np.array([True, False]), share=fused_regions.causal_tile_fraction(8192))
     share = 65 / 128
     assert got == pytest.approx([100 * share, 250 * share])  # flash backward is 2.5x forward
 
@@ -88,3 +88,37 @@ def test_the_logits_peak_is_what_the_in_place_loss_holds_on_every_device(ct):
         assert logits_bytes(ct, layout, seq_len=64, hw=load_hardware(hw)) == 2 * tokens_vocab
     fp32 = dataclasses.replace(layout, precision=Precision.FP32)
     assert logits_bytes(ct, fp32, seq_len=64, hw=load_hardware("cpu")) == 4 * tokens_vocab
+
+
+def test_sliding_window_prices_its_band_not_the_causal_triangle():
+    """A windowed layer's flash kernel visits the band of its last `window` keys (flash-attn window_size):
+    at 8192 tokens (64 tiles) a 1024-token window is min(i + 1, 9) tiles per row; a window as long as the
+    sequence is the causal triangle; a stack whose layers alternate (Gemma-2) pays the mean of the two."""
+    assert fused_regions.window_tile_fraction(8192, 8192) == pytest.approx(fused_regions.causal_tile_fraction(8192))
+    band = (sum(range(1, 10)) + 9 * (64 - 9)) / 64 ** 2
+    assert fused_regions.window_tile_fraction(8192, 1024) == pytest.approx(band)
+    llama = get_spec("llama-7b")
+    mistral = dataclasses.replace(llama, sliding_window=1024, window_layers=llama.layers)
+    alternating = dataclasses.replace(mistral, window_layers=llama.layers // 2)
+    causal = fused_regions.causal_tile_fraction(8192)
+    assert fused_regions.attention_tile_fraction(llama, 8192) == pytest.approx(causal)
+    assert fused_regions.attention_tile_fraction(mistral, 8192) == pytest.approx(band)
+    assert fused_regions.attention_tile_fraction(alternating, 8192) == pytest.approx((band + causal) / 2)
+
+
+def test_sliding_window_cuts_the_layer_time_and_the_kv_cache(ct):
+    from autoshard.passes.serving.inference_cost import cache_bytes_per_layer
+
+    windowed = dataclasses.replace(SPEC, sliding_window=512, window_layers=SPEC.layers)
+    layout = Layout(mesh=Mesh(), micro_batch=2)
+    full = block_time(ct, H100, layout, BlockKind.LAYER, seq_len=8192).compute_s
+    band = block_time(compile_table(_table(), windowed), H100, layout, BlockKind.LAYER, seq_len=8192).compute_s
+    assert band < full
+    kv = [cache_bytes_per_layer(s, batch=1, tokens=4096, tp=1) for s in (SPEC, windowed)]
+    assert kv[1] == pytest.approx(kv[0] * 512 / 4096)  # each layer keeps its window's K and V
+
+
+def _table():
+    from autoshard.passes.capture.shapes import build_cost_table
+
+    return build_cost_table(SPEC)
