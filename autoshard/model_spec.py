@@ -16,14 +16,6 @@ class Mixer(str, Enum):
     SSD = "ssd"  # Mamba-2's state-space duality scan (the chunked selective scan)
 
 
-class Family(str, Enum):
-    """Deprecated: the model family the spec once named; `ModelSpec.family` derives it from `mixer`.
-    Nothing in autoshard branches on it (kept for callers outside the package)."""
-
-    LLAMA = "llama"
-    MAMBA2 = "mamba2"
-
-
 def _fact(default):
     return field(default=default, metadata={"omit_default": True})
 
@@ -70,11 +62,6 @@ class ModelSpec:
     window_layers: int = _fact(0)  # how many of the layers attend within sliding_window
     moe_paths: tuple[str, ...] = _fact(())  # (router, experts, shared expert) inside a layer, for a MoE model
     #                                          not laid out as the presets (mlp.gate, mlp.experts)
-
-    @property
-    def family(self) -> Family:
-        """Deprecated alias derived from `mixer` (see `Family`)."""
-        return Family.MAMBA2 if self.mixer is Mixer.SSD else Family.LLAMA
 
     def attended_tokens(self, tokens: float) -> float:
         """The keys one query attends to (and one layer's KV cache holds) at `tokens` of context, the mean
