@@ -149,6 +149,25 @@ def _built(spec, prepare):
     return model
 
 
+def check_axes(sources: dict, plans, refused: dict) -> None:
+    """Every model of `sources` ({name: source}) under each plan of `plans(name)`: exact against one process,
+    logits included, or, where `refused` names (name, axis), refused on every rank with that reason."""
+    import re
+
+    import pytest
+
+    from autoshard.errors import InvalidConfigError
+
+    for name, source in sources.items():
+        for plan in plans(name):
+            axis = next(iter(plan))
+            if (name, axis) in refused:
+                with pytest.raises(InvalidConfigError, match=f"{axis} is refused for .*: .*" + re.escape(refused[name, axis])):
+                    check_plan(source, plan)
+                continue
+            check_plan(source, plan, logits=True)
+
+
 def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, steps: int = 2,
                logits: bool = False, prepare=None, sgd: bool = False, compile=None) -> None:
     """`preset`: a preset name or a ModelSpec (e.g. of a user-built config). `prepare(model)`: applied

@@ -41,21 +41,9 @@ REFUSED = {("phi3", "tp"): "qkv_proj: HF declares it 'colwise_gather_output'",
 
 
 def check_families() -> None:
-    import re
+    from tests.runtime.equivalence import check_axes
 
-    import pytest
-
-    from autoshard.errors import InvalidConfigError
-    from tests.runtime.equivalence import check_plan
-
-    for name, source in {**DENSE, **MOE}.items():
-        for plan in PLANS + ((dict(ep=2),) if name in MOE else ()):
-            axis = next(iter(plan))
-            if (name, axis) in REFUSED:
-                with pytest.raises(InvalidConfigError, match=f"{axis} is refused for .*: .*" + re.escape(REFUSED[name, axis])):
-                    check_plan(source, plan)
-                continue
-            check_plan(source, plan, logits=True)
+    check_axes({**DENSE, **MOE}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
     _check_generate()
 
 

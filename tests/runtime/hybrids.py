@@ -46,23 +46,9 @@ MOE = ("nemotron_h", "deepseek_v3", "jamba", "granitemoehybrid", "qwen3_next")
 
 
 def check_hybrids() -> None:
-    import re
+    from tests.runtime.equivalence import check_axes
 
-    import pytest
-
-    from autoshard.errors import InvalidConfigError
-    from tests.runtime.equivalence import check_plan
-
-    for name, source in HYBRIDS.items():
-        for plan in PLANS:
-            axis = next(iter(plan))
-            if axis == "ep" and name not in MOE:
-                continue
-            if (name, axis) in REFUSED:
-                with pytest.raises(InvalidConfigError, match=f"{axis} is refused for .*: .*" + re.escape(REFUSED[name, axis])):
-                    check_plan(source, plan)
-                continue
-            check_plan(source, plan, logits=True)
+    check_axes(HYBRIDS, lambda name: tuple(p for p in PLANS if "ep" not in p or name in MOE), REFUSED)
     _check_generate()
 
 
