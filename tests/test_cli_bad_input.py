@@ -221,6 +221,9 @@ def test_plan_takes_a_factory(tmp_path, capsys):
 
     assert json.loads(out.read_text())["fingerprint"] == fingerprint_module(tiny_llama())
     _fails(capsys, ["plan", "--model", "llama-nope", "--devices", "2", *PLAN], "unknown model preset 'llama-nope'")
+    # a model that is no preset: one line telling how to bring it (a factory building it from its HF config)
+    err = _fails(capsys, ["plan", "--model", "qwen3-8b", "--devices", "2", *PLAN], "unknown model preset 'qwen3-8b'")
+    assert "--model package.module:factory" in err and "AutoModelForCausalLM.from_config" in err, err
 
 
 INFERENCE = ["--prompt-len", "16", "--output-len", "4", "--ttft-slo", "1", "--tpot-slo", "1"]

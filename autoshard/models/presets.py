@@ -134,8 +134,10 @@ def get_spec(name: str, *, layers: int | None = None) -> ModelSpec:
         spec = PRESETS[name]
     except KeyError:
         raise UnknownNameError(
-            f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)} "
-            "(or pass package.module:factory returning an nn.Module)"
+            f"unknown model preset {name!r} (known presets: {', '.join(PRESETS)}); for any other Hugging Face "
+            "decoder pass --model package.module:factory, a function of no arguments returning the model, e.g. "
+            "`def factory(): return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(...))` built from "
+            "its HF config (docs/decoders.md)"
         ) from None
     if layers is not None:
         POSITIVE_INT.check("layers", layers)
@@ -331,14 +333,14 @@ def resolve_model(name_or_factory: str, *, device: str = "meta") -> tuple[ModelS
     except (Exception, SystemExit) as e:  # sys:exit raises SystemExit: a failed factory, not a finished run
         raise InvalidConfigError(f"calling the model factory {name_or_factory}() failed with "
                                  f"{type(e).__name__}: {e}; it must take no arguments and return an nn.Module "
-                                 "(a HF LlamaForCausalLM, Mamba2ForCausalLM, MixtralForCausalLM or "
-                                 "Qwen2MoeForCausalLM)") from None
+                                 "(a HF ...ForCausalLM, e.g. AutoModelForCausalLM.from_config(config))") from None
     if not isinstance(model, nn.Module):
         raise InvalidConfigError(f"{name_or_factory} returned {type(model).__name__}, expected an nn.Module")
     config = getattr(model, "config", None)
     if config is None:
         raise InvalidConfigError(f"{name_or_factory} returned a module without a HF .config; "
-                                 "autoshard needs a LlamaForCausalLM or Mamba2ForCausalLM-like model")
+                                 "autoshard reads a Hugging Face ...ForCausalLM (its config and module tree); "
+                                 "return AutoModelForCausalLM.from_config(config)")
     from autoshard.models.layered import layered_spec  # layers of several kinds (hybrids)
 
     layered = layered_spec(model, name=name_or_factory)
