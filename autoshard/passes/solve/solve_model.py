@@ -40,7 +40,7 @@ from autoshard.passes.cost.block import block_activation_bytes, block_params, bl
 from autoshard.passes.cost.pipeline import logits_bytes, p2p_time, pipeline_time, sequence_boundary_time
 from autoshard.passes.cost.state import (dp_exposed_time, optimizer_time, state_bytes, tp_grad_sum_time,
                                          zero2_staging_bytes, zero_exposed_time)
-from autoshard.passes.solve import ranges
+from autoshard.passes.solve import layer_ranges
 from autoshard.rules import schedules, sharding
 from autoshard.passes.cost.compiled import CompiledTable
 from autoshard.passes.cost.layout import Layout
@@ -66,7 +66,7 @@ class MeshProblem:
     # `layout.stage_choices`); the options O are (recompute level, variant) pairs, `options`
     variants: tuple[Layout, ...] = ()
     # a mixed stack (layers of several kinds): the kind index of every layer; the tables' last axis is then a
-    # stage's layer range [start, end), column start * (layers + 1) + end (passes/solve/ranges.py), not its count
+    # stage's layer range [start, end), column start * (layers + 1) + end (passes/solve/layer_ranges.py), not its count
     sequence: tuple[int, ...] = ()
 
     @property
@@ -89,10 +89,10 @@ class MeshProblem:
 
     def columns(self, layers) -> tuple[int, ...]:
         """The tables' column of each stage of a split with `layers` per stage: its count, or for a mixed stack
-        its range's index (`ranges.range_column`)."""
+        its range's index (`layer_ranges.range_column`)."""
         if not self.sequence:
             return tuple(int(n) for n in layers)
-        return ranges.range_columns(layers, self.layers)
+        return layer_ranges.range_columns(layers, self.layers)
 
     def min_layers(self, i: int) -> int:
         """Every model chunk holds a layer, except that the first and last may hold only the
@@ -235,7 +235,7 @@ def _stage_sums(ct: CompiledTable, layout: Layout, blocks: BlockNumbers, embed: 
     activations [r, n], FSDP units) of a stage holding n = 0..layers layers, kept on `blocks`."""
     key = ("counts", embed, head, ct.spec.layers)
     if key not in blocks.memo and ct.kinds:  # a mixed stack: a column per layer range, its layers counted by kind
-        counts = ranges.range_counts(ct.layer_kinds, len(ct.kinds), embed=embed, head=head)  # [column, range]
+        counts = layer_ranges.range_counts(ct.layer_kinds, len(ct.kinds), embed=embed, head=head)  # [column, range]
         tied = blocks.params[0] if head and ct.spec.tied and not embed else 0.0
         comp = blocks.compute_s @ counts
         blocks.memo[key] = (counts[1:-1].sum(axis=0), blocks.params @ counts + tied, blocks.experts @ counts, comp,
@@ -344,7 +344,7 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
                 mems[i, o] = np.inf
             tails[i, o] = tail
     if ct.kinds:  # a range that ends before it starts is no stage
-        empty = ranges.range_lengths(layers) < 0
+        empty = layer_ranges.range_lengths(layers) < 0
         times[..., empty], mems[..., empty] = np.inf, np.inf
     for a in (times, mems, tails):
         a.flags.writeable = False
