@@ -3,7 +3,8 @@
   python bench/bench_serving.py                  the two given rows (the calibration) and the held-out
                                                  rows of bench/serving_heldout_rows.json, each with
                                                  predicted / measured time, the error and the decode
-                                                 step's breakdown; the mean absolute error per group
+                                                 step's breakdown; the mean and median absolute error
+                                                 per group, over the held-out rows and over all
   python bench/bench_serving.py --rows FILE      any rows file in that format
 
 Each row is one replica of tp H100s serving a fixed batch (prompt P, O new tokens, end-of-sequence
@@ -55,10 +56,11 @@ def main() -> None:
         print(f"{r['id']:28} {r['group']:8} {total:8.3f} {r['total_s']:8.3f} {100 * err:+6.1f}% | {e.ttft_s * 1e3:7.1f} "
               f"{e.tpot_s * 1e3:7.2f} | {(d.compute + d.core) * 1e3:13.2f} {d.fixed * 1e3:14.2f} {d.tp_comm * 1e3:14.2f} "
               f"{d.step_inputs * 1e3:16.2f}")
-    for group, errs in errors.items():
-        print(f"mean absolute error, {group}: {100 * statistics.mean(errs):.1f}% over {len(errs)} rows")
+    held_out = [e for group, errs in errors.items() if group != "given" for e in errs]
     every = [e for errs in errors.values() for e in errs]
-    print(f"mean absolute error, all: {100 * statistics.mean(every):.1f}% over {len(every)} rows")
+    for name, errs in [*errors.items(), ("held out", held_out), ("all", every)]:
+        print(f"absolute error, {name}: mean {100 * statistics.mean(errs):.1f}%, median "
+              f"{100 * statistics.median(errs):.1f}% over {len(errs)} rows")
 
 
 def _module(spec):
