@@ -296,14 +296,14 @@ def check_stages(stages: tuple[Stage, ...], *, num_layers: int, pp: int) -> tupl
     return stages
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (True would pass as 1 otherwise); 1.0 and "2" are refused."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_positive_int(value: Any) -> bool:
-    """The one rule for a count (a mesh degree, a batch, a length, a group size): an int of at least 1;
-    a bool is refused (True would pass as 1 otherwise), and so are 1.0 and "2"."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    """The one rule for a count (a mesh degree, a batch, a length, a group size): an int (`is_int`) of at least 1."""
+    return is_int(value) and value >= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,9 +324,9 @@ class Check:
             raise InvalidConfigError(why)
 
 
-INTEGER = Check("an integer", _is_int)
+INTEGER = Check("an integer", is_int)
 POSITIVE_INT = Check("a positive integer", is_positive_int)
-NON_NEGATIVE_INT = Check("a non-negative integer", lambda v: _is_int(v) and v >= 0)
+NON_NEGATIVE_INT = Check("a non-negative integer", lambda v: is_int(v) and v >= 0)
 BOOLEAN = Check("true or false", lambda v: isinstance(v, bool))
 TEXT = Check("a string", lambda v: isinstance(v, str))
 
@@ -571,7 +571,7 @@ def _placements_from_json(value: Any) -> tuple[tuple[str, str], ...]:
 
 
 _MESH = Check("a Mesh (autoshard.ir.Mesh)", lambda v: isinstance(v, Mesh))
-_ZERO_LEVEL = Check("0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3) and _is_int(v))
+_ZERO_LEVEL = Check("0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3) and is_int(v))
 _OBJECT = Check("a mapping", lambda v: isinstance(v, Mapping))
 
 # In the plan file's order.
@@ -657,7 +657,7 @@ def _plan_from_json(data: Any, *, source: str) -> Plan:
 
 
 def _stage_from_json(st: Any, i: int) -> Stage:
-    fields = {"first_layer": _is_int, "end_layer": _is_int, "embed": lambda v: isinstance(v, bool),
+    fields = {"first_layer": is_int, "end_layer": is_int, "embed": lambda v: isinstance(v, bool),
               "head": lambda v: isinstance(v, bool)}
     if isinstance(st, dict) and set(st) - {*fields, "recompute"}:
         raise InvalidConfigError(f"stage {i} has unknown field(s) {sorted(set(st) - {*fields, 'recompute'})}; a stage "
@@ -677,13 +677,13 @@ def _is_number(value: Any) -> bool:
 
 _KINDS = {
     "a finite number": _is_number,
-    "an integer": _is_int,
+    "an integer": is_int,
     "a string": lambda v: isinstance(v, str),
     "a boolean": lambda v: isinstance(v, bool),
     "a list of finite numbers": lambda v: isinstance(v, list) and all(map(_is_number, v)),
     "an object of finite numbers": lambda v: isinstance(v, dict) and all(map(_is_number, v.values())),
     "an object {axis: positive integer}": lambda v: isinstance(v, dict) and set(v) <= set(AXES) and all(
-        _is_int(x) and x >= 1 for x in v.values()),
+        map(is_positive_int, v.values())),
 }
 PREDICTED_FIELDS: dict[str, Any] = {
     "step_time_s": "a finite number", "tokens_per_s": "a finite number", "mfu": "a finite number",

@@ -177,6 +177,21 @@ def test_one_positive_integer_rule_refuses_booleans_everywhere():
             refused()
 
 
+def test_a_config_count_is_read_by_the_one_rule():
+    """A Hugging Face config's counts that narrow_config reads (a `*_layer_period`, `decoder_sparse_step`) go
+    through ir.is_positive_int too: True is no period (it passed as 1 and made every layer the special one)."""
+    from types import SimpleNamespace
+
+    from autoshard.passes.capture.layer_kinds import narrow_config
+
+    config = SimpleNamespace(attn_layer_period=True, attn_layer_offset=0, decoder_sparse_step=True, num_hidden_layers=4)
+    out = narrow_config(config, 1, 4)
+    assert out.attn_layer_period is True and out.decoder_sparse_step is True  # left as given (1 == True: `is`)
+    config.attn_layer_period = config.decoder_sparse_step = 2
+    out = narrow_config(config, 1, 4)  # layer 1 of period 2 at offset 0: a plain layer; (1 + 1) % 2 == 0: sparse
+    assert (out.attn_layer_period, out.attn_layer_offset, out.decoder_sparse_step, out.num_hidden_layers) == (2, 1, 1, 1)
+
+
 def test_docs_carry_the_field_tables():
     """docs/plan_format.md's tables are generated from the field definitions: a field added, renamed or
     re-documented without the docs fails here (regenerate with ir.fields_table)."""

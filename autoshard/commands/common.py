@@ -21,14 +21,21 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def positive_float(text: str, unit: str = "") -> float:
+    """A positive finite number flag (--time-limit; with `unit`, e.g. "seconds", --ttft-slo and the like)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {unit or 'a positive number'}, got {text!r}") from None
     if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+        raise argparse.ArgumentTypeError(f"must be {f'a positive number of {unit}' if unit else 'a positive finite number'}"
+                                         f", got {text}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """A time flag (--ttft-slo, --tpot-slo): a positive finite number of seconds."""
+    return positive_float(text, "seconds")
 
 
 def memory_text(gb: float) -> str:

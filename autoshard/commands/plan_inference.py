@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from autoshard.commands.common import memory_text
+from autoshard.commands.common import memory_text, positive_float, positive_int, positive_seconds
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 
 PLOT_POINTS = 10
@@ -22,10 +22,10 @@ def add_arguments(p) -> None:
     g.add_argument("--inference", action="store_true",
                    help="plan serving instead of training: tp x pp (x ep for MoE) per replica, replicas, concurrent batch "
                    "(and prefill/decode disaggregation) for the most output tokens/s under --ttft-slo / --tpot-slo")
-    g.add_argument("--prompt-len", type=_positive_int, metavar="P", help="prompt tokens per request")
-    g.add_argument("--output-len", type=_positive_int, metavar="O", help="generated tokens per request")
-    g.add_argument("--ttft-slo", type=_seconds, metavar="SEC", help="time-to-first-token target, seconds")
-    g.add_argument("--tpot-slo", type=_seconds, metavar="SEC", help="time-per-output-token target, seconds")
+    g.add_argument("--prompt-len", type=positive_int, metavar="P", help="prompt tokens per request")
+    g.add_argument("--output-len", type=positive_int, metavar="O", help="generated tokens per request")
+    g.add_argument("--ttft-slo", type=positive_seconds, metavar="SEC", help="time-to-first-token target, seconds")
+    g.add_argument("--tpot-slo", type=positive_seconds, metavar="SEC", help="time-per-output-token target, seconds")
     g.add_argument("--no-disaggregation", action="store_true",
                    help="only colocated configurations (prefill and decode on the same devices)")
     g.add_argument("--plot", metavar="PNG", help="plot throughput against the TPOT target (0.4x to 4x --tpot-slo)")
@@ -36,34 +36,8 @@ def add_arguments(p) -> None:
                    "the most requests/s each sustains under them; the static-batch plan is kept")
 
 
-def _positive_int(text: str) -> int:
-    from autoshard.commands.common import positive_int
-
-    return positive_int(text)
-
-
 def _rate(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected requests per second, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of requests per second, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
+    return positive_float(text, "requests per second")
 
 
 def run(args) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from autoshard.commands.common import memory_text, positive_int
+from autoshard.commands.common import memory_text, positive_int, positive_seconds
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 
 INFERENCE_ONLY = ("batch", "prompt_len", "output_len", "ttft_slo", "tpot_slo", "replicas")
@@ -16,17 +16,15 @@ TRAINING_ONLY = ("dp", "cp", "schedule", "virtual_stages", "sequence_parallel", 
 
 
 def add_arguments(p) -> None:
-    from autoshard.commands.plan_inference import _seconds
-
     g = p.add_argument_group("serving (with --inference; the layout takes --tp --pp --ep)")
     g.add_argument("--inference", action="store_true", help="price a serving layout instead of a training one")
     g.add_argument("--batch", type=positive_int, help="concurrent sequences per replica")
     g.add_argument("--replicas", type=positive_int, help="replicas (default: --devices / (tp x pp x ep))")
     g.add_argument("--prompt-len", type=positive_int, metavar="P", help="prompt tokens per request")
     g.add_argument("--output-len", type=positive_int, metavar="O", help="generated tokens per request")
-    g.add_argument("--ttft-slo", type=_seconds, metavar="SEC", help="TTFT target of the best plan (default: the "
+    g.add_argument("--ttft-slo", type=positive_seconds, metavar="SEC", help="TTFT target of the best plan (default: the "
                    "layout's own TTFT)")
-    g.add_argument("--tpot-slo", type=_seconds, metavar="SEC", help="TPOT target of the best plan (default: the "
+    g.add_argument("--tpot-slo", type=positive_seconds, metavar="SEC", help="TPOT target of the best plan (default: the "
                    "layout's own TPOT)")
 
 

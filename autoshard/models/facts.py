@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoshard.ir import is_positive_int
+
 ALIASES: dict[str, tuple[str, ...]] = {
     "vocab": ("vocab_size", "padded_vocab_size"),
     "hidden": ("hidden_size", "n_embd", "d_model", "model_dim"),
@@ -149,7 +151,7 @@ def _windows(config, layers) -> tuple[int, int]:
         if module is None:
             continue
         window = getattr(module, "sliding_window", config_window)
-        windows.append(window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else 0)
+        windows.append(window if is_positive_int(window) else 0)
     used = [w for w in windows if w]
     return (max(used), len(used)) if used else (0, 0)
 

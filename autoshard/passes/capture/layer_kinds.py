@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from autoshard.errors import CaptureError
+from autoshard.ir import is_int, is_positive_int
 
 UNIFORM = "layer"  # the name of the one kind of a model whose layers are all alike
 _LABEL_FIELDS = ("layers_block_type", "layer_types")  # HF's per-layer labels, the first one present wins
@@ -153,14 +154,14 @@ def narrow_config(config: Any, index: int, num_layers: int) -> Any:
     for name in [n for n in vars(config) if n.endswith("_layer_period")]:
         offset = name.removesuffix("period") + "offset"
         period, at = getattr(config, name), getattr(config, offset, None)
-        if isinstance(period, int) and isinstance(at, int) and period > 0:
+        if is_positive_int(period) and is_int(at):
             special = index % period == at
             setattr(out, name, 1 if special else 2)
             setattr(out, offset, 0 if special else 1)
-    if isinstance(getattr(config, "first_k_dense_replace", None), int):
+    if is_int(getattr(config, "first_k_dense_replace", None)):
         out.first_k_dense_replace = int(index < config.first_k_dense_replace)
     step = getattr(config, "decoder_sparse_step", None)
-    if isinstance(step, int) and step > 0:
+    if is_positive_int(step):
         out.decoder_sparse_step = 1 if (index + 1) % step == 0 else 2
     if getattr(out, "num_hidden_layers", 1) != 1:
         out.num_hidden_layers = 1
@@ -177,7 +178,7 @@ def _narrow_value(name: str, value: Any, index: int, num_layers: int) -> Any:
     per_layer = len(value) == num_layers and (all(isinstance(v, str) for v in value) or "layer" in name)
     if per_layer:
         return type(value)([value[index]])
-    if "layer" in name and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < num_layers for v in value):
+    if "layer" in name and all(is_int(v) and 0 <= v < num_layers for v in value):
         return type(value)([0] if index in value else [])  # indices of the layers of some kind
     return _SAME
 
@@ -190,7 +191,7 @@ def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     config = getattr(model, "config", None)
     want = getattr(config, "num_hidden_layers", None)
     lists = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if isinstance(want, int):
+    if is_positive_int(want):
         for prefix, module in lists:  # named_modules is outermost first
             if len(module) == want:
                 return prefix, module
