@@ -34,6 +34,37 @@ KERNEL_NAMES = ("flash_attention", "rmsnorm", "swiglu", "rope",
                 "ssd_chunk_scan_torch")  # the same SSD in torch ops under autograd, as MindSpeed-LLM runs it
 
 
+# What a training stack's recipe for one kind of sequence mixer runs beyond what a plan states (StackRecipe):
+# priced by passes/cost/cost.py `as_stack_runs`
+RECIPE_MIXERS = ("attention", "ssd")  # model_spec.Mixer values
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StackRecipe:
+    """The memory settings a device's training stack runs a model of one sequence mixer with (its example
+    scripts' flags), which autoshard's own runtime does not run: a plan cannot choose them, the cost model prices
+    them for a run of that stack (passes/cost/cost.py `as_stack_runs`, `autoshard price`)."""
+
+    mixer: str  # RECIPE_MIXERS: the models it applies to
+    # Megatron `--recompute-granularity full --recompute-method block --recompute-num-layers k`: the first k
+    # layers of each pipeline stage keep only their input and rerun their forward in backward
+    recompute_layers: int = 0
+    sequence_parallel: bool = False  # `--sequence-parallel` wherever tp > 1
+    # MindSpeed `--reuse-fp32-param`: the fp32 master is the bf16 weight plus a 2-byte residual
+    reuse_fp32_param: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mixer not in RECIPE_MIXERS:
+            raise InvalidConfigError(f"stack recipe: 'mixer' must be one of {', '.join(RECIPE_MIXERS)}, "
+                                     f"got {self.mixer!r}")
+        why = NON_NEGATIVE_INT.violation("stack recipe 'recompute_layers'", self.recompute_layers)
+        if why:
+            raise InvalidConfigError(why)
+        for f in ("sequence_parallel", "reuse_fp32_param"):
+            if not isinstance(getattr(self, f), bool):
+                raise InvalidConfigError(f"stack recipe {f!r} must be true or false, got {getattr(self, f)!r}")
+
+
 # Collectives (passes/cost/collectives.Collective values) that may have a log-depth algorithm
 LOG_COLLECTIVES = ("reduce", "gather", "all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 # NCCL: the double binary tree serves AllReduce only; AllGather / ReduceScatter / Reduce / AllToAll
@@ -79,6 +110,10 @@ class DeviceProfile:
     fp8_peak_flops: float | None = None  # dense FP8 (e4m3) GEMM FLOP/s
     fp8_gemm_efficiency: float | None = None  # achievable fraction of fp8_peak_flops for large GEMMs in training
     fp8_gemm_half_dim: float | None = None  # as gemm_half_dim, for the FP8 GEMM tiles
+    # the training stack the profile's numbers describe (None: autoshard's own runtime) and what its recipes run
+    # per sequence mixer beyond a plan's keys (StackRecipe; none for a mixer: the plan's layout as it is)
+    stack: str | None = None
+    recipes: tuple[StackRecipe, ...] | None = None
     sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -121,6 +156,30 @@ class DeviceProfile:
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'log_collectives' must be a list of "
                                      f"{', '.join(LOG_COLLECTIVES)}, got {self.log_collectives!r}")
         object.__setattr__(self, "log_collectives", tuple(self.log_collectives))
+        if self.stack is not None and (not isinstance(self.stack, str) or not self.stack.strip()
+                                       or not self.stack.isprintable()):
+            raise InvalidConfigError(f"hardware profile {self.name!r}: field 'stack' names the training stack in one "
+                                     f"line (absent for autoshard's runtime), got {self.stack!r}")
+        if self.recipes is not None and (not isinstance(self.recipes, (list, tuple)) or not all(
+                isinstance(r, (dict, StackRecipe)) for r in self.recipes)):
+            raise InvalidConfigError(f"hardware profile {self.name!r}: field 'recipes' must be a list of objects "
+                                     f"{{mixer, recompute_layers, sequence_parallel, reuse_fp32_param}}, "
+                                     f"got {self.recipes!r}")
+        try:
+            recipes = tuple(r if isinstance(r, StackRecipe) else StackRecipe(**r) for r in self.recipes or ())
+        except TypeError as e:  # an unknown or missing key of a recipe object
+            raise InvalidConfigError(f"hardware profile {self.name!r}: field 'recipes': {e}; the keys are mixer, "
+                                     "recompute_layers, sequence_parallel, reuse_fp32_param") from None
+        except InvalidConfigError as e:
+            raise InvalidConfigError(f"hardware profile {self.name!r}: {e}") from None
+        mixers = [r.mixer for r in recipes]
+        if len(set(mixers)) < len(mixers):
+            raise InvalidConfigError(f"hardware profile {self.name!r}: field 'recipes' gives mixer(s) "
+                                     f"{sorted({m for m in mixers if mixers.count(m) > 1})} twice; one recipe each")
+        if recipes and not self.stack:
+            raise InvalidConfigError(f"hardware profile {self.name!r}: 'recipes' are a training stack's; name it "
+                                     "in field 'stack'")
+        object.__setattr__(self, "recipes", recipes or None)
         if "cross_entropy" in self.kernels:
             raise InvalidConfigError(f"hardware profile {self.name!r}: 'cross_entropy' is no longer a profile kernel: "
                                      "autoshard's runtime runs its in-place cross-entropy (runtime/loss.py) on every "
@@ -145,11 +204,16 @@ class DeviceProfile:
     def source(self, field_name: str) -> str:
         return dict(self.sources).get(field_name, "")
 
+    def recipe(self, mixer: str) -> StackRecipe | None:
+        """What the profile's stack runs a model whose layers mix with `mixer` with (None: its plan's layout)."""
+        return next((r for r in self.recipes or () if r.mixer == mixer), None)
+
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["sources"] = dict(self.sources)
         data["kernels"] = list(self.kernels)
         data["log_collectives"] = list(self.log_collectives)
+        data["recipes"] = None if self.recipes is None else [dataclasses.asdict(r) for r in self.recipes]
         return data
 
 
@@ -176,8 +240,10 @@ ASCEND_910B = DeviceProfile(
     gemm_efficiency=0.9,
     gemm_half_dim=64.0,
     vector_efficiency=0.85,
-    kernels=("ssd_chunk_scan",),
+    kernels=("ssd_chunk_scan_torch",),
     attention_efficiency=0.5,
+    stack="MindSpeed-LLM",
+    recipes=(StackRecipe(mixer="ssd", recompute_layers=48, sequence_parallel=True, reuse_fp32_param=True),),
     sources=(
         ("peak_flops", "arXiv 2602.09109 case study: 378.88 TFLOPS fp16/bf16 GEMM per 910B"),
         ("memory_bytes", "arXiv 2602.09109: 64 GB HBM, 60 GB usable per device"),
@@ -195,12 +261,20 @@ ASCEND_910B = DeviceProfile(
         ("attention_efficiency", "unused: no fused kernels listed, attention priced as GEMMs (the calibration)"),
         ("log_collectives", "HCCL (CANN collective communication docs): besides the ring, full-mesh inside a node and "
                             "recursive halving-doubling / NHR across nodes for AllReduce, AllGather, ReduceScatter"),
-        ("kernels", "ssd_chunk_scan only: autoshard's runtime/ssd.py on torch_npu (saves its inputs and chunk "
-                    "states, arXiv 2405.21060 sec. 6), which is what an autoshard plan runs; MindSpeed-LLM's own "
-                    "torch SSD (StateSpaceProcessor) keeps far more and is the rule ssd_chunk_scan_torch, not "
-                    "listed: priced as it keeps, it moves the held-out runs that fit in 60 GB further from fitting "
-                    "(docs/cost_model.md 'Mamba-2 on the 910B'); no LLaMA kernel: the profile was calibrated on the "
-                    "unfused HF graph (docs/hardware.md)"),
+        ("kernels", "ssd_chunk_scan_torch only: MindSpeed-LLM (3b457672) has no fused SSD on Ascend: "
+                    "mindspeed_llm/core/ssm/mamba_mixer.py patches mamba_ssm's kernels with dummies and runs "
+                    "StateSpaceProcessor (tasks/models/ssm/state_space_duality.py), the chunked SSD in torch ops "
+                    "under autograd (passes/capture/kernels.py ssd_torch_cost); no LLaMA kernel: the profile was "
+                    "calibrated on the unfused HF graph (docs/hardware.md)"),
+        ("stack", "arXiv 2602.09109 ran its 910B tables on MindSpeed-LLM; the profile's numbers describe that stack"),
+        ("recipes", "MindSpeed-LLM's Mamba-2 recipe (examples/mcore/mamba2/pretrain_mamba2_2.7b_4k_ptd.sh at "
+                    "3b457672, the parent of f35bfccc which removed it; 64 layers, the mamba2-7b preset's count): "
+                    "--recompute-granularity full --recompute-method block --recompute-num-layers 48 (MindSpeed "
+                    "_mamba_block_method_checkpointed_forward_func: the first 48 layers of each pipeline stage), "
+                    "--sequence-parallel, --use-distributed-optimizer --reuse-fp32-param (MindSpeed "
+                    "docs/zh/features/reuse-fp32-param.md: FP32 = BF16 + residual, saves sizeof(bf16) x params / "
+                    "DP under the distributed optimizer; every Mamba-2 recipe and CI script runs it). No attention "
+                    "recipe: the LLaMA-2-7B script runs neither recompute nor the reused copy (the calibration)"),
     ),
 )
 

@@ -1,38 +1,38 @@
-"""Mamba-2 memory on the Ascend 910B: what the cost model prices, per term, against what MindSpeed-LLM runs.
+"""Mamba-2 memory on the Ascend 910B: what the cost model prices, per term, for a plan and for a MindSpeed-LLM run.
 
-  python bench/bench_mamba2_910b.py            mamba2-7b on 8 x 910B (the paper's setup: global batch 1024,
-                                               seq 4096, micro-batch 1, ZeRO-1) and the two public MindSpeed rows
-  python bench/bench_mamba2_910b.py --quick    the (4,1,2,1) layout only (no trace of the two public configs)
+  python bench/bench_mamba2_910b.py              mamba2-7b on 8 x 910B (the paper's setup: global batch 1024,
+                                                 seq 4096, micro-batch 1, ZeRO-1), every valid mesh, and the two
+                                                 public MindSpeed rows
+  python bench/bench_mamba2_910b.py --quick      the (4,1,2,1) layout only (no trace of the two public configs)
+  python bench/bench_mamba2_910b.py --rows FILE  also a measured table (the paper's format: setup, rows of dp, pp,
+                                                 tp, cp, mem_gb): each row's memory error, the median, fit / no fit
 
-Three prices of every layout, each from the cost model's own functions (passes/cost/cost.py `estimate`):
+Two prices of every layout, both `estimate` (passes/cost/cost.py) on the `ascend-910b` profile, which lists the
+SSD MindSpeed-LLM runs (`ssd_chunk_scan_torch`) and names its stack's Mamba-2 recipe (hardware.StackRecipe):
 
-* `fused`    the `ascend-910b` profile: the SSD as autoshard's runtime/ssd.py keeps it (`ssd_chunk_scan`);
-* `torch`    the SSD as MindSpeed-LLM's StateSpaceProcessor keeps it under autograd
-             (`ssd_chunk_scan_torch`, passes/capture/kernels.py), no recompute;
-* `recipe`   the same SSD under the settings of MindSpeed-LLM's 64-layer Mamba-2 recipe
-             (examples/mcore/mamba2/pretrain_mamba2_2.7b_4k_ptd.sh before its removal in f35bfccc):
-             `--recompute-granularity full --recompute-method block --recompute-num-layers 48` (the first 48
-             layers of each pipeline stage keep only their input), `--sequence-parallel`, and
-             `--reuse-fp32-param` with the distributed optimizer (MindSpeed docs/zh/features/reuse-fp32-param.md:
-             saves 2 B x parameters / dp). autoshard plans have neither block recompute nor the reused fp32
-             copy: `recipe` composes them here from the NONE and FULL estimates, it is not a plan.
+* `plan`   the layout as a plan states it: recompute none, no sequence parallelism, a separate bf16 copy;
+* `stack`  the same layout as MindSpeed-LLM runs it (`cost.as_stack_runs`): the recipe's block recompute of 48
+           layers per stage, `--sequence-parallel`, `--reuse-fp32-param` (the sources: the profile's `recipes`).
 
-The public check (no held-out row is read here): MindSpeed-LLM's own CI baselines on 8 NPUs
+The public check (no held-out row is read without --rows): MindSpeed-LLM's own CI baselines on 8 NPUs
 (tests/st/baseline_results/mamba2_8b_tp4_pp1_cp2_recompute_4k_ptd.json and
 tests/pipeline/st/baseline/mamba2_2.7b_tp1_pp1.json at commit 3b457672; "memo info", MiB), priced with the
-settings of their scripts.
+settings of their scripts (their own recompute counts in place of the recipe's).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 from dataclasses import replace
+from pathlib import Path
 
 from autoshard.hardware import load_hardware
-from autoshard.ir import Mesh, Recompute
+from autoshard.ir import Mesh
 from autoshard.models.presets import get_spec
 from autoshard.passes.capture.shapes import build_cost_table
-from autoshard.passes.cost.cost import Layout, compile_table, estimate
+from autoshard.passes.cost.cost import Layout, as_stack_runs, compile_table, estimate
 from autoshard.rules.validity import valid_meshes
 
 GB = 1e9
@@ -50,24 +50,15 @@ PUBLIC = (
 )
 
 
-def price(ct, spec, hw, mesh, *, micro_batch, global_batch, seq_len, recompute, sp=False):
-    layout = Layout(mesh=mesh, micro_batch=micro_batch, zero=1, recompute=recompute, sequence_parallel=sp)
+def price(ct, spec, hw, mesh, *, micro_batch, global_batch, seq_len, stack: bool, recompute_layers=None):
+    """`estimate` of `mesh` at ZeRO-1, as a plan states it or (`stack`) as the profile's stack runs it
+    (`recompute_layers`: a script's own block-recompute count in place of the recipe's)."""
+    layout = Layout(mesh=mesh, micro_batch=micro_batch, zero=1)
+    if stack:
+        layout = as_stack_runs(ct, hw, layout)
+        if recompute_layers is not None:
+            layout = replace(layout, recompute_layers=recompute_layers)
     return estimate(ct, spec, hw, layout, global_batch=global_batch, seq_len=seq_len)
-
-
-def recipe(ct, spec, hw, mesh, *, micro_batch, global_batch, seq_len, recompute_layers):
-    """Peak-stage memory terms (GB) of MindSpeed's recipe: block recompute of `recompute_layers` layers of each
-    stage, sequence parallelism, the reused fp32 copy (2 B per parameter / dp), composed from two estimates."""
-    kw = dict(micro_batch=micro_batch, global_batch=global_batch, seq_len=seq_len, sp=mesh.tp > 1)
-    none, full = (price(ct, spec, hw, mesh, recompute=r, **kw) for r in (Recompute.NONE, Recompute.FULL))
-    per_stage = spec.layers / mesh.pp
-    kept = max(per_stage - recompute_layers, 0) / per_stage  # share of the stage's layers that keep everything
-    act = full.memory.activations + (none.memory.activations - full.memory.activations) * kept
-    reuse = none.memory.weights / (mesh.dp * mesh.cp)  # 2 B x params / dp: the bf16 copy folded into the fp32 one
-    m = none.memory
-    terms = dict(weights=m.weights, grads=m.grads, optimizer=m.optimizer - reuse, activations=act,
-                 logits=m.logits, buffers=m.buffers)
-    return {k: v / GB for k, v in terms.items()}
 
 
 def terms(e) -> dict:
@@ -75,41 +66,62 @@ def terms(e) -> dict:
     return {k: getattr(m, k) / GB for k in ("weights", "grads", "optimizer", "activations", "logits", "buffers")}
 
 
-def show(label, t: dict) -> str:
-    return f"{label:7s} " + " ".join(f"{k[:5]} {v:6.2f}" for k, v in t.items()) + f" | total {sum(t.values()):6.1f}"
+def show(label, e) -> str:
+    t = terms(e)
+    return (f"{label:6s} " + " ".join(f"{k[:5]} {v:6.2f}" for k, v in t.items())
+            + f" | peak {e.memory_gb:6.1f} mean {e.mean_memory_gb:6.1f}" + ("  fits" if e.fits else "  does not fit"))
+
+
+def heldout(path: Path, ct, spec, hw) -> None:
+    """Each measured row priced as the stack runs it: memory error of the device average, fit against ran."""
+    table = json.loads(path.read_text())
+    setup = table.get("setup", {})
+    kw = dict(micro_batch=setup.get("micro_batch", 1), global_batch=setup.get("global_batch", 1024),
+              seq_len=setup.get("seq_len", 4096))
+    errors = []
+    print(f"\n{path.name}: dp pp tp cp | mean GB pred / meas | error | peak GB | fits / ran")
+    for r in table["rows"]:
+        e = price(ct, spec, hw, Mesh(dp=r["dp"], pp=r["pp"], tp=r["tp"], cp=r["cp"]), stack=True, **kw)
+        ran = isinstance(r.get("mem_gb"), (int, float))
+        err = (e.mean_memory_gb - r["mem_gb"]) / r["mem_gb"] if ran else None
+        if ran:
+            errors.append(abs(err))
+        print(f"  {r['dp']:2} {r['pp']:2} {r['tp']:2} {r['cp']:2} | {e.mean_memory_gb:5.1f} / "
+              f"{r['mem_gb'] if ran else '-':>5} | {f'{err:+.1%}' if ran else '':>6} | {e.memory_gb:5.1f} | "
+              f"{'fits' if e.fits else 'no fit'} / {'ran' if ran else 'did not run'}")
+    if errors:
+        print(f"median memory error {statistics.median(errors):.1%} over {len(errors)} rows that ran")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the (4,1,2,1) layout only")
+    ap.add_argument("--rows", type=Path, help="a measured Mamba-2 910B table (the paper's format) to check")
     args = ap.parse_args(argv)
-    old = load_hardware("ascend-910b")  # the profile: the SSD as autoshard's runtime/ssd.py keeps it
-    hw = replace(old, kernels=("ssd_chunk_scan_torch",))  # MindSpeed-LLM's StateSpaceProcessor
+    hw = load_hardware("ascend-910b")
     spec = get_spec("mamba2-7b")
     setup = dict(micro_batch=1, global_batch=1024, seq_len=4096)
-    tables = {h.name + str(h.kernels): compile_table(build_cost_table(spec, kernels=h.kernels), spec) for h in (old, hw)}
-    meshes = [Mesh(dp=4, tp=2)] if args.quick else valid_meshes(spec, 8, micro_batch=1, global_batch=1024,
-                                                                   seq_len=4096)
-    cap = hw.memory_bytes / GB
-    print(f"mamba2-7b on 8 x ascend-910b, global batch 1024, seq 4096, micro-batch 1, ZeRO-1; peak stage, GB "
-          f"(fits: <= {cap:.0f})")
+    ct = compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    meshes = [Mesh(dp=4, tp=2)] if args.quick else valid_meshes(spec, 8, **setup)
+    print(f"mamba2-7b on 8 x ascend-910b ({hw.stack}), global batch 1024, seq 4096, micro-batch 1, ZeRO-1; GB "
+          f"(fits: peak <= {hw.memory_gb:.0f})")
     for mesh in meshes:
         print(f"\n(dp {mesh.dp}, pp {mesh.pp}, tp {mesh.tp}, cp {mesh.cp})")
-        for label, h in (("fused", old), ("torch", hw)):
-            e = price(tables[h.name + str(h.kernels)], spec, h, mesh, recompute=Recompute.NONE, **setup)
-            print(show(label, terms(e)))
-        r = recipe(tables[hw.name + str(hw.kernels)], spec, hw, mesh, recompute_layers=48, **setup)
-        print(show("recipe", r) + ("  fits" if sum(r.values()) <= cap else "  does not fit"))
+        for label, stack in (("plan", False), ("stack", True)):
+            print(show(label, price(ct, spec, hw, mesh, stack=stack, **setup)))
+    if args.rows:
+        heldout(args.rows, ct, spec, hw)
     if args.quick:
         return 0
     print("\nPublic MindSpeed-LLM rows (8 NPUs, seq 4096), priced with their scripts' settings:")
     for label, changes, mesh, mb, gb, k, state_mib, peak_mib in PUBLIC:
         s = replace(spec, **changes)
-        ct = compile_table(build_cost_table(s, kernels=hw.kernels), s)
-        r = recipe(ct, s, hw, mesh, micro_batch=mb, global_batch=gb, seq_len=4096, recompute_layers=k)
-        state = r["weights"] + r["grads"] + r["optimizer"]
+        cts = compile_table(build_cost_table(s, kernels=hw.kernels), s)
+        e = price(cts, s, hw, mesh, micro_batch=mb, global_batch=gb, seq_len=4096, stack=True, recompute_layers=k)
+        t = terms(e)
+        state = t["weights"] + t["grads"] + t["optimizer"]
         print(f"{label}: state {state:5.2f} GB predicted / {state_mib * MIB / GB:5.2f} measured; peak "
-              f"{sum(r.values()):5.2f} predicted / {peak_mib * MIB / GB:5.2f} measured (max allocated)")
+              f"{e.memory_gb:5.2f} predicted / {peak_mib * MIB / GB:5.2f} measured (max allocated)")
     return 0
 
 

@@ -80,7 +80,7 @@ import numpy as np
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import CostTable
-from autoshard.ir import BlockKind, Precision, Stage, check_schedule, even_stages
+from autoshard.ir import BlockKind, Precision, Recompute, Stage, check_schedule, even_stages
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost import moe_cost
 from autoshard.rules import schedules
@@ -152,7 +152,8 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     if len(stages) != mesh.pp or sum(st.layers for st in stages) != spec.layers:
         raise InvalidConfigError(f"{len(stages)} stages with {sum(st.layers for st in stages)} layers given; "
                                  f"expected pp={mesh.pp} stages covering all {spec.layers} layers")
-    levels = {st.recompute: replace(layout, recompute=st.recompute) for st in stages}  # each stage's own
+    parts_of = [block_segments(st, layout.recompute_layers) for st in stages]
+    levels = {lv: replace(layout, recompute=lv) for segs in parts_of for _, lv in segs}  # each stage's own
     for lay in levels.values():
         why = mixed_violation(ct, lay)
         if why:
@@ -161,16 +162,15 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     p2p = p2p_time(ct, hw, layout, seq_len=seq_len)
 
     times, parts, peaks = [], [], []
-    for i, st in enumerate(stages):
-        lay = levels[st.recompute]
-        held = stage_blocks(ct, st)
-        for view, k, _ in held:
-            if (st.recompute, id(view), k) not in bts:
-                bts[st.recompute, id(view), k] = (block_time(view, hw, lay, k, seq_len=seq_len),
-                                                  block_activation_bytes(view, lay, k, seq_len=seq_len, hw=hw),
-                                                  block_params(view, layout, k),
-                                                  expert_block_params(view, layout, k))
-        counts = [(bts[st.recompute, id(view), k], c) for view, k, c in held]
+    for i, (st, segs) in enumerate(zip(stages, parts_of)):
+        held = [(view, k, c, lv) for seg, lv in segs for view, k, c in stage_blocks(ct, seg)]
+        for view, k, _, lv in held:
+            if (lv, id(view), k) not in bts:
+                bts[lv, id(view), k] = (block_time(view, hw, levels[lv], k, seq_len=seq_len),
+                                        block_activation_bytes(view, levels[lv], k, seq_len=seq_len, hw=hw),
+                                        block_params(view, layout, k),
+                                        expert_block_params(view, layout, k))
+        counts = [(bts[lv, id(view), k], c) for view, k, c, lv in held]
         bt = [(b[0], c) for b, c in counts]
         if st.head and spec.tied and not st.embed:
             counts_params = block_params(ct, layout, BlockKind.EMBED)  # tied LM head keeps a copy of the embedding
@@ -222,6 +222,36 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
                     memory=peak, fits=peak.total <= hw.memory_bytes,
                     time=breakdown, microbatches=m, stages=stages, stage_times_s=tuple(times),
                     stage_memory_gb=tuple(mb.total / 1e9 for mb in peaks))
+
+
+def block_segments(stage: Stage, recompute_layers: int) -> tuple[tuple[Stage, Recompute], ...]:
+    """`stage` as (part, recompute level) pairs under block recompute (`Layout.recompute_layers`, Megatron's
+    `--recompute-method block`): its first `recompute_layers` layers at FULL, the rest (and the embedding and
+    head, which block recompute leaves alone) at the stage's level; the stage whole where nothing differs."""
+    k = min(recompute_layers, stage.layers)
+    if k == 0 or stage.recompute is Recompute.FULL:
+        return ((stage, stage.recompute),)
+    first = Stage(first_layer=stage.first_layer, end_layer=stage.first_layer + k, embed=False, head=False,
+                  recompute=Recompute.FULL)
+    rest = replace(stage, first_layer=stage.first_layer + k)
+    return (first, Recompute.FULL), (rest, stage.recompute)
+
+
+def as_stack_runs(ct: CompiledTable, hw: DeviceProfile, layout: Layout) -> Layout:
+    """`layout` as the profile's training stack runs the model of `ct` (compile_table's; hardware.StackRecipe, `hw.recipe` of
+    its sequence mixer): its block recompute, sequence parallelism where tp > 1, and reused fp32 copy; `layout`
+    itself where the stack has no recipe for that mixer. A mixed stack of layer kinds is refused by name where the
+    stack has any recipe (its kinds' recipes would differ layer by layer). An `autoshard` plan runs its own
+    layout: the runtime runs none of these, and the planner never prices them."""
+    if ct.kinds and hw.recipes:
+        raise InvalidConfigError(f"{ct.spec.name}: a stack of several layer kinds, and {hw.name}'s stack ({hw.stack}) "
+                                 f"has recipes per sequence mixer ({', '.join(r.mixer for r in hw.recipes)}); a run "
+                                 "of that stack cannot be priced layer by layer: price the plan's own layout")
+    recipe = hw.recipe(ct.spec.mixer.value)
+    if recipe is None:
+        return layout
+    return replace(layout, recompute_layers=recipe.recompute_layers, reuse_fp32_param=recipe.reuse_fp32_param,
+                   sequence_parallel=layout.sequence_parallel or (recipe.sequence_parallel and layout.mesh.tp > 1))
 
 
 def buffer_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int) -> float:

@@ -12,7 +12,7 @@ from typing import Any
 
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import (BOOLEAN, PLAN_FIELD, Fp8Recipe, Mesh, Precision, Recompute, Schedule, Stage, check_fields,
+from autoshard.ir import (BOOLEAN, NON_NEGATIVE_INT, PLAN_FIELD, Fp8Recipe, Mesh, Precision, Recompute, Schedule, Stage, check_fields,
                           fp8_recipe_of, offload_violation)
 from autoshard.passes.cost.precision import PrecisionNumbers, precision_numbers
 from autoshard.rules.schedules import microbatches_per_step
@@ -51,10 +51,22 @@ class Layout:
     # the layout's own sequence_parallel / groups are then off / split, the first of each stage's variants.
     # What estimate() prices of such a layout is that first variant on every stage
     stage_choices: tuple[str, ...] = ()
+    # What a device's training stack runs beyond a plan's keys (hardware.StackRecipe; cost.as_stack_runs sets
+    # them): autoshard's runtime runs neither, so the planner never does. Block recompute: the first
+    # `recompute_layers` layers of each stage keep only their input (Recompute.FULL), the others the stage's level
+    recompute_layers: int = 0
+    reuse_fp32_param: bool = False  # the fp32 master is the bf16 weight plus a 2-byte residual (state.state_bytes)
 
     def __post_init__(self) -> None:
         check_fields(self, LAYOUT_FIELDS)  # (the planner builds ~10^5 layouts: members pass as they are)
         BOOLEAN.check("sequence_parallel", self.sequence_parallel)
+        BOOLEAN.check("reuse_fp32_param", self.reuse_fp32_param)
+        NON_NEGATIVE_INT.check("recompute_layers", self.recompute_layers)
+        if self.reuse_fp32_param and (self.zero == 3 or self.offload_optimizer):
+            raise InvalidConfigError(f"reuse_fp32_param with zero {self.zero}"
+                                     f"{' and offload' if self.offload_optimizer else ''}: the reused fp32 copy is "
+                                     "MindSpeed's for the bf16 weights of ZeRO 0-2 (it refuses ZeRO-3); use zero <= 2 "
+                                     "without offload, or drop reuse_fp32_param")
         if not isinstance(self.moe_imbalance, (int, float)) or not self.moe_imbalance >= 1.0:
             raise InvalidConfigError(f"moe_imbalance is the busiest expert's load over the mean, so a number, at least 1.0; "
                                      f"got {self.moe_imbalance!r}")

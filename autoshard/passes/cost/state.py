@@ -54,7 +54,10 @@ def state_bytes(params: float, layout: Layout, *, expert: float = 0.0) -> Memory
     sharded over the dp x ep x cp group (Rajbhandari et al. 2020, ZeRO, sec. 5), the `expert` of
     them that are routed experts over dp x cp; none of it on the device under offload (FSDP2's
     CPUOffloadPolicy keeps the ZeRO-3 shards in host memory). What a rank keeps between steps; the
-    transient ZeRO-2 adds while a step runs is `zero2_staging_bytes`."""
+    transient ZeRO-2 adds while a step runs is `zero2_staging_bytes`. `layout.reuse_fp32_param` (MindSpeed's
+    `--reuse-fp32-param`): a master is its bf16 weight, which the rank holds anyway, plus a residual, so the
+    optimizer keeps master_bytes - param_bytes (2 B) of it per parameter (MindSpeed's docs: saves
+    sizeof(bf16) x parameters / dp under the distributed optimizer, x parameters without it)."""
     if layout.offload_optimizer:  # the shards live in host memory; a block is gathered on the device as it runs (buffer_bytes)
         return MemoryBreakdown(weights=0.0, grads=0.0, optimizer=0.0)
     groups, z, nb = _sync_groups(params, layout, expert), layout.zero, layout.numbers
@@ -65,8 +68,9 @@ def state_bytes(params: float, layout: Layout, *, expert: float = 0.0) -> Memory
     if z == 3:  # FSDP2 (runtime/zero3.py): the fp32 shard is the master, the optimizer keeps Adam m, v
         return MemoryBreakdown(weights=held(nb.sharded_weight_bytes, 3), grads=held(nb.grad_bytes, 3),
                                optimizer=held(nb.optim_bytes - nb.master_bytes, 3))
+    reused = nb.param_bytes if layout.reuse_fp32_param and nb.master_bytes else 0.0
     return MemoryBreakdown(weights=params * nb.param_bytes, grads=held(nb.grad_bytes, 2),
-                           optimizer=held(nb.optim_bytes, 1))
+                           optimizer=held(nb.optim_bytes - reused, 1))
 
 
 def zero2_staging_bytes(params, layout: Layout, *, expert=0.0):
