@@ -82,12 +82,13 @@ def heldout(path: Path, ct, spec, hw) -> None:
     print(f"\n{path.name}: dp pp tp cp | mean GB pred / meas | error | peak GB | fits / ran")
     for r in table["rows"]:
         e = price(ct, spec, hw, Mesh(dp=r["dp"], pp=r["pp"], tp=r["tp"], cp=r["cp"]), stack=True, **kw)
-        ran = isinstance(r.get("mem_gb"), (int, float))
-        err = (e.mean_memory_gb - r["mem_gb"]) / r["mem_gb"] if ran else None
+        measured = r.get("mem_gb", r.get("memory_gb"))
+        ran = isinstance(measured, (int, float)) and not r.get("oom")  # no figure, or marked OOM: did not run
+        err = (e.mean_memory_gb - measured) / measured if ran else None
         if ran:
             errors.append(abs(err))
         print(f"  {r['dp']:2} {r['pp']:2} {r['tp']:2} {r['cp']:2} | {e.mean_memory_gb:5.1f} / "
-              f"{r['mem_gb'] if ran else '-':>5} | {f'{err:+.1%}' if ran else '':>6} | {e.memory_gb:5.1f} | "
+              f"{measured if ran else '-':>5} | {f'{err:+.1%}' if ran else '':>6} | {e.memory_gb:5.1f} | "
               f"{'fits' if e.fits else 'no fit'} / {'ran' if ran else 'did not run'}")
     if errors:
         print(f"median memory error {statistics.median(errors):.1%} over {len(errors)} rows that ran")
