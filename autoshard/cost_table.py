@@ -104,6 +104,6 @@ class CostTable:
 
     def saved_bytes(self, batch: int, seq: int) -> float:
         """Bytes the forward of one whole-model step keeps for backward at (batch, seq), as traced
-        (no parallelism, no recompute): what `runtime.ssd.saved_activation_bytes` measures."""
+        (no parallelism, no recompute): what `saved_activation_bytes` of tests/runtime/measure.py measures."""
         return sum(float(sympy.sympify(n.saved_bytes).subs({B: batch, S: seq})) * blk.count
                    for blk in self.blocks for n in blk.nodes)

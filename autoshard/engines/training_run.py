@@ -8,7 +8,7 @@ Contract
   the same on every rank; `rank_layers` empty: the even split of `ir.even_stages`).
 * `run_of_plan(plan)`: the run a plan describes, exactly (per-stage recompute and sequence
   parallelism, uneven stages included).
-* `price(ct, hw, spec, run, *, global_batch, seq_len) -> dict`: `solve.predict` of the run's layout and
+* `price(ct, hw, spec, run, *, global_batch, seq_len) -> dict`: `planner.predict` of the run's layout and
   stage assignment, the figures a plan's `predicted` holds; a plan's own run prices to its prediction.
 * `uniform(run, ...)`: the run with one recompute level and one sequence-parallel choice on every
   rank, the fastest such that fits (what an engine without per-stage settings runs instead).
@@ -150,7 +150,7 @@ def default_strategies(spec, run: TrainingRun) -> TrainingRun:
 
 
 def price(ct, hw, spec, run: TrainingRun, *, global_batch: int, seq_len: int, moe_imbalance: float = 1.0) -> dict:
-    """The figures of `run` (the keys of a plan's `predicted`), from `solve.predict`."""
+    """The figures of `run` (the keys of a plan's `predicted`), from `planner.predict`."""
     from autoshard.passes.cost.cost import _check, resolved
     from autoshard.passes.solve.planner import predict
 

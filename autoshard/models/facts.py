@@ -2,7 +2,7 @@
 name differently) and its module tree, never its `model_type` or class names.
 
 Contract: `read_facts(config, model)` -> `ModelFacts`, a frozen record of what autoshard needs to
-know about a decoder to plan and run it, and `refusals(facts)` -> ((axis, why), ...): the parallel
+know about a decoder to plan and run it, and the ((axis, why), ...) `presets._refusals` reads off it: the parallel
 axes this model cannot run yet, each with a one-line reason naming the module and the construct.
 The planner does not search a refused axis (`rules/validity.axis_violation`) and `parallelize`
 refuses a plan that uses one, with that reason; every other axis still plans.

@@ -12,5 +12,5 @@ def gradient_bucket_params(group: int) -> int:
     default max(40M, 1M x group) (megatron/core/distributed/distributed_data_parallel.py: the bucket
     grows with the group so that the ring's per-rank latency stays amortised). The runtime cuts its
     buckets by it (`GradSync`) and the cost model prices the sync's collectives and ZeRO-2's staging
-    buffers with it (`cost.dp_bucket_params`, `cost.zero2_staging_bytes`)."""
+    buffers with it (`state.dp_bucket_params`, `state.zero2_staging_bytes`)."""
     return max(40_000_000, 1_000_000 * group)

@@ -29,7 +29,7 @@ of the MLP: router and shared expert `replicate`, the routed experts `expert` (s
 axis by `runtime/expert_parallel.py`, which finds them here; whole on every tp rank).
 
 Adding an entry: append a `Role` to the family's table; if it needs a new kind of runtime behaviour add a `Strategy` and teach
-`rewrite.shard_program` and `cost.node_divisor` what it means; the validator and the plan's
+`rewrite.shard_program` and `sharding.node_divisor` what it means; the validator and the plan's
 placements follow by themselves.
 
 Sequence parallelism (plan key `sequence_parallel`, Megatron-LM's, Korthikanti et al. 2022 sec.
@@ -537,7 +537,7 @@ def role_divisors(spec: ModelSpec, tp: int, strategies=(), kind: BlockKind | Non
     """`role_divisor` of every role of the table under `strategies`, in table order (memoised); with
     `kind`, of block `kind`'s roles only (the others 1.0: a block's cost reads its own roles, and the
     other blocks' choices in `strategies` need not suit `spec` at `tp`: the planner prices a block from
-    any layout with its node-time stem, `cost.node_stem`, perhaps one of another model)."""
+    any layout with its node-time stem, `block.node_stem`, perhaps one of another model)."""
     return tuple(role_divisor(spec, r, tp) if kind is None or r.block is kind else 1.0
                  for r in table(spec, strategies))
 

@@ -242,11 +242,12 @@ def _permute(node, ins, ctx):
     return p.at(order.index(p.dim))
 
 
-def _unsqueeze(node, ins, ctx):
+def _unsqueeze(node, ins, ctx, *, at: int = 1):
+    """The output gains the dim `ins[at]` names: a split dim at or after it moves up one."""
     p = ins[0]
     if not isinstance(p, Shard):
         return p
-    d = _dim(ins[1], len(ctx.out))
+    d = _dim(ins[at], len(ctx.out))
     return p.at(p.dim + (d <= p.dim))
 
 
@@ -536,11 +537,7 @@ def _select(node, ins, ctx):
 
 
 def _select_backward(node, ins, ctx):
-    p = ins[0]
-    if not isinstance(p, Shard):
-        return p
-    d = _dim(ins[2], len(ctx.out))
-    return p.at(p.dim + (d <= p.dim))
+    return _unsqueeze(node, ins, ctx, at=2)  # select's gradient (grad, sizes, dim, index) regains the picked dim
 
 
 def _along(positions: str):

@@ -9,7 +9,7 @@ Contract
 * Output: `autoshard.cost_table.CostTable` with three `BlockCost`s: EMBED (everything before the first
   repeated layer: token embedding, rotary tables, masks), one LAYER standing for `spec.layers`
   identical layers (`count`), and HEAD (final norm, LM head, loss, and backward nodes no layer owns).
-  Each `NodeCost` holds SymPy expressions in `autoshard.ir.B` (micro-batch) and `S` (sequence):
+  Each `NodeCost` holds SymPy expressions in `cost_table.B` (micro-batch) and `S` (sequence):
   `flops`, `bytes_read`, `bytes_written` and `saved_bytes` (bytes of this forward node's output
   that the backward graph reads, resolved through views, read off the joint graph).
 * Block deduplication: a copy of the model with ONE layer is traced (capture.capture_model on fake

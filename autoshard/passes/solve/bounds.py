@@ -367,7 +367,7 @@ _CODES = _Codes()
 
 def layout_codes(layouts) -> np.ndarray:
     """[layout, (block, p2p, state, schedule code, pp, dp x ep x micro-batch, ep)] of `layouts`; when they are
-    `parts`' concatenation (an attribute: the planner's candidates, `solve.CandidateLayouts`), read a part at a
+    `parts`' concatenation (an attribute: the planner's candidates, `planner.CandidateLayouts`), read a part at a
     time, once per part object per process (held here, so its id is not reused)."""
     epoch, parts = _CODES.epoch, getattr(layouts, "parts", None)
     if parts is None:
@@ -519,7 +519,7 @@ def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *,
 def _tail_floor(ct: CompiledTable, hw, layout: Layout, *, seq_len: int, memo: dict) -> float:
     """pp > 1: the least largest stage tail (exposed gradient sync + optimizer step, as `solve_model.stage_tails`
     tabulates it, at each layer count the least over a stage's variants) over the splits of the layers, relaxed
-    as `solve._bottleneck`'s spread is (a cap is reachable when the fewest and most layers the stages can hold
+    as `planner._bottleneck`'s spread is (a cap is reachable when the fewest and most layers the stages can hold
     under it bracket the layers): at most the largest tail of every assignment, inf when no split exists.
     Memoised on what the tails read (not the schedule but its v)."""
     from autoshard.passes.solve.solve_model import stage_variants

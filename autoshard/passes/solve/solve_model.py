@@ -489,7 +489,7 @@ def split_search(problem: MeshProblem, ok: np.ndarray, *, floor: float, cutoff_s
                  max_steps: int = 1000) -> SplitSearch:
     """The fastest assignment, exactly, by branch and bound over the slowest-stage time T and the
     largest tail U. `ok[i, o, n]`: the entries allowed (they fit, and are not too slow for the
-    cutoff); `floor`: the smallest T any assignment has (`solve._bottleneck`).
+    cutoff); `floor`: the smallest T any assignment has (`planner._bottleneck`).
 
     For caps (T, U), with every entry slower than T or whose tail exceeds U removed, each stage
     takes its fastest allowed option (recompute level, variant), and `min_stage_sum` gives the

@@ -147,3 +147,17 @@ def test_what_hf_does_not_declare_is_found_on_the_graph():
     cohere = Tiny("cohere-tiny", exaggerated(tiny_config("cohere")))
     proof = prove_tp(cohere.spec, cohere.build())
     assert proof.proven and ("bwd", "layers.*.self_attn") in proof.reduces, [f.message() for f in proof.findings]
+
+
+def test_a_gained_dim_moves_the_split_dim_up():
+    """unsqueeze(x, dim) and select_backward(grad, sizes, dim, index) both give the output a new dim (the dim is
+    their second / third input): a split at or after it moves up one, a split before it stays."""
+    from autoshard.passes.capture.placement_rules import RULES
+    from autoshard.passes.capture.placements import Context
+
+    ctx = Context(shapes=(), out=(2, 3, 4, 5), phase="fwd")
+    for op, ins in (("unsqueeze", lambda p, d: (p, d)), ("select_backward", lambda p, d: (p, (2, 3, 4, 5), d, 0))):
+        assert RULES[op](None, ins(Shard(1), 1), ctx) == Shard(2), op
+        assert RULES[op](None, ins(Shard(1), 2), ctx) == Shard(1), op
+        assert RULES[op](None, ins(Shard(2), -1), ctx) == Shard(2), op  # -1: the new last dim
+        assert RULES[op](None, ins(R, 0), ctx) == R, op
