@@ -41,9 +41,8 @@ class ModelSpec:
     groups: int = 0
     conv: int = 0
     chunk: int = 0
-    # mixture of experts (attention layers): the HF architecture ("mixtral" / "qwen2_moe"), routed experts,
-    # experts per token, and the shared expert's MLP width (Qwen2-MoE; 0 for none)
-    moe: str = ""
+    # mixture of experts (attention layers): routed experts, experts per token, and the shared expert's MLP
+    # width (Qwen2-MoE; 0 for none); where the MoE block's modules sit is `moe_paths`
     experts: int = 0
     top_k: int = 0
     shared_ffn: int = 0
@@ -60,8 +59,9 @@ class ModelSpec:
     # that attend within one (sliding_window tokens; Mistral all layers, Gemma-2/3 and GPT-OSS alternate ones)
     sliding_window: int = _fact(0)
     window_layers: int = _fact(0)  # how many of the layers attend within sliding_window
-    moe_paths: tuple[str, ...] = _fact(())  # (router, experts, shared expert) inside a layer, for a MoE model
-    #                                          not laid out as the presets (mlp.gate, mlp.experts)
+    # the MoE layout, read off the module tree (models/facts.py `_moe_modules`): (router, routed experts, shared
+    # expert or "", *the shared expert's linears and the block's one-output gate), paths inside a layer
+    moe_paths: tuple[str, ...] = _fact(())
 
     def attended_tokens(self, tokens: float) -> float:
         """The keys one query attends to (and one layer's KV cache holds) at `tokens` of context, the mean
@@ -138,7 +138,7 @@ def _moe_config(spec: ModelSpec):
                   max_position_embeddings=MAX_POSITIONS, attn_implementation="sdpa",
                   experts_implementation=EXPERTS_IMPLEMENTATION,
                   **({"head_dim": spec.head_dim} if spec.head_dim else {}))  # absent: hidden / heads
-    if spec.moe == "mixtral":
+    if not spec.shared_ffn:  # routed experts alone (Mixtral's layout); else a shared expert beside them (Qwen2-MoE's)
         from transformers import MixtralConfig
 
         return MixtralConfig(intermediate_size=spec.ffn, num_local_experts=spec.experts, sliding_window=None,

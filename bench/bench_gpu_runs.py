@@ -5,7 +5,7 @@
                                                       gpu_published_runs.json (held-out runs: the
                                                       errors printed are the check; nothing is fitted);
                                                       a run may give "precision": "fp8" (and "fp8_recipe"),
-                                                      a MoE model "experts", "top_k" (and "moe", "shared_ffn")
+                                                      a MoE model "experts", "top_k" (and "shared_ffn": a shared expert in Qwen2-MoE's layout)
   python bench/bench_gpu_runs.py --heldout            the held-out runs we gathered (bench/gpu_heldout_runs.json:
                                                       8B-405B, 8-2048 GPUs, TP/PP/VP/CP/FSDP/recompute, each
                                                       with its source); prints each row and the error
@@ -29,7 +29,7 @@ from pathlib import Path
 from autoshard.hardware import load_hardware
 from autoshard.ir import Mesh, Recompute
 from autoshard.model_spec import Mixer, ModelSpec
-from autoshard.models.presets import get_spec
+from autoshard.models.presets import get_spec, moe_layout
 from autoshard.models.published import CALIBRATION_RUNS, FP8_CALIBRATION_RUNS, PublishedRun
 from autoshard.passes.cost.compiled import compile_table
 from autoshard.passes.cost.cost import estimate, model_flops_per_token
@@ -45,8 +45,8 @@ def runs_from_file(path: str | Path) -> list[PublishedRun]:
     out = []
     for r in data["runs"]:
         m = r["model"]
-        moe = ({"moe": m.get("moe", "mixtral"), "experts": m["experts"], "top_k": m["top_k"],
-                "shared_ffn": m.get("shared_ffn", 0)} if m.get("experts") else {})  # a mixture of experts
+        moe = ({"experts": m["experts"], "top_k": m["top_k"], "shared_ffn": m.get("shared_ffn", 0),
+                "moe_paths": moe_layout(m.get("shared_ffn", 0))} if m.get("experts") else {})  # a mixture of experts
         spec = ModelSpec(name=r["id"], mixer=Mixer.ATTENTION, vocab=m["vocab"], hidden=m["hidden"], ffn=m["ffn"],
                          layers=m["layers"], heads=m["heads"], kv_heads=m["kv_heads"], tied=False, **moe)
         rec = r.get("recompute", "none")

@@ -84,6 +84,7 @@ class ModelFacts:
     experts_path: str = ""  # the routed-experts module inside a layer ("mlp.experts"), "" for dense
     router_path: str = ""  # the router linear inside a layer ("mlp.gate")
     shared_path: str = ""  # the shared expert inside a layer ("mlp.shared_expert")
+    shared_parts: tuple[str, ...] = ()  # its linears, then the block's one-output gate ("mlp.shared_expert_gate")
     experts_biased: bool = False  # the experts carry biases (GPT-OSS)
     experts_gated: bool = True  # HF's [gate; up] x hidden layout
     experts_routed: bool = True  # the experts' forward takes the routing (HF's experts interface: hidden,
@@ -117,7 +118,7 @@ def read_facts(config, model) -> ModelFacts:
     mixer = mixer_of(model) if layer0 is not None else ""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     plain = embed is not None and type(embed).forward is nn.Embedding.forward
-    experts, router, shared, biased, gated = _moe_modules(layer0, config_value(config, "experts", 0) or 0)
+    experts, router, shared, parts, biased, gated = _moe_modules(layer0, config_value(config, "experts", 0) or 0)
     routed = not experts or _takes_routing(layer0.get_submodule(experts))
     sinks = tuple(n.rpartition(".")[2] for n, p in (layer0.named_parameters() if layer0 is not None else ())
                   if p.dim() == 1 and p.shape[0] == heads and ".".join(n.split(".")[:-1]) == _attention_path(layer0)
@@ -129,7 +130,8 @@ def read_facts(config, model) -> ModelFacts:
     facts = dict(
         mixer=mixer, base=base_name, layer_params=names, embedding_plain=plain,
         tp_plan=tuple((getattr(config, "base_model_tp_plan", None) or {}).items()),
-        experts_path=experts, router_path=router, shared_path=shared, experts_biased=biased, experts_gated=gated,
+        experts_path=experts, router_path=router, shared_path=shared, shared_parts=parts, experts_biased=biased,
+        experts_gated=gated,
         experts_routed=routed,
         head_params=sinks, attention_attrs=_count_attrs(layer0), layer_types=types, sliding_window=window,
         window_layers=windowed,
@@ -204,32 +206,43 @@ def is_attention(module) -> bool:
             and (hasattr(module, "head_dim") or hasattr(module, "num_key_value_groups")))
 
 
-def _moe_modules(layer, experts: int) -> tuple[str, str, str, bool, bool]:
-    """(experts path, router path, shared-expert path, biased, gated) of a MoE layer: the experts module
-    holds one 3-d weight per projection with `experts` rows; the router is the linear beside it with
-    `experts` outputs; the shared expert the MLP beside it. ("", "", "", False, True) for a dense layer."""
+def _moe_modules(layer, experts: int) -> tuple[str, str, str, tuple[str, ...], bool, bool]:
+    """(experts path, router path, shared-expert path, shared parts, biased, gated) of a MoE layer, read off
+    the module tree, not its names: the experts module holds one 3-d weight per projection with `experts`
+    rows; the router is the linear (or module of one (experts, hidden) weight) beside it; the shared expert
+    the other module beside them that holds linears (Qwen2-MoE's `shared_expert`, DeepSeek's `shared_experts`,
+    GraniteMoeShared's `shared_mlp`). The shared parts: the shared expert's linears, then the block's one-output
+    linears (Qwen2-MoE's sigmoid `shared_expert_gate`), in module order. ("", "", "", (), False, True) for a
+    dense layer."""
     from torch import nn
 
     if layer is None or not experts:
-        return "", "", "", False, True
+        return "", "", "", (), False, True
     for path, module in layer.named_modules():
         own = dict(module.named_parameters(recurse=False))
         if own and all(p.dim() >= 2 and p.shape[0] == experts for n, p in own.items() if not n.endswith("bias")) \
                 and any(p.dim() == 3 for p in own.values()):
             parent = path.rpartition(".")[0]
             block = layer.get_submodule(parent) if parent else layer
-            router = next((f"{parent}.{n}".lstrip(".") for n, m in block.named_children()
+            at = lambda n: f"{parent}.{n}".lstrip(".")  # noqa: E731 - a path inside the layer
+            router = next((at(n) for n, m in block.named_children()
                            if isinstance(m, nn.Linear) and m.out_features == experts), "")
             if not router:  # a router module holding its own (experts, hidden) weight
-                router = next((f"{parent}.{n}".lstrip(".") for n, m in block.named_children()
+                router = next((at(n) for n, m in block.named_children()
                                if getattr(m, "weight", None) is not None and m.weight.dim() == 2
-                               and m.weight.shape[0] == experts and f"{parent}.{n}".lstrip(".") != path), "")
-            shared = next((f"{parent}.{n}".lstrip(".") for n, m in block.named_children()
-                           if n.startswith("shared_expert") and not n.endswith("gate")), "")
+                               and m.weight.shape[0] == experts and at(n) != path), "")
+            linears = lambda m: [c for c in m.modules() if isinstance(c, nn.Linear)]  # noqa: E731
+            shared = next((at(n) for n, m in block.named_children() if at(n) not in (path, router)
+                           and not isinstance(m, nn.Linear) and linears(m)
+                           and all(c.out_features != experts for c in linears(m))), "")  # not a router's gating
+            parts = tuple(f"{shared}.{n}" for n, m in layer.get_submodule(shared).named_modules()
+                          if isinstance(m, nn.Linear)) if shared else ()
+            parts += tuple(at(n) for n, m in block.named_children()
+                           if isinstance(m, nn.Linear) and m.out_features == 1 and at(n) != router)
             biased = any(p.dim() == 2 for n, p in own.items() if n.endswith("bias")) or bool(getattr(module, "has_bias", False))
             gated = bool(getattr(module, "has_gate", True)) and not getattr(module, "is_transposed", False)
-            return path, router, shared, biased, gated
-    return "", "", "", False, True
+            return path, router, shared, parts, biased, gated
+    return "", "", "", (), False, True
 
 
 def _takes_routing(experts) -> bool:

@@ -63,12 +63,12 @@ def _with_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec
         return spec
     layers = model.get_submodule(stack.prefix)
     for kind in stack.kinds:
-        path, router, shared, _, _ = _moe_modules(layers[kind.layers[0]], experts)
+        path, router, shared, parts, _, _ = _moe_modules(layers[kind.layers[0]], experts)
         if path:
             return replace(spec, experts=experts, top_k=config_value(config, "top_k", 1),
                            ffn=config_value(config, "expert_ffn", None) or spec.ffn,
-                           shared_ffn=config_value(config, "shared_ffn", 0) or 0, moe="layout",
-                           moe_paths=(router, path, shared))
+                           shared_ffn=config_value(config, "shared_ffn", 0) or 0,
+                           moe_paths=(router, path, shared, *parts))
     return spec
 
 

@@ -88,10 +88,21 @@ def position_violation(limit: int | None, *, prompt: int, new: int = 0, where: s
             "prompt")
 
 
-def _moe(name, moe, vocab, hidden, layers, heads, kv_heads, experts, top_k, ffn, shared_ffn=0) -> ModelSpec:
+def moe_layout(shared_ffn: int) -> tuple[str, ...]:
+    """`ModelSpec.moe_paths` of the MoE presets' HF classes (what models/facts.py reads off their module trees,
+    tests/models/test_presets.py checks): Mixtral's router and experts, and Qwen2-MoE's shared expert (its
+    three linears and its one-output gate) where a shared expert has a width."""
+    routed = ("mlp.gate", "mlp.experts")
+    if not shared_ffn:
+        return (*routed, "")
+    shared = "mlp.shared_expert"
+    return (*routed, shared, *(f"{shared}.{n}" for n in ("gate_proj", "up_proj", "down_proj")), "mlp.shared_expert_gate")
+
+
+def _moe(name, vocab, hidden, layers, heads, kv_heads, experts, top_k, ffn, shared_ffn=0) -> ModelSpec:
     return ModelSpec(name=name, mixer=Mixer.ATTENTION, vocab=vocab, hidden=hidden, ffn=ffn, layers=layers,
-                     heads=heads, kv_heads=kv_heads, tied=False, moe=moe, experts=experts, top_k=top_k,
-                     shared_ffn=shared_ffn)
+                     heads=heads, kv_heads=kv_heads, tied=False, experts=experts, top_k=top_k,
+                     shared_ffn=shared_ffn, moe_paths=moe_layout(shared_ffn))
 
 
 def _llama(name, vocab, hidden, ffn, layers, heads, kv_heads, tied=False) -> ModelSpec:
@@ -116,10 +127,10 @@ PRESETS: dict[str, ModelSpec] = {
         _mamba2("mamba2-7b", 32768, 4096, 64, 128, 8, tied=False),
         _mamba2("mamba2-tiny", 256, 64, 4, 8, 2, tied=False, state=16, head_dim=16, chunk=16),
         # Mixtral-8x7B (arXiv 2401.04088 table 1); Qwen1.5-MoE-A2.7B (its HF config.json)
-        _moe("mixtral-8x7b", "mixtral", 32000, 4096, 32, 32, 8, experts=8, top_k=2, ffn=14336),
-        _moe("qwen2-moe", "qwen2_moe", 151936, 2048, 24, 16, 16, experts=60, top_k=4, ffn=1408, shared_ffn=5632),
-        _moe("mixtral-tiny", "mixtral", 256, 64, 4, 4, 2, experts=4, top_k=2, ffn=96),
-        _moe("qwen2-moe-tiny", "qwen2_moe", 256, 64, 4, 4, 4, experts=8, top_k=4, ffn=32, shared_ffn=128),
+        _moe("mixtral-8x7b", 32000, 4096, 32, 32, 8, experts=8, top_k=2, ffn=14336),
+        _moe("qwen2-moe", 151936, 2048, 24, 16, 16, experts=60, top_k=4, ffn=1408, shared_ffn=5632),
+        _moe("mixtral-tiny", 256, 64, 4, 4, 2, experts=4, top_k=2, ffn=96),
+        _moe("qwen2-moe-tiny", 256, 64, 4, 4, 4, experts=8, top_k=4, ffn=32, shared_ffn=128),
     )
 }
 
@@ -238,14 +249,10 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
 
 def _with_experts(spec: ModelSpec, facts, config, value) -> ModelSpec:
     """A MoE decoder: routed experts of width expert_ffn (else intermediate_size, Mixtral's naming), a
-    shared expert of shared_ffn. `moe` names the table's layout: "mixtral" (router mlp.gate, experts
-    mlp.experts), "qwen2_moe" (and mlp.shared_expert), else `moe_paths` carries the paths."""
-    paths = (facts.router_path, facts.experts_path, facts.shared_path)
-    layout = {("mlp.gate", "mlp.experts", ""): "mixtral", ("mlp.gate", "mlp.experts", "mlp.shared_expert"): "qwen2_moe"}
-    moe = layout.get(paths, "")
+    shared expert of shared_ffn, the MoE block where the module tree has it (`moe_paths`)."""
     ffn = value("expert_ffn", None) or spec.ffn
     return replace(spec, ffn=ffn, experts=value("experts"), top_k=value("top_k", 1), shared_ffn=value("shared_ffn", 0) or 0,
-                   moe=moe or "layout", moe_paths=() if moe else paths)
+                   moe_paths=(facts.router_path, facts.experts_path, facts.shared_path, *facts.shared_parts))
 
 
 def _tp_proof(spec: ModelSpec, model):

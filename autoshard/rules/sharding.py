@@ -24,9 +24,9 @@ B/C projections and conv channels when tp does not divide n_groups, e.g. mamba2-
 the heads are still split, each reading its own group, and the gated norm syncs its per-group
 sums of squares over tp, runtime/ssd.py `gated_norm`).
 
-Mixture of experts (`MOE_TABLES`, Mixtral and Qwen2-MoE): LLaMA's table with the MoE block in place
-of the MLP: router and shared expert `replicate`, the routed experts `expert` (split over the ep
-axis by `runtime/expert_parallel.py`, which finds them here; whole on every tp rank).
+Mixture of experts (`_moe_block`, at the paths the model's module tree gives: `ModelSpec.moe_paths`): LLaMA's
+table with the MoE block in place of the MLP: router and shared expert `replicate`, the routed experts `expert`
+(split over the ep axis by `runtime/expert_parallel.py`, which finds them here; whole on every tp rank).
 
 Adding an entry: append a `Role` to the family's table; if it needs a new kind of runtime behaviour add a `Strategy` and teach
 `rewrite.shard_program` and `sharding.node_divisor` what it means; the validator and the plan's
@@ -152,27 +152,12 @@ LLAMA = (
     Role("", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), params=()),  # vocab-parallel cross-entropy
 )
 
-# Mixture of experts (Mixtral, Qwen2-MoE): LLaMA's attention, norms, embedding and head; the MoE block
-# (router, routed experts, shared expert) runs whole on every tp rank, its experts split over ep
-# (Megatron-Core's default without expert tensor parallelism). `mlp` is no TP region, so no all-reduce.
-_MOE_BLOCK = (
-    Role("mlp", _L, Strategy.REPLICATE, params=()),  # routing, top-k, combine
-    Role("mlp.gate", _L, Strategy.REPLICATE, fan="experts"),  # the router: (experts, hidden)
-    Role("mlp.experts", _L, Strategy.EXPERT, params=("gate_up_proj", "down_proj")),
-)
-_SHARED_EXPERT = (
-    Role("mlp.shared_expert", _L, Strategy.REPLICATE, params=()),
-    Role("mlp.shared_expert.gate_proj", _L, Strategy.REPLICATE, fan="shared_ffn"),
-    Role("mlp.shared_expert.up_proj", _L, Strategy.REPLICATE, fan="shared_ffn"),
-    Role("mlp.shared_expert.down_proj", _L, Strategy.REPLICATE, fan="shared_ffn"),
-    Role("mlp.shared_expert_gate", _L, Strategy.REPLICATE),  # (1, hidden)
-)
+# Mixture of experts: LLaMA's attention, norms, embedding and head, and the MoE block where the model's module
+# tree has it (`spec.moe_paths`, `_moe_block`): router, routed experts and shared expert run whole on every tp
+# rank, the experts split over ep (Megatron-Core's default without expert tensor parallelism). The block is no
+# TP region, so no all-reduce.
 _DENSE_MLP = ("mlp", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _LLAMA_NO_MLP = tuple(r for r in LLAMA if r.path not in _DENSE_MLP)
-MOE_TABLES: dict[str, tuple[Role, ...]] = {
-    "mixtral": _LLAMA_NO_MLP + _MOE_BLOCK,
-    "qwen2_moe": _LLAMA_NO_MLP + _MOE_BLOCK + _SHARED_EXPERT,
-}
 
 _INNER, _GN = Piece("inner", "heads"), Piece("group_state", "groups", whole=True)
 MAMBA2 = (
@@ -208,10 +193,7 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
     passes/capture/tp_proof.py) replicated with their gradient summed over tp, and
     an embedding whose forward is not a plain lookup (Gemma's scale) replicated: no vocab-parallel class
     swap may drop its forward (with it a tied LM head)."""
-    if spec.moe_paths:
-        base = _LLAMA_NO_MLP + _moe_block(*spec.moe_paths)
-    else:
-        base = MOE_TABLES[spec.moe] if spec.is_moe else TABLES[spec.mixer]
+    base = _LLAMA_NO_MLP + _moe_block(spec) if spec.is_moe else TABLES[spec.mixer]
     out = []
     for role in base:
         if role.path == "self_attn" and spec.head_params:
@@ -225,14 +207,21 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
     return tuple(out)
 
 
-def _moe_block(router: str, experts: str, shared: str) -> tuple[Role, ...]:
-    """A MoE block's roles at the model's own paths (router, routed experts, shared expert)."""
-    block = experts.rpartition(".")[0]
-    roles = (Role(block, _L, Strategy.REPLICATE, params=()), Role(router, _L, Strategy.REPLICATE, fan="experts"),
+def _moe_block(spec: ModelSpec) -> tuple[Role, ...]:
+    """A MoE block's roles at the model's own paths (`spec.moe_paths`): the block (routing, top-k, combine), the
+    router (experts, hidden), the routed experts, the shared expert and its linears (shared_ffn x hidden each),
+    and a one-output gate of the block ((1, hidden): Qwen2-MoE's shared_expert_gate)."""
+    if len(spec.moe_paths) < 3:
+        raise ValueError(f"{spec.name}: a mixture of experts ({spec.experts} experts) without its layout; give "
+                         "ModelSpec.moe_paths = (router, experts, shared expert or '', ...) as paths inside a layer")
+    router, experts, shared, *parts = spec.moe_paths
+    roles = (Role(experts.rpartition(".")[0], _L, Strategy.REPLICATE, params=()),
+             Role(router, _L, Strategy.REPLICATE, fan="experts"),
              Role(experts, _L, Strategy.EXPERT, params=("gate_up_proj", "down_proj")))
     if shared:
         roles += (Role(shared, _L, Strategy.REPLICATE, params=()),)
-    return roles
+    return roles + tuple(Role(p, _L, Strategy.REPLICATE, fan="shared_ffn" if p.startswith(f"{shared}.") and shared
+                              else "one") for p in parts)
 
 
 # -- intra-op choices: alternatives the runtime runs, decided per plan by the planner -----------------

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -22,6 +24,19 @@ def test_preset_numbers_match_the_table():
     m7 = get_spec("mamba2-7b")
     assert (m7.mixer, m7.heads, m7.groups, m7.state, m7.tied) == (Mixer.SSD, 128, 8, 128, False)
     assert get_spec("mamba2-1b").tied
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(PRESETS) if PRESETS[n].is_moe])
+def test_moe_preset_layout_is_what_the_module_tree_shows(name):
+    """A MoE preset's layout (`moe_paths`, no family name) is the one models/facts.py reads off the HF model it
+    builds: router, experts, shared expert and its linears at the modules' own paths."""
+    from autoshard.models.facts import read_facts
+
+    spec = get_spec(name)
+    model = build_model(replace(spec, layers=1), device="meta")
+    facts = read_facts(model.config, model)
+    assert spec.moe_paths == (facts.router_path, facts.experts_path, facts.shared_path, *facts.shared_parts)
+    assert bool(spec.shared_ffn) == bool(facts.shared_path)
 
 
 def test_tiny_presets_run_forward():

@@ -64,7 +64,10 @@ from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
 from autoshard.ir import BlockKind, OpKind
 
 FORMAT = 1
-SHIPPED_FORMAT = 1  # of the shipped tables' contents: bump when capture / shapes semantics change, then rebuild
+# of the shipped tables' contents and keys: bump when capture / shapes semantics or the spec's fields change, then
+# rebuild. 2: the spec's key names its mixer ("attention" / "ssd", not "llama" / "mamba2") and its MoE layout
+# (`moe_paths`, no "moe" family name); the tables' contents are unchanged
+SHIPPED_FORMAT = 2
 SHIPPED = Path(__file__).resolve().parents[2] / "shipped"
 ENV = "AUTOSHARD_CACHE_DIR"
 OFF = "off"
@@ -100,18 +103,11 @@ def content_digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-# The shipped tables were keyed when a spec named its family ("llama" / "mamba2") instead of its layers'
-# sequence mixer: the key keeps that name for the mixer, so the tables still match (one to one)
-_KEY_MIXER = {"attention": "llama", "ssd": "mamba2"}
-
-
 def _spec_fields(spec: Any) -> dict[str, Any]:
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
               if not (f.metadata.get("omit_default") and getattr(spec, f.name) == f.default)}
-    out = {k: v.value if isinstance(v, Enum) else v for k, v in fields.items()}
-    if "mixer" in out:
-        out["family"] = _KEY_MIXER[out.pop("mixer")]
-    return out
+    # in JSON's own form (tuples as lists), so that a key read back from a file compares equal to a fresh one
+    return json.loads(json.dumps({k: v.value if isinstance(v, Enum) else v for k, v in fields.items()}))
 
 
 def spec_key(spec: Any) -> dict[str, Any]:

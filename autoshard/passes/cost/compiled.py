@@ -118,10 +118,10 @@ def kind_spec(spec: ModelSpec, block) -> ModelSpec:
     such a layer is data-parallel over the ep ranks, its gradients reduced over dp x ep."""
     if not spec.is_moe:
         return spec
-    experts = spec.moe_paths[1] if spec.moe_paths else "mlp.experts"
+    experts = spec.moe_paths[1]
     if any(f".{experts}." in f"{n.module_path}." for n in block.nodes):
         return spec
-    return replace(spec, experts=0, top_k=0, shared_ffn=0, moe="", moe_paths=())
+    return replace(spec, experts=0, top_k=0, shared_ffn=0, moe_paths=())
 
 
 def mixed_violation(ct: CompiledTable, layout: Layout) -> str | None:

@@ -15,7 +15,7 @@ Contract: plain functions of the model spec and the layout's mesh, used by `pass
   total work is exact whatever the routing, the factor is 1.
 * Which ops and parameters are routed experts, and that tensor parallelism does not split a MoE
   block (router, experts, shared expert whole on every tp rank), is the sharding table's
-  (rules/sharding.py: the EXPERT and REPLICATE roles of `MOE_TABLES`); the cost model reads it
+  (rules/sharding.py: the EXPERT and REPLICATE roles of `_moe_block`); the cost model reads it
   there (`CompiledBlock.expert`, `sharding.params_per_rank`).
 * Dispatch and combine (`ep_comm_time`): per MoE layer and micro-batch, forward runs one
   all-to-all of the E per-expert counts (int64) and two all-to-alls of T*k*hidden activations
