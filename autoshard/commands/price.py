@@ -55,7 +55,8 @@ def add_parser(sub) -> None:
                    "bf16-mixed on accelerators); fp8: the projections' GEMMs in float8 (torchao)")
     g.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), help="with --precision fp8 (default tensorwise)")
     g.add_argument("--from-megatron", metavar='"ARGS"', help="a Megatron-LM / MindSpeed-LLM command line (its "
-                   "parallel sizes, batch, recompute, optimizer and, without --model, model sizes)")
+                   "parallel sizes, batch, recompute (uniform, selective or block), optimizer (MindSpeed's "
+                   "--reuse-fp32-param too) and, without --model, model sizes)")
     g.add_argument("--from-torchtitan", metavar='"ARGS"', help="a torchtitan.train command line, read by torchtitan's "
                    "own parser (pip install torchtitan==0.3.0 triton)")
     g.add_argument("--plan", metavar="FILE", help="a plan file from autoshard plan --out")

@@ -11,7 +11,9 @@ Contract
 * `parse(text, *, spec, devices) -> Parsed`: the run, global batch and sequence length a Megatron
   command line states; a flag autoshard does not know, or a value it cannot price, is an
   InvalidConfigError naming the flag. Model sizes given must agree with `spec` (or build one:
-  `spec_of`).
+  `spec_of`). Read besides what `arguments` writes for a plan: block recompute (`--recompute-method
+  block --recompute-num-layers N`) and MindSpeed's `--reuse-fp32-param` (TrainingRun.recompute_layers /
+  reuse_fp32_param; written back by `arguments`, never in a plan).
 Axes: Megatron's data-parallel size is world / (tp x pp x cp) and its expert-parallel group is
 carved out of it, so autoshard's dp = Megatron's dp / ep (ep folded into dp, DESIGN.md).
 """
@@ -38,7 +40,7 @@ LAYOUT_FLAGS = {
     "--decoder-first-pipeline-num-layers": "int", "--decoder-last-pipeline-num-layers": "int",
     "--account-for-embedding-in-pipeline-split": "flag", "--account-for-loss-in-pipeline-split": "flag",
     "--bf16": "flag", "--fp16": "flag", "--expert-tensor-parallel-size": "int", "--fp8-format": "str",
-    "--fp8-recipe": "str",
+    "--fp8-recipe": "str", "--reuse-fp32-param": "flag",
 }
 MODEL_FLAGS = {
     "--num-layers": "int", "--hidden-size": "int", "--ffn-hidden-size": "int", "--num-attention-heads": "int",
@@ -173,7 +175,10 @@ def arguments(spec: ModelSpec, run: TrainingRun, *, global_batch: int, seq_len: 
         out += [f"--decoder-first-pipeline-num-layers {split[0]}", f"--decoder-last-pipeline-num-layers {split[-1]}"]
     out += [f"--micro-batch-size {run.micro_batch}", f"--global-batch-size {global_batch}", f"--seq-length {seq_len}"]
     level = run.recompute[0]
-    if level is Recompute.FULL:
+    if run.recompute_layers and level is not Recompute.FULL:
+        out += ["--recompute-granularity full", "--recompute-method block",
+                f"--recompute-num-layers {run.recompute_layers}"]
+    elif level is Recompute.FULL:
         out += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
     elif level is Recompute.SELECTIVE:
         out.append("--recompute-granularity selective")
@@ -184,6 +189,8 @@ def arguments(spec: ModelSpec, run: TrainingRun, *, global_batch: int, seq_len: 
         out += ["--use-megatron-fsdp", f"--data-parallel-sharding-strategy {strategy}"]
     if run.offload:
         out.append("--optimizer-cpu-offload")
+    if run.reuse_fp32_param:  # MindSpeed's flag (a run read from a MindSpeed command line; plans have none)
+        out.append("--reuse-fp32-param")
     out.append("--bf16")
     if run.precision is Precision.FP8:  # the attention / MLP GEMMs in float8, per-tensor current scaling
         out += ["--fp8-format hybrid", "--fp8-recipe tensorwise"]
@@ -294,7 +301,11 @@ def parse(text: str, *, spec: ModelSpec | None, devices: int, source: str = "--f
                       offload="--optimizer-cpu-offload" in got,
                       schedule=Schedule.INTERLEAVED_1F1B if v > 1 else Schedule.ONE_F_ONE_B, virtual_stages=v,
                       recompute=(_recompute(got, source),), sequence_parallel=(bool(got.get("--sequence-parallel")),),
-                      rank_layers=_rank_layers(got, layers, pp, v, source))
+                      rank_layers=_rank_layers(got, layers, pp, v, source), recompute_layers=_block_layers(got),
+                      reuse_fp32_param=bool(got.get("--reuse-fp32-param")))
+    if run.reuse_fp32_param and run.zero == 3:
+        raise InvalidConfigError(f"{source}: --reuse-fp32-param with --use-megatron-fsdp optim_grads_params: MindSpeed "
+                                 "reuses the fp32 copy under ZeRO 0-2 only (it refuses ZeRO-3); drop one")
     if got.get("--expert-tensor-parallel-size", 1) != 1 and tp > 1:
         raise InvalidConfigError(f"{source}: --expert-tensor-parallel-size {got['--expert-tensor-parallel-size']}: "
                                  "autoshard prices each expert whole on every tp rank (--expert-tensor-parallel-size 1)")
@@ -363,11 +374,22 @@ def _recompute(got: dict, source: str) -> Recompute:
         return Recompute.SELECTIVE
     if granularity != "full":
         raise InvalidConfigError(f"{source}: --recompute-granularity {granularity!r}: expected full or selective")
+    if method == "block":  # the first `count` layers of each stage recomputed whole, the rest kept (_block_layers)
+        if not count or count < 1:
+            raise InvalidConfigError(f"{source}: --recompute-method block needs --recompute-num-layers N (N >= 1: the "
+                                     "layers of each pipeline stage recomputed)")
+        return Recompute.NONE
     if (method or "uniform") != "uniform" or (count or 1) != 1:
         raise InvalidConfigError(f"{source}: --recompute-method {method} --recompute-num-layers {count}: autoshard "
                                  "prices full recompute of every layer (--recompute-method uniform "
-                                 "--recompute-num-layers 1); use those, or --recompute-granularity selective")
+                                 "--recompute-num-layers 1) or of the first N layers of each stage (--recompute-method "
+                                 "block --recompute-num-layers N); use those, or --recompute-granularity selective")
     return Recompute.FULL
+
+
+def _block_layers(got: dict) -> int:
+    """Layers of each pipeline stage Megatron's block recompute reruns whole (0: none); _recompute checks the flags."""
+    return got["--recompute-num-layers"] if got.get("--recompute-method") == "block" else 0
 
 
 def _rank_layers(got: dict, layers: int, pp: int, v: int, source: str) -> tuple[int, ...]:

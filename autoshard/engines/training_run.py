@@ -39,9 +39,17 @@ class TrainingRun:
     groups: tuple[str, ...] = ()  # Mamba-2 groups "split" / "whole" per rank where they differ
     precision: Precision = Precision.AUTO  # AUTO: the device's default (bf16-mixed on accelerators)
     fp8_recipe: Fp8Recipe | None = None  # precision fp8 only
+    # what a Megatron / MindSpeed command line may state and a plan cannot (Layout's fields of the same names): the
+    # first `recompute_layers` layers of each stage recomputed whole (block recompute), the reused fp32 copy
+    recompute_layers: int = 0
+    reuse_fp32_param: bool = False
 
     def __post_init__(self) -> None:
         pp = self.mesh.pp
+        if self.recompute_layers and (self.per_stage_recompute or self.recompute[0] is not Recompute.NONE):
+            raise InvalidConfigError(f"block recompute of {self.recompute_layers} layers per stage with recompute "
+                                     f"{'/'.join(r.value for r in self.recompute)}: Megatron's block method keeps the "
+                                     "other layers whole (recompute none); give one or the other")
         for name in ("recompute", "sequence_parallel"):
             if len(getattr(self, name)) not in (1, pp):
                 raise InvalidConfigError(f"{name}: one value or one per pipeline rank ({pp}), got {getattr(self, name)}")
@@ -81,7 +89,8 @@ class TrainingRun:
                       virtual_stages=self.virtual_stages,
                       sequence_parallel=False if sp_differ else self.sequence_parallel[0], strategies=strategies,
                       stage_choices=(("sequence_parallel",) if sp_differ else ()) + (("groups",) if groups_differ else ()),
-                      moe_imbalance=moe_imbalance, precision=self.precision, fp8_recipe=self.fp8_recipe)
+                      moe_imbalance=moe_imbalance, precision=self.precision, fp8_recipe=self.fp8_recipe,
+                      recompute_layers=self.recompute_layers, reuse_fp32_param=self.reuse_fp32_param)
 
     def assignment(self, num_layers: int, layout):
         """The planner's stage assignment of this run under `layout` (`self.layout()`)."""
@@ -105,6 +114,9 @@ class TrainingRun:
         sched = self.schedule.value + (f" x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         sp = "/".join("on" if x else "off" for x in self.sequence_parallel)
         rec = "/".join(r.value for r in self.recompute)
+        if self.recompute_layers:
+            rec = f"block ({self.recompute_layers} layers per stage)"
+        rec += " + reused fp32 copy" if self.reuse_fp32_param else ""
         split = f", stages {'/'.join(map(str, self.rank_layers))} layers" if self.rank_layers else ""
         fp8 = f", fp8 {self.fp8_recipe.value if self.fp8_recipe else 'tensorwise'}" if self.precision is Precision.FP8 else ""
         return (f"dp{m.dp} pp{m.pp} tp{m.tp} cp{m.cp} ep{m.ep}, {sched}, sp {sp}, zero {self.zero}{fp8}"

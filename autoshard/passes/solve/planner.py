@@ -653,12 +653,19 @@ def predict(ct, hw, spec, layout: Layout, a: Assignment, *, global_batch: int, s
         "sequence_parallel" in layout.stage_choices and slow_layout.sequence_parallel)
     step = est.step_time_s if uniform else ev.step_s
     tokens = global_batch * seq_len
+    # block recompute (an engine's command line, never a plan) is priced by estimate alone: the planner's
+    # per-stage tables hold one recompute level per stage
+    block = bool(layout.recompute_layers)
+    if block and not uniform:
+        raise InvalidConfigError("block recompute with per-stage recompute levels or layer choices: give one level "
+                                 "and one choice for every stage")
+    stage_bytes = [g * 1e9 for g in est.stage_memory_gb] if block else ev.stage_bytes
     return {
         "step_time_s": step, "tokens_per_s": tokens / step, "mfu": est.mfu * est.step_time_s / step,
         "memory_gb": (est.memory_gb if uniform else ev.peak_bytes / 1e9),
-        "stage_memory_gb": [b / 1e9 for b in ev.stage_bytes], "stage_time_s": list(ev.stage_s),
+        "stage_memory_gb": [b / 1e9 for b in stage_bytes], "stage_time_s": list(est.stage_times_s if block else ev.stage_s),
         "microbatches": problem.microbatches, "time_breakdown_s": est.time.as_dict(),
-        "memory_breakdown_gb": est.memory.as_gb(), "fits": ev.peak_bytes <= hw.memory_bytes,
+        "memory_breakdown_gb": est.memory.as_gb(), "fits": est.fits if block else ev.peak_bytes <= hw.memory_bytes,
         "source": "cost.estimate(stages=)" if uniform else "cost component tables (per-stage recompute / strategy)",
         **({"layer_kinds": ranges.kind_breakdown(ct, hw, layout, a, global_batch=global_batch, seq_len=seq_len)}
            if ct.kinds else {}),

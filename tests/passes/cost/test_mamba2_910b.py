@@ -172,3 +172,37 @@ def test_a_json_profile_carries_its_stack_and_a_bad_recipe_is_named(tmp_path):
     path.write_text(json.dumps(HW.to_json() | {"stack": None}))
     with pytest.raises(InvalidConfigError, match="name it in field 'stack'"):
         load_hardware(path)
+
+
+RECIPE_ARGS = ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --sequence-parallel "
+               "--micro-batch-size 1 --global-batch-size 1024 --seq-length 4096 --recompute-granularity full "
+               "--recompute-method block --recompute-num-layers 48 --use-distributed-optimizer --reuse-fp32-param "
+               "--bf16")
+
+
+def test_a_mindspeed_command_line_states_the_recipe_and_prices_as_the_stack_runs(mamba):
+    """`autoshard price --from-megatron` of MindSpeed's flags: the same figures as `as_stack_runs` (planner.predict
+    prices block recompute by estimate alone), and the arguments read back to the same run."""
+    from autoshard.engines import megatron
+    from autoshard.engines.training_run import TrainingRun, price
+
+    spec, ct = mamba
+    parsed = megatron.parse(RECIPE_ARGS, spec=spec, devices=8)
+    run = parsed.run
+    assert (run.recompute_layers, run.reuse_fp32_param, run.recompute) == (48, True, (Recompute.NONE,))
+    assert "block (48 layers per stage) + reused fp32 copy" in run.describe()
+    got = price(ct, HW, spec, run, global_batch=1024, seq_len=4096)
+    want = priced(ct, spec, Mesh(dp=4, tp=2))
+    assert got["memory_gb"] == pytest.approx(want.memory_gb) and got["fits"] == want.fits is True
+    assert got["step_time_s"] == pytest.approx(want.step_time_s)
+    assert got["stage_memory_gb"] == pytest.approx(list(want.stage_memory_gb))
+    words = megatron.arguments(spec, run, global_batch=1024, seq_len=4096)
+    assert {"--recompute-method block", "--recompute-num-layers 48", "--reuse-fp32-param"} <= set(words)
+    assert megatron.parse(" ".join(words), spec=spec, devices=8).run == run
+    for bad, message in ((RECIPE_ARGS.replace(" --recompute-num-layers 48", ""), "block needs --recompute-num-layers"),
+                         (RECIPE_ARGS.replace("--use-distributed-optimizer", "--use-megatron-fsdp"),
+                          "--reuse-fp32-param with --use-megatron-fsdp")):
+        with pytest.raises(InvalidConfigError, match=message):
+            megatron.parse(bad, spec=spec, devices=8)
+    with pytest.raises(InvalidConfigError, match="block recompute of 4 layers per stage with recompute full"):
+        TrainingRun(mesh=Mesh(dp=8), recompute=(Recompute.FULL,), recompute_layers=4)
