@@ -1,37 +1,9 @@
 """Entry points; the only module that reads options and the environment.
 
 `parallelize(model, example_inputs, plan=..., global_batch=..., optimizer=...)` turns an
-unmodified HF `LlamaForCausalLM` / `Mamba2ForCausalLM` into this rank's `DistributedModel`:
+unmodified HF `LlamaForCausalLM` / `Mamba2ForCausalLM` into this rank's `DistributedModel`.
 
-1. read the plan (dict / `Plan` / path) and check it against the model and the world size,
-   with no communication;
-2. create the default process group from the torchrun environment if none exists (a plain
-   `python` run is a world of one: a bad plan is raised there without one); every rank compares
-   its plan, model fingerprint and settings (or the error step 1 raised) with the others' in one
-   small all-gather (`runtime/agreement.py`), so every rank raises the same error and nothing
-   hangs; then the groups of every mesh axis;
-3. `passes.rewrite.shard_program` decides this rank's slices and collectives,
-   `runtime.tensor_parallel` carries them out on the model in place (a meta model is
-   materialised here module by module), and pp > 1 wraps the rank's stage in the pipeline runner.
-
-`backend(model, plan=...)` is the torch.compile backend (see the end of this module and
-docs/compile_backend.md):
-
-    compiled = torch.compile(model, backend=autoshard.backend(model, plan=dict(dp=2, tp=2)))
-    loss = compiled(local_ids, labels=local_labels).loss    # this rank's dp shard of the batch
-    loss.backward(); optimizer.step()                       # optimizer over model.parameters()
-
-Calling convention (it is DistributedDataParallel's): every rank runs the same loop; each
-rank passes *its own shard* of the global batch (global_batch / dp rows, where the dp index of
-a rank is `autoshard.runtime.mesh.coords_of(rank, mesh).dp`; tp peers pass the same rows); the
-returned loss is the mean over dp of the ranks' losses, equal on every rank; gradients arrive
-summed over the mesh so every rank's parameters hold the full gradient of that mean loss and
-a plain optimizer over `model.parameters()` takes the same step everywhere.
-
-What it does not do (each refused with a clear error): pp > 1, cp > 1, ep > 1, ZeRO, tp for
-models other than LLaMA-style attention / MLP (Mamba-2's mixer bakes its head counts into
-Dynamo's graph as constants: use `autoshard.parallelize` for Mamba-2 tensor parallelism), and
-parameter memory sharding (parameters stay full size; see `runtime/shard_graph.py`).
+The whole contract: docs/modules/package.md (api.py).
 """
 
 from __future__ import annotations
@@ -79,7 +51,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                 hardware: str = "auto", device: str | torch.device | None = None, seed: int = 0,
                 schedule: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                 compile: bool | str | None = None) -> DistributedModel:
-    """This rank's `DistributedModel` for `model` under `plan` (see the module docstring).
+    """This rank's `DistributedModel` for `model` under `plan` (docs/modules/package.md).
 
     example_inputs: input_ids (b, s), a tuple starting with them, or a dict with "input_ids";
     its sequence length is the plan's, its batch the default global batch.

@@ -2,24 +2,9 @@
 
 Written by `autoshard plan --inference`, explained by `autoshard show`. Same conventions as
 `ir.Plan` (frozen, `to_json` / `from_json` / `save` / `load`, a schema version, `PlanFileError`
-for a malformed file), told apart by `"kind": "inference"`. The usual plan fields (model,
-fingerprint, hardware, devices, mesh) plus:
+for a malformed file), told apart by `"kind": "inference"`.
 
-* `pools`: one `Pool` per role -- ("both",) when prefill and decode share the devices
-  (colocated), ("prefill", "decode") when they are disaggregated. A pool is `replicas` copies
-  of a tp x pp x ep replica serving `batch` sequences at once (ep 1 unless the model is a
-  mixture of experts; absent in older plan files: 1). `mesh` is the colocated pool's
-  (dp = replicas), or the decode pool's when disaggregated.
-* `prompt_len`, `output_len`, `ttft_slo_s`, `tpot_slo_s`: what the plan was made for.
-* `predicted`: ttft_s, tpot_s, throughput_tokens_per_s, memory_gb and memory_breakdown_gb
-  (weights, cache, activations) of the busiest device, batch, the time breakdowns;
-  `solver`: the runner-up and why it lost, layouts priced, seconds taken.
-
-Each replica runs `autoshard.parallelize(model, ids, plan=plan)` (the `InferencePlan` or its
-file) on its tp * pp * ep ranks, then `dm.generate(...)`: `parallelize` takes the replica's
-`Plan` from `replica_training_plan` and checks it with the generation rules (`validity.check_plan(...,
-generate=True)`), not the training batch rules, so any batch generates; such a model generates and
-evaluates but does not train. `replica_plan(role)` is the bare {"tp", "pp", "ep"} of a replica.
+The whole contract: docs/modules/package.md (inference_plan.py).
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class ModelSpec:
 
 
 MAX_POSITIONS = 2 * 65536  # the presets' max_position_embeddings (LLaMA family): 128k-token sequences
-EXPERTS_IMPLEMENTATION = "grouped_mm"  # fixed shapes: traces on fake tensors (module docstring)
+EXPERTS_IMPLEMENTATION = "grouped_mm"  # fixed shapes: traces on fake tensors (docs/modules/models.md, presets.py)
 
 
 def _moe_config(spec: ModelSpec):

@@ -1,6 +1,7 @@
 """The house rules of the package's layout (docs/layout.md), read from the source with `ast` (no spawn, no
-model): no module over 800 lines, the rules and the runtime importing nothing of the planning side, and
-every autoshard name or file a comment or docstring quotes existing."""
+model): no module over 800 lines, module docstrings of a few lines (the contracts are in docs/modules/), the
+rules and the runtime importing nothing of the planning side, and every autoshard name or file a comment or
+docstring quotes existing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import autoshard
 ROOT = Path(autoshard.__file__).parent
 MODULES = sorted(ROOT.rglob("*.py"))
 MAX_LINES = 800
+MAX_DOCSTRING_LINES = 12
 
 
 def _rel(path: Path) -> str:
@@ -31,6 +33,15 @@ def _tree(path: Path) -> ast.Module:
 def test_no_module_over_800_lines():
     long = {_rel(p): n for p in MODULES if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these by what they do (docs/layout.md): {long}"
+
+
+def test_module_docstrings_say_what_the_module_is_for_in_a_few_lines():
+    """Every module opens with a docstring of at most 12 lines; the details belong in docs/."""
+    missing = [_rel(p) for p in MODULES if ast.get_docstring(_tree(p)) is None and p.read_text().strip()]
+    long = {_rel(p): n for p in MODULES
+            if (n := len((ast.get_docstring(_tree(p), clean=False) or "").strip().splitlines())) > MAX_DOCSTRING_LINES}
+    assert not missing, f"modules without a docstring: {missing}"
+    assert not long, f"module docstrings over {MAX_DOCSTRING_LINES} lines (move the details to docs/): {long}"
 
 
 def _imports(path: Path, *, module_level: bool) -> set[str]:

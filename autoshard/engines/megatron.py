@@ -1,21 +1,6 @@
 """Megatron-LM / MindSpeed-LLM arguments of a training run, and a run read back from them.
 
-Contract
---------
-* `project(ct, hw, spec, run, *, global_batch, seq_len) -> (run, notes)`: the run Megatron can
-  express, with a note per setting it cannot (per-stage recompute or sequence parallelism, zero-bubble
-  schedules, uneven middle stages, replicated vocabulary) and the run re-priced without it.
-* `arguments(spec, run, *, global_batch, seq_len) -> list[str]`: `pretrain_gpt.py` arguments
-  (MindSpeed-LLM takes the same names): parallel sizes, virtual pipeline, uneven first / last
-  stage, recompute, distributed optimizer / Megatron-FSDP, batch, bf16, the model's sizes.
-* `parse(text, *, spec, devices) -> Parsed`: the run, global batch and sequence length a Megatron
-  command line states; a flag autoshard does not know, or a value it cannot price, is an
-  InvalidConfigError naming the flag. Model sizes given must agree with `spec` (or build one:
-  `spec_of`). Read besides what `arguments` writes for a plan: block recompute (`--recompute-method
-  block --recompute-num-layers N`) and MindSpeed's `--reuse-fp32-param` (TrainingRun.recompute_layers /
-  reuse_fp32_param; written back by `arguments`, never in a plan).
-Axes: Megatron's data-parallel size is world / (tp x pp x cp) and its expert-parallel group is
-carved out of it, so autoshard's dp = Megatron's dp / ep (ep folded into dp, DESIGN.md).
+The whole contract: docs/modules/engines.md (engines/megatron.py).
 """
 
 from __future__ import annotations
@@ -276,7 +261,7 @@ def read_flags(text: str, known: dict, ignored: tuple[str, ...], *, source: str)
 
 
 def parse(text: str, *, spec: ModelSpec | None, devices: int, source: str = "--from-megatron") -> Parsed:
-    """The run a Megatron-LM command line states on `devices` devices (see the module docstring)."""
+    """The run a Megatron-LM command line states on `devices` devices (docs/modules/engines.md)."""
     got, skipped = read_flags(text, {**LAYOUT_FLAGS, **MODEL_FLAGS}, IGNORED_FLAGS, source=source)
     tp, pp = got.get("--tensor-model-parallel-size", 1), got.get("--pipeline-model-parallel-size", 1)
     cp, ep = got.get("--context-parallel-size", 1), got.get("--expert-model-parallel-size", 1)

@@ -1,16 +1,6 @@
 """vLLM and SGLang launch commands of a serving plan (`InferencePlan`).
 
-Contract
---------
-`commands(engine, plan, *, model_path) -> list[Launch]`: one launch per pool (colocated: one; disaggregated:
-a prefill and a decode server, each with the engine's prefill / decode role), each the engine's own
-flags for tensor / pipeline parallel size, expert parallelism, data-parallel replicas, the concurrent
-sequences per replica (vLLM `--max-num-seqs`, SGLang `--max-running-requests`) and the context
-(`prompt_len + output_len`).
-Expert parallelism: autoshard's replica of tp x pp x ep ranks splits each MoE layer's experts over ep;
-both engines run it as attention data-parallel over ep with the experts spread over all tp x ep ranks
-(vLLM `--data-parallel-size ep --enable-expert-parallel`, SGLang `--tp-size tp*ep --ep-size tp*ep
---dp-size ep --enable-dp-attention`), the concurrent sequences split over the ep attention ranks.
+The whole contract: docs/modules/engines.md (engines/serving.py).
 """
 
 from __future__ import annotations

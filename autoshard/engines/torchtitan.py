@@ -1,21 +1,6 @@
 """torchtitan 0.3 command line of a training run, and a run read back through torchtitan's own parser.
 
-Contract
---------
-* `project(ct, hw, spec, run, *, global_batch, seq_len) -> (run, notes)`: the run torchtitan expresses:
-  data parallelism as DDP replication (ZeRO-0) or FSDP sharding (`data_parallel_shard_degree`: ZeRO-3,
-  or ZeRO-2 with `fsdp_reshard_after_forward never`), one recompute level and one sequence-parallel
-  choice, a schedule torchtitan names, and a layer split its `first/last_stage_less_layers` and
-  `layers_per_stage` produce; a note per setting it cannot express, the run re-priced without it.
-* `arguments(spec, run, *, global_batch, seq_len, hf_config_dir) -> list[str]`: `torchtitan.train`
-  arguments: `--module llama3 --config llama3_{8b,70b,405b}` where the model has those sizes, else
-  torchtitan's Hugging Face backend (`--module transformers_modeling_backend --hf_model DIR`, DIR
-  holding the model's config.json).
-* `parse(words, *, spec, devices) -> (run, global_batch, seq_len)`: through torchtitan's own
-  `ConfigManager.parse_args` (so the `--config` function's defaults apply); a flag it refuses or a
-  setting autoshard cannot price is an InvalidConfigError naming it.
-Axes: torchtitan's dp_replicate x dp_shard is autoshard's dp x ep (ep borrowed from the data-parallel
-ranks, DESIGN.md); FSDP shards over dp_shard x cp, as autoshard's ZeRO does over dp x ep x cp.
+The whole contract: docs/modules/engines.md (engines/torchtitan.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """One training layout as an engine states it, priced by the planner's own numbers.
 
-Contract
---------
-* `TrainingRun`: mesh (dp, pp, tp, cp, ep: autoshard's axes, ep folded into dp as Megatron-Core and
-  torchtitan fold it), micro-batch, ZeRO level, optimizer offload, pipeline schedule and virtual
-  stages, and per pipeline rank its layer count, recompute level and sequence parallelism (one entry:
-  the same on every rank; `rank_layers` empty: the even split of `ir.even_stages`).
-* `run_of_plan(plan)`: the run a plan describes, exactly (per-stage recompute and sequence
-  parallelism, uneven stages included).
-* `price(ct, hw, spec, run, *, global_batch, seq_len) -> dict`: `planner.predict` of the run's layout and
-  stage assignment, the figures a plan's `predicted` holds; a plan's own run prices to its prediction.
-* `uniform(run, ...)`: the run with one recompute level and one sequence-parallel choice on every
-  rank, the fastest such that fits (what an engine without per-stage settings runs instead).
-* `compare(priced, best)`: how much faster `best` is and the time terms that differ most.
-Terms: a "rank" is a pipeline rank (its virtual stages together); "chunk" a model chunk (pp x v).
+The whole contract: docs/modules/engines.md (engines/training_run.py).
 """
 
 from __future__ import annotations

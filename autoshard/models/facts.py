@@ -7,17 +7,7 @@ axes this model cannot run yet, each with a one-line reason naming the module an
 The planner does not search a refused axis (`rules/validity.axis_violation`) and `parallelize`
 refuses a plan that uses one, with that reason; every other axis still plans.
 
-Terms:
-* *sequence mixer*: attention (the config has attention heads and the layers hold an attention
-  module calling HF's attention interface) or the SSD scan (the config has an SSM state size,
-  groups and a conv kernel: Mamba-2). A model with neither is refused.
-* *alias table* (`ALIASES`): {fact: config field names, in the order tried}. A family that names a
-  field differently is one more name here, not a branch.
-* *tp proof*: HF's declared tp styles autoshard does not run are refused here by name
-  (`tp_style_refusal`); whether the sharding table holds for the model's code (which parameters'
-  gradients must be summed over tp, Qwen3's per-head q/k norms; what cannot be split, OLMo2's
-  full-width norm, Phi-3's fused qkv) is proven by placement propagation over the traced graph
-  (passes/capture/tp_proof.py), not guessed from module names.
+The whole contract: docs/modules/models.md (models/facts.py).
 """
 
 from __future__ import annotations
@@ -74,7 +64,7 @@ def config_value(config, fact: str, default=None):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelFacts:
-    """What autoshard reads off one decoder (see the module docstring)."""
+    """What autoshard reads off one decoder (docs/modules/models.md)."""
 
     mixer: str  # "attention" | "ssd"
     base: str  # the base model's attribute ("model", "backbone", ...)
@@ -103,7 +93,7 @@ class ModelFacts:
 
 
 def read_facts(config, model) -> ModelFacts:
-    """The facts of `model` (a HF causal LM) and its `config` (module docstring)."""
+    """The facts of `model` (a HF causal LM) and its `config` (docs/modules/models.md)."""
     from torch import nn
 
     base_name = getattr(model, "base_model_prefix", "") or "model"

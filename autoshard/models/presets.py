@@ -4,16 +4,7 @@ and Qwen1.5-MoE-A2.7B, plus tiny debug sizes.
 A preset is a `ModelSpec` (frozen numbers) that builds an unmodified HF `LlamaForCausalLM`,
 `Mamba2ForCausalLM`, `MixtralForCausalLM` or `Qwen2MoeForCausalLM`.
 
-Mixture of experts: Mixtral and Qwen2-MoE are LLaMA-family decoders (`family` LLAMA: the same
-attention, norms, embedding and head, the same tensor- and context-parallel rules) whose MLP is a
-routed mixture of `experts` expert MLPs of width `ffn`, `top_k` per token (`moe` names the HF
-architecture; Qwen2-MoE adds a shared expert of width `shared_ffn`). Their experts run HF's
-`grouped_mm` experts implementation (sort by expert, `histc` counts, `cumsum` offsets,
-`torch._grouped_mm`: every shape fixed by the token count), which `hf_config` sets explicitly:
-HF's `eager` implementation loops over `nonzero()` of the routing mask, whose shapes depend on
-the data and cannot be traced on fake tensors. `build_model(spec, device="meta")` allocates no weights: planning a 70B
-model needs none. `resolve_model` also accepts `package.module:factory`, a callable returning
-an `nn.Module` (its spec is read off the HF config it carries).
+The whole contract: docs/modules/models.md (models/presets.py).
 """
 
 from __future__ import annotations

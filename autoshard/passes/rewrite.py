@@ -2,33 +2,9 @@
 
 Contract: `shard_program(plan, spec, params, tp_rank=r)` -> `ShardProgram`, a frozen table for
 tensor-parallel rank `r` of the unmodified HF model whose parameters are `params`
-({original name: shape}):
+({original name: shape}).
 
-* `placements`: every parameter name -> `Replicate()` or `Shard(dim, index, parts, segments)`.
-  A sharded tensor is the concatenation along `dim` of pieces of sizes `segments` (one piece
-  for a plain linear; Mamba-2's in_proj is [z, x, B, C, dt]); each piece is cut in `parts`
-  equal slices and the rank keeps slice `index` of every piece, except the pieces marked in
-  `whole`, which every rank keeps whole. `parts` < tp, or a whole piece, means the slice is held
-  by several ranks whose gradients are partial sums (`partial_grads`).
-* `regions`: module paths whose input enters a tensor-parallel region (identity forward,
-  gradient all-reduce backward), `rowwise`: linears whose partial outputs are summed (all-reduce
-  forward, identity backward); `vocab_embed` / `vocab_head`: the vocab-parallel embedding and LM
-  head (the loss is then the vocab-parallel cross-entropy).
-* `attrs`: (module path, attribute, value) for module fields that hold sizes (Mamba-2's mixer
-  keeps num_heads, n_groups, intermediate_size, conv_dim; LLaMA's num_key_value_groups).
-* `sequence_parallel` (plan key): the `sequence` roles of the sharding table (the norms) and the
-  residual stream run on this rank's tp shard of the sequence; regions gather it, row-parallel
-  linears and the vocab embedding reduce-scatter to it, the LM head gathers it. Per stage
-  (a plan listing one value per model chunk): `sequence_paths`, the modules of the layers of the
-  sequence-parallel stages (and the embedding / head with the first / last stage's).
-* The plan's layer choices ("groups") may differ per stage: each layer is cut as its stage chose.
-  `sequence_grads`: the parameters each rank then computes a partial gradient of from its shard
-  (the norms' weights, row-parallel biases), summed over tp.
-
-What is split, how, and where the collectives go comes from the family's sharding table
-(`rules/sharding.py`); plans are checked before this pass by `rules/validity.py check_plan`.
-
-This pass decides; `autoshard.runtime.tensor_parallel` carries the table out on the module.
+The whole contract: docs/modules/package.md (passes/rewrite.py).
 """
 
 from __future__ import annotations
@@ -44,7 +20,7 @@ from autoshard.rules.sharding import Strategy
 
 def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, ...]], *,
                   tp_rank: int) -> ShardProgram:
-    """The table for tp rank `tp_rank` (see the module docstring); `params`: {name: full shape}.
+    """The table for tp rank `tp_rank` (docs/modules/package.md); `params`: {name: full shape}.
     Every placement, region, row-parallel linear and vocab-parallel module comes from the family's
     sharding table (`rules/sharding.py`)."""
     tp = plan.mesh.tp

@@ -7,23 +7,9 @@ Contract (p stages, m micro-batches, v virtual stages (model chunks) per pipelin
   p2p_factor(schedule, v) -> int                 stage-boundary crossings per micro-batch, relative to 1F1B
   check_chunks(schedule, v, pp=, microbatches=, layers=)  what the torch schedules accept (beyond ir.check_schedule)
 
-With equal stages t the makespan is (m + f (p - 1)) t, the bubble fraction f(p-1)/(m + f(p-1)):
+With equal stages t the makespan is (m + f (p - 1)) t, the bubble fraction f(p-1)/(m + f(p-1)).
 
-* "1f1b" (PipeDream-Flush, Narayanan et al. 2021 sec. 2.2.1): f = 1, bubble (p-1)/(m+p-1); stage i
-  holds min(p - i, m) micro-batches.
-* "gpipe" (Huang et al. 2019; torch ScheduleGPipe: all forwards, then all backwards): the same
-  bubble, but every stage holds all m micro-batches.
-* "interleaved-1f1b" (Narayanan et al. 2021 sec. 2.2.2; torch ScheduleInterleaved1F1B): each rank
-  runs v chunks, so fill and drain shrink v times: f = 1/v, bubble (p-1)/(v m + p-1); activations
-  in flight grow by (1 + (p-1)/(p v)) (Korthikanti et al. 2022 sec. 4.2.3); each micro-batch crosses
-  v times as many stage boundaries (v x the p2p sends).
-* "zero-bubble" (ZB-H1, Qi et al. 2024, "Zero Bubble Pipeline Parallelism", sec. 3): backward split
-  into input-gradient B and weight-gradient W, W deferred into the bubble; with T_F = T_B = T_W the
-  bubble is (p-1)(T_F + T_B - T_W) against 1F1B's (p-1)(T_F + T_B + T_W): f = 1/3, the same peak
-  activation memory as 1F1B (min(p - i, m) micro-batches). With virtual_stages = 2 (the V placement
-  of ScheduleZBVZeroBubble, ir.stage_rank) each rank's chunks are half a stage, so fill and drain
-  shrink once more as with interleaving: f = 1/(3v) (an approximation: ZB-V's bubble with T_F = T_B =
-  T_W is smaller still), v x the p2p sends, 1F1B's peak memory (ZB-V, same paper sec. 6).
+The whole contract: docs/modules/rules.md (rules/schedules.py).
 """
 
 from __future__ import annotations

@@ -1,48 +1,9 @@
 """The sharding table: what tensor parallelism does to every module role, one table per model family.
 
 This is the one place that says what TP shards (DESIGN.md, "One source of truth"). Everything else
-derives from it:
+derives from it.
 
-* the rewrite (`passes/rewrite.py shard_program`): each parameter's `Shard` / `Replicate`, the
-  modules whose input enters a TP region, the row-parallel linears, the vocab-parallel embedding
-  and LM head;
-* the cost model (`passes/cost/cost.py`): the divisor of every captured node's FLOPs, bytes and saved
-  activations (`node_divisor`), the parameters each TP rank holds (`params_per_rank`), and the TP
-  collectives of a block (`row_parallel_count`);
-* the plan's `placements` (`block_placements`), printed by `autoshard show`;
-* the TP rules of the one plan validator (`rules/validity.py plan_violation`, via `tp_violation`).
-
-The table has the shape of torchtitan's `parallelize` plans ({module path: ColwiseParallel(), ...}):
-a tuple of `Role`s, each a module path inside its block with a `Strategy`. A role that splits
-tensors lists its `pieces`: the pieces of its parameters along the split dimension (one for a
-plain linear; Mamba-2's in_proj is [z, x, B, C, dt]) and, per piece, the count that TP splits
-(heads, KV heads, groups, the MLP width, the vocabulary). `tp` must divide that count; a piece
-marked `share=True` also allows tp to be a multiple of the count (each rank then keeps one part,
-shared by tp / count ranks: LLaMA's KV heads under GQA); a piece marked `whole=True` is kept
-whole on every rank when tp does not divide its count (its gradient summed over tp: Mamba-2's
-B/C projections and conv channels when tp does not divide n_groups, e.g. mamba2-1b's one group;
-the heads are still split, each reading its own group, and the gated norm syncs its per-group
-sums of squares over tp, runtime/ssd.py `gated_norm`).
-
-Mixture of experts (`_moe_block`, at the paths the model's module tree gives: `ModelSpec.moe_paths`): LLaMA's
-table with the MoE block in place of the MLP: router and shared expert `replicate`, the routed experts `expert`
-(split over the ep axis by `runtime/expert_parallel.py`, which finds them here; whole on every tp rank).
-
-Adding an entry: append a `Role` to the family's table; if it needs a new kind of runtime behaviour add a `Strategy` and teach
-`rewrite.shard_program` and `sharding.node_divisor` what it means; the validator and the plan's
-placements follow by themselves.
-
-Sequence parallelism (plan key `sequence_parallel`, Megatron-LM's, Korthikanti et al. 2022 sec.
-4.2.2; torchtitan's SequenceParallel): the roles marked `sequence` (the RMSNorms outside the TP
-regions) and the layer's own ops (residual adds) run on this rank's tp shard of the sequence
-(`Strategy.SEQUENCE`, `sequence_modules`); a region's input is all-gathered along the sequence
-(reduce-scatter backward) instead of entering by identity, a row-parallel output and the
-vocab-parallel embedding's output are reduce-scattered along it instead of all-reduced, and the
-LM head's input is all-gathered. Weights stay whole; their gradients are summed over tp.
-
-The scheme is Megatron-LM's (Shoeybi et al. 2019, sec. 3): attention by heads, MLP column then
-row, vocab-parallel embedding / LM head / cross-entropy; Mamba-2 as in Megatron-Core's mamba
-mixer (in_proj by heads and groups, conv1d by channel, gated norm by group, out_proj row-parallel).
+The whole contract: docs/modules/rules.md (rules/sharding.py).
 """
 
 from __future__ import annotations

@@ -3,30 +3,9 @@
 Every rank runs the same program on what it was given (a plan, a global batch). When one rank is
 given something else, the collectives pair up wrongly: a silently wrong loss, an error on one
 rank and "connection closed" on the others, or a hang until the process group's timeout. So
-before the first collective that depends on them, the ranks compare:
+before the first collective that depends on them, the ranks compare.
 
-* the plan (`plan_facts`): a hash of its JSON, its mesh and batch numbers, the model's
-  fingerprint and the run settings, once in `autoshard.parallelize`;
-* the global batch (`batch_facts`): its shape and a digest each of input_ids and labels,
-  at every `train_step` (and `DistributedModel.__call__`), with the out-of-vocabulary and position checks.
-
-Contract: `agree(what, names, values, error=..., device=...)` ("plan", "global batch") is collective over the default group,
-and every rank calls it with the same `what` and `names`. `values` is this rank's {name: int}
-(None when its own checks failed), `error` the `AutoshardError` those checks raised (or None).
-It costs one all_gather of len(names) + 2 int64 per rank; then on every rank:
-
-* some rank failed its own checks: every rank raises the same error (the class and text of
-  the lowest failing rank, naming which ranks failed; a second exchange carries the text, only
-  then). When every rank failed the same way, that error is raised unchanged;
-* the values differ: every rank raises the same `InvalidConfigError` naming each differing
-  field and which ranks hold which value;
-* else it returns.
-
-Digests: BLAKE2b (64 bits) of the tensor's bytes as int64 in row-major order (`tensor_digest`), so any
-change of any token, a swap, or a shift is seen, up to a 2^-64 chance (weighted checksums were not:
-+1, -2, +1 on three adjacent tokens kept sum(x) and sum(x * (2i + 1)) alike). int32 and int64 batches of
-the same values agree. Nothing here reads beyond the batch every rank holds; its cost per step is
-measured by bench/bench_agreement.py.
+The whole contract: docs/modules/runtime.md (runtime/agreement.py).
 """
 
 from __future__ import annotations
@@ -138,7 +117,7 @@ def _out_of_vocabulary(name: str, t: Tensor, vocab: int) -> str:
 
 def agree(what: str, names: Sequence[str], values: Mapping[str, int] | None, *, error: AutoshardError | None,
           device: torch.device, hint: str = "") -> None:
-    """See the module docstring. Collective over the default process group."""
+    """See docs/modules/runtime.md. Collective over the default process group."""
     world = dist.get_world_size()
     if (error is None) == (values is None):
         raise ValueError("agree: give values, or the error this rank's checks raised, not both")

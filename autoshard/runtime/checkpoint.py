@@ -1,44 +1,6 @@
 """Checkpoints through `torch.distributed.checkpoint` (DCP), loadable under any plan and world size.
 
-Contract:
-* `save_checkpoint(dm, path)` (collective, every rank) writes one DCP checkpoint of
-  - `model.<name>`: every parameter, FULL (global shape), keyed by its original HF name (under
-    bf16-mixed the fp32 master weights, not the bf16 copies the model runs: runtime/precision.py);
-  - `optim.state.<name>.<key>`: the optimizer state of that parameter (Adam's `exp_avg`,
-    `exp_avg_sq` in the parameter's global shape, `step` as a scalar), whatever the ZeRO level:
-    ZeRO-1/2 flat shards are gathered over dp and cut back into parameters;
-    `optim.hparams.<key>`: the numeric hyperparameters of the first parameter group (lr, betas, ...);
-  - `train.steps` (the steps taken) and `rng.cpu` / `rng.cuda` (the generator states);
-  plus `autoshard.json` (model name, fingerprint, parameter shapes, optimizer class, steps, plan).
-  The keys are torch's own flattened state-dict keys (`get_state_dict` + DCP), so a plain torch
-  program can read the checkpoint too.
-  Each rank contributes the tensors of the parameters its pipeline stage holds, assembled over tp,
-  the routed experts over ep (`dm.gather_shards`), and over dp for ZeRO state; copies held by several ranks are written once (DCP deduplicates
-  equal keys). Memory: one stage's full parameters and optimizer state live on each rank while it saves.
-* Atomic: the checkpoint is written to `.<name>.partial` beside `path`; when every rank's files and
-  `autoshard.json` are complete, rank 0 renames it to `path` (the previous checkpoint, if any, is
-  first moved to `.<name>.old` and deleted last). A crash at any point leaves a loadable checkpoint:
-  `path`, or `.<name>.old` when the crash fell between the two renames (`load_checkpoint` looks there).
-* A save that fails fails everywhere, at once: every step only some ranks take (rank 0 preparing the
-  `.partial` directory, writing `autoshard.json`, the renames) ends in one exchange of its outcome
-  (`_together`, not a barrier), and DCP's own write step collects every rank's failure; so any error
-  while writing (read-only file system, no space, permission, a path through a file) is the same
-  one-line `CheckpointError` naming the path and the cause on every rank, no rank is left waiting, the
-  previous checkpoint is untouched (it still loads) and the model trains on.
-* Integrity: `autoshard.json` records the sha256 of every file the save wrote (`digests`: DCP's
-  `.metadata` and each `.distcp` shard; the ranks hash a share each). `load_checkpoint` checks the sizes
-  DCP's metadata needs, then every digest (the ranks hash a share each and exchange the result), before
-  DCP unpickles or reads anything: a corrupted, truncated or swapped shard is a `CheckpointError` naming
-  the file on every rank. DCP's own `CheckpointException` (a BaseException) never reaches the user raw.
-  Cost: bench/bench_checkpoint.py. A checkpoint of format 1 (before digests) loads unverified.
-* `load_checkpoint(dm, path, missing_ok=False) -> steps` (collective) reads the keys this rank needs (its stage's
-  parameters and their optimizer state), cuts them to this rank's experts, tp slice and ZeRO shard
-  (`dm.local_piece`), and restores
-  steps and RNG. A checkpoint of another model, one that is incomplete (a missing or truncated file),
-  or one whose optimizer differs raises `CheckpointError` naming both sides.
-* `save_pretrained(dm, path)`: HF `config.json` + `model.safetensors` of the full weights (rank 0
-  writes; every rank takes part in the gather), loadable with `from_pretrained`.
-The directory must be on a file system every rank sees (as DCP's FileSystemWriter requires).
+The whole contract: docs/modules/runtime.md (runtime/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -117,7 +79,7 @@ def _resolve(path: Path) -> Path:
 # -- save -------------------------------------------------------------------------------------------
 
 def save_checkpoint(dm: DistributedModel, path: str | os.PathLike) -> Path:
-    """Write `dm`'s model, optimizer, steps and RNG to `path` (collective; see the module docstring)."""
+    """Write `dm`'s model, optimizer, steps and RNG to `path` (collective; see docs/modules/runtime.md)."""
     final = _directory(path, "save_checkpoint", writing=True)
     tmp, old = _siblings(final)
     rank, device = dist.get_rank(), dm.device

@@ -1,27 +1,9 @@
 """Collectives with the autograd transpose they need (Megatron's conjugate pairs).
 
 Contract: each function is differentiable and its backward is the *transpose* of its forward
-on the group, so a model split over tp computes the same gradients as the unsplit model:
+on the group, so a model split over tp computes the same gradients as the unsplit model.
 
-    copy_to_group       forward identity        backward all-reduce (sum)   ("f")
-    reduce_from_group   forward all-reduce      backward identity           ("g")
-    gather_last_dim     forward all-gather      backward keep own slice
-                        (concat on the last dim)
-    sum_over_group      forward all-reduce      backward all-reduce (sum)
-                        (a total every rank uses for its own slice: the gated norm's
-                        sums of squares when a norm group spans ranks)
-    gather_from_sequence          forward all-gather along the sequence   backward reduce-scatter
-    reduce_scatter_to_sequence    forward reduce-scatter along it         backward all-gather
-                        (sequence parallelism: Megatron-LM's conjugate pair of the same names)
-    gather_sequence     forward all-gather along the sequence   backward keep own slice
-    split_sequence      forward keep own slice                  backward all-gather
-                        (a pipeline boundary between a sequence-parallel stage and one that is
-                        not: the full tensor, the same on every tp rank, crosses it; Megatron-LM's
-                        gather / scatter_to_sequence_parallel_region)
-
-They call torch.distributed directly, not `_c10d_functional.all_reduce`, whose autograd in
-torch 2.13 all-reduces again in backward (the trap in DESIGN.md). With a group of size 1 they
-are the identity and launch nothing.
+The whole contract: docs/modules/runtime.md (runtime/comm.py).
 """
 
 from __future__ import annotations

@@ -7,25 +7,7 @@ Contract: `CPContext(group=..., rank=..., size=...)` names the CP group of this 
 this rank's slice of the full-sequence forward, and its backward the matching gradients
 (summed over the CP group they give the full-sequence gradients).
 
-Terms (S = global sequence length, cp = CP group size):
-
-* *balanced* layout (LLaMA): the sequence is cut into 2*cp chunks of S/(2*cp) tokens; rank i
-  holds chunks i and 2*cp-1-i, so every rank has the same causal-attention work.
-  Attention all-gathers K and V over the group (the gradient is a reduce-scatter), see
-  `cp_attention.py`.
-* *contiguous* layout (Mamba-2): rank i holds tokens [i*S/cp, (i+1)*S/cp); a scan has no
-  causal imbalance. The mixer passes chunk-final SSM states between ranks, see `cp_mamba.py`.
-* a hybrid (Mamba-2 SSD mixers and attention in one model: Bamba, Nemotron-H, Falcon-H1, ...):
-  contiguous, the layout state passing needs; its attention layers all-gather K and V as above and
-  each rank attends its one contiguous chunk (`cp_attention.py`, the work is not balanced). A layer
-  holding a sequence mixer with no CP algorithm (Mamba-1's selective scan) is refused by the plan
-  check (models/layered.py `stack_refusals`).
-
-Labels: the causal shift (target[t] = label[t+1]) crosses chunk borders, so labels are shifted
-over the *whole* sequence first (`split_targets`) and split afterwards with the same layout.
-The loss is sum over local valid tokens / global valid-token count; summing it over the CP
-(and DP) group gives the global mean, so replicated parameters' gradients are *summed* over
-dp x cp.
+The whole contract: docs/modules/runtime.md (runtime/context_parallel.py).
 """
 
 from __future__ import annotations

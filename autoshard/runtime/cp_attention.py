@@ -6,21 +6,7 @@ it and attaches `ctx` to each attention module. The unmodified `LlamaAttention` 
 it with this rank's q (b, hq, 2c, d) and k, v (b, hkv, 2c, d), already rotated with this rank's
 real position ids (c = S / (2 cp), balanced layout: local chunks i and 2cp-1-i).
 
-Algorithm (all-gather, the cheap choice under GQA):
-
-1. k and v are packed into one (b, 2 hkv, 2c, d) tensor and all-gathered over the CP group
-   (one collective of 2*hkv*S*d elements per layer; its autograd backward is a
-   reduce-scatter of dk, dv).
-2. The gathered keys are put back in natural order (a fixed permutation).
-3. Each local query chunk j attends to the key prefix [0, (j+1) c), with the causal mask built
-   from the real global positions (query position >= key position). Rank i thus computes
-   (i+1) + (2cp-i) = 2cp+1 chunk pairs: the same on every rank (the load balance).
-
-Under the contiguous layout (a hybrid whose SSD mixers pass states: runtime/context_parallel.py)
-`install_cp_attention(model, ctx, SeqLayout.CONTIGUOUS)` makes each rank attend its one chunk of
-S / cp tokens [r S/cp, (r+1) S/cp) to the key prefix [0, (r+1) S/cp) instead (`causal_attention`).
-
-HF creates no mask for an attention implementation it does not know, so the mask is ours.
+The whole contract: docs/modules/runtime.md (runtime/cp_attention.py).
 """
 
 from __future__ import annotations

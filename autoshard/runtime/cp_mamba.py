@@ -6,23 +6,7 @@ exactly this slice of the full-sequence mixer output (training path, no cache), 
 module's own in_proj / conv1d / norm / out_proj, so tensor-parallel wrappers of those still
 apply (sizes are read off the parameters, not the config: heads may be TP-local).
 
-Why state passing rather than all-to-all to head sharding (Megatron-Core): the all-to-all moves
-the whole (b, L, d_inner + 2 g n) activation twice per layer and needs cp | heads and cp | groups
-(mamba2-tiny has 2 groups, mamba2-1b has 1); state passing moves (b, h, p, n) per rank once
-(O(d_inner * d_state * cp), the paper's figure) and works for any head/group count.
-
-Per layer, two all-gathers over the CP group (both autograd: backward is a reduce-scatter):
-
-1. conv halo: each rank's last conv_kernel-1 pre-conv xBC tokens; rank r convolves its slice
-   prefixed by rank r-1's tail (zeros on rank 0), the same as the causal conv of the full
-   sequence.
-2. states: each rank scans its slice from a zero state (`ssd_chunk_scan`), giving local outputs,
-   the slice-final state F_r (b, h, p, n) and the slice's total log-decay T_r (b, h). After the
-   gather, rank r's true initial state is h_r = sum_{j<r} exp(T_{j+1} + ... + T_{r-1}) F_j, and
-   its outputs gain C_t . (exp(cumsum_{<=t} A dt) h_r), the SSD off-diagonal term.
-
-Every rank keeps every gathered value in its autograd graph (rank 0 with zero weights), so every
-rank runs the backward reduce-scatter and no rank waits alone.
+The whole contract: docs/modules/runtime.md (runtime/cp_mamba.py).
 """
 
 from __future__ import annotations

@@ -1,52 +1,6 @@
 """Data parallelism: bucketed gradient reduction overlapped with backward, and ZeRO-1/2.
 
-Contract:
-* `GradSync(params, group, zero=0|1|2)` groups the parameters (in reverse order, the order
-  backward produces their gradients) into buckets of `gradient_bucket_params(dp)` parameters
-  (Megatron-Core DDP's max(40M, 1M x dp), passes/cost/collectives.py: the cost model's buckets too).
-  Between `begin(...)` and `finish()`, a post-accumulate-grad hook counts each parameter's gradient
-  as ready; a bucket whose gradients are all ready has its reduction launched asynchronously
-  (buckets launch strictly in order, so every dp rank issues the same collectives in the same
-  order) while backward continues. `finish()` launches what is left and waits.
-* Gradients live in flat fp32 buffers (Megatron-LM's contiguous grad buffer): each parameter's
-  `main_grad` is a view into its bucket's buffer, and the hook adds every micro-batch's `.grad`
-  into it and drops `.grad` (`take_grad`), so no second copy of a gradient is ever made:
-  * zero=0: the persistent buffer is all-reduced (sum) in place on the last micro-batch. Without
-    main gradients (fp32) `p.grad` is then the parameter's view of it (DDP's
-    `gradient_as_bucket_view`); a group of one reduces nothing and keeps autograd's `p.grad`.
-  * zero=1: the persistent buffer is reduce-scattered in place on the last micro-batch: dp rank i
-    receives slice i of every (padded) bucket in its own part of the buffer (Megatron's
-    distributed optimizer; the rest of the buffer is not read again before the next step zeroes it).
-  * zero=2 (DeepSpeed stage 2): no persistent full buffer. A bucket gets a zeroed staging buffer
-    when its first gradient of a micro-batch arrives, is reduce-scattered in place on EVERY
-    micro-batch, and its slice is added into this rank's persistent fp32 slice (`acc`) before
-    the buffer is freed. At most STAGING_BUFFERS (2) are held: one filling while the previous
-    one is reduced (DeepSpeed's double-buffered ipg_buffer); a third bucket first waits for the
-    oldest in flight (one more is made only if both held still wait for gradients, which come
-    out of bucket order). The cost model prices the two buckets (passes/cost/cost.py
-    `zero2_staging_bytes`) and the reduce-scatter per micro-batch (`zero2_time`). Needs pp = 1
-    (rules/validity.py; DeepSpeed has the same rule): a pipeline schedule accumulates gradients
-    over micro-batches inside its own loop.
-* Gradients are summed, not averaged: the loss is already divided by the global token count
-  (`runtime/loss.py`), so the sum over dp ranks is the gradient of the global mean.
-* `ShardedOptimizer` (ZeRO-1/2, and bf16-mixed at any level < 3): each bucket's parameters
-  become views of one flat buffer (Megatron-LM's param buffer); the optimizer is built over this
-  rank's slices of the buckets; `step()` steps them and all-gathers the updated parameters in
-  place into the param buffer, this rank's slice already there. Element-wise optimizers (SGD,
-  Adam, AdamW) then give the same weights as one process stepping everything.
-
-`begin(last=False)` (an earlier micro-batch of gradient accumulation) lets the hooks do nothing
-but add into the main gradients (zero=2: also reduce).
-
-Precision. Under bf16-mixed (`main_grads=True`, which `DistributedModel` asks for,
-runtime/precision.py) the parameters are bf16 and `ShardedOptimizer` holds the fp32 MASTER weights:
-this rank's slice of every bucket (zero=1/2) or every bucket whole (zero=0: a shard world of one);
-it steps them on the fp32 gradient slices, casts them into this rank's slice of the bf16 param
-buffer and all-gathers that in place. With fp32 parameters (`masters=False`) there is no copy: the
-optimizer steps this rank's slice of the param buffer in place. Reductions are fp32. Between steps
-a rank keeps what the cost model prices (passes/cost/cost.py `state_bytes`); while a step runs, the
-sync allocates only ZeRO-2's staging buffers (tests/runtime/test_state_bytes.py measures both,
-both precisions).
+The whole contract: docs/modules/runtime.md (runtime/data_parallel.py).
 """
 
 from __future__ import annotations

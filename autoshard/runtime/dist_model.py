@@ -1,30 +1,6 @@
 """`DistributedModel`: one rank's part of the training step a Plan describes.
 
-Contract (DESIGN.md, "Entry points"): built by `autoshard.parallelize` on every rank;
-* `train_step(input_ids, labels)`: the *global* batch on every rank. This rank takes its dp
-  slice, runs forward and backward over its micro-batches (pp > 1: under the pipeline schedule
-  of `runtime/pipeline.py`), reduces gradients over dp (bucketed, overlapped with the last
-  backward; ZeRO-2: with every backward), steps the optimizer if one was given (ZeRO-1/2:
-  sharded over dp), and returns the global mean loss over valid tokens, the same 0-d tensor on
-  every rank. First every rank checks the batch (shape, token ids and labels inside the
-  vocabulary) and that all ranks hold the same one (`runtime/agreement.py`): any problem is the
-  same error on every rank.
-* `full_grads()` / `full_state_dict()`: {original HF parameter name: full tensor} on every rank
-  (collectives over tp, pp and, under ZeRO, dp; for checks, not the fast path). Under bf16-mixed
-  (runtime/precision.py: bf16 parameters, fp32 main gradients and masters) they are the fp32 main
-  gradients and the fp32 master weights.
-* `__call__(input_ids)`: full logits (b, s, V) on every rank, no gradient.
-* `generate(input_ids, max_new_tokens=N)`: greedy generation on a plan with dp = cp = 1 (tp,
-  pp and, for MoE models, ep any), prompt + new tokens on every rank, equal to HF's single-process
-  greedy `generate`; the KV cache / Mamba-2 state stays sharded as the weights are (see `runtime/generate.py`).
-  A model built from an inference plan (`RankSetup.generate_only`: checked by generation's rules,
-  not training's batch rules) generates and evaluates; its `train_step` refuses.
-
-Expert parallelism (ep > 1, runtime/expert_parallel.py): the batch is split over dp x ep (the ep
-peers are data-parallel replicas of the dense layers), dense gradients and the loss are reduced
-over dp x ep x cp, expert gradients over dp x cp; `full_*` gather the experts over ep.
-With `config.output_router_logits` the loss adds HF's router auxiliary loss, its statistics
-combined over dp x ep x cp (`expert_parallel.load_balancing_loss`), averaged over micro-batches.
+The whole contract: docs/modules/runtime.md (runtime/dist_model.py).
 """
 
 from __future__ import annotations
@@ -74,7 +50,7 @@ class RankSetup:
 
 
 class DistributedModel:
-    """See the module docstring."""
+    """See docs/modules/runtime.md."""
 
     def __init__(self, setup: RankSetup, *, optimizer: OptimizerFactory | None = None):
         self._setup = setup

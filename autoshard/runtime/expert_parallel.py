@@ -9,44 +9,7 @@ contiguous slice of the experts (rank r of ep: experts [r*E/ep, (r+1)*E/ep)), un
 parameter names (`gate_up_proj`, `down_proj`: dim 0 is the expert), so `named_parameters()` still
 reports the HF names. It returns the names of the expert parameters (`expert_param_names`).
 
-`ParallelExperts.forward(hidden (T, h), top_k_index (T, k), top_k_weights (T, k))` is HF's
-experts contract; the router, the shared expert and everything else stay HF's own modules:
-
-1. the T*k (token, expert) pairs are sorted by expert (stable), the per-expert counts (E,)
-   taken with `bincount`;
-2. the counts are exchanged first (`all_to_all_single` of E integers: rank j receives, from every
-   peer, the counts of its own E/ep experts), giving both split-size lists;
-3. the rows are dispatched with `all_to_all_single_autograd` (its backward is the reverse
-   all-to-all), regrouped expert-major, each local expert's MLP applied to its rows
-   (act(gate) * up, then down: HF's gated experts), and sent back by the reverse all-to-all;
-4. the rows are unsorted, weighted by the routing weights and summed over k, as HF's
-   `grouped_mm_experts_forward` does, so the output equals the single-process layer's.
-
-Routing is dropless: every (token, expert) pair is computed, no capacity factor, no token is
-dropped (the cost model takes the busiest expert's load from `--moe-imbalance`).
-
-Gradients: an expert's gradient on its rank already sums the contributions of every ep peer's
-tokens (the backward all-to-all brings them), so it is reduced over dp x cp only; dense
-parameters (attention, router, shared expert, norms, embedding, head) are data-parallel replicas
-over dp x ep x cp (`runtime/mesh.py`). `GradSyncs` runs one `GradSync` per group.
-
-Router auxiliary loss (`output_router_logits=True`): `load_balancing_loss` below.
-
-Generation (`replicated_tokens`, used by `DistributedModel.generate` only): every ep rank of a
-serving replica holds the SAME sequences, so the all-to-all above would compute each token once
-per rank. Inside `with replicated_tokens(model):` each `ParallelExperts` instead slices the
-experts: the routing is computed identically on every rank, each rank runs its local experts on
-the (token, expert) pairs routed to them (HF's eager loop: weighted, `index_add_` in expert
-order), and the partial outputs (T, h) are summed over the ep group with one all-reduce. Training
-never enters this mode.
-
-Experts split over tp (the replicas of an inference plan, `apply_expert_parallel(..., tp_group=)`):
-serving engines split every expert's GEMMs over tp (HF's `moe_tp_experts`, Megatron's expert tensor
-parallelism) rather than keeping the experts whole on every tp rank as training does. Each tp rank
-holds its rows of every local expert's gate and up projections and the matching columns of its down
-projection (`expert_tp_placements`); the tp ranks hold the same tokens, so each computes its slice
-of every routed pair and one all-reduce over tp sums them (after the ep sum). Such a model
-generates and evaluates; it does not train (its `train_step` refuses, as for every inference plan).
+The whole contract: docs/modules/runtime.md (runtime/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -132,7 +95,7 @@ class ParallelExperts(nn.Module):
 
     def _sliced(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Every ep rank holds the same tokens: this rank's experts on the pairs routed to them, the
-        weighted partial sums (T, h) all-reduced over ep (module docstring, Generation)."""
+        weighted partial sums (T, h) all-reduced over ep (docs/modules/runtime.md, Generation)."""
         out = torch.zeros_like(hidden)
         for e in range(self.local):
             token_idx, slot = torch.where(top_k_index == self.first + e)
@@ -171,7 +134,7 @@ def _peer_to_expert_order(per_peer: list[list[int]], device: torch.device) -> Te
 def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_group: dist.ProcessGroup, *, ep: int,
                           ep_rank: int, tp_group: dist.ProcessGroup | None = None, tp: int = 1,
                           tp_rank: int = 0) -> frozenset[str]:
-    """Swap every experts module for this rank's `ParallelExperts` (module docstring); the names of
+    """Swap every experts module for this rank's `ParallelExperts` (docs/modules/runtime.md); the names of
     the expert parameters. The plan rule on ep (rules/validity.ep_violation) is checked first.
     `tp_group` (serving replicas of an inference plan only): each expert's GEMMs split over tp as well
     (`expert_tp_placements`), the partial outputs all-reduced over tp."""

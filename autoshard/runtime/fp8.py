@@ -5,24 +5,9 @@ the linears of `rules/sharding.py float8_modules(spec)` (every layer's attention
 mixer projections, the shared expert's; not the embedding, the LM head, norms, routers, the
 routed experts' grouped weights or the SSD scan) for torchao's `Float8Linear`, configured by the
 recipe as torchao names it (`Float8LinearConfig.from_recipe_name`: "tensorwise" or "rowwise").
-It runs on this rank's tensor-parallel slices (after runtime/tensor_parallel.py) and before FSDP2:
+It runs on this rank's tensor-parallel slices (after runtime/tensor_parallel.py) and before FSDP2.
 
-* the parameters stay the same objects (names, ties, the main-gradient hooks and the masters of
-  bf16-mixed are untouched): FP8 is bf16-mixed (runtime/precision.py) with these GEMMs in float8,
-  each operand scaled by its own amax per tensor (tensorwise) or per row (rowwise) in forward and
-  backward; the GEMM returns bf16, so everything around it is bf16-mixed's;
-* a row-parallel linear becomes `Float8RowParallelLinear`: torchao's float8 GEMM of the local
-  slice, then the same all-reduce / reduce-scatter as `RowParallelLinear`, the bias added once;
-* under ZeRO-3 with the tensorwise recipe, `fsdp_float8_all_gather` wraps each weight so that
-  FSDP2 casts its fp32 shard to float8 (scale from the global amax) and all-gathers 1 byte per
-  parameter instead of bf16's 2 (torchao's `enable_fsdp_float8_all_gather`); rowwise gathers bf16.
-
-Each rank scales its own slice of the batch and of the weights, so a distributed FP8 step agrees with
-the single-process FP8 step to float8 precision, not bit for bit (tests/runtime/equivalence.py).
-On CUDA, `torch._scaled_mm` needs both dimensions of a GEMM operand to be multiples of 16: a local
-slice that is not (a tiny model cut by tp) stays bf16 there, as torchao's own filter keeps it.
-On CPU torch runs `_scaled_mm` on float8 tensors too (slowly): that is how the tests run the numerics.
-torchao is imported here only (it loads torch._dynamo, which the rest of the runtime does not need).
+The whole contract: docs/modules/runtime.md (runtime/fp8.py).
 """
 
 from __future__ import annotations
@@ -80,7 +65,7 @@ def _row_parallel_class(float8) -> type:
 
 def apply_float8(model: nn.Module, spec: ModelSpec, recipe: Fp8Recipe, *, device: torch.device,
                  fsdp_float8_all_gather: bool = False) -> tuple[str, ...]:
-    """Swap the float8 modules of `model` for torchao's Float8Linear (module docstring); the paths swapped."""
+    """Swap the float8 modules of `model` for torchao's Float8Linear (docs/modules/runtime.md); the paths swapped."""
     from autoshard.rules.sharding import float8_modules
 
     float8 = torchao_float8()

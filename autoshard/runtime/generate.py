@@ -1,37 +1,6 @@
 """Greedy generation on one replica of a plan: tensor and pipeline parallel, cache kept sharded.
 
-Contract: `Generator(model, spec, chunks, placement, tp_group=..., pp_group=..., device=...)` is
-built on every rank of one replica (dp = cp = 1; ep > 1 for MoE models: every ep rank holds the
-same sequences, the caller slices the experts with `expert_parallel.replicated_tokens`); `chunks`
-are this rank's stage modules by model-chunk index and `placement` the pp rank of every chunk in model order (one chunk per rank,
-or several under virtual stages: `ir.stage_rank`). `generate(input_ids, max_new_tokens=N)` takes
-the same prompts (b, s) on every rank and returns prompt + new tokens (b, s + n), n <= N, the same
-tensor on every rank; prompt + N may not exceed the model's max_position_embeddings
-(`presets.position_violation`: HF only warns there). The tokens are those of HF's single-process
-`model.generate(input_ids, max_new_tokens=N, do_sample=False)` on unpadded prompts: argmax of
-the float32 logits of the last position, and once a sequence has produced an end-of-sequence
-token (`model.generation_config.eos_token_id`) it is padded with `pad_token_id` (the first
-EOS id when none is set), generation stopping early when every sequence has finished.
-
-How it runs:
-* Each rank holds one HF `DynamicCache(config=...)` for the layers of all its chunks. Its layers
-  are created lazily from the first tensors written, so under tensor parallelism every rank
-  caches only its own heads: LLaMA's K/V (b, kv_heads / tp or 1, t, head_dim), Mamba-2's conv
-  state (b, conv channels of this rank, d_conv) and SSM state (b, heads / tp, head_dim, d_state)
-  -- sharded as the weights are. LLaMA attention is HF's own; the Mamba-2 mixer runs
-  `runtime/ssd.py cached_mixer_forward` (HF's cached path with each head reading its own group,
-  so a tp that keeps the groups whole works too).
-* Prefill runs the whole prompt through the chunks once (filling the caches); every decode
-  step runs one token per sequence. The chunks run in model order: when chunk i + 1 sits on
-  another rank, the hidden states (b, t, h) hop there with point-to-point send/recv in the pp
-  group (each tp rank to its peer: the hidden states are replicated over tp), their dtype
-  travelling in a small header at prefill. With virtual stages the hidden states visit every
-  rank virtual_stages times (up to pp * virtual_stages - 1 hops per step; the inference planner
-  prices and emits one chunk per rank, pp - 1 hops: more chunks only add hops to a decode step).
-  `torch.distributed.pipelining` schedules are for training (micro-batches, backward) and are
-  not used here.
-* The rank of the last chunk computes the logits of the last position (vocab slice under tp),
-  gathers them over tp, takes the argmax and broadcasts the next tokens to every pp rank.
+The whole contract: docs/modules/runtime.md (runtime/generate.py).
 """
 
 from __future__ import annotations
@@ -62,7 +31,7 @@ def stop_tokens(model: nn.Module) -> tuple[tuple[int, ...], int | None]:
 
 
 class Generator:
-    """This rank's part of greedy generation (see the module docstring)."""
+    """This rank's part of greedy generation (docs/modules/runtime.md)."""
 
     def __init__(self, model: nn.Module, spec: ModelSpec, chunks: Mapping[int, StageModule],
                  placement: Sequence[int], *, tp_group: dist.ProcessGroup | None,

@@ -6,25 +6,7 @@ Contract: `causal_lm_loss(logits, labels, num_tokens=N)` returns
 the first label) happens here, per sequence, so a batch split over data-parallel ranks or
 micro-batches shifts the same way as the whole batch.
 
-Terms: a *valid* token is one whose shifted label is not -100. `N` is the count of valid tokens
-of the **global** batch (all micro-batches, all dp ranks): summing the returned values over
-micro-batches and dp ranks gives the global mean, never a mean of means. With ``num_tokens=None``
-the denominator is this call's own count (HF's ``reduction="mean"``).
-
-Vocab parallelism: with ``tp_group`` the logits are this rank's contiguous vocab slice
-``[rank * V_local, (rank + 1) * V_local)`` of the tp group (the LM head split column-wise over
-the vocab); the cross-entropy is computed with three all-reduces of (tokens,) vectors and no
-rank ever holds the full logits. The loss is then the same on every rank of the group and its
-gradient is this rank's slice of the full gradient.
-
-Memory (what `passes/cost/cost.py` `logits_bytes` prices): the cross-entropy runs in place on one
-float32 copy of the logits, as Megatron-LM's fused vocab-parallel cross-entropy does: the copy
-becomes the log-softmax, which is all it keeps for backward, and backward turns it into the
-gradient in place (float32 temporaries a block of rows at a time). Per logit: the logits as the
-head wrote them (2 B in bf16) and 4 B, never the float32 logits, log-softmax and gradient side by
-side that ``F.cross_entropy(logits.float())`` holds; without vocab parallelism the loss and the
-gradient are that call's (the gradient to the bit). Backward runs once (a second one raises
-autograd's in-place error).
+The whole contract: docs/modules/runtime.md (runtime/loss.py).
 """
 
 from __future__ import annotations
@@ -53,7 +35,7 @@ def causal_lm_loss(logits: Tensor, labels: Tensor, *, num_tokens: int | Tensor |
 
     logits: (b, s, V) full logits, or (b, s, V / tp) this rank's vocab slice when `tp_group`
     is given. labels: (b, s) unshifted, -100 = ignore. num_tokens: the global valid-token
-    count (see the module docstring); None means this batch's own count.
+    count (docs/modules/runtime.md); None means this batch's own count.
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree; "

@@ -6,16 +6,7 @@ rank, `coords_of` gives the rank's index on every axis and `build_groups` create
 group per axis for the peers that differ only on that axis (every rank creates every group, in
 the same order, as torch.distributed requires).
 
-Expert parallelism folds into data parallelism (Megatron-Core, torchtitan; docs/expert_parallel.md):
-the ep peers of a rank hold different experts of the same layers and different rows of the batch,
-so for the dense layers they are data-parallel replicas. With ep > 1 `build_groups` also creates
-`replicas`, the dp x ep x cp group over which dense gradients are summed (and the loss); expert
-gradients are summed over dp x cp only, since the all-to-all already brought every ep peer's
-tokens to the rank that holds the expert. ep sits inside dp and outside cp and tp, so an ep
-group spans the fewest nodes that the inner axes leave.
-
-The backend follows the device: gloo on CPU, nccl on CUDA, hccl on an Ascend NPU
-(`torch_npu` is imported only when an NPU is asked for).
+The whole contract: docs/modules/runtime.md (runtime/mesh.py).
 """
 
 from __future__ import annotations

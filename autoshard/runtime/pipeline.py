@@ -5,28 +5,7 @@ of the world at once (it creates process groups). Rank i of `pp_group` runs stag
 `build_stage_module(model, spec, stages[i])` (see `stages.py`), wrapped in a `PipelineStage`
 and driven by `ScheduleGPipe` or `Schedule1F1B`; no scheduler of our own.
 
-* `step(input_ids, labels, num_tokens=N)` runs forward and backward of this pipeline's batch
-  (the local batch of one dp rank, given on every rank of the pp group), split into
-  `batch / micro_batch` micro-batches. The last stage's loss is `causal_lm_loss(..., num_tokens=N,
-  tp_group=...)` per micro-batch, N being the valid-token count of the *global* batch; the
-  schedule runs with `scale_grads=False`, so gradients and the returned loss are *sums* over
-  micro-batches: summing them over dp ranks (all-reduce SUM, not mean) gives the global mean
-  loss and its gradient. The loss is broadcast from the last stage to every rank of the pp group.
-* Tied embeddings (embedding weight is the LM head weight, first and last stage on different
-  ranks): each of the two ranks holds a copy; after the backward `step` all-reduces the copy's
-  gradient over the 2-rank group {first, last}, so both hold the full gradient and stay equal
-  after any optimizer step.
-* Gradients accumulate in `.grad` of the stage's parameters (the caller zeroes them).
-* `forward(input_ids)` runs the forward only and returns the last stage's logits (the local
-  vocab slice under TP) on every rank of the pp group.
-* Context parallelism (`cp`, a `runtime.context_parallel.CPRuntime`): `step` and `forward`
-  take this rank's slice of the sequence (labels shifted over the whole sequence first), LLaMA
-  stages use the slice's real positions, and `forward` returns the local slice of the logits.
-* Memory: by default (`PipelineOptions.free_other_stages`) the parameters of the other ranks'
-  stages are replaced in `model` by meta tensors once the stage is cut, so a rank keeps only
-  its stage's weights; names and shapes of `model.named_parameters()` stay as they were.
-* `gather(tensors)` turns {original name: tensor of this stage} into the same dict for the
-  whole model on every rank of the pp group (checks and `full_grads`, not the fast path).
+The whole contract: docs/modules/runtime.md (runtime/pipeline.py).
 """
 
 from __future__ import annotations
@@ -87,7 +66,7 @@ def _schedule_class(schedule: Schedule, virtual_stages: int) -> type:
 
 
 class PipelineRunner:
-    """This rank's pipeline chunks and the schedules that drive them (see the module docstring)."""
+    """This rank's pipeline chunks and the schedules that drive them (docs/modules/runtime.md)."""
 
     def __init__(self, model: nn.Module, spec: ModelSpec, stages: Sequence[Stage], *,
                  pp_group: dist.ProcessGroup, device: torch.device | str,

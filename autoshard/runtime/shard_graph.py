@@ -4,23 +4,9 @@ Contract: `shard_graph(gm, param_names, program, groups)` returns a new GraphMod
 this rank's part of the same training step. `param_names` maps placeholder names to original
 parameter names (None for data inputs and buffers); `program` is the `ShardProgram` that
 `passes.rewrite.shard_program` decided for this tp rank, so the backend and `parallelize` slice
-the same parameters the same way. The graph is rewritten at the torch-function level:
+the same parameters the same way. The graph is rewritten at the torch-function level.
 
-* a parameter placeholder with a `Shard` placement is replaced by its local slice, taken from
-  `copy_to_group(p, tp)`: the slice's gradient lands zero-padded in the full tensor and the
-  backward all-reduce over tp completes it, so every tp rank holds the full gradient
-  (for KV heads shared by several ranks the all-reduce also sums their partial gradients);
-* `linear` with a column-sharded weight (Shard dim 0) gets its input through `copy_to_group`
-  (identity forward, gradient all-reduce backward); with a row-sharded weight (Shard dim 1)
-  its output goes through `reduce_from_group` (all-reduce forward, identity backward) and the
-  bias, if any, is added after the sum (Megatron-LM's f / g pair);
-* every parameter passes `copy_to_group(p, dp)` first, so its gradient is summed over dp; a
-  0-dim floating output (the loss) becomes the mean over dp, so the summed gradients are those
-  of the mean loss.
-
-Parameters stay full-size on every rank (the optimizer steps them identically everywhere): the
-backend shards compute and activations, not parameter memory. Embedding and LM head stay
-replicated (vocab-parallel cross-entropy needs the loss rewritten: `parallelize` does that).
+The whole contract: docs/modules/runtime.md (runtime/shard_graph.py).
 """
 
 from __future__ import annotations
@@ -64,7 +50,7 @@ def dp_mean(loss: torch.Tensor, dp_group) -> torch.Tensor:
 
 def shard_graph(gm: fx.GraphModule, param_names: Mapping[str, str | None], program: ShardProgram,
                 groups: Groups) -> fx.GraphModule:
-    """Rewrite `gm` for this rank (see the module docstring)."""
+    """Rewrite `gm` for this rank (docs/modules/runtime.md)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     placements = dict(program.placements)

@@ -1,37 +1,6 @@
 """Memory-efficient chunked SSD for HF Mamba-2 mixers: what the cost model's `ssd_chunk_scan` prices.
 
-Contract
---------
-* `ssd_scan(x, dt, A, B, C, *, chunk, D=None, dt_bias=None, dt_limit=(0, inf), head_group=None,
-  final_state=False)`: the Mamba-2 SSD (arXiv 2405.21060 sec. 6, "state space dual" chunked form),
-  the same math as HF's `mamba2_chunk_scan` (`torch_forward` path): `dt` is discretised inside
-  (dt + dt_bias, softplus, clamp), `B`, `C` stay per group (b, L, g, n) and head i reads group
-  `head_group[i]` (default: i // (h / g)). Returns y (b, L, h, p) in float32 with the D skip,
-  and, with `final_state=True`, the state after the last token (b, h, p, n).
-* Memory: an autograd Function that keeps for backward only its inputs (as given: bf16 views
-  stay views) and the float32 state entering every chunk (b, L/l, h, p, n). Backward recomputes
-  the chunk-local tensors (the l x l masks and scores, B and C repeated to heads) one phase at a
-  time: outputs from the saved chunk states, then the chunk states themselves. That is the
-  contract of mamba_ssm's / Ascend's fused kernels and of `passes/capture/kernels.py` `ssd_cost`.
-* Where it runs: `fused_scan(device)` is mamba_ssm's `mamba_chunk_scan_combined` on CUDA where
-  mamba_ssm is installed, with or without its CUDA extensions (production Mamba-2 training's kernel,
-  the same math and arguments as HF's `mamba2_chunk_scan`, and what the GPU profiles price), else None and `ssd_scan` runs the torch
-  Function above (on CUDA with a one-time warning: 4.4-6.5x slower than priced on an H200).
-* `mixer_forward(mixer, hidden_states, ...)`: HF's Mamba-2 mixer forward (training path, no cache)
-  with the scan above; every op outside the scan is HF's own, so what they save for backward is
-  what the captured graph says. `install_ssd_mixers(model)` puts it on every SSD mixer, found by
-  its pattern (models/facts.py `ssd_mixers`: A_log, D, dt_bias, conv1d and HF's size attributes),
-  not its class: Mamba2Mixer, BambaMixer, NemotronHMamba2Mixer, GraniteMoeHybridMambaLayer,
-  Zamba2MambaMixer, FalconH1Mixer. Their forwards differ only where `projected` and `gated_norm`
-  read the mixer: Falcon-H1's mup multipliers (`ssm_in_multiplier` on the input, `mup_vector` per
-  in_proj channel), its optional norm (`mamba_rms_norm` False: y * silu(gate)) and
-  `norm_before_gate`; the dt limits are each mixer's `time_step_limit`.
-  With a cache (generation, runtime/generate.py) it runs `cached_mixer_forward`: HF's cached
-  torch path (prefill by the chunked scan from the cached state, one token by `recurrent_step`)
-  with every local head reading its own group, as the scan does -- so tp may keep the groups
-  whole (tp not dividing n_groups) in generation too; the conv and SSM states stay per rank.
-* `ssd_chunk_scan(x, dt, A, B, C, chunk)`: the plain autograd version from a zero state (B, C
-  already per head, dt already discretised), kept as the reference the tests compare against.
+The whole contract: docs/modules/runtime.md (runtime/ssd.py).
 """
 
 from __future__ import annotations
@@ -187,7 +156,7 @@ def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
 def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, chunk: int, D: Tensor | None = None,
              dt_bias: Tensor | None = None, dt_limit: tuple[float, float] = (0.0, float("inf")),
              head_group: Tensor | None = None, final_state: bool = False):
-    """See the module docstring. x (b, L, h, p), dt (b, L, h) before softplus, A (h,), B, C (b, L, g, n);
+    """See docs/modules/runtime.md. x (b, L, h, p), dt (b, L, h) before softplus, A (h,), B, C (b, L, g, n);
     `head_group` None: head i reads group i // (h / g). On CUDA with mamba_ssm installed, its fused
     kernel runs instead (`fused_scan`)."""
     kernel = fused_scan(x.device)

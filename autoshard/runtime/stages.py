@@ -7,24 +7,7 @@ pipeline stage of a HF `LlamaForCausalLM` or `Mamba2ForCausalLM`:
     middle stage  hidden (b, s, h)        -> layers [first_layer, end_layer)          -> hidden
     last stage    hidden (b, s, h)        -> layers -> final norm -> LM head           -> logits
 
-(a stage that is both first and last maps input_ids to logits). Logits are (b, s, V), or this
-rank's vocab slice (b, s, V / tp) when the model's LM head has been split for TP in place.
-
-Invariants:
-* The stage *shares* the model's modules: no copy, parameters keep their identity, so whatever
-  was done to the model in place (TP slicing, loaded weights) is what the stage runs, and
-  `original_names(model, stage_module)` maps every stage parameter name back to the name the
-  parameter has in `model.named_parameters()` (for tied embeddings the LM head weight maps to
-  the embedding's name, the one HF reports).
-* Chaining the stages of `even_stages(...)` (or any valid split) in one process reproduces
-  `model(input_ids).logits` exactly: LLaMA layers get the rotary position embeddings computed
-  locally from position ids 0..s-1 (or this rank's positions under context parallelism, see
-  `build_stage_module`) and the causal mask from HF's own `create_causal_mask`
-  (None under sdpa, which then runs causal); Mamba-2 blocks do their residual themselves.
-* `stage.recompute == Recompute.FULL` checkpoints every layer of the stage (only each layer's
-  input is kept; its forward reruns in backward).
-
-Terms: a *split* is the tuple of `Stage`s of a pipeline, stage i on pp rank i.
+The whole contract: docs/modules/runtime.md (runtime/stages.py).
 """
 
 from __future__ import annotations
@@ -42,7 +25,7 @@ from autoshard.runtime.comm import gather_sequence, split_sequence
 
 
 class StageModule(nn.Module):
-    """One pipeline stage; the family subclasses say how layers are called (see module docstring)."""
+    """One pipeline stage; the family subclasses say how layers are called (docs/modules/runtime.md)."""
 
     def __init__(self, stage: Stage, *, config, embed: nn.Module | None, layers: Sequence[nn.Module],
                  norm: nn.Module | None, lm_head: nn.Module | None) -> None:
@@ -279,7 +262,7 @@ class Mamba2Stage(StageModule):
 def build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
                        positions: Callable[[int], torch.Tensor] | None = None,
                        sequence_shards: int = 1, boundary_group=None) -> StageModule:
-    """The module of `stage`, sharing `model`'s submodules (see the module docstring).
+    """The module of `stage`, sharing `model`'s submodules (docs/modules/runtime.md).
 
     positions: local sequence length -> (1, s) position ids of this rank's tokens (context
     parallelism); default 0..s-1. Only LLaMA uses positions (rotary embeddings, causal mask).

@@ -2,37 +2,9 @@
 
 Contract: `apply_tensor_parallel(model, program, group)` leaves `model` with every parameter
 replaced by this rank's slice (same names, ties kept), module size attributes set, and the
-collectives of the program inserted:
+collectives of the program inserted.
 
-* regions: a forward pre-hook passes the module's hidden-states input through
-  `copy_to_group` (identity forward, gradient all-reduce backward);
-* rowwise linears become `RowParallelLinear` (partial output all-reduced, bias added once);
-* the vocab embedding becomes `VocabParallelEmbedding`, the LM head `VocabParallelHead`
-  (its output is this rank's vocab slice of the logits: use the vocab-parallel loss);
-* `checkpoint` modules rerun their forward in backward (torch.utils.checkpoint, non-reentrant).
-
-Sequence parallelism (`program.sequence_parallel`, Megatron-LM's, Korthikanti et al. 2022 sec.
-4.2.2): the residual stream between the regions is this rank's 1/tp shard of the sequence (dim 1),
-so the norms run on it. A region's forward first all-gathers its hidden-states input along the
-sequence (`gather_from_sequence`: reduce-scatter in backward); a tensor the region saves for
-backward that is that gathered input (the projections' input) is kept as the shard and gathered
-again when backward needs it (saved-tensor hooks, `_ShardSaved`), as Megatron keeps the sharded
-input of its column-parallel linears; a region under recompute keeps its shard as the checkpoint's
-input and gathers again in the rerun. Row-parallel linears and the vocab-parallel embedding
-reduce-scatter along the sequence (`reduce_scatter_to_sequence`) instead of all-reducing; the LM
-head all-gathers its input. Per stage: only the modules of `program.sequence_paths` (the layers of
-the sequence-parallel stages; the embedding / head with the first / last stage's) do so; the
-pipeline converts at a boundary between stages that differ (runtime/stages.py). The gather is in the region's forward (not a pre-hook) so that a
-checkpoint wrapped around it holds the shard. Every module that does so carries `sequence_parallel =
-True`; `sequence_parallel_off(model)` turns them all off for a while (generation: a decode step's one
-token cannot be split over tp, so `DistributedModel.generate` runs a sequence-parallel plan's layers
-on the whole sequence, all-reducing where training reduce-scatters and all-gathers: the same weights
-and the same sums).
-
-A model built on the meta device is materialised here one module at a time (HF's own
-`_init_weights`, same seed on every rank) and sliced at once, so no rank holds more than one
-full block. The class swaps keep parameter names, so `model.named_parameters()` still uses
-the original HF names (what `full_state_dict` reports).
+The whole contract: docs/modules/runtime.md (runtime/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -262,7 +234,7 @@ def _gather_in_forward(module: nn.Module, group, *, keep_shard: bool) -> None:
 def sequence_parallel_off(model: nn.Module) -> Iterator[None]:
     """Within: every module of `model` that runs sequence parallelism (a region's gather, a row-parallel
     linear's or the vocab embedding's reduce-scatter, the head's gather) takes and gives the whole
-    sequence instead, as without sequence parallelism (module docstring); restored on exit."""
+    sequence instead, as without sequence parallelism (docs/modules/runtime.md); restored on exit."""
     on = [m for m in model.modules() if getattr(m, "sequence_parallel", False) is True]
     for m in on:
         m.sequence_parallel = False

@@ -7,32 +7,7 @@ It runs after the tensor-parallel slicing (runtime/tensor_parallel.py) and the c
 set-up, so each tp rank shards its own slices over its dp peers: FSDP2 composes with tp and cp
 without knowing about them, and parameters stay DTensors over that mesh (`Shard(0)`).
 
-* Per micro-batch, FSDP2 all-gathers a block's weights before its forward and again before its
-  backward and reduce-scatters its gradients after it: what `passes/cost/cost.py` `zero3_time` prices.
-  The root unit (embeddings, final norm, LM head) stays gathered between forward and backward.
-* Precision (`bf16=True` for bf16-mixed plans; torchtitan's layout): the sharded parameters, their
-  gradients and the optimizer state stay fp32 (the shards are the master weights); FSDP2's
-  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` casts a unit's shard to bf16 before
-  its all-gather, so the gathered block (the transient copy `cost.buffer_bytes` prices) and the
-  backward's gradients are bf16, and reduce-scatters them in fp32 into the fp32 gradient shards.
-  Forward still runs under autocast (runtime/precision.py). State per parameter: (4 + 4 + 8) B / dp
-  (`passes/cost/state.state_bytes`).
-* Gradients are SUMMED over the group, not averaged (the loss is already divided by the global
-  token count, runtime/loss.py): every FSDP unit gets divide factor 1 and sum-only reductions
-  (gloo has no PREMUL_SUM).
-* `offload=True` (plan key `offload_optimizer`) adds FSDP2's `CPUOffloadPolicy`: sharded
-  parameters, gradients and optimizer state live in host memory and the optimizer steps there
-  (ZeRO-Offload, arXiv 2101.06840); the cost model charges the host link (`hardware.py`).
-* `full_tensor(t)` / `like(full, param)` convert between a full (tp-local) tensor and a parameter's
-  DTensor shard without communication in `like` (every rank already holds the full value).
-* Expert parallelism (`expert_group`, torchtitan's layout: `apply_fsdp` with `dp_mod_ep_mesh`): each
-  routed-experts module (runtime/expert_parallel.py `ParallelExperts`, this rank's experts) is its own
-  FSDP2 unit over `expert_group`, the ranks that hold the same experts (dp x cp), before its block is
-  sharded over `group`, here every rank that shares the dense weights (dp x ep x cp: `Groups.replicas`);
-  FSDP2 leaves the already-sharded experts out of the block's unit. Each unit reduce-scatters its
-  gradients over its own mesh, so the experts' are summed over dp x cp and the dense ones over
-  dp x ep x cp, as `GradSyncs` does under ZeRO 0-2.
-The model must be run through its root `forward` so that FSDP's hooks on the root fire.
+The whole contract: docs/modules/runtime.md (runtime/zero3.py).
 """
 
 from __future__ import annotations
@@ -50,7 +25,7 @@ def apply_zero3(model: nn.Module, group: dist.ProcessGroup, *, device: torch.dev
                 experts: tuple[str, ...] = ()) -> None:
     """Shard `model` (in place) over `group` with FSDP2: one unit per decoder block plus the root;
     `bf16` (bf16-mixed): gathered in bf16, gradients reduced in fp32 (FSDP2's MixedPrecisionPolicy);
-    `experts` (module paths, ep > 1): a unit each over `expert_group` first (module docstring)."""
+    `experts` (module paths, ep > 1): a unit each over `expert_group` first (docs/modules/runtime.md)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

@@ -4,34 +4,7 @@ Contract
 --------
 `capture_model(model, example_inputs, *, mode="fake", joint=True) -> Captured`
 
-* Input: an `nn.Module` whose forward takes `input_ids` and, for training, `labels=` and returns an
-  object with `.loss` and `.logits` (the Hugging Face causal-LM contract), on the meta device, on
-  CPU with real weights, or anything in between; `example_inputs` is `(input_ids,)` or
-  `(input_ids, labels)` (labels default to the input ids; HF shifts them inside the loss).
-* Output: `Captured.graph_module`, an fx `GraphModule` traced with `make_fx` over a function that
-  calls `torch.func.functional_call(model, params_and_buffers, ...)` and returns
-  `(loss, logits, *torch.autograd.grad(loss, params))` (joint) or `(loss, logits)` / `(logits,)`
-  (forward only). Its placeholders are, in order: the parameters (`param_names`, the order of
-  `model.named_parameters()`), the buffers (`buffer_names`; the rotary `inv_freq` is one), then the
-  example inputs. Running it with the real weights reproduces the eager loss, logits and gradients.
-* Nothing is allocated for the weights: parameters become fake tensors (`FakeTensorMode`) of the
-  same shape and dtype; meta parameters are traced as CPU fake tensors.
-* `Captured.sites` maps every call node (by its stable fx name) to its `Site`: the module path it
-  came from, its repeated-block index (`model.layers.N` / `backbone.layers.N` -> N, else None) and
-  its phase ("fwd" / "bwd"). Forward nodes get the module that was running when they were created
-  (module hooks); backward nodes inherit the site of the forward op whose autograd node produced
-  them (matched by autograd sequence number). Nothing is stored in `node.meta`.
-* `Captured.repeated` lists the repeated blocks found in the module tree (a `ModuleList` of
-  identical children), e.g. `RepeatedBlock(prefix="model.layers", count=32)`.
-
-`mode="symbolic"` starts the input dims as dynamic SymInts; HF LLaMA specializes them while tracing
-(torch 2.13), so the graph holds for the traced shape only. passes/capture/shapes uses "fake" traces.
-
-Failures to trace raise `CaptureError` naming the exception, the op or Python construct, and
-the module path that was running. Mixture-of-experts models (Mixtral, Qwen2-MoE) trace through HF's
-`grouped_mm` experts implementation (sort, histc, cumsum, `_grouped_mm`: fixed shapes, bf16 on fake
-tensors as the meta kernel requires); HF's `eager` experts loop over `nonzero()` of the routing
-mask, a data-dependent shape: that raises a `CaptureError` saying to switch to `grouped_mm`.
+The whole contract: docs/modules/capture.md (passes/capture/capture.py).
 """
 
 from __future__ import annotations
@@ -91,7 +64,7 @@ class Captured:
 
 def capture_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, mode: str = "fake",
                   joint: bool = True) -> Captured:
-    """Trace `model` at the aten level on fake tensors; see the module docstring."""
+    """Trace `model` at the aten level on fake tensors; see docs/modules/capture.md."""
     if mode not in MODES:
         raise CaptureError(f"capture mode must be one of {', '.join(MODES)}, got {mode!r}")
     if not isinstance(model, nn.Module):

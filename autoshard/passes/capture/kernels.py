@@ -4,28 +4,7 @@ Contract
 --------
 `find_regions(cap, *, kernels=KERNEL_NAMES) -> tuple[Region, ...]`
 
-* Input: a `Captured` joint graph (passes/capture/capture) and the names of the fused kernels the target
-  device has (`DeviceProfile.kernels`, autoshard/hardware.py).
-* Output: one `Region` per match, in graph order: the forward nodes the kernel replaces, the
-  backward nodes that differentiate them, its activation inputs (`inputs`, nodes outside the
-  region), its output node and the module it runs in. The graph itself is not changed:
-  passes/capture/shapes measures the graph with every region's nodes replaced by two fused nodes
-  (`Region.fwd_name`, `Region.bwd_name`), priced by the kernel's `KernelCost` rule, and reads the saved
-  activations off the substituted graph: the region's inputs (the kernel saves them), what the
-  kernel saves itself (`KernelCost.state_bytes`), and whatever ops outside the region read.
-* Regions are found by PATTERN, not by module name: a kernel names its *anchors* (ops that only
-  its algorithm produces) and the region is the single-exit part of the dataflow graph around
-  them: every forward op whose results reach the rest of the model only through the region's
-  output. It stops at the ops that read weight matrices (GEMMs and convolutions are priced as
-  themselves), at graph inputs and parameters, and at the outputs of multi-output ops (`split`),
-  which are the kernel's arguments.
-
-The table `KERNELS` holds one `Kernel` per fused kernel: its name, its anchor test and its cost
-rule. Adding the next one (RMSNorm, SwiGLU, cross-entropy, flash attention on a new device) is
-one entry here plus its name in the device profiles that have it (docs/kernels.md).
-
-Terms: *forward-live* nodes are forward nodes whose value reaches the loss or the logits through
-forward ops (a `detach` kept only for backward, or an unused final state, is not).
+The whole contract: docs/modules/capture.md (passes/capture/kernels.py).
 """
 
 from __future__ import annotations
@@ -162,7 +141,7 @@ KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 # -- finding regions ---------------------------------------------------------------------------------
 
 def find_regions(cap: Captured, *, kernels: tuple[str, ...] = KERNEL_NAMES) -> tuple[Region, ...]:
-    """Every region of `cap` that one of `kernels` replaces (see the module docstring)."""
+    """Every region of `cap` that one of `kernels` replaces (docs/modules/capture.md)."""
     _check_names(kernels, tuple(KERNELS))
     graph = _GraphView(cap)
     found: list[Region] = []

@@ -4,34 +4,7 @@ Contract
 --------
 `find_layer_stack(model) -> LayerStack | None`
 
-* Input: an `nn.Module` (on any device; nothing is read but shapes and the HF config); output: its
-  decoder layer list (`prefix`, e.g. "model.layers") and the kind of every layer, or None when the
-  model has no such list. The layer list is the outermost `ModuleList` with `config.num_hidden_layers`
-  children (without a config: the longest `ModuleList` of two or more children).
-* Kinds are the groups of layers of one class and the same parameter names and shapes. A kind is named
-  by the label the config gives its layers (`layers_block_type` / `layer_types`) where they share one,
-  made unique where two kinds share it ("+moe" / "+dense": whether its parameters hold experts; else
-  "#2", ...); else by its mixer as its parameters show it ("mamba": an SSD / selective-scan `A_log`;
-  else "attention") and its feed-forward. Layers alike in weights but not in label (Gemma's or
-  Qwen2's sliding-window and full-attention layers) are one kind so far: they trace to the same ops
-  (sdpa with another mask), and the cost model prices them alike.
-  A model whose layers are all of one kind has the single kind "layer": the uniform case, whose cost
-  table is the one it always had.
-* `LayerStack.sequence` is the kind name of every layer in order; `LayerKind.layers` the indices of a
-  kind's layers; `LayerKind.params` the parameters of ONE layer of the kind that no other layer
-  shares, `LayerStack.shared_params` those several layers share (Zamba2's shared transformer block,
-  counted once), so that embedding + head + sum(kind params x count) + shared = HF's parameter count.
-
-`one_layer_copy(model, stack, kind, dtype) -> nn.Module`
-
-* The same model class with ONE layer, of `kind`, on the meta device: the config is copied with
-  `num_hidden_layers = 1`, its per-layer facts narrowed to the kind's first layer (lists with a value
-  per layer; lists of layer indices; `*_layer_period` / `*_layer_offset` pairs; `first_k_dense_replace`;
-  `decoder_sparse_step`) and `use_cache = False` (tracing needs no cache, and HF's hybrid caches ask
-  a Mamba-only copy for the sequence length of an attention layer it does not have). The copy's layer
-  must have the kind's class and parameter shapes (children it shares with other layers aside: their
-  shape follows how many layers share them), else `CaptureError` names the kind, the layer and the
-  config fields that were narrowed.
+The whole contract: docs/modules/capture.md (passes/capture/layer_kinds.py).
 """
 
 from __future__ import annotations
@@ -94,7 +67,7 @@ class LayerStack:
 
 
 def find_layer_stack(model: nn.Module) -> LayerStack | None:
-    """The decoder layers of `model` and their kinds; see the module docstring."""
+    """The decoder layers of `model` and their kinds; see docs/modules/capture.md."""
     found = _layer_list(model)
     if found is None:
         return None
@@ -120,7 +93,7 @@ def find_layer_stack(model: nn.Module) -> LayerStack | None:
 
 
 def one_layer_copy(model: nn.Module, stack: LayerStack, kind: str, dtype: torch.dtype) -> nn.Module:
-    """A one-layer copy of `model` whose layer is of `kind`, on the meta device; see the module docstring."""
+    """A one-layer copy of `model` whose layer is of `kind`, on the meta device; see docs/modules/capture.md."""
     config = getattr(model, "config", None)
     if config is None:
         raise CaptureError(f"{type(model).__name__} has no HF config: autoshard copies a model with one layer "

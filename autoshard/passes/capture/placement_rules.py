@@ -9,10 +9,7 @@ raises `Unprovable(kind, detail)`; passes/capture/propagate.py records it as a n
 no rule taking a split or partial tensor is a finding too ("no placement rule"), never silently
 replicated. Shapes are the traced (whole) shapes; a rule is independent of the tp degree.
 
-Adding a rule: write `def _myop(node, ins, ctx)` returning the output placement from the inputs'
-(raise `Unprovable` where the op would mix a split tensor with a whole one, or reduce over the split
-dim), and register it: `RULES["myop"] = _myop` (or add the name to one of the op families below:
-`POINTWISE`, `LINEAR`, `ROUTING`). docs/sharding_rules.md, "Proving the table on the graph".
+The whole contract: docs/modules/capture.md (passes/capture/placement_rules.py).
 """
 
 from __future__ import annotations

@@ -2,26 +2,7 @@
 
 Contract: `propagate(captured, params, *, regions, rowwise, counts) -> Proof`.
 
-* Input: a joint (forward + backward) graph from `capture_model`, and a strategy: the placement of
-  every parameter (`params`: full name -> `Shard(0)` colwise, `Shard(1)` rowwise, `Replicate()`;
-  absent: replicated), the layer modules whose input enters a tp region (`regions`: in backward the
-  gradient of their input is all-reduced, Megatron's `f`) and the row-parallel linears (`rowwise`:
-  their forward output is all-reduced, Megatron's `g`), as module paths inside a layer; every graph
-  input (token ids, rotary buffers) is replicated.
-* It walks the graph once in order, placing each node's output by the rule of its aten op
-  (passes/capture/placement_rules.py), with the two collectives of the runtime where the table puts
-  them (a partial sum leaving a row-parallel linear in forward, or leaving a region in backward, is
-  all-reduced there and becomes whole).
-* Output (`Proof`): each layer parameter's placement and its gradient's (a replicated parameter whose
-  gradient comes out partial must have its gradient summed over tp: Qwen3's per-head q/k norms), where
-  the all-reduces sit, what the runtime handles that the graph shows (a view by a head count the
-  rewrite sets per rank), and the findings: every op the placements cannot pass through, named by
-  its module inside the layer, the op and why (a mean over the split dim: OLMo2's full-width q/k norm;
-  a fused projection cut on the split dim: Phi-3's qkv_proj; a whole per-head parameter beside split
-  heads; an op with no rule). A finding means the strategy is not proven: tp is refused with it.
-
-`prove_tp(spec, model)` runs it on the model's own sharding table (rules/sharding.py `table`) and,
-for a layer parameter the table gives no role, HF's declared style for it (`base_model_tp_plan`).
+The whole contract: docs/modules/capture.md (passes/capture/propagate.py).
 """
 
 from __future__ import annotations
@@ -55,7 +36,7 @@ class Finding:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Proof:
-    """What the propagation found (module docstring). Parameter names and module paths are relative to
+    """What the propagation found (docs/modules/capture.md). Parameter names and module paths are relative to
     a layer ("self_attn.q_norm.weight")."""
 
     placements: tuple[tuple[str, str], ...]
@@ -82,7 +63,7 @@ class Proof:
 
 def propagate(captured: Captured, params: Mapping[str, Placement], *, regions: tuple[str, ...] = (),
               rowwise: tuple[str, ...] = (), counts: frozenset[int] = frozenset()) -> Proof:
-    """Place every node of `captured`'s joint graph under the strategy; see the module docstring."""
+    """Place every node of `captured`'s joint graph under the strategy; see docs/modules/capture.md."""
     walk = _Walk(captured, params, regions, rowwise, counts)
     for node in captured.graph_module.graph.nodes:
         walk.visit(node)

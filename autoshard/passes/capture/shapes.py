@@ -4,52 +4,7 @@ Contract
 --------
 `build_cost_table(spec, *, training=True, dtype=None, model=None, kernels=None) -> CostTable`
 
-* Input: a frozen `ModelSpec` (and, for a user model from `package.module:factory`, that model: its
-  class and HF config are used). Nothing is allocated: the model is built on the meta device.
-* Output: `autoshard.cost_table.CostTable` with three `BlockCost`s: EMBED (everything before the first
-  repeated layer: token embedding, rotary tables, masks), one LAYER standing for `spec.layers`
-  identical layers (`count`), and HEAD (final norm, LM head, loss, and backward nodes no layer owns).
-  Each `NodeCost` holds SymPy expressions in `cost_table.B` (micro-batch) and `S` (sequence):
-  `flops`, `bytes_read`, `bytes_written` and `saved_bytes` (bytes of this forward node's output
-  that the backward graph reads, resolved through views, read off the joint graph).
-* Block deduplication: a copy of the model with ONE layer is traced (capture.capture_model on fake
-  tensors) and its layer is costed once; llama-70b (80 layers) costs what a 1-layer model costs.
-  A model whose layers are of several kinds (passes/capture/layer_kinds.py) gets a LAYER block per kind,
-  each traced from a one-layer copy of that kind, and `CostTable.layer_kinds` (docs/passes/shapes.md).
-* Symbolic expressions by exact interpolation: the truncated model is traced at b in {2, 3} and
-  three sequence lengths; every node's numbers are a polynomial of degree <= 1 in b and <= 2 in s
-  (attention's s x s, Mamba-2's inter-chunk (s/l)^2), so six traces determine them exactly
-  (rational arithmetic). `tests/passes/capture/test_shapes.py` re-traces at an unseen (b, s) and checks
-  equality node by node. Fixed-shape traces are ~20x faster than torch's symbolic tracing here.
-* Mamba-2 pads the sequence to a multiple of the chunk size l (HF `pad_tensor_by_size`): the
-  samples are multiples of l, and one extra trace at s = 2l + l/2 decides, per node and field,
-  whether the number follows s or the padded length l*ceiling(s/l); the latter is written as
-  `l*ceiling(S/l)` in the expression.
-* Counting conventions: matmul FLOPs are 2*m*n*k (torch.utils.flop_counter); attention counts the
-  full s x s score and value matmuls (PaLM, arXiv 2204.02311 appendix B) and its backward is
-  2x forward (flash-attention's recomputation of the scores is not model FLOPs); elementwise and
-  reduction ops count one FLOP per element of their output (reductions, scatters: of their first
-  operand); copies, casts, concats,
-  padding and lookups count none. Views cost nothing. Bytes are what each op reads and writes
-  (a broadcast or sliced operand is charged at most its storage size).
-* Mixture of experts: `aten._grouped_mm` (HF's `grouped_mm` experts) multiplies each row of the
-  (token, expert) pairs by its own expert only, so it counts 2*rows*k*n FLOPs (top-k experts per
-  token, not all of them); its GEMM shape is (experts, rows / experts, n, k): the tokens each expert
-  receives under uniform routing (the cost model scales the busiest expert by --moe-imbalance).
-  The weight-gradient form ((k, rows) x (rows, n) -> (experts, k, n)) counts 2*k*rows*n alike.
-* `training=False` traces the forward only (no loss, no backward; `saved_bytes` are 0).
-* Kernel substitution (passes/capture/kernels): every region of the traced graph that a fused kernel of
-  `kernels` replaces (default: all of `kernels.KERNEL_NAMES` that apply to the model family; a
-  device profile lists its own, `DeviceProfile.kernels`) is measured as two nodes,
-  `fused_<kernel>_<output>` (forward) and `..._backward`, priced by the kernel's cost rule; saved
-  activations are read off the substituted graph (the kernel saves its inputs and its state).
-The table is cached per (spec, options): the cost model and the solver may call this freely.
-* `dtype`: the dtype the model is traced in (a `torch.dtype` or its name; None: `torch.bfloat16`).
-* Imports: this module is the table's entry point and its caches (in process, `passes/capture/table_cache`'s
-  on disk and the tables shipped in the package); the tracing and measuring live in
-  `passes/capture/shapes_trace.py`, imported only when a table is built. Reading a shipped or cached table
-  loads neither torch nor transformers (`autoshard plan` of a preset on a fresh machine,
-  tests/test_cli_imports.py).
+The whole contract: docs/modules/capture.md (passes/capture/shapes.py).
 """
 
 from __future__ import annotations
@@ -77,7 +32,7 @@ BF16 = "torch.bfloat16"  # str(torch.bfloat16): the default trace dtype, named w
 
 def build_cost_table(spec: ModelSpec, *, training: bool = True, dtype: torch.dtype | str | None = None,
                      model: nn.Module | None = None, kernels: Sequence[str] | None = None) -> CostTable:
-    """The symbolic per-block cost table of one training step of `spec`; see the module docstring."""
+    """The symbolic per-block cost table of one training step of `spec`; see docs/modules/capture.md."""
     names = kernel_table.KERNEL_NAMES if kernels is None else tuple(kernels)
     return _build_for_layers(spec, training, BF16 if dtype is None else str(dtype), model,
                              kernel_table.kernel_for(spec, names))

@@ -1,45 +1,6 @@
 """An on-disk cache of cost tables, so a model is traced once per machine, not once per command.
 
-Contract
---------
-`cached_table(key_parts, build) -> CostTable`: the table stored under the digest of `key_parts`
-(a JSON-able dict that names everything the table depends on), or `build()`'s result, which is
-then stored. `key_parts` starts from `spec_key(spec)`: every field of the model spec, the versions
-of torch and transformers and a digest of autoshard's own source, so a new release or a local
-edit never reads a stale table; `passes/capture/shapes` adds the trace options (and, for a user model,
-its class and config). `cached_value(kind, key_parts, build)` does the same for any JSON value
-(`autoshard plan` keeps a preset's fingerprint there, so a cached plan run needs no model).
-
-* Where: `$AUTOSHARD_CACHE_DIR`, else `$XDG_CACHE_HOME/autoshard`, else `~/.cache/autoshard`;
-  entries are `<kind>/<digest>.json` (`tables/`, `fingerprints/`). `AUTOSHARD_CACHE_DIR=off`
-  turns the cache off.
-  `autoshard cache` prints where it is and how big; `autoshard cache --clear` empties it.
-* Format: JSON (never pickle), one file per table, written atomically (temporary file, then
-  rename). Each expression is stored as the terms of a polynomial in `B`, `S` and
-  `ceiling(S/l)` (Mamba-2's padded length) with integer or rational coefficients; decoding
-  rebuilds the same SymPy expression (tests/passes/capture/test_table_cache.py checks equality).
-* Integrity: every entry stores `digest`, sha256 of its value's canonical JSON (`content_digest`). An
-  entry of the user cache whose value does not match it (hand-edited: one changed `"params"` number
-  moved a plan's predicted step from 0.007 s to 0.47 s; or damaged) is never used: one warning line on
-  stderr (logger `autoshard.cache`) and the table is rebuilt and the file replaced. The shipped entries
-  carry one too (`passes/capture/shipped.py` writes it; tests/passes/capture/test_shipped_tables.py checks it) and are
-  checked alike; one without a digest is still read (package data written before digests).
-* A file that cannot be read or decoded is a miss: the table is rebuilt and the file replaced.
-  A directory that cannot be written only costs the speed-up; nothing fails.
-
-Shipped tables
---------------
-The presets' tables and fingerprints ship inside the package (`autoshard/shipped/<kind>/<digest>.json`,
-the same file format), so a fresh machine plans a preset without a trace. They are read before the
-user cache and keyed by what they depend on (`shipped_key`): the spec's fields, the trace options
-(training, dtype, substituted kernels) and `SHIPPED_FORMAT`, not by the digest of autoshard's source,
-which changes on every edit; a fingerprint's key also names the transformers version (module names
-come from its modeling code, and a wrong fingerprint makes the runtime refuse the plan). Bump
-`SHIPPED_FORMAT` when capture / shapes change what a table holds, and rebuild them with
-`python -m autoshard.passes.capture.shipped` (passes/capture/shipped.py: every preset at its own layer count; the
-tables are those of the 1-layer copy, shared by every layer count). tests/passes/capture/test_shipped_tables.py
-rebuilds a sample with the current code and fails, naming that command, when a shipped one is stale.
-A user model (`package.module:factory`) or a spec no preset has is traced and kept in the user cache.
+The whole contract: docs/modules/capture.md (passes/capture/table_cache.py).
 """
 
 from __future__ import annotations
@@ -111,7 +72,7 @@ def _spec_fields(spec: Any) -> dict[str, Any]:
 
 
 def spec_key(spec: Any) -> dict[str, Any]:
-    """The key parts every entry about a model spec starts from (see the module docstring)."""
+    """The key parts every entry about a model spec starts from (docs/modules/capture.md)."""
     import torch  # here, not at import: a shipped table is read without torch
 
     return {"spec": _spec_fields(spec), "torch": torch.__version__,

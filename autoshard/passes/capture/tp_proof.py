@@ -8,11 +8,7 @@ own per-head parameters (Mamba-2's A_log / D / dt_bias, GPT-OSS's sinks) `Shard(
 role, takes HF's declared style for its module (`base_model_tp_plan`: colwise* / packed_colwise -> Shard(0), rowwise* -> Shard(1)), so a
 fused projection HF declares (Phi-3's qkv_proj) is proven or refused by what the graph does with it.
 
-`prove_tp(spec, model)` traces the model's own class with one layer of each layer type (on the meta
-device, no weights), runs `propagate.propagate` with that strategy and returns its `Proof`: the
-parameters whose gradient must be summed over tp and the findings that refuse tp (models/presets.py
-reads both into the model's spec, so the cost model, the validator, the plan's placements and the
-runtime all follow the proven table).
+The whole contract: docs/modules/capture.md (passes/capture/tp_proof.py).
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ class Strategy:
 
 
 def strategy(spec, names: tuple[str, ...], tp_plan: tuple[tuple[str, str], ...] = (), *, layers: str = "") -> Strategy:
-    """The table's strategy for parameters `names` (module docstring); `layers`: the layer list's prefix
+    """The table's strategy for parameters `names` (docs/modules/capture.md); `layers`: the layer list's prefix
     ("model.layers")."""
     from autoshard.rules import sharding
 
@@ -94,7 +90,7 @@ def _inside(module: str, layers: str) -> str | None:
 
 
 def prove_tp(spec, model) -> Proof:
-    """The proof of `spec`'s tp strategy on `model`'s own graph (module docstring)."""
+    """The proof of `spec`'s tp strategy on `model`'s own graph (docs/modules/capture.md)."""
     import torch
 
     from autoshard.models import facts

@@ -6,34 +6,7 @@ algo)` is the bytes one device sends (the busiest link), `steps(op, N, algo)` th
 on the critical path; time = steps * alpha + volume / beta (Hockney's alpha-beta model, as in
 arXiv 2602.09109 section 2 and Thakur, Rabenseifner & Gropp, IJHPCA 2005).
 
-Buffer convention (`nbytes` = M):
-  AllReduce, Reduce: the buffer each rank contributes (= the result size).
-  AllGather, Gather: the gathered (full) result; each rank contributes M/N.
-  ReduceScatter:     the full input on each rank; each rank keeps M/N.
-  AllToAll:          the buffer each rank holds (it keeps M/N, sends the rest).
-  SendRecv:          the message.
-  Broadcast:         the root's buffer (every rank ends with all of it).
-
-Volumes per device (ring):  AllReduce 2(N-1)/N M;  AllGather, ReduceScatter, Gather, AllToAll
-(N-1)/N M;  Reduce 2(N-1)/N M (reduce-scatter then gather to the root);  SendRecv M;  Broadcast M
-(NCCL's ring broadcast: each rank forwards the pipelined buffer to the next, N-1 steps; ring only).
-Protocols (NCCL's LL beside Simple, `low_latency_time`): where the profile has LL latencies
-(`ll_base_latency`, `intra_ll_latency`, `inter_ll_latency`: NCCL's tuning.cc baseLat / hwLat) and the
-caller asks for it (`best_time(..., low_latency=True)`: the serving model; training is priced with Simple,
-as its published runs were checked) a collective's time is the cheapest under either protocol: LL pays a fixed
-base latency plus a small per-hop latency and moves data at half the link bandwidth, so it wins
-below tens of KB (a decode step's TP all-reduce), Simple above.
-Tree algorithms trade bandwidth for log2(N) steps (double binary tree AllReduce 2M, binomial
-Reduce/Gather, recursive doubling AllGather/ReduceScatter, Bruck AllToAll M/2 * log2 N).
-
-The link: ranks are laid out node by node (`hw.devices_per_node` consecutive ranks per node).
-A group lies inside one node when `stride * size` divides into whole nodes' worth of ranks
-(`devices_per_node % (stride * size) == 0`); otherwise its ring crosses the network. GPU nodes are
-rail-optimised (one NIC per GPU, DGX A100 / H100 reference architecture) and NCCL runs one ring
-channel per NIC, so a group with k members on each node leaves each node through k NICs: the
-ring's network hop moves at k * inter_bandwidth, capped by the intra-node link the ring also
-crosses (NCCL's ring algorithm; nccl-tests doc/PERFORMANCE.md "bus bandwidth"). A group with one
-member per node (a DP group of stride >= devices_per_node) sees one NIC: inter_bandwidth.
+The whole contract: docs/modules/cost.md (passes/cost/collectives.py).
 """
 
 from __future__ import annotations
@@ -79,7 +52,7 @@ def _log2(n: int) -> int:
 
 
 def volume(op: Collective, nbytes: float, size: int, algo: Algorithm = Algorithm.RING) -> float:
-    """Bytes the busiest device sends for one `op` over `size` ranks (see the module docstring)."""
+    """Bytes the busiest device sends for one `op` over `size` ranks (docs/modules/cost.md)."""
     _check_size(size)
     if size == 1 and op is not Collective.SEND_RECV:
         return 0.0

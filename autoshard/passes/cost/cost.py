@@ -4,69 +4,7 @@ Contract
 --------
 `estimate(table, spec, hw, layout, *, global_batch, seq_len, stages=None) -> Estimate`
 
-* `table` is the symbolic `CostTable` of the model (passes/capture/shapes) or the `CompiledTable` made
-  from it once by `compile_table(table, spec)` (do that when pricing many layouts).
-* `layout` is a `Layout`: mesh (dp, pp, tp, cp, ep), micro-batch size, ZeRO level 0-3, recompute.
-* `stages` (optional) assigns layers to pipeline stages (ir.Stage), each with its own recompute
-  level (`Stage.recompute`: the planner mixes levels per stage; `layout.recompute` is then only
-  the plan's label); default: an even split, the first stages taking the remainder, embedding on
-  the first stage and head on the last, every stage at `layout.recompute`.
-* Runtime convention: rank order (pp, dp, ep, cp, tp), tp innermost (rules/ranks.py; every stride the
-  cost modules pass is `ranks.group_stride` of its group's axes). A tp group is contiguous
-  ranks (stride 1), cp stride tp, ep stride cp*tp, dp stride ep*cp*tp (the dense gradient group
-  dp x ep x cp has stride tp; the experts' dp x cp spans the same ranks at ep times the spacing),
-  pp stride dp*ep*cp*tp.
-* Mixture of experts (`passes/cost/moe_cost.py`): EP folds into DP (the batch splits over dp x ep,
-  `Layout.microbatches`); expert GEMMs at the rows each expert receives, times
-  `layout.moe_imbalance` on the busiest rank; dispatch / combine all-to-alls per MoE layer on the
-  ep group's link (`BlockTime.ep_comm_s`); expert parameters over ep, their gradients reduced and
-  ZeRO-sharded over dp x cp, the dense ones over dp x ep x cp (`expert=` of the state and sync
-  functions: the routed-expert share of `params`); expert activations at the worst case of
-  dropless routing; MoE blocks whole on every tp rank (the sharding table's EXPERT / REPLICATE
-  roles); MFU on the parameters a token meets (top-k experts).
-
-Component functions (public, stable names, each in the module of what it prices: layout.py the
-`Layout` and result types, compiled.py `compile_table`, block.py one block instance, state.py ZeRO /
-dp sync / optimizer, pipeline.py p2p and the logits peak; the CP-SAT planner builds its model from them and
-`estimate` is nothing but their composition, so both agree):
-
-  compile_table(table, spec) -> CompiledTable          numeric evaluators of the SymPy table
-  block_time(ct, hw, layout, kind, *, seq_len) -> BlockTime
-        one instance of a block (one layer, the embedding, the head) for ONE micro-batch:
-        forward, backward, recompute, TP and CP communication (all on the critical path)
-  block_activation_bytes(ct, layout, kind, *, seq_len) -> float
-        bytes one instance keeps alive for backward per micro-batch, after recompute
-  block_params(ct, layout, kind) -> float              parameters of one instance on one device
-  expert_block_params(ct, layout, kind) -> float       the routed-expert part of block_params
-  state_bytes(params, layout, *, expert=0) -> MemoryBreakdown  weights, grads, optimizer under ZeRO
-  zero2_staging_bytes(params, layout, *, expert=0)     ZeRO-2's gradient staging buckets (a stage's buffers)
-  p2p_time(ct, hw, layout, *, seq_len) -> float        stage-to-stage sends per micro-batch
-  dp_exposed_time(hw, params, layout, *, backward_s, forward_s) -> float
-                                                       gradient sync of one stage left exposed
-  tp_grad_sum_time(hw, spec, layout, layers) -> float  the tp all-reduces of proven-partial gradients (q/k norms)
-  optimizer_time(hw, params, layout) -> float          Adam step on this device's shard (host under offload)
-  offload_time(hw, params, layout) -> float            host-link copies of one micro-batch under offload
-  logits_bytes(ct, layout, *, seq_len) -> float        fp32 logits peak of the head stage
-  buffer_bytes(ct, layout, *, seq_len) -> float        communication staging buffers of a stage
-  pipeline_time(stage_times, microbatches) -> float    1F1B makespan (arXiv 2602.09109 sec. 4.3)
-  model_flops_per_token(ct, seq_len) -> float          paper's MFU convention
-
-What TP shards comes from the family's sharding table (rules/sharding.py), the one the rewrite
-carries out: each captured node's work and saved bytes are divided by the parts of its module's
-role (`_tp_divisor`: heads, KV heads split by min(tp, kv_heads), MLP width, Mamba-2 heads and
-groups, vocabulary; 1 for replicated roles such as the RMSNorms outside the mixer and the residual
-adds), parameters per rank by `sharding.params_per_rank`, and a layer's forward TP all-reduces
-are its row-parallel roles (`sharding.row_parallel_count`). CP splits every token-proportional cost by cp (load-balanced causal
-split); LLaMA attention's s x s work divides by cp times (2cp+1)/(2cp), the full diagonal chunk
-pairs of runtime/cp_attention.py (`cp_attention_overwork`). Recompute reruns the forward of what
-the runtime checkpoints, the TP and CP collectives inside it included (`_recompute_time`).
-Sequence parallelism (`Layout.sequence_parallel`): the ops on a tp shard of the sequence divided
-by tp, all-gathers and reduce-scatters in place of the TP all-reduces (passes/cost/sequence_cost.py).
-
-Precision (passes/cost/precision.py; Megatron-LM / MindSpeed mixed precision, arXiv 1910.02054 table 1):
-bf16 weights (2 B/param), fp32 main gradients (4 B), fp32 master weights + Adam m + v (12 B).
-ZeRO-1 shards the 12 B over dp x cp, ZeRO-2 also the gradients; ZeRO-3 is FSDP2's layout: fp32
-sharded parameters (the masters), fp32 gradients and Adam m + v, (4 + 4 + 8) B / (dp x cp).
+The whole contract: docs/modules/cost.md (passes/cost/cost.py).
 """
 
 from __future__ import annotations
@@ -140,7 +78,7 @@ def resolved(layout: Layout, hw: DeviceProfile) -> Layout:
 
 def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfile, layout: Layout, *,
              global_batch: int, seq_len: int, stages: Sequence[Stage] | None = None) -> Estimate:
-    """Predicted step time, throughput, MFU and peak memory of one layout (see module docstring)."""
+    """Predicted step time, throughput, MFU and peak memory of one layout (docs/modules/cost.md)."""
     ct = compile_table(table, spec)
     layout = resolved(layout, hw)
     mesh = layout.mesh

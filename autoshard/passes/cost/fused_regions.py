@@ -7,36 +7,9 @@ two casts), RoPE as mul/neg/cat/add, SwiGLU as silu and mul, and SDPA as one fla
 A production GPU run (Megatron-Core / Transformer Engine, torchtitan) runs each of these as ONE
 kernel. A device profile lists the kernels it fuses (`DeviceProfile.kernels`, names in
 `hardware.KERNEL_NAMES`); for those this module gives the cost rule of the fused op, applied by
-passes/cost/compiled.py (region_kinds) and passes/cost/block.py (fused_scales) at pricing time:
+passes/cost/compiled.py (region_kinds) and passes/cost/block.py (fused_scales) at pricing time.
 
-  region_kinds(paths, kinds, spec) -> (region id per node, kind per region)    at compile time
-  fused_scales(...) -> (bytes scale, saved scale) per node                      at pricing time
-  flash_attention_flops(flops, fwd, share) -> FLOPs the flash kernel really does (share: attention_tile_fraction,
-                                             the causal triangle or a sliding window's band)
-
-A fused region's traffic is one read of its inputs and one write of its outputs (below, per token,
-`a` bytes per activation element, h hidden, h_kv the K/V width, f the MLP width); the region's
-traced nodes are rescaled so that their sum is the fused figure (so per-phase sums, TP / CP
-division and the recompute masks of passes/cost/cost.py keep working unchanged):
-
-  rmsnorm  fwd read x, write y: 2ah (+ fp32 rstd);   bwd read x, dy, write dx, plus the residual
-           gradient add the trace puts in the norm (3ah): 6ah;   saved x and y (y is the next
-           GEMM's input): 2ah + 4                      (TE / Apex fused RMSNorm)
-  rope     fwd and bwd read and write q and k: 2a(h + h_kv);   saved q, k, v as flash keeps them:
-           a(h + 2 h_kv)                                (Megatron / TE fused RoPE; GQA un-repeated)
-  swiglu   fwd read gate, up, write out: 3af;   bwd read gate, up, dout, write dgate, dup: 5af;
-           saved its output (the down projection's input): af   (Megatron bias-SwiGLU fusion)
-
-Flash attention (Dao et al. 2022, 2023; FA3, Shah et al. 2024): FLOPs as the kernel runs them,
-which is how the flash-attn benchmarks count them (benchmarks/benchmark_flash_attention.py:
-`f = 4 * batch * seqlen**2 * nheads * headdim // (2 if causal else 1)`, backward 2.5 f): the
-trace counts the full s x s square with backward 2x forward, so the causal kernel does the
-(n+1)/(2n) share of the n x n tiles of 128 it visits, and its backward recomputes the scores
-(2.5 / 2 of the traced backward). Bytes (q, k, v, o, logsumexp) and saved tensors (q, k, v, o,
-logsumexp, never the s x s scores) are what the trace of the flash op already records.
-Priced at `DeviceProfile.attention_efficiency` of peak (fwd+bwd, as flash counts FLOPs).
-
-Only LLaMA's regions are recognised here; the Mamba-2 SSD scan is substituted at capture (passes/capture/kernels.py).
+The whole contract: docs/modules/cost.md (passes/cost/fused_regions.py).
 """
 
 from __future__ import annotations
@@ -80,7 +53,7 @@ def region_kinds(paths, vector, spec: ModelSpec) -> tuple[np.ndarray, tuple[str,
 
 
 def _fused_per_token(kernel: str, spec: ModelSpec, a: float) -> tuple[float, float, float]:
-    """(forward bytes, backward bytes, saved bytes) per token of one fused region (module docstring)."""
+    """(forward bytes, backward bytes, saved bytes) per token of one fused region (docs/modules/cost.md)."""
     h = spec.hidden
     h_q = spec.heads * spec.attention_head_dim if spec.heads else h  # = h unless the config sets head_dim
     h_kv = spec.kv_heads * spec.attention_head_dim if spec.heads else h

@@ -3,31 +3,9 @@
 Contract: `precision_numbers(precision) -> PrecisionNumbers` for a plan's `precision` (ir.Precision);
 `resolve_precision(precision, hw)` turns AUTO into the device's default (ir.Precision.resolve).
 The numbers are what the runtime keeps (runtime/precision.py says the same from its side;
-tests/runtime/test_state_bytes.py measures a rank's tensors against `state.state_bytes`):
+tests/runtime/test_state_bytes.py measures a rank's tensors against `state.state_bytes`).
 
-* "bf16-mixed" (Lightning's name) at ZeRO 0-2 runs Megatron-LM's layout (MindSpeed's too; ZeRO
-  paper arXiv 1910.02054 sec. 3.1): bf16 weights (2 B/param) and activations (2 B), fp32 main
-  gradients (4 B), fp32 master weights (4 B) + Adam m + v (8 B) = `optim_bytes` 12 B; ZeRO-1
-  shards the 12 B, ZeRO-2 also the gradients. ZeRO-3 is FSDP2's layout (torchtitan): the sharded
-  parameter IS the fp32 master, so per parameter (4 + 4 + 8) / dp, plus the bf16 copy of the block
-  being all-gathered (`cost.buffer_bytes`); the gathers move bf16 (`param_bytes`), the gradient
-  reduce-scatter fp32 (`grad_bytes`). GEMMs and flash attention at the bf16 tensor-core peak.
-* "fp32": fp32 weights (4 B), gradients (4 B), Adam m + v (8 B, no separate master copy),
-  activations 4 B; GEMMs on TF32 tensor cores at half the bf16 peak (A100 156 vs 312 TFLOPS,
-  H100 494 vs 989: the NVIDIA datasheets), every traced byte doubled (cost tables are traced in bf16).
-* "fp8" (runtime/fp8.py, torchao's float8 training) is bf16-mixed's state and activations (torchao's
-  `Float8Linear` saves its bf16 input and weight for backward, not float8 copies), with the GEMMs of
-  the float8 linears (rules/sharding.py `is_float8_role`) at the device's FP8 rate
-  (`DeviceProfile.fp8_peak_flops` x `fp8_gemm_efficiency` x its shape factor, passes/cost/cost.py) plus
-  their casts: torchao casts each GEMM's two operands to float8 for that GEMM (forward: input and
-  weight; backward: grad_output and weight for the input gradient, grad_output and input along the
-  other axis for the weight gradient: six casts per linear per micro-batch, both recipes), each an
-  amax pass (read 2 B per element) and a scale-and-cast pass (read 2 B, write 1 B): `cast_bytes` 5 B
-  per operand element, at the vector rate. Other GEMMs (attention, LM head, router, experts) stay
-  bf16. Under ZeRO-3 with the tensorwise recipe FSDP2 all-gathers the weights in float8
-  (`gather_bytes` 1 B per parameter, torchao's `enable_fsdp_float8_all_gather`; the gathered block
-  held in float8 too); rowwise gathers bf16. The 1 B applies to every parameter of the stage, the
-  embedding and head (gathered in bf16) included: an undercount of 1 B per parameter of those units.
+The whole contract: docs/modules/cost.md (passes/cost/precision.py).
 """
 
 from __future__ import annotations

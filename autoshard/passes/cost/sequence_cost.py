@@ -1,31 +1,9 @@
 """Pricing of sequence parallelism (plan key `sequence_parallel`), the pieces `passes/cost/cost.py` asks for.
 
 Megatron-LM's sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in
-Large Transformer Models", sec. 4.2.2), as runtime/tensor_parallel.py runs it:
+Large Transformer Models", sec. 4.2.2), as runtime/tensor_parallel.py runs it.
 
-* Work and saved activations: the ops that run on a tp shard of the sequence, the `sequence`
-  roles of the sharding table (the RMSNorms outside the TP regions) and the layer's own ops (the
-  residual adds), are divided by tp (`sequence_divisors`), like the TP-split roles are by their
-  parts. Their saved outputs are what the paper's table 2 moves from 10 sbh per layer to 10 sbh / t:
-  the norms' inputs (the residual stream) and their outputs, which the column-parallel linears
-  keep as the sequence shard and all-gather again in backward.
-* Full recompute keeps each layer's input, now a sequence shard: / tp (`full_recompute_divisor`).
-* Pipeline sends carry the sequence shard: / tp (Megatron sends the SP-sharded hidden states).
-* Collectives (`tp_comm`), per micro-batch; A the activation (tokens x hidden x act bytes),
-  AG / RS an all-gather / reduce-scatter of A over tp (`collectives.best_time`; ring volumes
-  (N-1)/N A each, together those of the all-reduce they replace):
-    layer  forward   per region: AG of its input; per row-parallel linear: RS of its output
-           backward  per region: RS of its input gradient, and AG of its saved input again
-                     (when not recomputed: recompute reruns the forward gather instead); per
-                     row-parallel linear: AG of its output gradient
-    embed  forward RS of the vocab-parallel lookup; backward AG of its gradient
-    head   forward AG of the final norm's output (and the vocab-parallel cross-entropy's small
-           all-reduces, as without SP); backward RS of the LM head's input gradient
-  Overlap, as for the TP collectives without SP (cost.py `_tp_backward_exposed`, Megatron's
-  `LinearWithGradAccumulationAndAsyncCommunication`): the backward RS of a region's input gradient
-  runs under its column-parallel weight-gradient GEMMs, the AG of its saved input under the input-
-  gradient GEMMs (as many FLOPs as the weight-gradient ones: priced with the same group time); the
-  rest is exposed.
+The whole contract: docs/modules/cost.md (passes/cost/sequence_cost.py).
 """
 
 from __future__ import annotations
@@ -67,7 +45,7 @@ class SequenceComm:
 
 def tp_comm(spec: ModelSpec, hw: DeviceProfile, *, kind: BlockKind, tp: int, act_bytes: float,
             small_all_reduce_s: float, recompute: Recompute) -> SequenceComm:
-    """The collectives of the module docstring; `act_bytes`: the full activation of one micro-batch
+    """The collectives of docs/modules/cost.md (sequence_cost.py); `act_bytes`: the full activation of one micro-batch
     (tokens of this cp rank x hidden x bytes), `small_all_reduce_s`: the cross-entropy's."""
     stride = group_stride(Mesh(tp=tp), "tp")
     ag = best_time(hw, Collective.ALL_GATHER, act_bytes, size=tp, stride=stride)

@@ -6,18 +6,7 @@ Contract
   the dict of the least recently asked one, whole. `memo.held() -> dict` {seq_len: dict}, least recent first,
   without touching the order; `len(memo)`: the entries held over the kept sequence lengths.
 
-Why: a long-lived process (a sweep over many shapes, a service) plans many (global batch, seq); what the cost
-model keeps over plans that depends on the shape (`compiled.CompiledBlock`'s evaluated polynomials, fused-kernel
-scales, node times and block times) would otherwise grow with every new shape (~2 MB of llama-70b's on 1024
-devices per shape), while what does not depend on it (a block's TP divisors, `CompiledTable.memo`: the ZeRO
-state and parameters, the p2p and state columns' terms) is bounded by the layouts and stays in plain dicts.
-
-Why the sequence length, not (batch, seq): none of those terms reads the global batch, only the sequence length
-and the micro-batch, whose candidates are a fixed handful (`planner.candidate_layouts`' 1, 2, 4, 8); so a sweep
-over global batches at one sequence length reuses everything, and the unit evicted is all a sequence length's
-entries. Why KEEP = 8: a re-plan at a shape still held costs about half of one at a new shape (bench/bench_plan.py,
-whose re-plans visit 5 shapes and then the first again, every one held at 8), and 8 of llama-70b's largest
-(1024+ devices) cost ~16 MB; a user alternating between a few shapes keeps them all.
+The whole contract: docs/modules/cost.md (passes/cost/shape_memo.py).
 """
 
 from __future__ import annotations
@@ -28,7 +17,7 @@ KEEP = 8
 
 
 class ShapeMemo:
-    """See the module docstring."""
+    """See docs/modules/cost.md."""
 
     __slots__ = ("keep", "_by", "_last", "_last_dict")
 

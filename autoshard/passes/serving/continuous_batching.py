@@ -1,54 +1,6 @@
 """Continuous batching: TTFT and TPOT percentiles of a serving replica under Poisson request arrivals.
 
-Contract
---------
-`estimate_continuous(table, spec, hw, layout, *, request_rate, prompt_len, output_len) -> ContinuousEstimate`
-`plan_continuous(table, spec, hw, *, devices, request_rate, prompt_len, output_len, ttft_slo_s, tpot_slo_s)`
-prices every colocated layout of the devices so (what `autoshard plan --inference --request-rate` prints).
-prices one colocated layout (`ServeLayout`: tp x pp x ep per replica, `replicas` of them; its `batch`
-is ignored) serving `request_rate` requests per second in all, each P prompt and O output tokens,
-arrivals Poisson and spread evenly over the replicas. `max_request_rate(...)` is the largest rate
-whose p99 TTFT and p99 TPOT meet the targets (goodput, DistServe's measure). Every time comes from
-`passes/serving/inference_cost.py` (the same decode step and prefill as the static-batch figures).
-
-The scheduler priced is iteration-level ("continuous") batching as vLLM and SGLang run it (Orca,
-Yu et al., OSDI 2022): at the start of every engine iteration the requests that arrived during the
-previous one join the running batch; the iteration runs one decode token for every running
-sequence and the whole prefill of each newcomer (prefills interleaved with the running decodes:
-SGLang's mixed batches / vLLM's chunked prefill with a budget a prompt fits in); a newcomer's first
-token comes at the end of its prefill iteration; a sequence leaves after its O-th token.
-
-Terms, per replica at rate lam: D(n) the decode step of n running sequences (`phase_time` at batch n,
-context P + O/2); F the marginal prefill of one prompt (its prefill at batch 1 less the fixed
-per-kernel cost that the iteration already pays). An iteration that admits k prompts lasts
-I_k = D(n) + k F.
-
-* Steady state (Little's law, mean values): requests admitted per iteration k ~ Poisson(lam t) with
-  t the mean iteration, so t = D(n) + lam t F, i.e. t = D(n) / (1 - lam F); every request decodes
-  for O - 1 iterations, so n = lam (O - 1) t running sequences (M/G/inf occupancy: Poisson(n)).
-  Solved by fixed-point iteration (D grows with n). Stable when lam F < 1 and the p99 occupancy
-  n + 2.33 sqrt(n) fits the replica's memory (`ic.memory` at P + O tokens of cache per sequence;
-  past it an engine queues or preempts, which is not priced: the rate is refused).
-* The prompts an iteration admits are those that arrived during the previous one, so
-  k' | k ~ Poisson(lam (D(n) + k F)): a Markov chain in which long iterations beget long ones
-  (bursts chain), stationary mean lam t, variance lam t / (1 - b^2), lag-one correlation
-  b = lam F; its stationary pmf is solved numerically (`_admitted`).
-* TPOT of a request (vLLM's benchmark: (end-to-end - TTFT) / (O - 1)) is the mean of its O - 1
-  iteration times: mean t; its spread has two parts, the chain's (the mean of O - 1 correlated
-  steps: standard deviation F sqrt(lam t) / ((1 - b) sqrt(O - 1))) and the running count it meets,
-  which stays within sqrt(n) of n over its life ((D(n + sqrt n) - D(n)) / (1 - b)), added in
-  quadrature: p50 = t, p99 = t + 2.326 sd.
-* TTFT: a request arriving during an iteration of length I_j (length-biased: probability
-  pi_j I_j / t, pi the chain's stationary pmf) waits its remaining part, uniform on [0, I_j], then
-  runs in the next iteration with the K others that arrived in the same window,
-  K ~ Poisson(lam I_j): TTFT = U I_j + D(n) + (1 + K) F. Its distribution is a finite mixture of
-  uniforms, so its p50 and p99 are exact for this model (`_ttft_quantile`, bisection on the CDF).
-
-What is not priced: queueing for memory (refused instead), preemption and recomputation, a chunked
-prefill budget smaller than one prompt, request-length distributions (every request P and O), and
-pipeline micro-batches in flight (the replica's stages run one after the other, as in
-`inference_cost`). `bench/bench_continuous_batching.py` runs a discrete-event simulation of the
-same arrivals and scheduler (the running count per iteration, not its mean) against this model.
+The whole contract: docs/modules/serving.md (passes/serving/continuous_batching.py).
 """
 
 from __future__ import annotations
@@ -135,7 +87,7 @@ def replica_times(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *,
 def estimate_continuous(table: CostTable | InferenceTable, spec: ModelSpec, hw: DeviceProfile, layout: ServeLayout,
                         *, request_rate: float, prompt_len: int, output_len: int,
                         times: ReplicaTimes | None = None) -> ContinuousEstimate:
-    """See the module docstring. `times`: `replica_times` of this layout, when pricing many rates."""
+    """See docs/modules/serving.md. `times`: `replica_times` of this layout, when pricing many rates."""
     if not (isinstance(request_rate, (int, float)) and 0 < request_rate < math.inf):
         raise InvalidConfigError(f"the request rate must be a positive number of requests per second, "
                                  f"got {request_rate!r}")
@@ -214,7 +166,7 @@ def _admitted(decode_s: float, prefill_s: float, lam: float) -> np.ndarray:
 
 
 def _ttft_quantile(q: float, *, decode_s: float, prefill_s: float, lam: float, window: np.ndarray) -> float:
-    """The q-quantile of TTFT = U I_j + D + (1 + K) F (module docstring), by bisection on its CDF;
+    """The q-quantile of TTFT = U I_j + D + (1 + K) F (docs/modules/serving.md), by bisection on its CDF;
     `window`: the pmf of the prompts admitted by an iteration (`_admitted`), which sets its length I_j."""
     k = np.arange(len(window))
     lengths = decode_s + k * prefill_s  # I_j
@@ -282,7 +234,7 @@ def plan_continuous(table: CostTable | InferenceTable, spec: ModelSpec, hw: Devi
                     request_rate: float, prompt_len: int, output_len: int, ttft_slo_s: float,
                     tpot_slo_s: float) -> ContinuousChoice:
     """Price every colocated layout the runtime accepts (`serving.layouts`; replicas fill the devices)
-    under continuous batching at `request_rate` (module docstring)."""
+    under continuous batching at `request_rate` (docs/modules/serving.md)."""
     from autoshard.passes.serving.serving import layouts
 
     it = ic.compile_inference_table(table, spec)

@@ -4,64 +4,7 @@ Contract
 --------
 `estimate_serving(table, hw, layout, *, prompt_len, output_len) -> ServeEstimate`
 
-* `table`: the model's `CostTable` (passes/capture/shapes, the same one training is priced from) or the
-  `InferenceTable` made from it once by `compile_inference_table(table, spec)` (do that when
-  pricing many layouts). `layout`: a `ServeLayout` -- tp, pp and ep of one replica, the number
-  of replicas (data parallel), and `batch`, the sequences one replica serves at once.
-* What is priced is what `DistributedModel.generate` runs (runtime/generate.py): the batch's
-  prompts are prefilled together, then decoded together one token per step (static batching),
-  the stages of a pipeline driven one after the other (no micro-batches in flight in decode).
-  So TTFT = the prefill of (batch, prompt_len) through every stage, its first token included;
-  TPOT = the mean decode step over the context lengths P+1 .. P+O-1; a replica emits
-  batch * O tokens per TTFT + (O-1) * TPOT; throughput = replicas * that rate.
-
-Prefill (compute-bound): every forward node of the cost tables at (b = batch, s = prompt_len),
-priced by cost.py's roofline (`node_times`), TP all-reduces by cost.py's collective model
-(`tp_comm_times`), the head at s = 1 (the runtime computes the logits of the last position
-only; the loss nodes of the training table are not run), p2p hops between stages of
-(batch, prompt_len, hidden) bf16.
-
-Decode (memory-bound): one step at (b = batch, context c). Every forward node outside the
-sequence-mixing core is the table's node at s = 1 -- its bytes hold the weights, read once per
-step, and its GEMMs are thin (m = batch), so the roofline makes them bandwidth-bound. The core
-is what runs differently in decode, priced with a third symbol, the context length `C`:
-* LLaMA attention: one query over the cached keys. FLOPs: the table's s x s attention nodes
-  with one query and C keys (`flops(b, 1) * C`, PaLM's counting); bytes: the KV cache read once,
-  2 * b * C * kv_heads_local * head_dim * KV_BYTES (GQA: kv_heads / min(tp, kv_heads) per rank).
-* Mamba-2: the recurrent step instead of the chunked scan (runtime/ssd.py `recurrent_step`,
-  HF's `causal_conv1d_update`): the SSM state (b, heads/tp, head_dim, d_state) fp32 and the conv
-  state (b, conv channels of the rank, d_conv) read and written once; ~5 FLOPs per state element, 2 per
-  conv tap. Constant in C.
-TP: the same all-reduces per layer as training's forward, of (batch, 1, hidden): latency-bound,
-priced by the collective model with NCCL's low-latency protocol where the profile has it
-(`collectives.low_latency_time`: ~8-10 us on NVLink). An embedding lookup reads its tokens' rows.
-Fixed work (`PhaseTime.fixed`, prefill and decode): `hw.kernel_floor_s` per kernel the forward
-launches as an engine runs it (`kernels_per_forward`), the cost of a kernel beyond its bytes under
-CUDA graphs; at small batch it is a quarter of a decode step (docs/inference.md). tp > 1
-(`PhaseTime.step_inputs`): the engine's driver broadcasts each step's inputs to the other ranks,
-`hw.step_input_broadcasts` eager NCCL broadcasts ahead of the forward (vLLM 0.5.x's
-`broadcast_tensor_dict`, `_step_input_seconds`). The last stage gathers the logits of the last
-position over tp (fp32) and broadcasts the next tokens over the pipeline; PP adds one p2p hop
-of (batch, 1, hidden) per stage boundary.
-
-Mixture of experts (Mixtral, Qwen2-MoE): each expert's GEMMs split over tp, as serving engines
-run them and as the replicas of an inference plan do (runtime/expert_parallel.py: gate / up rows
-and down columns per tp rank, one all-reduce of the layer's output over tp; training keeps the
-experts whole on every tp rank, the sharding table's `expert` role). A step's routed-expert GEMMs read the weights of the experts its tokens
-touch only: E (1 - (1 - k/E)^T) of the E experts for T = batch x tokens routed top-k
-(`active_experts`: ~ batch x k in decode at small batch, all E in a prefill); the router,
-attention and shared expert as any dense node. With ep > 1 (what generate runs: every ep rank
-holds the same sequences and E/ep experts, runtime/expert_parallel.py `replicated_tokens`) each
-rank reads 1/ep of the touched experts' weights and computes 1/ep of the routed rows (uniform
-routing: the mean rank, the busiest rank's excess over it not priced), then one all-reduce per
-MoE layer of the layer's output (batch, tokens, hidden) bf16 over the ep group (stride tp:
-latency-bound in decode, `collectives.best_time`). Memory holds E/ep experts per layer.
-
-Memory per device (the busiest stage): weights (bf16, sharded by tp as training shards them,
-block.block_params), the cache -- KV at P + O tokens per sequence (LLaMA) or the constant conv +
-SSM state (Mamba-2) of the stage's layers -- and the activations of the largest prefill: the
-residual stream and its normed copy (batch, P, hidden) plus the largest single node's working
-set at (batch, P) (its inputs and output, weights excluded), plus the fp32 last-position logits.
+The whole contract: docs/modules/serving.md (passes/serving/inference_cost.py).
 """
 
 from __future__ import annotations
@@ -311,7 +254,7 @@ def _conv_channels(spec: ModelSpec, tp: int) -> float:
 
 
 def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch: int, context: float) -> float:
-    """One layer's sequence mixing for one decode step on one device (see the module docstring)."""
+    """One layer's sequence mixing for one decode step on one device (docs/modules/serving.md)."""
     spec = it.spec
     if spec.mixer is Mixer.ATTENTION:
         flops = float(it.attention_flops(batch, spec.attended_tokens(context))) / tp  # heads split over tp; a window's keys
@@ -429,7 +372,7 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
 
 def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_len: int,
            decode_only: bool = False) -> ServeMemory:
-    """Bytes on the busiest device (see the module docstring). `decode_only`: a disaggregated
+    """Bytes on the busiest device (docs/modules/serving.md). `decode_only`: a disaggregated
     decode pool, which holds the cache at prompt_len + output_len tokens but runs no prefill
     (its activations are one decode step's)."""
     spec, tp, b = it.spec, layout.tp, layout.batch
@@ -477,7 +420,7 @@ def _activation_bytes(it: InferenceTable, tp: int, *, batch: int, tokens: int, d
 
 def estimate_serving(table: CostTable | InferenceTable, spec: ModelSpec, hw: DeviceProfile, layout: ServeLayout, *,
                      prompt_len: int, output_len: int) -> ServeEstimate:
-    """TTFT, TPOT, throughput and memory of `layout` (see the module docstring)."""
+    """TTFT, TPOT, throughput and memory of `layout` (docs/modules/serving.md)."""
     if not (is_positive_int(prompt_len) and is_positive_int(output_len)):
         raise InvalidConfigError(f"prompt length and output length must be positive, got {prompt_len} and "
                                  f"{output_len}")

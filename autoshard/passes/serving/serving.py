@@ -4,27 +4,7 @@ Contract: `plan_serving(table, spec, hw, *, devices, prompt_len, output_len, ttf
 disaggregation=True) -> ServingChoice`, or `InfeasiblePlanError` (one line: the best TTFT and the
 best TPOT any configuration reaches, and the constraint that binds).
 
-Search (exhaustive; every number from `passes/serving/inference_cost.py`):
-* layouts: every (tp, pp, ep) with tp * pp * ep dividing `devices` that generate's own check
-  accepts (`validity.generate_violation`, what `DistributedModel.generate` asks: tp as the sharding
-  table allows, pp <= layers, ep dividing the experts of a MoE model, 1 for a dense one);
-  replicas = devices / (tp * pp * ep).
-* colocated (what `DistributedModel.generate` runs, per replica): for each layout the largest batch
-  of concurrent sequences whose TTFT, TPOT and memory all hold. TTFT, TPOT and memory grow with
-  the batch, so the feasible batches are 1..b_max (found by doubling, then bisection; capped at
-  `MAX_BATCH`), and throughput = batch * O / (TTFT + (O - 1) TPOT) grows with it: b_max is best.
-* disaggregated (DistServe, Zhong et al. OSDI 2024): a prefill pool and a decode pool, each with
-  its own layout and replica count, splitting the devices. The prefill pool's TTFT adds the
-  transfer of the KV cache / Mamba-2 state of its batch to the decode pool (`transfer_seconds`);
-  the decode pool's TPOT is its decode step at its own batch. Requests flow through both pools:
-  throughput = O * min(prefill requests/s, decode requests/s). Each pool's best batch per layout
-  is found once (they do not depend on the split), then every split of the devices is priced.
-  The runtime runs each pool's generate, not the hand-off between them: the plan says so.
-* mixture of experts: ep searched with tp and pp (generate slices the experts over ep ranks
-  holding the same sequences; inference_cost.py prices 1/ep of the touched experts' weights per
-  rank, E/ep experts in memory, and one all-reduce of each MoE layer's output over ep).
-* the runner-up is the best configuration of another shape (another layout, or the other mode),
-  reported with the constraint that capped its batch.
+The whole contract: docs/modules/serving.md (passes/serving/serving.py).
 """
 
 from __future__ import annotations
@@ -178,7 +158,7 @@ def _colocated(price: _Pricer, hw, tp, pp, ep, replicas, ttft, tpot) -> Candidat
 
 
 def _disaggregated(price: _Pricer, spec, hw, grid, devices, ttft, tpot) -> Candidate | None:
-    """The best split into a prefill pool and a decode pool (see the module docstring)."""
+    """The best split into a prefill pool and a decode pool (docs/modules/serving.md)."""
     P, O = price.P, price.O
     prefill, decode = {}, {}  # (tp, pp, ep) -> (requests/s per replica, estimate, limit)
     for tp, pp, ep in grid:
@@ -257,7 +237,7 @@ def _decode_fits(price: _Pricer, e: ServeEstimate) -> bool:
 def plan_serving(table: CostTable | InferenceTable, spec: ModelSpec, hw: DeviceProfile, *, devices: int,
                  prompt_len: int, output_len: int, ttft_slo_s: float, tpot_slo_s: float,
                  disaggregation: bool = True) -> ServingChoice:
-    """See the module docstring."""
+    """See docs/modules/serving.md."""
     if not (ttft_slo_s > 0 and tpot_slo_s > 0) or math.isinf(ttft_slo_s + tpot_slo_s):
         raise InvalidConfigError(f"TTFT and TPOT targets must be positive seconds, got {ttft_slo_s} and {tpot_slo_s}")
     if not (is_positive_int(prompt_len) and is_positive_int(output_len)):

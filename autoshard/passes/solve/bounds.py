@@ -1,31 +1,6 @@
 """Lower bounds on a layout's step time and peak memory, before its cost tables are built.
 
-Contract
-  `lower_bounds(ct, hw, layout, *, global_batch, seq_len, block_s=None, memo=None) -> Bounds`: what
-  no plan of the layout beats (step: all work without recompute perfectly balanced over the stages,
-  the schedule's fill, the optimizer step of an average stage; peak: the weights, gradients and
-  optimizer state of an average stage, the buffers). The planner (passes/solve/planner.py `search`) computes
-  it for every candidate layout (~33k for llama-70b on 1024 devices), orders the layouts by it and
-  stops once it reaches the runner-up; `memo` shares what depends on fewer coordinates than the layout.
-  `least_block_s(ct, hw, layout, *, seq_len)`: the block times both take, with per-stage choices the
-  least over a stage's variants.
-  `refined_step_bound(ct, hw, layout, bounds, *, global_batch, seq_len, block_s, memo) -> float`:
-  a tighter bound, asked only for the layouts the search is about to solve (a few hundred): with
-  pp > 1 the slowest stage is at least the least slowest stage over every split of the whole layers
-  (`slowest_stage_floor`: layers are not divisible); with pp = 1 the one stage's step at its fastest
-  recompute level among those whose state, buffers and one micro-batch's activations fit the device, ZeRO
-  traffic and the exposed gradient sync included (no split to choose; inf when no level can fit). A layout whose refined bound does not beat the value it must beat is skipped
-  without building its tables: the plan is the same, found sooner.
-  `bound_columns(ct, hw, layouts, *, global_batch, seq_len, memo) -> BoundColumns`: `lower_bounds` of
-  every layout at once, as numpy columns (what the planner asks): each distinct block / p2p / ZeRO-state
-  / schedule key is priced once with the same functions, the keys of a layout are read once per process
-  (the planner reuses its Layouts across plans), and the sums are the same float operations in the same
-  order, so every bound equals `lower_bounds`' (tests/passes/solve/test_bound_columns.py checks it). `memo` is left
-  filled as `lower_bounds` fills it, so `refined_step_bound` reads it.
-  `LazyBounds(ct, hw, layouts, *, global_batch, seq_len, memo)`: what the planner reads: the same bounds,
-  the step bounds priced a block key at a time as `ordered` reaches them (a floor under each, from the node
-  times alone, says when), so the block times of layouts beyond the runner-up are never priced.
-  Every term is read off `passes/cost/cost.py`'s component functions, composed as `solve_model` composes them.
+The whole contract: docs/modules/solve.md (passes/solve/bounds.py).
 """
 
 from __future__ import annotations
@@ -124,7 +99,7 @@ class BoundColumns:
 
 def bound_columns(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch: int, seq_len: int,
                   memo: dict) -> BoundColumns:
-    """`lower_bounds` of every layout of `layouts` (see the module docstring); `memo` as `lower_bounds'`."""
+    """`lower_bounds` of every layout of `layouts` (docs/modules/solve.md); `memo` as `lower_bounds'`."""
     lazy = LazyBounds(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len, memo=memo)
     lazy.expand(np.unique(lazy.block_code).tolist())
     return BoundColumns(step_s=lazy.step_s, peak_bytes=lazy.peak_bytes, block_code=lazy.block_code,
@@ -485,7 +460,7 @@ def _state_columns(ct: CompiledTable, hw, codes: np.ndarray, *, seq_len: int) ->
 
 def refined_step_bound(ct: CompiledTable, hw, layout: Layout, bounds: Bounds, *, global_batch: int, seq_len: int,
                        block_s: dict, memo: dict, cutoff_s: float = math.inf) -> float:
-    """A lower bound on `layout`'s step at least `bounds.step_s` (see the module docstring); `block_s`
+    """A lower bound on `layout`'s step at least `bounds.step_s` (docs/modules/solve.md); `block_s`
     and `memo` as `lower_bounds` had them. With pp > 1, where the slowest-stage floor alone does not reach
     `cutoff_s` (the value the layout must beat), the tail the floor takes is the least largest stage tail over
     the splits (`_tail_floor`), not the optimizer step of the average stage."""

@@ -2,26 +2,7 @@
 
 This is the only module that imports OR-Tools (when CP-SAT first runs: `_cpsat`).
 
-Contract
-  For every candidate layout (mesh DP x PP x TP x CP x EP = devices, micro-batch size, ZeRO
-  level; `candidate_layouts`) one CP-SAT model decides together the contiguous assignment of
-  the layers to the pipeline stages (the first stage also holds the embedding, the last the
-  LM head and loss; uneven splits allowed, a first / last stage may hold no layer) and the
-  recomputation level of every stage, minimising the step time of `passes/cost/cost.py` (read off
-  its component functions through `solve_model.mesh_problem`) subject to peak memory per
-  device <= capacity on every stage. Layouts are ruled out by a memory bound before any table
-  is built, then visited by a lower bound on their step time (`lower_bounds`, for all layouts at once:
-  `bounds.LazyBounds`, priced as the search reaches them); each layout gets the value it must beat as a cutoff. Per layout the exact split search
-  (`solve_model.split_search`: branch and bound over the slowest-stage time and the largest tail,
-  a min-plus DP over the stages for each) finds and proves the optimum in milliseconds; only when
-  it stops unproven (`max_steps`) does CP-SAT decide, with its assignment as the hint and its bound
-  as a cut. The search stops once the bound reaches the runner-up (the best plan on another
-  mesh). No wall clock decides anything: CP-SAT runs one worker with a deterministic-time limit
-  and the split search is plain numpy, so the same inputs give the same plan on every run.
-  The op placements are the sharding table's (`sharding.block_placements`), which the cost model prices.
-  Integers: seconds are converted once here to units of 1e-6 of the largest stage time.
-  No layout fits -> `InfeasiblePlanError` naming the binding constraint (memory per device)
-  and by how much the smallest plan misses.
+The whole contract: docs/modules/solve.md (passes/solve/planner.py).
 """
 
 from __future__ import annotations
@@ -576,7 +557,7 @@ def _even(problem: MeshProblem) -> Assignment:
 def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit_s: float = 10.0,
           progress: Progress | None = None, table=None, fingerprint: str | None = None,
           moe_imbalance: float = 1.0) -> Plan:
-    """The fastest plan that fits (see the module docstring). `hw`: a profile or its name;
+    """The fastest plan that fits (docs/modules/solve.md). `hw`: a profile or its name;
     `table`: a CostTable / CompiledTable already built for `spec` (built here when None);
     `time_limit_s`: CP-SAT's deterministic-time budget per layout (`solve_mesh`);
     `fingerprint`: the model's, when the caller has it (else built from `spec` on meta);

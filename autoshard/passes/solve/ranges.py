@@ -44,7 +44,7 @@ def _chunks(values: np.ndarray, limit: int):
 
 
 def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
-    """The fastest split of a mixed stack's `problem` allowed by `ok[i, o, column]`, exactly (module docstring).
+    """The fastest split of a mixed stack's `problem` allowed by `ok[i, o, column]`, exactly (docs/solver.md, mixed layer stacks).
     Returns (assignment or None, step seconds, lower bound seconds)."""
     m, L, p, f = problem.microbatches, problem.layers, problem.pp, problem.bubble
     size = L + 1

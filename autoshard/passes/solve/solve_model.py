@@ -1,27 +1,6 @@
 """The numbers one CP-SAT model is built from, read off the cost model, and their evaluation.
 
-Contract
-  `mesh_problem(ct, hw, layout, *, global_batch, seq_len, recomputes, blocks)` tabulates, for one
-  layout (mesh, micro-batch, ZeRO level), what every possible pipeline stage costs: for stage
-  i (0-based, fixing its activations in flight and whether it holds the embedding / head),
-  every layer count n and option o (a recompute level, and with `Layout.stage_choices` the
-  stage's own sequence parallelism / Mamba-2 groups, `stage_variants`), its time per micro-batch,
-  its peak memory and its tail (exposed gradient sync + optimizer step; it depends on the variant:
-  groups kept whole hold more parameters). The entries are compositions of
-  `passes/cost/cost.py`'s public component functions (block_time, block_activation_bytes,
-  block_params, state_bytes, zero_exposed_time, dp_exposed_time, optimizer_time, p2p_time, logits_bytes,
-  buffer_bytes, zero2_staging_bytes, pipeline_time), composed the way `cost.estimate` composes them, so with one
-  recompute level for every stage `evaluate` equals `estimate(..., stages=)` (tested).
-  The tables are numpy arrays built column-wise: a stage's cost depends only on whether it holds
-  the embedding / head (first, middle, last) and, for memory, on its micro-batches in flight,
-  so the per-(kind, n) terms are evaluated once for all n = 0..layers (the collective model
-  takes arrays). `block_numbers` (per mesh and micro-batch) is shared by its ZeRO levels.
-
-  `evaluate(problem, assignment)` prices one assignment (layers, recompute and variant per stage):
-      step = pipeline_time(t_i, m) + max_i tail_i     (m max t_i + f (sum t_i - max t_i), f the
-                                                      schedule's bubble fraction, rules/schedules.py)
-  `brute_force(problem)` enumerates every assignment; the test compares it with CP-SAT.
-Terms: n = layers of a stage; r = its recompute level; m = micro-batches per step.
+The whole contract: docs/modules/solve.md (passes/solve/solve_model.py).
 """
 
 from __future__ import annotations
@@ -292,7 +271,7 @@ def stage_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
 def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, seq_len: int,
                  recomputes: tuple[Recompute, ...] = tuple(Recompute),
                  blocks: BlockNumbers | tuple[BlockNumbers, ...] | None = None) -> MeshProblem:
-    """Tabulate every stage's cost for `layout` (see the module docstring), for every option (recompute
+    """Tabulate every stage's cost for `layout` (docs/modules/solve.md), for every option (recompute
     level, variant) of a stage. `blocks`: the layout's `block_numbers` / `stage_numbers`, when the
     caller already has them (they are shared by ZeRO levels).
 
