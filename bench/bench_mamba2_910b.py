@@ -78,7 +78,7 @@ def heldout(path: Path, ct, spec, hw) -> None:
     setup = table.get("setup", {})
     kw = dict(micro_batch=setup.get("micro_batch", 1), global_batch=setup.get("global_batch", 1024),
               seq_len=setup.get("seq_len", 4096))
-    errors = []
+    errors, steps = [], []
     print(f"\n{path.name}: dp pp tp cp | mean GB pred / meas | error | peak GB | fits / ran")
     for r in table["rows"]:
         e = price(ct, spec, hw, Mesh(dp=r["dp"], pp=r["pp"], tp=r["tp"], cp=r["cp"]), stack=True, **kw)
@@ -87,11 +87,17 @@ def heldout(path: Path, ct, spec, hw) -> None:
         err = (e.mean_memory_gb - measured) / measured if ran else None
         if ran:
             errors.append(abs(err))
+        if isinstance(r.get("step_s"), (int, float)):
+            steps.append((e.step_time_s, r["step_s"]))
         print(f"  {r['dp']:2} {r['pp']:2} {r['tp']:2} {r['cp']:2} | {e.mean_memory_gb:5.1f} / "
               f"{measured if ran else '-':>5} | {f'{err:+.1%}' if ran else '':>6} | {e.memory_gb:5.1f} | "
               f"{'fits' if e.fits else 'no fit'} / {'ran' if ran else 'did not run'}")
     if errors:
         print(f"median memory error {statistics.median(errors):.1%} over {len(errors)} rows that ran")
+    pairs = [(a, b) for i, a in enumerate(steps) for b in steps[i + 1:] if a[1] != b[1]]
+    if pairs:
+        ordered = sum((a[0] < b[0]) == (a[1] < b[1]) for a, b in pairs)
+        print(f"step times: {ordered} of {len(pairs)} pairs ordered as measured")
 
 
 def main(argv=None) -> int:

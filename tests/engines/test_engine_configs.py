@@ -21,6 +21,8 @@ RUNS = [
                               sequence_parallel=(True,))),
     ("llama-13b", TrainingRun(mesh=Mesh(dp=2, pp=4, tp=2), recompute=(Recompute.FULL,), rank_layers=(8, 11, 11, 10))),
     ("mixtral-8x7b", TrainingRun(mesh=Mesh(dp=2, tp=2, ep=4), zero=2, recompute=(Recompute.SELECTIVE,))),
+    # a MindSpeed-LLM run (never a plan): block recompute of 6 layers per stage and the reused fp32 copy
+    ("llama-13b", TrainingRun(mesh=Mesh(dp=2, pp=4, tp=2), recompute_layers=6, reuse_fp32_param=True)),
 ]
 
 
@@ -56,7 +58,7 @@ def _megatron_configs(words: list[str]):
     return config, ddp
 
 
-@pytest.mark.parametrize("name, run", RUNS, ids=[n for n, _ in RUNS])
+@pytest.mark.parametrize("name, run", RUNS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(RUNS)])
 def test_megatron_core_accepts_the_arguments(name, run):
     pytest.importorskip("megatron.core")
     spec = get_spec(name)
@@ -71,6 +73,8 @@ def test_megatron_core_accepts_the_arguments(name, run):
         assert (config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage) == (
             run.rank_layers[0], run.rank_layers[-1])
     assert ddp.use_distributed_optimizer == (run.zero >= 1)
+    if run.recompute_layers:
+        assert (config.recompute_method, config.recompute_num_layers) == ("block", run.recompute_layers)
     parsed = megatron.parse(" ".join(words), spec=spec, devices=m.size)
     assert parsed.run == run
 
