@@ -1,7 +1,7 @@
 """The house rules of the package's layout (docs/layout.md), read from the source with `ast` (no spawn, no
 model): no module over 800 lines, module docstrings of a few lines (the contracts are in docs/modules/), the
-rules and the runtime importing nothing of the planning side, and every autoshard name or file a comment or
-docstring quotes existing."""
+rules and the runtime importing nothing of the planning side, and every autoshard name or file a comment,
+docstring or docs page quotes existing."""
 
 from __future__ import annotations
 
@@ -201,8 +201,14 @@ def _exists(name: str) -> bool | None:
 QUOTED = re.compile(r"`([A-Za-z_][\w.]*[\w])(\()?")
 
 
+DOCS = sorted((ROOT.parent / "docs").rglob("*.md"))
+
+
 def _texts(path: Path):
-    """(line, text) of every comment and docstring of `path`."""
+    """(line, text) of every comment and docstring of a module, or of every line of a docs page."""
+    if path.suffix == ".md":
+        yield from enumerate(path.read_text().splitlines(), 1)
+        return
     for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
         if tok.type == tokenize.COMMENT:
             yield tok.start[0], tok.string
@@ -214,12 +220,15 @@ def _texts(path: Path):
 
 
 def stale_names(path: Path) -> list[str]:
+    """The quoted names of `path` that do not exist; a bare `function()` only in the code (the docs quote
+    other projects' calls: `Accelerator()`)."""
     out = []
     for line, text in _texts(path):
         for match in QUOTED.finditer(text):
             name, called = match.group(1), match.group(2)
             found = _exists(name)
-            if found is False or (found is None and called and "." not in name and name not in _defined()):
+            if found is False or (found is None and called and "." not in name and path.suffix == ".py"
+                                  and name not in _defined()):
                 out.append(f"{_rel(path)}:{line}: `{name}`")
     return out
 
@@ -229,26 +238,28 @@ PATH = re.compile(r"(?<![\w/.])((?:autoshard/|tests/|bench/|docs/)?(?:passes|run
 
 
 def stale_paths(path: Path) -> list[str]:
-    """The repository files a comment or docstring of `path` names (`passes/solve/ranges.py`, relative to the
-    repository or to autoshard/) that do not exist."""
+    """The repository files a comment, docstring or docs page of `path` names (`passes/solve/ranges.py`,
+    relative to the repository, to autoshard/ or to docs/) that do not exist; `engines/NAME.py` is a pattern."""
     out = []
     for line, text in _texts(path):
         for match in PATH.finditer(text):
             name = match.group(1)
-            if not any((base / name).exists() for base in (ROOT.parent, ROOT)):
+            if not Path(name).stem.isupper() and not any((base / name).exists()
+                                                         for base in (ROOT.parent, ROOT, ROOT.parent / "docs")):
                 out.append(f"{_rel(path)}:{line}: {name}")
     return out
 
 
-def test_the_files_comments_and_docstrings_name_exist():
-    stale = [s for p in MODULES for s in stale_paths(p)]
+def test_the_files_comments_docstrings_and_docs_name_exist():
+    stale = [s for p in MODULES + DOCS for s in stale_paths(p)]
     assert not stale, "files named that do not exist (fix the comment):\n" + "\n".join(stale)
 
 
-def test_the_names_comments_and_docstrings_quote_exist():
-    """Every backquoted `module.name` that starts with an autoshard module (or class), and every quoted
-    `function()`, names something that exists: a comment naming a function that was renamed or removed fails."""
-    stale = [s for p in MODULES for s in stale_names(p)]
+def test_the_names_comments_docstrings_and_docs_quote_exist():
+    """Every backquoted `module.name` that starts with an autoshard module (or class), in the code and in
+    docs/, and every quoted `function()` in the code, names something that exists: a comment or a page naming
+    a function that was renamed or removed fails."""
+    stale = [s for p in MODULES + DOCS for s in stale_names(p)]
     assert not stale, "quoted names that do not exist (fix the comment):\n" + "\n".join(stale)
 
 
