@@ -15,13 +15,12 @@ rate at which one device can push bytes to its neighbour in a ring.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
-from autoshard.ir import NON_NEGATIVE_INT, POSITIVE_INT
+from autoshard.ir import NON_NEGATIVE_INT, POSITIVE_INT, is_number, is_positive_number
 from autoshard.json_file import load_json
 
 GB = 1e9
@@ -122,7 +121,7 @@ class DeviceProfile:
                                      f"tables and `autoshard show` print it), got {self.name!r}; e.g. \"my-gpu\"")
         for f in _NUMERIC_FIELDS:
             value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            if not is_positive_number(value):
                 raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a positive finite "
                                          f"number, got {value!r}")
         why = POSITIVE_INT.violation("field 'devices_per_node'", self.devices_per_node)
@@ -138,8 +137,7 @@ class DeviceProfile:
         for f in ("host_link_bandwidth", "host_memory_bandwidth") + SERVING_FIELDS + _FP8_FIELDS:
             value = getattr(self, f)
             zero_ok = f in SERVING_FIELDS  # serving latencies may be 0, bandwidths and peaks not
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not (0 <= value if zero_ok else 0 < value) or not value < math.inf):
+            if value is not None and not (is_number(value) and (0 <= value if zero_ok else 0 < value)):
                 raise InvalidConfigError(f"hardware profile {self.name!r}: field {f!r} must be a "
                                          f"{'non-negative' if f in SERVING_FIELDS else 'positive'} finite "
                                          f"number (or absent), got {value!r}")

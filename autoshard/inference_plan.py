@@ -10,13 +10,12 @@ The whole contract: docs/modules/package.md (inference_plan.py).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from autoshard.errors import InvalidConfigError, PlanFileError
-from autoshard.ir import POSITIVE_INT, TEXT, Check, Mesh, Plan, PlanField, check_fields
+from autoshard.ir import POSITIVE_INT, TEXT, Check, Mesh, Plan, PlanField, check_fields, is_positive_number
 from autoshard.json_file import read_plan_json
 
 INFERENCE_SCHEMA_VERSION = 1
@@ -147,8 +146,7 @@ class InferencePlan:
         return cls.from_json(read_plan_json(path), source=str(path))
 
 
-_SECONDS = Check("a positive finite number of seconds",
-                 lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf)
+_SECONDS = Check("a positive finite number of seconds", is_positive_number)
 _ROLE = Check(f"one of {', '.join(map(repr, ROLES))}", lambda v: v in ROLES)
 
 # In the file's order; `written_only`: what the other fields imply, written for the reader of the file, not read.

@@ -306,6 +306,16 @@ def is_positive_int(value: Any) -> bool:
     return is_int(value) and value >= 1
 
 
+def is_number(value: Any) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_positive_number(value: Any) -> bool:
+    """The one rule for a rate, a time or a size in bytes: a finite number (`is_number`) above 0."""
+    return is_number(value) and value > 0
+
+
 @dataclass(frozen=True, slots=True)
 class Check:
     """What a value must be: `ok(value)`, and the phrase an error names it by ("a positive integer")."""
@@ -671,17 +681,13 @@ def _stage_from_json(st: Any, i: int) -> Stage:
 
 # -- the informational sections: what `show` reads, and the type each field must have -------------------------
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 _KINDS = {
-    "a finite number": _is_number,
+    "a finite number": is_number,
     "an integer": is_int,
     "a string": lambda v: isinstance(v, str),
     "a boolean": lambda v: isinstance(v, bool),
-    "a list of finite numbers": lambda v: isinstance(v, list) and all(map(_is_number, v)),
-    "an object of finite numbers": lambda v: isinstance(v, dict) and all(map(_is_number, v.values())),
+    "a list of finite numbers": lambda v: isinstance(v, list) and all(map(is_number, v)),
+    "an object of finite numbers": lambda v: isinstance(v, dict) and all(map(is_number, v.values())),
     "an object {axis: positive integer}": lambda v: isinstance(v, dict) and set(v) <= set(AXES) and all(
         map(is_positive_int, v.values())),
 }

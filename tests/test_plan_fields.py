@@ -177,6 +177,27 @@ def test_one_positive_integer_rule_refuses_booleans_everywhere():
             refused()
 
 
+def test_one_positive_number_rule_refuses_booleans_everywhere():
+    """ir.is_positive_number is the one rule for a rate, a time or a bandwidth: True (which `0 < value < inf`
+    takes for 1) is refused by a device profile, the process group's timeout and continuous batching's rate."""
+    from autoshard.hardware import load_hardware
+    from autoshard.ir import is_positive_number
+    from autoshard.passes.serving.continuous_batching import estimate_continuous
+    from autoshard.runtime.mesh import check_timeout
+
+    assert [is_positive_number(v) for v in (1, 0.5, 1e300, 0, -1.0, True, float("inf"), float("nan"), "2", None)] == \
+        [True] * 3 + [False] * 7
+    hw = load_hardware("cpu")
+    refusals = [(lambda: dataclasses.replace(hw, peak_flops=True), "positive finite number"),
+                (lambda: dataclasses.replace(hw, host_link_bandwidth=True), "positive finite number"),
+                (lambda: check_timeout(True), "positive number of seconds"),
+                (lambda: estimate_continuous(None, None, hw, None, request_rate=True, prompt_len=8, output_len=8),
+                 "positive number of requests per second")]
+    for refused, message in refusals:
+        with pytest.raises(InvalidConfigError, match=message):
+            refused()
+
+
 def test_a_config_count_is_read_by_the_one_rule():
     """A Hugging Face config's counts that narrow_config reads (a `*_layer_period`, `decoder_sparse_step`) go
     through ir.is_positive_int too: True is no period (it passed as 1 and made every layer the special one)."""

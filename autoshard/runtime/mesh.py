@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.errors import InvalidConfigError
-from autoshard.ir import Mesh
+from autoshard.ir import Mesh, is_positive_number
 from autoshard.rules.ranks import MESH_AXES
 
 
@@ -108,7 +108,7 @@ DEFAULT_TIMEOUT_S = 300.0  # a collective that waits longer than this ends the j
 def check_timeout(timeout_s) -> None:
     """InvalidConfigError unless `timeout_s` is a positive finite number of seconds (a string or inf
     reached timedelta as a TypeError / OverflowError)."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e9:
+    if not (is_positive_number(timeout_s) and timeout_s < 1e9):
         raise InvalidConfigError(f"timeout_s must be a positive number of seconds (below 1e9), got {timeout_s!r}")
 
 

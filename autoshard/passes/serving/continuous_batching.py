@@ -14,7 +14,7 @@ import numpy as np
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import CostTable
-from autoshard.ir import is_positive_int
+from autoshard.ir import is_positive_int, is_positive_number
 from autoshard.model_spec import ModelSpec
 from autoshard.passes.serving import inference_cost as ic
 from autoshard.passes.serving.inference_cost import InferenceTable, ServeLayout
@@ -88,7 +88,7 @@ def estimate_continuous(table: CostTable | InferenceTable, spec: ModelSpec, hw: 
                         *, request_rate: float, prompt_len: int, output_len: int,
                         times: ReplicaTimes | None = None) -> ContinuousEstimate:
     """See docs/modules/serving.md. `times`: `replica_times` of this layout, when pricing many rates."""
-    if not (isinstance(request_rate, (int, float)) and 0 < request_rate < math.inf):
+    if not is_positive_number(request_rate):
         raise InvalidConfigError(f"the request rate must be a positive number of requests per second, "
                                  f"got {request_rate!r}")
     if not (is_positive_int(prompt_len) and is_positive_int(output_len)):
