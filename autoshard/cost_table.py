@@ -80,12 +80,9 @@ class CostTable:
         substituted, where a layer of a Mamba-2-family model (`mamba2`) runs its causal conv1d."""
         attention = ssd = 0
         for block in (self.layer_blocks() if self.mixed else ()):
-            targets = [n.target for n in block.nodes if n.phase == "fwd"]
-            if any("scaled_dot_product" in t or "flash_attention" in t for t in targets):
-                attention += block.count
-            if any(t.startswith("autoshard.ssd_chunk_scan") for t in targets) or (
-                    mamba2 and any("convolution" in t for t in targets)):
-                ssd += block.count
+            fwd = [n for n in block.nodes if n.phase == "fwd"]
+            attention += block.count * any(is_attention_op(n) for n in fwd)
+            ssd += block.count * any(is_scan_op(n, mamba2=mamba2) for n in fwd)
         return attention, ssd
 
     @property
@@ -107,3 +104,14 @@ class CostTable:
         (no parallelism, no recompute): what `saved_activation_bytes` of tests/runtime/measure.py measures."""
         return sum(float(sympy.sympify(n.saved_bytes).subs({B: batch, S: seq})) * blk.count
                    for blk in self.blocks for n in blk.nodes)
+
+
+def is_attention_op(node: NodeCost) -> bool:
+    """An attention kernel of the traced graph (HF's sdpa / flash call): where a layer mixes by attention."""
+    return "scaled_dot_product" in node.target or "flash_attention" in node.target
+
+
+def is_scan_op(node: NodeCost, *, mamba2: bool) -> bool:
+    """The SSD of the traced graph: its scan substituted by the fused kernel or, with none substituted, the
+    causal conv1d of a model that holds Mamba-2 mixers (`mamba2`)."""
+    return node.target.startswith("autoshard.ssd_chunk_scan") or (mamba2 and "convolution" in node.target)

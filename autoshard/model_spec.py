@@ -4,7 +4,7 @@ Presets and reading a user's model live in models/; this module imports neither.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -62,6 +62,26 @@ class ModelSpec:
     # the MoE layout, read off the module tree (models/facts.py `_moe_modules`): (router, routed experts, shared
     # expert or "", *the shared expert's linears and the block's one-output gate), paths inside a layer
     moe_paths: tuple[str, ...] = _fact(())
+    # a hybrid's second sequence mixer (models/layered.py `beside_facts`), for the KV cache / SSM state its layers
+    # hold in serving: the attention layers of a stack read as SSD (Bamba, Nemotron-H: heads, kv_heads, head_dim),
+    # or the Mamba-2 mixers beside attention (Falcon-H1: heads, head_dim, state, groups, conv, expand)
+    attention_beside: tuple[int, ...] = _fact(())
+    ssd_beside: tuple[int, ...] = _fact(())
+
+    def mixer_spec(self, mixer: Mixer) -> ModelSpec | None:
+        """This spec with the numbers of `mixer`'s layers (its own mixer: itself; a hybrid's second mixer: from
+        `attention_beside` / `ssd_beside`), or None when the model holds no such mixer the spec knows."""
+        if mixer is self.mixer:
+            return self
+        if mixer is Mixer.ATTENTION and self.attention_beside:
+            heads, kv_heads, head_dim = self.attention_beside
+            return replace(self, mixer=mixer, heads=heads, kv_heads=kv_heads,
+                           head_dim=0 if head_dim * heads == self.hidden else head_dim, attention_beside=())
+        if mixer is Mixer.SSD and self.ssd_beside:
+            heads, head_dim, state, groups, conv, expand = self.ssd_beside
+            return replace(self, mixer=mixer, heads=heads, head_dim=head_dim, state=state, groups=groups, conv=conv,
+                           expand=expand, ssd_beside=())
+        return None
 
     def attended_tokens(self, tokens: float) -> float:
         """The keys one query attends to (and one layer's KV cache holds) at `tokens` of context, the mean

@@ -33,10 +33,7 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
                   tied=bool(getattr(config, "tie_word_embeddings", False)))
     mixers = ssd_mixers(model)
     if mixers:
-        m = mixers[0][1]
-        spec = ModelSpec(mixer=Mixer.SSD, state=m.ssm_state_size, expand=max(1, m.intermediate_size // config.hidden_size),
-                         head_dim=m.head_dim, heads=m.num_heads, groups=m.n_groups, conv=m.conv_kernel_size,
-                         chunk=m.chunk_size, **common)
+        spec = ModelSpec(mixer=Mixer.SSD, **_ssd_numbers(mixers[0][1], config.hidden_size), **common)
     else:
         heads = getattr(config, "num_attention_heads", 0) or 0
         spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads,
@@ -44,11 +41,39 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
                          ffn=getattr(config, "intermediate_size", 0) or 0, **common)
     # the axes the runtime refuses on this model are not searched either (rules/validity.axis_violation): a plan
     # of `autoshard plan` is one `parallelize` runs
-    spec = replace(_with_experts(spec, model, stack, config), refused=hybrid_refusals(model) or ())
+    spec = replace(_with_experts(spec, model, stack, config), refused=hybrid_refusals(model) or (),
+                   **beside_facts(model, config, spec.mixer))
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
     if why:
         raise InvalidConfigError(f"{name}: {why}")
     return spec
+
+
+def _ssd_numbers(mixer: nn.Module, hidden: int) -> dict:
+    """The ModelSpec numbers of a Mamba-2 SSD mixer (its HF size attributes, `facts.ssd_mixers`)."""
+    return dict(state=mixer.ssm_state_size, expand=max(1, mixer.intermediate_size // hidden), head_dim=mixer.head_dim,
+                heads=mixer.num_heads, groups=mixer.n_groups, conv=mixer.conv_kernel_size, chunk=mixer.chunk_size)
+
+
+def beside_facts(model: nn.Module, config, mixer: Mixer) -> dict:
+    """The spec facts of a hybrid's second sequence mixer (ModelSpec `attention_beside` / `ssd_beside`): what
+    serving prices the KV cache or the SSM state of those layers from. An SSD-read stack with attention layers:
+    (heads, kv_heads, head_dim) of its attention modules (the config's head counts, the module's head_dim);
+    an attention-read model whose layers hold a Mamba-2 mixer: that mixer's numbers. {} when there is none."""
+    from autoshard.models.facts import config_value, is_attention
+
+    if mixer is Mixer.SSD:
+        attention = next((m for m in model.modules() if is_attention(m)), None)
+        if attention is None:
+            return {}
+        heads = config_value(config, "heads")
+        return {"attention_beside": (heads, config_value(config, "kv_heads", heads) or heads,
+                                     getattr(attention, "head_dim", None) or config.hidden_size // heads)}
+    mixers = ssd_mixers(model)
+    if not mixers:
+        return {}
+    n = _ssd_numbers(mixers[0][1], config.hidden_size)
+    return {"ssd_beside": tuple(n[k] for k in ("heads", "head_dim", "state", "groups", "conv", "expand"))}
 
 
 def _with_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec:

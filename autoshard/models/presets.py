@@ -225,6 +225,10 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                      sliding_window=facts.sliding_window, window_layers=facts.window_layers, **common)
     if facts.experts_path:
         spec = _with_experts(spec, facts, config, value)
+    if hybrid is not None:  # Mamba-2 mixers beside attention (Falcon-H1): their state, priced in serving
+        from autoshard.models.layered import beside_facts
+
+        spec = replace(spec, **beside_facts(model, config, Mixer.ATTENTION))
     # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
     proof, untraced = _tp_proof(spec, model) if hybrid is None else (None, None)
     if proof is not None:

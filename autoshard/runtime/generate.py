@@ -73,7 +73,7 @@ class Generator:
             step_input = token[:, None]
             if self.eos and not bool(unfinished.any()):
                 break
-        self.cache_bytes = _cache_bytes(cache)
+        self.cache_bytes = sum(cache_layer_bytes(layer) for layer in cache.layers)
         return ids
 
     def _step(self, ids: Tensor, cache, *, past: int, hop_dtypes: dict[int, torch.dtype]) -> Tensor:
@@ -134,11 +134,10 @@ class Generator:
                 "position_embeddings": stage.rotary_emb(hidden, position_ids=position_ids)}
 
 
-def _cache_bytes(cache) -> int:
-    """Bytes of every tensor a HF cache holds (K/V, conv and SSM states of the layers it filled)."""
+def cache_layer_bytes(layer) -> int:
+    """Bytes of every tensor one layer of a HF cache holds (K/V, conv and SSM states, once filled)."""
     total = 0
-    for layer in cache.layers:
-        for value in vars(layer).values():
-            tensors = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else (value,)
-            total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+    for value in vars(layer).values():
+        tensors = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else (value,)
+        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
     return total

@@ -68,8 +68,9 @@ def _check_generate() -> None:
         check_generate(source, plan, ids)
 
 
-def check_generate(source, plan: dict, ids, *, new: int = 8) -> None:
-    """`dm.generate` under `plan` equals HF's greedy `generate` of the same model on one process."""
+def check_generate(source, plan: dict, ids, *, new: int = 8):
+    """`dm.generate` under `plan` equals HF's greedy `generate` of the same model on one process; the
+    DistributedModel, for further checks."""
     import torch
 
     import autoshard
@@ -80,3 +81,4 @@ def check_generate(source, plan: dict, ids, *, new: int = 8) -> None:
     dm = autoshard.parallelize(source.build(), ids, plan=plan, global_batch=ids.shape[0])
     got = dm.generate(ids, max_new_tokens=new)
     assert torch.equal(got, want), f"{source} {plan}: {got[:, ids.shape[1]:].tolist()} != {want[:, ids.shape[1]:].tolist()}"
+    return dm

@@ -10,7 +10,7 @@ The whole contract: docs/modules/serving.md (passes/serving/inference_cost.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -18,14 +18,14 @@ import sympy
 
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
-from autoshard.cost_table import B, S, CostTable
+from autoshard.cost_table import B, S, CostTable, is_attention_op, is_scan_op
 from autoshard.ir import BlockKind, Mesh, Stage, even_stages, is_positive_int
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost.collectives import Collective, best_time, collective_time
 from autoshard.rules.ranks import group_stride
 from autoshard.ir import Precision
 from autoshard.passes.cost.block import block_params, expert_block_params
-from autoshard.passes.cost.compiled import CompiledTable, compile_table, degree_in_s, is_core, priced_nodes
+from autoshard.passes.cost.compiled import CompiledTable, compile_table, degree_in_s, priced_nodes
 from autoshard.passes.cost.cost import node_times, tp_comm_times, tp_divisor
 from autoshard.passes.cost.layout import Layout
 from autoshard.rules import sharding
@@ -141,6 +141,13 @@ class InferenceTable:
     lookup: dict  # BlockKind -> bool array: table lookups (the embedding): read the rows asked, not the table
     paths: dict  # BlockKind -> tuple of module paths, per node (what `kernels_per_forward` counts by)
     attention_flops: Any  # lambdified (b, c) -> FLOPs of one decode step's attention, one layer (LLaMA)
+    # the sequence mixers a layer holds, each as the spec of its numbers (ModelSpec.mixer_spec): the attention's
+    # KV cache, the Mamba-2 conv + SSM state; none for a layer of per-token ops (Nemotron-H's MLP and MoE layers)
+    mixers: tuple[ModelSpec, ...] = ()
+    # a mixed stack (CompiledTable.kinds): the one-kind table of every layer kind and each layer's kind; the
+    # embedding and head are read from this table, the layers through `layer_tables` / `stage_layer_tables`
+    kinds: tuple = ()
+    layer_kinds: tuple[int, ...] = ()
 
     @property
     def spec(self) -> ModelSpec:
@@ -151,20 +158,60 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
     if isinstance(table, InferenceTable):
         return table
     ct = compile_table(table, spec)
-    core, skip, lookup, paths, attn = {}, {}, {}, {}, sympy.Integer(0)
-    for block in table.blocks:
+    if not ct.kinds:
+        return _kind_table(ct, table.blocks, spec)
+    edges = [b for b in table.blocks if b.kind is not BlockKind.LAYER]
+    kinds = tuple(_kind_table(view, (edges[0], blk, edges[1]), spec)
+                  for view, blk in zip(ct.kinds, table.layer_blocks()))
+    return replace(kinds[0], ct=ct, kinds=kinds, layer_kinds=ct.layer_kinds)
+
+
+def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec) -> InferenceTable:
+    """The inference table of a one-kind table `ct` (its symbolic `blocks`): which nodes decode replaces (the
+    sequence mixers' own ops, found on the graph: the module of an attention kernel, its s x s ops; the module
+    of the SSD scan / conv1d, all of its ops) and the specs of those mixers (`stack`'s numbers, ModelSpec.mixer_spec)."""
+    ssd = stack.mixer_spec(Mixer.SSD) is not None
+    core, skip, lookup, paths, attn, mixers = {}, {}, {}, {}, sympy.Integer(0), ()
+    for block in blocks:
         nodes = priced_nodes(block)  # the nodes compile_table keeps, in its order
         lookup[block.kind] = np.array([n.target == "aten.embedding.default" for n in nodes], dtype=bool)
         paths[block.kind] = tuple(n.module_path for n in nodes)
-        in_core = [is_core(n.module_path, spec) for n in nodes]
-        if spec.mixer is Mixer.ATTENTION:  # only the s x s attention runs differently in decode
-            in_core = [c and degree_in_s(n.flops) >= 2 for c, n in zip(in_core, nodes)]
-            if block.kind is BlockKind.LAYER:
-                attn = sum((n.flops.subs(S, 1) * C for n, c in zip(nodes, in_core) if c and n.phase == "fwd"),
-                           sympy.Integer(0))
+        fwd = [n for n in nodes if n.phase == "fwd"]
+        attention = {n.module_path for n in fwd if is_attention_op(n)}
+        scans = {n.module_path.removesuffix(".conv1d") for n in fwd if is_scan_op(n, mamba2=ssd)}
+        # only the s x s attention runs differently in decode; all of the SSD mixer's own ops do
+        in_core = [(n.module_path in attention and degree_in_s(n.flops) >= 2) or n.module_path in scans for n in nodes]
+        if block.kind is BlockKind.LAYER:
+            attn = sum((n.flops.subs(S, 1) * C for n, c in zip(nodes, in_core)
+                        if c and n.phase == "fwd" and n.module_path in attention), sympy.Integer(0))
+            mixers = tuple(_mixer_spec(stack, m, block) for m, held in ((Mixer.ATTENTION, attention), (Mixer.SSD, scans))
+                           if held)
+            _check_state_priced(stack, block, fwd, ssd)
         core[block.kind] = np.array(in_core, dtype=bool)
         skip[block.kind] = np.array([block.kind is BlockKind.HEAD and n.module_path == "" for n in nodes], dtype=bool)
-    return InferenceTable(ct=ct, core=core, skip=skip, lookup=lookup, paths=paths, attention_flops=sympy.lambdify((B, C), attn, modules=[np]))
+    return InferenceTable(ct=ct, core=core, skip=skip, lookup=lookup, paths=paths, mixers=mixers,
+                          attention_flops=sympy.lambdify((B, C), attn, modules=[np]))
+
+
+def _mixer_spec(stack: ModelSpec, mixer: Mixer, block) -> ModelSpec:
+    spec = stack.mixer_spec(mixer)
+    if spec is None:
+        raise InvalidConfigError(f"{stack.name}: the layers of kind {block.name!r} hold {mixer.value} but the model's "
+                                 f"spec has no {mixer.value} numbers to price its cache from (ModelSpec.mixer_spec); "
+                                 "read the spec off the model (autoshard.models.presets.resolve_model)")
+    return spec
+
+
+def _check_state_priced(stack: ModelSpec, block, fwd, ssd: bool) -> None:
+    """A layer whose sequence mixer keeps a state that serving does not price (a convolution over the sequence
+    that is no Mamba-2 SSD: Mamba-1's selective scan, short convolutions, gated DeltaNet) is refused by name."""
+    conv = next((n for n in fwd if "convolution" in n.target), None)
+    if conv is not None and not ssd:
+        raise InvalidConfigError(
+            f"{stack.name}: {conv.module_path or block.name} mixes its sequence by a convolution that is no Mamba-2 "
+            "SSD (Mamba-1's selective scan, a short convolution, gated DeltaNet): serving prices the attention layers' "
+            "KV cache and the Mamba-2 layers' conv + SSM state only, not this layer's recurrent state; plan its "
+            "training, or serve a model whose mixers are attention and Mamba-2")
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,6 +220,22 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
 
 def stages_of(spec: ModelSpec, pp: int) -> tuple[Stage, ...]:
     return even_stages(spec.layers, pp)
+
+
+def layer_tables(it: InferenceTable) -> tuple[tuple[InferenceTable, int], ...]:
+    """(one-kind table, layers of that kind) of the whole model: the one kind of a uniform stack, every kind of
+    a mixed one (each priced through its own table)."""
+    if not it.kinds:
+        return ((it, it.spec.layers),)
+    return tuple((kind, it.layer_kinds.count(k)) for k, kind in enumerate(it.kinds))
+
+
+def stage_layer_tables(it: InferenceTable, stage: Stage) -> tuple[tuple[InferenceTable, int], ...]:
+    """`layer_tables` of the layers `stage` holds (a mixed stack: the kinds of its own layers)."""
+    if not it.kinds:
+        return ((it, stage.layers),)
+    held = it.layer_kinds[stage.first_layer:stage.end_layer]
+    return tuple((kind, held.count(k)) for k, kind in enumerate(it.kinds))
 
 
 def _layout(spec: ModelSpec, tp: int, batch: int) -> Layout:
@@ -246,6 +309,20 @@ def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
     return float(ssm + conv)
 
 
+def layer_cache_bytes(it: InferenceTable, *, batch: int, tokens: int, tp: int, dtype_bytes: float = KV_BYTES) -> float:
+    """Bytes one device holds for one layer of the kind `it` prices: `cache_bytes_per_layer` of each sequence
+    mixer the layer holds (a hybrid's attention layer its KV, its Mamba-2 layer its state, Falcon-H1's layer both;
+    0 for a layer of per-token ops)."""
+    return sum(cache_bytes_per_layer(m, batch=batch, tokens=tokens, tp=tp, dtype_bytes=dtype_bytes) for m in it.mixers)
+
+
+def stage_cache_bytes(it: InferenceTable, stage: Stage, *, batch: int, tokens: int, tp: int,
+                      dtype_bytes: float = KV_BYTES) -> float:
+    """The cache of `stage`'s layers on one of its devices (the whole model: `stages_of(spec, 1)[0]`)."""
+    return sum(n * layer_cache_bytes(kind, batch=batch, tokens=tokens, tp=tp, dtype_bytes=dtype_bytes)
+               for kind, n in stage_layer_tables(it, stage) if n)
+
+
 def _conv_channels(spec: ModelSpec, tp: int) -> float:
     """Mamba-2 conv channels one tp rank holds: x, B and C split by the sharding table (B and C
     whole on every rank when tp does not divide n_groups)."""
@@ -254,8 +331,13 @@ def _conv_channels(spec: ModelSpec, tp: int) -> float:
 
 
 def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch: int, context: float) -> float:
-    """One layer's sequence mixing for one decode step on one device (docs/modules/serving.md)."""
-    spec = it.spec
+    """One layer's sequence mixing for one decode step on one device (docs/modules/serving.md): each of the
+    layer's sequence mixers (`it.mixers`) as its own kernel."""
+    return sum(_mixer_step_seconds(it, spec, hw, tp, batch=batch, context=context) for spec in it.mixers)
+
+
+def _mixer_step_seconds(it: InferenceTable, spec: ModelSpec, hw: DeviceProfile, tp: int, *, batch: int,
+                        context: float) -> float:
     if spec.mixer is Mixer.ATTENTION:
         flops = float(it.attention_flops(batch, spec.attended_tokens(context))) / tp  # heads split over tp; a window's keys
         q_out = 2.0 * batch * spec.hidden / tp * ACT_BYTES
@@ -287,7 +369,7 @@ def kernels_per_forward(it: InferenceTable, hw: DeviceProfile, kind: BlockKind) 
                 units.add(("region", region))
             elif reads_weights[i]:
                 units.add(("module", it.paths[kind][i]))  # one kernel per module (HF's rotary: one)
-        blk.memo[key] = len(units) + int(bool(it.core[kind].any()))
+        blk.memo[key] = len(units) + (len(it.mixers) if kind is BlockKind.LAYER else 0)
     return blk.memo[key]
 
 
@@ -297,7 +379,7 @@ def _floor_seconds(it: InferenceTable, hw: DeviceProfile) -> float:
     (`kernels_per_forward`, every layer of every stage; 0 where the profile has none)."""
     if not hw.kernel_floor_s:
         return 0.0
-    kernels = (it.spec.layers * kernels_per_forward(it, hw, BlockKind.LAYER)
+    kernels = (sum(n * kernels_per_forward(kind, hw, BlockKind.LAYER) for kind, n in layer_tables(it))
                + kernels_per_forward(it, hw, BlockKind.EMBED) + kernels_per_forward(it, hw, BlockKind.HEAD))
     return kernels * hw.kernel_floor_s
 
@@ -341,17 +423,23 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
     spec, tp, b = it.spec, layout.tp, layout.batch
     decode = context is not None
     lay = _layout(spec, tp, b)
-    kinds = {BlockKind.EMBED: tokens, BlockKind.LAYER: tokens, BlockKind.HEAD: 1}  # head: last position only
+    layers = layer_tables(it)
+    kinds = {BlockKind.EMBED: tokens, BlockKind.HEAD: 1}  # head: last position only
     per = {k: _block_seconds(it, hw, tp, k, batch=b, seq_len=s, decode=decode, ep=layout.ep) for k, s in kinds.items()}
-    comm = {k: tp_comm_times(it.ct, hw, lay, k, tokens, low_latency=True)[0] for k in (BlockKind.EMBED, BlockKind.LAYER)}
+    per[BlockKind.LAYER] = sum(n * _block_seconds(kind, hw, tp, BlockKind.LAYER, batch=b, seq_len=tokens,
+                                                  decode=decode, ep=layout.ep) for kind, n in layers)
+    comm = {BlockKind.EMBED: tp_comm_times(it.ct, hw, lay, BlockKind.EMBED, tokens, low_latency=True)[0],
+            BlockKind.LAYER: sum(n * tp_comm_times(kind.ct, hw, _layout(kind.spec, tp, b), BlockKind.LAYER, tokens,
+                                                   low_latency=True)[0] for kind, n in layers)}
+    moe_layers = sum(n for kind, n in layers if kind.spec.is_moe)
     mesh = _replica_mesh(layout)
     comm[BlockKind.HEAD] = (best_time(hw, Collective.ALL_GATHER, b * spec.vocab * LOGIT_BYTES, size=tp,
                                       stride=group_stride(mesh, "tp"),
                                       low_latency=True)
                             if sharding.vocab_parallel(spec, BlockKind.HEAD, lay.strategies) else 0.0)  # replicated: none
-    compute = spec.layers * per[BlockKind.LAYER] + per[BlockKind.EMBED] + per[BlockKind.HEAD]
-    tp_comm = spec.layers * comm[BlockKind.LAYER] + comm[BlockKind.EMBED] + comm[BlockKind.HEAD]
-    core = spec.layers * decode_core_seconds(it, hw, tp, batch=b, context=context) if decode else 0.0
+    compute = per[BlockKind.LAYER] + per[BlockKind.EMBED] + per[BlockKind.HEAD]
+    tp_comm = comm[BlockKind.LAYER] + comm[BlockKind.EMBED] + comm[BlockKind.HEAD]
+    core = sum(n * decode_core_seconds(kind, hw, tp, batch=b, context=context) for kind, n in layers) if decode else 0.0
     pp_comm = 0.0
     if layout.pp > 1:
         hop = _hop_seconds(hw, layout, b * tokens * spec.hidden * ACT_BYTES)
@@ -360,10 +448,10 @@ def phase_time(it: InferenceTable, hw: DeviceProfile, layout: ServeLayout, *, to
         pp_comm = (layout.pp - 1) * hop + token
     ep_comm = 0.0
     if layout.ep > 1:  # the experts' partial outputs summed over the ep ranks, every MoE layer
-        ep_comm = spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
+        ep_comm = moe_layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
                                           size=layout.ep, stride=group_stride(mesh, "ep"), low_latency=True)
-    if spec.is_moe and tp > 1:  # and over tp: every expert's GEMMs are split over the tp ranks
-        tp_comm += spec.layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
+    if moe_layers and tp > 1:  # and over tp: every expert's GEMMs are split over the tp ranks
+        tp_comm += moe_layers * best_time(hw, Collective.ALL_REDUCE, b * tokens * spec.hidden * ACT_BYTES,
                                            size=tp, stride=group_stride(mesh, "tp"), low_latency=True)
     return PhaseTime(compute=compute, core=core, tp_comm=tp_comm, pp_comm=pp_comm, ep_comm=ep_comm,
                      fixed=_floor_seconds(it, hw), step_inputs=_step_input_seconds(hw, layout, tokens=tokens,
@@ -376,24 +464,38 @@ def memory(it: InferenceTable, layout: ServeLayout, *, prompt_len: int, output_l
     decode pool, which holds the cache at prompt_len + output_len tokens but runs no prefill
     (its activations are one decode step's)."""
     spec, tp, b = it.spec, layout.tp, layout.batch
-    held = Layout(mesh=Mesh(tp=tp, ep=layout.ep), micro_batch=b,  # E/ep experts per layer (cost.block_params)
-                  strategies=sharding.runnable_strategies(spec, tp) or ())
-    prm = {k: block_params(it.ct, held, k) for k in BlockKind}
-    if spec.is_moe and tp > 1:  # each tp rank holds its slice of every expert (runtime/expert_parallel.py)
-        prm[BlockKind.LAYER] -= expert_block_params(it.ct, held, BlockKind.LAYER) * (1 - 1 / tp)
+    held = _held_layout(spec, layout)
+    prm = {k: block_params(it.ct, held, k) for k in (BlockKind.EMBED, BlockKind.HEAD)}
     act = _activation_bytes(it, tp, batch=b, tokens=1 if decode_only else prompt_len, decode=decode_only)
-    cache_layer = cache_bytes_per_layer(spec, batch=b, tokens=prompt_len + output_len, tp=tp)
     best = None
     for st in stages_of(spec, layout.pp):
-        params = prm[BlockKind.LAYER] * st.layers + prm[BlockKind.EMBED] * st.embed + prm[BlockKind.HEAD] * st.head
+        layers = stage_layer_tables(it, st)
+        params = sum(n * _layer_params(kind, layout) for kind, n in layers if n) \
+            + prm[BlockKind.EMBED] * st.embed + prm[BlockKind.HEAD] * st.head
         if st.head and spec.tied and not st.embed:
             params += prm[BlockKind.EMBED]  # the tied LM head keeps its copy of the embedding
         logits = b * spec.vocab / (tp if sharding.vocab_parallel(spec, BlockKind.HEAD, held.strategies) else 1) \
             * LOGIT_BYTES if st.head else 0.0
-        mem = ServeMemory(weights=params * PARAM_BYTES, cache=cache_layer * st.layers, activations=act + logits)
+        cache = stage_cache_bytes(it, st, batch=b, tokens=prompt_len + output_len, tp=tp)
+        mem = ServeMemory(weights=params * PARAM_BYTES, cache=cache, activations=act + logits)
         if best is None or mem.total > best.total:
             best = mem
     return best
+
+
+def _held_layout(spec: ModelSpec, layout: ServeLayout) -> Layout:
+    """What one device of a replica holds: E/ep experts per layer (cost.block_params), tp as the table splits."""
+    return Layout(mesh=Mesh(tp=layout.tp, ep=layout.ep), micro_batch=layout.batch,
+                  strategies=sharding.runnable_strategies(spec, layout.tp) or ())
+
+
+def _layer_params(it: InferenceTable, layout: ServeLayout) -> float:
+    """Parameters of one layer of the kind `it` prices on one device of `layout`."""
+    held = _held_layout(it.spec, layout)
+    params = block_params(it.ct, held, BlockKind.LAYER)
+    if it.spec.is_moe and layout.tp > 1:  # each tp rank holds its slice of every expert (runtime/expert_parallel.py)
+        params -= expert_block_params(it.ct, held, BlockKind.LAYER) * (1 - 1 / layout.tp)
+    return params
 
 
 def _activation_bytes(it: InferenceTable, tp: int, *, batch: int, tokens: int, decode: bool) -> float:
@@ -403,13 +505,13 @@ def _activation_bytes(it: InferenceTable, tp: int, *, batch: int, tokens: int, d
     spec = it.spec
     residual = 2.0 * batch * tokens * spec.hidden * ACT_BYTES
     largest = 0.0
-    for kind in (BlockKind.EMBED, BlockKind.LAYER):
-        blk = it.ct.block(kind)
+    for table, kind in ((it, BlockKind.EMBED), *((k, BlockKind.LAYER) for k, _ in layer_tables(it))):
+        blk = table.ct.block(kind)
         if not len(blk.fwd):
             continue
         moved = blk.evaluate(batch, tokens)[1] - blk.evaluate(0, tokens)[1]  # weights: the b-free part
-        run = blk.fwd & ~it.core[kind] if decode else blk.fwd
-        divisor = tp_divisor(blk, spec, tp, strategies=sharding.runnable_strategies(spec, tp) or ())
+        run = blk.fwd & ~table.core[kind] if decode else blk.fwd
+        divisor = tp_divisor(blk, table.spec, tp, strategies=sharding.runnable_strategies(table.spec, tp) or ())
         largest = max(largest, float((moved / divisor)[run].max(initial=0.0)))
     return residual + largest
 

@@ -89,11 +89,11 @@ def _runs(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> bool:
     return strategies is not None and generate_violation(spec, Mesh(tp=tp, pp=pp, ep=ep), strategies=strategies) is None
 
 
-def transfer_seconds(spec: ModelSpec, hw: DeviceProfile, *, batch: int, prompt_len: int, devices: int) -> float:
-    """Moving the KV cache (LLaMA, P tokens) or the conv + SSM state (Mamba-2) of `batch` prefilled
-    sequences from the prefill pool to the decode pool: every prefill device sends its shard at
+def transfer_seconds(it: InferenceTable, hw: DeviceProfile, *, batch: int, prompt_len: int, devices: int) -> float:
+    """Moving the KV cache (attention layers, P tokens) and the conv + SSM state (Mamba-2 layers) of `batch`
+    prefilled sequences from the prefill pool to the decode pool: every prefill device sends its shard at
     once, so the time is one shard over one link (intra-node when all `devices` share a node)."""
-    whole = ic.cache_bytes_per_layer(spec, batch=batch, tokens=prompt_len, tp=1) * spec.layers
+    whole = ic.stage_cache_bytes(it, ic.stages_of(it.spec, 1)[0], batch=batch, tokens=prompt_len, tp=1)
     link = group_link(hw, size=devices)  # a group spanning every device: inter-node unless they share one
     return link.latency + whole / link.bandwidth
 
@@ -165,7 +165,7 @@ def _disaggregated(price: _Pricer, spec, hw, grid, devices, ttft, tpot) -> Candi
         def p_ok(b, tp=tp, pp=pp, ep=ep):
             e = price(tp, pp, ep, 1, b)
             mem_ok = ic.memory(price.it, e.layout, prompt_len=P, output_len=0).total <= hw.memory_bytes
-            return mem_ok and e.ttft_s + transfer_seconds(spec, hw, batch=b, prompt_len=P, devices=devices) <= ttft
+            return mem_ok and e.ttft_s + transfer_seconds(price.it, hw, batch=b, prompt_len=P, devices=devices) <= ttft
 
         b = largest_batch(p_ok)
         if b:
@@ -192,7 +192,7 @@ def _disaggregated(price: _Pricer, spec, hw, grid, devices, ttft, tpot) -> Candi
             rate = min(n_p * p_rate, n_d * d_rate)  # requests per second through both pools
             if best is not None and rate * O <= best.throughput_tokens_per_s:
                 continue
-            transfer = transfer_seconds(spec, hw, batch=p_est.layout.batch, prompt_len=P, devices=devices)
+            transfer = transfer_seconds(price.it, hw, batch=p_est.layout.batch, prompt_len=P, devices=devices)
             pools = (("prefill", price(ptp, ppp, pep, n_p, p_est.layout.batch)),
                      ("decode", price(dtp, dpp, dep, n_d, d_est.layout.batch)))
             memories = (ic.memory(price.it, p_est.layout, prompt_len=P, output_len=0),

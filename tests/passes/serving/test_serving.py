@@ -10,7 +10,7 @@ import pytest
 from autoshard.api import _resolve_plan
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
 from autoshard.passes.serving import serving
-from autoshard.passes.serving.inference_cost import ServeLayout, estimate_serving
+from autoshard.passes.serving.inference_cost import ServeLayout, compile_inference_table, estimate_serving
 from autoshard.passes.serving.serving import layouts, plan_serving
 from autoshard.ir import Mesh
 from autoshard.model_spec import Mixer
@@ -68,7 +68,7 @@ def test_disaggregated_pools_split_the_devices_and_price_the_transfer():
         (_, pre), (_, dec) = best.pools
         assert pre.layout.devices + dec.layout.devices == 4
         assert best.transfer_s == pytest.approx(serving.transfer_seconds(
-            LLAMA, HW, batch=pre.layout.batch, prompt_len=P, devices=4))
+            compile_inference_table(LLAMA_TABLE, LLAMA), HW, batch=pre.layout.batch, prompt_len=P, devices=4))
         assert best.ttft_s == pytest.approx(pre.ttft_s + best.transfer_s) and best.ttft_s <= 1.2 * ref.ttft_s
         prefill_rate = pre.layout.replicas * pre.layout.batch / pre.ttft_s
         decode_rate = dec.layout.replicas * dec.layout.batch / ((O - 1) * dec.tpot_s)
@@ -79,9 +79,10 @@ def test_disaggregated_pools_split_the_devices_and_price_the_transfer():
 
 
 def test_transfer_of_mamba2_state_does_not_grow_with_the_prompt():
-    short, long = (serving.transfer_seconds(MAMBA, HW, batch=4, prompt_len=p, devices=4) for p in (128, 8192))
+    mamba, llama = compile_inference_table(MAMBA_TABLE, MAMBA), compile_inference_table(LLAMA_TABLE, LLAMA)
+    short, long = (serving.transfer_seconds(mamba, HW, batch=4, prompt_len=p, devices=4) for p in (128, 8192))
     assert short == long
-    short, long = (serving.transfer_seconds(LLAMA, HW, batch=4, prompt_len=p, devices=4) for p in (128, 8192))
+    short, long = (serving.transfer_seconds(llama, HW, batch=4, prompt_len=p, devices=4) for p in (128, 8192))
     assert long > short
 
 

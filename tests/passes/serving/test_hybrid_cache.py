@@ -1,0 +1,93 @@
+"""Serving prices a hybrid's cache as HF holds it: the KV cache of its attention layers and the conv + SSM
+state of its Mamba-2 layers, per layer kind, per pipeline stage (issue 25 item 5).
+
+The tiny hybrids of tests/models/hybrid_models.py run in bf16 (KV and conv state bf16, the SSM state fp32, as
+HF keeps it); after a prefill of the prompts the bytes of every tensor of HF's cache, layer by layer, equal the
+priced bytes of the whole model and of every stage of pp 2 and pp 3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoshard.commands.common import cost_table_for, model_for
+from autoshard.errors import InvalidConfigError
+from autoshard.model_spec import Mixer
+from autoshard.passes.serving import inference_cost as ic
+from autoshard.runtime.generate import cache_layer_bytes
+from tests.models.hybrid_models import build
+
+BATCH, PROMPT = 2, 20  # 20 tokens: more than the tiny chunk (16), the prefill scan spans two chunks
+
+
+def _inference_table(model_type: str):
+    name = f"tests.models.hybrid_models:{model_type}_tiny"
+    spec, module = model_for(name)
+    spec, table = cost_table_for(name, spinner=False, spec=spec, module=module)
+    return spec, ic.compile_inference_table(table, spec)
+
+
+def _hf_cache_per_layer(model_type: str) -> list[int]:
+    torch.manual_seed(0)
+    model = build(model_type).to(torch.bfloat16)
+    ids = torch.randint(3, 200, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    return [cache_layer_bytes(layer) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("model_type, mixers", [
+    ("bamba", {"linear_attention": (Mixer.SSD,), "full_attention": (Mixer.ATTENTION,)}),
+    ("nemotron_h", {"linear_attention": (Mixer.SSD,), "moe": (), "full_attention": (Mixer.ATTENTION,), "mlp": ()}),
+    ("falcon_h1", {"layer": (Mixer.ATTENTION, Mixer.SSD)}),  # attention and Mamba-2 side by side in every layer
+])
+def test_priced_cache_bytes_equal_the_hf_cache_after_a_prefill(model_type, mixers):
+    spec, it = _inference_table(model_type)
+    kinds = it.kinds or (it,)
+    names = it.ct.kind_names or ("layer",)
+    assert {n: tuple(m.mixer for m in k.mixers) for n, k in zip(names, kinds)} == mixers
+    held = _hf_cache_per_layer(model_type)
+    per_layer = [kinds[k] for k in it.layer_kinds] if it.kinds else [it] * spec.layers
+    assert [bool(h) for h in held] == [bool(k.mixers) for k in per_layer]  # MLP / MoE layers cache nothing
+    for pp in (1, 2, 3):
+        for stage in ic.stages_of(spec, pp):
+            priced = ic.stage_cache_bytes(it, stage, batch=BATCH, tokens=PROMPT, tp=1, dtype_bytes=ic.KV_BYTES)
+            assert priced == sum(held[stage.first_layer:stage.end_layer]), f"{model_type} pp{pp} {stage}"
+    # the busiest device of a serving layout holds its stage's cache at prompt + output tokens
+    mem = ic.memory(it, ic.ServeLayout(pp=2, batch=BATCH), prompt_len=PROMPT - 4, output_len=4)
+    assert mem.cache in {ic.stage_cache_bytes(it, st, batch=BATCH, tokens=PROMPT, tp=1) for st in ic.stages_of(spec, 2)}
+
+
+def test_decode_reads_the_kv_cache_of_attention_layers_and_a_constant_state_of_mamba_layers():
+    from autoshard.hardware import load_hardware
+
+    hw = load_hardware("h100")
+    _, it = _inference_table("nemotron_h")
+    step = {name: [ic.decode_core_seconds(kind, hw, 1, batch=64, context=c) for c in (1024, 65536)]
+            for name, kind in zip(it.ct.kind_names, it.kinds)}
+    assert step["full_attention"][1] > 10 * step["full_attention"][0]  # the KV cache read grows with the context
+    assert step["linear_attention"][0] == step["linear_attention"][1] > 0  # the recurrent step: constant
+    assert step["mlp"] == step["moe"] == [0.0, 0.0]  # per-token layers: no cache
+    est = ic.estimate_serving(it, it.spec, hw, ic.ServeLayout(batch=64), prompt_len=1024, output_len=64)
+    layers = dict(zip(it.ct.kind_names, (it.layer_kinds.count(k) for k in range(len(it.kinds)))))
+    mean = 1024 + 64 / 2
+    want = sum(layers[name] * ic.decode_core_seconds(kind, hw, 1, batch=64, context=mean)
+               for name, kind in zip(it.ct.kind_names, it.kinds))
+    assert est.decode.core == pytest.approx(want)
+
+
+def test_a_layer_state_serving_does_not_price_is_refused_by_name():
+    """A convolution over the sequence that is no Mamba-2 SSD (Mamba-1's selective scan, LFM2's short
+    convolutions) keeps a state the cost model does not price: refused, naming the module."""
+    import dataclasses
+
+    from tests.passes.serving.test_inference_cost import LLAMA, toy_table
+
+    table = toy_table("self_attn", 0, 0)
+    layer = table.blocks[1]
+    conv = dataclasses.replace(layer.nodes[0], name="conv", target="aten.convolution.default",
+                               module_path="layers.0.mamba")
+    table = dataclasses.replace(table, blocks=(table.blocks[0], dataclasses.replace(layer, nodes=layer.nodes + (conv,)),
+                                               table.blocks[2]))
+    with pytest.raises(InvalidConfigError, match=r"layers.0.mamba mixes its sequence by a convolution that is no Mamba-2"):
+        ic.compile_inference_table(table, LLAMA)
