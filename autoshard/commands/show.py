@@ -187,21 +187,24 @@ def render(plan) -> None:
 
 
 def _kind_table(rows, stages):
-    """A row per layer kind of a mixed stack's plan (`predicted.layer_kinds`, passes/solve/ranges.py
-    `kind_breakdown`): its layers on each stage, their seconds per micro-batch and memory per device there, and
-    its share of all the layers' time; None for a model whose layers are of one kind."""
+    """The per-kind breakdown of a mixed stack's plan (`predicted.layer_kinds`, passes/solve/ranges.py
+    `kind_breakdown`): a row per stage, a column per layer kind (its layers there, their seconds per
+    micro-batch and memory per device), and a last row with each kind's layers and share of all the layers'
+    time; None for a model whose layers are of one kind."""
     from rich.table import Table
 
     if not rows:
         return None
     table = Table(title="layer kinds (per stage: layers, s/micro-batch, memory per device)")
-    for col in ("kind", "layers", *(f"stage {i}" for i in range(len(stages))), "share of layer time"):
+    for col in ("stage", *(r["kind"] for r in rows)):
         table.add_column(col)
+    for i in range(len(stages)):
+        cells = [f"{r['layers'][i]}: {r['time_s'][i]:.3g} s, {memory_text(r['memory_gb'][i])}"
+                 if r["layers"][i] else "-" for r in rows]
+        table.add_row(str(i), *cells)
     total = sum(sum(r["time_s"]) for r in rows) or 1.0
-    for r in rows:
-        cells = [f"{n}: {t:.3g} s, {memory_text(g)}" if n else "-"
-                 for n, t, g in zip(r["layers"], r["time_s"], r["memory_gb"])]
-        table.add_row(r["kind"], str(sum(r["layers"])), *cells, f"{100 * sum(r['time_s']) / total:.0f}%")
+    table.add_row("all", *(f"{sum(r['layers'])} layers, {100 * sum(r['time_s']) / total:.0f}% of layer time"
+                           for r in rows))
     return table
 
 

@@ -94,8 +94,9 @@ def test_solve_plans_a_mixed_stack(mixed):
     assert plan.predicted["step_time_s"] == pytest.approx(best[1].step_s, rel=1e-9)
 
 
-def test_show_has_a_row_per_layer_kind(mixed, capsys):
-    """The plan's per-kind breakdown counts every layer of each stage once, and `show` prints a row per kind."""
+def test_show_has_a_column_per_layer_kind(mixed, capsys):
+    """The plan's per-kind breakdown counts every layer of each stage once, and `show` prints a column per
+    kind (a row per stage, then each kind's layers and share of the layers' time)."""
     from autoshard.commands.show import render
 
     spec, ct = mixed
@@ -107,4 +108,6 @@ def test_show_has_a_row_per_layer_kind(mixed, capsys):
     assert heavy > 2 * light  # "b" has three times the FLOPs
     render(plan)
     out = capsys.readouterr().out
-    assert "layer kinds" in out and "share of layer time" in out
+    assert "layer kinds" in out
+    last = next(line for line in out.splitlines() if "all" in line and "layers" in line)
+    assert "4 layers" in last and "3 layers" in last  # each kind's layer count on the totals row
