@@ -59,6 +59,8 @@ class ModelSpec:
     # that attend within one (sliding_window tokens; Mistral all layers, Gemma-2/3 and GPT-OSS alternate ones)
     sliding_window: int = _fact(0)
     window_layers: int = _fact(0)  # how many of the layers attend within sliding_window
+    tp_pairs: tuple[tuple[str, str, str], ...] = _fact(())  # a model declaring no tp plan: the layer's Megatron
+    #   pairs found on its graph, (path, "region" | "colwise" | "rowwise", piece length) (passes/capture/tp_proposal.py)
     # the MoE layout, read off the module tree (models/facts.py `_moe_modules`): (router, routed experts, shared
     # expert or "", *the shared expert's linears and the block's one-output gate), paths inside a layer
     moe_paths: tuple[str, ...] = _fact(())

@@ -230,7 +230,9 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
 
         spec = replace(spec, **beside_facts(model, config, Mixer.ATTENTION))
     # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
-    proof, untraced = _tp_proof(spec, model) if hybrid is None else (None, None)
+    # where HF declares no tp plan, the Megatron pairs found on the graph (passes/capture/tp_proposal.py) are the table
+    pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe)) if hybrid is None else ((), None, None)
+    spec = replace(spec, tp_pairs=pairs)
     if proof is not None:
         spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)
     from autoshard.models.verdicts import failed_axes
@@ -250,20 +252,37 @@ def _with_experts(spec: ModelSpec, facts, config, value) -> ModelSpec:
                    moe_paths=(facts.router_path, facts.experts_path, facts.shared_path, *facts.shared_parts))
 
 
-def _tp_proof(spec: ModelSpec, model):
-    """(the proof of `spec`'s tp strategy on `model`'s traced graph, None) (passes/capture/tp_proof.py), or
-    (None, why) when the model does not trace; memoised per model class and config."""
-    key = (type(model), model.config.to_json_string(use_diff=False), spec)
+def _tp_proof(spec: ModelSpec, model, *, propose: bool = False):
+    """(pairs, proof, why): the proof of `spec`'s tp strategy on `model`'s traced graph (passes/capture/tp_proof.py)
+    and None, or no proof and why: the model does not trace or, `propose` (the config declares no tp plan), no
+    Megatron pairing is found on its graph. `pairs`: with `propose`, the layout found (passes/capture/tp_proposal.py,
+    `ModelSpec.tp_pairs`) that the proof is of. Memoised per model class and config."""
+    key = (type(model), model.config.to_json_string(use_diff=False), spec, propose)
     if key not in _PROOFS:
         from autoshard.errors import CaptureError
-        from autoshard.passes.capture.tp_proof import prove_tp
+        from autoshard.passes.capture.tp_proof import prove_tp, traced
+        from autoshard.passes.capture.tp_proposal import propose as pairs_of
 
         try:
-            _PROOFS[key] = prove_tp(spec, model), None
+            graph = traced(model)
+            found = pairs_of(graph[1], _layer0(graph[0]), spec) if propose else None
+            if found is not None and found.refusal is not None:
+                _PROOFS[key] = (), None, f"HF declares no tp plan for it, and on its graph {found.refusal}"
+            else:
+                pairs = found.roles if found is not None else ()
+                _PROOFS[key] = pairs, prove_tp(replace(spec, tp_pairs=pairs), model, graph), None
         except CaptureError as e:
-            _PROOFS[key] = None, (f"the model's graph does not trace, so its tp strategy cannot be proven ({e}); "
-                                  "tp is not offered for this model (dp, pp, cp and ep still plan)")
+            _PROOFS[key] = (), None, (f"the model's graph does not trace, so its tp strategy cannot be proven ({e}); "
+                                      "tp is not offered for this model (dp, pp, cp and ep still plan)")
     return _PROOFS[key]
+
+
+def _layer0(model):
+    """Layer 0 of the traced model's repeated stack."""
+    from autoshard.passes.capture.capture import find_repeated_blocks
+
+    blocks = find_repeated_blocks(model)
+    return model.get_submodule(f"{blocks[0].prefix}.0") if blocks else None
 
 
 _PROOFS: dict = {}  # a memo, not state: the proof of a model class and config never changes

@@ -120,12 +120,13 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
     common = dict(regions=sharding.modules(spec, Strategy.REGION), rowwise=sharding.modules(spec, Strategy.ROWWISE),
                   vocab_embed=embed[0] if embed else None, vocab_head=head[0] if head else None)
     if spec.mixer is Mixer.ATTENTION:
+        attention = sharding.selective_module(spec)  # the attention module (the layer's first tp region)
         attrs = []
         if spec.kv_heads < tp:  # one KV head per rank serves heads/tp query heads
-            attrs += [(f"{p}.self_attn", "num_key_value_groups", spec.heads // tp) for p in layers]
+            attrs += [(f"{p}.{attention}", "num_key_value_groups", spec.heads // tp) for p in layers]
         local = {"num_heads": spec.heads // tp, "num_attention_heads": spec.heads // tp,
                  "num_key_value_heads": max(1, spec.kv_heads // tp), "num_kv_heads": max(1, spec.kv_heads // tp)}
-        attrs += [(f"{p}.self_attn", a, local[a]) for p in layers for a in spec.attention_attrs]  # views by them
+        attrs += [(f"{p}.{attention}", a, local[a]) for p in layers for a in spec.attention_attrs]  # views by them
         return dict(common, attrs=tuple(attrs))
     attrs = []
     for p, chosen in zip(layers, strategies):

@@ -75,6 +75,7 @@ _SIZES: dict[str, Callable[[ModelSpec], int]] = {
     "ffn": lambda s: s.ffn,
     "q": lambda s: s.heads * s.attention_head_dim,  # LLaMA: heads x head_dim
     "kv": lambda s: s.kv_heads * s.attention_head_dim,
+    "qkv": lambda s: (s.heads + 2 * s.kv_heads) * s.attention_head_dim,  # one fused q/k/v, by head (Persimmon)
     "inner": lambda s: s.intermediate,  # Mamba-2: expand x hidden = heads x head_dim
     "groups": lambda s: s.groups,
     "group_state": lambda s: s.groups * s.state,  # Mamba-2 B or C
@@ -154,7 +155,8 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
     passes/capture/tp_proof.py) replicated with their gradient summed over tp, and
     an embedding whose forward is not a plain lookup (Gemma's scale) replicated: no vocab-parallel class
     swap may drop its forward (with it a tied LM head)."""
-    base = _LLAMA_NO_MLP + _moe_block(spec) if spec.is_moe else TABLES[spec.mixer]
+    base = _LLAMA_NO_MLP + _moe_block(spec) if spec.is_moe else proposed_table(spec.tp_pairs) if spec.tp_pairs \
+        else TABLES[spec.mixer]
     out = []
     for role in base:
         if role.path == "self_attn" and spec.head_params:
@@ -183,6 +185,24 @@ def _moe_block(spec: ModelSpec) -> tuple[Role, ...]:
         roles += (Role(shared, _L, Strategy.REPLICATE, params=()),)
     return roles + tuple(Role(p, _L, Strategy.REPLICATE, fan="shared_ffn" if p.startswith(f"{shared}.") and shared
                               else "one") for p in parts)
+
+
+# the pieces of a layout proposed on the graph (passes/capture/tp_proposal.py), by piece length
+_PROPOSED_PIECES = {"q": Piece("q", "heads"), "kv": Piece("kv", "kv_heads", share=True), "qkv": Piece("qkv", "heads"),
+                    "ffn": Piece("ffn", "ffn"), "heads": Piece("heads", "heads")}
+_PROPOSED = {"region": Strategy.REGION, "colwise": Strategy.COLWISE, "rowwise": Strategy.ROWWISE}
+
+
+def proposed_table(pairs: tuple[tuple[str, str, str], ...]) -> tuple[Role, ...]:
+    """The table of a model that declares no tp plan: LLaMA's embedding and head roles around the layer's
+    Megatron pairs found on its graph (`ModelSpec.tp_pairs`: (path, strategy, piece length), see
+    passes/capture/tp_proposal.py); the layer's norms hold no role (replicated; no sequence-parallel rule)."""
+    layer = []
+    for path, strategy, length in pairs:
+        params = () if strategy == "region" else ("weight",) if strategy == "rowwise" else _LINEAR
+        layer.append(Role(path, _L, _PROPOSED[strategy], (_PROPOSED_PIECES[length],), params,
+                          fan="one" if strategy == "region" else "hidden"))
+    return (*(r for r in LLAMA if r.block is _E), *layer, *(r for r in LLAMA if r.block is _H))
 
 
 # -- intra-op choices: alternatives the runtime runs, decided per plan by the planner -----------------
@@ -392,10 +412,13 @@ def role_divisor(spec: ModelSpec, role: Role, tp: int) -> float:
     return sum(lengths) / held
 
 
-def parts(spec: ModelSpec, path: str, tp: int) -> int:
-    """Parts of the LAYER role at `path` (e.g. "self_attn.k_proj": min(tp, kv_heads)) at `tp`."""
-    role = next(r for r in table(spec) if r.block is BlockKind.LAYER and r.path == path)
-    return role_parts(spec, role, tp)
+def kv_parts(spec: ModelSpec, tp: int) -> int:
+    """Parts the KV heads are cut into at `tp` (min(tp, kv_heads) under GQA; tp where `tp_violation` passes),
+    whatever the model calls its k / v projections. ValueError when tp cannot split them (`tp_violation` says why)."""
+    parts = piece_parts(spec, _PROPOSED_PIECES["kv"], tp)
+    if parts is None:
+        raise ValueError(f"tp={tp} cannot split the {spec.kv_heads} KV heads of {spec.name}")
+    return parts
 
 
 def tp_violation(spec: ModelSpec, tp: int, strategies=None) -> str | None:

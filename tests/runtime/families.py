@@ -29,6 +29,13 @@ MOE = {
     "llama4": _tiny("llama4_text"),  # base_model_prefix names another model; experts called pre-scattered
 }
 
+# classes that declare no base_model_tp_plan: tp runs the Megatron pairs found on their graph
+# (passes/capture/tp_proposal.py): Persimmon's fused per-head query_key_value -> dense, dense_h_to_4h -> dense_4h_to_h
+# (its per-head q/k layer norms' gradients summed over tp), StableLM's q/k/v -> o_proj, gate/up -> down_proj
+NO_TP_PLAN = {
+    "persimmon": _tiny("persimmon"),
+    "stablelm": _tiny("stablelm"),
+}
 
 # every family under every axis on two ranks (dense: dp, tp, pp, cp; MoE: dp, tp, pp, cp, ep), inside the
 # shared world-2 spawn (test_equivalence.py); an axis a family refuses must say so by name, on every rank
@@ -44,6 +51,7 @@ def check_families() -> None:
     from tests.runtime.equivalence import check_axes
 
     check_axes({**DENSE, **MOE}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
+    check_axes(NO_TP_PLAN, lambda name: (dict(tp=2),), {})
     _check_generate()
 
 

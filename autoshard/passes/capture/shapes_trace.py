@@ -149,12 +149,23 @@ def _common_names(traces: dict[tuple[int, int], Captured], spec: ModelSpec) -> t
     first_bs, first = next(iter(sigs.items()))
     for bs, sig in sigs.items():
         if sig != first:
-            diff = next((a, b) for a, b in zip(first + [None] * len(sig), sig + [None] * len(first)) if a != b)
+            at, diff = next((i, (a, b)) for i, (a, b) in enumerate(zip(first + [None] * len(sig), sig + [None] * len(first)))
+                            if a != b)
+            where = _module_at(traces[first_bs] if at < len(first) else traces[bs], (first if at < len(first) else sig)[at][0])
             raise CaptureError(
-                f"{spec.name}: the traced graph changes with the input shape (b, s) = {first_bs} vs {bs} "
-                f"(first difference: {diff}); autoshard needs shape-independent control flow to derive "
-                "symbolic costs")
+                f"{spec.name}: the traced graph of {where} changes with the input shape (b, s) = {first_bs} vs {bs} "
+                f"(first difference: {diff}): its forward loops or branches on the sequence length (e.g. a "
+                "selective scan stepped token by token); autoshard needs shape-independent control flow to derive "
+                "symbolic costs, so this model cannot be planned (give its mixer a chunked / parallel form)")
     return tuple(name for name, _ in first)
+
+
+def _module_at(cap: Captured, name: str) -> str:
+    """The module (its path) that node `name` of `cap` was recorded in, for a message."""
+    site = cap.sites.get(name)
+    if site is None or not site.module_path:
+        return "the model's top level"
+    return f"module {site.module_path}"
 
 
 # -- measuring one concrete graph -------------------------------------------------------------------

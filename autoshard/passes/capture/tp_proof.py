@@ -89,15 +89,23 @@ def _inside(module: str, layers: str) -> str | None:
     return rest if head.isdigit() else None
 
 
-def prove_tp(spec, model) -> Proof:
-    """The proof of `spec`'s tp strategy on `model`'s own graph (docs/modules/capture.md)."""
+def traced(model):
+    """(`model`'s class with one layer of each layer type, its captured joint graph): what `prove_tp` proves on
+    and `tp_proposal.propose` reads pairs off. CaptureError where the model does not trace."""
     import torch
 
-    from autoshard.models import facts
     from autoshard.passes.capture.capture import capture_model
 
     small = _one_of_each(model)
-    cap = capture_model(small, (torch.zeros(2, 8, dtype=torch.long),))
+    return small, capture_model(small, (torch.zeros(2, 8, dtype=torch.long),))
+
+
+def prove_tp(spec, model, graph=None) -> Proof:
+    """The proof of `spec`'s tp strategy on `model`'s own graph (docs/modules/capture.md); `graph`:
+    `traced(model)`, when the caller has it already."""
+    from autoshard.models import facts
+
+    small, cap = graph or traced(model)
     layers = cap.repeated[0].prefix if cap.repeated else ""
     tp_plan = tuple((getattr(model.config, "base_model_tp_plan", None) or {}).items())
     st = strategy(spec, cap.param_names, tp_plan, layers=layers)

@@ -218,7 +218,7 @@ def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     b = layout.micro_batch
     if spec.mixer is Mixer.ATTENTION:
         head_dim = spec.attention_head_dim
-        kv_local = spec.kv_heads / sharding.parts(spec, "self_attn.k_proj", tp)
+        kv_local = spec.kv_heads / sharding.kv_parts(spec, tp)
         kv_full = 2 * b * seq_len * kv_local * head_dim * layout.numbers.act_bytes
         ag = best_time(hw, Collective.ALL_GATHER, kv_full, size=cp, stride=group_stride(mesh, "cp"))
         rs = best_time(hw, Collective.REDUCE_SCATTER, kv_full, size=cp, stride=group_stride(mesh, "cp"))
@@ -391,7 +391,7 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
     if kind is BlockKind.LAYER and mesh.cp > 1 and spec.mixer is Mixer.ATTENTION:
         # the gathered K/V of the other CP ranks stay alive for the attention backward
         head_dim = spec.attention_head_dim
-        kv_local = spec.kv_heads / sharding.parts(spec, "self_attn.k_proj", mesh.tp)
+        kv_local = spec.kv_heads / sharding.kv_parts(spec, mesh.tp)
         total += 2 * layout.micro_batch * seq_len * kv_local * head_dim * layout.numbers.act_bytes * (mesh.cp - 1) / mesh.cp
     return total
 

@@ -302,7 +302,7 @@ def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
     state (constant in tokens). `dtype_bytes`: the model's element size (bf16 when serving)."""
     if spec.mixer is Mixer.ATTENTION:
         head_dim = spec.attention_head_dim
-        kv_local = spec.kv_heads // sharding.parts(spec, "self_attn.k_proj", tp)
+        kv_local = spec.kv_heads // sharding.kv_parts(spec, tp)
         return 2.0 * batch * spec.attended_tokens(tokens) * kv_local * head_dim * dtype_bytes  # a window: its tokens
     ssm = batch * (spec.heads // tp) * spec.head_dim * spec.state * SSM_STATE_BYTES
     conv = batch * _conv_channels(spec, tp) * spec.conv * dtype_bytes

@@ -183,3 +183,22 @@ def test_forward_only_table_has_no_backward():
 def test_cost_table_is_cached_per_spec():
     spec = get_spec("llama-tiny")
     assert shapes.build_cost_table(spec) is shapes.build_cost_table(spec)
+
+
+def test_a_graph_that_loops_over_the_sequence_is_refused_naming_its_module():
+    """Jamba's Mamba-1 scan and Qwen3-Next's gated DeltaNet step over the sequence (their traced graphs grow with
+    it): `plan` refuses them naming the module the first differing op sits in, not with a bare op name."""
+    from types import SimpleNamespace
+
+    from autoshard.errors import CaptureError
+    from autoshard.passes.capture.capture import Site
+
+    def trace(n):
+        nodes = [SimpleNamespace(name=f"mul_{i}", target="aten.mul.Tensor") for i in range(n)]
+        sites = {f"mul_{i}": Site(module_path="model.layers.0.linear_attn", block=0, phase="fwd") for i in range(n)}
+        return SimpleNamespace(call_nodes=lambda: iter(nodes), sites=sites)
+
+    spec = get_spec("llama-tiny")
+    with pytest.raises(CaptureError, match=r"graph of module model\.layers\.0\.linear_attn changes with the input "
+                                           r"shape .* loops or branches on the sequence length"):
+        shapes_trace._common_names({(2, 64): trace(2), (2, 128): trace(3)}, spec)

@@ -1,0 +1,130 @@
+"""A Megatron-style tensor-parallel layout found on the traced graph, for a model that declares none.
+
+Contract: `propose(captured, layer, spec) -> Proposal`: where the config has no `base_model_tp_plan`,
+the layer's column-then-row pairs as the forward graph shows them (attention q/k/v colwise -> o rowwise,
+MLP up/gate colwise -> down rowwise), whatever the projections are called, by data flow between the
+layer's linears; where no consistent pairing exists, why, naming the module. `tp_proof.prove_tp` then
+proves the proposal like a declared plan. The whole contract: docs/modules/capture.md
+(passes/capture/tp_proposal.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.passes.capture.capture import Captured
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """The layer's roles ((path, "colwise" | "rowwise" | "region", piece length), in graph order) or, where
+    no consistent Megatron pairing exists, why (naming the module)."""
+
+    roles: tuple[tuple[str, str, str], ...] = ()
+    refusal: str | None = None
+
+
+def propose(cap: Captured, layer, spec) -> Proposal:
+    """The Megatron-style layout of `layer` (layer 0 of the captured model) read off `cap` (module docstring)."""
+    from torch import nn
+
+    if not cap.repeated:
+        return Proposal(refusal="the traced graph shows no repeated layer stack to pair projections in")
+    prefix = f"{cap.repeated[0].prefix}.0"
+    linears = {p: m for p, m in layer.named_modules() if p and isinstance(m, nn.Linear)}
+    feeders = _feeders(cap, prefix, linears)
+    rowwise = [b for b in feeders if feeders[b]]
+    if not rowwise:
+        return Proposal(refusal=f"{prefix}: no linear of the layer feeds another (no colwise -> rowwise pair on the "
+                                "graph), so there is no Megatron split to propose")
+    owner: dict[str, str] = {}
+    for b in rowwise:
+        for a in feeders[b]:
+            if a in owner:
+                return Proposal(refusal=f"layers.*.{a} feeds both layers.*.{owner[a]} and layers.*.{b}: a projection "
+                                        "shared by two row-parallel outputs has no Megatron pairing; tp is not "
+                                        "offered for this model")
+            owner[a] = b
+    order = list(feeders)  # graph order of first use
+    roles: list[tuple[str, str, str]] = []
+    for b in rowwise:
+        group = sorted(feeders[b], key=order.index)
+        region = _common_parent([*group, b])
+        if not region:
+            return Proposal(refusal=f"layers.*.{group[0]} -> layers.*.{b}: no module of the layer holds the pair, "
+                                    "so the tp region has no input to enter at; tp is not offered for this model")
+        attention = _is_attention(layer.get_submodule(region))
+        pieces = [(a, "colwise", _length(spec, linears[a].out_features, attention)) for a in group]
+        pieces.append((b, "rowwise", _length(spec, linears[b].in_features, attention, rowwise=True)))
+        odd = next((p for p in pieces if p[2] is None), None)
+        if odd is not None:
+            width = linears[odd[0]].out_features if odd[1] == "colwise" else linears[odd[0]].in_features
+            counts = "heads x head_dim" if attention else "the MLP width (intermediate_size)"
+            return Proposal(refusal=f"layers.*.{odd[0]}: its {odd[1]} width {width} is no multiple of "
+                                    f"{counts} of the config, so no count splits it; tp is not offered for this model")
+        roles.append((region, "region", "heads" if attention else "ffn"))
+        roles += pieces
+    return Proposal(roles=tuple(roles))
+
+
+def _feeders(cap: Captured, prefix: str, linears) -> dict[str, frozenset[str]]:
+    """{linear path inside the layer: the linears whose output reaches its input}, in graph order of first use."""
+    sources: dict[object, frozenset[str]] = {}
+    out: dict[str, frozenset[str]] = {}
+    for node in cap.graph_module.graph.nodes:
+        site = cap.sites.get(node.name) if node.op == "call_function" else None
+        if site is None or site.phase != "fwd":
+            continue
+        path = site.module_path
+        rel = path[len(prefix) + 1:] if path.startswith(prefix + ".") else None
+        own = next((p for p in linears if rel is not None and (rel == p or rel.startswith(p + "."))), None)
+        found = frozenset().union(*(sources.get(a, frozenset()) for a in node.all_input_nodes
+                                    if own is None or _linear_of(cap, a, prefix, linears) != own))
+        if own is not None:
+            out[own] = out.get(own, frozenset()) | found
+            if not out[own]:  # a rowwise output is whole after its all-reduce: the residual stream again
+                sources[node] = frozenset({own})
+        elif found:
+            sources[node] = found
+    return out
+
+
+def _linear_of(cap: Captured, node, prefix: str, linears) -> str | None:
+    site = cap.sites.get(node.name)
+    if site is None or not site.module_path.startswith(prefix + "."):
+        return None
+    rel = site.module_path[len(prefix) + 1:]
+    return next((p for p in linears if rel == p or rel.startswith(p + ".")), None)
+
+
+def _common_parent(paths: list[str]) -> str:
+    parts = [p.split(".")[:-1] for p in paths]
+    common = []
+    for names in zip(*parts):
+        if len(set(names)) > 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
+
+
+def _is_attention(module) -> bool:
+    from autoshard.models.facts import is_attention
+
+    return is_attention(module)
+
+
+def _length(spec, width: int, attention: bool, *, rowwise: bool = False) -> str | None:
+    """The piece length (a size name of rules/sharding.py) a projection of `width` splits by, or None."""
+    if not attention:
+        return "ffn" if spec.ffn and width == spec.ffn else None
+    head_dim = spec.attention_head_dim
+    q, kv = spec.heads * head_dim, spec.kv_heads * head_dim
+    if width == q:
+        return "q"
+    if rowwise:
+        return None
+    if width == kv:
+        return "kv"
+    if width == q + 2 * kv and spec.kv_heads == spec.heads:
+        return "qkv"
+    return None

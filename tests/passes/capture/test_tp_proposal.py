@@ -1,0 +1,69 @@
+"""Where HF declares no `base_model_tp_plan`, the Megatron pairs are found on the traced graph
+(passes/capture/tp_proposal.py) and proven by the placement propagation before anything prices or runs
+them (no spawn; the tp2 runs of the same models are tests/runtime/families.py `NO_TP_PLAN`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from autoshard.passes.capture.tp_proof import prove_tp
+from autoshard.rules import sharding
+from tests.runtime.families import NO_TP_PLAN
+
+PERSIMMON = (("self_attn", "region", "heads"), ("self_attn.query_key_value", "colwise", "qkv"),
+             ("self_attn.dense", "rowwise", "q"), ("mlp", "region", "ffn"), ("mlp.dense_h_to_4h", "colwise", "ffn"),
+             ("mlp.dense_4h_to_h", "rowwise", "ffn"))
+
+
+def test_persimmon_pairs_are_found_on_the_graph_and_proven():
+    """Persimmon's fused per-head query_key_value -> dense and dense_h_to_4h -> dense_4h_to_h: names no table
+    knows, found by data flow; the proof sums its per-head q/k layer norms' gradients over tp."""
+    source = NO_TP_PLAN["persimmon"]
+    assert not getattr(source.config, "base_model_tp_plan", None)
+    spec = source.spec
+    assert spec.tp_pairs == PERSIMMON
+    assert "tp" not in dict(spec.refused)
+    assert spec.grad_sum == ("self_attn.q_layernorm", "self_attn.k_layernorm")
+    placed = dict(sharding.block_placements(spec, tp=2))
+    assert placed["layers.*.self_attn.query_key_value"] == "colwise"
+    assert placed["layers.*.mlp.dense_4h_to_h"] == "rowwise"
+    assert sharding.selective_module(spec) == "self_attn"
+    proof = prove_tp(spec, source.build())
+    assert proof.proven and ("fwd", "layers.*.self_attn.dense") in proof.reduces, [f.message() for f in proof.findings]
+
+
+def test_stablelm_pairs_are_megatrons_layout():
+    spec = NO_TP_PLAN["stablelm"].spec
+    assert [(p, s) for p, s, _ in spec.tp_pairs] == [
+        ("self_attn", "region"), ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"),
+        ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise"), ("mlp", "region"),
+        ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise")]
+    assert {length for _, _, length in spec.tp_pairs} == {"heads", "q", "kv", "ffn"}
+    assert "tp" not in dict(spec.refused)
+
+
+def test_a_pair_no_module_holds_is_refused_by_name():
+    """BioGPT's fc1 -> fc2 sit directly in the layer: no module to enter the tp region at."""
+    from autoshard.models.tiny import tiny_config
+    from tests.runtime.equivalence import Tiny
+
+    spec = Tiny("biogpt-tiny", tiny_config("biogpt")).spec
+    why = dict(spec.refused)["tp"]
+    assert "HF declares no tp plan" in why and "layers.*.fc1 -> layers.*.fc2: no module of the layer holds the pair" in why
+
+
+def test_the_proposal_is_proven_before_it_runs():
+    """BitNet's pairs are found (q/k/v -> o_proj), but its sub-norm over the split width refuses tp by name;
+    a wrong claim (Phi-3's concatenated q/k/v split as one per-head piece) is caught on the graph."""
+    from autoshard.models.tiny import tiny_config
+    from tests.runtime.equivalence import Tiny
+    from tests.runtime.families import DENSE
+
+    bitnet = Tiny("bitnet-tiny", tiny_config("bitnet")).spec
+    assert ("self_attn.o_proj", "rowwise", "q") in bitnet.tp_pairs
+    assert "layers.*.self_attn.attn_sub_norm: aten.mean" in dict(bitnet.refused)["tp"]
+    phi3 = DENSE["phi3"]
+    claim = (("self_attn", "region", "heads"), ("self_attn.qkv_proj", "colwise", "qkv"),
+             ("self_attn.o_proj", "rowwise", "q"))
+    proof = prove_tp(replace(phi3.spec, tp_pairs=claim, grad_sum=()), phi3.build())
+    assert not proof.proven and "layers.*.self_attn" in proof.refusal(), proof.refusal()
