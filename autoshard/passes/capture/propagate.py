@@ -88,6 +88,7 @@ class _Walk:
         self.grad_sums: dict[str, None] = {}
         self.summed_numel = 0
         self.n_placeholder = 0
+        self.joined: set[fx.Node] = set()  # sums of region gradients (`joins`), all-reduced as they entered
 
     # -- where a node sits -------------------------------------------------------------------
     def rel(self, path: str) -> str | None:
@@ -135,6 +136,8 @@ class _Walk:
         site = self.cap.sites.get(node.name)
         path, phase = (site.module_path, site.phase) if site else ("", "fwd")
         join = phase == "bwd" and self.joins(node)
+        if join:
+            self.joined.add(node)  # its partial inputs were all-reduced on the way in: whole, and rightly so
         ins = fill_zeros(fx.node.map_arg(node.args, lambda a: self.read(a, path, phase, join=join)))
         val = node.meta.get("val")
         ctx = Context(shapes=_shapes(node.args), out=_shape(val), phase=phase, counts=self.counts,
@@ -186,14 +189,23 @@ class _Walk:
         linear (forward) or a tp region (backward; `join`: into a sum of gradients of several regions, `joins`)
         is all-reduced on the way."""
         p = self.place.get(arg, R)
-        if p is not P or arg.op != "call_function":
+        if p not in (P, R) or arg.op != "call_function":
             return p
         site = self.cap.sites.get(arg.name)
         if site is None:
             return p
         modules = self.rowwise if site.phase == "fwd" else self.regions
         m = self.under(self.rel(site.module_path), modules)
-        if m is not None and (self.under(self.rel(path), (m,)) is None or (join and site.phase == "bwd")):
+        leaves = m is not None and (self.under(self.rel(path), (m,)) is None or (join and site.phase == "bwd"))
+        if leaves and p is R and self.rel(path) is not None and arg not in self.joined:
+            # the runtime all-reduces what leaves there: a whole tensor would come out tp times itself
+            what = "output of the row-parallel linear" if site.phase == "fwd" else "input gradient of the tp region"
+            self.find(Finding(kind="whole value all-reduced", where=f"layers.*.{m}", op="all_reduce", phase=site.phase,
+                              detail=f"the {what} layers.*.{m} is whole on every rank, yet the runtime all-reduces "
+                                     "it there (it would come out tp times itself): nothing the strategy splits "
+                                     "reaches it"))
+            return X
+        if leaves and p is P:
             self.reduces[(site.phase, f"layers.*.{m}")] = None
             return R
         return p

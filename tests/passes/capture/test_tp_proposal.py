@@ -67,3 +67,14 @@ def test_the_proposal_is_proven_before_it_runs():
              ("self_attn.o_proj", "rowwise", "q"))
     proof = prove_tp(replace(phi3.spec, tp_pairs=claim, grad_sum=()), phi3.build())
     assert not proof.proven and "layers.*.self_attn" in proof.refusal(), proof.refusal()
+
+
+def test_the_llama_table_on_persimmon_is_caught_not_run():
+    """Before the proposal, Persimmon was proven under the LLaMA table, whose q/k/v / o_proj / MLP names it lacks:
+    everything in its tp regions replicated, the regions' input gradients whole yet all-reduced by the runtime
+    (each tp times itself). The proof now names that."""
+    source = NO_TP_PLAN["persimmon"]
+    proof = prove_tp(replace(source.spec, tp_pairs=(), grad_sum=()), source.build())
+    assert not proof.proven
+    assert any(f.kind == "whole value all-reduced" and f.where == "layers.*.mlp" for f in proof.findings), \
+        [f.message() for f in proof.findings]
