@@ -120,7 +120,7 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     out = [("tp", f"{what}: the runtime's tensor-parallel rules split one kind of layer; use tp=1"),
            ("sequence_parallel", f"{what}: sequence parallelism runs with tp, which this model does not run yet; "
                                  "set sequence_parallel to false")]
-    experts = [p for p, m in model.named_modules() if p.endswith(".experts")]
+    experts = _experts_paths(model, stack)
     if experts:
         out.append(("ep", f"{what}: the experts of {_relative(experts[0], base)} are dispatched over ep in one "
                           "repeated layer only; use ep=1"))
@@ -132,6 +132,17 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
                           "Zamba2's shared transformer, which reads the embeddings' output); pipeline stages cut "
                           "layers that own their weights; use pp=1"))
     return tuple(out)
+
+
+def _experts_paths(model: nn.Module, stack) -> list[str]:
+    """Full paths of the routed-experts modules of the stack's MoE kinds, found by their 3-d weights with
+    `experts` rows (models/facts.py `_moe_modules`), not by a module name."""
+    from autoshard.models.facts import _moe_modules, config_value
+
+    experts = config_value(getattr(model, "config", None), "experts", 0) or 0
+    layers = model.get_submodule(stack.prefix)
+    found = [(kind.layers[0], _moe_modules(layers[kind.layers[0]], experts)[0]) for kind in stack.kinds]
+    return [f"{stack.prefix}.{i}.{path}" for i, path in sorted(found) if path]
 
 
 def _mixer_without_cp(model: nn.Module, stack) -> str | None:
