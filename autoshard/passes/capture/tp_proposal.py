@@ -59,9 +59,10 @@ def propose(cap: Captured, layer, spec) -> Proposal:
         odd = next((p for p in pieces if p[2] is None), None)
         if odd is not None:
             width = linears[odd[0]].out_features if odd[1] == "colwise" else linears[odd[0]].in_features
-            counts = "heads x head_dim" if attention else "the MLP width (intermediate_size)"
-            return Proposal(refusal=f"layers.*.{odd[0]}: its {odd[1]} width {width} is no multiple of "
-                                    f"{counts} of the config, so no count splits it; tp is not offered for this model")
+            counts = ("heads x head_dim (or KV heads x head_dim, or one fused q/k/v)" if attention
+                      else "the MLP width (intermediate_size)")
+            return Proposal(refusal=f"layers.*.{odd[0]}: its {odd[1]} width {width} is not {counts} of the config, "
+                                    "so no count splits it; tp is not offered for this model")
         roles.append((region, "region", "heads" if attention else "ffn"))
         roles += pieces
     return Proposal(roles=tuple(roles))

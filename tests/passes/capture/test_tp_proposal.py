@@ -78,3 +78,64 @@ def test_the_llama_table_on_persimmon_is_caught_not_run():
     assert not proof.proven
     assert any(f.kind == "whole value all-reduced" and f.where == "layers.*.mlp" for f in proof.findings), \
         [f.message() for f in proof.findings]
+
+
+def _toy(widths, *, shared: bool):
+    """A one-layer LM whose MLP is `up` -> `down` (widths: up's outputs), `shared`: `up` also feeding `side`."""
+    import types
+
+    import torch
+    from torch import nn
+
+    class ToyMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(64, widths), nn.Linear(widths, 64)
+            self.side = nn.Linear(widths, 64) if shared else None
+
+        def forward(self, x):
+            y = torch.relu(self.up(x))
+            return self.down(y) + (self.side(y) if self.side is not None else 0)
+
+    class ToyBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = ToyMLP()
+
+        def forward(self, x):
+            return x + self.mlp(x)
+
+    class ToyLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.layers, self.head = nn.Embedding(256, 64), nn.ModuleList([ToyBlock()]), nn.Linear(64, 256)
+
+        def forward(self, ids, labels=None):
+            h = self.embed(ids)
+            for layer in self.layers:
+                h = layer(h)
+            logits = self.head(h)
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) if labels is not None else None
+            return types.SimpleNamespace(loss=loss, logits=logits)
+
+    return ToyLM()
+
+
+def test_no_consistent_pairing_is_refused_naming_the_module():
+    """A colwise projection feeding two row-parallel outputs, and a width no count of the config matches."""
+    import torch
+
+    from autoshard.models.presets import get_spec
+    from autoshard.passes.capture.capture import capture_model
+    from autoshard.passes.capture.tp_proposal import propose
+
+    spec = replace(get_spec("llama-tiny"), ffn=96)
+    for model, want in ((_toy(96, shared=True), "layers.*.mlp.up feeds both layers.*.mlp.down and layers.*.mlp.side"),
+                        (_toy(40, shared=False), "layers.*.mlp.up: its colwise width 40 is not the MLP width "
+                                                 "(intermediate_size)")):
+        cap = capture_model(model, (torch.zeros(2, 8, dtype=torch.long),))
+        found = propose(cap, model.layers[0], spec)
+        assert not found.roles and want in found.refusal, found.refusal
+    model = _toy(96, shared=False)
+    found = propose(capture_model(model, (torch.zeros(2, 8, dtype=torch.long),)), model.layers[0], spec)
+    assert found.roles == (("mlp", "region", "ffn"), ("mlp.up", "colwise", "ffn"), ("mlp.down", "rowwise", "ffn"))
