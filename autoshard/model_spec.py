@@ -4,7 +4,7 @@ Presets and reading a user's model live in models/; this module imports neither.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -71,19 +71,25 @@ class ModelSpec:
     ssd_beside: tuple[int, ...] = _fact(())
 
     def mixer_spec(self, mixer: Mixer) -> ModelSpec | None:
-        """This spec with the numbers of `mixer`'s layers (its own mixer: itself; a hybrid's second mixer: from
-        `attention_beside` / `ssd_beside`), or None when the model holds no such mixer the spec knows."""
-        if mixer is self.mixer:
-            return self
-        if mixer is Mixer.ATTENTION and self.attention_beside:
-            heads, kv_heads, head_dim = self.attention_beside
-            return replace(self, mixer=mixer, heads=heads, kv_heads=kv_heads,
-                           head_dim=0 if head_dim * heads == self.hidden else head_dim, attention_beside=())
-        if mixer is Mixer.SSD and self.ssd_beside:
-            heads, head_dim, state, groups, conv, expand = self.ssd_beside
-            return replace(self, mixer=mixer, heads=heads, head_dim=head_dim, state=state, groups=groups, conv=conv,
-                           expand=expand, ssd_beside=())
-        return None
+        """A spec of the numbers of this model's `mixer` layers alone (its own mixer's, or a hybrid's second
+        mixer's from `attention_beside` / `ssd_beside`), or None when the model holds no such mixer the spec
+        knows: what serving prices a layer's KV cache / SSM state from, by that mixer family's sharding rule
+        (KV heads over tp; Mamba-2 heads and groups), whatever table the model's layers are split by."""
+        common = dict(name=self.name, vocab=self.vocab, hidden=self.hidden, layers=self.layers, tied=self.tied)
+        if mixer is Mixer.ATTENTION:
+            own = (self.heads, self.kv_heads, self.attention_head_dim) if mixer is self.mixer else ()
+            if not (own or self.attention_beside):
+                return None
+            heads, kv_heads, head_dim = own or self.attention_beside
+            return ModelSpec(mixer=mixer, heads=heads, kv_heads=kv_heads,
+                             head_dim=0 if head_dim * heads == self.hidden else head_dim,
+                             sliding_window=self.sliding_window, window_layers=self.window_layers, **common)
+        own = (self.heads, self.head_dim, self.state, self.groups, self.conv, self.expand) if mixer is self.mixer else ()
+        if not (own or self.ssd_beside):
+            return None
+        heads, head_dim, state, groups, conv, expand = own or self.ssd_beside
+        return ModelSpec(mixer=mixer, heads=heads, head_dim=head_dim, state=state, groups=groups, conv=conv,
+                         expand=expand, chunk=self.chunk, **common)
 
     def attended_tokens(self, tokens: float) -> float:
         """The keys one query attends to (and one layer's KV cache holds) at `tokens` of context, the mean

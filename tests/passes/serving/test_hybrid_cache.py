@@ -3,7 +3,7 @@ state of its Mamba-2 layers, per layer kind, per pipeline stage (issue 25 item 5
 
 The tiny hybrids of tests/models/hybrid_models.py run in bf16 (KV and conv state bf16, the SSM state fp32, as
 HF keeps it); after a prefill of the prompts the bytes of every tensor of HF's cache, layer by layer, equal the
-priced bytes of the whole model and of every stage of pp 2 and pp 3."""
+priced bytes of the whole model and of every stage of pp 2 and pp 3, and half of them each rank's at tp 2."""
 
 from __future__ import annotations
 
@@ -53,6 +53,10 @@ def test_priced_cache_bytes_equal_the_hf_cache_after_a_prefill(model_type, mixer
         for stage in ic.stages_of(spec, pp):
             priced = ic.stage_cache_bytes(it, stage, batch=BATCH, tokens=PROMPT, tp=1, dtype_bytes=ic.KV_BYTES)
             assert priced == sum(held[stage.first_layer:stage.end_layer]), f"{model_type} pp{pp} {stage}"
+    # tp 2 splits the 2 KV heads of the attention layers and the 2 Mamba-2 groups (their heads, x / B / C conv
+    # channels) of these configs: each rank holds half of every layer's cache
+    whole = ic.stages_of(spec, 1)[0]
+    assert 2 * ic.stage_cache_bytes(it, whole, batch=BATCH, tokens=PROMPT, tp=2) == sum(held)
     # the busiest device of a serving layout holds its stage's cache at prompt + output tokens
     mem = ic.memory(it, ic.ServeLayout(pp=2, batch=BATCH), prompt_len=PROMPT - 4, output_len=4)
     assert mem.cache in {ic.stage_cache_bytes(it, st, batch=BATCH, tokens=PROMPT, tp=1) for st in ic.stages_of(spec, 2)}
