@@ -21,6 +21,30 @@ def _fact(default):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LayerPart:
+    """One sub-block of a hybrid's layers (models/layered.py `layer_parts`), what its tensor-parallel rule
+    is read from: `kind` "attention" (q/k/v/o projections), "mla" (DeepSeek's latent attention), "ssd" (a
+    Mamba-2 mixer), "mlp" (gate / up / down or up / down), "moe" (router, experts, shared experts), or the
+    model's "embed", "final_norm" and "lm_head" (full paths); `path` inside each layer of `layers` (the
+    indices holding it); `sizes`: its counts by name (heads, kv_heads, q, kv, ffn, inner, groups, ...);
+    `names`: the child modules it holds (the MLP's projections; the MoE block's router, experts, shared expert
+    and the shared expert's linears and the block's one-output gate, models/facts.py `_moe_modules`); `attrs`: head-count attributes its module keeps (set to this rank's under tp); `buffers`:
+    buffers indexed like its in_proj's output (Falcon-H1's mup_vector)."""
+
+    kind: str
+    path: str
+    layers: tuple[int, ...] = ()
+    sizes: tuple[tuple[str, int], ...] = ()
+    names: tuple[str, ...] = ()
+    attrs: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()  # a MoE part's experts' parameters (gate_up_proj or up_proj, down_proj)
+
+    def size(self, name: str) -> int:
+        return dict(self.sizes)[name]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
     """The numbers of a model that the cost model and the runtime's divisibility rules need."""
 
@@ -69,6 +93,9 @@ class ModelSpec:
     # or the Mamba-2 mixers beside attention (Falcon-H1: heads, head_dim, state, groups, conv, expand)
     attention_beside: tuple[int, ...] = _fact(())
     ssd_beside: tuple[int, ...] = _fact(())
+    # a hybrid's layers by their parts (attention, Mamba-2 mixer, MLP, MoE in any mix, per layer): the sharding
+    # table is built from them (rules/sharding.py `_parts_table`) instead of one family's table
+    parts: tuple[LayerPart, ...] = _fact(())
 
     def mixer_spec(self, mixer: Mixer) -> ModelSpec | None:
         """A spec of the numbers of this model's `mixer` layers alone (its own mixer's, or a hybrid's second

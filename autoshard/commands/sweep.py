@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
         description="Price every valid (DP, PP, TP, CP, EP) layout of a model on N devices with the cost "
         "model: step time, tokens/s, peak memory per device, MFU (paper convention), whether it fits. "
         "Best first. A model whose layers are of several kinds (a hybrid: Bamba, Nemotron-H, DeepSeek-V3's "
-        "dense and MoE layers, ...) is priced under dp and pp, each pipeline stage as the sum of its own layers.")
+        "dense and MoE layers, ...) is priced under dp, pp and tp (each layer part by its own rule), each pipeline "
+        "stage as the sum of its own layers.")
     p.add_argument("--model", required=True, help="preset name (llama-7b, mamba2-1b, ...) or package.module:factory")
     p.add_argument("--hardware", required=True,
                    help="device profile: ascend-910b, a100-80g, h100, h200, cpu, or a JSON profile file")
@@ -213,7 +214,8 @@ def run(args) -> int:
             kinds = ", ".join(f"{b.count} {b.name}" for b in table.layer_blocks())
             ep = "ep (its MoE layers' experts; the others data-parallel), " if spec.is_moe else ""
             print(f"layers of {len(table.layer_blocks())} kinds ({kinds}): each stage priced as the sum of its own "
-                  f"layers; {ep}dp and pp priced, tp, cp, selective recompute and ZeRO-3 not for a mixed stack yet")
+                  f"layers; {ep}dp, pp{' and tp' if spec.parts else ''} priced, {'' if spec.parts else 'tp, '}cp, "
+                  "selective recompute and ZeRO-3 not for a mixed stack yet")
     return 0
 
 

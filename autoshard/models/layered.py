@@ -42,7 +42,7 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
     # the axes the runtime refuses on this model are not searched either (rules/validity.axis_violation): a plan
     # of `autoshard plan` is one `parallelize` runs
     spec = replace(_with_experts(spec, model, stack, config), refused=hybrid_refusals(model) or (),
-                   **beside_facts(model, config, spec.mixer))
+                   **beside_facts(model, config, spec.mixer), parts=layer_parts(model)[0])
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
     if why:
         raise InvalidConfigError(f"{name}: {why}")
@@ -105,7 +105,9 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     type); dp, pp and cp run, cp by state passing in the Mamba-2 layers (runtime/cp_mamba.py) and the
     attention algorithm in the attention layers. Refused by name: cp where a layer holds a sequence mixer no
     CP algorithm splits (Mamba-1's selective scan, gated DeltaNet, short convolutions), pp where layers share
-    a block (Zamba2), tp / ep / sequence parallelism (the runtime's rules split one kind of layer)."""
+    a block (Zamba2), tp where a layer holds a part no tensor-parallel rule splits (`layer_parts`: Mamba-1's
+    selective scan, gated DeltaNet, short convolutions, a shared block; the others run by their parts' rules),
+    ep and sequence parallelism."""
     from autoshard.passes.capture.layer_kinds import find_layer_stack
 
     stack = find_layer_stack(model)
@@ -117,13 +119,14 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     base = stack.prefix.rpartition(".")[0]
     what = (f"its layers are of several kinds ({', '.join(k.name for k in stack.kinds)})" if not stack.uniform
             else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside attention")
-    out = [("tp", f"{what}: the runtime's tensor-parallel rules split one kind of layer; use tp=1"),
-           ("sequence_parallel", f"{what}: sequence parallelism runs with tp, which this model does not run yet; "
-                                 "set sequence_parallel to false")]
-    experts = _experts_paths(model, stack)
-    if experts:
-        out.append(("ep", f"{what}: the experts of {_relative(experts[0], base)} are dispatched over ep in one "
-                          "repeated layer only; use ep=1"))
+    _, no_tp = layer_parts(model)
+    out = [("tp", no_tp)] if no_tp else []
+    out.append(("sequence_parallel", f"{what}: sequence parallelism is not run on a hybrid's layers yet (its "
+                                     "norms and residual stay whole on every tp rank); set sequence_parallel "
+                                     "to false"))
+    no_ep = _experts_without_ep(model, stack)
+    if no_ep:
+        out.append(("ep", no_ep))
     mixer = _mixer_without_cp(model, stack)
     if mixer is not None:
         out.append(("cp", f"{mixer} has no CP algorithm; use cp=1"))
@@ -134,15 +137,29 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     return tuple(out)
 
 
-def _experts_paths(model: nn.Module, stack) -> list[str]:
-    """Full paths of the routed-experts modules of the stack's MoE kinds, found by their 3-d weights with
-    `experts` rows (models/facts.py `_moe_modules`), not by a module name."""
-    from autoshard.models.facts import _moe_modules, config_value
+def _experts_without_ep(model: nn.Module, stack) -> str | None:
+    """Why the routed experts of a hybrid's MoE layers cannot be dispatched over ep, naming the first such experts
+    module, or None (none, or all run): expert parallelism (runtime/expert_parallel.py) swaps HF's experts module
+    called with the model's own routing (hidden, top_k_index, top_k_weights), bias-free, gated ([gate; up] x
+    hidden) or plain (up x hidden)."""
+    from autoshard.models.facts import _moe_modules, _takes_routing, config_value
 
-    experts = config_value(getattr(model, "config", None), "experts", 0) or 0
-    layers = model.get_submodule(stack.prefix)
-    found = [(kind.layers[0], _moe_modules(layers[kind.layers[0]], experts)[0]) for kind in stack.kinds]
-    return [f"{stack.prefix}.{i}.{path}" for i, path in sorted(found) if path]
+    experts = config_value(model.config, "experts", 0) or 0
+    base = stack.prefix.rpartition(".")[0]
+    for i, layer in enumerate(model.get_submodule(stack.prefix)):
+        path, _, _, _, biased, _ = _moe_modules(layer, experts)
+        if not path:
+            continue
+        module = layer.get_submodule(path)
+        where = _relative(f"{stack.prefix}.{i}.{path}", base)
+        own = dict(module.named_parameters(recurse=False))
+        if not _takes_routing(module):
+            return (f"{where} ({type(module).__name__}): its forward is not HF's routed experts call (top_k_index, "
+                    "top_k_weights) that expert parallelism dispatches; use ep=1")
+        if biased or not ({"gate_up_proj", "down_proj"} <= set(own) or {"up_proj", "down_proj"} <= set(own)):
+            return (f"{where} ({type(module).__name__}): experts with biases or another weight layout than HF's "
+                    "[gate; up] x hidden or up x hidden; expert parallelism runs bias-free experts; use ep=1")
+    return None
 
 
 def _mixer_without_cp(model: nn.Module, stack) -> str | None:
@@ -183,3 +200,112 @@ def _selective_scan(module: nn.Module) -> bool:
 def _relative(path: str, base: str) -> str:
     """`path` below the base model ("model.layers.2.mamba" -> "layers.2.mamba")."""
     return path[len(base) + 1:] if base and path.startswith(base + ".") else path
+
+
+# -- a hybrid's layers by their parts: what its sharding table is built from ---------------------------------
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLA = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # DeepSeek's multi-head latent attention (q_proj or q_a / q_b)
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def layer_parts(model: nn.Module) -> tuple[tuple, str | None]:
+    """(parts, why): a hybrid's layers read as their parts (`model_spec.LayerPart`: attention, DeepSeek's latent
+    attention, a Mamba-2 mixer found by its pattern, a gated or plain MLP, a MoE block, a norm (a child holding
+    only vectors), and the embedding, final norm and LM head), each with the layers holding it at one path and
+    its sizes. `why` (else None) names the first layer child with parameters that is none of them (Mamba-1's
+    selective scan, gated DeltaNet, a short convolution): no tensor-parallel rule splits it, so tp is refused;
+    it is an "other" part, whole on every rank (the table still names every layer's experts for ep). A block
+    shared by several layers (Zamba2): ((), why)."""
+    from autoshard.models.facts import config_value, is_attention
+    from autoshard.model_spec import LayerPart
+    from autoshard.passes.capture.layer_kinds import find_layer_stack
+
+    stack = find_layer_stack(model)
+    base = stack.prefix.rpartition(".")[0]
+    layers = model.get_submodule(stack.prefix)
+    ssd = {id(m) for _, m in ssd_mixers(model)}
+    experts = config_value(model.config, "experts", 0) or 0
+    found: dict[tuple, list[int]] = {}
+    why = None
+    if stack.shared_params:
+        return (), (f"its layers share a block ({stack.shared_params} parameters held by several layers): no "
+                    "tensor-parallel rule splits a shared block yet; use tp=1")
+    for i, layer in enumerate(layers):
+        for name, child in layer.named_children():
+            vectors = [p for p in child.parameters()]
+            if not vectors:
+                continue
+            if all(p.dim() == 1 for p in vectors):  # a norm: whole on every rank
+                part = ("norm", name, (("numel", sum(p.numel() for p in vectors)),), (), (), ())
+            else:
+                part = _part(name, child, ssd=id(child) in ssd, experts=experts, attention=is_attention(child))
+            if part is None:  # whole on every rank (tp is refused for the model: `why`)
+                part = ("other", name, (("numel", sum(p.numel() for p in child.parameters())),), (), (), ())
+                why = why or (f"{_relative(f'{stack.prefix}.{i}.{name}', base)} ({type(child).__name__}) is "
+                              "neither attention, a Mamba-2 SSD mixer, an MLP nor a MoE block: no tensor-parallel "
+                              "rule splits it yet; use tp=1")
+            found.setdefault(part, []).append(i)
+    order = ("attention", "mla", "ssd", "mlp", "moe", "norm", "other")  # the sequence mixers first (sharding.selective_module)
+    parts = [LayerPart(kind=k, path=p, layers=tuple(ix), sizes=s, names=n, attrs=a, buffers=b,
+                       params=q[0] if q else ())
+             for (k, p, s, n, a, b, *q), ix in sorted(found.items(), key=lambda item: order.index(item[0][0]))]
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    paths = {id(m): p for p, m in model.named_modules()}
+    norm = _final_norm(model.get_submodule(base) if base else model, layers)
+    edges = [LayerPart(kind="embed", path=paths[id(embed)])]
+    if norm:
+        edges.append(LayerPart(kind="final_norm", path=f"{base}.{norm}".lstrip(".")))
+    edges.append(LayerPart(kind="lm_head", path=paths[id(head)]))
+    return tuple(edges + parts), why
+
+
+def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bool) -> tuple | None:
+    """(kind, path, sizes, names, attrs, buffers) of one layer child (`layer_parts`), or None."""
+    from autoshard.models.facts import COUNT_ATTRS, _moe_modules
+
+    linear = {n: m for n, m in child.named_children() if isinstance(m, nn.Linear)}
+    if ssd:
+        m = child
+        inner, gs = m.num_heads * m.head_dim, m.n_groups * m.ssm_state_size
+        sizes = (("heads", m.num_heads), ("head_dim", m.head_dim), ("inner", inner), ("groups", m.n_groups),
+                 ("group_state", gs), ("state", m.ssm_state_size), ("conv", m.conv_kernel_size))
+        attrs = ("norm.n_groups",) if isinstance(getattr(m.norm, "n_groups", None), int) else ()
+        buffers = tuple(b for b, _ in m.named_buffers(recurse=False) if b == "mup_vector")
+        return "ssd", name, sizes, (), attrs, buffers
+    counts = tuple(a for a in COUNT_ATTRS if isinstance(getattr(child, a, None), int))
+    if attention and set(_ATTENTION) <= set(linear):
+        hd = child.head_dim
+        heads, kv = linear["q_proj"].out_features // hd, linear["k_proj"].out_features // hd
+        sizes = (("heads", heads), ("kv_heads", kv), ("q", heads * hd), ("kv", kv * hd))
+        return "attention", name, sizes, (), counts, ()
+    if attention and set(_MLA) <= set(linear) and ("q_proj" in linear or "q_b_proj" in linear):
+        heads = child.num_heads
+        q = linear.get("q_b_proj", linear.get("q_proj"))
+        sizes = (("heads", heads), ("q", q.out_features), ("q_rank", q.in_features),
+                 ("kv_b", linear["kv_b_proj"].out_features), ("kv_rank", linear["kv_b_proj"].in_features),
+                 ("o", linear["o_proj"].in_features))
+        latent = [(n, m) for n, m in child.named_children() if n not in ("q_b_proj", "q_proj", "kv_b_proj", "o_proj")
+                  and any(True for _ in m.parameters())]  # the latent projections and their norms: whole
+        sizes += tuple((n, sum(p.numel() for p in m.parameters())) for n, m in latent)
+        return "mla", name, sizes, tuple(n for n, _ in latent), counts, ()
+    if experts:
+        path, router, shared, shared_parts, _, _ = _moe_modules(child, experts)
+        if path:
+            held = tuple(n for n, _ in child.get_submodule(path).named_parameters(recurse=False))
+            sizes = (("experts", experts),
+                     *((p, sum(x.numel() for x in child.get_submodule(p).parameters())) for p in shared_parts))
+            return "moe", name, sizes, (router, path, shared, *shared_parts), (), (), held
+    if not attention and "down_proj" in linear and set(linear) <= set(_MLP) and \
+            sum(1 for p in child.parameters()) == sum(1 for m in linear.values() for _ in m.parameters()):
+        return "mlp", name, (("ffn", linear["down_proj"].in_features),), tuple(n for n in _MLP if n in linear), (), ()
+    return None
+
+
+def _final_norm(base: nn.Module, layers: nn.Module) -> str:
+    """The base model's child after the layers that holds one weight vector (its final norm), or ""."""
+    for name, child in base.named_children():
+        params = list(child.parameters())
+        if child is not layers and len(params) == 1 and params[0].dim() == 1:
+            return name
+    return ""

@@ -225,10 +225,14 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                      sliding_window=facts.sliding_window, window_layers=facts.window_layers, **common)
     if facts.experts_path:
         spec = _with_experts(spec, facts, config, value)
-    if hybrid is not None:  # Mamba-2 mixers beside attention (Falcon-H1): their state, priced in serving
-        from autoshard.models.layered import beside_facts
+    if hybrid is not None:  # Mamba-2 mixers beside attention (Falcon-H1): their state, priced in serving; its
+        from autoshard.models.layered import _with_experts as stack_experts, beside_facts, layer_parts  # table
+        from autoshard.passes.capture.layer_kinds import find_layer_stack  # from its layers' parts, its experts
 
         spec = replace(spec, **beside_facts(model, config, Mixer.ATTENTION))
+        if not spec.is_moe:  # those of its MoE layers (models/layered.py)
+            spec = stack_experts(spec, model, find_layer_stack(model), config)
+        spec = replace(spec, parts=layer_parts(model)[0])
     # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
     # where HF declares no tp plan, the Megatron pairs found on the graph (passes/capture/tp_proposal.py) are the table
     pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe)) if hybrid is None else ((), None, None)

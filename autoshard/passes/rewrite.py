@@ -10,6 +10,7 @@ The whole contract: docs/modules/package.md (passes/rewrite.py).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import BlockKind, Placement, Plan, Recompute, Replicate, Shard, ShardProgram, even_stages
@@ -46,8 +47,22 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
         tp=tp, tp_rank=tp_rank, placements=tuple(placements), partial_grads=tuple(partial),
         checkpoint=_checkpointed(spec, layers, layer_recompute(plan, spec)),
         sequence_parallel=any(sp), sequence_paths=on, sequence_grads=_sequence_grads(spec, params, on),
+        buffers=_buffer_placements(spec, layers, tp, tp_rank, [chosen[c] for c in chunk_of]) if tp > 1 else (),
         **(_tp_modules(spec, layers, tp, tp_rank, [chosen[c] for c in chunk_of]) if tp > 1 else {}),
     )
+
+
+def _buffer_placements(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strategies: list) -> tuple:
+    """Buffers indexed like a Mamba-2 mixer's in_proj output channels (Falcon-H1's mup_vector, (1, 1, channels)):
+    sliced along their last dim as in_proj's rows are (`ModelSpec.parts`' buffers)."""
+    out = []
+    for part in spec.parts:
+        for i in part.layers if part.buffers else ():
+            mixer = f"{layers[i]}.{part.path}"
+            rows = _placement(spec, f"{mixer}.in_proj.weight", tp, tp_rank, strategies[i])
+            for name in part.buffers:
+                out.append((f"{mixer}.{name}", replace(rows, dim=2) if isinstance(rows, Shard) else rows))
+    return tuple(out)
 
 
 def layer_chunks(plan: Plan, spec: ModelSpec) -> tuple[int, ...]:
@@ -119,6 +134,8 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
     head = sharding.modules(spec, Strategy.VOCAB, BlockKind.HEAD, strategies[0])
     common = dict(regions=sharding.modules(spec, Strategy.REGION), rowwise=sharding.modules(spec, Strategy.ROWWISE),
                   vocab_embed=embed[0] if embed else None, vocab_head=head[0] if head else None)
+    if spec.parts:
+        return dict(common, attrs=_part_attrs(spec, layers, tp, tp_rank, strategies))
     if spec.mixer is Mixer.ATTENTION:
         attention = sharding.selective_module(spec)  # the attention module (the layer's first tp region)
         attrs = []
@@ -132,15 +149,49 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
     for p, chosen in zip(layers, strategies):
         split_groups = not sharding.groups_whole(spec, tp, chosen)  # else every rank keeps all groups (B, C
         # whole) and its heads' own: where tp does not divide n_groups, or the stage chose "groups": "whole"
-        heads, groups, inner = spec.heads // tp, spec.groups // tp if split_groups else spec.groups, spec.intermediate // tp
-        conv_dim = inner + 2 * groups * spec.state
-        sizes = (("num_heads", heads), ("n_groups", groups), ("intermediate_size", inner), ("conv_dim", conv_dim))
-        if not split_groups:  # runtime/ssd.py: which group each local head reads, and the norm's group sync
-            sizes += (("ssd_heads_per_group", spec.heads // spec.groups),
-                      ("ssd_norm_group_size", spec.intermediate // spec.groups), ("ssd_head_offset", heads * tp_rank))
-        attrs += [(f"{p}.mixer", k, v) for k, v in sizes]
-        attrs += [(f"{p}.mixer.conv1d", k, conv_dim) for k in ("in_channels", "out_channels", "groups")]
+        attrs += _ssd_attrs(f"{p}.mixer", spec.heads, spec.groups, spec.intermediate, spec.state, tp=tp,
+                            tp_rank=tp_rank, split_groups=split_groups)
     return dict(common, attrs=tuple(attrs))
+
+
+def _ssd_attrs(mixer: str, heads: int, groups: int, inner: int, state: int, *, tp: int, tp_rank: int,
+               split_groups: bool, norm_groups: bool = False) -> list:
+    """The size attributes of the Mamba-2 mixer at `mixer` on this rank (its heads, groups, inner width, conv
+    channels; with the groups whole, which group each local head reads and the norm's group width);
+    `norm_groups`: its gated norm keeps its own group count (Falcon-H1's n_groups)."""
+    local_heads, local_groups, local_inner = heads // tp, groups // tp if split_groups else groups, inner // tp
+    conv_dim = local_inner + 2 * local_groups * state
+    sizes = [("num_heads", local_heads), ("n_groups", local_groups), ("intermediate_size", local_inner),
+             ("conv_dim", conv_dim)]
+    if not split_groups:  # runtime/ssd.py: which group each local head reads, and the norm's group sync
+        sizes += [("ssd_heads_per_group", heads // groups), ("ssd_norm_group_size", inner // groups),
+                  ("ssd_head_offset", local_heads * tp_rank)]
+    out = [(mixer, k, v) for k, v in sizes] + [(f"{mixer}.conv1d", k, conv_dim) for k in ("in_channels", "out_channels", "groups")]
+    if norm_groups and split_groups:
+        out.append((f"{mixer}.norm", "n_groups", local_groups))
+    return out
+
+
+def _part_attrs(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strategies: list) -> tuple:
+    """A hybrid's size attributes on this rank, per layer part (`ModelSpec.parts`): its attention's head counts
+    (and one KV head serving heads / tp query heads where tp > KV heads), its Mamba-2 mixers' sizes."""
+    out = []
+    for part in spec.parts:
+        for i in part.layers:
+            path = f"{layers[i]}.{part.path}"
+            if part.kind in ("attention", "mla"):
+                heads = part.size("heads")
+                kv = part.size("kv_heads") if part.kind == "attention" else heads
+                local = {"num_heads": heads // tp, "num_attention_heads": heads // tp,
+                         "num_key_value_heads": max(1, kv // tp), "num_kv_heads": max(1, kv // tp)}
+                out += [(path, a, local[a]) for a in part.attrs]
+                if kv < tp:
+                    out.append((path, "num_key_value_groups", heads // tp))
+            elif part.kind == "ssd":
+                split = not sharding.groups_whole(spec, tp, strategies[i])
+                out += _ssd_attrs(path, part.size("heads"), part.size("groups"), part.size("inner"), part.size("state"),
+                                  tp=tp, tp_rank=tp_rank, split_groups=split, norm_groups="norm.n_groups" in part.attrs)
+    return tuple(out)
 
 
 def layer_recompute(plan: Plan, spec: ModelSpec) -> tuple[Recompute, ...]:
@@ -162,6 +213,6 @@ def _checkpointed(spec: ModelSpec, layers: Sequence[str], recompute: Sequence[Re
     for path, level in zip(layers, recompute, strict=True):
         if level is Recompute.FULL:
             out.append(path)
-        elif level is Recompute.SELECTIVE:
+        elif level is Recompute.SELECTIVE and core:
             out.append(f"{path}.{core}")
     return tuple(out)

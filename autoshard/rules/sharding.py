@@ -64,6 +64,7 @@ class Role:
     fan: str = "one"
     sequence: bool = False
     grad_sum: bool = False  # replicated over tp, its gradient partial on each rank: summed over tp
+    layers: tuple[int, ...] = ()  # a LAYER role of a hybrid's part: the layers holding it (empty: every layer)
 
 
 _SIZES: dict[str, Callable[[ModelSpec], int]] = {
@@ -89,8 +90,20 @@ _COUNT_NAMES = {"vocab": "vocabulary size", "heads": "number of heads", "kv_head
 
 
 def size(spec: ModelSpec, name: str) -> int:
-    """The model size called `name` (a key of the table's pieces and fans)."""
-    return _SIZES[name](spec)
+    """The model size called `name` (a key of the table's pieces and fans; "<i>.<size>": that size of the
+    hybrid's part i, `_parts_table`)."""
+    if name in _SIZES:
+        return _SIZES[name](spec)
+    index, _, what = name.partition(".")
+    return spec.parts[int(index)].size(what)
+
+
+def _count_name(spec: ModelSpec, count: str) -> str:
+    """A piece's count as the user reads it ("number of KV heads"; of a hybrid's part: "... of layers.*.mixer")."""
+    if count in _SIZES:
+        return _COUNT_NAMES.get(count, count)
+    index, _, what = count.partition(".")
+    return f"{_COUNT_NAMES.get(what, what)} of layers.*.{spec.parts[int(index)].path}"
 
 
 _L, _E, _H = BlockKind.LAYER, BlockKind.EMBED, BlockKind.HEAD
@@ -155,8 +168,11 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
     passes/capture/tp_proof.py) replicated with their gradient summed over tp, and
     an embedding whose forward is not a plain lookup (Gemma's scale) replicated: no vocab-parallel class
     swap may drop its forward (with it a tied LM head)."""
-    base = _LLAMA_NO_MLP + _moe_block(spec) if spec.is_moe else proposed_table(spec.tp_pairs) if spec.tp_pairs \
-        else TABLES[spec.mixer]
+    if spec.parts:
+        base = _parts_table(spec)
+    else:
+        base = _LLAMA_NO_MLP + _moe_block(spec) if spec.is_moe else proposed_table(spec.tp_pairs) if spec.tp_pairs \
+            else TABLES[spec.mixer]
     out = []
     for role in base:
         if role.path == "self_attn" and spec.head_params:
@@ -178,13 +194,80 @@ def _moe_block(spec: ModelSpec) -> tuple[Role, ...]:
         raise ValueError(f"{spec.name}: a mixture of experts ({spec.experts} experts) without its layout; give "
                          "ModelSpec.moe_paths = (router, experts, shared expert or '', ...) as paths inside a layer")
     router, experts, shared, *parts = spec.moe_paths
-    roles = (Role(experts.rpartition(".")[0], _L, Strategy.REPLICATE, params=()),
-             Role(router, _L, Strategy.REPLICATE, fan="experts"),
-             Role(experts, _L, Strategy.EXPERT, params=("gate_up_proj", "down_proj")))
+    return _moe_roles(router, experts, shared, tuple(
+        Role(p, _L, Strategy.REPLICATE, fan="shared_ffn" if p.startswith(f"{shared}.") and shared else "one")
+        for p in parts))
+
+
+def _moe_roles(router: str, experts: str, shared: str, extra: tuple[Role, ...], *,
+               params: tuple[str, ...] = ("gate_up_proj", "down_proj"), layers: tuple[int, ...] = ()) -> tuple[Role, ...]:
+    """The roles of a MoE block at paths inside a layer (on `layers`: every layer when empty): the block, its
+    router, the routed experts (parameters `params`), the shared expert, then `extra` (its parts)."""
+    roles = (Role(experts.rpartition(".")[0], _L, Strategy.REPLICATE, params=(), layers=layers),
+             Role(router, _L, Strategy.REPLICATE, fan="experts", layers=layers),
+             Role(experts, _L, Strategy.EXPERT, params=params, layers=layers))
     if shared:
-        roles += (Role(shared, _L, Strategy.REPLICATE, params=()),)
-    return roles + tuple(Role(p, _L, Strategy.REPLICATE, fan="shared_ffn" if p.startswith(f"{shared}.") and shared
-                              else "one") for p in parts)
+        roles += (Role(shared, _L, Strategy.REPLICATE, params=(), layers=layers),)
+    return roles + extra
+
+
+def _parts_table(spec: ModelSpec) -> tuple[Role, ...]:
+    """A hybrid's table, built from its layers' parts (`ModelSpec.parts`, models/layered.py `layer_parts`), each
+    by its own rule, its roles on the layers that hold it, its sizes named "<part index>.<size>": attention as
+    LLaMA's (heads, KV heads shared under GQA), DeepSeek's latent attention (the query and key/value up
+    projections by heads, o_proj row-parallel, the latent down projections and their norms whole with their
+    gradient summed over tp, as Megatron-Core's MLA), a Mamba-2 mixer as MAMBA2's (heads, groups split or
+    whole), an MLP column then row, a MoE block whole on every tp rank (its experts over ep)."""
+    out: list[Role] = []
+    for i, part in enumerate(spec.parts):
+        n, at, lay = (lambda name, i=i: f"{i}.{name}"), (lambda p, part=part: f"{part.path}.{p}"), part.layers
+        if part.kind == "embed":
+            out.append(Role(part.path, _E, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"))
+        elif part.kind == "final_norm":
+            out.append(Role(part.path, _H, Strategy.REPLICATE))
+        elif part.kind == "lm_head":
+            out += [Role(part.path, _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
+                    Role("", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), params=())]
+        elif part.kind == "attention":
+            heads, kv = Piece(n("q"), n("heads")), Piece(n("kv"), n("kv_heads"), share=True)
+            out += [Role(part.path, _L, Strategy.REGION, (Piece(n("heads"), n("heads")),), params=(), layers=lay),
+                    *(Role(at(p), _L, Strategy.COLWISE, (piece,), _LINEAR, fan="hidden", layers=lay)
+                      for p, piece in (("q_proj", heads), ("k_proj", kv), ("v_proj", kv))),
+                    Role(at("o_proj"), _L, Strategy.ROWWISE, (heads,), fan="hidden", layers=lay)]
+        elif part.kind == "mla":
+            q = "q_b_proj" if "q_a_proj" in part.names else "q_proj"
+            out += [Role(part.path, _L, Strategy.REGION, (Piece(n("heads"), n("heads")),), params=(), layers=lay),
+                    Role(at(q), _L, Strategy.COLWISE, (Piece(n("q"), n("heads")),), _LINEAR,
+                         fan=n("q_rank") if q == "q_b_proj" else "hidden", layers=lay),
+                    Role(at("kv_b_proj"), _L, Strategy.COLWISE, (Piece(n("kv_b"), n("heads")),), _LINEAR,
+                         fan=n("kv_rank"), layers=lay),
+                    Role(at("o_proj"), _L, Strategy.ROWWISE, (Piece(n("o"), n("heads")),), fan="hidden", layers=lay),
+                    *(Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
+                      for p in part.names)]
+        elif part.kind == "ssd":
+            inner, gs = Piece(n("inner"), n("heads")), Piece(n("group_state"), n("groups"), whole=True)
+            out += [Role(part.path, _L, Strategy.REGION, (Piece(n("heads"), n("heads")),), ("dt_bias", "A_log", "D"),
+                         layers=lay),
+                    Role(at("in_proj"), _L, Strategy.COLWISE, (inner, inner, gs, gs, Piece(n("heads"), n("heads"))),
+                         _LINEAR, fan="hidden", layers=lay),
+                    Role(at("conv1d"), _L, Strategy.COLWISE, (inner, gs, gs), _LINEAR, fan=n("conv"), layers=lay),
+                    Role(at("norm"), _L, Strategy.COLWISE, (inner,), layers=lay),
+                    Role(at("out_proj"), _L, Strategy.ROWWISE, (inner,), fan="hidden", layers=lay)]
+        elif part.kind == "mlp":
+            ffn = Piece(n("ffn"), n("ffn"))
+            out += [Role(part.path, _L, Strategy.REGION, (ffn,), params=(), layers=lay),
+                    *(Role(at(p), _L, Strategy.ROWWISE if p == "down_proj" else Strategy.COLWISE, (ffn,), _LINEAR,
+                           fan="hidden", layers=lay) for p in part.names)]
+        elif part.kind == "moe":  # the shared expert's linears and the block's gate whole, counted as pieces
+            router, experts, shared, *held = part.names
+            out += _moe_roles(at(router), at(experts), at(shared) if shared else "", tuple(
+                Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, layers=lay) for p in held),
+                params=part.params, layers=lay)
+        elif part.kind in ("norm", "other"):  # whole on every rank (its elements counted as one piece)
+            out.append(Role(part.path, _L, Strategy.REPLICATE, (Piece(n("numel"), "one"),), layers=lay))
+        else:
+            raise ValueError(f"layer part kind {part.kind!r} has no sharding rule")
+    return tuple(out)
 
 
 # the pieces of a layout proposed on the graph (passes/capture/tp_proposal.py), by piece length
@@ -442,7 +525,7 @@ def _tp_violation(spec: ModelSpec, tp: int, chosen: tuple[tuple[str, str], ...])
             continue
         for piece in role.pieces:
             if piece_parts(spec, piece, tp) is None:
-                count, what = size(spec, piece.count), _COUNT_NAMES.get(piece.count, piece.count)
+                count, what = size(spec, piece.count), _count_name(spec, piece.count)
                 if piece.share:
                     return (f"tp ({tp}) and the {what} of {spec.name} ({count}) must divide one another "
                             f"(split, or each rank keeps one); use a tp that divides {count} or a multiple of it")
@@ -477,9 +560,10 @@ def role_of(spec: ModelSpec, kind: BlockKind, path: str, strategies=()) -> Role 
         path = ".".join(parts[n:])
         if not path:
             return None  # the layer's own ops (residual adds)
+        index = int(parts[n - 1]) if parts[n - 1].isdigit() else -1
     best = None
     for role in table(spec, strategies):
-        if role.block is not kind:
+        if role.block is not kind or (role.layers and index not in role.layers):
             continue
         if role.path == path or (role.path and path.startswith(role.path + ".")):
             if best is None or len(role.path) > len(best.path):
@@ -567,8 +651,8 @@ def row_parallel_count(spec: ModelSpec, kind: BlockKind, *, under: str = "") -> 
 def selective_module(spec: ModelSpec) -> str:
     """The layer submodule selective recompute checkpoints: the attention module / the Mamba-2
     mixer, whose forward holds one row-parallel all-reduce (rewrite and cost model both ask here): the
-    layer's first REGION role, its sequence mixer."""
-    return next(r.path for r in table(spec) if r.block is BlockKind.LAYER and r.strategy is Strategy.REGION)
+    layer's first REGION role, its sequence mixer ("" for a layer kind with none: a MoE layer of a hybrid)."""
+    return next((r.path for r in table(spec) if r.block is BlockKind.LAYER and r.strategy is Strategy.REGION), "")
 
 
 # -- derived: the runtime's modules and the plan's placements ----------------------------------------
@@ -600,10 +684,11 @@ def sequence_modules(spec: ModelSpec) -> tuple[str, ...]:
 
 
 def _paths(spec: ModelSpec, kind: BlockKind, keep: Callable[[Role], bool], strategies=()) -> tuple[str, ...]:
-    paths = [r.path for r in table(spec, strategies) if r.block is kind and keep(r) and r.path]
+    roles = [r for r in table(spec, strategies) if r.block is kind and keep(r) and r.path]
     if kind is not BlockKind.LAYER:
-        return tuple(paths)
-    return tuple(f"{layer_prefix(spec, i)}.{p}" for i in range(spec.layers) for p in paths)
+        return tuple(r.path for r in roles)
+    return tuple(f"{layer_prefix(spec, i)}.{r.path}" for i in range(spec.layers) for r in roles
+                 if not r.layers or i in r.layers)
 
 
 def block_placements(spec: ModelSpec, *, tp: int, sequence_parallel: bool | tuple[bool, ...] = False,
@@ -635,7 +720,8 @@ def block_placements(spec: ModelSpec, *, tp: int, sequence_parallel: bool | tupl
 
 
 def _role_placement(spec: ModelSpec, role: Role, tp: int, sequence_parallel: bool) -> tuple[str, str]:
-    name = f"layers.*.{role.path}" if role.block is BlockKind.LAYER else (role.path or "loss")
+    held = ",".join(map(str, role.layers)) if role.layers else "*"
+    name = f"layers.{held}.{role.path}" if role.block is BlockKind.LAYER else (role.path or "loss")
     value = role_strategy(role, sequence_parallel=sequence_parallel).value
     parts = role_parts(spec, role, tp)
     if role.strategy is not Strategy.REPLICATE and role.pieces and parts < tp:

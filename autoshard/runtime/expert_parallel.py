@@ -6,8 +6,8 @@ Contract
 module (the `expert` roles of the sharding table, rules/sharding.py: `<base>.layers.<i>.mlp.experts`
 of Mixtral / Qwen2-MoE) by a `ParallelExperts` holding this rank's
 contiguous slice of the experts (rank r of ep: experts [r*E/ep, (r+1)*E/ep)), under the same
-parameter names (`gate_up_proj`, `down_proj`: dim 0 is the expert), so `named_parameters()` still
-reports the HF names. It returns the names of the expert parameters (`expert_param_names`).
+parameter names (`gate_up_proj`, or Nemotron-H's ungated `up_proj`; `down_proj`: dim 0 is the expert), so
+`named_parameters()` still reports the HF names. It returns the names of the expert parameters (`expert_param_names`).
 
 The whole contract: docs/modules/runtime.md (runtime/expert_parallel.py).
 """
@@ -48,22 +48,29 @@ class ParallelExperts(nn.Module):
                  tp_group: dist.ProcessGroup | None = None, tp: int = 1, tp_rank: int = 0):
         super().__init__()
         total = experts.num_experts  # ep divides it: the plan rule, checked by apply_expert_parallel
+        # gated ([gate; up] x hidden: Mixtral, Qwen2-MoE, DeepSeek) or plain (up x hidden: Nemotron-H's act(up))
+        self.gated = gated = isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
         if (getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False)
-                or not getattr(experts, "has_gate", True)):
-            raise InvalidConfigError(f"{type(experts).__name__}: expert parallelism runs gated experts without "
-                                     "bias in HF's [gate; up] x hidden layout (Mixtral, Qwen2-MoE)")
+                or not (gated or isinstance(getattr(experts, "up_proj", None), torch.Tensor))):
+            raise InvalidConfigError(f"{type(experts).__name__}: expert parallelism runs experts without bias in "
+                                     "HF's [gate; up] x hidden layout (Mixtral, Qwen2-MoE) or its up x hidden one "
+                                     "(Nemotron-H)")
+        if tp > 1 and not gated:
+            raise InvalidConfigError(f"{type(experts).__name__}: a serving replica splits gated experts over tp; "
+                                     "these have no gate (up x hidden): use tp=1 with ep")
         self.num_experts, self.ep, self.group = total, ep, group
         self.tp, self.tp_group = tp, tp_group  # tp > 1 (serving): each expert's GEMMs split over tp
         self.local = total // ep
         self.first = first = ep_rank * self.local
         self.replicated = False  # True inside `replicated_tokens` (generation): expert slicing + all-reduce
-        gate_up = experts.gate_up_proj.detach()[first:first + self.local]  # (E/ep, 2f, h)
+        up_name = "gate_up_proj" if gated else "up_proj"  # HF's name, kept (named_parameters reports it)
+        gate_up = getattr(experts, up_name).detach()[first:first + self.local]  # (E/ep, 2f or f, h)
         down = experts.down_proj.detach()[first:first + self.local]  # (E/ep, h, f)
         if tp > 1:
             placements = expert_tp_placements(gate_up.shape[1] // 2, tp=tp, tp_rank=tp_rank)
             gate_up, down = (shard_tensor(t, placements[name]) for t, name in ((gate_up, "gate_up_proj"),
                                                                                (down, "down_proj")))
-        self.gate_up_proj = nn.Parameter(gate_up.clone())
+        setattr(self, up_name, nn.Parameter(gate_up.clone()))
         self.down_proj = nn.Parameter(down.clone())
         self.act_fn = experts.act_fn
 
@@ -100,8 +107,7 @@ class ParallelExperts(nn.Module):
         for e in range(self.local):
             token_idx, slot = torch.where(top_k_index == self.first + e)
             if token_idx.numel():
-                gate, up = F.linear(hidden[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
-                y = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[token_idx, slot, None]
+                y = self._expert(hidden[token_idx], e) * top_k_weights[token_idx, slot, None]
                 out.index_add_(0, token_idx, y.to(out.dtype))
         if self.ep > 1:
             dist.all_reduce(out, group=self.group)
@@ -110,12 +116,16 @@ class ParallelExperts(nn.Module):
         return out
 
     def _experts(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
-        """Each local expert's gated MLP on its rows (x expert-major, `sizes` rows per expert)."""
-        outs = []
-        for e, part in enumerate(x.split(list(sizes))):
-            gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)  # (n_e, f) each
-            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))  # (n_e, h)
+        """Each local expert's MLP on its rows (x expert-major, `sizes` rows per expert)."""
+        outs = [self._expert(part, e) for e, part in enumerate(x.split(list(sizes)))]
         return torch.cat(outs) if outs else x
+
+    def _expert(self, x: Tensor, e: int) -> Tensor:
+        """Local expert `e` on rows `x` (n, h): act(gate) * up then down (gated), or act(up) then down."""
+        if self.gated:
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, f) each
+            return F.linear(self.act_fn(gate) * up, self.down_proj[e])  # (n, h)
+        return F.linear(self.act_fn(F.linear(x, self.up_proj[e])), self.down_proj[e])
 
 
 def _peer_to_expert_order(per_peer: list[list[int]], device: torch.device) -> Tensor:

@@ -104,6 +104,11 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
                            requires_grad=param.requires_grad)
         for module, attr in holders[id(param)]:
             setattr(module, attr, new)
+    for name, placement in program.buffers:  # indexed like a sharded parameter (Falcon-H1's mup_vector)
+        module, _, attr = name.rpartition(".")
+        holder = model.get_submodule(module)
+        holder.register_buffer(attr, shard_tensor(getattr(holder, attr), placement),
+                               persistent=attr not in holder._non_persistent_buffers_set)
     for path, attr, value in program.attrs:
         setattr(model.get_submodule(path), attr, value)
         if attr == "ssd_norm_group_size":  # a Mamba-2 norm group spans ranks: runtime/ssd.py gated_norm syncs

@@ -2,8 +2,9 @@
 (test_equivalence.py): loss, every gradient and the weights after two AdamW steps against one process.
 
 The configs are tests/models/hybrid_models.py's (2-6 layers, every kind of layer the model has), Falcon-H1's
-mup multipliers exaggerated (a dropped multiplier shows) and its gated norm on. An axis the runtime cannot
-run yet on a model is refused by name, on every rank (models/layered.py `hybrid_refusals`)."""
+mup multipliers exaggerated (a dropped multiplier shows) and its gated norm on. Under tp each layer part runs by its own
+rule (attention, DeepSeek's MLA, Mamba-2 mixers by heads / groups, MLPs; MoE blocks whole). An axis the
+runtime cannot run yet on a model is refused by name, on every rank (models/layered.py `hybrid_refusals`)."""
 
 from __future__ import annotations
 
@@ -33,11 +34,13 @@ HYBRIDS = {
     "lfm2": _tiny("lfm2"),
 }
 PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(cp=2), dict(tp=2), dict(ep=2))
-TP = "the runtime's tensor-parallel rules split one kind of layer"
-EP = "are dispatched over ep in one repeated layer only"
-REFUSED = {**{(name, "tp"): TP for name in HYBRIDS}, **{(name, "ep"): EP for name in ("nemotron_h", "deepseek_v3",
-                                                                                        "jamba", "granitemoehybrid",
-                                                                                        "qwen3_next")},
+# tp: every layer part by its own rule (models/layered.py `layer_parts`); refused naming the first part none splits
+TP = "is neither attention, a Mamba-2 SSD mixer, an MLP nor a MoE block: no tensor-parallel rule splits it yet"
+REFUSED = {("jamba", "tp"): f"layers.0.mamba (JambaMambaMixer) {TP}",
+           ("granitemoehybrid", "tp"): f"layers.0.shared_mlp (GraniteMoeHybridMLP) {TP}",
+           ("qwen3_next", "tp"): f"layers.0.linear_attn (Qwen3NextGatedDeltaNet) {TP}",
+           ("lfm2", "tp"): f"layers.0.conv (Lfm2ShortConv) {TP}",
+           ("zamba2", "tp"): "no tensor-parallel rule splits a shared block yet",
            ("jamba", "cp"): "the Mamba-1 selective scan of layers.0.mamba has no CP algorithm",
            ("qwen3_next", "cp"): "the sequence mixer layers.0.linear_attn (Qwen3NextGatedDeltaNet, neither attention",
            ("lfm2", "cp"): "the sequence mixer layers.0.conv (Lfm2ShortConv, neither attention",
@@ -56,7 +59,7 @@ def _check_generate() -> None:
     """Greedy generation of Bamba and Nemotron-H over pipeline stages equals HF's: each stage's cache holds
     the K/V of its attention layers and the conv / SSM states of its Mamba-2 layers (runtime/ssd.py
     `cached_mixer_forward`), byte for byte what HF's one-process cache holds for those layers (which serving
-    prices: tests/passes/serving/test_hybrid_cache.py); tp is refused for them, as in training."""
+    prices: tests/passes/serving/test_hybrid_cache.py)."""
     import torch
 
     from autoshard.runtime.generate import cache_layer_bytes

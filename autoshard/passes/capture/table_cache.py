@@ -67,6 +67,8 @@ def content_digest(value: Any) -> str:
 def _spec_fields(spec: Any) -> dict[str, Any]:
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
               if not (f.metadata.get("omit_default") and getattr(spec, f.name) == f.default)}
+    if "parts" in fields:  # a hybrid's layer parts (ModelSpec.parts): frozen records, as their fields
+        fields["parts"] = [dataclasses.asdict(p) for p in fields["parts"]]
     # in JSON's own form (tuples as lists), so that a key read back from a file compares equal to a fresh one
     return json.loads(json.dumps({k: v.value if isinstance(v, Enum) else v for k, v in fields.items()}))
 

@@ -105,17 +105,22 @@ def _compile_mixed(table: CostTable, spec: ModelSpec) -> CompiledTable:
     edges = [b for b in table.blocks if b.kind is not BlockKind.LAYER]
     layers = table.layer_blocks()
     views = tuple(compile_table(replace(table, blocks=(edges[0], blk, edges[1]), layer_kinds=(), shared_params=0),
-                                kind_spec(spec, blk)) for blk in layers)
+                                kind_spec(spec, blk, table.layer_kinds.index(blk.name))) for blk in layers)
     names = [b.name for b in layers]
     return CompiledTable(spec=spec, blocks=views[0].blocks, kinds=views, kind_names=tuple(names),
                          layer_kinds=tuple(names.index(k) for k in table.layer_kinds),
                          mixers=table.mixer_layers(mamba2=spec.mixer is Mixer.SSD))
 
 
-def kind_spec(spec: ModelSpec, block) -> ModelSpec:
+def kind_spec(spec: ModelSpec, block, first_layer: int) -> ModelSpec:
     """The spec one layer kind of a mixed stack is priced with: the stack's, without its routed experts for a
     kind whose layer holds none (DeepSeek-V3's dense layers, Nemotron-H's Mamba-2 / attention / MLP layers):
-    such a layer is data-parallel over the ep ranks, its gradients reduced over dp x ep."""
+    such a layer is data-parallel over the ep ranks, its gradients reduced over dp x ep. A hybrid's layer parts
+    (`ModelSpec.parts`) narrowed to those of the kind's layers (`first_layer`: one of them), on every layer: the
+    kind's one-layer table is priced by its own parts' sharding rules."""
+    if spec.parts:
+        spec = replace(spec, parts=tuple(replace(p, layers=()) for p in spec.parts
+                                         if not p.layers or first_layer in p.layers))
     if not spec.is_moe:
         return spec
     experts = spec.moe_paths[1]
@@ -130,11 +135,12 @@ def mixed_violation(ct: CompiledTable, layout: Layout) -> str | None:
         return None
     mesh = layout.mesh
     experts = any(view.spec.is_moe for view in ct.kinds)  # ep: the MoE kinds' experts, the others data-parallel
-    if mesh.tp > 1 or mesh.cp > 1 or (mesh.ep > 1 and not experts):
-        axes = "dp, pp and ep" if experts else "dp and pp"
+    parts = all(view.spec.parts for view in ct.kinds)  # tp: each kind by its layer parts' rules
+    if (mesh.tp > 1 and not parts) or mesh.cp > 1 or (mesh.ep > 1 and not experts):
+        axes = ", ".join(["dp", "pp"] + ["tp"] * parts + ["ep"] * experts)
+        fix = " = ".join(["tp"] * (not parts) + ["cp"] + ["ep"] * (not experts))
         return (f"{ct.spec.name}: a model whose layers are of {len(ct.kinds)} kinds is priced under {axes} "
-                f"only so far (tp {mesh.tp}, cp {mesh.cp}, ep {mesh.ep} asked): the sharding table of its layer "
-                f"kinds is not read yet; use tp = cp = 1{'' if experts else ' and ep = 1'}")
+                f"only so far (tp {mesh.tp}, cp {mesh.cp}, ep {mesh.ep} asked); use {fix} = 1")
     if layout.recompute is Recompute.SELECTIVE or layout.zero == 3:
         what = "selective recompute" if layout.recompute is Recompute.SELECTIVE else "ZeRO-3"
         return (f"{ct.spec.name}: {what} is not priced for a model whose layers are of several kinds yet; "

@@ -3,6 +3,7 @@ and the per-kind cost table (passes/capture/shapes_trace._mixed) with HF's exact
 
 import functools
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -148,8 +149,41 @@ def test_a_mixed_stack_is_priced_as_the_sum_of_its_layers():
     t = [block_time(v, hw, layout, BlockKind.LAYER, seq_len=64).compute_s for v in ct.kinds]  # M, A
     assert three.stage_times_s[0] - one.stage_times_s[0] == pytest.approx(t[0] + t[1], rel=1e-9)
     assert one.stage_times_s[1] - three.stage_times_s[1] == pytest.approx(t[0] + t[1], rel=1e-9)
-    with pytest.raises(InvalidConfigError, match=r"tp is refused for bamba: .*use tp=1"):  # as parallelize says
-        cost.estimate(table, bamba, hw, Layout(mesh=Mesh(tp=2), micro_batch=1), global_batch=16, seq_len=64)
+    with pytest.raises(InvalidConfigError, match=r"priced under dp, pp, tp only so far .*use cp = ep = 1"):
+        cost.estimate(table, bamba, hw, Layout(mesh=Mesh(cp=2), micro_batch=1), global_batch=16, seq_len=64)
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "nemotron_h", "deepseek_v3"])
+def test_mixed_stack_tp_is_priced_per_layer_part(model_type):
+    """tp on a hybrid: each kind's one-layer table is priced by its own layer parts' rules (attention by heads,
+    MLA, Mamba-2 by heads / groups, MLP column then row, MoE whole), so the parameters a tp rank holds per
+    kind are exactly those of the runtime's shard program (passes/rewrite.py) for a layer of that kind, and
+    the tp all-reduces of a kind are its own row-parallel projections."""
+    from autoshard.ir import Mesh, Plan, Shard
+    from autoshard.passes.rewrite import shard_program
+    from autoshard.rules import sharding
+
+    model, spec, table = _mixed_table(model_type)
+    ct = compile_table(table, spec)
+    one, two = (Layout(mesh=Mesh(tp=tp), micro_batch=1, zero=1) for tp in (1, 2))
+    assert mixed_violation(ct, two) is None
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    plan = Plan(model=spec.name, fingerprint="", hardware="cpu", devices=2, global_batch=8, seq_len=16, mesh=Mesh(tp=2))
+    program = shard_program(plan, spec, shapes, tp_rank=0)
+    held = {n: (math.prod(shapes[n]) // (p.parts if isinstance(p, Shard) and not any(p.whole) else 1))
+            for n, p in program.placements}
+    prefix = find_layer_stack(model).prefix
+    stack = find_layer_stack(model)
+    rows = {}
+    for kind, view in zip(stack.kinds, ct.kinds):
+        i = kind.layers[0]
+        local = sum(v for n, v in held.items() if n.startswith(f"{prefix}.{i}."))
+        assert block_params(view, two, BlockKind.LAYER) == pytest.approx(local), kind.name
+        full = block_params(view, one, BlockKind.LAYER)
+        rows[kind.name] = sharding.row_parallel_count(view.spec, BlockKind.LAYER)
+        assert (local < full) == (rows[kind.name] > 0), kind.name  # a kind with split parts holds less
+    assert rows == {"bamba": {M: 2, A: 2}, "nemotron_h": {M: 1, "moe": 0, A: 1, "mlp": 1},  # o / out / down_proj
+                    "deepseek_v3": {"attention+dense": 2, "attention+moe": 1}}[model_type]
 
 
 def test_moe_kinds_are_priced_under_ep():
@@ -172,10 +206,7 @@ def test_moe_kinds_are_priced_under_ep():
     assert block_params(dense, two, BlockKind.LAYER) == block_params(dense, one, BlockKind.LAYER)
     assert block_time(moe, hw, two, BlockKind.LAYER, seq_len=64).ep_comm_s > 0
     assert block_time(dense, hw, two, BlockKind.LAYER, seq_len=64).ep_comm_s == 0
-    assert dict(spec.refused)["ep"].endswith("use ep=1")  # the runtime does not dispatch a mixed stack's experts yet
-    plan = planner.solve(spec, hw, devices=4, global_batch=8, seq_len=64, table=table)
-    assert plan.mesh.ep == 1 and all(other["ep"] == 1 for other in plan.solver["other_eps"])
-    ahead = replace(spec, refused=())  # priced ahead of the runtime (bench/bench_mixed_plan.py): ep is searched
-    plan = planner.solve(ahead, hw, devices=4, global_batch=8, seq_len=64, table=table)
+    assert "ep" not in dict(spec.refused)  # the runtime dispatches the MoE layers' experts (tests/runtime/hybrids.py)
+    plan = planner.solve(spec, hw, devices=4, global_batch=8, seq_len=64, table=table)  # ep searched as read
     searched = {plan.mesh.ep, *(other["ep"] for other in plan.solver["other_eps"])}  # why this ep (show)
     assert searched == {1, 2, 4}
