@@ -208,7 +208,7 @@ def _moe_config(spec: ModelSpec):
 def config_violation(spec: ModelSpec) -> str | None:
     """Why a model of `spec` cannot run its own forward, or None: counts HF's constructors accept and
     its forward then fails on with a shape error deep inside (reported as a trace failure before)."""
-    if spec.mixer is Mixer.ATTENTION and spec.heads % spec.kv_heads:
+    if spec.mixer is Mixer.ATTENTION and spec.kv_heads and spec.heads % spec.kv_heads:
         return (f"num_attention_heads ({spec.heads}) is not a multiple of num_key_value_heads ({spec.kv_heads}): "
                 "grouped-query attention shares each KV head among an equal number of query heads; use a "
                 f"num_key_value_heads that divides {spec.heads}")

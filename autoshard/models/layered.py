@@ -115,7 +115,7 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
         return None
     ssd = ssd_mixers(model)
     if stack.uniform and not ssd:
-        return None
+        return _ruleless_refusals(model, stack)
     base = stack.prefix.rpartition(".")[0]
     what = (f"its layers are of several kinds ({', '.join(k.name for k in stack.kinds)})" if not stack.uniform
             else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside attention")
@@ -134,6 +134,20 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
         out.append(("pp", f"its layers share a block ({stack.shared_params} parameters held by several layers: "
                           "Zamba2's shared transformer, which reads the embeddings' output); pipeline stages cut "
                           "layers that own their weights; use pp=1"))
+    return tuple(out)
+
+
+def _ruleless_refusals(model: nn.Module, stack) -> tuple[tuple[str, str], ...] | None:
+    """A uniform stack whose layers mix tokens by a module with no rule (Mamba-1's selective scan: no attention,
+    no SSD): run by the model's own forward under dp and pp; tp, sequence parallelism and cp refused naming the
+    module. None for a uniform stack of attention (or per-token) layers."""
+    mixer = _mixer_without_cp(model, stack)
+    if mixer is None:
+        return None
+    out = [("tp", f"{mixer} has no tensor-parallel rule; use tp=1"),
+           ("sequence_parallel", f"{mixer} has no tensor-parallel rule, and sequence parallelism runs with tp; set "
+                                 "sequence_parallel to false"),
+           ("cp", f"{mixer} has no CP algorithm; use cp=1")]
     return tuple(out)
 
 

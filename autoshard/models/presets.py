@@ -201,9 +201,13 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                          head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
                          conv=value("conv"), chunk=value("chunk", 256), **common)
     if facts.mixer != "attention":
-        from autoshard.models.layered import _mixer_without_cp
+        from autoshard.models.layered import _mixer_without_cp, hybrid_refusals
         from autoshard.passes.capture.layer_kinds import find_layer_stack
 
+        refused = hybrid_refusals(model)
+        if refused:  # a uniform stack of a mixer with no rule (Mamba-1): the model's own forward, dp and pp only
+            return ModelSpec(mixer=Mixer.ATTENTION, ffn=value("ffn", 0) or 0, own_forward=True, refused=refused,
+                             **common)
         stack = find_layer_stack(model)
         mixer = (_mixer_without_cp(model, stack) if stack is not None else None) or type(model).__name__
         raise InvalidConfigError(

@@ -114,7 +114,8 @@ def test_sliding_window_is_read_where_the_attention_call_gets_it(model_type, ove
 def test_constructs_without_a_rule_are_refused_by_name_and_the_other_axes_plan():
     """Zamba2's shared transformer block (one module in several layers): pp refused naming it; LFM2's short
     convolution and Qwen3-Next's gated DeltaNet (sequence mixers with no CP algorithm): cp refused naming
-    them; a uniform stack of such a mixer (Mamba-1) is refused whole, naming the module."""
+    them; a uniform stack of such a mixer (Mamba-1) runs dp and pp (its own forward) and refuses tp, sequence
+    parallelism and cp naming the module."""
     from transformers import MambaConfig, MambaForCausalLM
 
     from autoshard.errors import InvalidConfigError
@@ -131,8 +132,15 @@ def test_constructs_without_a_rule_are_refused_by_name_and_the_other_axes_plan()
             assert want in (refusal(spec, axis) or ""), (model_type, spec.refused)
             assert refusal(spec, "dp") is None
     mamba = MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2))
-    with pytest.raises(InvalidConfigError, match=r"the Mamba-1 selective scan of layers\.0\.mixer: a sequence mixer autoshard has no rule for"):
-        spec_from_hf_config(mamba.config, name="mamba", model=mamba)
+    spec = spec_from_hf_config(mamba.config, name="mamba", model=mamba)
+    assert spec.own_forward and refusal(spec, "dp") is None and refusal(spec, "pp") is None
+    scan = "the Mamba-1 selective scan of layers.0.mixer"
+    for axis, want in (("tp", "has no tensor-parallel rule"), ("sequence_parallel", "has no tensor-parallel rule"),
+                       ("cp", "has no CP algorithm")):
+        assert f"{scan} {want}" in (refusal(spec, axis) or ""), (axis, spec.refused)
+    # a module with no sequence mixer autoshard can name at all is still refused whole
+    with pytest.raises(InvalidConfigError, match="a sequence mixer autoshard has no rule for"):
+        spec_from_hf_config(mamba.config, name="bare", model=torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
 def resolve_model_spec(model, name):

@@ -37,6 +37,11 @@ NO_TP_PLAN = {
     "stablelm": _tiny("stablelm"),
 }
 
+# a uniform stack of a sequence mixer with no rule (Mamba-1's selective scan): the model's own forward under dp and
+# pp; tp, cp (and sequence parallelism) refused naming the module (models/layered.py `_ruleless_refusals`)
+RULELESS = {"mamba": _tiny("mamba")}
+_SCAN = "the Mamba-1 selective scan of layers.0.mixer"
+
 # every family under every axis on two ranks (dense: dp, tp, pp, cp; MoE: dp, tp, pp, cp, ep), inside the
 # shared world-2 spawn (test_equivalence.py); an axis a family refuses must say so by name, on every rank
 PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
@@ -44,13 +49,14 @@ REFUSED = {("phi3", "tp"): "qkv_proj: HF declares it 'colwise_gather_output'",
            ("olmo2", "tp"): "q_proj: HF declares it 'colwise_gather_output'",
            ("gpt_oss", "ep"): "mlp.experts: experts with biases",
            ("llama4", "tp"): "HF's tp style 'packed_rowwise' has no rule",
-           ("llama4", "ep"): "feed_forward.experts: its forward takes the tokens already scattered to every expert"}
+           ("llama4", "ep"): "feed_forward.experts: its forward takes the tokens already scattered to every expert",
+           ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
 
 def check_families() -> None:
     from tests.runtime.equivalence import check_axes
 
-    check_axes({**DENSE, **MOE}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
+    check_axes({**DENSE, **MOE, **RULELESS}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
     check_axes(NO_TP_PLAN, lambda name: (dict(tp=2),), {})
     _check_generate()
 
