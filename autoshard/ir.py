@@ -182,6 +182,7 @@ class ShardProgram:
     sequence_parallel: bool = False  # some stage runs its norms and residual on this rank's tp shard of the sequence
     sequence_paths: tuple[str, ...] = ()  # the modules that do (regions, row-parallel, norms, embedding / head)
     buffers: tuple[tuple[str, Placement], ...] = ()  # buffers sliced with a parameter (Falcon-H1's mup_vector)
+    output_regions: tuple[str, ...] = ()  # row-parallel linears whose summed output enters a TP region (Mamba-1 x_proj)
     sequence_grads: tuple[str, ...] = ()  # under it: parameters whose gradients are summed over tp
 
     def placement(self, name: str) -> Placement:

@@ -260,7 +260,7 @@ def layer_parts(model: nn.Module) -> tuple[tuple, str | None]:
                               "neither attention, a Mamba-2 SSD mixer, an MLP nor a MoE block: no tensor-parallel "
                               "rule splits it yet; use tp=1")
             found.setdefault(part, []).append(i)
-    order = ("attention", "mla", "ssd", "mlp", "moe", "norm", "other")  # the sequence mixers first (sharding.selective_module)
+    order = ("attention", "mla", "ssd", "mamba1", "mlp", "moe", "norm", "other")  # the sequence mixers first (sharding.selective_module)
     parts = [LayerPart(kind=k, path=p, layers=tuple(ix), sizes=s, names=n, attrs=a, buffers=b,
                        params=q[0] if q else ())
              for (k, p, s, n, a, b, *q), ix in sorted(found.items(), key=lambda item: order.index(item[0][0]))]
@@ -288,6 +288,13 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         buffers = tuple(b for b, _ in m.named_buffers(recurse=False) if b == "mup_vector")
         return "ssd", name, sizes, (), attrs, buffers
     counts = tuple(a for a in COUNT_ATTRS if isinstance(getattr(child, a, None), int))
+    if _selective_scan(child) and {"in_proj", "x_proj", "dt_proj", "out_proj"} <= set(linear):
+        x_proj, dt_proj = linear["x_proj"], linear["dt_proj"]
+        sizes = (("inner", child.D.shape[0]), ("dt_rank", dt_proj.in_features), ("conv", child.conv1d.kernel_size[0]),
+                 ("x_out", x_proj.out_features))
+        norms = tuple((n, sum(p.numel() for p in m.parameters())) for n, m in child.named_children()
+                      if n not in linear and n != "conv1d" and any(True for _ in m.parameters()))
+        return "mamba1", name, sizes + norms, tuple(n for n, _ in norms), (), ()
     if attention and set(_ATTENTION) <= set(linear):
         hd = child.head_dim
         heads, kv = linear["q_proj"].out_features // hd, linear["k_proj"].out_features // hd

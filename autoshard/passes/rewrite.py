@@ -133,7 +133,8 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
     embed = sharding.modules(spec, Strategy.VOCAB, BlockKind.EMBED, strategies[0])
     head = sharding.modules(spec, Strategy.VOCAB, BlockKind.HEAD, strategies[0])
     common = dict(regions=sharding.modules(spec, Strategy.REGION), rowwise=sharding.modules(spec, Strategy.ROWWISE),
-                  vocab_embed=embed[0] if embed else None, vocab_head=head[0] if head else None)
+                  vocab_embed=embed[0] if embed else None, vocab_head=head[0] if head else None,
+                  output_regions=sharding.output_region_modules(spec))
     if spec.parts:
         return dict(common, attrs=_part_attrs(spec, layers, tp, tp_rank, strategies))
     if spec.mixer is Mixer.ATTENTION:
@@ -187,6 +188,10 @@ def _part_attrs(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
                 out += [(path, a, local[a]) for a in part.attrs]
                 if kv < tp:
                     out.append((path, "num_key_value_groups", heads // tp))
+            elif part.kind == "mamba1":  # its forward reads its channels off the weights; its sizes kept in step
+                local = part.size("inner") // tp
+                out += [(path, "intermediate_size", local)]
+                out += [(f"{path}.conv1d", k, local) for k in ("in_channels", "out_channels", "groups")]
             elif part.kind == "ssd":
                 split = not sharding.groups_whole(spec, tp, strategies[i])
                 out += _ssd_attrs(path, part.size("heads"), part.size("groups"), part.size("inner"), part.size("state"),

@@ -65,6 +65,9 @@ class Role:
     sequence: bool = False
     grad_sum: bool = False  # replicated over tp, its gradient partial on each rank: summed over tp
     layers: tuple[int, ...] = ()  # a LAYER role of a hybrid's part: the layers holding it (empty: every layer)
+    output_region: bool = False  # a row-parallel linear whose summed output enters a TP region again (identity
+    #                              forward, gradient all-reduced backward): Mamba-1's x_proj, whose dt / B / C feed
+    #                              every rank's channels
 
 
 _SIZES: dict[str, Callable[[ModelSpec], int]] = {
@@ -253,6 +256,16 @@ def _parts_table(spec: ModelSpec) -> tuple[Role, ...]:
                     Role(at("conv1d"), _L, Strategy.COLWISE, (inner, gs, gs), _LINEAR, fan=n("conv"), layers=lay),
                     Role(at("norm"), _L, Strategy.COLWISE, (inner,), layers=lay),
                     Role(at("out_proj"), _L, Strategy.ROWWISE, (inner,), fan="hidden", layers=lay)]
+        elif part.kind == "mamba1":  # Mamba-1's selective scan by its inner channels (vLLM's MambaMixer split)
+            inner = Piece(n("inner"), n("inner"))
+            out += [Role(part.path, _L, Strategy.REGION, (inner,), ("A_log", "D"), layers=lay),
+                    Role(at("in_proj"), _L, Strategy.COLWISE, (inner, inner), _LINEAR, fan="hidden", layers=lay),
+                    Role(at("conv1d"), _L, Strategy.COLWISE, (inner,), _LINEAR, fan=n("conv"), layers=lay),
+                    Role(at("x_proj"), _L, Strategy.ROWWISE, (inner,), fan=n("x_out"), output_region=True, layers=lay),
+                    Role(at("dt_proj"), _L, Strategy.COLWISE, (inner,), _LINEAR, fan=n("dt_rank"), layers=lay),
+                    Role(at("out_proj"), _L, Strategy.ROWWISE, (inner,), fan="hidden", layers=lay),
+                    *(Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
+                      for p in part.names)]  # dt / B / C norms on the summed x_proj output: gradients partial
         elif part.kind == "mlp":
             ffn = Piece(n("ffn"), n("ffn"))
             out += [Role(part.path, _L, Strategy.REGION, (ffn,), params=(), layers=lay),
@@ -660,6 +673,11 @@ def selective_module(spec: ModelSpec) -> str:
 def modules(spec: ModelSpec, strategy: Strategy, kind: BlockKind = BlockKind.LAYER, strategies=()) -> tuple[str, ...]:
     """Full module paths of the roles of block `kind` with `strategy` (every layer's, for LAYER)."""
     return _paths(spec, kind, lambda r: r.strategy is strategy, strategies)
+
+
+def output_region_modules(spec: ModelSpec) -> tuple[str, ...]:
+    """Full module paths of the row-parallel linears whose summed output enters a TP region (`Role.output_region`)."""
+    return _paths(spec, BlockKind.LAYER, lambda r: r.output_region)
 
 
 def is_float8_role(role: Role | None) -> bool:

@@ -133,6 +133,8 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
             module.num_embeddings = module.weight.shape[0]
         elif cls is VocabParallelHead:
             module.out_features = module.weight.shape[0]
+    for path in program.output_regions:  # its summed output feeds every rank's channels: gradient all-reduced
+        model.get_submodule(path).register_forward_hook(lambda module, args, out: copy_to_group(out, group))
     for path in program.checkpoint:
         _checkpoint_forward(model.get_submodule(path))
 

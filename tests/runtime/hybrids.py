@@ -36,8 +36,7 @@ HYBRIDS = {
 PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(cp=2), dict(tp=2), dict(ep=2))
 # tp: every layer part by its own rule (models/layered.py `layer_parts`); refused naming the first part none splits
 TP = "is neither attention, a Mamba-2 SSD mixer, an MLP nor a MoE block: no tensor-parallel rule splits it yet"
-REFUSED = {("jamba", "tp"): f"layers.0.mamba (JambaMambaMixer) {TP}",
-           ("granitemoehybrid", "tp"): f"layers.0.shared_mlp (GraniteMoeHybridMLP) {TP}",
+REFUSED = {("granitemoehybrid", "tp"): f"layers.0.shared_mlp (GraniteMoeHybridMLP) {TP}",
            ("qwen3_next", "tp"): f"layers.0.linear_attn (Qwen3NextGatedDeltaNet) {TP}",
            ("lfm2", "tp"): f"layers.0.conv (Lfm2ShortConv) {TP}",
            ("zamba2", "tp"): "no tensor-parallel rule splits a shared block yet",
