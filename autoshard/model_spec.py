@@ -76,6 +76,7 @@ class ModelSpec:
     grad_sum: tuple[str, ...] = _fact(())  # layer paths replicated over tp whose gradient is summed (q/k norms)
     grad_sum_numel: int = _fact(0)  # elements per layer of those parameters (their tp all-reduce, priced per step)
     head_params: tuple[str, ...] = _fact(())  # attention parameters indexed by head (sinks): split with the heads
+    attention_path: str = _fact("self_attn")  # the layer's module calling HF's attention interface (models/facts.py)
     attention_attrs: tuple[str, ...] = _fact(())  # the attention module's head-count attributes (num_heads, ...)
     embedding_plain: bool = _fact(True)  # a plain nn.Embedding (else: no vocab-parallel embedding is offered)
     own_forward: bool = _fact(False)  # pipeline stages run the model's own forward (models/facts.py)

@@ -80,6 +80,7 @@ class ModelFacts:
     experts_routed: bool = True  # the experts' forward takes the routing (HF's experts interface: hidden,
     #                              top_k_index, top_k_weights), not tokens already scattered to every expert
     head_params: tuple[str, ...] = ()  # attention parameters indexed by head (GPT-OSS "sinks")
+    attention_path: str = ""  # the layer's module calling HF's attention interface ("self_attn", "attn", ...)
     attention_attrs: tuple[str, ...] = ()  # head counts the attention module keeps (StableLM's num_heads)
     layer_types: tuple[str, ...] = ()  # the config's layer_types (per-layer attention kinds)
     sliding_window: int = 0
@@ -123,7 +124,7 @@ def read_facts(config, model) -> ModelFacts:
         experts_path=experts, router_path=router, shared_path=shared, shared_parts=parts, experts_biased=biased,
         experts_gated=gated,
         experts_routed=routed,
-        head_params=sinks, attention_attrs=_count_attrs(layer0), layer_types=types, sliding_window=window,
+        head_params=sinks, attention_path=_attention_path(layer0), attention_attrs=_count_attrs(layer0), layer_types=types, sliding_window=window,
         window_layers=windowed,
         attn_softcap=float(config_value(config, "attn_softcap", 0.0) or 0.0),
         final_softcap=float(config_value(config, "final_softcap", 0.0) or 0.0), logit_scale=logit_scale,

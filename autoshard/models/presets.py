@@ -226,6 +226,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                      head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or 0,
                      embedding_plain=facts.embedding_plain, own_forward=facts.own_forward or hybrid is not None,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
+                     attention_path=facts.attention_path or "self_attn",
                      sliding_window=facts.sliding_window, window_layers=facts.window_layers, **common)
     if facts.experts_path:
         spec = _with_experts(spec, facts, config, value)

@@ -34,7 +34,7 @@ def region_of(path: str, is_vector: bool, spec: ModelSpec) -> tuple[str, str] | 
         return None
     if "norm" in parts[-1]:
         return RMSNORM, path
-    if parts[-1] == "self_attn":
+    if path == spec.attention_path or path.endswith(f".{spec.attention_path}"):  # the attention-interface module
         return ROPE, path
     if parts[-1] == "mlp" or (len(parts) > 1 and parts[-2] == "mlp" and parts[-1] == "act_fn"):
         return SWIGLU, ".".join(parts[:-1]) if parts[-1] == "act_fn" else path
