@@ -69,7 +69,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
     config = getattr(model, "config", None)
     if config is None:
         raise InvalidConfigError(f"{type(model).__name__} has no HF .config; parallelize takes a HF "
-                                 "LlamaForCausalLM or Mamba2ForCausalLM")
+                                 "...ForCausalLM (any decoder: its config and module tree are read)")
     spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type, model=model)
     ids = _input_ids(example_inputs)
     _check_arguments(global_batch=global_batch, optimizer=optimizer, seed=seed, hardware=hardware, timeout_s=timeout_s)
@@ -419,7 +419,7 @@ def backend(model: nn.Module, *, plan: Plan | Mapping | str | Path | None = None
     config = getattr(model, "config", None)
     if config is None:
         raise InvalidConfigError(f"{type(model).__name__} has no HF .config; autoshard.backend takes a HF "
-                                 "LlamaForCausalLM or Mamba2ForCausalLM")
+                                 "...ForCausalLM (any decoder: its config and module tree are read)")
     spec = spec_from_hf_config(config, name=getattr(config, "name_or_path", "") or config.model_type, model=model)
     device = torch.device(device)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
