@@ -97,6 +97,9 @@ class ModelSpec:
     # a hybrid's layers by their parts (attention, Mamba-2 mixer, MLP, MoE in any mix, per layer): the sharding
     # table is built from them (rules/sharding.py `_parts_table`) instead of one family's table
     parts: tuple[LayerPart, ...] = _fact(())
+    # multi-head latent attention (DeepSeek-V2/V3, models/layered.py `kv_latent`): the elements per token one layer
+    # caches, its compressed KV and the shared RoPE key (kv_lora_rank + qk_rope_head_dim), whole on every tp rank
+    kv_latent: int = _fact(0)
 
     def mixer_spec(self, mixer: Mixer) -> ModelSpec | None:
         """A spec of the numbers of this model's `mixer` layers alone (its own mixer's, or a hybrid's second
@@ -110,7 +113,7 @@ class ModelSpec:
                 return None
             heads, kv_heads, head_dim = own or self.attention_beside
             return ModelSpec(mixer=mixer, heads=heads, kv_heads=kv_heads,
-                             head_dim=0 if head_dim * heads == self.hidden else head_dim,
+                             head_dim=0 if head_dim * heads == self.hidden else head_dim, kv_latent=self.kv_latent,
                              sliding_window=self.sliding_window, window_layers=self.window_layers, **common)
         own = (self.heads, self.head_dim, self.state, self.groups, self.conv, self.expand) if mixer is self.mixer else ()
         if not (own or self.ssd_beside):

@@ -42,7 +42,8 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
     # the axes the runtime refuses on this model are not searched either (rules/validity.axis_violation): a plan
     # of `autoshard plan` is one `parallelize` runs
     spec = replace(_with_experts(spec, model, stack, config), refused=hybrid_refusals(model) or (),
-                   **beside_facts(model, config, spec.mixer), parts=layer_parts(model)[0])
+                   **beside_facts(model, config, spec.mixer), **kv_latent(model, config),
+                   parts=layer_parts(model)[0])
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
     if why:
         raise InvalidConfigError(f"{name}: {why}")
@@ -74,6 +75,15 @@ def beside_facts(model: nn.Module, config, mixer: Mixer) -> dict:
         return {}
     n = _ssd_numbers(mixers[0][1], config.hidden_size)
     return {"ssd_beside": tuple(n[k] for k in ("heads", "head_dim", "state", "groups", "conv", "expand"))}
+
+
+def kv_latent(model: nn.Module, config) -> dict:
+    """The spec fact of multi-head latent attention (ModelSpec `kv_latent`): an attention module with a
+    compressed KV projection (`kv_a_proj_with_mqa`, DeepSeek-V2/V3) caches kv_lora_rank + qk_rope_head_dim
+    elements per token (HF's cache of it: the compressed KV as its keys, the RoPE key as its values). {} for none."""
+    if not any(hasattr(m, "kv_a_proj_with_mqa") for m in model.modules()):
+        return {}
+    return {"kv_latent": int(config.kv_lora_rank) + int(config.qk_rope_head_dim)}
 
 
 def _with_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec:

@@ -230,6 +230,9 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                      sliding_window=facts.sliding_window, window_layers=facts.window_layers, **common)
     if facts.experts_path:
         spec = _with_experts(spec, facts, config, value)
+    from autoshard.models.layered import kv_latent
+
+    spec = replace(spec, **kv_latent(model, config))  # MLA's compressed KV cache (DeepSeek)
     if hybrid is not None:  # Mamba-2 mixers beside attention (Falcon-H1): their state, priced in serving; its
         from autoshard.models.layered import _with_experts as stack_experts, beside_facts, layer_parts  # table
         from autoshard.passes.capture.layer_kinds import find_layer_stack  # from its layers' parts, its experts

@@ -300,6 +300,8 @@ def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
     """Bytes one device holds for one layer: LLaMA's K and V of `tokens` tokens (its share of the
     KV heads: kv_heads / min(tp, kv_heads)), or Mamba-2's conv state (model dtype) and fp32 SSM
     state (constant in tokens). `dtype_bytes`: the model's element size (bf16 when serving)."""
+    if spec.mixer is Mixer.ATTENTION and spec.kv_latent:  # MLA: the compressed KV and RoPE key, one per token
+        return float(batch * spec.attended_tokens(tokens) * spec.kv_latent * dtype_bytes)
     if spec.mixer is Mixer.ATTENTION:
         head_dim = spec.attention_head_dim
         kv_local = spec.kv_heads // sharding.kv_parts(spec, tp)

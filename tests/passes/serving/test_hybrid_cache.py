@@ -3,7 +3,8 @@ state of its Mamba-2 layers, per layer kind, per pipeline stage (issue 25 item 5
 
 The tiny hybrids of tests/models/hybrid_models.py run in bf16 (KV and conv state bf16, the SSM state fp32, as
 HF keeps it); after a prefill of the prompts the bytes of every tensor of HF's cache, layer by layer, equal the
-priced bytes of the whole model and of every stage of pp 2 and pp 3, and half of them each rank's at tp 2."""
+priced bytes of the whole model and of every stage of pp 2 and pp 3, and half of them each rank's at tp 2
+(DeepSeek-V3's multi-head latent attention: its compressed KV, whole on every rank)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,14 @@ def _hf_cache_per_layer(model_type: str) -> list[int]:
     return [cache_layer_bytes(layer) for layer in cache.layers]
 
 
-@pytest.mark.parametrize("model_type, mixers", [
-    ("bamba", {"linear_attention": (Mixer.SSD,), "full_attention": (Mixer.ATTENTION,)}),
-    ("nemotron_h", {"linear_attention": (Mixer.SSD,), "moe": (), "full_attention": (Mixer.ATTENTION,), "mlp": ()}),
-    ("falcon_h1", {"layer": (Mixer.ATTENTION, Mixer.SSD)}),  # attention and Mamba-2 side by side in every layer
+@pytest.mark.parametrize("model_type, mixers, tp_parts", [
+    ("bamba", {"linear_attention": (Mixer.SSD,), "full_attention": (Mixer.ATTENTION,)}, 2),
+    ("nemotron_h", {"linear_attention": (Mixer.SSD,), "moe": (), "full_attention": (Mixer.ATTENTION,), "mlp": ()}, 2),
+    ("falcon_h1", {"layer": (Mixer.ATTENTION, Mixer.SSD)}, 2),  # attention and Mamba-2 side by side in every layer
+    # multi-head latent attention: HF caches the compressed KV and the RoPE key, whole on every tp rank
+    ("deepseek_v3", {"attention+dense": (Mixer.ATTENTION,), "attention+moe": (Mixer.ATTENTION,)}, 1),
 ])
-def test_priced_cache_bytes_equal_the_hf_cache_after_a_prefill(model_type, mixers):
+def test_priced_cache_bytes_equal_the_hf_cache_after_a_prefill(model_type, mixers, tp_parts):
     spec, it = _inference_table(model_type)
     kinds = it.kinds or (it,)
     names = it.ct.kind_names or ("layer",)
@@ -54,9 +57,9 @@ def test_priced_cache_bytes_equal_the_hf_cache_after_a_prefill(model_type, mixer
             priced = ic.stage_cache_bytes(it, stage, batch=BATCH, tokens=PROMPT, tp=1, dtype_bytes=ic.KV_BYTES)
             assert priced == sum(held[stage.first_layer:stage.end_layer]), f"{model_type} pp{pp} {stage}"
     # tp 2 splits the 2 KV heads of the attention layers and the 2 Mamba-2 groups (their heads, x / B / C conv
-    # channels) of these configs: each rank holds half of every layer's cache
+    # channels) of these configs: each rank holds half of every layer's cache (MLA's latent: all of it)
     whole = ic.stages_of(spec, 1)[0]
-    assert 2 * ic.stage_cache_bytes(it, whole, batch=BATCH, tokens=PROMPT, tp=2) == sum(held)
+    assert tp_parts * ic.stage_cache_bytes(it, whole, batch=BATCH, tokens=PROMPT, tp=2) == sum(held)
     # the busiest device of a serving layout holds its stage's cache at prompt + output tokens
     mem = ic.memory(it, ic.ServeLayout(pp=2, batch=BATCH), prompt_len=PROMPT - 4, output_len=4)
     assert mem.cache in {ic.stage_cache_bytes(it, st, batch=BATCH, tokens=PROMPT, tp=1) for st in ic.stages_of(spec, 2)}
