@@ -55,10 +55,12 @@ def check_hybrids() -> None:
 
 
 def _check_generate() -> None:
-    """Greedy generation of Bamba and Nemotron-H over pipeline stages equals HF's: each stage's cache holds
-    the K/V of its attention layers and the conv / SSM states of its Mamba-2 layers (runtime/ssd.py
-    `cached_mixer_forward`), byte for byte what HF's one-process cache holds for those layers (which serving
-    prices: tests/passes/serving/test_hybrid_cache.py)."""
+    """Greedy generation of Bamba and Nemotron-H under pp 2 and tp 2 equals HF's: each stage's cache holds the
+    K/V of its attention layers and the conv / SSM states of its Mamba-2 layers (runtime/ssd.py
+    `cached_mixer_forward`), byte for byte what HF's one-process cache holds for those layers, and under tp
+    each rank its share of the heads / groups (which serving prices: tests/passes/serving/test_hybrid_cache.py)."""
+    import itertools
+
     import torch
 
     from autoshard.runtime.generate import cache_layer_bytes
@@ -66,11 +68,13 @@ def _check_generate() -> None:
 
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
     new = 8
-    for name in ("bamba", "nemotron_h"):
-        dm = check_generate(HYBRIDS[name], dict(pp=2), ids, new=new)
+    for name, plan in itertools.product(("bamba", "nemotron_h"), (dict(pp=2), dict(tp=2))):
+        dm = check_generate(HYBRIDS[name], plan, ids, new=new)
         cached = dm._generator.cache_bytes  # this rank's, after the new tokens
         with torch.no_grad():  # HF's cache after the same tokens: the prompt and the first new - 1 generated
             full = dm.generate(ids, max_new_tokens=new - 1)
             layers = HYBRIDS[name].build()(full, use_cache=True).past_key_values.layers
         held = [i for c in dm._generator.chunks.values() for i in range(c.stage.first_layer, c.stage.end_layer)]
-        assert cached == sum(cache_layer_bytes(layers[i]) for i in held), f"{name} pp2 cache"
+        # tp 2 splits the 2 KV heads and the 2 Mamba-2 groups (their heads and conv channels): half of every layer's
+        # cache on each rank, as serving prices it (tests/passes/serving/test_hybrid_cache.py)
+        assert cached * plan.get("tp", 1) == sum(cache_layer_bytes(layers[i]) for i in held), f"{name} {plan} cache"
