@@ -139,12 +139,8 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
         return dict(common, attrs=_part_attrs(spec, layers, tp, tp_rank, strategies))
     if spec.mixer is Mixer.ATTENTION:
         attention = sharding.selective_module(spec)  # the attention module (the layer's first tp region)
-        attrs = []
-        if spec.kv_heads < tp:  # one KV head per rank serves heads/tp query heads
-            attrs += [(f"{p}.{attention}", "num_key_value_groups", spec.heads // tp) for p in layers]
-        local = {"num_heads": spec.heads // tp, "num_attention_heads": spec.heads // tp,
-                 "num_key_value_heads": max(1, spec.kv_heads // tp), "num_kv_heads": max(1, spec.kv_heads // tp)}
-        attrs += [(f"{p}.{attention}", a, local[a]) for p in layers for a in spec.attention_attrs]  # views by them
+        attrs = [a for p in layers
+                 for a in _attention_attrs(f"{p}.{attention}", spec.heads, spec.kv_heads, spec.attention_attrs, tp=tp)]
         return dict(common, attrs=tuple(attrs))
     attrs = []
     for p, chosen in zip(layers, strategies):
@@ -153,6 +149,17 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
         attrs += _ssd_attrs(f"{p}.mixer", spec.heads, spec.groups, spec.intermediate, spec.state, tp=tp,
                             tp_rank=tp_rank, split_groups=split_groups)
     return dict(common, attrs=tuple(attrs))
+
+
+def _attention_attrs(attention: str, heads: int, kv_heads: int, names, *, tp: int) -> list:
+    """The head counts of the attention module at `attention` on this rank, for those of its attributes
+    `names` its forward views by; where tp > KV heads one KV head per rank serves heads / tp query heads."""
+    local = {"num_heads": heads // tp, "num_attention_heads": heads // tp,
+             "num_key_value_heads": max(1, kv_heads // tp), "num_kv_heads": max(1, kv_heads // tp)}
+    out = [(attention, a, local[a]) for a in names]
+    if kv_heads < tp:
+        out.append((attention, "num_key_value_groups", heads // tp))
+    return out
 
 
 def _ssd_attrs(mixer: str, heads: int, groups: int, inner: int, state: int, *, tp: int, tp_rank: int,
@@ -183,11 +190,7 @@ def _part_attrs(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
             if part.kind in ("attention", "mla"):
                 heads = part.size("heads")
                 kv = part.size("kv_heads") if part.kind == "attention" else heads
-                local = {"num_heads": heads // tp, "num_attention_heads": heads // tp,
-                         "num_key_value_heads": max(1, kv // tp), "num_kv_heads": max(1, kv // tp)}
-                out += [(path, a, local[a]) for a in part.attrs]
-                if kv < tp:
-                    out.append((path, "num_key_value_groups", heads // tp))
+                out += _attention_attrs(path, heads, kv, part.attrs, tp=tp)
             elif part.kind == "mamba1":  # its forward reads its channels off the weights; its sizes kept in step
                 local = part.size("inner") // tp
                 out += [(path, "intermediate_size", local)]
