@@ -76,9 +76,7 @@ def _feeders(cap: Captured, prefix: str, linears) -> dict[str, frozenset[str]]:
         site = cap.sites.get(node.name) if node.op == "call_function" else None
         if site is None or site.phase != "fwd":
             continue
-        path = site.module_path
-        rel = path[len(prefix) + 1:] if path.startswith(prefix + ".") else None
-        own = next((p for p in linears if rel is not None and (rel == p or rel.startswith(p + "."))), None)
+        own = _linear_of(cap, node, prefix, linears)
         found = frozenset().union(*(sources.get(a, frozenset()) for a in node.all_input_nodes
                                     if own is None or _linear_of(cap, a, prefix, linears) != own))
         if own is not None:
