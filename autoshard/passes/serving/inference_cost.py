@@ -144,10 +144,10 @@ class InferenceTable:
     # the sequence mixers a layer holds, each as the spec of its numbers (ModelSpec.mixer_spec): the attention's
     # KV cache, the Mamba-2 conv + SSM state; none for a layer of per-token ops (Nemotron-H's MLP and MoE layers)
     mixers: tuple[ModelSpec, ...] = ()
-    # a mixed stack (CompiledTable.kinds): the one-kind table of every layer kind and each layer's kind; the
-    # embedding and head are read from this table, the layers through `layer_tables` / `stage_layer_tables`
+    # a mixed stack (CompiledTable.kinds): the one-kind table of every layer kind (each layer's kind is
+    # `ct.layer_kinds`); the embedding and head are read from this table, the layers through `layer_tables` /
+    # `stage_layer_tables`
     kinds: tuple = ()
-    layer_kinds: tuple[int, ...] = ()
 
     @property
     def spec(self) -> ModelSpec:
@@ -163,7 +163,7 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
     edges = [b for b in table.blocks if b.kind is not BlockKind.LAYER]
     kinds = tuple(_kind_table(view, (edges[0], blk, edges[1]), spec)
                   for view, blk in zip(ct.kinds, table.layer_blocks()))
-    return replace(kinds[0], ct=ct, kinds=kinds, layer_kinds=ct.layer_kinds)
+    return replace(kinds[0], ct=ct, kinds=kinds)
 
 
 def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec) -> InferenceTable:
@@ -227,14 +227,14 @@ def layer_tables(it: InferenceTable) -> tuple[tuple[InferenceTable, int], ...]:
     a mixed one (each priced through its own table)."""
     if not it.kinds:
         return ((it, it.spec.layers),)
-    return tuple((kind, it.layer_kinds.count(k)) for k, kind in enumerate(it.kinds))
+    return tuple((kind, it.ct.layer_kinds.count(k)) for k, kind in enumerate(it.kinds))
 
 
 def stage_layer_tables(it: InferenceTable, stage: Stage) -> tuple[tuple[InferenceTable, int], ...]:
     """`layer_tables` of the layers `stage` holds (a mixed stack: the kinds of its own layers)."""
     if not it.kinds:
         return ((it, stage.layers),)
-    held = it.layer_kinds[stage.first_layer:stage.end_layer]
+    held = it.ct.layer_kinds[stage.first_layer:stage.end_layer]
     return tuple((kind, held.count(k)) for k, kind in enumerate(it.kinds))
 
 

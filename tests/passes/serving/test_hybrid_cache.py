@@ -50,7 +50,7 @@ def test_priced_cache_bytes_equal_the_hf_cache_after_a_prefill(model_type, mixer
     names = it.ct.kind_names or ("layer",)
     assert {n: tuple(m.mixer for m in k.mixers) for n, k in zip(names, kinds)} == mixers
     held = _hf_cache_per_layer(model_type)
-    per_layer = [kinds[k] for k in it.layer_kinds] if it.kinds else [it] * spec.layers
+    per_layer = [kinds[k] for k in it.ct.layer_kinds] if it.kinds else [it] * spec.layers
     assert [bool(h) for h in held] == [bool(k.mixers) for k in per_layer]  # MLP / MoE layers cache nothing
     for pp in (1, 2, 3):
         for stage in ic.stages_of(spec, pp):
@@ -76,7 +76,7 @@ def test_decode_reads_the_kv_cache_of_attention_layers_and_a_constant_state_of_m
     assert step["linear_attention"][0] == step["linear_attention"][1] > 0  # the recurrent step: constant
     assert step["mlp"] == step["moe"] == [0.0, 0.0]  # per-token layers: no cache
     est = ic.estimate_serving(it, it.spec, hw, ic.ServeLayout(batch=64), prompt_len=1024, output_len=64)
-    layers = dict(zip(it.ct.kind_names, (it.layer_kinds.count(k) for k in range(len(it.kinds)))))
+    layers = dict(zip(it.ct.kind_names, (it.ct.layer_kinds.count(k) for k in range(len(it.kinds)))))
     mean = 1024 + 64 / 2
     want = sum(layers[name] * ic.decode_core_seconds(kind, hw, 1, batch=64, context=mean)
                for name, kind in zip(it.ct.kind_names, it.kinds))
