@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autoshard.errors import InvalidConfigError, UnknownNameError
-from autoshard.ir import NON_NEGATIVE_INT, POSITIVE_INT, is_number, is_positive_number
+from autoshard.ir import BOOLEAN, NON_NEGATIVE_INT, POSITIVE_INT, is_number, is_positive_number
 from autoshard.json_file import load_json
 
 GB = 1e9
@@ -56,12 +56,9 @@ class StackRecipe:
         if self.mixer not in RECIPE_MIXERS:
             raise InvalidConfigError(f"stack recipe: 'mixer' must be one of {', '.join(RECIPE_MIXERS)}, "
                                      f"got {self.mixer!r}")
-        why = NON_NEGATIVE_INT.violation("stack recipe 'recompute_layers'", self.recompute_layers)
-        if why:
-            raise InvalidConfigError(why)
+        NON_NEGATIVE_INT.check("stack recipe 'recompute_layers'", self.recompute_layers)
         for f in ("sequence_parallel", "reuse_fp32_param"):
-            if not isinstance(getattr(self, f), bool):
-                raise InvalidConfigError(f"stack recipe {f!r} must be true or false, got {getattr(self, f)!r}")
+            BOOLEAN.check(f"stack recipe {f!r}", getattr(self, f))
 
 
 # Collectives (passes/cost/collectives.Collective values) that may have a log-depth algorithm
