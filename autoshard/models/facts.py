@@ -111,8 +111,9 @@ def read_facts(config, model) -> ModelFacts:
     plain = embed is not None and type(embed).forward is nn.Embedding.forward
     experts, router, shared, parts, biased, gated = _moe_modules(layer0, config_value(config, "experts", 0) or 0)
     routed = not experts or _takes_routing(layer0.get_submodule(experts))
+    attention = _attention_path(layer0)
     sinks = tuple(n.rpartition(".")[2] for n, p in (layer0.named_parameters() if layer0 is not None else ())
-                  if p.dim() == 1 and p.shape[0] == heads and ".".join(n.split(".")[:-1]) == _attention_path(layer0)
+                  if p.dim() == 1 and p.shape[0] == heads and ".".join(n.split(".")[:-1]) == attention
                   and n.rpartition(".")[2] not in ("weight", "bias"))
     scaling = getattr(config, "logits_scaling", None)
     logit_scale = float(getattr(config, "logit_scale", None) or 1.0) / float(scaling or 1.0)
@@ -124,8 +125,8 @@ def read_facts(config, model) -> ModelFacts:
         experts_path=experts, router_path=router, shared_path=shared, shared_parts=parts, experts_biased=biased,
         experts_gated=gated,
         experts_routed=routed,
-        head_params=sinks, attention_path=_attention_path(layer0), attention_attrs=_count_attrs(layer0), layer_types=types, sliding_window=window,
-        window_layers=windowed,
+        head_params=sinks, attention_path=attention, attention_attrs=_count_attrs(layer0), layer_types=types,
+        sliding_window=window, window_layers=windowed,
         attn_softcap=float(config_value(config, "attn_softcap", 0.0) or 0.0),
         final_softcap=float(config_value(config, "final_softcap", 0.0) or 0.0), logit_scale=logit_scale,
         embedding_multiplier=float(getattr(config, "embedding_multiplier", None) or 1.0))
