@@ -81,7 +81,7 @@ class CostTable:
         attention = ssd = 0
         for block in (self.layer_blocks() if self.mixed else ()):
             fwd = [n for n in block.nodes if n.phase == "fwd"]
-            attention += block.count * any(is_attention_op(n) for n in fwd)
+            attention += block.count * bool(attention_modules(fwd))
             ssd += block.count * any(is_scan_op(n, mamba2=mamba2) for n in fwd)
         return attention, ssd
 
@@ -109,6 +109,23 @@ class CostTable:
 def is_attention_op(node: NodeCost) -> bool:
     """An attention kernel of the traced graph (HF's sdpa / flash call): where a layer mixes by attention."""
     return "scaled_dot_product" in node.target or "flash_attention" in node.target
+
+
+def attention_modules(nodes) -> set[str]:
+    """Module paths of the forward `nodes` that mix the sequence by attention: the module of an attention kernel
+    (HF's sdpa / flash call) or of a matmul quadratic in the sequence -- eager attention (HF's
+    `eager_attention_forward`, a class with no sdpa path) runs its scores q k^T and their product with v as two
+    bmm of s x s, the only matmuls of a decoder layer whose FLOPs grow as s^2 (a chunked scan's grow as s)."""
+    return {n.module_path for n in nodes if n.phase == "fwd" and (
+        is_attention_op(n) or (n.kind is OpKind.MATMUL and degree_in_s(n.flops) >= 2))}
+
+
+def degree_in_s(expr) -> int:
+    """Degree of a node's FLOPs in the sequence length (0 when not a polynomial in S)."""
+    try:
+        return int(sympy.degree(sympy.expand(expr), S))
+    except (sympy.PolynomialError, TypeError, ValueError):
+        return 0
 
 
 def is_scan_op(node: NodeCost, *, mamba2: bool) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 import sympy
 
 from autoshard.errors import InvalidConfigError
-from autoshard.cost_table import B, S, CostTable
+from autoshard.cost_table import B, S, CostTable, degree_in_s
 from autoshard.ir import BlockKind, OpKind, Recompute, Stage
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost import fused_regions
@@ -198,14 +198,6 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
                          region=region, region_kernels=region_kernels,
                          wgrad_groups=fused_regions.wgrad_overlap_groups(paths, wgrad & colwise), fn=fn,
                          expert=expert, float8=float8)
-
-
-def degree_in_s(expr) -> int:
-    """Degree of a node's FLOPs in the sequence length (0 when not a polynomial in S)."""
-    try:
-        return int(sympy.degree(sympy.expand(expr), S))
-    except (sympy.PolynomialError, TypeError, ValueError):
-        return 0
 
 
 def _parts(path: str) -> list[str]:

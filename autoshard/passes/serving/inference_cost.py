@@ -18,14 +18,14 @@ import sympy
 
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
-from autoshard.cost_table import B, S, CostTable, is_attention_op, is_scan_op
+from autoshard.cost_table import B, S, CostTable, attention_modules, degree_in_s, is_scan_op
 from autoshard.ir import BlockKind, Mesh, Stage, even_stages, is_positive_int
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost.collectives import Collective, best_time, collective_time
 from autoshard.rules.ranks import group_stride
 from autoshard.ir import Precision
 from autoshard.passes.cost.block import block_params, expert_block_params
-from autoshard.passes.cost.compiled import CompiledTable, compile_table, degree_in_s, priced_nodes
+from autoshard.passes.cost.compiled import CompiledTable, compile_table, priced_nodes
 from autoshard.passes.cost.cost import node_times, tp_comm_times, tp_divisor
 from autoshard.passes.cost.layout import Layout
 from autoshard.rules import sharding
@@ -168,7 +168,8 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
 
 def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec) -> InferenceTable:
     """The inference table of a one-kind table `ct` (its symbolic `blocks`): which nodes decode replaces (the
-    sequence mixers' own ops, found on the graph: the module of an attention kernel, its s x s ops; the module
+    sequence mixers' own ops, found on the graph: the module of an attention kernel or of eager attention's s x s
+    matmuls (`cost_table.attention_modules`), its s x s ops; the module
     of the SSD scan / conv1d, all of its ops) and the specs of those mixers (`stack`'s numbers, ModelSpec.mixer_spec)."""
     ssd = stack.mixer_spec(Mixer.SSD) is not None
     core, skip, lookup, paths, attn, mixers = {}, {}, {}, {}, sympy.Integer(0), ()
@@ -177,7 +178,7 @@ def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec) -> InferenceTable:
         lookup[block.kind] = np.array([n.target == "aten.embedding.default" for n in nodes], dtype=bool)
         paths[block.kind] = tuple(n.module_path for n in nodes)
         fwd = [n for n in nodes if n.phase == "fwd"]
-        attention = {n.module_path for n in fwd if is_attention_op(n)}
+        attention = attention_modules(fwd)  # sdpa / flash, or eager attention's s x s matmuls
         scans = {n.module_path.removesuffix(".conv1d") for n in fwd if is_scan_op(n, mamba2=ssd)}
         # only the s x s attention runs differently in decode; all of the SSD mixer's own ops do
         in_core = [(n.module_path in attention and degree_in_s(n.flops) >= 2) or n.module_path in scans for n in nodes]

@@ -98,3 +98,56 @@ def test_a_layer_state_serving_does_not_price_is_refused_by_name():
                                                table.blocks[2]))
     with pytest.raises(InvalidConfigError, match=r"layers.0.mamba mixes its sequence by a convolution that is no Mamba-2"):
         ic.compile_inference_table(table, LLAMA)
+
+
+def _llama(attn_implementation: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        attn_implementation=attn_implementation))
+
+
+def llama_sdpa():
+    return _llama("sdpa")
+
+
+def llama_eager():  # HF's eager_attention_forward: q k^T, softmax and the product with v as separate ops
+    return _llama("eager")
+
+
+def bamba_sdpa():
+    return build("bamba")
+
+
+def bamba_eager():
+    return build("bamba", attn_implementation="eager")
+
+
+@pytest.mark.parametrize("family", ["llama", "bamba"])
+def test_eager_attention_caches_and_decodes_as_sdpa(family):
+    """A model run with eager attention (no sdpa / flash node in its graph) holds the same KV cache as with sdpa:
+    priced the same bytes (HF's cache after a prefill, per layer), and its decode step reads them."""
+    from autoshard.hardware import load_hardware
+
+    hw = load_hardware("h100")
+    priced = {}
+    for impl in ("sdpa", "eager"):
+        name = f"tests.passes.serving.test_hybrid_cache:{family}_{impl}"
+        spec, module = model_for(name)
+        spec, table = cost_table_for(name, spinner=False, spec=spec, module=module)
+        it = ic.compile_inference_table(table, spec)
+        kinds = [it.kinds[k] for k in it.ct.layer_kinds] if it.kinds else [it] * spec.layers  # layer order
+        assert any(Mixer.ATTENTION in (m.mixer for m in k.mixers) for k in kinds), f"{impl}: no attention layer found"
+        priced[impl] = ([ic.layer_cache_bytes(k, batch=BATCH, tokens=PROMPT, tp=1) for k in kinds],
+                        sum(n * ic.decode_core_seconds(k, hw, 1, batch=BATCH, context=4096.0)
+                            for k, n in ic.layer_tables(it)))
+    assert priced["eager"][0] == priced["sdpa"][0]
+    torch.manual_seed(0)
+    model = globals()[f"{family}_eager"]().to(torch.bfloat16)
+    ids = torch.randint(3, 200, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    assert [cache_layer_bytes(layer) for layer in cache.layers] == priced["eager"][0]
+    # the step's attention: the same KV read (its FLOPs count eager's softmax and mask ops besides the two matmuls)
+    assert priced["eager"][1] == pytest.approx(priced["sdpa"][1], rel=0.05)
