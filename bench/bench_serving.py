@@ -7,6 +7,11 @@
                                                  per group, over the held-out rows and over all
   python bench/bench_serving.py --rows FILE      any rows file in that format
 
+Then the all-reduce bound: the largest fixed cost of a low-latency collective (the profile's
+`ll_base_latency`, which every decode all-reduce, input broadcast and logits gather pays) that keeps
+the tp > 1 given row within 5%, found by bisection on that row alone, and every held-out tp > 1
+row's error at it -- how far a dearer all-reduce alone could close those rows (printed, nothing set).
+
 Each row is one replica of tp H100s serving a fixed batch (prompt P, O new tokens, end-of-sequence
 ignored), priced by `estimate_serving`: the whole batch takes TTFT + (O - 1) TPOT.
 """
@@ -14,6 +19,7 @@ ignored), priced by `estimate_serving`: the whole batch takes TTFT + (O - 1) TPO
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -36,9 +42,8 @@ def main() -> None:
                  total_s=r.total_s, group="given") for r in SERVING_CALIBRATION]
     rows += json.loads(Path(args.rows).read_text())["rows"]
     tables, errors = {}, {}
-    print(f"{'row':28} {'group':8} {'pred s':>8} {'meas s':>8} {'error':>7} | TTFT ms  TPOT ms | decode step ms: "
-          "weights+GEMMs  kernel floors  tp all-reduce  input broadcast")
-    for r in rows:
+
+    def error(r, profile):
         model = r["model"]
         key = model if isinstance(model, str) else model.name
         if key not in tables:
@@ -47,10 +52,15 @@ def main() -> None:
                                                        module=_module(model))[1]))
             tables[key] = (spec, compile_inference_table(table, spec))
         spec, it = tables[key]
-        e = estimate_serving(it, spec, hw, ServeLayout(tp=r["tp"], batch=r["batch"]), prompt_len=r["prompt_len"],
+        e = estimate_serving(it, spec, profile, ServeLayout(tp=r["tp"], batch=r["batch"]), prompt_len=r["prompt_len"],
                              output_len=r["output_len"])
-        total = e.ttft_s + (r["output_len"] - 1) * e.tpot_s
-        err = total / r["total_s"] - 1
+        return e, (e.ttft_s + (r["output_len"] - 1) * e.tpot_s) / r["total_s"] - 1
+
+    print(f"{'row':28} {'group':8} {'pred s':>8} {'meas s':>8} {'error':>7} | TTFT ms  TPOT ms | decode step ms: "
+          "weights+GEMMs  kernel floors  tp all-reduce  input broadcast")
+    for r in rows:
+        e, err = error(r, hw)
+        total = (1 + err) * r["total_s"]
         errors.setdefault(r["group"], []).append(abs(err))
         d = e.decode
         print(f"{r['id']:28} {r['group']:8} {total:8.3f} {r['total_s']:8.3f} {100 * err:+6.1f}% | {e.ttft_s * 1e3:7.1f} "
@@ -61,6 +71,24 @@ def main() -> None:
     for name, errs in [*errors.items(), ("held out", held_out), ("all", every)]:
         print(f"absolute error, {name}: mean {100 * statistics.mean(errs):.1f}%, median "
               f"{100 * statistics.median(errs):.1f}% over {len(errs)} rows")
+    _all_reduce_bound(rows, hw, error)
+
+
+def _all_reduce_bound(rows, hw, error) -> None:
+    """The largest `ll_base_latency` keeping the tp > 1 given row within +5% (bisection on that row), and the
+    held-out tp > 1 rows' errors there."""
+    given = next(r for r in rows if r["group"] == "given" and r["tp"] > 1)
+    lo, hi = hw.ll_base_latency, 1e-3
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if error(given, dataclasses.replace(hw, ll_base_latency=mid))[1] <= 0.05 else (lo, mid)
+    bound = dataclasses.replace(hw, ll_base_latency=lo)
+    print(f"all-reduce bound: ll_base_latency up to {lo * 1e6:.1f} us (profile {hw.ll_base_latency * 1e6:.1f} us) keeps "
+          f"{given['id']} within +5%; there (check only):")
+    for r in rows:
+        if r["tp"] > 1 and r["group"] != "given":
+            e, err = error(r, bound)
+            print(f"  {r['id']:28} {100 * err:+6.1f}%  (decode step's tp collectives {e.decode.tp_comm * 1e3:.2f} ms)")
 
 
 def _module(spec):
