@@ -313,7 +313,10 @@ _FUSED_SOURCE = ("Megatron-Core / Transformer Engine production runs: fused RMSN
                  "mamba_chunk_scan_combined (passes/capture/kernels.py). autoshard's runtime runs the element-wise "
                  "fusions through compiled layers (runtime/compiled.py) and mamba_ssm's SSD where it is installed; "
                  "without it its own SSD (runtime/ssd.py, torch ops) saves what the fused kernel saves but ran "
-                 "4-6x slower than this price on an H200 (docs/cost_model.md, 'Measured on an H200')")
+                 "4-6x slower than this price on an H200 (docs/cost_model.md, 'Measured on an H200'). No Mamba-2 "
+                 "gated-norm kernel: the runtime runs the model's own gated norm (HF's torch ops; Mamba-2 layers "
+                 "are not compiled), not mamba_ssm's Triton RMSNormGated, so it is priced as traced "
+                 "(docs/kernels.md)")
 # Serving: NCCL's low-latency protocol (src/graph/tuning.cc, NCCL 2.18-2.27: baseLat Ring/LL 6.6 us; hwLat
 # Ring/LL per step: NVLink 0.6 us, PCI 1.0 us, NET 2.7 us) and the per-kernel floor of a CUDA-graph decode step
 _LL = dict(ll_base_latency=6.6e-6, intra_ll_latency=0.6e-6, inter_ll_latency=2.7e-6)
