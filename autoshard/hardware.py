@@ -51,6 +51,10 @@ class StackRecipe:
     sequence_parallel: bool = False  # `--sequence-parallel` wherever tp > 1
     # MindSpeed `--reuse-fp32-param`: the fp32 master is the bf16 weight plus a 2-byte residual
     reuse_fp32_param: bool = False
+    # the fused kernels (KERNEL_NAMES) the stack runs such a model with, in place of the profile's `kernels` (what
+    # autoshard's own runtime runs there); None: the profile's. A run of the stack is priced on a cost table built
+    # with them (`DeviceProfile.stack_kernels`)
+    kernels: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.mixer not in RECIPE_MIXERS:
@@ -59,6 +63,15 @@ class StackRecipe:
         NON_NEGATIVE_INT.check("stack recipe 'recompute_layers'", self.recompute_layers)
         for f in ("sequence_parallel", "reuse_fp32_param"):
             BOOLEAN.check(f"stack recipe {f!r}", getattr(self, f))
+        if self.kernels is not None:
+            if not isinstance(self.kernels, (list, tuple)) or not all(isinstance(k, str) for k in self.kernels):
+                raise InvalidConfigError(f"stack recipe {self.mixer!r}: 'kernels' must be a list of kernel names "
+                                         f"(or absent: the profile's), got {self.kernels!r}")
+            unknown = [k for k in self.kernels if k not in KERNEL_NAMES]
+            if unknown:
+                raise InvalidConfigError(f"stack recipe {self.mixer!r}: unknown fused kernel(s) {unknown}; "
+                                         f"known: {', '.join(KERNEL_NAMES)}")
+            object.__setattr__(self, "kernels", tuple(self.kernels))
 
 
 # Collectives (passes/cost/collectives.Collective values) that may have a log-depth algorithm
@@ -158,13 +171,13 @@ class DeviceProfile:
         if self.recipes is not None and (not isinstance(self.recipes, (list, tuple)) or not all(
                 isinstance(r, (dict, StackRecipe)) for r in self.recipes)):
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'recipes' must be a list of objects "
-                                     f"{{mixer, recompute_layers, sequence_parallel, reuse_fp32_param}}, "
+                                     f"{{mixer, recompute_layers, sequence_parallel, reuse_fp32_param, kernels}}, "
                                      f"got {self.recipes!r}")
         try:
             recipes = tuple(r if isinstance(r, StackRecipe) else StackRecipe(**r) for r in self.recipes or ())
         except TypeError as e:  # an unknown or missing key of a recipe object
             raise InvalidConfigError(f"hardware profile {self.name!r}: field 'recipes': {e}; the keys are mixer, "
-                                     "recompute_layers, sequence_parallel, reuse_fp32_param") from None
+                                     "recompute_layers, sequence_parallel, reuse_fp32_param, kernels") from None
         except InvalidConfigError as e:
             raise InvalidConfigError(f"hardware profile {self.name!r}: {e}") from None
         mixers = [r.mixer for r in recipes]
@@ -203,6 +216,12 @@ class DeviceProfile:
         """What the profile's stack runs a model whose layers mix with `mixer` with (None: its plan's layout)."""
         return next((r for r in self.recipes or () if r.mixer == mixer), None)
 
+    def stack_kernels(self, mixer: str) -> tuple[str, ...]:
+        """The fused kernels a run of the profile's stack runs a model whose layers mix with `mixer` with: its
+        recipe's `kernels`, else the profile's own (what autoshard's runtime runs, which its plans are priced with)."""
+        recipe = self.recipe(mixer)
+        return self.kernels if recipe is None or recipe.kernels is None else recipe.kernels
+
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["sources"] = dict(self.sources)
@@ -235,10 +254,11 @@ ASCEND_910B = DeviceProfile(
     gemm_efficiency=0.9,
     gemm_half_dim=64.0,
     vector_efficiency=0.85,
-    kernels=("ssd_chunk_scan_torch",),
+    kernels=("ssd_chunk_scan",),
     attention_efficiency=0.5,
     stack="MindSpeed-LLM",
-    recipes=(StackRecipe(mixer="ssd", recompute_layers=48, sequence_parallel=True, reuse_fp32_param=True),),
+    recipes=(StackRecipe(mixer="ssd", recompute_layers=48, sequence_parallel=True, reuse_fp32_param=True,
+                         kernels=("ssd_chunk_scan_torch",)),),
     sources=(
         ("peak_flops", "arXiv 2602.09109 case study: 378.88 TFLOPS fp16/bf16 GEMM per 910B"),
         ("memory_bytes", "arXiv 2602.09109: 64 GB HBM, 60 GB usable per device"),
@@ -256,11 +276,11 @@ ASCEND_910B = DeviceProfile(
         ("attention_efficiency", "unused: no fused kernels listed, attention priced as GEMMs (the calibration)"),
         ("log_collectives", "HCCL (CANN collective communication docs): besides the ring, full-mesh inside a node and "
                             "recursive halving-doubling / NHR across nodes for AllReduce, AllGather, ReduceScatter"),
-        ("kernels", "ssd_chunk_scan_torch only: MindSpeed-LLM (3b457672) has no fused SSD on Ascend: "
-                    "mindspeed_llm/core/ssm/mamba_mixer.py patches mamba_ssm's kernels with dummies and runs "
-                    "StateSpaceProcessor (tasks/models/ssm/state_space_duality.py), the chunked SSD in torch ops "
-                    "under autograd (passes/capture/kernels.py ssd_torch_cost); no LLaMA kernel: the profile was "
-                    "calibrated on the unfused HF graph (docs/hardware.md)"),
+        ("kernels", "ssd_chunk_scan only, what autoshard's runtime runs on torch_npu: runtime/ssd.py's "
+                    "memory-efficient scan (torch ops; saves what the fused kernel saves: passes/capture/kernels.py "
+                    "ssd_cost; mamba_ssm's Triton kernel is CUDA-only) and HF's gated RMSNorm unfused (the traced "
+                    "ops); no LLaMA kernel: the profile was calibrated on the unfused HF graph (docs/hardware.md). "
+                    "What MindSpeed-LLM runs there is its recipe's (recipes)"),
         ("stack", "arXiv 2602.09109 ran its 910B tables on MindSpeed-LLM; the profile's numbers describe that stack"),
         ("recipes", "MindSpeed-LLM's Mamba-2 recipe (examples/mcore/mamba2/pretrain_mamba2_2.7b_4k_ptd.sh at "
                     "3b457672, the parent of f35bfccc which removed it; 64 layers, the mamba2-7b preset's count): "
@@ -268,8 +288,14 @@ ASCEND_910B = DeviceProfile(
                     "_mamba_block_method_checkpointed_forward_func: the first 48 layers of each pipeline stage), "
                     "--sequence-parallel, --use-distributed-optimizer --reuse-fp32-param (MindSpeed "
                     "docs/zh/features/reuse-fp32-param.md: FP32 = BF16 + residual, saves sizeof(bf16) x params / "
-                    "DP under the distributed optimizer; every Mamba-2 recipe and CI script runs it). No attention "
-                    "recipe: the LLaMA-2-7B script runs neither recompute nor the reused copy (the calibration)"),
+                    "DP under the distributed optimizer; every Mamba-2 recipe and CI script runs it). Its kernels: "
+                    "ssd_chunk_scan_torch, no fused SSD on Ascend: mindspeed_llm/core/ssm/mamba_mixer.py (3b457672) "
+                    "patches mamba_ssm's kernels with dummies and runs StateSpaceProcessor "
+                    "(tasks/models/ssm/state_space_duality.py), the chunked SSD in torch ops under autograd "
+                    "(passes/capture/kernels.py ssd_torch_cost), and no gated-norm kernel: mamba_mixer_init_wrapper "
+                    "builds the mixer with rmsnorm=False (not mamba_ssm's Triton RMSNormGated) and adds its own "
+                    "Mamba2RMSNorm in torch ops (the traced HF ops' price). No attention recipe: the LLaMA-2-7B script runs neither recompute nor the "
+                    "reused copy (the calibration)"),
     ),
 )
 
@@ -287,7 +313,10 @@ _FUSED_SOURCE = ("Megatron-Core / Transformer Engine production runs: fused RMSN
                  "mamba_chunk_scan_combined (passes/capture/kernels.py). autoshard's runtime runs the element-wise "
                  "fusions through compiled layers (runtime/compiled.py) and mamba_ssm's SSD where it is installed; "
                  "without it its own SSD (runtime/ssd.py, torch ops) saves what the fused kernel saves but ran "
-                 "4-6x slower than this price on an H200 (docs/cost_model.md, 'Measured on an H200')")
+                 "4-6x slower than this price on an H200 (docs/cost_model.md, 'Measured on an H200'). No Mamba-2 "
+                 "gated-norm kernel: the runtime runs the model's own gated norm (HF's torch ops; Mamba-2 layers "
+                 "are not compiled), not mamba_ssm's Triton RMSNormGated, so it is priced as traced "
+                 "(docs/kernels.md)")
 # Serving: NCCL's low-latency protocol (src/graph/tuning.cc, NCCL 2.18-2.27: baseLat Ring/LL 6.6 us; hwLat
 # Ring/LL per step: NVLink 0.6 us, PCI 1.0 us, NET 2.7 us) and the per-kernel floor of a CUDA-graph decode step
 _LL = dict(ll_base_latency=6.6e-6, intra_ll_latency=0.6e-6, inter_ll_latency=2.7e-6)

@@ -8,11 +8,15 @@
                                                  tp, cp, mem_gb): each row's memory error, the median, fit / no fit
 
 Two prices of every layout, both `estimate` (passes/cost/cost.py) on the `ascend-910b` profile, which lists the
-SSD MindSpeed-LLM runs (`ssd_chunk_scan_torch`) and names its stack's Mamba-2 recipe (hardware.StackRecipe):
+SSD autoshard's runtime runs there (`ssd_chunk_scan`, runtime/ssd.py) and names its stack's Mamba-2 recipe
+(hardware.StackRecipe):
 
-* `plan`   the layout as a plan states it: recompute none, no sequence parallelism, a separate bf16 copy;
+* `plan`   the layout as an autoshard plan runs it: recompute none, no sequence parallelism, a separate bf16 copy,
+           the memory-efficient scan (a cost table of the profile's `kernels`);
 * `stack`  the same layout as MindSpeed-LLM runs it (`cost.as_stack_runs`): the recipe's block recompute of 48
-           layers per stage, `--sequence-parallel`, `--reuse-fp32-param` (the sources: the profile's `recipes`).
+           layers per stage, `--sequence-parallel`, `--reuse-fp32-param`, on a cost table of the recipe's kernels
+           (`ssd_chunk_scan_torch`: MindSpeed's SSD in torch ops under autograd; `DeviceProfile.stack_kernels`).
+           The sources: the profile's `recipes`.
 
 The public check (no held-out row is read without --rows): MindSpeed-LLM's own CI baselines on 8 NPUs
 (tests/st/baseline_results/mamba2_8b_tp4_pp1_cp2_recompute_4k_ptd.json and
@@ -50,9 +54,18 @@ PUBLIC = (
 )
 
 
-def price(ct, spec, hw, mesh, *, micro_batch, global_batch, seq_len, stack: bool, recompute_layers=None):
+def tables(spec, hw) -> dict[bool, object]:
+    """The compiled cost table an autoshard plan (False) and a run of the profile's stack (True) are priced on."""
+    own = compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    kernels = hw.stack_kernels(spec.mixer.value)
+    return {False: own, True: own if kernels == hw.kernels else compile_table(build_cost_table(spec, kernels=kernels),
+                                                                             spec)}
+
+
+def price(cts, spec, hw, mesh, *, micro_batch, global_batch, seq_len, stack: bool, recompute_layers=None):
     """`estimate` of `mesh` at ZeRO-1, as a plan states it or (`stack`) as the profile's stack runs it
-    (`recompute_layers`: a script's own block-recompute count in place of the recipe's)."""
+    (`recompute_layers`: a script's own block-recompute count in place of the recipe's); `cts`: `tables`'."""
+    ct = cts[stack]
     layout = Layout(mesh=mesh, micro_batch=micro_batch, zero=1)
     if stack:
         layout = as_stack_runs(ct, hw, layout)
@@ -72,7 +85,7 @@ def show(label, e) -> str:
             + f" | peak {e.memory_gb:6.1f} mean {e.mean_memory_gb:6.1f}" + ("  fits" if e.fits else "  does not fit"))
 
 
-def heldout(path: Path, ct, spec, hw) -> None:
+def heldout(path: Path, cts, spec, hw) -> None:
     """Each measured row priced as the stack runs it: memory error of the device average, fit against ran."""
     table = json.loads(path.read_text())
     setup = table.get("setup", {})
@@ -81,7 +94,7 @@ def heldout(path: Path, ct, spec, hw) -> None:
     errors, steps = [], []
     print(f"\n{path.name}: dp pp tp cp | mean GB pred / meas | error | peak GB | fits / ran")
     for r in table["rows"]:
-        e = price(ct, spec, hw, Mesh(dp=r["dp"], pp=r["pp"], tp=r["tp"], cp=r["cp"]), stack=True, **kw)
+        e = price(cts, spec, hw, Mesh(dp=r["dp"], pp=r["pp"], tp=r["tp"], cp=r["cp"]), stack=True, **kw)
         measured = r.get("mem_gb", r.get("memory_gb"))
         ran = isinstance(measured, (int, float)) and not r.get("oom")  # no figure, or marked OOM: did not run
         err = (e.mean_memory_gb - measured) / measured if ran else None
@@ -108,23 +121,22 @@ def main(argv=None) -> int:
     hw = load_hardware("ascend-910b")
     spec = get_spec("mamba2-7b")
     setup = dict(micro_batch=1, global_batch=1024, seq_len=4096)
-    ct = compile_table(build_cost_table(spec, kernels=hw.kernels), spec)
+    cts = tables(spec, hw)
     meshes = [Mesh(dp=4, tp=2)] if args.quick else valid_meshes(spec, 8, **setup)
     print(f"mamba2-7b on 8 x ascend-910b ({hw.stack}), global batch 1024, seq 4096, micro-batch 1, ZeRO-1; GB "
           f"(fits: peak <= {hw.memory_gb:.0f})")
     for mesh in meshes:
         print(f"\n(dp {mesh.dp}, pp {mesh.pp}, tp {mesh.tp}, cp {mesh.cp})")
         for label, stack in (("plan", False), ("stack", True)):
-            print(show(label, price(ct, spec, hw, mesh, stack=stack, **setup)))
+            print(show(label, price(cts, spec, hw, mesh, stack=stack, **setup)))
     if args.rows:
-        heldout(args.rows, ct, spec, hw)
+        heldout(args.rows, cts, spec, hw)
     if args.quick:
         return 0
     print("\nPublic MindSpeed-LLM rows (8 NPUs, seq 4096), priced with their scripts' settings:")
     for label, changes, mesh, mb, gb, k, state_mib, peak_mib in PUBLIC:
         s = replace(spec, **changes)
-        cts = compile_table(build_cost_table(s, kernels=hw.kernels), s)
-        e = price(cts, s, hw, mesh, micro_batch=mb, global_batch=gb, seq_len=4096, stack=True, recompute_layers=k)
+        e = price(tables(s, hw), s, hw, mesh, micro_batch=mb, global_batch=gb, seq_len=4096, stack=True, recompute_layers=k)
         t = terms(e)
         state = t["weights"] + t["grads"] + t["optimizer"]
         print(f"{label}: state {state:5.2f} GB predicted / {state_mib * MIB / GB:5.2f} measured; peak "

@@ -3,7 +3,8 @@
 Training: the layout from flags (`--dp --tp --pp --cp --ep --schedule --virtual-stages
 --sequence-parallel --zero --recompute --micro-batch`), from an engine's command line
 (`--from-megatron "ARGS"`, `--from-torchtitan "ARGS"`) or from a plan file (`--plan FILE`), priced by
-the planner's own figures (engines/training_run.py), then the planner's best plan for the same model,
+the planner's own figures (engines/training_run.py; a Megatron command line on a cost table of the kernels
+the profile's stack runs, `DeviceProfile.stack_kernels`), then the planner's best plan for the same model,
 devices and batch, how much faster it is and the time terms that differ. Serving (`--inference`,
 commands/price_inference.py): one tp x pp x ep replica at a batch, TTFT / TPOT / throughput / memory.
 Bad or contradictory flags are one-line errors naming the flag.
@@ -56,7 +57,8 @@ def add_parser(sub) -> None:
     g.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), help="with --precision fp8 (default tensorwise)")
     g.add_argument("--from-megatron", metavar='"ARGS"', help="a Megatron-LM / MindSpeed-LLM command line (its "
                    "parallel sizes, batch, recompute (uniform, selective or block), optimizer (MindSpeed's "
-                   "--reuse-fp32-param too) and, without --model, model sizes)")
+                   "--reuse-fp32-param too) and, without --model, model sizes), priced with the kernels the "
+                   "profile's stack runs (ascend-910b: MindSpeed-LLM's torch SSD scan)")
     g.add_argument("--from-torchtitan", metavar='"ARGS"', help="a torchtitan.train command line, read by torchtitan's "
                    "own parser (pip install torchtitan==0.3.0 triton)")
     g.add_argument("--plan", metavar="FILE", help="a plan file from autoshard plan --out")
@@ -99,13 +101,20 @@ def run(args) -> int:
             raise InvalidConfigError(f"--hardware {args.hardware} but the plan {args.plan} is for {planned_on}; give "
                                      f"--hardware {planned_on} (or plan again for {hw.name})")
     check_moe_imbalance(spec, args.moe_imbalance)
-    _, table = cost_table_for(spec.name, spinner=not args.json, spec=spec, module=module, kernels=hw.kernels)
+    # a Megatron command line is a run of the profile's stack (MindSpeed-LLM on ascend-910b): priced with the
+    # kernels that stack runs (hardware.StackRecipe `kernels`); the best plan with what autoshard's runtime runs
+    kernels = hw.stack_kernels(spec.mixer.value) if args.from_megatron else hw.kernels
+    if kernels != hw.kernels:
+        note += f", with {hw.stack}'s kernels ({', '.join(kernels) or 'none'})"
+    table = cost_table_for(spec.name, spinner=not args.json, spec=spec, module=module, kernels=kernels)[1]
+    own = table if kernels == hw.kernels or args.no_best else cost_table_for(
+        spec.name, spinner=not args.json, spec=spec, module=module, kernels=hw.kernels)[1]
     from autoshard.engines.training_run import compare, price
     from autoshard.passes.cost.compiled import compile_table
 
     ct = compile_table(table, spec)
     priced = price(ct, hw, spec, run_, global_batch=global_batch, seq_len=seq_len, moe_imbalance=args.moe_imbalance)
-    best = None if args.no_best else _best(spec, hw, table, devices, global_batch, seq_len, args.moe_imbalance, module)
+    best = None if args.no_best else _best(spec, hw, own, devices, global_batch, seq_len, args.moe_imbalance, module)
     out = {"model": spec.name, "hardware": hw.name, "devices": devices, "global_batch": global_batch,
            "seq_len": seq_len, "layout": run_.describe(), "predicted": priced, "source": note}
     if best is not None:

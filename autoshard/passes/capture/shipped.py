@@ -22,7 +22,7 @@ REBUILD = "python -m autoshard.passes.capture.shipped"
 def shipped_entries() -> list[tuple[str, dict[str, Any], Callable[[], Any], Callable[[Any], Any]]]:
     """(kind, shipped key, build, encode) of every entry the package ships: per preset, the training
     table of its 1-layer copy for each set of substituted kernels a built-in device profile (or the
-    default) asks for, and its fingerprint (transformers' version in the key: see table_cache's docstring)."""
+    default, or a profile's stack: `DeviceProfile.stack_kernels`) asks for, and its fingerprint (transformers' version in the key: see table_cache's docstring)."""
     import torch
 
     from autoshard.fingerprint import fingerprint_module
@@ -32,8 +32,10 @@ def shipped_entries() -> list[tuple[str, dict[str, Any], Callable[[], Any], Call
     out = []
     for spec in PRESETS.values():
         one = replace(spec, layers=1)
+        profiles = [load_hardware(h) for h in hardware_names()]
         options = {kernel_table.kernel_for(one, names) for names in
-                   [kernel_table.KERNEL_NAMES, *(load_hardware(h).kernels for h in hardware_names())]}
+                   [kernel_table.KERNEL_NAMES, *(hw.kernels for hw in profiles),
+                    *(hw.stack_kernels(one.mixer.value) for hw in profiles)]}
         for kernels in sorted(options):
             key = shapes.shipped_table_key(one, True, torch.bfloat16, kernels)
             out.append(("tables", key, functools.partial(shapes.trace_table, one, True, torch.bfloat16, None, kernels),

@@ -86,10 +86,12 @@ def test_torch_ssd_rule_is_what_autograd_keeps():
     assert predicted > 5 * ssd_cost(spec, b, s).state_bytes
 
 
-def test_the_910b_prices_mindspeeds_torch_ssd_and_the_gpus_mamba_ssms_kernel():
+def test_the_910b_prices_mindspeeds_torch_ssd_for_its_stack_and_the_runtimes_scan_for_a_plan():
     spec = get_spec("mamba2-7b")
+    npu = load_hardware("ascend-910b")
     assert kernel_for(spec, ("ssd_chunk_scan_torch",)) == ("ssd_chunk_scan_torch",)
-    assert kernel_for(spec, load_hardware("ascend-910b").kernels) == ("ssd_chunk_scan_torch",)  # its stack's
+    assert kernel_for(spec, npu.stack_kernels("ssd")) == ("ssd_chunk_scan_torch",)  # MindSpeed-LLM's run
+    assert kernel_for(spec, npu.kernels) == ("ssd_chunk_scan",)  # autoshard's runtime/ssd.py there
     for gpu in ("a100-80g", "h100", "h200"):
         assert kernel_for(spec, load_hardware(gpu).kernels) == ("ssd_chunk_scan",)
     # listing both: the first replaces the region (they share its anchors)

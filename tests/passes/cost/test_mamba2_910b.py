@@ -2,7 +2,9 @@
 
 The `ascend-910b` profile names its stack (MindSpeed-LLM) and what that stack's Mamba-2 recipe runs beyond a
 plan's keys (hardware.StackRecipe: block recompute of 48 layers per stage, sequence parallelism, the reused fp32
-copy), and lists the SSD it runs (`ssd_chunk_scan_torch`); `cost.as_stack_runs` gives the layout such a run has.
+copy) and the SSD it runs (the recipe's `kernels`: `ssd_chunk_scan_torch`); `cost.as_stack_runs` gives the layout
+such a run has and `DeviceProfile.stack_kernels` the kernels its cost table is built with. The profile's own
+`kernels` are what autoshard's runtime runs there (`ssd_chunk_scan`, runtime/ssd.py): its plans are priced so.
 Nothing here is fitted: the held-out tables (the paper's Mamba-2 rows, `ascend910b_mamba2*.json` beside the LLaMA
 table in shared/reference) are only read by `test_heldout_rows`, which skips where they are not.
 """
@@ -17,6 +19,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.hardware import StackRecipe, load_hardware
 from autoshard.ir import Mesh, Recompute, Stage, even_stages
 from autoshard.models.presets import get_spec
+from autoshard.passes.capture.kernels import ssd_cost, ssd_torch_cost
 from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.passes.cost.compiled import compile_table
 from autoshard.passes.cost.cost import as_stack_runs, block_segments, estimate
@@ -31,8 +34,16 @@ HW = load_hardware("ascend-910b")
 
 @pytest.fixture(scope="module")
 def mamba():
+    """mamba2-7b and its table as MindSpeed-LLM runs it (the stack's kernels)."""
     spec = get_spec("mamba2-7b")
-    return spec, compile_table(build_cost_table(spec, kernels=HW.kernels), spec)
+    return spec, compile_table(build_cost_table(spec, kernels=HW.stack_kernels("ssd")), spec)
+
+
+@pytest.fixture(scope="module")
+def own(mamba):
+    """mamba2-7b's table as autoshard's runtime runs it on the 910B (the profile's kernels)."""
+    spec = mamba[0]
+    return compile_table(build_cost_table(spec, kernels=HW.kernels), spec)
 
 
 def priced(ct, spec, mesh, **kw):
@@ -40,13 +51,18 @@ def priced(ct, spec, mesh, **kw):
 
 
 def test_the_profile_names_what_its_stack_runs_for_mamba2_and_nothing_for_attention():
-    assert HW.stack == "MindSpeed-LLM" and HW.kernels == ("ssd_chunk_scan_torch",)
+    assert HW.stack == "MindSpeed-LLM"
+    assert HW.kernels == ("ssd_chunk_scan",)  # autoshard's runtime there: runtime/ssd.py's memory-efficient scan
     assert HW.recipe("ssd") == StackRecipe(mixer="ssd", recompute_layers=48, sequence_parallel=True,
-                                           reuse_fp32_param=True)
+                                           reuse_fp32_param=True, kernels=("ssd_chunk_scan_torch",))
+    assert HW.stack_kernels("ssd") == ("ssd_chunk_scan_torch",)  # MindSpeed's StateSpaceProcessor
     assert HW.recipe("attention") is None  # the LLaMA recipe: neither (the calibration's setting)
-    for field in ("stack", "recipes", "kernels"):
+    assert HW.stack_kernels("attention") == HW.kernels
+    for field in ("stack", "recipes"):
         assert "MindSpeed" in HW.source(field)
-    assert load_hardware("h100").recipes is None and load_hardware("h100").stack is None
+    assert "runtime/ssd.py" in HW.source("kernels")
+    h100 = load_hardware("h100")
+    assert h100.recipes is None and h100.stack is None and h100.stack_kernels("ssd") == h100.kernels
 
 
 def test_llama_on_the_910b_is_priced_as_its_plan_states():
@@ -56,9 +72,10 @@ def test_llama_on_the_910b_is_priced_as_its_plan_states():
     assert as_stack_runs(ct, HW, lay) == lay
 
 
-def test_the_run_that_fit_is_priced_to_fit(mamba):
-    """(4,1,2,1) ran on 60 GB 910Bs (issue 25): as MindSpeed runs it, priced to fit; the profile's plain layout
-    (recompute none, MindSpeed's SSD) keeps far more and does not."""
+def test_the_run_that_fit_is_priced_to_fit(mamba, own):
+    """(4,1,2,1) ran on 60 GB 910Bs (issue 25): as MindSpeed runs it, priced to fit; the plain layout (recompute
+    none) on MindSpeed's SSD keeps far more and does not. An autoshard plan of the same layout runs runtime/ssd.py's
+    scan, which keeps the inputs and chunk states only: less than the torch scan, more than the recipe's recompute."""
     spec, ct = mamba
     mesh = Mesh(dp=4, tp=2)
     run = priced(ct, spec, mesh)
@@ -66,6 +83,12 @@ def test_the_run_that_fit_is_priced_to_fit(mamba):
     assert run.fits and 50 < run.memory_gb <= HW.memory_gb
     plain = estimate(ct, spec, HW, Layout(mesh=mesh, micro_batch=1, zero=1), **SETUP)
     assert not plain.fits and plain.memory.activations > 3 * run.memory.activations
+    plan = estimate(own, spec, HW, Layout(mesh=mesh, micro_batch=1, zero=1), **SETUP)
+    assert run.memory.activations < plan.memory.activations < plain.memory.activations
+    # the difference per layer is the two SSD rules' saved bytes at the rank's heads (tp 2) and the padded length
+    local = replace(spec, heads=spec.heads // 2, groups=max(1, spec.groups // 2))
+    per_layer = ssd_torch_cost(local, 1, 4096).state_bytes - ssd_cost(local, 1, 4096).state_bytes
+    assert plain.memory.activations - plan.memory.activations == pytest.approx(spec.layers * per_layer, rel=0.02)
 
 
 def test_reused_fp32_copy_saves_two_bytes_per_parameter_over_the_optimizer_group():
@@ -134,7 +157,8 @@ def test_heldout_rows(mamba):
     table = _heldout()
     setup = table.get("setup", {})
     spec = get_spec(setup.get("model", table.get("model", "mamba2-7b")))
-    ct = mamba[1] if spec.name == "mamba2-7b" else compile_table(build_cost_table(spec, kernels=HW.kernels), spec)
+    ct = mamba[1] if spec.name == "mamba2-7b" else compile_table(
+        build_cost_table(spec, kernels=HW.stack_kernels(spec.mixer.value)), spec)
     errors, unfit = [], []
     for r in table["rows"]:
         mesh = Mesh(dp=r["dp"], pp=r["pp"], tp=r["tp"], cp=r["cp"])
@@ -165,7 +189,10 @@ def test_a_json_profile_carries_its_stack_and_a_bad_recipe_is_named(tmp_path):
                                                                     "keys are mixer"),
                              ([{"mixer": "mamba"}], "'mixer' must be one of attention, ssd"),
                              ([{"mixer": "ssd"}, {"mixer": "ssd"}], r"gives mixer\(s\) \['ssd'\] twice"),
-                             ([{"mixer": "ssd", "recompute_layers": -1}], "recompute_layers")):
+                             ([{"mixer": "ssd", "recompute_layers": -1}], "recompute_layers"),
+                             ([{"mixer": "ssd", "kernels": ["flash_ssd"]}], r"stack recipe 'ssd': unknown fused "
+                                                                            r"kernel\(s\) \['flash_ssd'\]"),
+                             ([{"mixer": "ssd", "kernels": "ssd_chunk_scan"}], "'kernels' must be a list")):
         path.write_text(json.dumps(HW.to_json() | {"recipes": recipes}))
         with pytest.raises(InvalidConfigError, match=message):
             load_hardware(path)
@@ -206,3 +233,21 @@ def test_a_mindspeed_command_line_states_the_recipe_and_prices_as_the_stack_runs
             megatron.parse(bad, spec=spec, devices=8)
     with pytest.raises(InvalidConfigError, match="block recompute of 4 layers per stage with recompute full"):
         TrainingRun(mesh=Mesh(dp=8), recompute=(Recompute.FULL,), recompute_layers=4)
+
+
+def test_price_from_megatron_prices_the_stacks_kernels_and_the_best_plan_the_runtimes(mamba, own, capsys):
+    """`autoshard price --from-megatron` on the 910B: the command line is a MindSpeed-LLM run, so its cost table
+    holds the recipe's kernels (the torch SSD); the same flags on the runtime's table would price less memory."""
+    from autoshard.cli import main
+
+    spec, ct = mamba
+    argv = ["price", "--hardware", "ascend-910b", "--model", "mamba2-7b", "--devices", "8", "--from-megatron",
+            RECIPE_ARGS, "--no-best", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = priced(ct, spec, Mesh(dp=4, tp=2))
+    assert out["predicted"]["memory_gb"] == pytest.approx(want.memory_gb, rel=1e-9)
+    assert "MindSpeed-LLM's kernels (ssd_chunk_scan_torch)" in out["source"]
+    runtime = estimate(own, spec, HW, as_stack_runs(own, HW, Layout(mesh=Mesh(dp=4, tp=2), micro_batch=1, zero=1)),
+                       **SETUP)
+    assert runtime.memory_gb < want.memory_gb - 1
