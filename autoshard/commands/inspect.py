@@ -138,7 +138,7 @@ def fused_kernels(table: CostTable) -> list[dict[str, Any]]:
     for block in table.blocks:
         for node in block.nodes:
             if node.phase == "fwd" and node.target.startswith("autoshard."):
-                out.append({"kernel": node.target.removeprefix("autoshard."), "module": node.module_path,
+                out.append({"kernel": node.target.removeprefix("autoshard.").removesuffix(".default"), "module": node.module_path,
                             "block": block.name, "instances": block.count})
     return out
 
