@@ -20,6 +20,7 @@ from autoshard.ir import Mesh, Recompute
 from autoshard.passes.capture import selective_scan
 from autoshard.passes.capture.capture import capture_model
 from autoshard.passes.cost import cost
+from autoshard.passes.cost.compiled import compile_table
 from autoshard.passes.cost.layout import Layout
 
 MAMBA = "tests.models.mamba1_models:mamba_tiny"
@@ -134,7 +135,7 @@ def test_scan_node_cost_is_symbolic_in_s():
     assert not any("selective_scan" in x.target for x in layer.nodes if x.saved_bytes != 0)  # kept: its outputs
 
 
-@pytest.mark.parametrize("name", [MAMBA, JAMBA])
+@pytest.mark.parametrize("name", [MAMBA, JAMBA, "autoshard.models.mamba1:mamba_130m"])  # 130m: 129,135,360
 def test_inspect_counts_hf_parameters(name, capsys):
     assert main(["inspect", "--model", name, "--seq-len", "64", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -144,6 +145,14 @@ def test_inspect_counts_hf_parameters(name, capsys):
     assert {k for k, _ in kernels} == {"selective_scan"}
     if name == JAMBA:
         assert {b for _, b in kernels} == {"mamba+dense", "mamba+moe"}  # not in the attention layer
+        return
+    # the MFU convention of a stack of Mamba-1 layers: 6N + 3x the scan's forward, no attention term
+    mixer = model.backbone.layers[0].mixer
+    d, n, layers = mixer.intermediate_size, mixer.ssm_state_size, len(model.backbone.layers)
+    want = 6 * model.num_parameters() + 3 * layers * (9 * d * n + 2 * d)
+    assert data["model_flops_per_token"] == want
+    spec, table = _table(name)
+    assert cost.model_flops_per_token(compile_table(table, spec), 64) == want
 
 
 def test_mamba_plans_dp_and_pp_only(tmp_path, capsys):
