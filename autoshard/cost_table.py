@@ -85,6 +85,17 @@ class CostTable:
             ssd += block.count * any(is_scan_op(n, mamba2=mamba2) for n in fwd)
         return attention, ssd
 
+    def scan_layers(self) -> tuple[float, int]:
+        """(forward FLOPs per token of the Mamba-1 selective scans of all layers, layers holding one with no
+        attention op): the scan substituted at capture (passes/capture/selective_scan.py), read off the graph."""
+        flops, bare = 0.0, 0
+        for block in self.layer_blocks():
+            fwd = [n for n in block.nodes if n.phase == "fwd"]
+            scans = [n for n in fwd if n.target.startswith("autoshard.selective_scan.")]
+            flops += block.count * sum(float(sympy.sympify(n.flops).subs({B: 1, S: 1})) for n in scans)
+            bare += block.count * (bool(scans) and not any(is_attention_op(n) for n in fwd))
+        return flops, bare
+
     @property
     def params(self) -> int:
         """Parameters of the whole model (HF's count: every parameter once)."""

@@ -102,6 +102,7 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
     blocks = [_block_summary(block, micro_batch, seq_len) for block in table.blocks]
     params = sum(blk["params_total"] for blk in blocks) + table.shared_params
     moe = moe_params(spec, params)
+    scan, no_attention = table.scan_layers()  # Mamba-1 selective scans (passes/capture/selective_scan.py)
     if table.mixed:
         attention, ssd = table.mixer_layers(mamba2=spec.mixer is Mixer.SSD)
         model_flops = 6 * params + 12 * attention * spec.hidden * seq_len
@@ -109,12 +110,18 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
             model_flops += ssd_flops_per_token(spec, seq_len) * ssd / spec.layers
         formula = (f"6*N + 12*d*s per attention layer ({attention})"
                    + (f" + SSD per Mamba-2 layer ({ssd}; arXiv 2405.21060 sec. 8.3)" if ssd else ""))
+        if scan:
+            model_flops += 3 * scan
+            formula += " + 3 x 9*d_inner*d_state per Mamba-1 layer (selective scan, state-spaces/mamba issue 110)"
     elif spec.mixer is Mixer.SSD:
         model_flops = 6 * params + ssd_flops_per_token(spec, seq_len)
         formula = "6*N + SSD (arXiv 2405.21060 sec. 8.3, training = 3x forward)"
     elif moe:
         model_flops = 6 * moe["active_params"] + 12 * spec.layers * spec.hidden * seq_len
         formula = "6*N_active + 12*L*d*s (N_active: dense + top_k/experts of the expert parameters)"
+    elif no_attention:
+        model_flops = 6 * params + 3 * scan
+        formula = "6*N + 3 x (9*d_inner*d_state + 2*d_inner) per layer (selective scan, state-spaces/mamba issue 110)"
     else:
         model_flops = 6 * params + 12 * spec.layers * spec.hidden * seq_len
         formula = "6*N + 12*L*d*s"
@@ -138,7 +145,7 @@ def fused_kernels(table: CostTable) -> list[dict[str, Any]]:
     for block in table.blocks:
         for node in block.nodes:
             if node.phase == "fwd" and node.target.startswith("autoshard."):
-                out.append({"kernel": node.target.removeprefix("autoshard."), "module": node.module_path,
+                out.append({"kernel": node.target.removeprefix("autoshard.").removesuffix(".default"), "module": node.module_path,
                             "block": block.name, "instances": block.count})
     return out
 

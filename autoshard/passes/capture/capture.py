@@ -114,8 +114,10 @@ def capture_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, m
     from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    try:
-        with recorder, fx_traceback.preserve_node_meta():
+    from autoshard.passes.capture.selective_scan import substituted
+
+    try:  # a Mamba-1 scan is traced as one op, whatever the sequence length (passes/capture/selective_scan.py)
+        with recorder, fx_traceback.preserve_node_meta(), substituted(model):
             gm = make_fx(step, tracing_mode="fake", pre_dispatch=False)(
                 *fake_params.values(), *fake_buffers.values(), *fake_inputs)
     except CaptureError:

@@ -23,6 +23,7 @@ from autoshard.models.presets import build_model
 from autoshard.passes.capture import kernels as kernel_table
 from autoshard.passes.capture import layer_kinds
 from autoshard.passes.capture.capture import BWD, FWD, Captured, Site, capture_model
+from autoshard.passes.capture.selective_scan import SCAN_FLOPS
 
 B_SAMPLES = (2, 3)
 FIELDS = ("flops", "bytes_read", "bytes_written", "saved_bytes", "g0", "g1", "g2", "g3")
@@ -306,6 +307,8 @@ def _measure_node(node: fx.Node) -> _Measure:
     elif name == "_grouped_mm":
         flops, gemm = _grouped_matmul(args, out)
         kind = OpKind.MATMUL
+    elif name in SCAN_FLOPS:  # the Mamba-1 selective scan substituted at capture: mamba_ssm's kernel
+        flops = SCAN_FLOPS[name](args)
     elif name in ("convolution", "convolution_backward"):
         flops, dense = _conv(name, args, out)
         kind = OpKind.MATMUL if dense else OpKind.VECTOR

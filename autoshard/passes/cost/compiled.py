@@ -76,6 +76,7 @@ class CompiledTable:
     layer_kinds: tuple[int, ...] = ()
     kind_names: tuple[str, ...] = ()  # the name of each kind (passes/capture/layer_kinds.py), in `kinds` order
     mixers: tuple[int, int] = (0, 0)
+    scans: tuple[float, int] = (0.0, 0)  # CostTable.scan_layers: Mamba-1 scan FLOPs per token, layers without attention
     # what the planner computes once per model and keeps over plans (passes/solve/bounds.py: the ZeRO state of a
     # layout), each entry keyed on all it depends on besides the table
     memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -97,7 +98,7 @@ def compile_table(table: CostTable | CompiledTable, spec: ModelSpec) -> Compiled
         if kind not in blocks:
             raise InvalidConfigError(f"cost table of {table.model} has no {kind.value} block; "
                                      "build it with autoshard.passes.capture.shapes.build_cost_table")
-    return CompiledTable(spec=spec, blocks=blocks)
+    return CompiledTable(spec=spec, blocks=blocks, scans=table.scan_layers())
 
 
 def _compile_mixed(table: CostTable, spec: ModelSpec) -> CompiledTable:
@@ -109,7 +110,7 @@ def _compile_mixed(table: CostTable, spec: ModelSpec) -> CompiledTable:
     names = [b.name for b in layers]
     return CompiledTable(spec=spec, blocks=views[0].blocks, kinds=views, kind_names=tuple(names),
                          layer_kinds=tuple(names.index(k) for k in table.layer_kinds),
-                         mixers=table.mixer_layers(mamba2=spec.mixer is Mixer.SSD))
+                         mixers=table.mixer_layers(mamba2=spec.mixer is Mixer.SSD), scans=table.scan_layers())
 
 
 def kind_spec(spec: ModelSpec, block, first_layer: int) -> ModelSpec:

@@ -38,15 +38,18 @@ def model_flops_per_token(ct: CompiledTable, seq_len: int) -> float:
     """Training FLOPs per token in the paper's MFU convention: 6N + 12 L d s for LLaMA
     (PaLM, arXiv 2204.02311 app. B), N the parameters a token meets (a mixture of experts: its
     top-k experts only, Megatron-Core's MoE convention); for Mamba-2, 6N plus 3x the SSD forward
-    FLOPs of arXiv 2405.21060 sec. 8.3 per token."""
+    FLOPs of arXiv 2405.21060 sec. 8.3 per token; a Mamba-1 selective scan (read off the graph, `ct.scans`): 3x
+    its forward FLOPs (9 d n per token, state-spaces/mamba issue 110) instead of the attention term."""
     spec = ct.spec
+    scan, no_attention = ct.scans
     if ct.kinds:  # a mixed stack: 12 d s per attention layer, the SSD per Mamba-2 layer (read off its graph)
         n = sum(_active_layer_params(v) for v in ct.kinds) + sum(ct.block(k).params for k in (BlockKind.EMBED, BlockKind.HEAD))
         attention, mamba = ct.mixers
-        return 6.0 * n + 12.0 * attention * spec.hidden * seq_len + (3.0 * _ssd_flops(spec, seq_len) * mamba if mamba else 0.0)
+        return 6.0 * n + 12.0 * attention * spec.hidden * seq_len + (3.0 * _ssd_flops(spec, seq_len) * mamba if mamba else 0.0) \
+            + 3.0 * scan
     n = moe_cost.active_params_per_token(spec, sum(blk.params * blk.count for blk in ct.blocks.values()))
     if spec.mixer is Mixer.ATTENTION:
-        return 6.0 * n + 12.0 * spec.layers * spec.hidden * seq_len
+        return 6.0 * n + 12.0 * (spec.layers - no_attention) * spec.hidden * seq_len + 3.0 * scan
     return 6.0 * n + 3.0 * _ssd_flops(spec, seq_len) * spec.layers
 
 

@@ -1,0 +1,195 @@
+"""Selective-scan substitution: the Mamba-1 scan captured as one op, priced as mamba_ssm's fused kernel.
+
+Contract
+--------
+`substituted(model)`: a context manager; while it is open, every Mamba-1 mixer of `model` calls the op
+`autoshard::selective_scan` where its forward dispatches its scan, instead of HF's reference loop (which steps
+token by token, so its traced graph grows with the sequence). `capture_model` traces inside it: the graph is the
+same for every (b, s) and the scan is one forward node and one backward node (`autoshard::selective_scan_backward`)
+whose shapes follow (b, s).
+
+Terms
+-----
+* A **Mamba-1 mixer** is found by its pattern, not its class: its own `A_log` (channels x state), `x_proj` and
+  `dt_proj`, no SSD `dt_bias` (`models/layered._selective_scan`), as Mamba, Falcon-Mamba and Jamba keep it.
+* Its **scan dispatch point** is the function its forward calls by a global name with the interface of mamba_ssm's
+  `selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)`
+  (mamba_ssm/ops/selective_scan_interface.py): HF's `mamba_selective_scan`, through which HF itself runs mamba_ssm's
+  kernel where it is installed. The substitution swaps that global for the duration of the trace and restores it:
+  the model's own forward runs, and outside a capture nothing changes (the runtime runs HF's scan).
+* The op computes what that interface computes (its real kernel: the recurrence h_t = exp(dt_t A) h_{t-1} +
+  dt_t B_t u_t, y_t = C_t h_t + D u_t, times silu(z); arXiv 2312.00752 Algorithm 2) and returns, as mamba_ssm's
+  `SelectiveScanFn` keeps them, the gated output, the output before the gate (saved for backward when z is
+  given) and the chunk states x (b, d, ceil(s/2048), 2n) fp32 (selective_scan.cpp: `n_chunks = (seqlen + 2047) /
+  2048`, `x` of dstate * 2 per chunk). What the backward reads is therefore what the kernel saves, read off the
+  joint graph as for every other op.
+* **Cost** (`SCAN_FLOPS`): forward 9 b s d n FLOPs (discretisation, the scan's associative operations and the
+  read-out by C: Gu and Dao in state-spaces/mamba issue 110) plus b s d for the D skip and b s d for the z gate;
+  backward twice the forward for the gradients plus one forward recomputed (arXiv 2312.00752 sec. 3.3.2: the
+  kernel recomputes the states from its saved inputs in backward instead of storing them), 3x the forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+CHUNK = 2048  # tokens per chunk state of mamba_ssm's selective_scan_fwd kernel (kNThreads * kNItems = 128 * 16)
+_INTERFACE = ("delta_bias", "delta_softplus", "return_last_state")  # selective_scan_fn's keyword arguments
+
+
+# -- the math (the real kernels: what the traced op means) --------------------------------------------------
+
+def reference_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
+                   z: Tensor | None, delta_bias: Tensor | None, softplus: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, out, last state): the selective scan of selective_scan_fn's interface in fp32, u / delta / z (b, d, s),
+    A (d, n), B / C (b, n, s), D / delta_bias (d,). `out` is y before the z gate."""
+    dt = delta.float() + (delta_bias.float()[:, None] if delta_bias is not None else 0.0)
+    dt = torch.nn.functional.softplus(dt) if softplus else dt
+    decay = torch.exp(dt[..., None] * A.float()[:, None, :])  # (b, d, s, n)
+    drive = dt[..., None] * B.float().transpose(1, 2)[:, None] * u.float()[..., None]  # (b, d, s, n)
+    state = u.new_zeros(u.shape[0], u.shape[1], A.shape[1], dtype=torch.float32)  # (b, d, n)
+    ys = []
+    for t in range(u.shape[2]):
+        state = decay[:, :, t] * state + drive[:, :, t]
+        ys.append(torch.einsum("bdn,bn->bd", state, C[:, :, t].float()))
+    out = torch.stack(ys, dim=-1) if ys else u.new_zeros(u.shape, dtype=torch.float32)  # (b, d, s)
+    if D is not None:
+        out = out + u.float() * D.float()[:, None]
+    y = out * torch.nn.functional.silu(z.float()) if z is not None else out
+    return y, out, state
+
+
+def _chunks(s) -> int:
+    return -(-s // CHUNK)
+
+
+@functools.cache
+def ops() -> tuple:
+    """(forward, backward): the two ops, registered with torch.library once, on first use."""
+    from torch.library import custom_op
+
+    @custom_op("autoshard::selective_scan", mutates_args=())
+    def scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+             delta_bias: Optional[Tensor], delta_softplus: bool) -> tuple[Tensor, Tensor, Tensor]:
+        y, out, last = reference_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+        b, d, s = u.shape
+        x = u.new_zeros(b, d, _chunks(s), 2 * A.shape[1], dtype=A.dtype)  # the final state in the last chunk's
+        if s:  # odd entries (mamba_ssm keeps each chunk's (decay product, state) pairs there)
+            x[:, :, -1, 1::2] = last.to(A.dtype)
+        kept = out.to(delta.dtype) if z is not None else delta.new_empty(0)
+        return y.to(delta.dtype if z is None else z.dtype), kept, x
+
+    @scan.register_fake
+    def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+        b, d, s = u.shape
+        y = torch.empty_like(z) if z is not None else torch.empty_like(delta)  # out_z = empty_like(z)
+        kept = torch.empty_like(delta) if z is not None else delta.new_empty(0)  # out = empty_like(delta)
+        return y, kept, u.new_empty(b, d, _chunks(s), 2 * A.shape[1], dtype=A.dtype)
+
+    @custom_op("autoshard::selective_scan_backward", mutates_args=())
+    def scan_backward(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
+                      z: Optional[Tensor], delta_bias: Optional[Tensor], dy: Tensor, x: Tensor, out: Tensor,
+                      delta_softplus: bool) -> list[Tensor]:
+        inputs = (u, delta, A, B, C, D, z, delta_bias)
+        present = [i for i, t in enumerate(inputs) if t is not None]
+
+        def forward(*given):
+            full = list(inputs)
+            for i, t in zip(present, given):
+                full[i] = t
+            return reference_scan(*full, delta_softplus)[0]
+
+        _, vjp = torch.func.vjp(forward, *(inputs[i] for i in present))
+        grads = dict(zip(present, vjp(dy.float())))
+        return [grads[i].to(t.dtype) if t is not None else u.new_empty(0) for i, t in enumerate(inputs)]
+
+    @scan_backward.register_fake
+    def _(u, delta, A, B, C, D, z, delta_bias, dy, x, out, delta_softplus):
+        return [torch.empty_like(t) if t is not None else u.new_empty(0) for t in (u, delta, A, B, C, D, z, delta_bias)]
+
+    def setup(ctx, inputs, output):
+        ctx.softplus = inputs[-1]
+        ctx.present = tuple(t is not None for t in inputs[:-1])
+        ctx.save_for_backward(*inputs[:-1], output[2], output[1])
+
+    def backward(ctx, dy, _dout, _dx):
+        *inputs, x, out = ctx.saved_tensors
+        grads = scan_backward(*inputs, dy, x, out, ctx.softplus)
+        return (*(g if has else None for g, has in zip(grads, ctx.present)), None)
+
+    scan.register_autograd(backward, setup_context=setup)
+    return scan, scan_backward
+
+
+def substitute_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                    return_last_state=False, **_):
+    """selective_scan_fn's interface (what HF's `mamba_selective_scan` takes) as the one traced op; the keywords
+    choosing HF's torch alternatives (use_mambapy, use_associative_scan) compute the same scan and are dropped."""
+    y, _, x = ops()[0](hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus)
+    return (y, x[:, :, -1, 1::2]) if return_last_state else y
+
+
+# -- cost -------------------------------------------------------------------------------------------------
+
+def _forward_flops(u: Tensor, A: Tensor, D: Tensor | None, z: Tensor | None) -> int:
+    b, d, s = u.shape
+    return 9 * b * s * d * A.shape[1] + b * s * d * ((D is not None) + (z is not None))
+
+
+SCAN_FLOPS = {  # op name -> FLOPs from its arguments' values (see the module docstring)
+    "selective_scan": lambda args: _forward_flops(args[0], args[2], args[5], args[6]),
+    "selective_scan_backward": lambda args: 3 * _forward_flops(args[0], args[2], args[5], args[6]),
+}
+
+
+# -- finding and swapping the dispatch points ---------------------------------------------------------------
+
+def scan_dispatch(module: nn.Module) -> tuple[dict, str] | None:
+    """(globals, name) of the function a Mamba-1 mixer's forward calls to scan, or None: a global of its forward
+    whose signature is selective_scan_fn's (five tensors, then `_INTERFACE` among its keywords)."""
+    forward = inspect.unwrap(type(module).forward)
+    names = getattr(getattr(forward, "__code__", None), "co_names", ())
+    for name in names:
+        fn = forward.__globals__.get(name)
+        if fn is substitute_scan:
+            return forward.__globals__, name
+        if not callable(fn) or isinstance(fn, type):
+            continue
+        try:
+            params = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            continue
+        if len(params) >= 5 and all(k in params for k in _INTERFACE):
+            return forward.__globals__, name
+    return None
+
+
+def scan_mixers(model: nn.Module) -> tuple[tuple[str, nn.Module], ...]:
+    """(path, module) of every Mamba-1 mixer of `model` (its pattern: see the module docstring)."""
+    from autoshard.models.layered import _selective_scan
+
+    return tuple((p, m) for p, m in model.named_modules() if _selective_scan(m))
+
+
+@contextlib.contextmanager
+def substituted(model: nn.Module) -> Iterator[int]:
+    """While open, the Mamba-1 mixers of `model` scan through `autoshard::selective_scan`; yields how many
+    dispatch points were swapped (a mixer whose forward has none is traced as it is)."""
+    points = {}
+    for _, module in scan_mixers(model):
+        found = scan_dispatch(module)
+        if found is not None and found[0].get(found[1]) is not substitute_scan:
+            points[(id(found[0]), found[1])] = (found[0], found[1], found[0][found[1]])
+    try:
+        for where, name, _ in points.values():
+            where[name] = substitute_scan
+        yield len(points)
+    finally:
+        for where, name, original in points.values():
+            where[name] = original
