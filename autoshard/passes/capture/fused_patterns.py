@@ -227,7 +227,18 @@ PATTERNS: tuple[tuple[Callable, Callable], ...] = (
 def _record(view: _PatternView, kernel: str, out, body: set, where, size: tuple[float, ...]) -> FusedRegion:
     view.taken |= body
     r = view.region(kernel, out, body, (), (), where=where)
-    return FusedRegion(kernel=kernel, key=out.name, module_path=r.module_path, fwd=r.fwd, bwd=r.bwd, size=size)
+    bwd = r.bwd | _residual_grad_adds(view, r.bwd) if kernel == RMSNORM else r.bwd
+    return FusedRegion(kernel=kernel, key=out.name, module_path=r.module_path, fwd=r.fwd, bwd=bwd, size=size)
+
+
+def _residual_grad_adds(view: _PatternView, bwd: frozenset[str]) -> frozenset[str]:
+    """Autograd's adds of the norm's input gradient into the residual stream's (dx + the residual's gradient):
+    the fused norm's backward rule counts that add (passes/cost/fused_regions.py, docs/modules/cost.md); an add
+    of two norms' gradients is the norm's whose gradient came last."""
+    import torch
+
+    return frozenset(n.name for n in view.bwd if n.target is torch.ops.aten.add.Tensor and n.name not in bwd
+                     and n.all_input_nodes and max(n.all_input_nodes, key=view.index.__getitem__).name in bwd)
 
 
 def find_fused(cap: Captured, *, tokens: int) -> tuple[FusedRegion, ...]:
