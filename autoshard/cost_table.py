@@ -18,12 +18,24 @@ B, S = sympy.symbols("b s", positive=True, integer=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RegionTag:
+    """The fused region a node is in (passes/capture/fused_patterns.py finds them on the graph): the kernel that
+    replaces it ("rmsnorm", "swiglu", "rope", "moe_router"), the region's name (its output node) and its sizes
+    per token read off the graph, which the kernel's cost rule reads (passes/cost/fused_regions.py)."""
+
+    kernel: str
+    key: str
+    size: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NodeCost:
     """Cost of one aten node of the captured graph, as SymPy expressions in `B` and `S`.
 
     `phase` is "fwd" or "bwd". `saved_bytes` is what this (forward) node's output keeps
     alive for the backward pass (0 for nodes whose output backward does not read).
     `gemm` is (batch, m, n, k) for matmul-like nodes: the shape GEMM efficiency depends on.
+    `region`: the fused region the node is in, None for none.
     """
 
     name: str
@@ -37,6 +49,7 @@ class NodeCost:
     bytes_written: sympy.Expr
     saved_bytes: sympy.Expr
     gemm: tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr] | None = None
+    region: RegionTag | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

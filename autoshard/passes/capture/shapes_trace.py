@@ -16,10 +16,11 @@ import torch
 from torch import fx, nn
 
 from autoshard.errors import CaptureError
-from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
+from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost, RegionTag
 from autoshard.ir import BlockKind, OpKind
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.models.presets import build_model
+from autoshard.passes.capture import fused_patterns
 from autoshard.passes.capture import kernels as kernel_table
 from autoshard.passes.capture import layer_kinds
 from autoshard.passes.capture.capture import BWD, FWD, Captured, Site, capture_model
@@ -99,7 +100,9 @@ def _table_of(spec: ModelSpec, truncated: nn.Module, training: bool, kernels: tu
         exprs = _padded_lengths(exprs, names, measure(_trace(truncated, *odd, training), spec, odd, kernels), chunk)
     ref = (B_SAMPLES[0], s_samples[0])
     regions = kernel_table.find_regions(traces[ref], kernels=kernels)
-    return _assemble(spec, traces[ref], exprs, measured[ref], truncated, regions)
+    fused = fused_patterns.find_fused(traces[ref], tokens=ref[0] * ref[1])
+    fused_patterns.check_routing(fused, spec)
+    return _assemble(spec, traces[ref], exprs, measured[ref], truncated, regions, fused)
 
 
 def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -490,8 +493,10 @@ def _padded_lengths(exprs: dict[str, tuple[sympy.Expr, ...]], names: Sequence[st
 
 def _assemble(spec: ModelSpec, cap: Captured, exprs: dict[str, tuple[sympy.Expr, ...]],
               kinds: dict[str, _Measure], truncated: nn.Module,
-              regions: Sequence[kernel_table.Region] = ()) -> CostTable:
+              regions: Sequence[kernel_table.Region] = (),
+              fused: Sequence[fused_patterns.FusedRegion] = ()) -> CostTable:
     names = list(exprs)
+    tags = {name: RegionTag(kernel=r.kernel, key=r.key, size=r.size) for r in fused for name in r.fwd | r.bwd}
     sites = dict(cap.sites)
     targets = {n.name: str(n.target) for n in cap.call_nodes()}
     for r in regions:
@@ -515,7 +520,7 @@ def _assemble(spec: ModelSpec, cap: Captured, exprs: dict[str, tuple[sympy.Expr,
             name=name, target=targets[name],
             kind=m.kind, phase=site.phase, module_path=site.module_path, block=site.block,
             flops=e[0], bytes_read=e[1], bytes_written=e[2], saved_bytes=e[3],
-            gemm=(e[4], e[5], e[6], e[7]) if m.gemm else None))
+            gemm=(e[4], e[5], e[6], e[7]) if m.gemm else None, region=tags.get(name)))
     params = _block_params(truncated, cap)
     return CostTable(model=spec.name, blocks=tuple(
         BlockCost(name=kind.value, kind=kind, count=spec.layers if kind is BlockKind.LAYER else 1,

@@ -21,14 +21,15 @@ from typing import Any, Callable
 import sympy
 
 from autoshard.errors import InvalidConfigError
-from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost
+from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost, RegionTag
 from autoshard.ir import BlockKind, OpKind
 
 FORMAT = 1
 # of the shipped tables' contents and keys: bump when capture / shapes semantics or the spec's fields change, then
 # rebuild. 2: the spec's key names its mixer ("attention" / "ssd", not "llama" / "mamba2") and its MoE layout
-# (`moe_paths`, no "moe" family name); the tables' contents are unchanged
-SHIPPED_FORMAT = 2
+# (`moe_paths`, no "moe" family name); the tables' contents are unchanged. 3: nodes carry the fused region the
+# graph's patterns put them in (passes/capture/fused_patterns.py; NodeCost.region)
+SHIPPED_FORMAT = 3
 SHIPPED = Path(__file__).resolve().parents[2] / "shipped"
 ENV = "AUTOSHARD_CACHE_DIR"
 OFF = "off"
@@ -226,6 +227,8 @@ def _node_to_json(n: NodeCost, encode: Callable) -> dict[str, Any]:
            "module_path": n.module_path, "block": n.block}
     out.update({f: encode(getattr(n, f)) for f in _EXPR_FIELDS})
     out["gemm"] = None if n.gemm is None else [encode(e) for e in n.gemm]
+    if n.region is not None:  # a node of a fused region only
+        out["region"] = {"kernel": n.region.kernel, "key": n.region.key, "size": list(n.region.size)}
     return out
 
 
@@ -235,6 +238,9 @@ def _node_from_json(data: dict[str, Any], decode: Callable) -> NodeCost:
                     **{f: decode(_frozen(data[f])) for f in _EXPR_FIELDS})
     if data["gemm"] is not None:
         node = replace(node, gemm=tuple(decode(_frozen(e)) for e in data["gemm"]))
+    if "region" in data:
+        tag = data["region"]
+        node = replace(node, region=RegionTag(kernel=tag["kernel"], key=tag["key"], size=tuple(tag["size"])))
     return node
 
 

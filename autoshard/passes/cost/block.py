@@ -88,7 +88,7 @@ def _fused_scales(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bl
         vals = blk.evaluate(layout.micro_batch, seq_len)
         prec = layout.numbers
         byte_scale, saved_scale = fused_regions.fused_scales(
-            blk.region, blk.region_kernels, blk.fwd, vals[1], vals[2], spec=ct.spec, fused=hw.fuses,
+            blk.region, blk.region_kernels, blk.region_sizes, blk.fwd, vals[1], vals[2], fused=hw.fuses,
             tokens=float(layout.micro_batch * seq_len), act_bytes=2.0)
         memo[key] = (byte_scale * prec.traced_scale, saved_scale * prec.traced_scale)
     return memo[key]

@@ -18,6 +18,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.cost_table import B, S, CostTable, degree_in_s
 from autoshard.ir import BlockKind, OpKind, Recompute, Stage
 from autoshard.model_spec import Mixer, ModelSpec
+from autoshard.passes.capture.fused_patterns import ROUTER
 from autoshard.passes.cost import fused_regions
 from autoshard.passes.cost.shape_memo import ShapeMemo
 from autoshard.rules import sharding
@@ -45,6 +46,7 @@ class CompiledBlock:
     quadratic: np.ndarray  # bool: FLOPs grow as S^2 (attention scores: the causal s x s work)
     region: np.ndarray  # int: fused-kernel region of the node (passes/cost/fused_regions.py), -1 none
     region_kernels: tuple  # the kernel of each region
+    region_sizes: tuple  # the sizes per token of each region, as its kernel's cost rule reads them
     wgrad_groups: dict  # parent module -> mask of its column-parallel weight-gradient GEMMs
     fn: Any  # lambdified (b, s) -> list of 7 * n numbers
     expert: np.ndarray | None = None  # bool: an op of the routed experts (the sharding table's EXPERT role)
@@ -115,7 +117,8 @@ def _compile_mixed(table: CostTable, spec: ModelSpec) -> CompiledTable:
 
 def kind_spec(spec: ModelSpec, block, first_layer: int) -> ModelSpec:
     """The spec one layer kind of a mixed stack is priced with: the stack's, without its routed experts for a
-    kind whose layer holds none (DeepSeek-V3's dense layers, Nemotron-H's Mamba-2 / attention / MLP layers):
+    kind whose layer routes no tokens on its graph (no router feeding topk, passes/capture/fused_patterns.py:
+    DeepSeek-V3's dense layers, Nemotron-H's Mamba-2 / attention / MLP layers):
     such a layer is data-parallel over the ep ranks, its gradients reduced over dp x ep. A hybrid's layer parts
     (`ModelSpec.parts`) narrowed to those of the kind's layers (`first_layer`: one of them), on every layer: the
     kind's one-layer table is priced by its own parts' sharding rules."""
@@ -124,8 +127,7 @@ def kind_spec(spec: ModelSpec, block, first_layer: int) -> ModelSpec:
                                          if not p.layers or first_layer in p.layers))
     if not spec.is_moe:
         return spec
-    experts = spec.moe_paths[1]
-    if any(f".{experts}." in f"{n.module_path}." for n in block.nodes):
+    if any(n.region is not None and n.region.kernel == ROUTER for n in block.nodes):  # routes tokens on its graph
         return spec
     return replace(spec, experts=0, top_k=0, shared_ffn=0, moe_paths=())
 
@@ -189,14 +191,14 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
     quadratic = np.array([degree_in_s(n.flops) >= 2 for n in nodes], dtype=bool)
     fwd = np.array([n.phase == "fwd" for n in nodes], dtype=bool)
     paths = [n.module_path for n in nodes]
-    region, region_kernels = fused_regions.region_kinds(paths, [n.kind is OpKind.VECTOR for n in nodes], spec)
+    region, region_kernels, region_sizes = fused_regions.region_kinds(nodes)
     wgrad = is_gemm & ~fwd & ~quadratic & (cp_dim == 3)  # (out, in, tokens): a weight gradient
     colwise = np.array([r is not None and r.strategy is sharding.Strategy.COLWISE for r in found], dtype=bool)
     expert = np.array([r is not None and r.strategy is sharding.Strategy.EXPERT for r in found], dtype=bool)
     float8 = is_gemm & np.array([sharding.is_float8_role(r) for r in found], dtype=bool)
     return CompiledBlock(kind=block.kind, count=block.count, params=block.params, fwd=fwd, role=role,
                          rerun=rerun, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, quadratic=quadratic,
-                         region=region, region_kernels=region_kernels,
+                         region=region, region_kernels=region_kernels, region_sizes=region_sizes,
                          wgrad_groups=fused_regions.wgrad_overlap_groups(paths, wgrad & colwise), fn=fn,
                          expert=expert, float8=float8)
 

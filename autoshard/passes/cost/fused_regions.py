@@ -1,11 +1,13 @@
-"""Fused-region pricing: the fused kernels a device runs instead of the traced LLaMA ops.
+"""Fused-region pricing: the fused kernels a device runs instead of the traced ops.
 
 Contract
 --------
 The captured graph is what the CPU trace sees: HF's unfused RMSNorm (fp32 upcast, pow, mean, rsqrt,
 two casts), RoPE as mul/neg/cat/add, SwiGLU as silu and mul, and SDPA as one flash-attention op.
 A production GPU run (Megatron-Core / Transformer Engine, torchtitan) runs each of these as ONE
-kernel. A device profile lists the kernels it fuses (`DeviceProfile.kernels`, names in
+kernel. The regions are found on the graph by their op patterns (passes/capture/fused_patterns.py, in
+every layer kind) and kept on the table's nodes (`NodeCost.region`, with the sizes per token the graph
+shows). A device profile lists the kernels it fuses (`DeviceProfile.kernels`, names in
 `hardware.KERNEL_NAMES`); for those this module gives the cost rule of the fused op, applied by
 passes/cost/compiled.py (region_kinds) and passes/cost/block.py (fused_scales) at pricing time.
 
@@ -18,63 +20,60 @@ import math
 
 import numpy as np
 
-from autoshard.model_spec import Mixer, ModelSpec
+from autoshard.ir import OpKind
+from autoshard.model_spec import ModelSpec
+from autoshard.passes.capture.fused_patterns import RMSNORM, ROPE, SWIGLU
 
 FLASH_TILE = 128  # key/query block of FlashAttention-2/3 for head dim 128 (flash-attn kernel traits)
 
-RMSNORM, ROPE, SWIGLU = "rmsnorm", "rope", "swiglu"
+def region_kinds(nodes) -> tuple[np.ndarray, tuple[str, ...], tuple[tuple[float, ...], ...]]:
+    """Region id per node (-1: none), and the kernel and sizes per token of each region: the regions the graph's
+    patterns found (`NodeCost.region`, passes/capture/fused_patterns.py), over their vector nodes (the ops a
+    fused kernel replaces; their GEMMs and views are priced as themselves)."""
+    keys: dict[str, int] = {}
+    kernels: list[str] = []
+    sizes: list[tuple[float, ...]] = []
+    ids = np.full(len(nodes), -1, dtype=np.int32)
+    for i, n in enumerate(nodes):
+        tag = n.region
+        if tag is None or n.kind is not OpKind.VECTOR:
+            continue
+        if tag.key not in keys:
+            keys[tag.key] = len(keys)
+            kernels.append(tag.kernel)
+            sizes.append(tuple(tag.size))
+        ids[i] = keys[tag.key]
+    return ids, tuple(kernels), tuple(sizes)
 
 
-def region_of(path: str, is_vector: bool, spec: ModelSpec) -> tuple[str, str] | None:
-    """(kernel, region key) of a traced vector node that a fused kernel replaces, or None."""
-    if not is_vector or spec.mixer is not Mixer.ATTENTION:
-        return None
-    parts = path.split(".") if path else []
-    if not parts:
-        return None
-    if "norm" in parts[-1]:
-        return RMSNORM, path
-    if path == spec.attention_path or path.endswith(f".{spec.attention_path}"):  # the attention-interface module
-        return ROPE, path
-    if parts[-1] == "mlp" or (len(parts) > 1 and parts[-2] == "mlp" and parts[-1] == "act_fn"):
-        return SWIGLU, ".".join(parts[:-1]) if parts[-1] == "act_fn" else path
+def _fused_per_token(kernel: str, size: tuple[float, ...], a: float) -> tuple[float, float, float] | None:
+    """(forward bytes, backward bytes, saved bytes) per token of one fused region, from its sizes per token as
+    the graph shows them (passes/capture/fused_patterns.py; docs/modules/cost.md); None: no rule (the region
+    is priced as traced)."""
+    if kernel == RMSNORM:  # rows of `width`: read x, write y (+ the fp32 rstd per row); backward dy, x -> dx
+        rows, width = size
+        return rows * (2 * a * width + 4), rows * 6 * a * width, rows * (2 * a * width + 4)
+    if kernel == ROPE:  # q and k rotated in place; saved: q, k, v for the flash kernel
+        q, k, v = size
+        return 2 * a * (q + k), 2 * a * (q + k), a * (q + k + v)
+    if kernel == SWIGLU:  # read gate and up, write the product; backward reads dy, gate, up, writes both grads
+        (f,) = size
+        return 3 * a * f, 5 * a * f, a * f
     return None
 
 
-def region_kinds(paths, vector, spec: ModelSpec) -> tuple[np.ndarray, tuple[str, ...]]:
-    """Region id per node (-1: none) and the kernel of each region."""
-    keys: dict[tuple[str, str], int] = {}
-    ids = np.full(len(paths), -1, dtype=np.int32)
-    for i, (path, vec) in enumerate(zip(paths, vector)):
-        r = region_of(path, bool(vec), spec)
-        if r is not None:
-            ids[i] = keys.setdefault(r, len(keys))
-    return ids, tuple(k for k, _ in sorted(keys, key=lambda k: keys[k]))
-
-
-def _fused_per_token(kernel: str, spec: ModelSpec, a: float) -> tuple[float, float, float]:
-    """(forward bytes, backward bytes, saved bytes) per token of one fused region (docs/modules/cost.md)."""
-    h = spec.hidden
-    h_q = spec.heads * spec.attention_head_dim if spec.heads else h  # = h unless the config sets head_dim
-    h_kv = spec.kv_heads * spec.attention_head_dim if spec.heads else h
-    if kernel == RMSNORM:
-        return 2 * a * h + 4, 6 * a * h, 2 * a * h + 4
-    if kernel == ROPE:
-        return 2 * a * (h_q + h_kv), 2 * a * (h_q + h_kv), a * (h_q + 2 * h_kv)
-    return 3 * a * spec.ffn, 5 * a * spec.ffn, a * spec.ffn  # SWIGLU
-
-
-def fused_scales(region: np.ndarray, kernels: tuple[str, ...], fwd: np.ndarray, nbytes: np.ndarray,
-                 saved: np.ndarray, *, spec: ModelSpec, fused, tokens: float, act_bytes: float
+def fused_scales(region: np.ndarray, kernels: tuple[str, ...], sizes: tuple[tuple[float, ...], ...], fwd: np.ndarray,
+                 nbytes: np.ndarray, saved: np.ndarray, *, fused, tokens: float, act_bytes: float
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Per-node factors on traced bytes and saved bytes that make each region of a kernel the
     device fuses (`fused(kernel)` true) cost what the fused kernel moves and saves. `tokens` is
     b * s of the traced numbers (before any TP / CP division); `act_bytes` the activation width."""
     byte_scale, saved_scale = np.ones(len(region)), np.ones(len(region))
-    for rid, kernel in enumerate(kernels):
-        if not fused(kernel):
+    for rid, (kernel, size) in enumerate(zip(kernels, sizes)):
+        per_token = _fused_per_token(kernel, size, act_bytes) if fused(kernel) else None
+        if per_token is None:
             continue
-        f_bytes, b_bytes, f_saved = (tokens * x for x in _fused_per_token(kernel, spec, act_bytes))
+        f_bytes, b_bytes, f_saved = (tokens * x for x in per_token)
         sel = region == rid
         for phase, target in ((fwd, f_bytes), (~fwd, b_bytes)):
             m = sel & phase

@@ -122,18 +122,3 @@ def _table():
     from autoshard.passes.capture.shapes import build_cost_table
 
     return build_cost_table(SPEC)
-
-
-def test_the_rope_region_is_the_module_calling_the_attention_interface():
-    # the attention module is the one models/facts.py finds by HF's attention-interface attributes, kept as
-    # ModelSpec.attention_path; region_of reads that fact, not the name self_attn
-    from autoshard.models.presets import spec_from_hf_config
-    from autoshard.models.tiny import build_tiny, tiny_config
-
-    model = build_tiny(tiny_config("qwen3"), device="meta")
-    assert spec_from_hf_config(model.config, name="qwen3", model=model).attention_path == "self_attn"
-    renamed = dataclasses.replace(SPEC, attention_path="mixer.attn")  # a family with other module names
-    assert fused_regions.region_of("model.layers.0.mixer.attn", True, renamed) == (
-        fused_regions.ROPE, "model.layers.0.mixer.attn")
-    assert fused_regions.region_of("model.layers.0.self_attn", True, renamed) is None
-    assert fused_regions.region_of("model.layers.0.self_attn", True, SPEC)[0] == fused_regions.ROPE
