@@ -98,7 +98,7 @@ def _with_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec
         return spec
     layers = model.get_submodule(stack.prefix)
     for kind in stack.kinds:
-        path, router, shared, parts, _, _ = _moe_modules(layers[kind.layers[0]], experts)
+        path, router, shared, parts = _moe_modules(layers[kind.layers[0]], experts)
         if path:
             return replace(spec, experts=experts, top_k=config_value(config, "top_k", 1),
                            ffn=config_value(config, "expert_ffn", None) or spec.ffn,
@@ -163,26 +163,16 @@ def _ruleless_refusals(model: nn.Module, stack) -> tuple[tuple[str, str], ...] |
 
 def _experts_without_ep(model: nn.Module, stack) -> str | None:
     """Why the routed experts of a hybrid's MoE layers cannot be dispatched over ep, naming the first such experts
-    module, or None (none, or all run): expert parallelism (runtime/expert_parallel.py) swaps HF's experts module
-    called with the model's own routing (hidden, top_k_index, top_k_weights), bias-free, gated ([gate; up] x
-    hidden) or plain (up x hidden)."""
-    from autoshard.models.facts import _moe_modules, _takes_routing, config_value
+    module (models/facts.py `experts_ep_refusal`), or None (none, or all run)."""
+    from autoshard.models.facts import _moe_modules, config_value, experts_ep_refusal
 
     experts = config_value(model.config, "experts", 0) or 0
     base = stack.prefix.rpartition(".")[0]
     for i, layer in enumerate(model.get_submodule(stack.prefix)):
-        path, _, _, _, biased, _ = _moe_modules(layer, experts)
-        if not path:
-            continue
-        module = layer.get_submodule(path)
-        where = _relative(f"{stack.prefix}.{i}.{path}", base)
-        own = dict(module.named_parameters(recurse=False))
-        if not _takes_routing(module):
-            return (f"{where} ({type(module).__name__}): its forward is not HF's routed experts call (top_k_index, "
-                    "top_k_weights) that expert parallelism dispatches; use ep=1")
-        if biased or not ({"gate_up_proj", "down_proj"} <= set(own) or {"up_proj", "down_proj"} <= set(own)):
-            return (f"{where} ({type(module).__name__}): experts with biases or another weight layout than HF's "
-                    "[gate; up] x hidden or up x hidden; expert parallelism runs bias-free experts; use ep=1")
+        path = _moe_modules(layer, experts)[0]
+        why = experts_ep_refusal(layer.get_submodule(path), _relative(f"{stack.prefix}.{i}.{path}", base)) if path else None
+        if why:
+            return why
     return None
 
 
@@ -321,7 +311,7 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         sizes += tuple((n, sum(p.numel() for p in m.parameters())) for n, m in latent)
         return "mla", name, sizes, tuple(n for n, _ in latent), counts, ()
     if experts:
-        path, router, shared, shared_parts, _, _ = _moe_modules(child, experts)
+        path, router, shared, shared_parts = _moe_modules(child, experts)
         if path:
             held = tuple(n for n, _ in child.get_submodule(path).named_parameters(recurse=False))
             sizes = (("experts", experts),

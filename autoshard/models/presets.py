@@ -311,13 +311,8 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, 
     why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts), unproven) if w)
     if why:
         out.append(("tp", why))
-    if spec.is_moe and (facts.experts_biased or not facts.experts_gated):
-        out.append(("ep", f"layers.*.{facts.experts_path}: experts with biases or another weight layout than HF's "
-                          "[gate; up] x hidden; expert parallelism runs bias-free gated experts; use ep=1"))
-    elif spec.is_moe and not facts.experts_routed:
-        out.append(("ep", f"layers.*.{facts.experts_path}: its forward takes the tokens already scattered to every "
-                          "expert, not HF's routed experts call (top_k_index, top_k_weights) that expert parallelism "
-                          "dispatches; use ep=1"))
+    if spec.is_moe and facts.experts_no_ep:
+        out.append(("ep", facts.experts_no_ep))
     extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles]
     if not spec.is_moe and (extra or facts.own_forward or spec.grad_sum):
         what = f"layers.*.{extra[0]} has no sequence-parallel rule" if extra else (
