@@ -41,7 +41,7 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
                          ffn=getattr(config, "intermediate_size", 0) or 0, **common)
     # the axes the runtime refuses on this model are not searched either (rules/validity.axis_violation): a plan
     # of `autoshard plan` is one `parallelize` runs
-    spec = replace(_with_experts(spec, model, stack, config), refused=hybrid_refusals(model) or (),
+    spec = replace(stack_experts(spec, model, stack, config), refused=hybrid_refusals(model) or (),
                    **beside_facts(model, config, spec.mixer), **kv_latent(model, config),
                    parts=layer_parts(model)[0])
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
@@ -86,11 +86,11 @@ def kv_latent(model: nn.Module, config) -> dict:
     return {"kv_latent": int(config.kv_lora_rank) + int(config.qk_rope_head_dim)}
 
 
-def _with_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec:
+def stack_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec:
     """`spec` with the routed experts of the stack's MoE layers (the first kind whose layer holds them, found as
     models/facts.py finds a MoE block: an experts module of 3-d weights with `experts` rows, the router beside
-    it): their count, top-k, width and paths inside a layer, so that ep is searched and priced; the kinds
-    without them are priced as dense layers (passes/cost/compiled.py `kind_spec`). `spec` when none holds any."""
+    it), so that ep is searched and priced (`with_experts`); the kinds without them are priced as dense layers
+    (passes/cost/compiled.py `kind_spec`). `spec` when none holds any."""
     from autoshard.models.facts import _moe_modules, config_value
 
     experts = config_value(config, "experts", 0) or 0
@@ -98,13 +98,22 @@ def _with_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec
         return spec
     layers = model.get_submodule(stack.prefix)
     for kind in stack.kinds:
-        path, router, shared, parts = _moe_modules(layers[kind.layers[0]], experts)
-        if path:
-            return replace(spec, experts=experts, top_k=config_value(config, "top_k", 1),
-                           ffn=config_value(config, "expert_ffn", None) or spec.ffn,
-                           shared_ffn=config_value(config, "shared_ffn", 0) or 0,
-                           moe_paths=(router, path, shared, *parts))
+        paths = _moe_modules(layers[kind.layers[0]], experts)
+        if paths[0]:
+            return with_experts(spec, config, paths)
     return spec
+
+
+def with_experts(spec: ModelSpec, config, paths: tuple) -> ModelSpec:
+    """`spec` as a MoE decoder whose layer holds its MoE block at `paths` ((experts, router, shared expert or "",
+    its parts), models/facts.py `_moe_modules`): the config's routed experts and top-k, their width (expert_ffn,
+    else intermediate_size: Mixtral's naming), the shared expert's width, and the block's paths (`moe_paths`)."""
+    from autoshard.models.facts import config_value
+
+    experts, router, shared, parts = paths
+    return replace(spec, experts=config_value(config, "experts"), top_k=config_value(config, "top_k", 1),
+                   ffn=config_value(config, "expert_ffn", None) or spec.ffn,
+                   shared_ffn=config_value(config, "shared_ffn", 0) or 0, moe_paths=(router, experts, shared, *parts))
 
 
 def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:

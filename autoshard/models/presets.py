@@ -228,13 +228,13 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
                      attention_path=facts.attention_path or "self_attn",
                      sliding_window=facts.sliding_window, window_layers=facts.window_layers, **common)
-    if facts.experts_path:
-        spec = _with_experts(spec, facts, config, value)
-    from autoshard.models.layered import kv_latent
+    from autoshard.models.layered import kv_latent, stack_experts, with_experts
 
+    if facts.experts_path:
+        spec = with_experts(spec, config, (facts.experts_path, facts.router_path, facts.shared_path, facts.shared_parts))
     spec = replace(spec, **kv_latent(model, config))  # MLA's compressed KV cache (DeepSeek)
     if hybrid is not None:  # Mamba-2 mixers beside attention (Falcon-H1): their state, priced in serving; its
-        from autoshard.models.layered import _with_experts as stack_experts, beside_facts, layer_parts  # table
+        from autoshard.models.layered import beside_facts, layer_parts  # table
         from autoshard.passes.capture.layer_kinds import find_layer_stack  # from its layers' parts, its experts
 
         spec = replace(spec, **beside_facts(model, config, Mixer.ATTENTION))
@@ -254,14 +254,6 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
     return replace(spec, refused=found + verified)
-
-
-def _with_experts(spec: ModelSpec, facts, config, value) -> ModelSpec:
-    """A MoE decoder: routed experts of width expert_ffn (else intermediate_size, Mixtral's naming), a
-    shared expert of shared_ffn, the MoE block where the module tree has it (`moe_paths`)."""
-    ffn = value("expert_ffn", None) or spec.ffn
-    return replace(spec, ffn=ffn, experts=value("experts"), top_k=value("top_k", 1), shared_ffn=value("shared_ffn", 0) or 0,
-                   moe_paths=(facts.router_path, facts.experts_path, facts.shared_path, *facts.shared_parts))
 
 
 def _tp_proof(spec: ModelSpec, model, *, propose: bool = False):
