@@ -41,9 +41,9 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
                          ffn=getattr(config, "intermediate_size", 0) or 0, **common)
     # the axes the runtime refuses on this model are not searched either (rules/validity.axis_violation): a plan
     # of `autoshard plan` is one `parallelize` runs
-    spec = replace(stack_experts(spec, model, stack, config), refused=hybrid_refusals(model) or (),
-                   **beside_facts(model, config, spec.mixer), **kv_latent(model, config),
-                   parts=layer_parts(model)[0])
+    parts = layer_parts(model, stack)  # the stack found once, its parts read once: passed on
+    spec = replace(stack_experts(spec, model, stack, config), refused=hybrid_refusals(model, stack, parts) or (),
+                   **beside_facts(model, config, spec.mixer), **kv_latent(model, config), parts=parts[0])
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
     if why:
         raise InvalidConfigError(f"{name}: {why}")
@@ -116,7 +116,7 @@ def with_experts(spec: ModelSpec, config, paths: tuple) -> ModelSpec:
                    shared_ffn=config_value(config, "shared_ffn", 0) or 0, moe_paths=(router, experts, shared, *parts))
 
 
-def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
+def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tuple[tuple[str, str], ...] | None:
     """What the runtime cannot run yet on a hybrid, as (axis, why) pairs; None for a model that is no hybrid
     (one kind of layer, no SSD mixer beside attention). A hybrid is a mixed stack (layers of several kinds:
     Bamba, Nemotron-H, Jamba, DeepSeek-V3's dense and MoE layers) or one whose layers hold an SSD mixer beside
@@ -126,10 +126,8 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     CP algorithm splits (Mamba-1's selective scan, gated DeltaNet, short convolutions), pp where layers share
     a block (Zamba2), tp where a layer holds a part no tensor-parallel rule splits (`layer_parts`: Mamba-1's
     selective scan, gated DeltaNet, short convolutions, a shared block; the others run by their parts' rules),
-    ep and sequence parallelism."""
-    from autoshard.passes.capture.layer_kinds import find_layer_stack
-
-    stack = find_layer_stack(model)
+    ep and sequence parallelism. `stack`: the model's `find_layer_stack`; `parts`: its `layer_parts` where the caller
+    has them (else read here)."""
     if stack is None:
         return None
     ssd = ssd_mixers(model)
@@ -138,7 +136,7 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     base = stack.prefix.rpartition(".")[0]
     what = (f"its layers are of several kinds ({', '.join(k.name for k in stack.kinds)})" if not stack.uniform
             else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside attention")
-    _, no_tp = layer_parts(model)
+    _, no_tp = parts if parts is not None else layer_parts(model, stack)
     out = [("tp", no_tp)] if no_tp else []
     out.append(("sequence_parallel", f"{what}: sequence parallelism is not run on a hybrid's layers yet (its "
                                      "norms and residual stay whole on every tp rank); set sequence_parallel "
@@ -232,19 +230,17 @@ _MLA = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # DeepSeek's multi-head la
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def layer_parts(model: nn.Module) -> tuple[tuple, str | None]:
+def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
     """(parts, why): a hybrid's layers read as their parts (`model_spec.LayerPart`: attention, DeepSeek's latent
     attention, a Mamba-2 mixer found by its pattern, a gated or plain MLP, a MoE block, a norm (a child holding
     only vectors), and the embedding, final norm and LM head), each with the layers holding it at one path and
     its sizes. `why` (else None) names the first layer child with parameters that is none of them (Mamba-1's
     selective scan, gated DeltaNet, a short convolution): no tensor-parallel rule splits it, so tp is refused;
     it is an "other" part, whole on every rank (the table still names every layer's experts for ep). A block
-    shared by several layers (Zamba2): ((), why)."""
+    shared by several layers (Zamba2): ((), why). `stack`: the model's `find_layer_stack`."""
     from autoshard.models.facts import config_value, is_attention
     from autoshard.model_spec import LayerPart
-    from autoshard.passes.capture.layer_kinds import find_layer_stack
 
-    stack = find_layer_stack(model)
     base = stack.prefix.rpartition(".")[0]
     layers = model.get_submodule(stack.prefix)
     ssd = {id(m) for _, m in ssd_mixers(model)}

@@ -200,23 +200,23 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         return ModelSpec(mixer=Mixer.SSD, state=value("state"), expand=value("expand", 2),
                          head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
                          conv=value("conv"), chunk=value("chunk", 256), **common)
-    if facts.mixer != "attention":
-        from autoshard.models.layered import _mixer_without_cp, hybrid_refusals
-        from autoshard.passes.capture.layer_kinds import find_layer_stack
+    from autoshard.models.layered import hybrid_refusals
+    from autoshard.passes.capture.layer_kinds import find_layer_stack
 
-        refused = hybrid_refusals(model)
+    stack = find_layer_stack(model)  # walked once, passed on
+    if facts.mixer != "attention":
+        from autoshard.models.layered import _mixer_without_cp
+
+        refused = hybrid_refusals(model, stack)
         if refused:  # a uniform stack of a mixer with no rule (Mamba-1): the model's own forward, dp and pp only
             return ModelSpec(mixer=Mixer.ATTENTION, ffn=value("ffn", 0) or 0, own_forward=True, refused=refused,
                              **common)
-        stack = find_layer_stack(model)
         mixer = (_mixer_without_cp(model, stack) if stack is not None else None) or type(model).__name__
         raise InvalidConfigError(
             f"{name}: {mixer}: a sequence mixer autoshard has no rule for (neither a module calling HF's attention "
             "interface nor the Mamba-2 SSD scan), so no axis can be priced or run for it; autoshard plans decoders "
             "whose layers mix tokens by attention or SSD (mixed stacks may hold other mixers: dp and pp)")
-    from autoshard.models.layered import hybrid_refusals
-
-    hybrid = hybrid_refusals(model)  # None: one repeated kind of attention layer
+    hybrid = hybrid_refusals(model, stack)  # None: one repeated kind of attention layer
     if hybrid is None:
         _check_layers_alike(model, facts, name=name)
     heads = value("heads")
@@ -234,13 +234,12 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         spec = with_experts(spec, config, (facts.experts_path, facts.router_path, facts.shared_path, facts.shared_parts))
     spec = replace(spec, **kv_latent(model, config))  # MLA's compressed KV cache (DeepSeek)
     if hybrid is not None:  # Mamba-2 mixers beside attention (Falcon-H1): their state, priced in serving; its
-        from autoshard.models.layered import beside_facts, layer_parts  # table
-        from autoshard.passes.capture.layer_kinds import find_layer_stack  # from its layers' parts, its experts
+        from autoshard.models.layered import beside_facts, layer_parts  # table from its layers' parts, its experts
 
         spec = replace(spec, **beside_facts(model, config, Mixer.ATTENTION))
         if not spec.is_moe:  # those of its MoE layers (models/layered.py)
-            spec = stack_experts(spec, model, find_layer_stack(model), config)
-        spec = replace(spec, parts=layer_parts(model)[0])
+            spec = stack_experts(spec, model, stack, config)
+        spec = replace(spec, parts=layer_parts(model, stack)[0])
     # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
     # where HF declares no tp plan, the Megatron pairs found on the graph (passes/capture/tp_proposal.py) are the table
     pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe)) if hybrid is None else ((), None, None)
