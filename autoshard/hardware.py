@@ -46,7 +46,8 @@ class StackRecipe:
 
     mixer: str  # RECIPE_MIXERS: the models it applies to
     # Megatron `--recompute-granularity full --recompute-method block --recompute-num-layers k`: the first k
-    # layers of each pipeline stage keep only their input and rerun their forward in backward
+    # layers of each model chunk (each pipeline stage without virtual stages) keep only their input and rerun
+    # their forward in backward
     recompute_layers: int = 0
     sequence_parallel: bool = False  # `--sequence-parallel` wherever tp > 1
     # MindSpeed `--reuse-fp32-param`: the fp32 master is the bf16 weight plus a 2-byte residual

@@ -359,21 +359,22 @@ def _recompute(got: dict, source: str) -> Recompute:
         return Recompute.SELECTIVE
     if granularity != "full":
         raise InvalidConfigError(f"{source}: --recompute-granularity {granularity!r}: expected full or selective")
-    if method == "block":  # the first `count` layers of each stage recomputed whole, the rest kept (_block_layers)
+    if method == "block":  # the first `count` layers of each model chunk recomputed whole, the rest kept (_block_layers)
         if not count or count < 1:
             raise InvalidConfigError(f"{source}: --recompute-method block needs --recompute-num-layers N (N >= 1: the "
-                                     "layers of each pipeline stage recomputed)")
+                                     "layers of each model chunk recomputed)")
         return Recompute.NONE
     if (method or "uniform") != "uniform" or (count or 1) != 1:
         raise InvalidConfigError(f"{source}: --recompute-method {method} --recompute-num-layers {count}: autoshard "
                                  "prices full recompute of every layer (--recompute-method uniform "
-                                 "--recompute-num-layers 1) or of the first N layers of each stage (--recompute-method "
+                                 "--recompute-num-layers 1) or of the first N layers of each model chunk (--recompute-method "
                                  "block --recompute-num-layers N); use those, or --recompute-granularity selective")
     return Recompute.FULL
 
 
 def _block_layers(got: dict) -> int:
-    """Layers of each pipeline stage Megatron's block recompute reruns whole (0: none); _recompute checks the flags."""
+    """Layers of each model chunk (pipeline stage at v = 1) Megatron's block recompute reruns whole (0: none), as
+    cost.block_segments prices them; _recompute checks the flags."""
     return got["--recompute-num-layers"] if got.get("--recompute-method") == "block" else 0
 
 

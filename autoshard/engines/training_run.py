@@ -27,7 +27,8 @@ class TrainingRun:
     precision: Precision = Precision.AUTO  # AUTO: the device's default (bf16-mixed on accelerators)
     fp8_recipe: Fp8Recipe | None = None  # precision fp8 only
     # what a Megatron / MindSpeed command line may state and a plan cannot (Layout's fields of the same names): the
-    # first `recompute_layers` layers of each stage recomputed whole (block recompute), the reused fp32 copy
+    # first `recompute_layers` layers of each model chunk (each stage at v = 1) recomputed whole (block recompute,
+    # Megatron's --recompute-num-layers: per virtual stage), the reused fp32 copy
     recompute_layers: int = 0
     reuse_fp32_param: bool = False
 
@@ -102,7 +103,7 @@ class TrainingRun:
         sp = "/".join("on" if x else "off" for x in self.sequence_parallel)
         rec = "/".join(r.value for r in self.recompute)
         if self.recompute_layers:
-            rec = f"block ({self.recompute_layers} layers per stage)"
+            rec = f"block ({self.recompute_layers} layers per {'model chunk' if self.virtual_stages > 1 else 'stage'})"
         rec += " + reused fp32 copy" if self.reuse_fp32_param else ""
         split = f", stages {'/'.join(map(str, self.rank_layers))} layers" if self.rank_layers else ""
         fp8 = f", fp8 {self.fp8_recipe.value if self.fp8_recipe else 'tensorwise'}" if self.precision is Precision.FP8 else ""

@@ -75,10 +75,7 @@ class ModelFacts:
     router_path: str = ""  # the router linear inside a layer ("mlp.gate")
     shared_path: str = ""  # the shared expert inside a layer ("mlp.shared_expert")
     shared_parts: tuple[str, ...] = ()  # its linears, then the block's one-output gate ("mlp.shared_expert_gate")
-    experts_biased: bool = False  # the experts carry biases (GPT-OSS)
-    experts_gated: bool = True  # HF's [gate; up] x hidden layout
-    experts_routed: bool = True  # the experts' forward takes the routing (HF's experts interface: hidden,
-    #                              top_k_index, top_k_weights), not tokens already scattered to every expert
+    experts_no_ep: str = ""  # why expert parallelism cannot run the layer's experts (`experts_ep_refusal`), "" if it can
     head_params: tuple[str, ...] = ()  # attention parameters indexed by head (GPT-OSS "sinks")
     attention_path: str = ""  # the layer's module calling HF's attention interface ("self_attn", "attn", ...)
     attention_attrs: tuple[str, ...] = ()  # head counts the attention module keeps (StableLM's num_heads)
@@ -109,8 +106,8 @@ def read_facts(config, model) -> ModelFacts:
     mixer = mixer_of(model) if layer0 is not None else ""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     plain = embed is not None and type(embed).forward is nn.Embedding.forward
-    experts, router, shared, parts, biased, gated = _moe_modules(layer0, config_value(config, "experts", 0) or 0)
-    routed = not experts or _takes_routing(layer0.get_submodule(experts))
+    experts, router, shared, parts = _moe_modules(layer0, config_value(config, "experts", 0) or 0)
+    no_ep = experts_ep_refusal(layer0.get_submodule(experts), f"layers.*.{experts}") if experts else None
     attention = _attention_path(layer0)
     sinks = tuple(n.rpartition(".")[2] for n, p in (layer0.named_parameters() if layer0 is not None else ())
                   if p.dim() == 1 and p.shape[0] == heads and ".".join(n.split(".")[:-1]) == attention
@@ -122,9 +119,7 @@ def read_facts(config, model) -> ModelFacts:
     facts = dict(
         mixer=mixer, base=base_name, layer_params=names, embedding_plain=plain,
         tp_plan=tuple((getattr(config, "base_model_tp_plan", None) or {}).items()),
-        experts_path=experts, router_path=router, shared_path=shared, shared_parts=parts, experts_biased=biased,
-        experts_gated=gated,
-        experts_routed=routed,
+        experts_path=experts, router_path=router, shared_path=shared, shared_parts=parts, experts_no_ep=no_ep or "",
         head_params=sinks, attention_path=attention, attention_attrs=_count_attrs(layer0), layer_types=types,
         sliding_window=window, window_layers=windowed,
         attn_softcap=float(config_value(config, "attn_softcap", 0.0) or 0.0),
@@ -198,18 +193,17 @@ def is_attention(module) -> bool:
             and (hasattr(module, "head_dim") or hasattr(module, "num_key_value_groups")))
 
 
-def _moe_modules(layer, experts: int) -> tuple[str, str, str, tuple[str, ...], bool, bool]:
-    """(experts path, router path, shared-expert path, shared parts, biased, gated) of a MoE layer, read off
+def _moe_modules(layer, experts: int) -> tuple[str, str, str, tuple[str, ...]]:
+    """(experts path, router path, shared-expert path, shared parts) of a MoE layer, read off
     the module tree, not its names: the experts module holds one 3-d weight per projection with `experts`
     rows; the router is the linear (or module of one (experts, hidden) weight) beside it; the shared expert
     the other module beside them that holds linears (Qwen2-MoE's `shared_expert`, DeepSeek's `shared_experts`,
     GraniteMoeShared's `shared_mlp`). The shared parts: the shared expert's linears, then the block's one-output
-    linears (Qwen2-MoE's sigmoid `shared_expert_gate`), in module order. ("", "", "", (), False, True) for a
-    dense layer."""
+    linears (Qwen2-MoE's sigmoid `shared_expert_gate`), in module order. ("", "", "", ()) for a dense layer."""
     from torch import nn
 
     if layer is None or not experts:
-        return "", "", "", (), False, True
+        return "", "", "", ()
     for path, module in layer.named_modules():
         own = dict(module.named_parameters(recurse=False))
         if own and all(p.dim() >= 2 and p.shape[0] == experts for n, p in own.items() if not n.endswith("bias")) \
@@ -231,10 +225,35 @@ def _moe_modules(layer, experts: int) -> tuple[str, str, str, tuple[str, ...], b
                           if isinstance(m, nn.Linear)) if shared else ()
             parts += tuple(at(n) for n, m in block.named_children()
                            if isinstance(m, nn.Linear) and m.out_features == 1 and at(n) != router)
-            biased = any(p.dim() == 2 for n, p in own.items() if n.endswith("bias")) or bool(getattr(module, "has_bias", False))
-            gated = bool(getattr(module, "has_gate", True)) and not getattr(module, "is_transposed", False)
-            return path, router, shared, parts, biased, gated
-    return "", "", "", (), False, True
+            return path, router, shared, parts
+    return "", "", "", ()
+
+
+def experts_ep_refusal(experts, where: str) -> str | None:
+    """Why expert parallelism cannot run the routed-experts module `experts` (at `where`, the path the user reads:
+    "layers.*.mlp.experts"), one line naming the module and the axis, or None: the one rule that the spec's
+    refusals (models/presets.py, models/layered.py) and the runtime's `ParallelExperts` apply. Expert parallelism
+    (runtime/expert_parallel.py) swaps HF's experts module called with the model's routing (hidden, top_k_index,
+    top_k_weights), its weights expert-major and bias-free, `gate_up_proj` ([gate; up] x hidden, concatenated) or
+    `up_proj` (up x hidden) with `down_proj`, each expert HF's default MLP act(gate) * up (or act(up)) then down
+    (transformers.integrations.moe `use_experts_implementation`: has_bias, is_transposed, is_concatenated,
+    has_post_expert_norm, `_apply_gate`)."""
+    own = {n for n, _ in experts.named_parameters(recurse=False)}
+    gate = getattr(type(experts), "_apply_gate", None)
+    why = next((reason for reason, broken in (
+        ("experts with biases", any(n.endswith("bias") for n in own) or bool(getattr(experts, "has_bias", False))),
+        ("its forward takes the tokens already scattered to every expert, not HF's routed experts call (top_k_index, "
+         "top_k_weights)", not _takes_routing(experts)),
+        ("weights stored transposed", bool(getattr(experts, "is_transposed", False))),
+        ("gate and up interleaved, not [gate; up]", getattr(experts, "is_concatenated", True) is False),
+        ("no gate_up_proj or up_proj with down_proj", not ({"gate_up_proj", "up_proj"} & own and "down_proj" in own)),
+        ("a norm after each expert", bool(getattr(experts, "has_post_expert_norm", False))),
+        ("its own gate function (_apply_gate)", gate is not None and gate.__name__ != "_default_apply_gate"))
+        if broken), None)
+    if why is None:
+        return None
+    return (f"{where} ({type(experts).__name__}): {why}; expert parallelism runs HF's routed experts without biases, "
+            "[gate; up] x hidden or up x hidden, act(gate) * up then down; use ep=1")
 
 
 def _takes_routing(experts) -> bool:

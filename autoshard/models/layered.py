@@ -41,9 +41,9 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
                          ffn=getattr(config, "intermediate_size", 0) or 0, **common)
     # the axes the runtime refuses on this model are not searched either (rules/validity.axis_violation): a plan
     # of `autoshard plan` is one `parallelize` runs
-    spec = replace(_with_experts(spec, model, stack, config), refused=hybrid_refusals(model) or (),
-                   **beside_facts(model, config, spec.mixer), **kv_latent(model, config),
-                   parts=layer_parts(model)[0])
+    parts = layer_parts(model, stack)  # the stack found once, its parts read once: passed on
+    spec = replace(stack_experts(spec, model, stack, config), refused=hybrid_refusals(model, stack, parts) or (),
+                   **beside_facts(model, config, spec.mixer), **kv_latent(model, config), parts=parts[0])
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
     if why:
         raise InvalidConfigError(f"{name}: {why}")
@@ -86,11 +86,11 @@ def kv_latent(model: nn.Module, config) -> dict:
     return {"kv_latent": int(config.kv_lora_rank) + int(config.qk_rope_head_dim)}
 
 
-def _with_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec:
+def stack_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec:
     """`spec` with the routed experts of the stack's MoE layers (the first kind whose layer holds them, found as
     models/facts.py finds a MoE block: an experts module of 3-d weights with `experts` rows, the router beside
-    it): their count, top-k, width and paths inside a layer, so that ep is searched and priced; the kinds
-    without them are priced as dense layers (passes/cost/compiled.py `kind_spec`). `spec` when none holds any."""
+    it), so that ep is searched and priced (`with_experts`); the kinds without them are priced as dense layers
+    (passes/cost/compiled.py `kind_spec`). `spec` when none holds any."""
     from autoshard.models.facts import _moe_modules, config_value
 
     experts = config_value(config, "experts", 0) or 0
@@ -98,16 +98,25 @@ def _with_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec
         return spec
     layers = model.get_submodule(stack.prefix)
     for kind in stack.kinds:
-        path, router, shared, parts, _, _ = _moe_modules(layers[kind.layers[0]], experts)
-        if path:
-            return replace(spec, experts=experts, top_k=config_value(config, "top_k", 1),
-                           ffn=config_value(config, "expert_ffn", None) or spec.ffn,
-                           shared_ffn=config_value(config, "shared_ffn", 0) or 0,
-                           moe_paths=(router, path, shared, *parts))
+        paths = _moe_modules(layers[kind.layers[0]], experts)
+        if paths[0]:
+            return with_experts(spec, config, paths)
     return spec
 
 
-def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
+def with_experts(spec: ModelSpec, config, paths: tuple) -> ModelSpec:
+    """`spec` as a MoE decoder whose layer holds its MoE block at `paths` ((experts, router, shared expert or "",
+    its parts), models/facts.py `_moe_modules`): the config's routed experts and top-k, their width (expert_ffn,
+    else intermediate_size: Mixtral's naming), the shared expert's width, and the block's paths (`moe_paths`)."""
+    from autoshard.models.facts import config_value
+
+    experts, router, shared, parts = paths
+    return replace(spec, experts=config_value(config, "experts"), top_k=config_value(config, "top_k", 1),
+                   ffn=config_value(config, "expert_ffn", None) or spec.ffn,
+                   shared_ffn=config_value(config, "shared_ffn", 0) or 0, moe_paths=(router, experts, shared, *parts))
+
+
+def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tuple[tuple[str, str], ...] | None:
     """What the runtime cannot run yet on a hybrid, as (axis, why) pairs; None for a model that is no hybrid
     (one kind of layer, no SSD mixer beside attention). A hybrid is a mixed stack (layers of several kinds:
     Bamba, Nemotron-H, Jamba, DeepSeek-V3's dense and MoE layers) or one whose layers hold an SSD mixer beside
@@ -117,10 +126,8 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     CP algorithm splits (Mamba-1's selective scan, gated DeltaNet, short convolutions), pp where layers share
     a block (Zamba2), tp where a layer holds a part no tensor-parallel rule splits (`layer_parts`: Mamba-1's
     selective scan, gated DeltaNet, short convolutions, a shared block; the others run by their parts' rules),
-    ep and sequence parallelism."""
-    from autoshard.passes.capture.layer_kinds import find_layer_stack
-
-    stack = find_layer_stack(model)
+    ep and sequence parallelism. `stack`: the model's `find_layer_stack`; `parts`: its `layer_parts` where the caller
+    has them (else read here)."""
     if stack is None:
         return None
     ssd = ssd_mixers(model)
@@ -129,7 +136,7 @@ def hybrid_refusals(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     base = stack.prefix.rpartition(".")[0]
     what = (f"its layers are of several kinds ({', '.join(k.name for k in stack.kinds)})" if not stack.uniform
             else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside attention")
-    _, no_tp = layer_parts(model)
+    _, no_tp = parts if parts is not None else layer_parts(model, stack)
     out = [("tp", no_tp)] if no_tp else []
     out.append(("sequence_parallel", f"{what}: sequence parallelism is not run on a hybrid's layers yet (its "
                                      "norms and residual stay whole on every tp rank); set sequence_parallel "
@@ -163,26 +170,16 @@ def _ruleless_refusals(model: nn.Module, stack) -> tuple[tuple[str, str], ...] |
 
 def _experts_without_ep(model: nn.Module, stack) -> str | None:
     """Why the routed experts of a hybrid's MoE layers cannot be dispatched over ep, naming the first such experts
-    module, or None (none, or all run): expert parallelism (runtime/expert_parallel.py) swaps HF's experts module
-    called with the model's own routing (hidden, top_k_index, top_k_weights), bias-free, gated ([gate; up] x
-    hidden) or plain (up x hidden)."""
-    from autoshard.models.facts import _moe_modules, _takes_routing, config_value
+    module (models/facts.py `experts_ep_refusal`), or None (none, or all run)."""
+    from autoshard.models.facts import _moe_modules, config_value, experts_ep_refusal
 
     experts = config_value(model.config, "experts", 0) or 0
     base = stack.prefix.rpartition(".")[0]
     for i, layer in enumerate(model.get_submodule(stack.prefix)):
-        path, _, _, _, biased, _ = _moe_modules(layer, experts)
-        if not path:
-            continue
-        module = layer.get_submodule(path)
-        where = _relative(f"{stack.prefix}.{i}.{path}", base)
-        own = dict(module.named_parameters(recurse=False))
-        if not _takes_routing(module):
-            return (f"{where} ({type(module).__name__}): its forward is not HF's routed experts call (top_k_index, "
-                    "top_k_weights) that expert parallelism dispatches; use ep=1")
-        if biased or not ({"gate_up_proj", "down_proj"} <= set(own) or {"up_proj", "down_proj"} <= set(own)):
-            return (f"{where} ({type(module).__name__}): experts with biases or another weight layout than HF's "
-                    "[gate; up] x hidden or up x hidden; expert parallelism runs bias-free experts; use ep=1")
+        path = _moe_modules(layer, experts)[0]
+        why = experts_ep_refusal(layer.get_submodule(path), _relative(f"{stack.prefix}.{i}.{path}", base)) if path else None
+        if why:
+            return why
     return None
 
 
@@ -233,19 +230,17 @@ _MLA = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # DeepSeek's multi-head la
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def layer_parts(model: nn.Module) -> tuple[tuple, str | None]:
+def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
     """(parts, why): a hybrid's layers read as their parts (`model_spec.LayerPart`: attention, DeepSeek's latent
     attention, a Mamba-2 mixer found by its pattern, a gated or plain MLP, a MoE block, a norm (a child holding
     only vectors), and the embedding, final norm and LM head), each with the layers holding it at one path and
     its sizes. `why` (else None) names the first layer child with parameters that is none of them (Mamba-1's
     selective scan, gated DeltaNet, a short convolution): no tensor-parallel rule splits it, so tp is refused;
     it is an "other" part, whole on every rank (the table still names every layer's experts for ep). A block
-    shared by several layers (Zamba2): ((), why)."""
+    shared by several layers (Zamba2): ((), why). `stack`: the model's `find_layer_stack`."""
     from autoshard.models.facts import config_value, is_attention
     from autoshard.model_spec import LayerPart
-    from autoshard.passes.capture.layer_kinds import find_layer_stack
 
-    stack = find_layer_stack(model)
     base = stack.prefix.rpartition(".")[0]
     layers = model.get_submodule(stack.prefix)
     ssd = {id(m) for _, m in ssd_mixers(model)}
@@ -321,7 +316,7 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         sizes += tuple((n, sum(p.numel() for p in m.parameters())) for n, m in latent)
         return "mla", name, sizes, tuple(n for n, _ in latent), counts, ()
     if experts:
-        path, router, shared, shared_parts, _, _ = _moe_modules(child, experts)
+        path, router, shared, shared_parts = _moe_modules(child, experts)
         if path:
             held = tuple(n for n, _ in child.get_submodule(path).named_parameters(recurse=False))
             sizes = (("experts", experts),

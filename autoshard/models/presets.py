@@ -200,23 +200,23 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         return ModelSpec(mixer=Mixer.SSD, state=value("state"), expand=value("expand", 2),
                          head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
                          conv=value("conv"), chunk=value("chunk", 256), **common)
-    if facts.mixer != "attention":
-        from autoshard.models.layered import _mixer_without_cp, hybrid_refusals
-        from autoshard.passes.capture.layer_kinds import find_layer_stack
+    from autoshard.models.layered import hybrid_refusals
+    from autoshard.passes.capture.layer_kinds import find_layer_stack
 
-        refused = hybrid_refusals(model)
+    stack = find_layer_stack(model)  # walked once, passed on
+    if facts.mixer != "attention":
+        from autoshard.models.layered import _mixer_without_cp
+
+        refused = hybrid_refusals(model, stack)
         if refused:  # a uniform stack of a mixer with no rule (Mamba-1): the model's own forward, dp and pp only
             return ModelSpec(mixer=Mixer.ATTENTION, ffn=value("ffn", 0) or 0, own_forward=True, refused=refused,
                              **common)
-        stack = find_layer_stack(model)
         mixer = (_mixer_without_cp(model, stack) if stack is not None else None) or type(model).__name__
         raise InvalidConfigError(
             f"{name}: {mixer}: a sequence mixer autoshard has no rule for (neither a module calling HF's attention "
             "interface nor the Mamba-2 SSD scan), so no axis can be priced or run for it; autoshard plans decoders "
             "whose layers mix tokens by attention or SSD (mixed stacks may hold other mixers: dp and pp)")
-    from autoshard.models.layered import hybrid_refusals
-
-    hybrid = hybrid_refusals(model)  # None: one repeated kind of attention layer
+    hybrid = hybrid_refusals(model, stack)  # None: one repeated kind of attention layer
     if hybrid is None:
         _check_layers_alike(model, facts, name=name)
     heads = value("heads")
@@ -228,19 +228,18 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
                      attention_path=facts.attention_path or "self_attn",
                      sliding_window=facts.sliding_window, window_layers=facts.window_layers, **common)
-    if facts.experts_path:
-        spec = _with_experts(spec, facts, config, value)
-    from autoshard.models.layered import kv_latent
+    from autoshard.models.layered import kv_latent, stack_experts, with_experts
 
+    if facts.experts_path:
+        spec = with_experts(spec, config, (facts.experts_path, facts.router_path, facts.shared_path, facts.shared_parts))
     spec = replace(spec, **kv_latent(model, config))  # MLA's compressed KV cache (DeepSeek)
     if hybrid is not None:  # Mamba-2 mixers beside attention (Falcon-H1): their state, priced in serving; its
-        from autoshard.models.layered import _with_experts as stack_experts, beside_facts, layer_parts  # table
-        from autoshard.passes.capture.layer_kinds import find_layer_stack  # from its layers' parts, its experts
+        from autoshard.models.layered import beside_facts, layer_parts  # table from its layers' parts, its experts
 
         spec = replace(spec, **beside_facts(model, config, Mixer.ATTENTION))
         if not spec.is_moe:  # those of its MoE layers (models/layered.py)
-            spec = stack_experts(spec, model, find_layer_stack(model), config)
-        spec = replace(spec, parts=layer_parts(model)[0])
+            spec = stack_experts(spec, model, stack, config)
+        spec = replace(spec, parts=layer_parts(model, stack)[0])
     # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
     # where HF declares no tp plan, the Megatron pairs found on the graph (passes/capture/tp_proposal.py) are the table
     pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe)) if hybrid is None else ((), None, None)
@@ -254,14 +253,6 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
     return replace(spec, refused=found + verified)
-
-
-def _with_experts(spec: ModelSpec, facts, config, value) -> ModelSpec:
-    """A MoE decoder: routed experts of width expert_ffn (else intermediate_size, Mixtral's naming), a
-    shared expert of shared_ffn, the MoE block where the module tree has it (`moe_paths`)."""
-    ffn = value("expert_ffn", None) or spec.ffn
-    return replace(spec, ffn=ffn, experts=value("experts"), top_k=value("top_k", 1), shared_ffn=value("shared_ffn", 0) or 0,
-                   moe_paths=(facts.router_path, facts.experts_path, facts.shared_path, *facts.shared_parts))
 
 
 def _tp_proof(spec: ModelSpec, model, *, propose: bool = False):
@@ -311,13 +302,8 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, 
     why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts), unproven) if w)
     if why:
         out.append(("tp", why))
-    if spec.is_moe and (facts.experts_biased or not facts.experts_gated):
-        out.append(("ep", f"layers.*.{facts.experts_path}: experts with biases or another weight layout than HF's "
-                          "[gate; up] x hidden; expert parallelism runs bias-free gated experts; use ep=1"))
-    elif spec.is_moe and not facts.experts_routed:
-        out.append(("ep", f"layers.*.{facts.experts_path}: its forward takes the tokens already scattered to every "
-                          "expert, not HF's routed experts call (top_k_index, top_k_weights) that expert parallelism "
-                          "dispatches; use ep=1"))
+    if spec.is_moe and facts.experts_no_ep:
+        out.append(("ep", facts.experts_no_ep))
     extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles]
     if not spec.is_moe and (extra or facts.own_forward or spec.grad_sum):
         what = f"layers.*.{extra[0]} has no sequence-parallel rule" if extra else (

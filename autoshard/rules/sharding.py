@@ -224,19 +224,13 @@ def _parts_table(spec: ModelSpec) -> tuple[Role, ...]:
     out: list[Role] = []
     for i, part in enumerate(spec.parts):
         n, at, lay = (lambda name, i=i: f"{i}.{name}"), (lambda p, part=part: f"{part.path}.{p}"), part.layers
-        if part.kind == "embed":
-            out.append(Role(part.path, _E, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"))
+        if part.kind in ("embed", "lm_head"):  # LLaMA's embedding / LM head and loss roles at the part's path
+            out += [replace(r, path=r.path and part.path) for r in LLAMA if r.strategy is Strategy.VOCAB
+                    and r.block is (_E if part.kind == "embed" else _H)]
         elif part.kind == "final_norm":
             out.append(Role(part.path, _H, Strategy.REPLICATE))
-        elif part.kind == "lm_head":
-            out += [Role(part.path, _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
-                    Role("", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), params=())]
         elif part.kind == "attention":
-            heads, kv = Piece(n("q"), n("heads")), Piece(n("kv"), n("kv_heads"), share=True)
-            out += [Role(part.path, _L, Strategy.REGION, (Piece(n("heads"), n("heads")),), params=(), layers=lay),
-                    *(Role(at(p), _L, Strategy.COLWISE, (piece,), _LINEAR, fan="hidden", layers=lay)
-                      for p, piece in (("q_proj", heads), ("k_proj", kv), ("v_proj", kv))),
-                    Role(at("o_proj"), _L, Strategy.ROWWISE, (heads,), fan="hidden", layers=lay)]
+            out += _at_part(LLAMA, "self_attn", i, part)
         elif part.kind == "mla":
             q = "q_b_proj" if "q_a_proj" in part.names else "q_proj"
             out += [Role(part.path, _L, Strategy.REGION, (Piece(n("heads"), n("heads")),), params=(), layers=lay),
@@ -248,14 +242,7 @@ def _parts_table(spec: ModelSpec) -> tuple[Role, ...]:
                     *(Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
                       for p in part.names)]
         elif part.kind == "ssd":
-            inner, gs = Piece(n("inner"), n("heads")), Piece(n("group_state"), n("groups"), whole=True)
-            out += [Role(part.path, _L, Strategy.REGION, (Piece(n("heads"), n("heads")),), ("dt_bias", "A_log", "D"),
-                         layers=lay),
-                    Role(at("in_proj"), _L, Strategy.COLWISE, (inner, inner, gs, gs, Piece(n("heads"), n("heads"))),
-                         _LINEAR, fan="hidden", layers=lay),
-                    Role(at("conv1d"), _L, Strategy.COLWISE, (inner, gs, gs), _LINEAR, fan=n("conv"), layers=lay),
-                    Role(at("norm"), _L, Strategy.COLWISE, (inner,), layers=lay),
-                    Role(at("out_proj"), _L, Strategy.ROWWISE, (inner,), fan="hidden", layers=lay)]
+            out += _at_part(MAMBA2, "mixer", i, part)
         elif part.kind == "mamba1":  # Mamba-1's selective scan by its inner channels (vLLM's MambaMixer split)
             inner = Piece(n("inner"), n("inner"))
             out += [Role(part.path, _L, Strategy.REGION, (inner,), ("A_log", "D"), layers=lay),
@@ -281,6 +268,19 @@ def _parts_table(spec: ModelSpec) -> tuple[Role, ...]:
         else:
             raise ValueError(f"layer part kind {part.kind!r} has no sharding rule")
     return tuple(out)
+
+
+_MODEL_SIZES = ("one", "hidden", "vocab")  # sizes of the whole model, not of one hybrid part
+
+
+def _at_part(roles: tuple[Role, ...], prefix: str, i: int, part) -> tuple[Role, ...]:
+    """A uniform table's roles at `prefix` and below it (LLaMA's `self_attn`, MAMBA2's `mixer`) as hybrid part `i`'s
+    (`_parts_table`): at its path, on its layers, each of its sizes named "<i>.<size>" (the model's hidden, vocab
+    and one kept), so the rule of an attention or Mamba-2 part is the uniform table's, stated once."""
+    name = lambda size: size if size in _MODEL_SIZES else f"{i}.{size}"  # noqa: E731
+    return tuple(replace(r, path=part.path + r.path[len(prefix):], fan=name(r.fan), layers=part.layers,
+                         pieces=tuple(replace(p, length=name(p.length), count=name(p.count)) for p in r.pieces))
+                 for r in roles if r.path == prefix or r.path.startswith(prefix + "."))
 
 
 # the pieces of a layout proposed on the graph (passes/capture/tp_proposal.py), by piece length

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Shard
 from autoshard.model_spec import ModelSpec
+from autoshard.models.facts import experts_ep_refusal
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
 from autoshard.runtime.tensor_parallel import shard_tensor
 
@@ -45,16 +46,14 @@ class ParallelExperts(nn.Module):
     """This rank's experts of one MoE layer; tokens dispatched and combined by all-to-all."""
 
     def __init__(self, experts: nn.Module, *, group: dist.ProcessGroup, ep: int, ep_rank: int,
-                 tp_group: dist.ProcessGroup | None = None, tp: int = 1, tp_rank: int = 0):
+                 tp_group: dist.ProcessGroup | None = None, tp: int = 1, tp_rank: int = 0, where: str = "experts"):
         super().__init__()
+        why = experts_ep_refusal(experts, where)  # the spec's own ep refusal (models/facts.py), `where`: its path
+        if why:
+            raise InvalidConfigError(why)
         total = experts.num_experts  # ep divides it: the plan rule, checked by apply_expert_parallel
         # gated ([gate; up] x hidden: Mixtral, Qwen2-MoE, DeepSeek) or plain (up x hidden: Nemotron-H's act(up))
         self.gated = gated = isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
-        if (getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False)
-                or not (gated or isinstance(getattr(experts, "up_proj", None), torch.Tensor))):
-            raise InvalidConfigError(f"{type(experts).__name__}: expert parallelism runs experts without bias in "
-                                     "HF's [gate; up] x hidden layout (Mixtral, Qwen2-MoE) or its up x hidden one "
-                                     "(Nemotron-H)")
         if tp > 1 and not gated:
             raise InvalidConfigError(f"{type(experts).__name__}: a serving replica splits gated experts over tp; "
                                      "these have no gate (up x hidden): use tp=1 with ep")
@@ -161,7 +160,7 @@ def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_group: dist.Proc
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent), attr,
                 ParallelExperts(experts, group=ep_group, ep=ep, ep_rank=ep_rank, tp_group=tp_group, tp=tp,
-                                tp_rank=tp_rank))
+                                tp_rank=tp_rank, where=path))
     return names
 
 

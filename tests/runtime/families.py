@@ -47,9 +47,9 @@ _SCAN = "the Mamba-1 selective scan of layers.0.mixer"
 PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
 REFUSED = {("phi3", "tp"): "qkv_proj: HF declares it 'colwise_gather_output'",
            ("olmo2", "tp"): "q_proj: HF declares it 'colwise_gather_output'",
-           ("gpt_oss", "ep"): "mlp.experts: experts with biases",
+           ("gpt_oss", "ep"): "mlp.experts (GptOssExperts): experts with biases",
            ("llama4", "tp"): "HF's tp style 'packed_rowwise' has no rule",
-           ("llama4", "ep"): "feed_forward.experts: its forward takes the tokens already scattered to every expert",
+           ("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.cost_table import CostTable
-from autoshard.ir import BlockKind, Precision, Recompute, Stage, check_schedule, even_stages
+from autoshard.ir import BlockKind, Precision, Recompute, Stage, check_schedule, chunk_layers, even_stages
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost import moe_cost
 from autoshard.rules import schedules
@@ -93,7 +93,10 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
     if len(stages) != mesh.pp or sum(st.layers for st in stages) != spec.layers:
         raise InvalidConfigError(f"{len(stages)} stages with {sum(st.layers for st in stages)} layers given; "
                                  f"expected pp={mesh.pp} stages covering all {spec.layers} layers")
-    parts_of = [block_segments(st, layout.recompute_layers) for st in stages]
+    parts_of = [block_segments(st, layout.recompute_layers, chunk_layers(st.layers, rank=i, pp=mesh.pp,
+                                                                      virtual_stages=layout.virtual_stages,
+                                                                      schedule=layout.schedule))
+                for i, st in enumerate(stages)]
     levels = {lv: replace(layout, recompute=lv) for segs in parts_of for _, lv in segs}  # each stage's own
     for lay in levels.values():
         why = mixed_violation(ct, lay)
@@ -165,17 +168,30 @@ def estimate(table: CostTable | CompiledTable, spec: ModelSpec, hw: DeviceProfil
                     stage_memory_gb=tuple(mb.total / 1e9 for mb in peaks))
 
 
-def block_segments(stage: Stage, recompute_layers: int) -> tuple[tuple[Stage, Recompute], ...]:
+def block_segments(stage: Stage, recompute_layers: int, chunks: tuple[int, ...] | None = None
+                   ) -> tuple[tuple[Stage, Recompute], ...]:
     """`stage` as (part, recompute level) pairs under block recompute (`Layout.recompute_layers`, Megatron's
-    `--recompute-method block`): its first `recompute_layers` layers at FULL, the rest (and the embedding and
-    head, which block recompute leaves alone) at the stage's level; the stage whole where nothing differs."""
-    k = min(recompute_layers, stage.layers)
-    if k == 0 or stage.recompute is Recompute.FULL:
+    `--recompute-method block`): the first `recompute_layers` layers of each of its model chunks (`chunks`: their
+    layer counts, `ir.chunk_layers`; None: the stage is one chunk) at FULL, the rest (and the embedding and head,
+    which block recompute leaves alone) at the stage's level; the stage whole where nothing differs. Per chunk as
+    Megatron runs it: each model chunk is a TransformerBlock of its own, whose `_checkpointed_forward` reruns its
+    first `recompute_num_layers` layers (megatron/core/transformer/transformer_block.py; NeMo's activation
+    recomputation guide: "with virtual pipelining, recompute_num_layers is per virtual pipeline stage")."""
+    chunks = (stage.layers,) if chunks is None else chunks
+    if min(recompute_layers, stage.layers) == 0 or stage.recompute is Recompute.FULL:
         return ((stage, stage.recompute),)
-    first = Stage(first_layer=stage.first_layer, end_layer=stage.first_layer + k, embed=False, head=False,
-                  recompute=Recompute.FULL)
-    rest = replace(stage, first_layer=stage.first_layer + k)
-    return (first, Recompute.FULL), (rest, stage.recompute)
+    out, start = [], stage.first_layer
+    for j, c in enumerate(chunks):
+        k = min(recompute_layers, c)
+        if k:
+            out.append((Stage(first_layer=start, end_layer=start + k, embed=False, head=False,
+                              recompute=Recompute.FULL), Recompute.FULL))
+        embed, head = stage.embed and j == 0, stage.head and j == len(chunks) - 1
+        if c > k or embed or head or len(chunks) == 1:
+            out.append((replace(stage, first_layer=start + k, end_layer=start + c, embed=embed, head=head),
+                        stage.recompute))
+        start += c
+    return tuple(out)
 
 
 def as_stack_runs(ct: CompiledTable, hw: DeviceProfile, layout: Layout) -> Layout:

@@ -53,7 +53,8 @@ class Layout:
     stage_choices: tuple[str, ...] = ()
     # What a device's training stack runs beyond a plan's keys (hardware.StackRecipe; cost.as_stack_runs sets
     # them): autoshard's runtime runs neither, so the planner never does. Block recompute: the first
-    # `recompute_layers` layers of each stage keep only their input (Recompute.FULL), the others the stage's level
+    # `recompute_layers` layers of each model chunk (each stage at virtual_stages 1; cost.block_segments) keep only
+    # their input (Recompute.FULL), the others the stage's level
     recompute_layers: int = 0
     reuse_fp32_param: bool = False  # the fp32 master is the bf16 weight plus a 2-byte residual (state.state_bytes)
 

@@ -251,3 +251,37 @@ def test_price_from_megatron_prices_the_stacks_kernels_and_the_best_plan_the_run
     runtime = estimate(own, spec, HW, as_stack_runs(own, HW, Layout(mesh=Mesh(dp=4, tp=2), micro_batch=1, zero=1)),
                        **SETUP)
     assert runtime.memory_gb < want.memory_gb - 1
+
+
+def test_block_recompute_counts_per_model_chunk_under_virtual_stages(mamba):
+    """With v model chunks per rank, Megatron's block recompute reruns the first k layers of EACH chunk (each chunk
+    is a TransformerBlock of its own: megatron/core/transformer/transformer_block.py `_checkpointed_forward`), so a
+    rank of 32 layers in two chunks of 16 recomputes 2k of them: k = 16 is full recompute, k = 8 half of it; and a
+    Megatron command line saying so is priced so and read back to the same flags."""
+    from autoshard.engines import megatron
+    from autoshard.engines.training_run import price
+    from autoshard.ir import Schedule
+
+    spec, ct = mamba  # 64 layers: pp 2 x v 2 = chunks of 16
+    st = even_stages(spec.layers, 2)[0]
+    segs = block_segments(st, 8, (16, 16))
+    assert [(s.layers, lv) for s, lv in segs] == [(8, Recompute.FULL), (8, Recompute.NONE)] * 2
+    assert [s.embed for s, _ in segs] == [False, True, False, False] and segs[0][0].end_layer == segs[1][0].first_layer
+    base = Layout(mesh=Mesh(dp=4, pp=2), micro_batch=1, zero=1, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2)
+    none, full = (estimate(ct, spec, HW, replace(base, recompute=r), **SETUP) for r in (Recompute.NONE, Recompute.FULL))
+    every = estimate(ct, spec, HW, replace(base, recompute_layers=16), **SETUP)  # a chunk's 16: every layer
+    assert every.memory.activations == pytest.approx(full.memory.activations)
+    assert every.step_time_s == pytest.approx(full.step_time_s)
+    half = estimate(ct, spec, HW, replace(base, recompute_layers=8), **SETUP)
+    assert half.memory.activations == pytest.approx((none.memory.activations + full.memory.activations) / 2, rel=1e-9)
+    assert half.time.recompute == pytest.approx(full.time.recompute / 2, rel=1e-9)
+    args = ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 16 --micro-batch-size 1 "
+            "--global-batch-size 1024 --seq-length 4096 --recompute-granularity full --recompute-method block "
+            "--recompute-num-layers 8 --use-distributed-optimizer --bf16")
+    run = megatron.parse(args, spec=spec, devices=8).run
+    assert (run.virtual_stages, run.recompute_layers) == (2, 8) and "block (8 layers per model chunk)" in run.describe()
+    got = price(ct, HW, spec, run, global_batch=1024, seq_len=4096)
+    assert got["step_time_s"] == pytest.approx(half.step_time_s) and got["memory_gb"] == pytest.approx(half.memory_gb)
+    words = megatron.arguments(spec, run, global_batch=1024, seq_len=4096)
+    assert {"--recompute-method block", "--recompute-num-layers 8", "--num-layers-per-virtual-pipeline-stage 16"} <= set(words)
+    assert megatron.parse(" ".join(words), spec=spec, devices=8).run == run

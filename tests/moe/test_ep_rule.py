@@ -1,0 +1,100 @@
+"""One rule decides which experts expert parallelism runs (models/facts.py `experts_ep_refusal`): the spec's ep
+refusal (plan, sweep, show) and the runtime's `ParallelExperts` (parallelize) say the same line of a module it
+refuses, naming the module and the axis, and a module it accepts runs: this rank's experts equal HF's own."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.errors import InvalidConfigError
+from autoshard.ir import Mesh
+from autoshard.models.facts import _moe_modules, config_value, experts_ep_refusal
+from autoshard.models.layered import layered_spec
+from autoshard.models.presets import build_model, get_spec, spec_from_hf_config
+from autoshard.models.tiny import build_tiny, tiny_config
+from autoshard.rules.validity import plan_violation
+from autoshard.runtime.expert_parallel import ParallelExperts
+from tests.models.hybrid_models import nemotron_h_tiny
+from tests.runtime.dist_harness import run_ranks
+
+SIZES = dict(global_batch=8, seq_len=16)
+
+
+def _experts(model) -> tuple[str, torch.nn.Module]:
+    """(path, module) of the first layer's routed experts of `model` that has any."""
+    for i, layer in enumerate(model.model.layers):
+        path = _moe_modules(layer, config_value(model.config, "experts"))[0]
+        if path:
+            return f"model.layers.{i}.{path}", layer.get_submodule(path)
+    raise AssertionError(f"{type(model).__name__} has no experts")
+
+
+def _spec(model, name: str = "m"):
+    return layered_spec(model, name=name) or spec_from_hf_config(model.config, name=name, model=model)
+
+
+def _refused_experts():
+    """(name, model, a piece of the reason): a model whose experts ep cannot run, each for another reason."""
+    mixtral = build_model(get_spec("mixtral-tiny"))
+    transposed, normed, gate = (copy.deepcopy(mixtral) for _ in range(3))
+    transposed.model.layers[0].mlp.experts.is_transposed = True
+    normed.model.layers[0].mlp.experts.has_post_expert_norm = True
+    experts = gate.model.layers[0].mlp.experts
+    experts.__class__ = type("OwnGateExperts", (type(experts),), {"_apply_gate": lambda self, x: x})
+    return (("gpt_oss", build_tiny(tiny_config("gpt_oss")), "experts with biases"),
+            ("llama4", build_tiny(tiny_config("llama4_text")), "already scattered to every expert"),
+            ("transposed", transposed, "weights stored transposed"),
+            ("post-norm", normed, "a norm after each expert"),
+            ("own gate", gate, "its own gate function"))
+
+
+def test_refused_experts_are_refused_by_one_line_naming_module_and_axis():
+    for name, model, reason in _refused_experts():
+        path, experts = _experts(model)
+        why = experts_ep_refusal(experts, path)
+        assert why is not None and why.startswith(f"{path} ({type(experts).__name__}): ") and reason in why, name
+        assert why.endswith("use ep=1"), name
+        with pytest.raises(InvalidConfigError) as raised:  # the runtime refuses it by the same rule
+            ParallelExperts(experts, group=None, ep=1, ep_rank=0, where=path)
+        assert str(raised.value) == why, name
+    gpt = build_tiny(tiny_config("gpt_oss"))  # the spec (plan, sweep, show) carries it as the ep refusal, at the layers' path
+    spec = _spec(gpt)
+    want = experts_ep_refusal(_experts(gpt)[1], "layers.*.mlp.experts")
+    assert dict(spec.refused)["ep"] == want
+    assert plan_violation(spec, Mesh(ep=2), **SIZES) == f"ep is refused for m: {want}"
+
+
+@pytest.mark.parametrize("build", [lambda: build_model(get_spec("mixtral-tiny")),
+                                   lambda: build_model(get_spec("qwen2-moe-tiny")), nemotron_h_tiny],
+                         ids=["mixtral (gated)", "qwen2-moe (shared expert)", "nemotron-h (plain up x hidden)"])
+def test_accepted_experts_run_as_hf_runs_them(build):
+    """A module the rule accepts is not refused by the spec and runs: one rank's ParallelExperts holding every
+    expert (the generation path: no collective at ep 1) gives HF's experts' output on the same routing."""
+    torch.manual_seed(0)
+    model = build()
+    path, experts = _experts(model)
+    assert experts_ep_refusal(experts, path) is None
+    assert "ep" not in dict(_spec(model).refused)
+    parallel = ParallelExperts(experts, group=None, ep=1, ep_rank=0, where=path)
+    parallel.replicated = True
+    hidden = torch.randn(6, model.config.hidden_size)
+    index = torch.randint(0, experts.num_experts, (6, 2))
+    weights = torch.rand(6, 2)
+    torch.testing.assert_close(parallel(hidden, index, weights), experts(hidden, index, weights))
+
+
+def _parallelize_refuses_as_plan(rank: int, world: int) -> None:
+    model = build_tiny(tiny_config("gpt_oss"))
+    want = plan_violation(_spec(model, model.config.model_type), Mesh(ep=2), **SIZES)  # parallelize's name for it
+    with pytest.raises(InvalidConfigError) as raised:
+        autoshard.parallelize(model, torch.zeros(2, 16, dtype=torch.long), plan=dict(ep=2), global_batch=8)
+    assert str(raised.value) == want, (str(raised.value), want)
+
+
+def test_parallelize_refuses_the_experts_with_the_plans_line():
+    """On two gloo ranks, parallelize of GPT-OSS at ep 2 raises, on every rank, the line plan_violation gives."""
+    run_ranks(2, _parallelize_refuses_as_plan)
