@@ -6,9 +6,10 @@ fake tensors. Wall and CPU seconds both (the CPU time is what the plan costs on 
 Reports per model: the capture (model on meta, a layer per kind traced: once per machine, then read from the
 on-disk cache), the first plan in the process from the table (the target: under 5 s), and re-plans in the same
 process at another global batch and sequence length (the target: under 1 s), with the plan each found.
-The axes the runtime refuses on a hybrid today (tp, ep: models/layered.py `hybrid_refusals`) are searched here
-all the same (the spec's `refused` cleared): this measures the planner on the space it will search, ahead of
-the runtime; `autoshard plan` on these models searches only what `parallelize` runs.
+dp, pp, cp, tp and ep run on these hybrids; what the runtime still refuses on a hybrid (models/layered.py
+`hybrid_refusals`: sequence parallelism on its layers, and tp / ep only where a layer holds a part no rule
+splits) is searched here all the same (the spec's `refused` cleared): this measures the planner on the whole
+space, a little more than the runtime runs; `autoshard plan` on these models searches only what `parallelize` runs.
 
     python bench/bench_mixed_plan.py [--models nemotron-h-56b,deepseek-v3] [--devices 1024]
 """
@@ -42,7 +43,7 @@ def main() -> None:
     for name in args.models.split(","):
         t0 = time.perf_counter()
         spec, model = resolve_model(MODELS[name], device="meta")
-        spec = replace(spec, refused=())  # ahead of the runtime: see the module docstring
+        spec = replace(spec, refused=())  # the whole space: see the module docstring
         table = compile_table(build_cost_table(spec, model=model, kernels=hw.kernels), spec)
         capture = time.perf_counter() - t0
         fingerprint = fingerprint_module(model)  # as `autoshard plan` passes it (else solve builds a model of the spec)

@@ -221,7 +221,7 @@ def _p2p_columns(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) -> np
     """`p2p_time` of the p2p codes `codes` (of each code's layout), the same float operations over arrays
     (`p2p_seconds`); their shape-independent terms (`p2p_terms`, the layer's node-time stem) kept in
     the table's memo over plans, per device and `_CODES` epoch."""
-    table = _epoch_table(ct, "p2p columns", hw)
+    table = epoch_table(ct, "p2p columns", hw)
     rows = []
     for c in codes:
         row = table.get(c)
@@ -255,7 +255,7 @@ def _p2p_columns(ct: CompiledTable, hw, codes: list[int], *, seq_len: int) -> np
     return np.where(piped > 0, p2p, 0.0)
 
 
-def _epoch_table(ct: CompiledTable, name: str, hw) -> dict:
+def epoch_table(ct: CompiledTable, name: str, hw) -> dict:
     """The table `name` of device `hw` in the table's memo, per `_CODES` epoch (what its codes mean); when the codes
     start over, the tables of the earlier epoch are dropped (their codes mean nothing now)."""
     key = (name, hw, _CODES.epoch)
@@ -443,7 +443,7 @@ def _state_columns(ct: CompiledTable, hw, codes: np.ndarray, *, seq_len: int) ->
     """(optimizer seconds, peak bytes) of the state codes `codes` (`_state_bounds` of each code's layout, the
     same float operations over arrays: `cost.staging_bytes`). Their shape-independent terms are kept in the
     table's memo over plans (per device, and per `_CODES` epoch: the codes' meaning)."""
-    table = _epoch_table(ct, "state columns", hw)
+    table = epoch_table(ct, "state columns", hw)
     rows = []
     for c in codes.tolist():
         row = table.get(c)

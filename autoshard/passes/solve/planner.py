@@ -30,7 +30,8 @@ from autoshard.rules.validity import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALL
 from autoshard.passes.cost.precision import resolve_precision
 from autoshard.rules.schedules import check_chunks, microbatches_per_step
 from autoshard.passes.solve import ranges
-from autoshard.passes.solve.bounds import Bounds, LazyBounds, least_block_s, lower_bounds, refined_step_bound
+from autoshard.passes.solve.bounds import (Bounds, LazyBounds, epoch_table, layout_codes, least_block_s, lower_bounds,
+                                          refined_step_bound)
 from autoshard.rules.sharding import choices, strategy_options
 from autoshard.passes.solve.solve_model import (Assignment, MeshProblem, SplitSearch, evaluate, mesh_problem,
                                           min_stage_sum, split_search, stage_numbers, stage_variants)
@@ -477,8 +478,12 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
     memos = [{} for _ in ct.kinds]
     found_bounds = []
-    for lay in layouts:
-        each = [least_block_s(view, hw, lay, seq_len=seq_len) for view in ct.kinds]
+    codes = layout_codes(layouts)[:, 0].tolist()
+    blocks = _bound_blocks(ct, hw, seq_len)  # after the codes: the epoch they are of
+    for lay, code in zip(layouts, codes):
+        each = blocks.get(code)
+        if each is None:  # a block code's layouts share their block times (bounds.layout_codes)
+            each = blocks[code] = [least_block_s(view, hw, lay, seq_len=seq_len) for view in ct.kinds]
         block_s = dict(each[0])
         block_s[BlockKind.LAYER] = float(counts @ [b[BlockKind.LAYER] for b in each]) / counts.sum()
         per = [lower_bounds(view, hw, lay, global_batch=global_batch, seq_len=seq_len, block_s=block_s, memo=memo)
@@ -527,6 +532,13 @@ def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:
             kept.pop(next(iter(kept)))
         kept[key] = {}
     return kept[key]
+
+
+def _bound_blocks(ct: CompiledTable, hw, seq_len: int) -> dict:
+    """block code (`bounds.layout_codes`) -> each kind's `least_block_s`, what a mixed stack's layout bounds read:
+    kept in `ct.memo` per device, sequence length and code epoch, so a re-plan at another global batch prices
+    no block again."""
+    return epoch_table(ct, "range bound blocks", hw).setdefault(seq_len, {})
 
 
 def _priced_layout(ct: CompiledTable, layout: Layout) -> bool:

@@ -111,3 +111,19 @@ def test_show_has_a_column_per_layer_kind(mixed, capsys):
     assert "layer kinds" in out
     last = next(line for line in out.splitlines() if "all" in line and "layers" in line)
     assert "4 layers" in last and "3 layers" in last  # each kind's layer count on the totals row
+
+
+def test_a_re_plan_reuses_the_bounds_block_times(mixed):
+    """The mixed bounds' block times are kept in the table's memo per device and sequence length: a re-plan at
+    another global batch reads those the first priced and plans as a fresh table does."""
+    spec, ct = mixed
+    kw = dict(devices=8, seq_len=64)
+    solve(spec, "h100", global_batch=16, table=ct, **kw)
+    kept = [k for k in ct.memo if isinstance(k, tuple) and k[0] == "range bound blocks"]
+    assert len(kept) == 1 and 64 in ct.memo[kept[0]]
+    held = dict(ct.memo[kept[0]][64])
+    again = solve(spec, "h100", global_batch=32, table=ct, **kw)
+    assert all(ct.memo[kept[0]][64][code] is each for code, each in held.items())  # read, not priced again
+    fresh = solve(spec, "h100", global_batch=32, table=replace(ct, memo={}), **kw)
+    assert (again.mesh, again.micro_batch, again.stages) == (fresh.mesh, fresh.micro_batch, fresh.stages)
+    assert again.predicted["step_time_s"] == fresh.predicted["step_time_s"]
