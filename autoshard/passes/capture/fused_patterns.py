@@ -2,27 +2,12 @@
 
 Contract
 --------
-`find_fused(cap, *, tokens) -> tuple[FusedRegion, ...]`: every region of the forward graph that one of the
-patterns below matches, each with its backward nodes (autograd's `seq_nr` of its forward nodes) and its sizes
-per token (`tokens`: b * s of the trace). A node is in one region at most; patterns are tried in `PATTERNS`
-order. What decides a region is the graph alone; a node's module path only names where it runs.
+`find_fused(cap, *, tokens) -> tuple[FusedRegion, ...]`: every region of the forward graph one of the
+`PATTERNS` matches, with its backward nodes and its sizes per token; `check_routing(regions, spec)` holds the
+routers found against the facts. What decides a region is the graph alone; a node's module path only names it.
 
-  rmsnorm   rsqrt(mean(x^2 over the last dim) + eps) and what reads it up to the normalised output: HF's
-            fp32 casts, the weight (w * y, Gemma's (1 + w) * y); a LayerNorm's `native_layer_norm`. A
-            norm whose region holds a gate activation (Mamba-2's gated RMSNorm) is not one: it is its own
-            kernel. size: (rows per token, width).
-  swiglu    act(a) * b with act silu / gelu and a, b both read off weight matmuls, the product feeding a
-            weight matmul (the down projection); dense MLPs and routed experts alike. size: (width per token,)
-  rope      the forward nodes between the q / k / v projections and an attention-interface call (the
-            rotations x cos + rotate_half(x) sin, the cache's concatenation, layout copies), when they hold
-            a rotation (a cat of two halves along the head dim). size: (q, k, v elements per token)
-  moe_router  a weight matmul whose output reaches `topk` through casts, softmax / sigmoid and bias adds:
-            the router of a mixture of experts. size: (experts,)
-
-To add a pattern for a new op: write `_is_<name>_anchor(node)` (an op only that pattern produces) and a
-`_<name>(view, anchor, tokens)` returning a FusedRegion or None, add the pair to `PATTERNS`, and give the
-kernel's cost rule in passes/cost/fused_regions.py `_fused_per_token` (docs/modules/cost.md says more).
-"""
+The patterns, their anchors and sizes, and how to add one for a new op: docs/modules/capture.md
+(passes/capture/fused_patterns.py)."""
 
 from __future__ import annotations
 

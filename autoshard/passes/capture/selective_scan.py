@@ -2,32 +2,13 @@
 
 Contract
 --------
-`substituted(model)`: a context manager; while it is open, every Mamba-1 mixer of `model` calls the op
-`autoshard::selective_scan` where its forward dispatches its scan, instead of HF's reference loop (which steps
-token by token, so its traced graph grows with the sequence). `capture_model` traces inside it: the graph is the
-same for every (b, s) and the scan is one forward node and one backward node (`autoshard::selective_scan_backward`)
-whose shapes follow (b, s).
+`substituted(model)`: a context manager; while it is open, every Mamba-1 mixer of `model` (found by its
+pattern: own `A_log`, `x_proj`, `dt_proj`, no `dt_bias`) calls `autoshard::selective_scan` where its forward
+dispatches its scan (HF's `mamba_selective_scan`), instead of HF's token-by-token loop, so the traced graph
+is the same for every (b, s). Outside a capture nothing changes: the runtime runs HF's scan.
 
-Terms
------
-* A **Mamba-1 mixer** is found by its pattern, not its class: its own `A_log` (channels x state), `x_proj` and
-  `dt_proj`, no SSD `dt_bias` (`models/layered._selective_scan`), as Mamba, Falcon-Mamba and Jamba keep it.
-* Its **scan dispatch point** is the function its forward calls by a global name with the interface of mamba_ssm's
-  `selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)`
-  (mamba_ssm/ops/selective_scan_interface.py): HF's `mamba_selective_scan`, through which HF itself runs mamba_ssm's
-  kernel where it is installed. The substitution swaps that global for the duration of the trace and restores it:
-  the model's own forward runs, and outside a capture nothing changes (the runtime runs HF's scan).
-* The op computes what that interface computes (its real kernel: the recurrence h_t = exp(dt_t A) h_{t-1} +
-  dt_t B_t u_t, y_t = C_t h_t + D u_t, times silu(z); arXiv 2312.00752 Algorithm 2) and returns, as mamba_ssm's
-  `SelectiveScanFn` keeps them, the gated output, the output before the gate (saved for backward when z is
-  given) and the chunk states x (b, d, ceil(s/2048), 2n) fp32 (selective_scan.cpp: `n_chunks = (seqlen + 2047) /
-  2048`, `x` of dstate * 2 per chunk). What the backward reads is therefore what the kernel saves, read off the
-  joint graph as for every other op.
-* **Cost** (`SCAN_FLOPS`): forward 9 b s d n FLOPs (discretisation, the scan's associative operations and the
-  read-out by C: Gu and Dao in state-spaces/mamba issue 110) plus b s d for the D skip and b s d for the z gate;
-  backward twice the forward for the gradients plus one forward recomputed (arXiv 2312.00752 sec. 3.3.2: the
-  kernel recomputes the states from its saved inputs in backward instead of storing them), 3x the forward.
-"""
+The op, its saved chunk states, `SCAN_FLOPS` and their sources: docs/modules/capture.md
+(passes/capture/selective_scan.py) and docs/decoders.md "The Mamba-1 selective scan at capture"."""
 
 from __future__ import annotations
 

@@ -2,17 +2,13 @@
 
 Contract
 --------
-The captured graph is what the CPU trace sees: HF's unfused RMSNorm (fp32 upcast, pow, mean, rsqrt,
-two casts), RoPE as mul/neg/cat/add, SwiGLU as silu and mul, and SDPA as one flash-attention op.
-A production GPU run (Megatron-Core / Transformer Engine, torchtitan) runs each of these as ONE
-kernel. The regions are found on the graph by their op patterns (passes/capture/fused_patterns.py, in
-every layer kind) and kept on the table's nodes (`NodeCost.region`, with the sizes per token the graph
-shows). A device profile lists the kernels it fuses (`DeviceProfile.kernels`, names in
-`hardware.KERNEL_NAMES`); for those this module gives the cost rule of the fused op, applied by
-passes/cost/compiled.py (region_kinds) and passes/cost/block.py (fused_scales) at pricing time.
+The CPU trace holds HF's unfused RMSNorm, RoPE and SwiGLU; a production GPU run fuses each into ONE kernel.
+The regions are found on the graph (passes/capture/fused_patterns.py, every layer kind) and kept on the
+table's nodes (`NodeCost.region`). For the kernels a profile fuses (`DeviceProfile.kernels`) this module
+gives the fused op's cost rule, applied by passes/cost/compiled.py (region_kinds) and passes/cost/block.py
+(fused_scales) at pricing time.
 
-The whole contract: docs/modules/cost.md (passes/cost/fused_regions.py).
-"""
+The whole contract: docs/modules/cost.md (passes/cost/fused_regions.py)."""
 
 from __future__ import annotations
 
