@@ -246,11 +246,17 @@ def _in_layer(path: str) -> str:
     return re.sub(r"^.*?\.\d+\.", "", path, count=1)
 
 
-def check_routing(regions, spec: ModelSpec) -> None:
+def check_routing(regions, spec: ModelSpec, *, holds_experts: bool = False) -> None:
     """The routers found on the graph are the ones the model's facts name (`spec.moe_paths[0]`, read off the
-    module tree, and `spec.experts`); a CaptureError naming both where they disagree."""
+    module tree, and `spec.experts`); a CaptureError naming both where they disagree, or where the traced layer
+    holds the routed experts (`holds_experts`) and the graph shows no router (it would be priced as dense)."""
     routers = [r for r in regions if r.kernel == ROUTER]
     want = spec.moe_paths[0] if spec.is_moe and spec.moe_paths else None
+    if want is not None and holds_experts and not routers:
+        raise CaptureError(f"{spec.name}: the module tree puts routed experts at {spec.moe_paths[1]!r} but no router "
+                           "(a weight matmul feeding softmax / sigmoid then topk) was found on the traced graph, so "
+                           "the layer cannot be priced as a mixture of experts; add its routing pattern "
+                           "(passes/capture/fused_patterns.py) or report the model")
     for r in routers:
         path = _in_layer(r.module_path)
         if want is None:

@@ -101,7 +101,9 @@ def _table_of(spec: ModelSpec, truncated: nn.Module, training: bool, kernels: tu
     ref = (B_SAMPLES[0], s_samples[0])
     regions = kernel_table.find_regions(traces[ref], kernels=kernels)
     fused = fused_patterns.find_fused(traces[ref], tokens=ref[0] * ref[1])
-    fused_patterns.check_routing(fused, spec)
+    experts = spec.moe_paths[1] if spec.is_moe and len(spec.moe_paths) > 1 else None
+    holds = experts is not None and any(n == experts or n.endswith(f".{experts}") for n, _ in truncated.named_modules())
+    fused_patterns.check_routing(fused, spec, holds_experts=holds)
     return _assemble(spec, traces[ref], exprs, measured[ref], truncated, regions, fused)
 
 

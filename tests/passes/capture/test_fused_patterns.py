@@ -132,6 +132,11 @@ def test_the_graphs_router_is_the_module_trees(model_type):
         fused_patterns.check_routing(found, dataclasses.replace(spec, moe_paths=("mlp.wrong", *spec.moe_paths[1:])))
     with pytest.raises(CaptureError, match="found no mixture of experts"):
         fused_patterns.check_routing(found, dataclasses.replace(spec, experts=0, top_k=0, moe_paths=()))
+    fused_patterns.check_routing(found, spec, holds_experts=True)  # the traced layer holds experts and routes
+    unrouted = [r for r in found if r.kernel != fused_patterns.ROUTER]  # a routing pattern the graph does not match
+    with pytest.raises(CaptureError, match=rf"routed experts at '{spec.moe_paths[1]}' but no router"):
+        fused_patterns.check_routing(unrouted, spec, holds_experts=True)
+    fused_patterns.check_routing(unrouted, spec)  # a layer without the experts (a dense kind) routes nothing
 
 
 def test_routed_experts_swiglu_is_priced_per_routed_row():
