@@ -233,40 +233,38 @@ def experts_ep_refusal(experts, where: str) -> str | None:
     """Why expert parallelism cannot run the routed-experts module `experts` (at `where`, the path the user reads:
     "layers.*.mlp.experts"), one line naming the module and the axis, or None: the one rule that the spec's
     refusals (models/presets.py, models/layered.py) and the runtime's `ParallelExperts` apply. Expert parallelism
-    (runtime/expert_parallel.py) swaps HF's experts module called with the model's routing (hidden, top_k_index,
-    top_k_weights), its weights expert-major and bias-free, `gate_up_proj` ([gate; up] x hidden, concatenated) or
-    `up_proj` (up x hidden) with `down_proj`, each expert HF's default MLP act(gate) * up (or act(up)) then down
-    (transformers.integrations.moe `use_experts_implementation`: has_bias, is_transposed, is_concatenated,
-    has_post_expert_norm, `_apply_gate`)."""
-    own = {n for n, _ in experts.named_parameters(recurse=False)}
-    gate = getattr(type(experts), "_apply_gate", None)
+    (runtime/expert_parallel.py) keeps HF's own experts module on each ep rank, holding that rank's experts, and
+    calls its forward (whatever its layout, biases and gating: GPT-OSS's transposed, interleaved, clamped experts)
+    on the tokens routed to them; so the module must take the model's routing (hidden, indices, weights), keep
+    `num_experts`, and index every parameter by expert on dim 0 (a norm shared by the experts is not sliced:
+    HF's `has_post_expert_norm`)."""
+    total = getattr(experts, "num_experts", None)
     why = next((reason for reason, broken in (
-        ("experts with biases", any(n.endswith("bias") for n in own) or bool(getattr(experts, "has_bias", False))),
-        ("its forward takes the tokens already scattered to every expert, not HF's routed experts call (top_k_index, "
-         "top_k_weights)", not _takes_routing(experts)),
-        ("weights stored transposed", bool(getattr(experts, "is_transposed", False))),
-        ("gate and up interleaved, not [gate; up]", getattr(experts, "is_concatenated", True) is False),
-        ("no gate_up_proj or up_proj with down_proj", not ({"gate_up_proj", "up_proj"} & own and "down_proj" in own)),
+        ("its forward takes the tokens already scattered to every expert, not HF's routed experts call (hidden, "
+         "top_k_index, top_k_weights)", not _takes_routing(experts)),
+        ("no num_experts attribute", not isinstance(total, int)),
         ("a norm after each expert", bool(getattr(experts, "has_post_expert_norm", False))),
-        ("its own gate function (_apply_gate)", gate is not None and gate.__name__ != "_default_apply_gate"))
+        ("a parameter not indexed by expert", any(p.dim() == 0 or p.shape[0] != total
+                                                  for p in experts.parameters())))
         if broken), None)
     if why is None:
         return None
-    return (f"{where} ({type(experts).__name__}): {why}; expert parallelism runs HF's routed experts without biases, "
-            "[gate; up] x hidden or up x hidden, act(gate) * up then down; use ep=1")
+    return (f"{where} ({type(experts).__name__}): {why}; expert parallelism runs HF's experts module on each rank's "
+            "slice of the experts (dim 0 of every parameter), called with the routing; use ep=1")
 
 
 def _takes_routing(experts) -> bool:
-    """Whether an experts module's forward is HF's experts interface (hidden states, top_k_index,
-    top_k_weights), the call expert parallelism dispatches; Llama-4's takes the tokens already repeated
-    per expert and scaled by the router instead."""
+    """Whether an experts module's forward is HF's experts interface: three inputs, the hidden states, the
+    top-k expert indices and their weights (Mixtral's top_k_index / top_k_weights, GPT-OSS's router_indices /
+    routing_weights), the call expert parallelism dispatches; Llama-4's takes the tokens already repeated per
+    expert and scaled by the router instead."""
     import inspect
 
     try:
-        names = tuple(inspect.signature(type(experts).forward).parameters)
+        params = list(inspect.signature(type(experts).forward).parameters.values())[1:]  # after self
     except (TypeError, ValueError):
         return False
-    return "top_k_index" in names and "top_k_weights" in names
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
 
 
 def tp_style_refusal(facts: ModelFacts) -> str | None:

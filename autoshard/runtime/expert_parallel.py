@@ -3,11 +3,10 @@
 Contract
 --------
 `apply_expert_parallel(model, spec, ep_group, ep=, ep_rank=)` replaces, in place, every HF experts
-module (the `expert` roles of the sharding table, rules/sharding.py: `<base>.layers.<i>.mlp.experts`
-of Mixtral / Qwen2-MoE) by a `ParallelExperts` holding this rank's
-contiguous slice of the experts (rank r of ep: experts [r*E/ep, (r+1)*E/ep)), under the same
-parameter names (`gate_up_proj`, or Nemotron-H's ungated `up_proj`; `down_proj`: dim 0 is the expert), so
-`named_parameters()` still reports the HF names. It returns the names of the expert parameters (`expert_param_names`).
+module (the `expert` roles of the sharding table, rules/sharding.py: `<base>.layers.<i>.mlp.experts`)
+by a `ParallelExperts` running HF's own experts module cut to this rank's contiguous slice of the
+experts (rank r of ep: experts [r*E/ep, (r+1)*E/ep); every parameter, weights and biases, sliced on
+dim 0), under HF's parameter names. It returns the names of the expert parameters (`expert_param_names`).
 
 The whole contract: docs/modules/runtime.md (runtime/expert_parallel.py).
 """
@@ -19,7 +18,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
@@ -43,35 +41,34 @@ def expert_param_names(model: nn.Module, spec: ModelSpec) -> frozenset[str]:
 
 
 class ParallelExperts(nn.Module):
-    """This rank's experts of one MoE layer; tokens dispatched and combined by all-to-all."""
+    """This rank's experts of one MoE layer; tokens dispatched and combined by all-to-all.
+
+    It runs HF's own experts module (its class and forward: biases, clamps, gating and layout are HF's),
+    sliced to this rank's experts: every parameter on dim 0 (the expert), `num_experts` the local count.
+    That module is held unregistered and shares its parameter dict with this one, so `named_parameters()`
+    reports HF's names at HF's path and a parameter replaced here (FSDP2, `.to`) is the one HF's forward reads."""
 
     def __init__(self, experts: nn.Module, *, group: dist.ProcessGroup, ep: int, ep_rank: int,
                  tp_group: dist.ProcessGroup | None = None, tp: int = 1, tp_rank: int = 0, where: str = "experts"):
         super().__init__()
-        why = experts_ep_refusal(experts, where)  # the spec's own ep refusal (models/facts.py), `where`: its path
-        if why:
+        why = experts_ep_refusal(experts, where) or (_tp_split_refusal(experts, where) if tp > 1 else None)
+        if why:  # the spec's own ep refusal (models/facts.py), `where`: its path
             raise InvalidConfigError(why)
         total = experts.num_experts  # ep divides it: the plan rule, checked by apply_expert_parallel
-        # gated ([gate; up] x hidden: Mixtral, Qwen2-MoE, DeepSeek) or plain (up x hidden: Nemotron-H's act(up))
-        self.gated = gated = isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
-        if tp > 1 and not gated:
-            raise InvalidConfigError(f"{type(experts).__name__}: a serving replica splits gated experts over tp; "
-                                     "these have no gate (up x hidden): use tp=1 with ep")
         self.num_experts, self.ep, self.group = total, ep, group
         self.tp, self.tp_group = tp, tp_group  # tp > 1 (serving): each expert's GEMMs split over tp
         self.local = total // ep
         self.first = first = ep_rank * self.local
         self.replicated = False  # True inside `replicated_tokens` (generation): expert slicing + all-reduce
-        up_name = "gate_up_proj" if gated else "up_proj"  # HF's name, kept (named_parameters reports it)
-        gate_up = getattr(experts, up_name).detach()[first:first + self.local]  # (E/ep, 2f or f, h)
-        down = experts.down_proj.detach()[first:first + self.local]  # (E/ep, h, f)
-        if tp > 1:
-            placements = expert_tp_placements(gate_up.shape[1] // 2, tp=tp, tp_rank=tp_rank)
-            gate_up, down = (shard_tensor(t, placements[name]) for t, name in ((gate_up, "gate_up_proj"),
-                                                                               (down, "down_proj")))
-        setattr(self, up_name, nn.Parameter(gate_up.clone()))
-        self.down_proj = nn.Parameter(down.clone())
-        self.act_fn = experts.act_fn
+        placements = expert_tp_placements(experts.down_proj.shape[-1], tp=tp, tp_rank=tp_rank) if tp > 1 else {}
+        for name, param in list(experts.named_parameters(recurse=False)):
+            mine = param.detach()[first:first + self.local]  # (E/ep, ...)
+            if name in placements:
+                mine = shard_tensor(mine, placements[name])
+            setattr(experts, name, nn.Parameter(mine.clone()))
+        experts.num_experts = self.local
+        self._parameters = experts._parameters  # one dict: HF's names, the tensors HF's forward reads
+        self.hf = (experts,)  # HF's module, not a child (its parameters are this module's)
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -85,15 +82,14 @@ class ParallelExperts(nn.Module):
         counts = torch.bincount(expert_ids, minlength=self.num_experts)  # (E,)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # [peer, local expert], flattened
-        per_peer = received.view(self.ep, self.local).tolist()
+        per_peer = received.view(self.ep, self.local)
         send = counts.view(self.ep, self.local).sum(1).tolist()
-        recv = [sum(row) for row in per_peer]
-        x = all_to_all_single_autograd(rows, recv, send, self.group)  # (R, h), peer-major
-        by_expert = _peer_to_expert_order(per_peer, x.device)
-        y = self._experts(x[by_expert], [sum(col) for col in zip(*per_peer)])  # expert-major
+        recv = per_peer.sum(1).tolist()
+        x = all_to_all_single_autograd(rows, recv, send, self.group)  # (R, h), peer-major, by expert within
+        local_ids = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(per_peer.reshape(-1))
+        y = self._experts(x, local_ids, top_k_weights.dtype)  # (R, h)
         if self.tp > 1:  # each tp rank computed its slice of every expert's intermediate width
             dist.all_reduce(y, group=self.tp_group)  # serving only (no autograd): inference plans do not train
-        y = y[torch.argsort(by_expert)]  # back to peer-major
         back = all_to_all_single_autograd(y, send, recv, self.group)  # (T*k, h), sorted by expert
         weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         out = weighted[torch.argsort(order)].view(tokens, k, -1).sum(dim=1)  # HF: reshape + sum over k
@@ -102,42 +98,32 @@ class ParallelExperts(nn.Module):
     def _sliced(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Every ep rank holds the same tokens: this rank's experts on the pairs routed to them, the
         weighted partial sums (T, h) all-reduced over ep (docs/modules/runtime.md, Generation)."""
-        out = torch.zeros_like(hidden)
-        for e in range(self.local):
-            token_idx, slot = torch.where(top_k_index == self.first + e)
-            if token_idx.numel():
-                y = self._expert(hidden[token_idx], e) * top_k_weights[token_idx, slot, None]
-                out.index_add_(0, token_idx, y.to(out.dtype))
+        token_idx, slot = torch.where((top_k_index >= self.first) & (top_k_index < self.first + self.local))
+        y = self._experts(hidden[token_idx], top_k_index[token_idx, slot] - self.first, top_k_weights.dtype)
+        out = torch.zeros_like(hidden).index_add_(0, token_idx, (y * top_k_weights[token_idx, slot, None]).to(hidden.dtype))
         if self.ep > 1:
             dist.all_reduce(out, group=self.group)
         if self.tp > 1:  # and over tp: each rank computed its slice of every expert's intermediate width
             dist.all_reduce(out, group=self.tp_group)
         return out
 
-    def _experts(self, x: Tensor, sizes: Sequence[int]) -> Tensor:
-        """Each local expert's MLP on its rows (x expert-major, `sizes` rows per expert)."""
-        outs = [self._expert(part, e) for e, part in enumerate(x.split(list(sizes)))]
-        return torch.cat(outs) if outs else x
-
-    def _expert(self, x: Tensor, e: int) -> Tensor:
-        """Local expert `e` on rows `x` (n, h): act(gate) * up then down (gated), or act(up) then down."""
-        if self.gated:
-            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, f) each
-            return F.linear(self.act_fn(gate) * up, self.down_proj[e])  # (n, h)
-        return F.linear(self.act_fn(F.linear(x, self.up_proj[e])), self.down_proj[e])
+    def _experts(self, x: Tensor, local_ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """HF's experts forward on rows `x` (n, h), row i routed to local expert `local_ids[i]` alone with
+        weight 1: each row's expert output, unweighted (the caller weighs it, as HF does after the expert)."""
+        return self.hf[0](x, local_ids.unsqueeze(-1), torch.ones(len(local_ids), 1, dtype=dtype, device=x.device))
 
 
-def _peer_to_expert_order(per_peer: list[list[int]], device: torch.device) -> Tensor:
-    """Row indices that turn peer-major rows ([peer][expert] blocks) into expert-major ones."""
-    starts, offset = [], 0
-    for row in per_peer:
-        starts.append([])
-        for n in row:
-            starts[-1].append(offset)
-            offset += n
-    pieces = [torch.arange(starts[p][e], starts[p][e] + per_peer[p][e], device=device)
-              for e in range(len(per_peer[0]) if per_peer else 0) for p in range(len(per_peer))]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+def _tp_split_refusal(experts: nn.Module, where: str) -> str | None:
+    """Why a serving replica cannot split `experts` over tp (`expert_tp_placements`: HF's default layout,
+    bias-free [gate; up] x hidden and down, not transposed), or None."""
+    own = dict(experts.named_parameters(recurse=False))
+    gate = getattr(type(experts), "_apply_gate", None)
+    if set(own) == {"gate_up_proj", "down_proj"} and not getattr(experts, "is_transposed", False) \
+            and getattr(experts, "is_concatenated", True) and getattr(gate, "__name__", "_default_apply_gate") \
+            == "_default_apply_gate":
+        return None
+    return (f"{where} ({type(experts).__name__}): a serving replica splits over tp only HF's default experts, "
+            f"bias-free [gate; up] x hidden and down, act(gate) * up (these hold {', '.join(own)}); use tp=1 with ep")
 
 
 def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_group: dist.ProcessGroup, *, ep: int,

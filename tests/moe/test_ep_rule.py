@@ -40,16 +40,12 @@ def _spec(model, name: str = "m"):
 def _refused_experts():
     """(name, model, a piece of the reason): a model whose experts ep cannot run, each for another reason."""
     mixtral = build_model(get_spec("mixtral-tiny"))
-    transposed, normed, gate = (copy.deepcopy(mixtral) for _ in range(3))
-    transposed.model.layers[0].mlp.experts.is_transposed = True
+    normed, shared = (copy.deepcopy(mixtral) for _ in range(2))
     normed.model.layers[0].mlp.experts.has_post_expert_norm = True
-    experts = gate.model.layers[0].mlp.experts
-    experts.__class__ = type("OwnGateExperts", (type(experts),), {"_apply_gate": lambda self, x: x})
-    return (("gpt_oss", build_tiny(tiny_config("gpt_oss")), "experts with biases"),
-            ("llama4", build_tiny(tiny_config("llama4_text")), "already scattered to every expert"),
-            ("transposed", transposed, "weights stored transposed"),
+    shared.model.layers[0].mlp.experts.bias = torch.nn.Parameter(torch.zeros(mixtral.config.hidden_size))  # one for all
+    return (("llama4", build_tiny(tiny_config("llama4_text")), "already scattered to every expert"),
             ("post-norm", normed, "a norm after each expert"),
-            ("own gate", gate, "its own gate function"))
+            ("shared parameter", shared, "a parameter not indexed by expert"))
 
 
 def test_refused_experts_are_refused_by_one_line_naming_module_and_axis():
@@ -61,34 +57,49 @@ def test_refused_experts_are_refused_by_one_line_naming_module_and_axis():
         with pytest.raises(InvalidConfigError) as raised:  # the runtime refuses it by the same rule
             ParallelExperts(experts, group=None, ep=1, ep_rank=0, where=path)
         assert str(raised.value) == why, name
-    gpt = build_tiny(tiny_config("gpt_oss"))  # the spec (plan, sweep, show) carries it as the ep refusal, at the layers' path
-    spec = _spec(gpt)
-    want = experts_ep_refusal(_experts(gpt)[1], "layers.*.mlp.experts")
+    llama4 = build_tiny(tiny_config("llama4_text"))  # the spec (plan, sweep, show) carries it as the ep refusal, at the layers' path
+    spec = _spec(llama4)
+    want = experts_ep_refusal(_experts(llama4)[1], "layers.*.feed_forward.experts")
     assert dict(spec.refused)["ep"] == want
     assert plan_violation(spec, Mesh(ep=2), **SIZES) == f"ep is refused for m: {want}"
 
 
 @pytest.mark.parametrize("build", [lambda: build_model(get_spec("mixtral-tiny")),
-                                   lambda: build_model(get_spec("qwen2-moe-tiny")), nemotron_h_tiny],
-                         ids=["mixtral (gated)", "qwen2-moe (shared expert)", "nemotron-h (plain up x hidden)"])
+                                   lambda: build_model(get_spec("qwen2-moe-tiny")), nemotron_h_tiny,
+                                   lambda: build_tiny(tiny_config("gpt_oss"))],
+                         ids=["mixtral (gated)", "qwen2-moe (shared expert)", "nemotron-h (plain up x hidden)",
+                              "gpt-oss (biases, transposed, interleaved, own gate)"])
 def test_accepted_experts_run_as_hf_runs_them(build):
     """A module the rule accepts is not refused by the spec and runs: one rank's ParallelExperts holding every
-    expert (the generation path: no collective at ep 1) gives HF's experts' output on the same routing."""
+    expert (the generation path: no collective at ep 1) gives HF's experts' output on the same routing, and
+    keeps HF's parameter names (biases included)."""
     torch.manual_seed(0)
     model = build()
     path, experts = _experts(model)
     assert experts_ep_refusal(experts, path) is None
     assert "ep" not in dict(_spec(model).refused)
-    parallel = ParallelExperts(experts, group=None, ep=1, ep_rank=0, where=path)
-    parallel.replicated = True
+    names = [n for n, _ in experts.named_parameters()]
     hidden = torch.randn(6, model.config.hidden_size)
     index = torch.randint(0, experts.num_experts, (6, 2))
     weights = torch.rand(6, 2)
-    torch.testing.assert_close(parallel(hidden, index, weights), experts(hidden, index, weights))
+    want = experts(hidden, index, weights)
+    parallel = ParallelExperts(experts, group=None, ep=1, ep_rank=0, where=path)
+    parallel.replicated = True
+    assert [n for n, _ in parallel.named_parameters()] == names
+    torch.testing.assert_close(parallel(hidden, index, weights), want)
+
+
+def test_serving_tp_split_takes_only_hf_default_experts():
+    """A serving replica's tp split of every expert (`expert_tp_placements`) is HF's default layout's: GPT-OSS's
+    biased, transposed, interleaved experts are refused by one line naming the module and tp."""
+    path, experts = _experts(build_tiny(tiny_config("gpt_oss")))
+    with pytest.raises(InvalidConfigError, match=rf"^{path} \(GptOssExperts\): a serving replica splits over tp .*"
+                                                 "gate_up_proj_bias.*use tp=1 with ep$"):
+        ParallelExperts(experts, group=None, ep=1, ep_rank=0, tp=2, where=path)
 
 
 def _parallelize_refuses_as_plan(rank: int, world: int) -> None:
-    model = build_tiny(tiny_config("gpt_oss"))
+    model = build_tiny(tiny_config("llama4_text"))
     want = plan_violation(_spec(model, model.config.model_type), Mesh(ep=2), **SIZES)  # parallelize's name for it
     with pytest.raises(InvalidConfigError) as raised:
         autoshard.parallelize(model, torch.zeros(2, 16, dtype=torch.long), plan=dict(ep=2), global_batch=8)
@@ -96,5 +107,5 @@ def _parallelize_refuses_as_plan(rank: int, world: int) -> None:
 
 
 def test_parallelize_refuses_the_experts_with_the_plans_line():
-    """On two gloo ranks, parallelize of GPT-OSS at ep 2 raises, on every rank, the line plan_violation gives."""
+    """On two gloo ranks, parallelize of Llama-4 at ep 2 raises, on every rank, the line plan_violation gives."""
     run_ranks(2, _parallelize_refuses_as_plan)

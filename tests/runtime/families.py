@@ -25,7 +25,7 @@ DENSE = {
 }
 MOE = {
     "qwen3_moe": _tiny("qwen3_moe"),
-    "gpt_oss": _tiny("gpt_oss"),  # attention sinks, biased experts (ep refused by name)
+    "gpt_oss": _tiny("gpt_oss"),  # attention sinks; biased, transposed, interleaved, clamped experts (HF's own under ep)
     "llama4": _tiny("llama4_text"),  # base_model_prefix names another model; experts called pre-scattered
 }
 
@@ -47,7 +47,6 @@ _SCAN = "the Mamba-1 selective scan of layers.0.mixer"
 PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
 REFUSED = {("phi3", "tp"): "qkv_proj: HF declares it 'colwise_gather_output'",
            ("olmo2", "tp"): "q_proj: HF declares it 'colwise_gather_output'",
-           ("gpt_oss", "ep"): "mlp.experts (GptOssExperts): experts with biases",
            ("llama4", "tp"): "HF's tp style 'packed_rowwise' has no rule",
            ("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
@@ -65,7 +64,7 @@ def _check_generate() -> None:
     """Greedy generation keeps the model's own forward (Gemma-2's softcap and scaled embedding, Granite's
     multipliers) under tp and over pipeline stages: Gemma-2 with 4 layers and a 3-token window, so the later
     stage's sliding layer sizes its mask without layer 0 (6 + 8 tokens: the window drops keys; without it the
-    tokens differ)."""
+    tokens differ); GPT-OSS's own experts (biases, clamped gate) sliced over ep 2 (`replicated_tokens`)."""
     import copy
 
     import torch
@@ -78,7 +77,8 @@ def _check_generate() -> None:
     windowed.layer_types = ["sliding_attention", "full_attention"] * 2
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
     for source, plan in ((DENSE["gemma2"], dict(tp=2)), (DENSE["granite"], dict(tp=2)),
-                         (DENSE["granite"], dict(pp=2)), (Tiny("gemma2-4-window3", windowed), dict(pp=2))):
+                         (DENSE["granite"], dict(pp=2)), (Tiny("gemma2-4-window3", windowed), dict(pp=2)),
+                         (MOE["gpt_oss"], dict(ep=2))):
         check_generate(source, plan, ids)
 
 
