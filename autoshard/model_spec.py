@@ -70,6 +70,9 @@ class ModelSpec:
     experts: int = 0
     top_k: int = 0
     shared_ffn: int = 0
+    # elements of one layer's routed experts as the model holds them (models/layered.py `with_experts`: GPT-OSS's
+    # biases, Nemotron-H's ungated up x hidden), where that is not experts x 3 x hidden x ffn (0: it is)
+    expert_numel: int = _fact(0)
     # facts read off a user's model (models/facts.py); at their defaults for the presets, and then left out
     # of the cache keys (passes/capture/table_cache.py), so the presets' shipped tables still match
     refused: tuple[tuple[str, str], ...] = _fact(())  # (axis, why) pairs this model cannot run yet
@@ -136,8 +139,8 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
-        """Parameters of the routed experts of ONE layer (gate, up and down of each expert)."""
-        return self.experts * 3 * self.hidden * self.ffn
+        """Parameters of the routed experts of ONE layer (gate, up and down of each expert, and any biases)."""
+        return self.expert_numel or self.experts * 3 * self.hidden * self.ffn
 
     @property
     def attention_head_dim(self) -> int:

@@ -100,20 +100,23 @@ def stack_experts(spec: ModelSpec, model: nn.Module, stack, config) -> ModelSpec
     for kind in stack.kinds:
         paths = _moe_modules(layers[kind.layers[0]], experts)
         if paths[0]:
-            return with_experts(spec, config, paths)
+            return with_experts(spec, config, paths, layers[kind.layers[0]])
     return spec
 
 
-def with_experts(spec: ModelSpec, config, paths: tuple) -> ModelSpec:
-    """`spec` as a MoE decoder whose layer holds its MoE block at `paths` ((experts, router, shared expert or "",
+def with_experts(spec: ModelSpec, config, paths: tuple, layer: nn.Module) -> ModelSpec:
+    """`spec` as a MoE decoder whose `layer` holds its MoE block at `paths` ((experts, router, shared expert or "",
     its parts), models/facts.py `_moe_modules`): the config's routed experts and top-k, their width (expert_ffn,
-    else intermediate_size: Mixtral's naming), the shared expert's width, and the block's paths (`moe_paths`)."""
+    else intermediate_size: Mixtral's naming), the shared expert's width, the block's paths (`moe_paths`), and
+    the experts' elements as the module holds them (`expert_numel`: biases, an ungated up x hidden)."""
     from autoshard.models.facts import config_value
 
     experts, router, shared, parts = paths
-    return replace(spec, experts=config_value(config, "experts"), top_k=config_value(config, "top_k", 1),
+    spec = replace(spec, experts=config_value(config, "experts"), top_k=config_value(config, "top_k", 1),
                    ffn=config_value(config, "expert_ffn", None) or spec.ffn,
                    shared_ffn=config_value(config, "shared_ffn", 0) or 0, moe_paths=(router, experts, shared, *parts))
+    numel = sum(p.numel() for p in layer.get_submodule(experts).parameters())
+    return spec if numel == spec.expert_params else replace(spec, expert_numel=numel)
 
 
 def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tuple[tuple[str, str], ...] | None:

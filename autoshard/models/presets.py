@@ -231,7 +231,8 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     from autoshard.models.layered import kv_latent, stack_experts, with_experts
 
     if facts.experts_path:
-        spec = with_experts(spec, config, (facts.experts_path, facts.router_path, facts.shared_path, facts.shared_parts))
+        spec = with_experts(spec, config, (facts.experts_path, facts.router_path, facts.shared_path, facts.shared_parts),
+                            model.get_submodule(facts.base).layers[0])
     spec = replace(spec, **kv_latent(model, config))  # MLA's compressed KV cache (DeepSeek)
     if hybrid is not None:  # Mamba-2 mixers beside attention (Falcon-H1): their state, priced in serving; its
         from autoshard.models.layered import beside_facts, layer_parts  # table from its layers' parts, its experts

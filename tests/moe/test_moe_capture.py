@@ -64,3 +64,15 @@ def test_inspect_splits_expert_and_dense_params_and_counts_top_k_flops(capsys, n
     assert data["flops_per_token"] < 6 * (n - spec.vocab * spec.hidden)
     assert main(["inspect", "--model", name, "--seq-len", "128"]) == 0
     assert "expert" in capsys.readouterr().out
+
+
+def test_expert_params_are_the_experts_modules_own():
+    """GPT-OSS's experts carry biases: the spec's expert parameters (inspect's expert / dense split, the
+    experts' gradient and optimizer bytes) are its experts modules' own elements, as HF counts them."""
+    from autoshard.models.tiny import build_tiny, tiny_config
+
+    model = build_tiny(tiny_config("gpt_oss"))
+    spec = spec_from_hf_config(model.config, name="gpt-oss-tiny", model=model)
+    held = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    assert any(name.endswith("experts.down_proj_bias") for name, _ in model.named_parameters())
+    assert spec.expert_params * spec.layers == held
