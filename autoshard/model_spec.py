@@ -73,6 +73,9 @@ class ModelSpec:
     # elements of one layer's routed experts as the model holds them (models/layered.py `with_experts`: GPT-OSS's
     # biases, Nemotron-H's ungated up x hidden), where that is not experts x 3 x hidden x ffn (0: it is)
     expert_numel: int = _fact(0)
+    # why a serving replica cannot split each expert's GEMMs over tp (models/facts.py `experts_tp_split_refusal`:
+    # GPT-OSS's biased experts, Nemotron-H's ungated ones), "" where it can
+    experts_no_tp_split: str = _fact("")
     # facts read off a user's model (models/facts.py); at their defaults for the presets, and then left out
     # of the cache keys (passes/capture/table_cache.py), so the presets' shipped tables still match
     refused: tuple[tuple[str, str], ...] = _fact(())  # (axis, why) pairs this model cannot run yet

@@ -253,6 +253,20 @@ def experts_ep_refusal(experts, where: str) -> str | None:
             "slice of the experts (dim 0 of every parameter), called with the routing; use ep=1")
 
 
+def experts_tp_split_refusal(experts, where: str) -> str | None:
+    """Why a serving replica cannot split each expert's GEMMs of `experts` over tp, one line naming the module, or
+    None: the runtime's `ParallelExperts` (runtime/expert_parallel.py `expert_tp_placements`) slices HF's default
+    layout only, bias-free [gate; up] x hidden and down, not transposed, act(gate) * up; the spec carries the line
+    (`ModelSpec.experts_no_tp_split`) so the inference planner offers no such replica."""
+    own = [n for n, _ in experts.named_parameters(recurse=False)]
+    gate = getattr(getattr(type(experts), "_apply_gate", None), "__name__", "_default_apply_gate")
+    if sorted(own) == ["down_proj", "gate_up_proj"] and not getattr(experts, "is_transposed", False) \
+            and getattr(experts, "is_concatenated", True) and gate == "_default_apply_gate":
+        return None
+    return (f"{where} ({type(experts).__name__}): a serving replica splits over tp only HF's default experts, "
+            f"bias-free [gate; up] x hidden and down, act(gate) * up (these hold {', '.join(own)}); use tp=1 with ep")
+
+
 def _takes_routing(experts) -> bool:
     """Whether an experts module's forward is HF's experts interface: three inputs, the hidden states, the
     top-k expert indices and their weights (Mixtral's top_k_index / top_k_weights, GPT-OSS's router_indices /

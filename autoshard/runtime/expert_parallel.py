@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Shard
 from autoshard.model_spec import ModelSpec
-from autoshard.models.facts import experts_ep_refusal
+from autoshard.models.facts import experts_ep_refusal, experts_tp_split_refusal
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
 from autoshard.runtime.tensor_parallel import shard_tensor
 
@@ -51,7 +51,7 @@ class ParallelExperts(nn.Module):
     def __init__(self, experts: nn.Module, *, group: dist.ProcessGroup, ep: int, ep_rank: int,
                  tp_group: dist.ProcessGroup | None = None, tp: int = 1, tp_rank: int = 0, where: str = "experts"):
         super().__init__()
-        why = experts_ep_refusal(experts, where) or (_tp_split_refusal(experts, where) if tp > 1 else None)
+        why = experts_ep_refusal(experts, where) or (experts_tp_split_refusal(experts, where) if tp > 1 else None)
         if why:  # the spec's own ep refusal (models/facts.py), `where`: its path
             raise InvalidConfigError(why)
         total = experts.num_experts  # ep divides it: the plan rule, checked by apply_expert_parallel
@@ -111,19 +111,6 @@ class ParallelExperts(nn.Module):
         """HF's experts forward on rows `x` (n, h), row i routed to local expert `local_ids[i]` alone with
         weight 1: each row's expert output, unweighted (the caller weighs it, as HF does after the expert)."""
         return self.hf[0](x, local_ids.unsqueeze(-1), torch.ones(len(local_ids), 1, dtype=dtype, device=x.device))
-
-
-def _tp_split_refusal(experts: nn.Module, where: str) -> str | None:
-    """Why a serving replica cannot split `experts` over tp (`expert_tp_placements`: HF's default layout,
-    bias-free [gate; up] x hidden and down, not transposed), or None."""
-    own = dict(experts.named_parameters(recurse=False))
-    gate = getattr(type(experts), "_apply_gate", None)
-    if set(own) == {"gate_up_proj", "down_proj"} and not getattr(experts, "is_transposed", False) \
-            and getattr(experts, "is_concatenated", True) and getattr(gate, "__name__", "_default_apply_gate") \
-            == "_default_apply_gate":
-        return None
-    return (f"{where} ({type(experts).__name__}): a serving replica splits over tp only HF's default experts, "
-            f"bias-free [gate; up] x hidden and down, act(gate) * up (these hold {', '.join(own)}); use tp=1 with ep")
 
 
 def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_group: dist.ProcessGroup, *, ep: int,

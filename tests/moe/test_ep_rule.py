@@ -12,7 +12,7 @@ import torch
 import autoshard
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh
-from autoshard.models.facts import _moe_modules, config_value, experts_ep_refusal
+from autoshard.models.facts import _moe_modules, config_value, experts_ep_refusal, experts_tp_split_refusal
 from autoshard.models.layered import layered_spec
 from autoshard.models.presets import build_model, get_spec, spec_from_hf_config
 from autoshard.models.tiny import build_tiny, tiny_config
@@ -91,8 +91,16 @@ def test_accepted_experts_run_as_hf_runs_them(build):
 
 def test_serving_tp_split_takes_only_hf_default_experts():
     """A serving replica's tp split of every expert (`expert_tp_placements`) is HF's default layout's: GPT-OSS's
-    biased, transposed, interleaved experts are refused by one line naming the module and tp."""
-    path, experts = _experts(build_tiny(tiny_config("gpt_oss")))
+    biased, transposed, interleaved experts are refused by one line naming the module and tp, the line the spec
+    carries (`experts_no_tp_split`), so the inference planner offers its replicas tp 1 only (ep still runs)."""
+    from autoshard.passes.serving.serving import _runs
+
+    gpt = build_tiny(tiny_config("gpt_oss"))
+    path, experts = _experts(gpt)
+    spec = _spec(gpt)
+    assert spec.experts_no_tp_split == experts_tp_split_refusal(experts, "layers.*.mlp.experts")
+    assert not _runs(spec, 2, 1) and _runs(spec, 1, 1, 2)
+    assert get_spec("mixtral-tiny").experts_no_tp_split == "" and _runs(get_spec("mixtral-tiny"), 2, 1)
     with pytest.raises(InvalidConfigError, match=rf"^{path} \(GptOssExperts\): a serving replica splits over tp .*"
                                                  "gate_up_proj_bias.*use tp=1 with ep$"):
         ParallelExperts(experts, group=None, ep=1, ep_rank=0, tp=2, where=path)

@@ -84,8 +84,8 @@ def layouts(spec: ModelSpec, devices: int) -> tuple[tuple[int, int, int], ...]:
 def _runs(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> bool:
     """Whether `DistributedModel.generate` runs one replica of tp x pp x ep (the check it makes itself)."""
     strategies = runnable_strategies(spec, tp)  # a vocabulary tp does not divide: embedding and head replicated
-    if spec.is_moe and spec.ffn % tp:  # a replica splits every expert's GEMMs over tp (runtime/expert_parallel.py)
-        return False
+    if spec.is_moe and tp > 1 and (spec.ffn % tp or spec.experts_no_tp_split):  # a replica splits every
+        return False  # expert's GEMMs over tp (runtime/expert_parallel.py), HF's default layout only
     return strategies is not None and generate_violation(spec, Mesh(tp=tp, pp=pp, ep=ep), strategies=strategies) is None
 
 
