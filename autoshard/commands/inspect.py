@@ -102,7 +102,7 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
     blocks = [_block_summary(block, micro_batch, seq_len) for block in table.blocks]
     params = sum(blk["params_total"] for blk in blocks) + table.shared_params
     moe = moe_params(spec, params)
-    scan, no_attention = table.scan_layers()  # Mamba-1 selective scans (passes/capture/selective_scan.py)
+    scan, no_attention = table.scan_layers()  # the scans substituted at capture (Mamba-1's, the delta rule)
     if table.mixed:
         attention, ssd = table.mixer_layers(mamba2=spec.mixer is Mixer.SSD)
         model_flops = 6 * params + 12 * attention * spec.hidden * seq_len
@@ -112,7 +112,8 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
                    + (f" + SSD per Mamba-2 layer ({ssd}; arXiv 2405.21060 sec. 8.3)" if ssd else ""))
         if scan:
             model_flops += 3 * scan
-            formula += " + 3 x 9*d_inner*d_state per Mamba-1 layer (selective scan, state-spaces/mamba issue 110)"
+            formula += (" + 3 x the forward FLOPs of the scans substituted at capture (Mamba-1's selective scan: "
+                        "9*d_inner*d_state, state-spaces/mamba issue 110; the gated delta rule: fla's chunked kernel)")
     elif spec.mixer is Mixer.SSD:
         model_flops = 6 * params + ssd_flops_per_token(spec, seq_len)
         formula = "6*N + SSD (arXiv 2405.21060 sec. 8.3, training = 3x forward)"

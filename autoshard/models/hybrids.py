@@ -1,4 +1,4 @@
-"""Published configs of two large mixed layer stacks, as `package.module:factory` callables (`--model
+"""Published configs of large mixed layer stacks, as `package.module:factory` callables (`--model
 autoshard.models.hybrids:nemotron_h_56b`): the HF model built from its config, on the device the caller sets
 (`resolve_model` builds on meta: no weights are materialised), for planning; bench/bench_mixed_plan.py plans both.
 
@@ -10,6 +10,9 @@ autoshard.models.hybrids:nemotron_h_56b`): the HF model built from its config, o
   the others 256 routed experts of width 2048, top-8, 1 shared expert; MLA with 128 heads, q rank 1536, KV
   rank 512, rope / nope / value head dims 64 / 128 / 128; hidden 7168, vocabulary 129280; its experts in
   HF's fixed-shape `grouped_mm` (traceable on fake tensors); no multi-token-prediction layer.
+* `qwen3_next_80b`: Qwen3-Next-80B-A3B (transformers' `Qwen3NextConfig` defaults are its config): 48 layers,
+  three gated DeltaNet layers then one gated attention layer, repeated; 512 routed experts of width 512, top-10,
+  a shared expert; hidden 2048, vocabulary 151936; its experts in `grouped_mm`.
 """
 
 from __future__ import annotations
@@ -53,3 +56,9 @@ def deepseek_v3():
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(deepseek_v3_config())
+
+
+def qwen3_next_80b():
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    return AutoModelForCausalLM.from_config(Qwen3NextConfig(attn_implementation="sdpa", experts_implementation="grouped_mm"))

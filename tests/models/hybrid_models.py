@@ -77,3 +77,4 @@ _TINY = {
 bamba_tiny, nemotron_h_tiny, granitemoehybrid_tiny, falcon_h1_tiny, jamba_tiny, zamba2_tiny, deepseek_v3_tiny = (
     functools.partial(build, t) for t in ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "jamba", "zamba2",
                                           "deepseek_v3"))
+qwen3_next_tiny = functools.partial(build, "qwen3_next")

@@ -114,10 +114,11 @@ def capture_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, m
     from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autoshard.passes.capture.selective_scan import substituted
+    from autoshard.passes.capture import gated_delta_rule, selective_scan
 
-    try:  # a Mamba-1 scan is traced as one op, whatever the sequence length (passes/capture/selective_scan.py)
-        with recorder, fx_traceback.preserve_node_meta(), substituted(model):
+    try:  # a Mamba-1 scan and a gated delta rule are each traced as one op, whatever the sequence length
+        with recorder, fx_traceback.preserve_node_meta(), selective_scan.substituted(model), \
+                gated_delta_rule.substituted(model):
             gm = make_fx(step, tracing_mode="fake", pre_dispatch=False)(
                 *fake_params.values(), *fake_buffers.values(), *fake_inputs)
     except CaptureError:

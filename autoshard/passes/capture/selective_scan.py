@@ -12,14 +12,15 @@ The op, its saved chunk states, `SCAN_FLOPS` and their sources: docs/modules/cap
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
+from autoshard.passes.capture.dispatch import dispatch_points, reference_grads, swapped
+
+TRACED = "autoshard.selective_scan."  # the target prefix of the forward op's node in a traced graph
 CHUNK = 2048  # tokens per chunk state of mamba_ssm's selective_scan_fwd kernel (kNThreads * kNItems = 128 * 16)
 _INTERFACE = ("delta_bias", "delta_softplus", "return_last_state")  # selective_scan_fn's keyword arguments
 
@@ -77,18 +78,7 @@ def ops() -> tuple:
     def scan_backward(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor],
                       z: Optional[Tensor], delta_bias: Optional[Tensor], dy: Tensor, x: Tensor, out: Tensor,
                       delta_softplus: bool) -> list[Tensor]:
-        inputs = (u, delta, A, B, C, D, z, delta_bias)
-        present = [i for i, t in enumerate(inputs) if t is not None]
-
-        def forward(*given):
-            full = list(inputs)
-            for i, t in zip(present, given):
-                full[i] = t
-            return reference_scan(*full, delta_softplus)[0]
-
-        _, vjp = torch.func.vjp(forward, *(inputs[i] for i in present))
-        grads = dict(zip(present, vjp(dy.float())))
-        return [grads[i].to(t.dtype) if t is not None else u.new_empty(0) for i, t in enumerate(inputs)]
+        return reference_grads(lambda *t: reference_scan(*t, delta_softplus)[0], (u, delta, A, B, C, D, z, delta_bias), dy)
 
     @scan_backward.register_fake
     def _(u, delta, A, B, C, D, z, delta_bias, dy, x, out, delta_softplus):
@@ -131,24 +121,15 @@ SCAN_FLOPS = {  # op name -> FLOPs from its arguments' values (see the module do
 
 # -- finding and swapping the dispatch points ---------------------------------------------------------------
 
+def _takes_scan(params: tuple[str, ...]) -> bool:
+    """selective_scan_fn's signature: five tensors, then `_INTERFACE` among its keywords."""
+    return len(params) >= 5 and all(k in params for k in _INTERFACE)
+
+
 def scan_dispatch(module: nn.Module) -> tuple[dict, str] | None:
-    """(globals, name) of the function a Mamba-1 mixer's forward calls to scan, or None: a global of its forward
-    whose signature is selective_scan_fn's (five tensors, then `_INTERFACE` among its keywords)."""
-    forward = inspect.unwrap(type(module).forward)
-    names = getattr(getattr(forward, "__code__", None), "co_names", ())
-    for name in names:
-        fn = forward.__globals__.get(name)
-        if fn is substitute_scan:
-            return forward.__globals__, name
-        if not callable(fn) or isinstance(fn, type):
-            continue
-        try:
-            params = tuple(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            continue
-        if len(params) >= 5 and all(k in params for k in _INTERFACE):
-            return forward.__globals__, name
-    return None
+    """(globals, name) of the function a Mamba-1 mixer's forward calls to scan (selective_scan_fn's signature),
+    or None."""
+    return next(iter(dispatch_points(module, _takes_scan, substitute_scan)), None)
 
 
 def scan_mixers(model: nn.Module) -> tuple[tuple[str, nn.Module], ...]:
@@ -158,19 +139,7 @@ def scan_mixers(model: nn.Module) -> tuple[tuple[str, nn.Module], ...]:
     return tuple((p, m) for p, m in model.named_modules() if _selective_scan(m))
 
 
-@contextlib.contextmanager
-def substituted(model: nn.Module) -> Iterator[int]:
+def substituted(model: nn.Module):
     """While open, the Mamba-1 mixers of `model` scan through `autoshard::selective_scan`; yields how many
     dispatch points were swapped (a mixer whose forward has none is traced as it is)."""
-    points = {}
-    for _, module in scan_mixers(model):
-        found = scan_dispatch(module)
-        if found is not None and found[0].get(found[1]) is not substitute_scan:
-            points[(id(found[0]), found[1])] = (found[0], found[1], found[0][found[1]])
-    try:
-        for where, name, _ in points.values():
-            where[name] = substitute_scan
-        yield len(points)
-    finally:
-        for where, name, original in points.values():
-            where[name] = original
+    return swapped((m for _, m in scan_mixers(model)), _takes_scan, substitute_scan)

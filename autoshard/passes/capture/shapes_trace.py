@@ -24,7 +24,7 @@ from autoshard.passes.capture import fused_patterns
 from autoshard.passes.capture import kernels as kernel_table
 from autoshard.passes.capture import layer_kinds
 from autoshard.passes.capture.capture import BWD, FWD, Captured, Site, capture_model
-from autoshard.passes.capture.selective_scan import SCAN_FLOPS
+from autoshard.passes.capture import gated_delta_rule, selective_scan
 
 B_SAMPLES = (2, 3)
 FIELDS = ("flops", "bytes_read", "bytes_written", "saved_bytes", "g0", "g1", "g2", "g3")
@@ -41,6 +41,7 @@ _DATA_OPS = frozenset({
 # ops that are views in practice though their schema does not say so
 _VIEW_OPS = frozenset({"_unsafe_view", "detach", "alias", "lift_fresh"})
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
+_SCAN_FLOPS = {**selective_scan.SCAN_FLOPS, **gated_delta_rule.FLOPS}  # op name -> FLOPs of its arguments
 # ops whose work is one step per element of their first operand (reductions, scatters); every other
 # arithmetic op does one step per output element (broadcasting makes the output the largest operand)
 _REDUCE_OPS = frozenset({
@@ -312,8 +313,8 @@ def _measure_node(node: fx.Node) -> _Measure:
     elif name == "_grouped_mm":
         flops, gemm = _grouped_matmul(args, out)
         kind = OpKind.MATMUL
-    elif name in SCAN_FLOPS:  # the Mamba-1 selective scan substituted at capture: mamba_ssm's kernel
-        flops = SCAN_FLOPS[name](args)
+    elif name in _SCAN_FLOPS:  # a scan substituted at capture, priced as its kernel (mamba_ssm's, fla's)
+        flops = _SCAN_FLOPS[name](args)
     elif name in ("convolution", "convolution_backward"):
         flops, dense = _conv(name, args, out)
         kind = OpKind.MATMUL if dense else OpKind.VECTOR
