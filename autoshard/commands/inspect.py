@@ -23,6 +23,7 @@ from autoshard.commands.common import cost_table_for
 from autoshard.cost_table import B, S, BlockCost, CostTable
 from autoshard.ir import POSITIVE_INT, OpKind
 from autoshard.model_spec import Mixer, ModelSpec
+from autoshard.passes.cost.compiled import routes_tokens
 
 DEFAULT_SEQ_LEN = 4096
 
@@ -101,7 +102,8 @@ def summarize(spec: ModelSpec, table: CostTable, *, seq_len: int, micro_batch: i
     """The numbers `inspect` prints, as one JSON-able dict."""
     blocks = [_block_summary(block, micro_batch, seq_len) for block in table.blocks]
     params = sum(blk["params_total"] for blk in blocks) + table.shared_params
-    moe = moe_params(spec, params)
+    moe = moe_params(spec, params, moe_layers=sum(b.count for b in table.layer_blocks() if routes_tokens(b))
+                     if table.mixed else spec.layers)
     scan, no_attention = table.scan_layers()  # the scans substituted at capture (Mamba-1's, the delta rule)
     if table.mixed:
         attention, ssd = table.mixer_layers(mamba2=spec.mixer is Mixer.SSD)
@@ -151,11 +153,12 @@ def fused_kernels(table: CostTable) -> list[dict[str, Any]]:
     return out
 
 
-def moe_params(spec: ModelSpec, params: float) -> dict[str, Any]:
-    """Expert / dense / active-per-token parameters of a MoE model (an empty dict for a dense one)."""
+def moe_params(spec: ModelSpec, params: float, *, moe_layers: int) -> dict[str, Any]:
+    """Expert / dense / active-per-token parameters of a MoE model whose `moe_layers` layers hold routed experts
+    (a mixed stack: those whose graph routes tokens; the others are dense), an empty dict for a dense one."""
     if not spec.is_moe:
         return {}
-    expert = spec.expert_params * spec.layers
+    expert = spec.expert_params * moe_layers
     dense = int(params) - expert
     return {"experts": spec.experts, "top_k": spec.top_k, "expert_params": expert, "dense_params": dense,
             "active_params": dense + expert * spec.top_k // spec.experts}

@@ -115,6 +115,12 @@ def _compile_mixed(table: CostTable, spec: ModelSpec) -> CompiledTable:
                          mixers=table.mixer_layers(mamba2=spec.mixer is Mixer.SSD), scans=table.scan_layers())
 
 
+def routes_tokens(block) -> bool:
+    """Whether a layer block routes tokens to experts on its graph (a router feeding topk,
+    passes/capture/fused_patterns.py)."""
+    return any(n.region is not None and n.region.kernel == ROUTER for n in block.nodes)
+
+
 def kind_spec(spec: ModelSpec, block, first_layer: int) -> ModelSpec:
     """The spec one layer kind of a mixed stack is priced with: the stack's, without its routed experts for a
     kind whose layer routes no tokens on its graph (no router feeding topk, passes/capture/fused_patterns.py:
@@ -127,7 +133,7 @@ def kind_spec(spec: ModelSpec, block, first_layer: int) -> ModelSpec:
                                          if not p.layers or first_layer in p.layers))
     if not spec.is_moe:
         return spec
-    if any(n.region is not None and n.region.kernel == ROUTER for n in block.nodes):  # routes tokens on its graph
+    if routes_tokens(block):
         return spec
     return replace(spec, experts=0, top_k=0, shared_ffn=0, moe_paths=())
 

@@ -106,6 +106,9 @@ def test_inspect_has_a_row_per_kind(capsys, tmp_path, monkeypatch):
     assert data["params"] == hybrid_models.nemotron_h_tiny().num_parameters()
     assert data["layer_kinds"] == list(KINDS["nemotron_h"][0])
     assert "attention layer (1)" in data["model_flops_formula"] and "Mamba-2 layer (2" in data["model_flops_formula"]
+    model = hybrid_models.nemotron_h_tiny()  # the routed experts of its one MoE layer, not of every layer
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mixer.experts." in n)
+    assert data["expert_params"] == experts and data["dense_params"] == data["params"] - experts
 
 
 def _as_two_kinds(table, sequence):
