@@ -17,7 +17,10 @@ def emit_training(args, plan, spec, hw, table) -> int:
     from autoshard.engines.training_run import price, run_of_plan
     from autoshard.passes.cost.compiled import compile_table
 
-    ct = compile_table(table if table is not None else _table(spec, hw), spec)
+    # Megatron fuses the norms, RoPE and SwiGLU (Transformer Engine) of every model; the others run the layers as
+    # autoshard's runtime does (rules/kernels.py)
+    ct = compile_table(table if table is not None else _table(spec, hw), spec,
+                       layers_compiled=True if args.emit == "megatron" else None)
     engine = {"megatron": megatron, "torchtitan": torchtitan, "accelerate": accelerate}[args.emit]
     gb, sl = plan.global_batch, plan.seq_len
     run, notes = engine.project(ct, hw, spec, run_of_plan(plan), global_batch=gb, seq_len=sl,

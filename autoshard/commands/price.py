@@ -112,7 +112,9 @@ def run(args) -> int:
     from autoshard.engines.training_run import compare, price
     from autoshard.passes.cost.compiled import compile_table
 
-    ct = compile_table(table, spec)
+    # a Megatron run fuses its norms, RoPE and SwiGLU (Transformer Engine) in every model; autoshard's own layout
+    # fuses them where its runtime compiles the layers (rules/kernels.py)
+    ct = compile_table(table, spec, layers_compiled=True if args.from_megatron else None)
     priced = price(ct, hw, spec, run_, global_batch=global_batch, seq_len=seq_len, moe_imbalance=args.moe_imbalance)
     best = None if args.no_best else _best(spec, hw, own, devices, global_batch, seq_len, args.moe_imbalance, module)
     out = {"model": spec.name, "hardware": hw.name, "devices": devices, "global_batch": global_batch,

@@ -8,14 +8,14 @@ from __future__ import annotations
 from torch import nn
 
 from autoshard.errors import InvalidConfigError
-from autoshard.model_spec import Mixer, ModelSpec
+from autoshard.model_spec import ModelSpec
+from autoshard.rules.kernels import compiles_layers
 
 
 def compile_backend(setting: bool | str | None, spec: ModelSpec, device_type: str, *,
                     training: bool = True) -> str | None:
-    if setting is None:
-        dense_attention = spec.mixer is Mixer.ATTENTION and not spec.is_moe
-        return "inductor" if training and device_type == "cuda" and dense_attention else None
+    if setting is None:  # the one rule the cost model prices fused kernels by (rules/kernels.py)
+        return "inductor" if training and device_type == "cuda" and compiles_layers(spec) else None
     if setting is True:
         return "inductor"
     if setting is False:

@@ -20,6 +20,7 @@ from autoshard.passes.cost import fused_regions, moe_cost
 from autoshard.passes.cost.collectives import Collective, best_time
 from autoshard.passes.cost import sequence_cost
 from autoshard.rules import sharding
+from autoshard.rules.kernels import runs_fused
 from autoshard.rules.sharding import selective_module
 from autoshard.rules.ranks import group_stride
 from autoshard.passes.cost.layout import BlockTime, Layout
@@ -79,8 +80,9 @@ def fp8_refusal(hw: DeviceProfile) -> str:
 
 
 def _fused_scales(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int):
-    """Per-node factors on the traced bytes and saved bytes: the fused kernels the device runs
-    (passes/cost/fused_regions.py) and the precision (tables are traced in bf16)."""
+    """Per-node factors on the traced bytes and saved bytes: the fused kernels a training run on the device runs
+    (passes/cost/fused_regions.py; rules/kernels.runs_fused: the compiled-layer fusions only where the runtime
+    compiles the layers) and the precision (tables are traced in bf16)."""
     blk = ct.block(kind)
     key = ("fused_scales", layout.micro_batch, seq_len, hw, layout.numerics)  # the same for every mesh
     memo = blk.shaped.at(seq_len)
@@ -88,14 +90,17 @@ def _fused_scales(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bl
         vals = blk.evaluate(layout.micro_batch, seq_len)
         prec = layout.numbers
         byte_scale, saved_scale = fused_regions.fused_scales(
-            blk.region, blk.region_kernels, blk.region_sizes, blk.fwd, vals[1], vals[2], fused=hw.fuses,
+            blk.region, blk.region_kernels, blk.region_sizes, blk.fwd, vals[1], vals[2],
+            fused=lambda kernel: runs_fused(kernel, hw.kernels, ct.layers_compiled),
             tokens=float(layout.micro_batch * seq_len), act_bytes=2.0)
         memo[key] = (byte_scale * prec.traced_scale, saved_scale * prec.traced_scale)
     return memo[key]
 
 
 def _flash(ct: CompiledTable, hw: DeviceProfile) -> bool:
-    return hw.fuses("flash_attention") and ct.spec.mixer is Mixer.ATTENTION
+    """Whether the attention GEMMs (the s x s ones) are priced as the flash kernel: on a device that runs it, in
+    every layer kind holding them (a hybrid's attention layers too: HF's sdpa call is the same)."""
+    return hw.fuses("flash_attention")
 
 
 def _node_times(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> np.ndarray:

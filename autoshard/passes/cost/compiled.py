@@ -22,6 +22,7 @@ from autoshard.passes.capture.fused_patterns import ROUTER
 from autoshard.passes.cost import fused_regions
 from autoshard.passes.cost.shape_memo import ShapeMemo
 from autoshard.rules import sharding
+from autoshard.rules.kernels import compiles_layers
 from autoshard.rules.sharding import selective_module
 from autoshard.passes.cost.layout import Layout
 
@@ -79,6 +80,9 @@ class CompiledTable:
     kind_names: tuple[str, ...] = ()  # the name of each kind (passes/capture/layer_kinds.py), in `kinds` order
     mixers: tuple[int, int] = (0, 0)
     scans: tuple[float, int] = (0.0, 0)  # CostTable.scan_layers: Mamba-1 scan FLOPs per token, layers without attention
+    # whether the runtime compiles the model's layers (rules/kernels.compiles_layers of the whole model's spec, also
+    # on each kind of a mixed stack): the compiled-layer fusions are priced only then
+    layers_compiled: bool = True
     # what the planner computes once per model and keeps over plans (passes/solve/bounds.py: the ZeRO state of a
     # layout), each entry keyed on all it depends on besides the table
     memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -87,8 +91,10 @@ class CompiledTable:
         return self.blocks[kind]
 
 
-def compile_table(table: CostTable | CompiledTable, spec: ModelSpec) -> CompiledTable:
-    """Turn the SymPy table into arrays and one lambdified function per block (done once)."""
+def compile_table(table: CostTable | CompiledTable, spec: ModelSpec, *,
+                  layers_compiled: bool | None = None) -> CompiledTable:
+    """Turn the SymPy table into arrays and one lambdified function per block (done once); `layers_compiled`:
+    None reads it off `spec` (rules/kernels.compiles_layers)."""
     if isinstance(table, CompiledTable):
         return table
     if table.mixed:
@@ -100,7 +106,8 @@ def compile_table(table: CostTable | CompiledTable, spec: ModelSpec) -> Compiled
         if kind not in blocks:
             raise InvalidConfigError(f"cost table of {table.model} has no {kind.value} block; "
                                      "build it with autoshard.passes.capture.shapes.build_cost_table")
-    return CompiledTable(spec=spec, blocks=blocks, scans=table.scan_layers())
+    return CompiledTable(spec=spec, blocks=blocks, scans=table.scan_layers(),
+                         layers_compiled=compiles_layers(spec) if layers_compiled is None else layers_compiled)
 
 
 def _compile_mixed(table: CostTable, spec: ModelSpec) -> CompiledTable:
@@ -108,11 +115,13 @@ def _compile_mixed(table: CostTable, spec: ModelSpec) -> CompiledTable:
     edges = [b for b in table.blocks if b.kind is not BlockKind.LAYER]
     layers = table.layer_blocks()
     views = tuple(compile_table(replace(table, blocks=(edges[0], blk, edges[1]), layer_kinds=(), shared_params=0),
-                                kind_spec(spec, blk, table.layer_kinds.index(blk.name))) for blk in layers)
+                                kind_spec(spec, blk, table.layer_kinds.index(blk.name)),
+                                layers_compiled=compiles_layers(spec)) for blk in layers)
     names = [b.name for b in layers]
     return CompiledTable(spec=spec, blocks=views[0].blocks, kinds=views, kind_names=tuple(names),
                          layer_kinds=tuple(names.index(k) for k in table.layer_kinds),
-                         mixers=table.mixer_layers(mamba2=spec.mixer is Mixer.SSD), scans=table.scan_layers())
+                         mixers=table.mixer_layers(mamba2=spec.mixer is Mixer.SSD), scans=table.scan_layers(),
+                         layers_compiled=compiles_layers(spec))
 
 
 def routes_tokens(block) -> bool:

@@ -157,8 +157,8 @@ class InferenceTable:
 def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) -> InferenceTable:
     if isinstance(table, InferenceTable):
         return table
-    ct = compile_table(table, spec)
-    if not ct.kinds:
+    ct = compile_table(table, spec, layers_compiled=True)  # priced as serving engines run it: their norms, RoPE and
+    if not ct.kinds:                                       # SwiGLU fused (CUDA graphs and custom ops), any model
         return _kind_table(ct, table.blocks, spec)
     edges = [b for b in table.blocks if b.kind is not BlockKind.LAYER]
     kinds = tuple(_kind_table(view, (edges[0], blk, edges[1]), spec)
