@@ -14,6 +14,11 @@ import sympy
 
 from autoshard.ir import BlockKind, OpKind
 
+# the target prefixes of the forward nodes of the scans substituted at capture (the ops registered by
+# passes/capture/selective_scan.py and passes/capture/gated_delta_rule.py as autoshard::<name>); kept here, where
+# a plan of a shipped table reads them without importing torch
+SCAN_TARGETS = ("autoshard.selective_scan.", "autoshard.gated_delta_rule.")
+
 B, S = sympy.symbols("b s", positive=True, integer=True)
 
 
@@ -100,12 +105,12 @@ class CostTable:
 
     def scan_layers(self) -> tuple[float, int]:
         """(forward FLOPs per token of the recurrent scans of all layers, layers holding one with no attention op):
-        the scans substituted at capture (`scan_targets`: Mamba-1's selective scan, the gated delta rule), read
+        the scans substituted at capture (`SCAN_TARGETS`: Mamba-1's selective scan, the gated delta rule), read
         off the graph."""
         flops, bare = 0.0, 0
         for block in self.layer_blocks():
             fwd = [n for n in block.nodes if n.phase == "fwd"]
-            scans = [n for n in fwd if n.target.startswith(scan_targets())]
+            scans = [n for n in fwd if n.target.startswith(SCAN_TARGETS)]
             flops += block.count * sum(float(sympy.sympify(n.flops).subs({B: 1, S: 1})) for n in scans)
             bare += block.count * (bool(scans) and not any(is_attention_op(n) for n in fwd))
         return flops, bare
@@ -129,14 +134,6 @@ class CostTable:
         (no parallelism, no recompute): what `saved_activation_bytes` of tests/runtime/measure.py measures."""
         return sum(float(sympy.sympify(n.saved_bytes).subs({B: batch, S: seq})) * blk.count
                    for blk in self.blocks for n in blk.nodes)
-
-
-def scan_targets() -> tuple[str, ...]:
-    """Target prefixes of the forward nodes of the scans substituted at capture (passes/capture/selective_scan.py,
-    passes/capture/gated_delta_rule.py)."""
-    from autoshard.passes.capture import gated_delta_rule, selective_scan
-
-    return selective_scan.TRACED, gated_delta_rule.TRACED
 
 
 def is_attention_op(node: NodeCost) -> bool:

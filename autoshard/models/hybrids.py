@@ -1,19 +1,14 @@
 """Published configs of large mixed layer stacks, as `package.module:factory` callables (`--model
-autoshard.models.hybrids:nemotron_h_56b`): the HF model built from its config, on the device the caller sets
-(`resolve_model` builds on meta: no weights are materialised), for planning; bench/bench_mixed_plan.py plans both.
+autoshard.models.hybrids:nemotron_h_56b`), built on the device the caller sets (`resolve_model`: meta, no weights):
 
-* `nemotron_h_56b`: NVIDIA Nemotron-H-56B-Base-8K (arXiv 2504.03624; the layer pattern, widths and head
-  counts of Megatron-Bridge's `NemotronHModelProvider56B`): 118 layers, 54 Mamba-2 ("M"), 10 attention
-  ("*") and 54 squared-ReLU MLP ("-") layers, hidden 8192, 64 attention heads (8 KV, head dim 128), MLP
-  32768, Mamba-2 256 heads of 64, 8 groups, state 256, conv 4, chunk 128, vocabulary 131072.
-* `deepseek_v3`: DeepSeek-V3 (arXiv 2412.19437, its config.json): 61 layers, the first 3 dense (MLP 18432),
-  the others 256 routed experts of width 2048, top-8, 1 shared expert; MLA with 128 heads, q rank 1536, KV
-  rank 512, rope / nope / value head dims 64 / 128 / 128; hidden 7168, vocabulary 129280; its experts in
-  HF's fixed-shape `grouped_mm` (traceable on fake tensors); no multi-token-prediction layer.
-* `qwen3_next_80b`: Qwen3-Next-80B-A3B (transformers' `Qwen3NextConfig` defaults are its config): 48 layers,
-  three gated DeltaNet layers then one gated attention layer, repeated; 512 routed experts of width 512, top-10,
-  a shared expert; hidden 2048, vocabulary 151936; its experts in `grouped_mm`.
-"""
+* `nemotron_h_56b`: Nemotron-H-56B-Base-8K (arXiv 2504.03624; Megatron-Bridge's `NemotronHModelProvider56B`):
+  118 layers, 54 Mamba-2, 10 attention, 54 squared-ReLU MLP; hidden 8192, 64 heads (8 KV), MLP 32768, Mamba-2
+  256 heads of 64, 8 groups, state 256, chunk 128, vocabulary 131072.
+* `deepseek_v3`: DeepSeek-V3 (arXiv 2412.19437, its config.json): 61 layers, 3 dense (MLP 18432) then 256 routed
+  experts of width 2048, top-8, 1 shared; MLA 128 heads, q rank 1536, KV rank 512; hidden 7168; no MTP layer.
+* `qwen3_next_80b`: Qwen3-Next-80B-A3B (`Qwen3NextConfig`'s defaults): 48 layers, three gated DeltaNet then one
+  gated attention, repeated; 512 routed experts of width 512, top-10, a shared expert; hidden 2048.
+Experts in HF's fixed-shape `grouped_mm` (traceable on fake tensors); bench/bench_mixed_plan.py plans the first two."""
 
 from __future__ import annotations
 

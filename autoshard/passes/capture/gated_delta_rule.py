@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from autoshard.passes.capture.dispatch import reference_grads, swapped
 
 CHUNK = 64  # tokens per chunk of fla's chunk_gated_delta_rule (and HF's torch fallback's default chunk_size)
-OP, TRACED = "gated_delta_rule", "autoshard.gated_delta_rule."  # the op's name, its forward node's target prefix
+OP = "gated_delta_rule"  # the op's name (its traced node's target prefix is in cost_table.SCAN_TARGETS)
 
 
 def reference_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None,

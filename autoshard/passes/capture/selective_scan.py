@@ -20,7 +20,6 @@ from torch import Tensor, nn
 
 from autoshard.passes.capture.dispatch import dispatch_points, reference_grads, swapped
 
-TRACED = "autoshard.selective_scan."  # the target prefix of the forward op's node in a traced graph
 CHUNK = 2048  # tokens per chunk state of mamba_ssm's selective_scan_fwd kernel (kNThreads * kNItems = 128 * 16)
 _INTERFACE = ("delta_bias", "delta_softplus", "return_last_state")  # selective_scan_fn's keyword arguments
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from autoshard.cli import main
-from autoshard.cost_table import B, S
+from autoshard.cost_table import SCAN_TARGETS, B, S
 from autoshard.passes.capture import gated_delta_rule
 from autoshard.passes.capture.capture import capture_model
 from tests.models import hybrid_models
@@ -80,6 +80,7 @@ def test_one_graph_for_every_sequence_length_and_symbolic_cost():
     targets = [t for _, t in sigs[0]]
     linear = sum(t == "linear_attention" for t in model.config.layer_types)
     assert targets.count("autoshard.gated_delta_rule.default") == linear
+    assert f"autoshard.{gated_delta_rule.OP}." in SCAN_TARGETS  # where CostTable.scan_layers finds it
     assert targets.count("autoshard.gated_delta_rule_backward.default") == linear
 
 
