@@ -242,7 +242,10 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         spec = replace(spec, parts=layer_parts(model, stack)[0])
     # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
     # where HF declares no tp plan, the Megatron pairs found on the graph (passes/capture/tp_proposal.py) are the table
-    pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe)) if hybrid is None else ((), None, None)
+    # where HF's declared plan gathers (colwise_gather_output / rowwise_split_input), the declared layout is the table
+    gathers = not spec.is_moe and any(s in F.GATHERED_STYLES for _, s in facts.tp_plan)
+    pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe),
+                                       declared=facts.tp_plan if gathers else ()) if hybrid is None else ((), None, None)
     spec = replace(spec, tp_pairs=pairs)
     if proof is not None:
         spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)
@@ -255,22 +258,25 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     return replace(spec, refused=found + verified)
 
 
-def _tp_proof(spec: ModelSpec, model, *, propose: bool = False):
+def _tp_proof(spec: ModelSpec, model, *, propose: bool = False, declared: tuple[tuple[str, str], ...] = ()):
     """(pairs, proof, why): the proof of `spec`'s tp strategy on `model`'s traced graph (passes/capture/tp_proof.py)
     and None, or no proof and why: the model does not trace or, `propose` (the config declares no tp plan), no
     Megatron pairing is found on its graph. `pairs`: with `propose`, the layout found (passes/capture/tp_proposal.py,
-    `ModelSpec.tp_pairs`) that the proof is of. Memoised per model class and config."""
-    key = (type(model), model.config.to_json_string(use_diff=False), spec, propose)
+    `ModelSpec.tp_pairs`) that the proof is of; with `declared` (HF's plan, where it gathers), the layout it declares
+    (`tp_proposal.declared`). Memoised per model class and config."""
+    key = (type(model), model.config.to_json_string(use_diff=False), spec, propose, declared)
     if key not in _PROOFS:
         from autoshard.errors import CaptureError
         from autoshard.passes.capture.tp_proof import prove_tp, traced
-        from autoshard.passes.capture.tp_proposal import propose as pairs_of
+        from autoshard.passes.capture.tp_proposal import declared as declared_pairs, propose as pairs_of
 
         try:
             graph = traced(model)
-            found = pairs_of(graph[1], _layer0(graph[0]), spec) if propose else None
+            found = pairs_of(graph[1], _layer0(graph[0]), spec) if propose else \
+                declared_pairs(_layer0(graph[0]), spec, declared) if declared else None
             if found is not None and found.refusal is not None:
-                _PROOFS[key] = (), None, f"HF declares no tp plan for it, and on its graph {found.refusal}"
+                _PROOFS[key] = (), None, (f"HF declares no tp plan for it, and on its graph {found.refusal}" if propose
+                                          else found.refusal)
             else:
                 pairs = found.roles if found is not None else ()
                 _PROOFS[key] = pairs, prove_tp(replace(spec, tp_pairs=pairs), model, graph), None

@@ -139,3 +139,32 @@ def test_no_consistent_pairing_is_refused_naming_the_module():
     model = _toy(96, shared=False)
     found = propose(capture_model(model, (torch.zeros(2, 8, dtype=torch.long),)), model.layers[0], spec)
     assert found.roles == (("mlp", "region", "ffn"), ("mlp.up", "colwise", "ffn"), ("mlp.down", "rowwise", "ffn"))
+
+
+def test_a_gathered_plan_is_read_as_declared_or_refused_by_name():
+    """HF's gathered styles (colwise_gather_output / rowwise_split_input) become roles by the linear's whole width,
+    plain colwise / rowwise linears Megatron pairs in their parent's region; a gathered linear inside such a region,
+    a pattern naming no linear and a width no size matches are refused naming the module."""
+    from torch import nn
+
+    from autoshard.passes.capture.tp_proposal import declared
+    from tests.runtime.families import DENSE
+
+    assert DENSE["phi3"].spec.tp_pairs == (
+        ("self_attn.qkv_proj", "colwise_gather_output", "qkv"), ("self_attn.o_proj", "rowwise_split_input", "q"),
+        ("mlp.gate_up_proj", "colwise_gather_output", "gate_up"), ("mlp.down_proj", "rowwise_split_input", "ffn"))
+    spec = DENSE["phi3"].spec  # hidden 64, 4 heads of 16, 2 KV heads, MLP 96
+    layer = nn.Module()
+    layer.mlp = nn.Module()
+    layer.mlp.up, layer.mlp.down, layer.mlp.inner = nn.Linear(64, 96), nn.Linear(96, 64), nn.Module()
+    layer.mlp.inner.x, layer.mlp.inner.odd = nn.Linear(64, 192), nn.Linear(64, 100)
+    pair = (("layers.*.mlp.up", "colwise"), ("layers.*.mlp.down", "rowwise"))
+    assert declared(layer, spec, pair).roles == (("mlp", "region", "ffn"), ("mlp.up", "colwise", "ffn"),
+                                                 ("mlp.down", "rowwise", "ffn"))
+    gathered = (("layers.*.mlp.inner.x", "colwise_gather_output"),)
+    assert declared(layer, spec, gathered).roles == (("mlp.inner.x", "colwise_gather_output", "gate_up"),)
+    assert declared(layer, spec, pair + gathered).refusal.startswith(
+        "layers.*.mlp.inner.x: HF declares it gathered inside layers.*.mlp, a tp region")
+    assert "names no linear of the layer" in declared(layer, spec, (("layers.*.mlp.gone", "colwise"),)).refusal
+    assert declared(layer, spec, (("layers.*.mlp.inner.odd", "colwise_gather_output"),)).refusal.startswith(
+        "layers.*.mlp.inner.odd: its output width 100 is no size")
