@@ -780,4 +780,6 @@ def _role_placement(spec: ModelSpec, role: Role, tp: int, sequence_parallel: boo
         value = f"{value} ({parts} parts)"
     if any(whole_pieces(spec, role, tp)):
         value = f"{value} (groups whole)"
+    if role.gathered:  # HF's colwise_gather_output / rowwise_split_input
+        value = f"{value} ({'output gathered' if role.strategy is Strategy.COLWISE else 'input split'})"
     return name, value
