@@ -42,7 +42,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
 # HF tp-plan styles (transformers.integrations.tensor_parallel ALL_PARALLEL_STYLES) and what the
 # sharding table does with them: "run" (a role the runtime carries out) or why not yet
 # colwise_gather_output (output all-gathered whole) / rowwise_split_input (whole input sliced): `GATHERED_STYLES`, run
-# as HF declares them in a dense model (passes/capture/tp_proposal.py `declared`), not yet beside routed experts
+# as HF declares them (passes/capture/tp_proposal.py `declared`; outside a MoE block)
 GATHERED_STYLES = ("colwise_gather_output", "rowwise_split_input")
 RUN_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "embedding_rowwise", "moe_tp_experts",
               "packed_colwise", "grouped_gemm", "ep_dispatch_experts", *GATHERED_STYLES)
@@ -273,9 +273,6 @@ def tp_style_refusal(facts: ModelFacts) -> str | None:
     """Why HF's declared tp plan names a style autoshard does not run, naming the module, or None. Whether
     the sharding table itself holds is proven on the traced graph (passes/capture/tp_proof.py)."""
     for pattern, style in facts.tp_plan:
-        if style in GATHERED_STYLES and facts.experts_path:
-            return (f"{pattern}: HF declares it {style!r} in a mixture of experts, whose sharding table does not run "
-                    "gathered linears yet; tp is not offered for this model (dp, pp, cp and ep still plan)")
         if style in NOT_YET:
             return (f"{pattern}: HF declares it {style!r}: {NOT_YET[style]}; tp is not offered for this model "
                     "(dp, pp, cp and ep still plan)")

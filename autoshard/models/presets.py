@@ -243,9 +243,12 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
     # where HF declares no tp plan, the Megatron pairs found on the graph (passes/capture/tp_proposal.py) are the table
     # where HF's declared plan gathers (colwise_gather_output / rowwise_split_input), the declared layout is the table
-    gathers = not spec.is_moe and any(s in F.GATHERED_STYLES for _, s in facts.tp_plan)
+    # (of a MoE model: its plan outside the MoE block, which keeps its own roles, `sharding._moe_block`)
+    block = facts.experts_path.rpartition(".")[0]
+    outside = tuple((p, s) for p, s in facts.tp_plan if not (block and p.startswith(f"layers.*.{block}.")))
+    gathers = any(s in F.GATHERED_STYLES for _, s in outside)
     pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe),
-                                       declared=facts.tp_plan if gathers else ()) if hybrid is None else ((), None, None)
+                                       declared=outside if gathers else ()) if hybrid is None else ((), None, None)
     spec = replace(spec, tp_pairs=pairs)
     if proof is not None:
         spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)

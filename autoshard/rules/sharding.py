@@ -180,8 +180,8 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
     if spec.parts:
         base = _parts_table(spec)
     else:
-        base = _LLAMA_NO_MLP + _moe_block(spec) if spec.is_moe else proposed_table(spec.tp_pairs) if spec.tp_pairs \
-            else TABLES[spec.mixer]
+        dense = proposed_table(spec.tp_pairs) if spec.tp_pairs else _LLAMA_NO_MLP if spec.is_moe else TABLES[spec.mixer]
+        base = dense + _moe_block(spec) if spec.is_moe else dense
     out = []
     for role in base:
         if role.path == "self_attn" and spec.head_params:

@@ -38,8 +38,9 @@ NO_TP_PLAN = {
 }
 
 # HF's gathered styles beside plain ones: GLM-4's per-head attention region and gathered gate_up_proj ->
-# down_proj, OLMo-3's gathered q/k/v with OLMo-2's norms and sliding windows (tp only: their other axes are DENSE's)
-GATHERED = {"glm4": _tiny("glm4"), "olmo3": _tiny("olmo3")}
+# down_proj, OLMo-3's gathered q/k/v with OLMo-2's norms and sliding windows, OLMoE's beside routed experts
+# (tp only: their other axes are DENSE's and MOE's)
+GATHERED = {"glm4": _tiny("glm4"), "olmo3": _tiny("olmo3"), "olmoe": _tiny("olmoe")}
 
 # a uniform stack of a sequence mixer with no rule (Mamba-1's selective scan): the model's own forward under dp and
 # pp; tp, cp (and sequence parallelism) refused naming the module (models/layered.py `_ruleless_refusals`)

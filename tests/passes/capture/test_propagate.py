@@ -13,7 +13,7 @@ from autoshard.ir import BlockKind
 from autoshard.models.presets import build_model, get_spec
 from autoshard.passes.capture.placements import R, Shard
 from autoshard.passes.capture.tp_proof import prove_tp, strategy, table_findings
-from tests.runtime.families import DENSE, MOE, REFUSED
+from tests.runtime.families import DENSE, GATHERED, MOE, REFUSED
 
 GRAD_SUMS = {name: ("self_attn.q_norm", "self_attn.k_norm") for name in ("qwen3", "gemma3", "qwen3_moe")}
 PRESETS = ("llama-tiny", "mamba2-tiny", "mixtral-tiny", "qwen2-moe-tiny")
@@ -25,7 +25,7 @@ def _model(name: str):
     if name in PRESETS:
         spec = get_spec(name)
         return spec, build_model(spec, device="meta")
-    source = {**DENSE, **MOE}[name]
+    source = {**DENSE, **MOE, **GATHERED}[name]
     return source.spec, source.build()
 
 
@@ -34,7 +34,7 @@ def _proof(name: str):
     return prove_tp(*_model(name))
 
 
-@pytest.mark.parametrize("name", [*DENSE, *MOE, *PRESETS])
+@pytest.mark.parametrize("name", [*DENSE, *MOE, *GATHERED, *PRESETS])
 def test_the_proof_matches_the_equivalence_runs(name):
     spec, _ = _model(name)
     proof = _proof(name)
@@ -81,22 +81,24 @@ def test_phi3_fused_qkv_is_a_fused_projection():
     assert f.kind == "fused projection" and "self_attn.qkv_proj" in f.detail
 
 
-@pytest.mark.parametrize("name", ["phi3", "olmo2"])
+@pytest.mark.parametrize("name", ["phi3", "olmo2", "olmoe"])
 def test_gathered_styles_are_the_table_as_hf_declares_them(name):
     """The table of a model whose plan gathers is HF's declared plan: each colwise_gather_output / rowwise_split_input
     linear a gathered colwise / rowwise role by its whole width, no tp region around it (the attention, and Phi-3's
-    MLP, whole on every rank), OLMo-2's plain MLP a Megatron pair in its region."""
+    MLP, whole on every rank), OLMo-2's plain MLP a Megatron pair in its region; OLMoE's MoE block keeps its roles."""
     from autoshard.rules import sharding
 
     spec, model = _model(name)
     roles = {r.path: r for r in sharding.table(spec) if r.block is BlockKind.LAYER}
-    declared = {p.removeprefix("layers.*."): s for p, s in model.config.base_model_tp_plan.items()}
+    declared = {p.removeprefix("layers.*."): s for p, s in model.config.base_model_tp_plan.items()
+                if not p.startswith("layers.*.mlp.experts")}
     for path, style in declared.items():
         role = roles[path]
         assert role.gathered == (style in ("colwise_gather_output", "rowwise_split_input")), path
         assert role.strategy.value == style.partition("_")[0], path
     regions = {p for p, r in roles.items() if r.strategy is sharding.Strategy.REGION}
     assert regions == ({"mlp"} if name == "olmo2" else set())
+    assert roles.get("mlp.experts") is None or roles["mlp.experts"].strategy is sharding.Strategy.EXPERT
     assert "tp" not in dict(spec.refused)
 
 
