@@ -141,7 +141,7 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
         return dict(common, attrs=_part_attrs(spec, layers, tp, tp_rank, strategies))
     if spec.mixer is Mixer.ATTENTION:
         attention = sharding.selective_module(spec)  # the attention module (the layer's first tp region)
-        if attention != spec.attention_path:  # it runs whole on every rank (gathered q/k/v): its head counts kept
+        if sharding.attention_whole(spec):  # it runs whole on every rank (gathered q/k/v): its head counts kept
             return dict(common, attrs=())
         attrs = [a for p in layers
                  for a in _attention_attrs(f"{p}.{attention}", spec.heads, spec.kv_heads, spec.attention_attrs, tp=tp)]

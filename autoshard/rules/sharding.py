@@ -521,9 +521,19 @@ def role_divisor(spec: ModelSpec, role: Role, tp: int) -> float:
     return sum(lengths) / held
 
 
+def attention_whole(spec: ModelSpec) -> bool:
+    """Whether the attention module runs whole on every tp rank: HF's gathered q/k/v (`Role.gathered` linears in
+    it, OLMo-2's, Phi-3's qkv_proj) give it every head."""
+    return any(r.gathered and r.strategy is Strategy.COLWISE and r.path.startswith(spec.attention_path + ".")
+               for r in table(spec) if r.block is BlockKind.LAYER)
+
+
 def kv_parts(spec: ModelSpec, tp: int) -> int:
-    """Parts the KV heads are cut into at `tp` (min(tp, kv_heads) under GQA; tp where `tp_violation` passes),
-    whatever the model calls its k / v projections. ValueError when tp cannot split them (`tp_violation` says why)."""
+    """Parts the KV heads are cut into at `tp` (min(tp, kv_heads) under GQA; tp where `tp_violation` passes; 1 where
+    the attention runs whole, `attention_whole`), whatever the model calls its k / v projections. ValueError when tp
+    cannot split them (`tp_violation` says why)."""
+    if attention_whole(spec):
+        return 1
     parts = piece_parts(spec, _PROPOSED_PIECES["kv"], tp)
     if parts is None:
         raise ValueError(f"tp={tp} cannot split the {spec.kv_heads} KV heads of {spec.name}")

@@ -46,3 +46,18 @@ def test_gathered_linears_price_their_all_gathers(name):
     fwd, bwd, gathered, split = EXPECTED[name]
     assert _tp_comm(ct, HW, layout, BlockKind.LAYER, seq) == pytest.approx((fwd * ar + ag(gathered),
                                                                              bwd * ar + ag(split)))
+
+
+def test_a_gathered_attention_is_priced_whole_on_every_rank():
+    """Gathered q/k/v (Phi-3, OLMo-2) run the attention whole on every tp rank: its KV heads are not cut (the CP
+    K/V all-gather, the serving KV cache), as GLM-4's per-head attention region is."""
+    from autoshard.passes.serving.inference_cost import cache_bytes_per_layer
+    from autoshard.rules import sharding
+    from tests.runtime.families import GATHERED
+
+    for name, whole in (("phi3", True), ("olmo2", True), ("glm4", False)):
+        spec = (DENSE.get(name) or GATHERED[name]).spec
+        assert sharding.attention_whole(spec) is whole, name
+        assert sharding.kv_parts(spec, 2) == (1 if whole else 2), name
+        cache = [cache_bytes_per_layer(spec, batch=1, tokens=16, tp=tp) for tp in (1, 2)]
+        assert cache[1] == (cache[0] if whole else cache[0] / 2), name
