@@ -271,12 +271,12 @@ def _tp_proof(spec: ModelSpec, model, *, propose: bool = False, declared: tuple[
     if key not in _PROOFS:
         from autoshard.errors import CaptureError
         from autoshard.passes.capture.tp_proof import prove_tp, traced
-        from autoshard.passes.capture.tp_proposal import declared as declared_pairs, propose as pairs_of
+        from autoshard.passes.capture.tp_proposal import propose as pairs_of
 
         try:
             graph = traced(model)
             found = pairs_of(graph[1], _layer0(graph[0]), spec) if propose else \
-                declared_pairs(_layer0(graph[0]), spec, declared) if declared else None
+                _declared_layout(spec, model, graph, declared) if declared else None
             if found is not None and found.refusal is not None:
                 _PROOFS[key] = (), None, (f"HF declares no tp plan for it, and on its graph {found.refusal}" if propose
                                           else found.refusal)
@@ -287,6 +287,18 @@ def _tp_proof(spec: ModelSpec, model, *, propose: bool = False, declared: tuple[
             _PROOFS[key] = (), None, (f"the model's graph does not trace, so its tp strategy cannot be proven ({e}); "
                                       "tp is not offered for this model (dp, pp, cp and ep still plan)")
     return _PROOFS[key]
+
+
+def _declared_layout(spec: ModelSpec, model, graph, declared: tuple[tuple[str, str], ...]):
+    """The layout of HF's gathering plan `declared` (passes/capture/tp_proposal.py `declared`): its fused [gate; up]
+    pairs packed (a Megatron pair, nothing gathered) where the graph proves them chunked, else as HF declares them."""
+    from autoshard.passes.capture.tp_proof import prove_tp
+    from autoshard.passes.capture.tp_proposal import declared as declared_pairs
+
+    packed = declared_pairs(_layer0(graph[0]), spec, declared, packed=True)
+    if packed.refusal is None and prove_tp(replace(spec, tp_pairs=packed.roles), model, graph).proven:
+        return packed
+    return declared_pairs(_layer0(graph[0]), spec, declared)
 
 
 def _layer0(model):

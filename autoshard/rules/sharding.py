@@ -295,7 +295,8 @@ _PROPOSED_PIECES = {"q": Piece("q", "heads"), "kv": Piece("kv", "kv_heads", shar
 # a pair's strategy name -> (strategy, gathered): HF's gathered styles (models/facts.py GATHERED_STYLES) too
 _PROPOSED = {"region": (Strategy.REGION, False), "colwise": (Strategy.COLWISE, False),
              "rowwise": (Strategy.ROWWISE, False), "colwise_gather_output": (Strategy.COLWISE, True),
-             "rowwise_split_input": (Strategy.ROWWISE, True)}
+             "rowwise_split_input": (Strategy.ROWWISE, True), "packed_colwise": (Strategy.COLWISE, False)}
+_PACKED_PIECES = {"gate_up": (Piece("ffn", "ffn"), Piece("ffn", "ffn"))}  # [gate; up], each split by the MLP width
 
 
 def proposed_table(pairs: tuple[tuple[str, str, str], ...]) -> tuple[Role, ...]:
@@ -303,13 +304,15 @@ def proposed_table(pairs: tuple[tuple[str, str, str], ...]) -> tuple[Role, ...]:
     Megatron pairs found on the graph of a model that declares no tp plan, or HF's declared plan where it
     gathers (colwise_gather_output / rowwise_split_input, passes/capture/tp_proposal.py `declared`), with LLaMA's embedding and head
     roles around them; the layer's norms hold no role (replicated; no sequence-parallel rule). A gathered
-    linear splits its whole width (any column split gathers back exactly): tp must divide it."""
+    linear splits its whole width (any column split gathers back exactly): tp must divide it; a packed one
+    (`packed_colwise`, a fused [gate; up] the graph proves chunked) each of its pieces."""
     layer = []
     for path, strategy, length in pairs:
         kind, gathered = _PROPOSED[strategy]
         params = () if kind is Strategy.REGION else ("weight",) if kind is Strategy.ROWWISE else _LINEAR
-        piece = Piece(length, length) if gathered else _PROPOSED_PIECES[length]
-        layer.append(Role(path, _L, kind, (piece,), params,
+        pieces = (Piece(length, length),) if gathered else _PACKED_PIECES[length] if strategy == "packed_colwise" \
+            else (_PROPOSED_PIECES[length],)
+        layer.append(Role(path, _L, kind, pieces, params,
                           fan="one" if strategy == "region" else "hidden", gathered=gathered))
     return (*(r for r in LLAMA if r.block is _E), *layer, *(r for r in LLAMA if r.block is _H))
 

@@ -19,7 +19,7 @@ DENSE = {
     "mistral": _tiny("mistral", sliding_window=4),  # the window under cp and in the stages' masks
     "gemma2": _tiny("gemma2"),  # scaled embedding, final and attention softcaps, alternating windows
     "gemma3": _tiny("gemma3_text"),  # q/k norms, rotary per layer type (local / global)
-    "phi3": _tiny("phi3"),  # fused qkv / gate_up, HF's colwise_gather_output / rowwise_split_input: run as declared
+    "phi3": _tiny("phi3"),  # fused qkv gathered as HF declares it; fused gate_up packed (the graph chunks it)
     "olmo2": _tiny("olmo2"),  # full-width q/k norms on gathered q/k/v (and a padding row the embedding keeps)
     "granite": _tiny("granite"),  # embedding / residual / attention multipliers, logits scaling
 }

@@ -84,20 +84,23 @@ def test_phi3_fused_qkv_is_a_fused_projection():
 @pytest.mark.parametrize("name", ["phi3", "olmo2", "olmoe"])
 def test_gathered_styles_are_the_table_as_hf_declares_them(name):
     """The table of a model whose plan gathers is HF's declared plan: each colwise_gather_output / rowwise_split_input
-    linear a gathered colwise / rowwise role by its whole width, no tp region around it (the attention, and Phi-3's
-    MLP, whole on every rank), OLMo-2's plain MLP a Megatron pair in its region; OLMoE's MoE block keeps its roles."""
+    linear a gathered colwise / rowwise role by its whole width, no tp region around it (the attention whole on every
+    rank), OLMo-2's plain MLP a Megatron pair in its region, Phi-3's fused [gate; up] too (packed: the graph chunks
+    it); OLMoE's MoE block keeps its roles."""
     from autoshard.rules import sharding
 
     spec, model = _model(name)
     roles = {r.path: r for r in sharding.table(spec) if r.block is BlockKind.LAYER}
     declared = {p.removeprefix("layers.*."): s for p, s in model.config.base_model_tp_plan.items()
                 if not p.startswith("layers.*.mlp.experts")}
+    packed = ("mlp.gate_up_proj", "mlp.down_proj") if name == "phi3" else ()  # chunked on the graph: a Megatron pair
     for path, style in declared.items():
         role = roles[path]
-        assert role.gathered == (style in ("colwise_gather_output", "rowwise_split_input")), path
+        assert role.gathered == (style in ("colwise_gather_output", "rowwise_split_input") and path not in packed), path
         assert role.strategy.value == style.partition("_")[0], path
+    assert [len(roles[p].pieces) for p in packed] == ([2, 1] if packed else [])  # [gate; up] by the MLP width
     regions = {p for p, r in roles.items() if r.strategy is sharding.Strategy.REGION}
-    assert regions == ({"mlp"} if name == "olmo2" else set())
+    assert regions == ({"mlp"} if name != "olmoe" else set())
     assert roles.get("mlp.experts") is None or roles["mlp.experts"].strategy is sharding.Strategy.EXPERT
     assert "tp" not in dict(spec.refused)
 
@@ -184,3 +187,22 @@ def test_a_gained_dim_moves_the_split_dim_up():
         assert RULES[op](None, ins(Shard(1), 2), ctx) == Shard(1), op
         assert RULES[op](None, ins(Shard(2), -1), ctx) == Shard(2), op  # -1: the new last dim
         assert RULES[op](None, ins(R, 0), ctx) == R, op
+
+
+def test_a_strided_cut_of_packed_pieces_is_caught():
+    """An interleaved [gate; up] (every other column) is no packed pair: a strided slice of packed pieces is a
+    finding, a contiguous cut at their bound is the piece."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from autoshard.passes.capture.placement_rules import RULES
+    from autoshard.passes.capture.placements import Context, Unprovable
+
+    node = SimpleNamespace(target=torch.ops.aten.slice.Tensor)
+    packed = Shard(2, (8, 8))
+    ctx = Context(shapes=((2, 4, 16),), out=(2, 4, 8), phase="fwd", counts=frozenset(), rowwise=False, names=(),
+                  handled=[])
+    assert RULES["slice"](node, [packed, 2, 8, 16, 1], ctx) == Shard(2)
+    with pytest.raises(Unprovable, match="with step 2"):
+        RULES["slice"](node, [packed, 2, 0, 16, 2], ctx)

@@ -141,17 +141,27 @@ def test_no_consistent_pairing_is_refused_naming_the_module():
     assert found.roles == (("mlp", "region", "ffn"), ("mlp.up", "colwise", "ffn"), ("mlp.down", "rowwise", "ffn"))
 
 
-def test_a_gathered_plan_is_read_as_declared_or_refused_by_name():
+def test_a_gathered_plan_is_read_as_declared_or_refused_by_name(monkeypatch):
     """HF's gathered styles (colwise_gather_output / rowwise_split_input) become roles by the linear's whole width,
     plain colwise / rowwise linears Megatron pairs in their parent's region; a gathered linear inside such a region,
     a pattern naming no linear and a width no size matches are refused naming the module."""
     from torch import nn
 
+    from autoshard.models.presets import _declared_layout
+    from autoshard.passes.capture.tp_proof import traced
     from autoshard.passes.capture.tp_proposal import declared
     from tests.runtime.families import DENSE
 
-    assert DENSE["phi3"].spec.tp_pairs == (
-        ("self_attn.qkv_proj", "colwise_gather_output", "qkv"), ("self_attn.o_proj", "rowwise_split_input", "q"),
+    gathered = (("self_attn.qkv_proj", "colwise_gather_output", "qkv"), ("self_attn.o_proj", "rowwise_split_input", "q"))
+    # Phi-3's [gate; up] is chunked on its graph: a packed Megatron pair; unproven, it would run gathered as declared
+    assert DENSE["phi3"].spec.tp_pairs == gathered + (
+        ("mlp", "region", "ffn"), ("mlp.gate_up_proj", "packed_colwise", "gate_up"), ("mlp.down_proj", "rowwise", "ffn"))
+    source = DENSE["phi3"]
+    model, plan = source.build(), tuple(source.config.base_model_tp_plan.items())
+    graph = traced(model)
+    unproven = type("Proof", (), {"proven": False})()
+    monkeypatch.setattr("autoshard.passes.capture.tp_proof.prove_tp", lambda *a, **k: unproven)
+    assert _declared_layout(source.spec, model, graph, plan).roles == gathered + (
         ("mlp.gate_up_proj", "colwise_gather_output", "gate_up"), ("mlp.down_proj", "rowwise_split_input", "ffn"))
     spec = DENSE["phi3"].spec  # hidden 64, 4 heads of 16, 2 KV heads, MLP 96
     layer = nn.Module()

@@ -28,7 +28,7 @@ def _compiled(name: str):
 
 
 # (forward all-reduces, backward all-reduces, widths all-gathered forward, widths all-gathered backward) per layer
-EXPECTED = {"phi3": (2, 2, ("qkv", "gate_up"), ("q", "ffn")),  # qkv_proj, gate_up_proj -> o_proj, down_proj
+EXPECTED = {"phi3": (2, 2, ("qkv",), ("q",)),  # qkv_proj -> o_proj gathered; the packed gate_up_proj -> down_proj pair
             "olmo2": (2, 4, ("q", "kv", "kv"), ("q",))}  # q/k/v each enter tp; the MLP one Megatron pair
 
 
