@@ -269,10 +269,14 @@ def _takes_routing(experts) -> bool:
     return "top_k_index" in names and "top_k_weights" in names
 
 
-def tp_style_refusal(facts: ModelFacts) -> str | None:
-    """Why HF's declared tp plan names a style autoshard does not run, naming the module, or None. Whether
+def tp_style_refusal(facts: ModelFacts, *, layered: bool = False) -> str | None:
+    """Why HF's declared tp plan names a style autoshard does not run, naming the module, or None; `layered`: a
+    hybrid's table (built from its layers' parts, not proven on the graph), which runs no gathered style. Whether
     the sharding table itself holds is proven on the traced graph (passes/capture/tp_proof.py)."""
     for pattern, style in facts.tp_plan:
+        if layered and style in GATHERED_STYLES:
+            return (f"{pattern}: HF declares it {style!r}, which a hybrid's layer-parts table does not run yet; tp is "
+                    "not offered for this model (dp, pp, cp and ep still plan)")
         if style in NOT_YET:
             return (f"{pattern}: HF declares it {style!r}: {NOT_YET[style]}; tp is not offered for this model "
                     "(dp, pp, cp and ep still plan)")

@@ -320,7 +320,7 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, 
 
     out = []
     roles = tuple(r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER)
-    why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts), unproven) if w)
+    why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts, layered=bool(spec.parts)), unproven) if w)
     if why:
         out.append(("tp", why))
     if spec.is_moe and facts.experts_no_ep:

@@ -178,3 +178,15 @@ def test_a_gathered_plan_is_read_as_declared_or_refused_by_name(monkeypatch):
     assert "names no linear of the layer" in declared(layer, spec, (("layers.*.mlp.gone", "colwise"),)).refusal
     assert declared(layer, spec, (("layers.*.mlp.inner.odd", "colwise_gather_output"),)).refusal.startswith(
         "layers.*.mlp.inner.odd: its output width 100 is no size")
+
+
+def test_gathered_styles_run_except_in_a_hybrids_parts_table():
+    """HF's gathered styles are run styles (read as declared, above); a hybrid's layer-parts table, which is not
+    proven on the graph, does not run them: tp refused naming the module and the style."""
+    from autoshard.models.facts import ModelFacts, tp_style_refusal
+
+    facts = ModelFacts(mixer="attention", base="model", layer_params=(), embedding_plain=True,
+                       tp_plan=(("layers.*.self_attn.q_proj", "colwise_gather_output"),))
+    assert tp_style_refusal(facts) is None
+    assert tp_style_refusal(facts, layered=True).startswith(
+        "layers.*.self_attn.q_proj: HF declares it 'colwise_gather_output', which a hybrid's layer-parts table")
