@@ -184,6 +184,8 @@ class ShardProgram:
     buffers: tuple[tuple[str, Placement], ...] = ()  # buffers sliced with a parameter (Falcon-H1's mup_vector)
     output_regions: tuple[str, ...] = ()  # row-parallel linears whose summed output enters a TP region (Mamba-1 x_proj)
     sequence_grads: tuple[str, ...] = ()  # under it: parameters whose gradients are summed over tp
+    gather_outputs: tuple[str, ...] = ()  # colwise linears entering tp themselves, their output all-gathered whole
+    split_inputs: tuple[str, ...] = ()  # row-parallel linears (in `rowwise`) slicing their whole input first
 
     def placement(self, name: str) -> Placement:
         return dict(self.placements)[name]

@@ -41,12 +41,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 # HF tp-plan styles (transformers.integrations.tensor_parallel ALL_PARALLEL_STYLES) and what the
 # sharding table does with them: "run" (a role the runtime carries out) or why not yet
+# colwise_gather_output (output all-gathered whole) / rowwise_split_input (whole input sliced): `GATHERED_STYLES`, run
+# as HF declares them (passes/capture/tp_proposal.py `declared`; outside a MoE block)
+GATHERED_STYLES = ("colwise_gather_output", "rowwise_split_input")
 RUN_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "embedding_rowwise", "moe_tp_experts",
-              "packed_colwise", "grouped_gemm", "ep_dispatch_experts")
+              "packed_colwise", "grouped_gemm", "ep_dispatch_experts", *GATHERED_STYLES)
 NOT_YET = {
-    "colwise_gather_output": "its output is gathered whole over tp because a full-width op follows (e.g. a q/k "
-                             "norm over all heads): a reduction over the sharded dim autoshard does not split yet",
-    "rowwise_split_input": "it takes a gathered full-width input (the pair of a colwise_gather_output)",
     "mla_kv_a_proj": "multi-head latent attention's compressed KV projection has no rule yet",
     "local_colwise": "a local (non-DTensor) colwise split", "local_rowwise": "a local (non-DTensor) rowwise split",
     "gather": "its output is gathered whole over tp", "sequence_parallel": "a norm under HF's sequence parallelism",
@@ -281,10 +281,14 @@ def _takes_routing(experts) -> bool:
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
 
 
-def tp_style_refusal(facts: ModelFacts) -> str | None:
-    """Why HF's declared tp plan names a style autoshard does not run, naming the module, or None. Whether
+def tp_style_refusal(facts: ModelFacts, *, layered: bool = False) -> str | None:
+    """Why HF's declared tp plan names a style autoshard does not run, naming the module, or None; `layered`: a
+    hybrid's table (built from its layers' parts, not proven on the graph), which runs no gathered style. Whether
     the sharding table itself holds is proven on the traced graph (passes/capture/tp_proof.py)."""
     for pattern, style in facts.tp_plan:
+        if layered and style in GATHERED_STYLES:
+            return (f"{pattern}: HF declares it {style!r}, which a hybrid's layer-parts table does not run yet; tp is "
+                    "not offered for this model (dp, pp, cp and ep still plan)")
         if style in NOT_YET:
             return (f"{pattern}: HF declares it {style!r}: {NOT_YET[style]}; tp is not offered for this model "
                     "(dp, pp, cp and ep still plan)")

@@ -243,7 +243,13 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         spec = replace(spec, parts=layer_parts(model, stack)[0])
     # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
     # where HF declares no tp plan, the Megatron pairs found on the graph (passes/capture/tp_proposal.py) are the table
-    pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe)) if hybrid is None else ((), None, None)
+    # where HF's declared plan gathers (colwise_gather_output / rowwise_split_input), the declared layout is the table
+    # (of a MoE model: its plan outside the MoE block, which keeps its own roles, `sharding._moe_block`)
+    block = facts.experts_path.rpartition(".")[0]
+    outside = tuple((p, s) for p, s in facts.tp_plan if not (block and p.startswith(f"layers.*.{block}.")))
+    gathers = any(s in F.GATHERED_STYLES for _, s in outside)
+    pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe),
+                                       declared=outside if gathers else ()) if hybrid is None else ((), None, None)
     spec = replace(spec, tp_pairs=pairs)
     if proof is not None:
         spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)
@@ -256,12 +262,13 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     return replace(spec, refused=found + verified)
 
 
-def _tp_proof(spec: ModelSpec, model, *, propose: bool = False):
+def _tp_proof(spec: ModelSpec, model, *, propose: bool = False, declared: tuple[tuple[str, str], ...] = ()):
     """(pairs, proof, why): the proof of `spec`'s tp strategy on `model`'s traced graph (passes/capture/tp_proof.py)
     and None, or no proof and why: the model does not trace or, `propose` (the config declares no tp plan), no
     Megatron pairing is found on its graph. `pairs`: with `propose`, the layout found (passes/capture/tp_proposal.py,
-    `ModelSpec.tp_pairs`) that the proof is of. Memoised per model class and config."""
-    key = (type(model), model.config.to_json_string(use_diff=False), spec, propose)
+    `ModelSpec.tp_pairs`) that the proof is of; with `declared` (HF's plan, where it gathers), the layout it declares
+    (`tp_proposal.declared`). Memoised per model class and config."""
+    key = (type(model), model.config.to_json_string(use_diff=False), spec, propose, declared)
     if key not in _PROOFS:
         from autoshard.errors import CaptureError
         from autoshard.passes.capture.tp_proof import prove_tp, traced
@@ -269,9 +276,11 @@ def _tp_proof(spec: ModelSpec, model, *, propose: bool = False):
 
         try:
             graph = traced(model)
-            found = pairs_of(graph[1], _layer0(graph[0]), spec) if propose else None
+            found = pairs_of(graph[1], _layer0(graph[0]), spec) if propose else \
+                _declared_layout(spec, model, graph, declared) if declared else None
             if found is not None and found.refusal is not None:
-                _PROOFS[key] = (), None, f"HF declares no tp plan for it, and on its graph {found.refusal}"
+                _PROOFS[key] = (), None, (f"HF declares no tp plan for it, and on its graph {found.refusal}" if propose
+                                          else found.refusal)
             else:
                 pairs = found.roles if found is not None else ()
                 _PROOFS[key] = pairs, prove_tp(replace(spec, tp_pairs=pairs), model, graph), None
@@ -279,6 +288,18 @@ def _tp_proof(spec: ModelSpec, model, *, propose: bool = False):
             _PROOFS[key] = (), None, (f"the model's graph does not trace, so its tp strategy cannot be proven ({e}); "
                                       "tp is not offered for this model (dp, pp, cp and ep still plan)")
     return _PROOFS[key]
+
+
+def _declared_layout(spec: ModelSpec, model, graph, declared: tuple[tuple[str, str], ...]):
+    """The layout of HF's gathering plan `declared` (passes/capture/tp_proposal.py `declared`): its fused [gate; up]
+    pairs packed (a Megatron pair, nothing gathered) where the graph proves them chunked, else as HF declares them."""
+    from autoshard.passes.capture.tp_proof import prove_tp
+    from autoshard.passes.capture.tp_proposal import declared as declared_pairs
+
+    packed = declared_pairs(_layer0(graph[0]), spec, declared, packed=True)
+    if packed.refusal is None and prove_tp(replace(spec, tp_pairs=packed.roles), model, graph).proven:
+        return packed
+    return declared_pairs(_layer0(graph[0]), spec, declared)
 
 
 def _layer0(model):
@@ -300,7 +321,7 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, 
 
     out = []
     roles = tuple(r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER)
-    why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts), unproven) if w)
+    why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts, layered=bool(spec.parts)), unproven) if w)
     if why:
         out.append(("tp", why))
     if spec.is_moe and facts.experts_no_ep:

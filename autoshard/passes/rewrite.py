@@ -134,11 +134,15 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
     head = sharding.modules(spec, Strategy.VOCAB, BlockKind.HEAD, strategies[0])
     common = dict(regions=sharding.modules(spec, Strategy.REGION), rowwise=sharding.modules(spec, Strategy.ROWWISE),
                   vocab_embed=embed[0] if embed else None, vocab_head=head[0] if head else None,
-                  output_regions=sharding.output_region_modules(spec))
+                  output_regions=sharding.output_region_modules(spec),
+                  gather_outputs=sharding.gathered_modules(spec, Strategy.COLWISE),
+                  split_inputs=sharding.gathered_modules(spec, Strategy.ROWWISE))
     if spec.parts:
         return dict(common, attrs=_part_attrs(spec, layers, tp, tp_rank, strategies))
     if spec.mixer is Mixer.ATTENTION:
         attention = sharding.selective_module(spec)  # the attention module (the layer's first tp region)
+        if sharding.attention_whole(spec):  # it runs whole on every rank (gathered q/k/v): its head counts kept
+            return dict(common, attrs=())
         attrs = [a for p in layers
                  for a in _attention_attrs(f"{p}.{attention}", spec.heads, spec.kv_heads, spec.attention_attrs, tp=tp)]
         return dict(common, attrs=tuple(attrs))

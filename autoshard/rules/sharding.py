@@ -68,6 +68,9 @@ class Role:
     output_region: bool = False  # a row-parallel linear whose summed output enters a TP region again (identity
     #                              forward, gradient all-reduced backward): Mamba-1's x_proj, whose dt / B / C feed
     #                              every rank's channels
+    gathered: bool = False  # HF's colwise_gather_output (a colwise linear entering tp itself, its output all-gathered
+    #                         whole) / rowwise_split_input (a rowwise linear slicing its whole input): the module
+    #                         around it runs whole on every rank (a full-width q/k norm, a fused qkv or gate_up split)
 
 
 _SIZES: dict[str, Callable[[ModelSpec], int]] = {
@@ -80,6 +83,7 @@ _SIZES: dict[str, Callable[[ModelSpec], int]] = {
     "q": lambda s: s.heads * s.attention_head_dim,  # LLaMA: heads x head_dim
     "kv": lambda s: s.kv_heads * s.attention_head_dim,
     "qkv": lambda s: (s.heads + 2 * s.kv_heads) * s.attention_head_dim,  # one fused q/k/v, by head (Persimmon)
+    "gate_up": lambda s: 2 * s.ffn,  # one fused [gate; up] (Phi-3), split by column and gathered whole
     "inner": lambda s: s.intermediate,  # Mamba-2: expand x hidden = heads x head_dim
     "groups": lambda s: s.groups,
     "group_state": lambda s: s.groups * s.state,  # Mamba-2 B or C
@@ -89,7 +93,9 @@ _SIZES: dict[str, Callable[[ModelSpec], int]] = {
 }
 
 _COUNT_NAMES = {"vocab": "vocabulary size", "heads": "number of heads", "kv_heads": "number of KV heads",
-                "ffn": "MLP width", "groups": "number of groups (n_groups)"}
+                "ffn": "MLP width", "groups": "number of groups (n_groups)", "q": "query width (heads x head_dim)",
+                "kv": "key / value width (KV heads x head_dim)", "qkv": "fused q/k/v width",
+                "gate_up": "fused gate/up width (2 x intermediate_size)"}
 
 
 def size(spec: ModelSpec, name: str) -> int:
@@ -174,8 +180,8 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
     if spec.parts:
         base = _parts_table(spec)
     else:
-        base = _LLAMA_NO_MLP + _moe_block(spec) if spec.is_moe else proposed_table(spec.tp_pairs) if spec.tp_pairs \
-            else TABLES[spec.mixer]
+        dense = proposed_table(spec.tp_pairs) if spec.tp_pairs else _LLAMA_NO_MLP if spec.is_moe else TABLES[spec.mixer]
+        base = dense + _moe_block(spec) if spec.is_moe else dense
     out = []
     for role in base:
         if role.path == "self_attn" and spec.head_params:
@@ -286,18 +292,28 @@ def _at_part(roles: tuple[Role, ...], prefix: str, i: int, part) -> tuple[Role, 
 # the pieces of a layout proposed on the graph (passes/capture/tp_proposal.py), by piece length
 _PROPOSED_PIECES = {"q": Piece("q", "heads"), "kv": Piece("kv", "kv_heads", share=True), "qkv": Piece("qkv", "heads"),
                     "ffn": Piece("ffn", "ffn"), "heads": Piece("heads", "heads")}
-_PROPOSED = {"region": Strategy.REGION, "colwise": Strategy.COLWISE, "rowwise": Strategy.ROWWISE}
+# a pair's strategy name -> (strategy, gathered): HF's gathered styles (models/facts.py GATHERED_STYLES) too
+_PROPOSED = {"region": (Strategy.REGION, False), "colwise": (Strategy.COLWISE, False),
+             "rowwise": (Strategy.ROWWISE, False), "colwise_gather_output": (Strategy.COLWISE, True),
+             "rowwise_split_input": (Strategy.ROWWISE, True), "packed_colwise": (Strategy.COLWISE, False)}
+_PACKED_PIECES = {"gate_up": (Piece("ffn", "ffn"), Piece("ffn", "ffn"))}  # [gate; up], each split by the MLP width
 
 
 def proposed_table(pairs: tuple[tuple[str, str, str], ...]) -> tuple[Role, ...]:
-    """The table of a model that declares no tp plan: LLaMA's embedding and head roles around the layer's
-    Megatron pairs found on its graph (`ModelSpec.tp_pairs`: (path, strategy, piece length), see
-    passes/capture/tp_proposal.py); the layer's norms hold no role (replicated; no sequence-parallel rule)."""
+    """The table of a layout read off the model (`ModelSpec.tp_pairs`: (path, strategy, piece length)): the
+    Megatron pairs found on the graph of a model that declares no tp plan, or HF's declared plan where it
+    gathers (colwise_gather_output / rowwise_split_input, passes/capture/tp_proposal.py `declared`), with LLaMA's embedding and head
+    roles around them; the layer's norms hold no role (replicated; no sequence-parallel rule). A gathered
+    linear splits its whole width (any column split gathers back exactly): tp must divide it; a packed one
+    (`packed_colwise`, a fused [gate; up] the graph proves chunked) each of its pieces."""
     layer = []
     for path, strategy, length in pairs:
-        params = () if strategy == "region" else ("weight",) if strategy == "rowwise" else _LINEAR
-        layer.append(Role(path, _L, _PROPOSED[strategy], (_PROPOSED_PIECES[length],), params,
-                          fan="one" if strategy == "region" else "hidden"))
+        kind, gathered = _PROPOSED[strategy]
+        params = () if kind is Strategy.REGION else ("weight",) if kind is Strategy.ROWWISE else _LINEAR
+        pieces = (Piece(length, length),) if gathered else _PACKED_PIECES[length] if strategy == "packed_colwise" \
+            else (_PROPOSED_PIECES[length],)
+        layer.append(Role(path, _L, kind, pieces, params,
+                          fan="one" if strategy == "region" else "hidden", gathered=gathered))
     return (*(r for r in LLAMA if r.block is _E), *layer, *(r for r in LLAMA if r.block is _H))
 
 
@@ -508,9 +524,19 @@ def role_divisor(spec: ModelSpec, role: Role, tp: int) -> float:
     return sum(lengths) / held
 
 
+def attention_whole(spec: ModelSpec) -> bool:
+    """Whether the attention module runs whole on every tp rank: HF's gathered q/k/v (`Role.gathered` linears in
+    it, OLMo-2's, Phi-3's qkv_proj) give it every head."""
+    return any(r.gathered and r.strategy is Strategy.COLWISE and r.path.startswith(spec.attention_path + ".")
+               for r in table(spec) if r.block is BlockKind.LAYER)
+
+
 def kv_parts(spec: ModelSpec, tp: int) -> int:
-    """Parts the KV heads are cut into at `tp` (min(tp, kv_heads) under GQA; tp where `tp_violation` passes),
-    whatever the model calls its k / v projections. ValueError when tp cannot split them (`tp_violation` says why)."""
+    """Parts the KV heads are cut into at `tp` (min(tp, kv_heads) under GQA; tp where `tp_violation` passes; 1 where
+    the attention runs whole, `attention_whole`), whatever the model calls its k / v projections. ValueError when tp
+    cannot split them (`tp_violation` says why)."""
+    if attention_whole(spec):
+        return 1
     parts = piece_parts(spec, _PROPOSED_PIECES["kv"], tp)
     if parts is None:
         raise ValueError(f"tp={tp} cannot split the {spec.kv_heads} KV heads of {spec.name}")
@@ -661,6 +687,21 @@ def row_parallel_count(spec: ModelSpec, kind: BlockKind, *, under: str = "") -> 
                and (not under or r.path.startswith(under + ".")))
 
 
+def gathered_widths(spec: ModelSpec, strategy: Strategy) -> tuple[int, ...]:
+    """The widths of one layer's gathered linears (`Role.gathered`) of `strategy`: a colwise one's output (all-gathered
+    in forward), a rowwise one's input (its gradient all-gathered in backward)."""
+    return tuple(size(spec, r.pieces[0].length) for r in table(spec)
+                 if r.block is BlockKind.LAYER and r.gathered and r.strategy is strategy)
+
+
+def tp_entry_count(spec: ModelSpec) -> int:
+    """Input-gradient all-reduces of one layer in backward: one per row-parallel linear's region (Megatron's
+    pair), plus each gathered colwise linear, which enters tp itself, less each gathered rowwise linear, whose
+    whole input enters no region (`Role.gathered`; runtime/tensor_parallel.py)."""
+    return (row_parallel_count(spec, BlockKind.LAYER) + len(gathered_widths(spec, Strategy.COLWISE))
+            - len(gathered_widths(spec, Strategy.ROWWISE)))
+
+
 def selective_module(spec: ModelSpec) -> str:
     """The layer submodule selective recompute checkpoints: the attention module / the Mamba-2
     mixer, whose forward holds one row-parallel all-reduce (rewrite and cost model both ask here): the
@@ -673,6 +714,12 @@ def selective_module(spec: ModelSpec) -> str:
 def modules(spec: ModelSpec, strategy: Strategy, kind: BlockKind = BlockKind.LAYER, strategies=()) -> tuple[str, ...]:
     """Full module paths of the roles of block `kind` with `strategy` (every layer's, for LAYER)."""
     return _paths(spec, kind, lambda r: r.strategy is strategy, strategies)
+
+
+def gathered_modules(spec: ModelSpec, strategy: Strategy) -> tuple[str, ...]:
+    """Full module paths of the gathered linears (`Role.gathered`) of `strategy`: COLWISE, those whose output is
+    all-gathered; ROWWISE, those that slice their whole input."""
+    return _paths(spec, BlockKind.LAYER, lambda r: r.gathered and r.strategy is strategy)
 
 
 def output_region_modules(spec: ModelSpec) -> tuple[str, ...]:
@@ -746,4 +793,6 @@ def _role_placement(spec: ModelSpec, role: Role, tp: int, sequence_parallel: boo
         value = f"{value} ({parts} parts)"
     if any(whole_pieces(spec, role, tp)):
         value = f"{value} (groups whole)"
+    if role.gathered:  # HF's colwise_gather_output / rowwise_split_input
+        value = f"{value} ({'output gathered' if role.strategy is Strategy.COLWISE else 'input split'})"
     return name, value

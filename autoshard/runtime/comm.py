@@ -173,3 +173,9 @@ def reduce_from_group(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 def gather_last_dim(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Concatenate every rank's last-dim slice (e.g. vocab-parallel logits -> full logits)."""
     return x if _size(group) == 1 else _GatherLastDim.apply(x, group)
+
+
+def split_last_dim(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """This rank's last-dim slice of a tensor whole on every rank, the gradient all-gathered (the transpose of
+    `gather_last_dim`: HF's rowwise_split_input)."""
+    return x if _size(group) == 1 else _SliceCollective.apply(x, group, -1, False)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from autoshard.errors import UnsupportedOpError
 from autoshard.ir import Replicate, Shard, ShardProgram
-from autoshard.runtime.comm import copy_to_group, reduce_from_group
+from autoshard.runtime.comm import copy_to_group, gather_last_dim, reduce_from_group, split_last_dim
 from autoshard.runtime.mesh import Groups
 
 _LINEAR = (F.linear, torch._C._nn.linear)
@@ -55,6 +55,10 @@ def shard_graph(gm: fx.GraphModule, param_names: Mapping[str, str | None], progr
     env: dict[fx.Node, fx.Node] = {}
     placements = dict(program.placements)
     weight_placement: dict[fx.Node, Shard | Replicate] = {}
+    # HF's gathered linears (ShardProgram.gather_outputs / split_inputs), by weight: output gathered / input split
+    gathered = {**{f"{p}.weight": "gather" for p in program.gather_outputs},
+                **{f"{p}.weight": "split" for p in program.split_inputs}}
+    styles: dict[fx.Node, str] = {}
     entered: dict[fx.Node, fx.Node] = {}  # input -> its copy_to_group, one per distinct input
     constants: dict[str, object] = {}  # non-tensor arguments live on the module, reached by get_attr
 
@@ -78,8 +82,10 @@ def shard_graph(gm: fx.GraphModule, param_names: Mapping[str, str | None], progr
                 else:
                     env[node] = graph.call_function(copy_to_group, (env[node], dp))
                 weight_placement[node] = placement
+                if name in gathered:
+                    styles[node] = gathered[name]
         elif node.op == "call_function" and node.target in _LINEAR:
-            env[node] = _rewrite_linear(graph, node, env, weight_placement, entered, tp)
+            env[node] = _rewrite_linear(graph, node, env, weight_placement, entered, tp, styles)
         elif node.op == "output":
             outputs = fx.node.map_arg(node.args[0], lambda n: _maybe_loss(graph, n, env[n], dp))
             graph.output(outputs)
@@ -96,7 +102,7 @@ def shard_graph(gm: fx.GraphModule, param_names: Mapping[str, str | None], progr
     return fx.GraphModule(root, graph)
 
 
-def _rewrite_linear(graph, node, env, weight_placement, entered, tp):
+def _rewrite_linear(graph, node, env, weight_placement, entered, tp, styles):
     args = list(node.args)
     x = args[0]
     weight = args[1] if len(args) > 1 else node.kwargs["weight"]
@@ -108,9 +114,11 @@ def _rewrite_linear(graph, node, env, weight_placement, entered, tp):
         if x not in entered:
             entered[x] = graph.call_function(copy_to_group, (env[x], tp))
         args = (entered[x], env[weight], env[bias] if isinstance(bias, fx.Node) else bias)
-        return graph.call_function(F.linear, args)
+        out = graph.call_function(F.linear, args)
+        return graph.call_function(gather_last_dim, (out, tp)) if styles.get(weight) == "gather" else out
     if placement.dim == 1:  # row-parallel
-        args = (env[x], env[weight], env[bias] if isinstance(bias, fx.Node) else bias, tp)
+        x_in = graph.call_function(split_last_dim, (env[x], tp)) if styles.get(weight) == "split" else env[x]
+        args = (x_in, env[weight], env[bias] if isinstance(bias, fx.Node) else bias, tp)
         return graph.call_function(linear_rowwise, args)
     raise UnsupportedOpError(f"linear {node.name} has a weight sharded on dim {placement.dim}; "
                              "only column (dim 0) and row (dim 1) sharding have a rule")

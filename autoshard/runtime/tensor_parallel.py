@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.ir import Replicate, Shard, ShardProgram
-from autoshard.runtime.comm import (all_gather_dim, copy_to_group, gather_from_sequence, reduce_from_group,
-                                    reduce_scatter_to_sequence)
+from autoshard.runtime.comm import (all_gather_dim, copy_to_group, gather_from_sequence, gather_last_dim,
+                                    reduce_from_group, reduce_scatter_to_sequence, split_last_dim)
 from autoshard.runtime.data_parallel import take_grad
 
 SEQ_DIM = 1  # hidden states are (batch, sequence, hidden)
@@ -72,8 +72,11 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, ids: Tensor) -> Tensor:
         local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        rows = self.weight.shape[0]
+        outside = (local < 0) | (local >= rows)
+        pad = None if self.padding_idx is None else self.padding_idx - self.vocab_start  # HF's padding row: no gradient
+        pad = pad if pad is not None and 0 <= pad < rows else None
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, pad).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.tp_group, SEQ_DIM)  # (b, s / tp, h)
         return reduce_from_group(out, self.tp_group)  # (b, s, h)
@@ -135,6 +138,13 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
             module.out_features = module.weight.shape[0]
     for path in program.output_regions:  # its summed output feeds every rank's channels: gradient all-reduced
         model.get_submodule(path).register_forward_hook(lambda module, args, out: copy_to_group(out, group))
+    for path in program.gather_outputs:  # HF's colwise_gather_output: enters tp itself, its output gathered whole
+        module = model.get_submodule(path)
+        module.register_forward_pre_hook(lambda module, args: (copy_to_group(args[0], group), *args[1:]))
+        module.register_forward_hook(lambda module, args, out: gather_last_dim(out, group))
+    for path in program.split_inputs:  # HF's rowwise_split_input: its whole input's columns of this rank
+        model.get_submodule(path).register_forward_pre_hook(
+            lambda module, args: (split_last_dim(args[0], group), *args[1:]))
     for path in program.checkpoint:
         _checkpoint_forward(model.get_submodule(path))
 

@@ -19,8 +19,8 @@ DENSE = {
     "mistral": _tiny("mistral", sliding_window=4),  # the window under cp and in the stages' masks
     "gemma2": _tiny("gemma2"),  # scaled embedding, final and attention softcaps, alternating windows
     "gemma3": _tiny("gemma3_text"),  # q/k norms, rotary per layer type (local / global)
-    "phi3": _tiny("phi3"),  # fused qkv / gate_up: tp refused by name
-    "olmo2": _tiny("olmo2"),  # full-width q/k norms: tp refused by name
+    "phi3": _tiny("phi3"),  # fused qkv gathered as HF declares it; fused gate_up packed (the graph chunks it)
+    "olmo2": _tiny("olmo2"),  # full-width q/k norms on gathered q/k/v (and a padding row the embedding keeps)
     "granite": _tiny("granite"),  # embedding / residual / attention multipliers, logits scaling
 }
 MOE = {
@@ -37,6 +37,11 @@ NO_TP_PLAN = {
     "stablelm": _tiny("stablelm"),
 }
 
+# HF's gathered styles beside plain ones: GLM-4's per-head attention region and gathered gate_up_proj ->
+# down_proj, OLMo-3's gathered q/k/v with OLMo-2's norms and sliding windows, OLMoE's beside routed experts
+# (tp only: their other axes are DENSE's and MOE's)
+GATHERED = {"glm4": _tiny("glm4"), "olmo3": _tiny("olmo3"), "olmoe": _tiny("olmoe")}
+
 # a uniform stack of a sequence mixer with no rule (Mamba-1's selective scan): the model's own forward under dp and
 # pp; tp, cp (and sequence parallelism) refused naming the module (models/layered.py `_ruleless_refusals`)
 RULELESS = {"mamba": _tiny("mamba")}
@@ -45,9 +50,7 @@ _SCAN = "the Mamba-1 selective scan of layers.0.mixer"
 # every family under every axis on two ranks (dense: dp, tp, pp, cp; MoE: dp, tp, pp, cp, ep), inside the
 # shared world-2 spawn (test_equivalence.py); an axis a family refuses must say so by name, on every rank
 PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
-REFUSED = {("phi3", "tp"): "qkv_proj: HF declares it 'colwise_gather_output'",
-           ("olmo2", "tp"): "q_proj: HF declares it 'colwise_gather_output'",
-           ("llama4", "tp"): "HF's tp style 'packed_rowwise' has no rule",
+REFUSED = {("llama4", "tp"): "HF's tp style 'packed_rowwise' has no rule",
            ("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
@@ -56,7 +59,7 @@ def check_families() -> None:
     from tests.runtime.equivalence import check_axes
 
     check_axes({**DENSE, **MOE, **RULELESS}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
-    check_axes(NO_TP_PLAN, lambda name: (dict(tp=2),), {})
+    check_axes({**NO_TP_PLAN, **GATHERED}, lambda name: (dict(tp=2),), {})
     _check_generate()
 
 

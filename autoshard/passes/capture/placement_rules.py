@@ -510,6 +510,9 @@ def _slice(node, ins, ctx):
     dim = _dim(ins[1] if len(ins) > 1 else 0, len(shape))
     if not isinstance(p, Shard) or p.dim != dim or tuple(ctx.out) == tuple(shape):
         return p
+    if p.pieces and (ins[4] if len(ins) > 4 else 1) != 1:  # every other column of packed pieces (gate, up interleaved)
+        raise Unprovable("fused projection", f"aten.{_op(node)} cuts dim {p.dim} of {list(shape)} with step {ins[4]}, "
+                         "the dim tp splits into packed pieces: a strided cut is none of them")
     start = ins[2] if len(ins) > 2 and ins[2] is not None else 0
     start = start + shape[dim] if start < 0 else min(start, shape[dim])
     return _packed_part(node, p, shape, start, ctx.out[dim])

@@ -6,7 +6,8 @@ pieces listed, Mamba-2's in_proj), a rowwise role's weight `Shard(1)` (its bias 
 own per-head parameters (Mamba-2's A_log / D / dt_bias, GPT-OSS's sinks) `Shard(0)`, everything else
 `Replicate()`. A layer parameter the table gives no role of its own, inside a tp region or outside every
 role, takes HF's declared style for its module (`base_model_tp_plan`: colwise* / packed_colwise -> Shard(0), rowwise* -> Shard(1)), so a
-fused projection HF declares (Phi-3's qkv_proj) is proven or refused by what the graph does with it.
+fused projection HF declares is proven or refused by what the graph does with it. A gathered linear (`Role.gathered`)
+is `Replicate()`: whole in and out on every rank (its gather / slice runs inside it), the proof is of what is around it.
 
 The whole contract: docs/modules/capture.md (passes/capture/tp_proof.py).
 """
@@ -61,7 +62,7 @@ def strategy(spec, names: tuple[str, ...], tp_plan: tuple[tuple[str, str], ...] 
             out[name] = Shard(0) if style in COLWISE_STYLES else Shard(1) if style in ROWWISE_STYLES and leaf != "bias" \
                 else R
     regions = tuple(r.path for r in roles if r.strategy is sharding.Strategy.REGION)
-    rowwise = tuple(r.path for r in roles if r.strategy is sharding.Strategy.ROWWISE)
+    rowwise = tuple(r.path for r in roles if r.strategy is sharding.Strategy.ROWWISE and not r.gathered)
     rowwise += tuple(p.removeprefix("layers.*.") for p, s in tp_plan if s in ROWWISE_STYLES
                      and p.removeprefix("layers.*.") not in rowwise and not any(r.path == p.removeprefix("layers.*.")
                                                                               for r in roles))
@@ -72,6 +73,8 @@ def _placement(spec, role, leaf: str):
     from autoshard.rules import sharding
 
     s = role.strategy
+    if role.gathered:  # whole in, whole out (its gather / slice on the way): the graph around it sees it whole
+        return R
     if s is sharding.Strategy.COLWISE and leaf in role.params:
         pieces = tuple(sharding.size(spec, p.length) for p in role.pieces)
         return Shard(0, pieces if len(pieces) > 1 else ())

@@ -68,6 +68,82 @@ def propose(cap: Captured, layer, spec) -> Proposal:
     return Proposal(roles=tuple(roles))
 
 
+def declared(layer, spec, tp_plan: tuple[tuple[str, str], ...], *, packed: bool = False) -> Proposal:
+    """HF's declared plan `tp_plan` of a model where it gathers (colwise_gather_output / rowwise_split_input) as the
+    layer's roles: a gathered linear by its whole width (q, kv, qkv, ffn or gate_up, `_gathered_length`), the module
+    around it whole on every rank; plain colwise / rowwise linears as Megatron pairs in their parent, a tp region
+    (attention by heads, else the MLP width). Where a gathered linear sits in such a region, or a width is no size of
+    the config, why. `packed`: a module outside attention holding just a gathered [gate; up] (2 x the MLP width) and
+    the gathered linear it feeds runs as a Megatron pair instead, the fused linear `packed_colwise` (gate and up each
+    split by the MLP width): a claim the proof must find chunked (`packed_pairs`)."""
+    from torch import nn
+
+    from autoshard.models.facts import GATHERED_STYLES
+
+    roles: list[tuple[str, str, str]] = []
+    for pattern, style in tp_plan:
+        rel = pattern.removeprefix("layers.*.")
+        module = layer.get_submodule(rel) if rel != pattern and _has(layer, rel) else None
+        if not isinstance(module, nn.Linear):
+            return Proposal(refusal=f"{pattern}: HF declares it {style!r}, but it names no linear of the layer")
+        parent = rel.rpartition(".")[0]
+        gathered = style in GATHERED_STYLES
+        row = style.startswith("rowwise")
+        width = module.in_features if row else module.out_features
+        attention = _is_attention(layer.get_submodule(parent)) if parent else False
+        length = _gathered_length(spec, width) if gathered else _length(spec, width, attention, rowwise=row)
+        if length is None:
+            return Proposal(refusal=f"{pattern}: its {'input' if row else 'output'} width {width} is no size of the "
+                                    "config autoshard splits by; tp is not offered for this model")
+        if not gathered and not parent:
+            return Proposal(refusal=f"{pattern}: a {style} linear outside any module of the layer has no tp region")
+        if not gathered and (parent, "region", "heads" if attention else "ffn") not in roles:
+            roles.append((parent, "region", "heads" if attention else "ffn"))
+        roles.append((rel, style, length))
+    if packed:
+        roles = list(packed_pairs(layer, roles))
+    regions = [p for p, s, _ in roles if s == "region"]
+    inside = next(((p, r) for p, s, _ in roles if s in GATHERED_STYLES for r in regions if p.startswith(r + ".")), None)
+    if inside is not None:  # it would enter tp inside a region that entered already
+        return Proposal(refusal=f"layers.*.{inside[0]}: HF declares it gathered inside layers.*.{inside[1]}, a tp region "
+                                "of plain colwise / rowwise linears; tp is not offered for this model")
+    return Proposal(roles=tuple(roles))
+
+
+def packed_pairs(layer, roles) -> tuple[tuple[str, str, str], ...]:
+    """`roles` with each module (not attention) that holds exactly a gathered gate_up linear and a gathered MLP-width
+    rowwise one turned into a Megatron region: the first `packed_colwise`, the second plain rowwise."""
+    out = list(roles)
+    parents = dict.fromkeys(p.rpartition(".")[0] for p, _, _ in roles)  # in order: the same on every rank
+    for parent in parents:
+        mine = [r for r in roles if r[0].rpartition(".")[0] == parent]
+        shape = sorted((s, n) for _, s, n in mine)
+        if not parent or _is_attention(layer.get_submodule(parent)) or \
+                shape != [("colwise_gather_output", "gate_up"), ("rowwise_split_input", "ffn")]:
+            continue
+        at = out.index(mine[0])
+        out = [r for r in out if r not in mine]
+        pair = [(p, "packed_colwise" if s == "colwise_gather_output" else "rowwise", n) for p, s, n in mine]
+        out[at:at] = [(parent, "region", "ffn"), *pair]
+    return tuple(out)
+
+
+def _has(layer, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _gathered_length(spec, width: int) -> str | None:
+    """The size name (rules/sharding.py) of a gathered linear's width, or None."""
+    head_dim = spec.attention_head_dim
+    sizes = {"q": spec.heads * head_dim, "kv": spec.kv_heads * head_dim,
+             "qkv": (spec.heads + 2 * spec.kv_heads) * head_dim, "ffn": spec.ffn, "gate_up": 2 * spec.ffn}
+    return next((name for name, n in sizes.items() if n and n == width), None)
+
+
 def _feeders(cap: Captured, prefix: str, linears) -> dict[str, frozenset[str]]:
     """{linear path inside the layer: the linears whose output reaches its input}, in graph order of first use."""
     sources: dict[object, frozenset[str]] = {}

@@ -178,7 +178,8 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
              low_latency: bool = False) -> tuple:
     """(forward, backward) seconds of TP collectives of one block instance, one micro-batch
     (Megatron-LM, Narayanan et al. 2021 sec. 2.3: all-reduce after each row-parallel GEMM in
-    forward, after each column-parallel input in backward). `low_latency`: NCCL's LL protocol too
+    forward, after each column-parallel input in backward; HF's gathered linears add their all-gathers,
+    `_gather_comm`). `low_latency`: NCCL's LL protocol too
     (the serving model's decode steps, collectives.best_time)."""
     tp = layout.mesh.tp
     if tp == 1:
@@ -186,9 +187,10 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
     ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=group_stride(layout.mesh, "tp"), low_latency=low_latency)
     if kind is BlockKind.LAYER:
-        n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
+        n, entries = sharding.row_parallel_count(ct.spec, BlockKind.LAYER), sharding.tp_entry_count(ct.spec)
         sync = _group_sync(ct, hw, layout, seq_len, low_latency=low_latency)
-        return n * ar + sync, n * ar + sync
+        gather_f, gather_b = _gather_comm(ct, hw, layout, seq_len, low_latency=low_latency)
+        return n * ar + sync + gather_f, entries * ar + sync + gather_b
     if not sharding.vocab_parallel(ct.spec, kind, layout.strategies):
         return 0.0, 0.0  # replicated embedding / LM head and loss (the plan's choice): no collective
     if kind is BlockKind.EMBED:
@@ -196,6 +198,18 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     small = best_time(hw, Collective.ALL_REDUCE, _tokens(layout, seq_len) * 3 * 4, size=tp, stride=group_stride(layout.mesh, "tp"),
                       low_latency=low_latency)
     return small, ar  # vocab-parallel CE (max, sum, target) forward; LM-head input grad backward
+
+
+def _gather_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: int, *,
+                 low_latency: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of the all-gathers of one layer's gathered linears (HF's colwise_gather_output:
+    its output gathered whole in forward, its gradient sliced; rowwise_split_input: its whole input sliced in
+    forward, its gradient gathered in backward), each of tokens x the linear's width (`sharding.gathered_widths`)."""
+    tokens, tp = _tokens(layout, seq_len) * layout.numbers.act_bytes, layout.mesh.tp
+    stride = group_stride(layout.mesh, "tp")
+    return tuple(sum(best_time(hw, Collective.ALL_GATHER, tokens * w, size=tp, stride=stride, low_latency=low_latency)
+                     for w in sharding.gathered_widths(ct.spec, strategy))
+                 for strategy in (sharding.Strategy.COLWISE, sharding.Strategy.ROWWISE))
 
 
 def _group_sync(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: int, *,
@@ -326,9 +340,9 @@ def _block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
         tp_f, tp_b = _sequence_tp_comm(ct, hw, layout, kind, seq_len, t)
     else:
         tp_f, tp_b = _tp_comm(ct, hw, layout, kind, seq_len)
-        if kind is BlockKind.LAYER and tp_b > 0:
-            n = sharding.row_parallel_count(ct.spec, BlockKind.LAYER)
-            tp_b = _tp_backward_exposed(blk, t, tp_b / n, n)
+        if kind is BlockKind.LAYER and tp_b > 0:  # the input-gradient all-reduces overlap weight gradients
+            n, gather_b = sharding.tp_entry_count(ct.spec), _gather_comm(ct, hw, layout, seq_len)[1]
+            tp_b = _tp_backward_exposed(blk, t, (tp_b - gather_b) / max(1, n), n) + gather_b
     ep_f, ep_b = (0.0, 0.0) if kind is not BlockKind.LAYER else moe_cost.ep_comm_time(
         hw, ct.spec, layout.mesh, tokens=_tokens(layout, seq_len), imbalance=layout.moe_imbalance,
         act_bytes=layout.numbers.act_bytes)

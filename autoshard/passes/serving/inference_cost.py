@@ -342,8 +342,9 @@ def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch
 def _mixer_step_seconds(it: InferenceTable, spec: ModelSpec, hw: DeviceProfile, tp: int, *, batch: int,
                         context: float) -> float:
     if spec.mixer is Mixer.ATTENTION:
-        flops = float(it.attention_flops(batch, spec.attended_tokens(context))) / tp  # heads split over tp; a window's keys
-        q_out = 2.0 * batch * spec.hidden / tp * ACT_BYTES
+        heads = 1 if sharding.attention_whole(spec) else tp  # heads split over tp (HF's gathered q/k/v: whole)
+        flops = float(it.attention_flops(batch, spec.attended_tokens(context))) / heads  # a window's keys
+        q_out = 2.0 * batch * spec.hidden / heads * ACT_BYTES
         nbytes = cache_bytes_per_layer(spec, batch=batch, tokens=context, tp=tp) + q_out  # the config's head_dim
     else:
         state = batch * spec.heads * spec.head_dim * spec.state / tp

@@ -1,7 +1,7 @@
 """The placement propagation proves each family's tp strategy on its own traced graph (no spawn): the
-gradients it finds partial are exactly the ones the equivalence runs sum (tests/runtime/families.py), the
-families refused under tp are refused naming the same module, and a deliberately wrong table is caught
-with a named finding."""
+gradients it finds partial are exactly the ones the equivalence runs sum (tests/runtime/families.py), HF's
+gathered styles (Phi-3, OLMo-2) are proven as declared where the plain colwise reading of them is caught,
+and a deliberately wrong table is caught with a named finding."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ import functools
 
 import pytest
 
+from autoshard.ir import BlockKind
 from autoshard.models.presets import build_model, get_spec
 from autoshard.passes.capture.placements import R, Shard
 from autoshard.passes.capture.tp_proof import prove_tp, strategy, table_findings
-from tests.runtime.families import DENSE, MOE, REFUSED
+from tests.runtime.families import DENSE, GATHERED, MOE, REFUSED
 
 GRAD_SUMS = {name: ("self_attn.q_norm", "self_attn.k_norm") for name in ("qwen3", "gemma3", "qwen3_moe")}
 PRESETS = ("llama-tiny", "mamba2-tiny", "mixtral-tiny", "qwen2-moe-tiny")
-# the families the proof refuses under tp, and the module its finding names (families.REFUSED: the message
-# the runs check); the others REFUSED lists under tp are refused for an HF tp style autoshard has no rule for
-REFUSED_BY = {"phi3": "self_attn.qkv_proj", "olmo2": "self_attn.q_proj"}
+# the families REFUSED lists under tp are refused for an HF tp style autoshard has no rule for, none by the proof
 
 
 @functools.cache
@@ -26,7 +25,7 @@ def _model(name: str):
     if name in PRESETS:
         spec = get_spec(name)
         return spec, build_model(spec, device="meta")
-    source = {**DENSE, **MOE}[name]
+    source = {**DENSE, **MOE, **GATHERED}[name]
     return source.spec, source.build()
 
 
@@ -35,15 +34,10 @@ def _proof(name: str):
     return prove_tp(*_model(name))
 
 
-@pytest.mark.parametrize("name", [*DENSE, *MOE, *PRESETS])
+@pytest.mark.parametrize("name", [*DENSE, *MOE, *GATHERED, *PRESETS])
 def test_the_proof_matches_the_equivalence_runs(name):
     spec, _ = _model(name)
     proof = _proof(name)
-    if name in REFUSED_BY:
-        assert not proof.proven
-        assert REFUSED_BY[name] in proof.refusal(), proof.refusal()
-        assert proof.refusal() in dict(spec.refused)["tp"]  # the spec refuses tp with the proof's finding
-        return
     assert (name, "tp") not in REFUSED or "HF's tp style" in REFUSED[name, "tp"]
     assert proof.proven, [f.message() for f in proof.findings]
     # exactly the gradients the equivalence runs sum (HF's replicated_with_grad_allreduce modules), and the
@@ -69,14 +63,46 @@ def test_qwen3_norms_are_summed_and_gpt_oss_sinks_split_by_head():
     assert oss["self_attn.sinks"] == "Shard(0)" and oss["self_attn.o_proj.bias"] == "Replicate"
 
 
+def _plain(name: str):
+    """The proof of `name` under LLaMA's table, HF's gathered styles read as plain colwise / rowwise (no gather)."""
+    from dataclasses import replace
+
+    spec, model = _model(name)
+    return prove_tp(replace(spec, tp_pairs=(), grad_sum=()), model)
+
+
 def test_olmo2_full_width_norm_is_a_reduction_over_the_split_dim():
-    f = next(f for f in _proof("olmo2").findings if f.where == "layers.*.self_attn.q_norm")
+    f = next(f for f in _plain("olmo2").findings if f.where == "layers.*.self_attn.q_norm")
     assert f.kind == "reduction over the split dim" and f.op == "aten.mean" and f.phase == "fwd"
 
 
 def test_phi3_fused_qkv_is_a_fused_projection():
-    f = _proof("phi3").findings[0]
+    f = _plain("phi3").findings[0]
     assert f.kind == "fused projection" and "self_attn.qkv_proj" in f.detail
+
+
+@pytest.mark.parametrize("name", ["phi3", "olmo2", "olmoe"])
+def test_gathered_styles_are_the_table_as_hf_declares_them(name):
+    """The table of a model whose plan gathers is HF's declared plan: each colwise_gather_output / rowwise_split_input
+    linear a gathered colwise / rowwise role by its whole width, no tp region around it (the attention whole on every
+    rank), OLMo-2's plain MLP a Megatron pair in its region, Phi-3's fused [gate; up] too (packed: the graph chunks
+    it); OLMoE's MoE block keeps its roles."""
+    from autoshard.rules import sharding
+
+    spec, model = _model(name)
+    roles = {r.path: r for r in sharding.table(spec) if r.block is BlockKind.LAYER}
+    declared = {p.removeprefix("layers.*."): s for p, s in model.config.base_model_tp_plan.items()
+                if not p.startswith("layers.*.mlp.experts")}
+    packed = ("mlp.gate_up_proj", "mlp.down_proj") if name == "phi3" else ()  # chunked on the graph: a Megatron pair
+    for path, style in declared.items():
+        role = roles[path]
+        assert role.gathered == (style in ("colwise_gather_output", "rowwise_split_input") and path not in packed), path
+        assert role.strategy.value == style.partition("_")[0], path
+    assert [len(roles[p].pieces) for p in packed] == ([2, 1] if packed else [])  # [gate; up] by the MLP width
+    regions = {p for p, r in roles.items() if r.strategy is sharding.Strategy.REGION}
+    assert regions == ({"mlp"} if name != "olmoe" else set())
+    assert roles.get("mlp.experts") is None or roles["mlp.experts"].strategy is sharding.Strategy.EXPERT
+    assert "tp" not in dict(spec.refused)
 
 
 def _wrong(name: str, change):
@@ -161,3 +187,22 @@ def test_a_gained_dim_moves_the_split_dim_up():
         assert RULES[op](None, ins(Shard(1), 2), ctx) == Shard(1), op
         assert RULES[op](None, ins(Shard(2), -1), ctx) == Shard(2), op  # -1: the new last dim
         assert RULES[op](None, ins(R, 0), ctx) == R, op
+
+
+def test_a_strided_cut_of_packed_pieces_is_caught():
+    """An interleaved [gate; up] (every other column) is no packed pair: a strided slice of packed pieces is a
+    finding, a contiguous cut at their bound is the piece."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from autoshard.passes.capture.placement_rules import RULES
+    from autoshard.passes.capture.placements import Context, Unprovable
+
+    node = SimpleNamespace(target=torch.ops.aten.slice.Tensor)
+    packed = Shard(2, (8, 8))
+    ctx = Context(shapes=((2, 4, 16),), out=(2, 4, 8), phase="fwd", counts=frozenset(), rowwise=False, names=(),
+                  handled=[])
+    assert RULES["slice"](node, [packed, 2, 8, 16, 1], ctx) == Shard(2)
+    with pytest.raises(Unprovable, match="with step 2"):
+        RULES["slice"](node, [packed, 2, 0, 16, 2], ctx)

@@ -139,3 +139,54 @@ def test_no_consistent_pairing_is_refused_naming_the_module():
     model = _toy(96, shared=False)
     found = propose(capture_model(model, (torch.zeros(2, 8, dtype=torch.long),)), model.layers[0], spec)
     assert found.roles == (("mlp", "region", "ffn"), ("mlp.up", "colwise", "ffn"), ("mlp.down", "rowwise", "ffn"))
+
+
+def test_a_gathered_plan_is_read_as_declared_or_refused_by_name(monkeypatch):
+    """HF's gathered styles (colwise_gather_output / rowwise_split_input) become roles by the linear's whole width,
+    plain colwise / rowwise linears Megatron pairs in their parent's region; a gathered linear inside such a region,
+    a pattern naming no linear and a width no size matches are refused naming the module."""
+    from torch import nn
+
+    from autoshard.models.presets import _declared_layout
+    from autoshard.passes.capture.tp_proof import traced
+    from autoshard.passes.capture.tp_proposal import declared
+    from tests.runtime.families import DENSE
+
+    gathered = (("self_attn.qkv_proj", "colwise_gather_output", "qkv"), ("self_attn.o_proj", "rowwise_split_input", "q"))
+    # Phi-3's [gate; up] is chunked on its graph: a packed Megatron pair; unproven, it would run gathered as declared
+    assert DENSE["phi3"].spec.tp_pairs == gathered + (
+        ("mlp", "region", "ffn"), ("mlp.gate_up_proj", "packed_colwise", "gate_up"), ("mlp.down_proj", "rowwise", "ffn"))
+    source = DENSE["phi3"]
+    model, plan = source.build(), tuple(source.config.base_model_tp_plan.items())
+    graph = traced(model)
+    unproven = type("Proof", (), {"proven": False})()
+    monkeypatch.setattr("autoshard.passes.capture.tp_proof.prove_tp", lambda *a, **k: unproven)
+    assert _declared_layout(source.spec, model, graph, plan).roles == gathered + (
+        ("mlp.gate_up_proj", "colwise_gather_output", "gate_up"), ("mlp.down_proj", "rowwise_split_input", "ffn"))
+    spec = DENSE["phi3"].spec  # hidden 64, 4 heads of 16, 2 KV heads, MLP 96
+    layer = nn.Module()
+    layer.mlp = nn.Module()
+    layer.mlp.up, layer.mlp.down, layer.mlp.inner = nn.Linear(64, 96), nn.Linear(96, 64), nn.Module()
+    layer.mlp.inner.x, layer.mlp.inner.odd = nn.Linear(64, 192), nn.Linear(64, 100)
+    pair = (("layers.*.mlp.up", "colwise"), ("layers.*.mlp.down", "rowwise"))
+    assert declared(layer, spec, pair).roles == (("mlp", "region", "ffn"), ("mlp.up", "colwise", "ffn"),
+                                                 ("mlp.down", "rowwise", "ffn"))
+    gathered = (("layers.*.mlp.inner.x", "colwise_gather_output"),)
+    assert declared(layer, spec, gathered).roles == (("mlp.inner.x", "colwise_gather_output", "gate_up"),)
+    assert declared(layer, spec, pair + gathered).refusal.startswith(
+        "layers.*.mlp.inner.x: HF declares it gathered inside layers.*.mlp, a tp region")
+    assert "names no linear of the layer" in declared(layer, spec, (("layers.*.mlp.gone", "colwise"),)).refusal
+    assert declared(layer, spec, (("layers.*.mlp.inner.odd", "colwise_gather_output"),)).refusal.startswith(
+        "layers.*.mlp.inner.odd: its output width 100 is no size")
+
+
+def test_gathered_styles_run_except_in_a_hybrids_parts_table():
+    """HF's gathered styles are run styles (read as declared, above); a hybrid's layer-parts table, which is not
+    proven on the graph, does not run them: tp refused naming the module and the style."""
+    from autoshard.models.facts import ModelFacts, tp_style_refusal
+
+    facts = ModelFacts(mixer="attention", base="model", layer_params=(), embedding_plain=True,
+                       tp_plan=(("layers.*.self_attn.q_proj", "colwise_gather_output"),))
+    assert tp_style_refusal(facts) is None
+    assert tp_style_refusal(facts, layered=True).startswith(
+        "layers.*.self_attn.q_proj: HF declares it 'colwise_gather_output', which a hybrid's layer-parts table")
