@@ -514,6 +514,8 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         if key not in numbers:
             numbers[key] = stage_numbers(ct, hw, layout, seq_len=seq_len, memo=numbers,
                                          recomputes=(Recompute.NONE, Recompute.FULL))
+        if ranges.table_bound(ct, hw, layout, numbers[key], global_batch=global_batch, seq_len=seq_len) >= cutoff:
+            continue  # its search would stop at once, nothing found: skip its tables
         problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key],
                                recomputes=(Recompute.NONE, Recompute.FULL))
         result = _solve_ranges(problem, cutoff_s=cutoff)
