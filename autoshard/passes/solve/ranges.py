@@ -46,24 +46,32 @@ def _least_sum(fastest: np.ndarray, pp: int, layers: int, lows) -> float:
     return float(range_sums(lambda i, ra, rb: square[i, None, ra, rb], pp, layers, 1, lows)[0][0])
 
 
-def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int) -> float:
+def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int, memo: dict | None = None) -> float:
     """A lower bound on the step of every split of the tables `mesh_problem` would build for the resolved `layout`
     of a mixed stack (`blocks`: its `stage_numbers`), read before they are built: `range_search`'s first bound
     (m - f) T + f S + min tail with the tails left out (0; they are the costly part) and the time cutoff not
     applied, T and S over the same entries that fit the device (`stage_entries`' memory). `range_search`
-    returns at once, nothing found, where its first bound reaches the cutoff: so does it where this one does."""
+    returns at once, nothing found, where its first bound reaches the cutoff: so does it where this one does.
+    `memo`: a dict kept over plans of one device and sequence length; T and S read the global batch only through
+    the micro-batches each stage holds in flight, so a re-plan at another batch mostly reuses them."""
     mesh, L = layout.mesh, ct.spec.layers
     m = layout.microbatches(global_batch)
     f = float(schedules.bubble_fraction(layout.schedule, layout.virtual_stages, microbatches=m, pp=mesh.pp))
     if not 0 <= f <= m:  # the bound is monotone in T and S only so
         return -math.inf
-    lows = [stage_min_layers(layout, L, i) for i in range(mesh.pp)]
-    fastest = np.full((mesh.pp, (L + 1) ** 2), np.inf)
-    for i, _, time, mem, _ in stage_entries(ct, hw, layout, blocks, microbatches=m, seq_len=seq_len, tails=False):
-        fastest[i] = np.minimum(fastest[i], np.where(mem <= hw.memory_bytes, time, np.inf).min(axis=0))
-    fastest[range_lengths(L)[None, :] < np.array(lows)[:, None]] = np.inf  # too short, or no range
-    floor = _least_slowest(fastest, mesh.pp, L)
-    return math.inf if floor is None else (m - f) * floor + f * _least_sum(fastest, mesh.pp, L, lows)
+    memo = {} if memo is None else memo
+    key = ("table bound", layout, tuple(schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages)
+                                        for i in range(mesh.pp)))
+    if key not in memo:
+        lows = [stage_min_layers(layout, L, i) for i in range(mesh.pp)]
+        fastest = np.full((mesh.pp, (L + 1) ** 2), np.inf)
+        for i, _, time, mem, _ in stage_entries(ct, hw, layout, blocks, microbatches=m, seq_len=seq_len, tails=False):
+            fastest[i] = np.minimum(fastest[i], np.where(mem <= hw.memory_bytes, time, np.inf).min(axis=0))
+        fastest[range_lengths(L)[None, :] < np.array(lows)[:, None]] = np.inf  # too short, or no range
+        floor = _least_slowest(fastest, mesh.pp, L)
+        memo[key] = (floor, None if floor is None else _least_sum(fastest, mesh.pp, L, lows))
+    floor, total = memo[key]
+    return math.inf if floor is None else (m - f) * floor + f * total
 
 
 def _chunks(values: np.ndarray, limit: int):
