@@ -213,8 +213,11 @@ def zero_exposed_time(hw: DeviceProfile, params, layout: Layout, *, compute_s, b
     embedding and head, one ZeRO-3 collective each)."""
     z3 = (zero3_time(hw, params, layout, expert=expert, blocks=blocks)
           + offload_time(hw, params, layout, expert=expert))
-    return (np.maximum(0.0, z3 - compute_s)
-            + np.maximum(0.0, zero2_time(hw, params, layout, expert=expert) - backward_s))
+    z2 = zero2_time(hw, params, layout, expert=expert)
+    if np.ndim(z3) == 0 and np.ndim(z2) == 0 and z3 == 0 and z2 == 0:  # no ZeRO traffic, none exposed (the work
+        # is never negative): zeros of the shape, read-only, no memory held (the planner keeps them per layout)
+        return np.broadcast_to(0.0, np.broadcast_shapes(np.shape(compute_s), np.shape(backward_s)))
+    return np.maximum(0.0, z3 - compute_s) + np.maximum(0.0, z2 - backward_s)
 
 
 def optimizer_time(hw: DeviceProfile, params: float, layout: Layout, *, expert: float = 0.0) -> float:

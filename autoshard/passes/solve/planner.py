@@ -514,6 +514,9 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         if key not in numbers:
             numbers[key] = stage_numbers(ct, hw, layout, seq_len=seq_len, memo=numbers,
                                          recomputes=(Recompute.NONE, Recompute.FULL))
+        if ranges.table_bound(ct, hw, layout, numbers[key], global_batch=global_batch, seq_len=seq_len,
+                              memo=numbers) >= cutoff:
+            continue  # its search would stop at once, nothing found: skip its tables
         problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key],
                                recomputes=(Recompute.NONE, Recompute.FULL))
         result = _solve_ranges(problem, cutoff_s=cutoff)
@@ -523,8 +526,9 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
 
 
 def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:
-    """The block numbers a mixed stack's search reuses over plans (a re-plan at another global batch needs the
-    same ones), kept in `ct.memo` for the last two (device, sequence length) pairs."""
+    """The block numbers and table bounds (`ranges.table_bound`) a mixed stack's search reuses over plans (a
+    re-plan at another global batch needs the same ones), kept in `ct.memo` for the last two (device, sequence
+    length) pairs."""
     kept = ct.memo.setdefault("range numbers", {})
     key = (hw, seq_len)
     if key not in kept:

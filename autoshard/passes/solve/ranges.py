@@ -18,21 +18,60 @@ from autoshard.passes.cost import cost
 from autoshard.passes.cost.block import block_activation_bytes, block_params, block_time, expert_block_params
 from autoshard.passes.cost.state import state_bytes
 from autoshard.passes.solve.layer_ranges import range_columns, range_lengths, range_sums
-from autoshard.passes.solve.solve_model import evaluate
+from autoshard.passes.solve.solve_model import evaluate, stage_entries, stage_min_layers
 from autoshard.rules import schedules
 
 
 def bottleneck(problem, ok: np.ndarray) -> float | None:
     """The least slowest-stage time any split of `problem` has with every stage in `ok`, or None when no split is
-    allowed: a min-max DP over the stages and their boundaries (best_i[b] = min_a max(best_{i-1}[a], t_i[a, b]))."""
-    fastest = np.where(ok, problem.time_s, np.inf).min(axis=1)  # [i, column]
-    size = problem.layers + 1
+    allowed."""
+    return _least_slowest(np.where(ok, problem.time_s, np.inf).min(axis=1), problem.pp, problem.layers)
+
+
+def _least_slowest(fastest: np.ndarray, pp: int, layers: int) -> float | None:
+    """The least slowest-stage time of the splits of stage tables `fastest` [i, column] (None: no split): a min-max
+    DP over the stages and their boundaries (best_i[b] = min_a max(best_{i-1}[a], t_i[a, b]))."""
+    size = layers + 1
     best = np.full(size, np.inf)
     best[0] = 0.0
-    for i in range(problem.pp):
+    for i in range(pp):
         best = np.maximum(best[:, None], fastest[i].reshape(size, size)).min(axis=0)
-    value = float(best[problem.layers])
+    value = float(best[layers])
     return value if math.isfinite(value) else None
+
+
+def _least_sum(fastest: np.ndarray, pp: int, layers: int, lows) -> float:
+    """The least sum of stage times of the splits of stage tables `fastest` [i, column] (`range_sums`)."""
+    square = fastest.reshape(pp, layers + 1, layers + 1)  # [i, a, b]
+    return float(range_sums(lambda i, ra, rb: square[i, None, ra, rb], pp, layers, 1, lows)[0][0])
+
+
+def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int, memo: dict | None = None) -> float:
+    """A lower bound on the step of every split of the tables `mesh_problem` would build for the resolved `layout`
+    of a mixed stack (`blocks`: its `stage_numbers`), read before they are built: `range_search`'s first bound
+    (m - f) T + f S + min tail with the tails left out (0; they are the costly part) and the time cutoff not
+    applied, T and S over the same entries that fit the device (`stage_entries`' memory). `range_search`
+    returns at once, nothing found, where its first bound reaches the cutoff: so does it where this one does.
+    `memo`: a dict kept over plans of one device and sequence length; T and S read the global batch only through
+    the micro-batches each stage holds in flight, so a re-plan at another batch mostly reuses them."""
+    mesh, L = layout.mesh, ct.spec.layers
+    m = layout.microbatches(global_batch)
+    f = float(schedules.bubble_fraction(layout.schedule, layout.virtual_stages, microbatches=m, pp=mesh.pp))
+    if not 0 <= f <= m:  # the bound is monotone in T and S only so
+        return -math.inf
+    memo = {} if memo is None else memo
+    key = ("table bound", layout, tuple(schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages)
+                                        for i in range(mesh.pp)))
+    if key not in memo:
+        lows = [stage_min_layers(layout, L, i) for i in range(mesh.pp)]
+        fastest = np.full((mesh.pp, (L + 1) ** 2), np.inf)
+        for i, _, time, mem, _ in stage_entries(ct, hw, layout, blocks, microbatches=m, seq_len=seq_len, tails=False):
+            fastest[i] = np.minimum(fastest[i], np.where(mem <= hw.memory_bytes, time, np.inf).min(axis=0))
+        fastest[range_lengths(L)[None, :] < np.array(lows)[:, None]] = np.inf  # too short, or no range
+        floor = _least_slowest(fastest, mesh.pp, L)
+        memo[key] = (floor, None if floor is None else _least_sum(fastest, mesh.pp, L, lows))
+    floor, total = memo[key]
+    return math.inf if floor is None else (m - f) * floor + f * total
 
 
 def _chunks(values: np.ndarray, limit: int):
@@ -50,14 +89,14 @@ def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
     size = L + 1
     short = range_lengths(L)[None, :] < np.array([problem.min_layers(i) for i in range(p)])[:, None]  # [i, column]
     t = np.where(ok & ~short[:, None, :], problem.time_s, np.inf)
-    fastest, level = t.min(axis=1), t.argmin(axis=1)  # [i, column]: a stage's tail is the same at every level
+    fastest = t.min(axis=1)  # [i, column]: a stage's tail is the same at every level
     tail = problem.tail_s.min(axis=1)
-    floor = bottleneck(problem, ok & ~short[:, None, :])
+    floor = _least_slowest(fastest, p, L)
     if floor is None:
         return None, math.inf, math.inf
     lows = [problem.min_layers(i) for i in range(p)]
     square = fastest.reshape(p, size, size)  # [i, a, b]
-    total = float(range_sums(lambda i, ra, rb: square[i, None, ra, rb], p, L, 1, lows)[0][0])
+    total = _least_sum(fastest, p, L, lows)
     live = np.isfinite(fastest)
     tail_lo = float(max(tail[i][live[i]].min(initial=math.inf) for i in range(p)))
     best_a, best = None, math.inf
@@ -67,7 +106,7 @@ def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
     def found(counts) -> float:
         nonlocal best_a, best
         cols = range_columns(counts, L)
-        a = problem.assignment(counts, [level[i, c] for i, c in enumerate(cols)])
+        a = problem.assignment(counts, [np.argmin(t[i, :, c]) for i, c in enumerate(cols)])  # its fastest level
         ev = evaluate(problem, a)
         if ev.step_s < best and ev.step_s < cutoff_s:
             best_a, best = a, ev.step_s

@@ -77,10 +77,15 @@ class MeshProblem:
         """Every model chunk holds a layer, except that the first and last may hold only the
         embedding / head: v per rank, v - 1 on a rank holding either (v virtual stages; under the
         zero-bubble V both sit on rank 0 and rank pp - 1 needs v). ir.chunk_layers places the layers."""
-        lay, v = self.layout, self.layout.virtual_stages
-        if self.pp == 1:
-            return self.layers
-        return v - min(1, end_chunks(i, pp=self.pp, virtual_stages=v, schedule=lay.schedule))
+        return stage_min_layers(self.layout, self.layers, i)
+
+
+def stage_min_layers(layout: Layout, layers: int, i: int) -> int:
+    """`MeshProblem.min_layers` of stage i of `layout`, a model of `layers` layers."""
+    v = layout.virtual_stages
+    if layout.mesh.pp == 1:
+        return layers
+    return v - min(1, end_chunks(i, pp=layout.mesh.pp, virtual_stages=v, schedule=layout.schedule))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,12 +191,12 @@ def _block_numbers(ct: CompiledTable, hw, layout: Layout, *, seq_len: int,
 
 
 def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, *, embed: bool, head: bool,
-                   seq_len: int, p2p_s: float | None = None
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                   seq_len: int, p2p_s: float | None = None, tails: bool = True
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
     """(time [r, n], activations per micro-batch [r, n], other memory [n], tail [n], params [n]) of
     a stage holding n = 0..layers layers, with or without the embedding / head: cost.estimate's
     per-stage terms, evaluated for every n at once. `p2p_s`: the stage's boundary traffic when not
-    the layout's own (a sequence-parallel stage among stages that are not)."""
+    the layout's own (a sequence-parallel stage among stages that are not); `tails`: False, no tail (None)."""
     memo = blocks.memo  # what depends on the blocks (not their p2p) and the layout's fields named in each key
     n, params, experts, comp, bwd_last, fwd_first, comp_other, act, units = _stage_sums(ct, layout, blocks, embed, head)
     mesh = layout.mesh
@@ -205,7 +210,7 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
                      + cost.buffer_bytes(ct, layout, seq_len=seq_len))
     zexp, other_mem = memo[key]
     time = comp_other + (blocks.p2p_s if p2p_s is None else p2p_s) + zexp
-    tail = stage_tails(ct, hw, layout, blocks, embed=embed, head=head)
+    tail = stage_tails(ct, hw, layout, blocks, embed=embed, head=head) if tails else None
     return time, act, np.broadcast_to(other_mem, n.shape), tail, params
 
 
@@ -282,7 +287,7 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     there. A variant the plan validator refuses on a stage (a replicated embedding / head with the
     first / last stage sequence-parallel) has infinite memory there."""
     layout = cost.resolved(layout, hw)
-    mesh, layers, spec = layout.mesh, ct.spec.layers, ct.spec
+    mesh, layers = layout.mesh, ct.spec.layers
     m = layout.microbatches(global_batch)
     if ct.kinds:  # selective recompute is not priced per layer kind yet (cost.mixed_violation)
         recomputes = tuple(r for r in recomputes if r is not Recompute.SELECTIVE)
@@ -293,14 +298,34 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
     if len(blocks) != len(variants) or any(b.recomputes != tuple(recomputes) for b in blocks):
         raise ValueError(f"block numbers for {len(blocks)} variants x {blocks[0].recomputes}, tables asked for "
                          f"{len(variants)} x {tuple(recomputes)}")
+    width = (layers + 1) ** 2 if ct.kinds else layers + 1  # columns: a stage's layer ranges, or its layer counts
+    times, mems, tails = (np.empty((mesh.pp, len(variants) * len(recomputes), width)) for _ in range(3))
+    for i, o, time, mem, tail in stage_entries(ct, hw, layout, blocks, microbatches=m, seq_len=seq_len):
+        times[i, o], mems[i, o], tails[i, o] = time, mem, tail
+    if ct.kinds:  # a range that ends before it starts is no stage
+        empty = layer_ranges.range_lengths(layers) < 0
+        times[..., empty], mems[..., empty] = np.inf, np.inf
+    for a in (times, mems, tails):
+        a.flags.writeable = False
+    return MeshProblem(layout=layout, layers=layers, microbatches=m, capacity_bytes=hw.memory_bytes,
+                       recomputes=tuple(recomputes), time_s=times, mem_bytes=mems, tail_s=tails,
+                       bubble=float(schedules.bubble_fraction(layout.schedule, layout.virtual_stages,
+                                                                 microbatches=m, pp=mesh.pp)),
+                       variants=variants if len(variants) > 1 else (), sequence=ct.layer_kinds)
+
+
+def stage_entries(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumbers, ...], *, microbatches: int,
+                  seq_len: int, tails: bool = True) -> Iterator[tuple]:
+    """`mesh_problem`'s tables of a resolved `layout` (`blocks`: its `stage_numbers`), a stage and variant at a
+    time: (stage i, the variant's slice of the options, time [r, column], peak memory [r, column] (inf: the
+    variant cannot go on the stage), tail [column], or None without `tails`)."""
+    mesh, spec, recomputes = layout.mesh, ct.spec, blocks[0].recomputes
     chunks = mesh.pp * layout.virtual_stages
     ranks = [stage_rank(c, pp=mesh.pp, virtual_stages=layout.virtual_stages, schedule=layout.schedule)
              for c in range(chunks)]
     mixed = "sequence_parallel" in layout.stage_choices
-    width = (layers + 1) ** 2 if ct.kinds else layers + 1  # columns: a stage's layer ranges, or its layer counts
-    times, mems, tails = (np.empty((mesh.pp, len(variants) * len(recomputes), width)) for _ in range(3))
     cols: dict = {}
-    for v, (lay, blk) in enumerate(zip(variants, blocks)):
+    for v, (lay, blk) in enumerate(zip(stage_variants(layout), blocks)):
         o = slice(v * len(recomputes), (v + 1) * len(recomputes))
         for i in range(mesh.pp):
             p2p, valid = None, True
@@ -314,24 +339,11 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
             key = (v, i == 0, i == mesh.pp - 1, p2p)
             if key not in cols:
                 cols[key] = _stage_columns(ct, hw, lay, blk, embed=i == 0, head=i == mesh.pp - 1, seq_len=seq_len,
-                                           p2p_s=p2p)
+                                           p2p_s=p2p, tails=tails)
             time, act, other, tail, _ = cols[key]
-            times[i, o] = time
             # activations of the micro-batches in flight under the layout's schedule
-            mems[i, o] = act * schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages) + other
-            if not valid:
-                mems[i, o] = np.inf
-            tails[i, o] = tail
-    if ct.kinds:  # a range that ends before it starts is no stage
-        empty = layer_ranges.range_lengths(layers) < 0
-        times[..., empty], mems[..., empty] = np.inf, np.inf
-    for a in (times, mems, tails):
-        a.flags.writeable = False
-    return MeshProblem(layout=layout, layers=layers, microbatches=m, capacity_bytes=hw.memory_bytes,
-                       recomputes=tuple(recomputes), time_s=times, mem_bytes=mems, tail_s=tails,
-                       bubble=float(schedules.bubble_fraction(layout.schedule, layout.virtual_stages,
-                                                                 microbatches=m, pp=mesh.pp)),
-                       variants=variants if len(variants) > 1 else (), sequence=ct.layer_kinds)
+            mem = act * schedules.in_flight(layout.schedule, i, mesh.pp, microbatches, layout.virtual_stages) + other
+            yield i, o, time, mem if valid else np.full_like(mem, np.inf), tail
 
 
 def evaluate(problem: MeshProblem, a: Assignment) -> Evaluation:

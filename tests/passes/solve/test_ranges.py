@@ -12,7 +12,8 @@ from autoshard.passes.capture.shapes import build_cost_table
 from autoshard.passes.cost import cost
 from autoshard.passes.cost.cost import Layout
 from autoshard.passes.solve.planner import solve, solve_mesh
-from autoshard.passes.solve.solve_model import Assignment, brute_force, evaluate, mesh_problem
+from autoshard.passes.solve.ranges import table_bound
+from autoshard.passes.solve.solve_model import Assignment, brute_force, evaluate, mesh_problem, stage_numbers
 from autoshard.passes.cost.compiled import compile_table
 from autoshard.passes.cost.block import block_time
 
@@ -59,6 +60,29 @@ def test_range_search_finds_the_brute_force_optimum(mixed, pp, dp, zero, schedul
     assert got.status == "optimal"
     assert evaluate(problem, got.assignment).peak_bytes <= hw.memory_bytes
     assert got.step_s == pytest.approx(best[1].step_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("pp, dp, zero, schedule, fraction", [
+    (2, 4, 1, "1f1b", 1.0), (3, 1, 0, "1f1b", 0.4), (4, 2, 2, "1f1b", 0.3), (4, 1, 1, "gpipe", 0.6),
+    (3, 2, 1, "zero-bubble", 0.5), (5, 1, 0, "1f1b", 0.2), (1, 8, 1, "1f1b", 1.0)])
+def test_table_bound_is_below_every_split(mixed, pp, dp, zero, schedule, fraction):
+    """The bound read before a layout's tables are built is at most the step of every split that fits (the
+    brute-force optimum), and where it reaches a cutoff the search over the tables finds nothing below it."""
+    spec, ct = mixed
+    layout = cost.resolved(Layout(mesh=Mesh(dp=dp, pp=pp), micro_batch=1, zero=zero, schedule=schedule),
+                           load_hardware("cpu"))
+    kw = dict(global_batch=16, seq_len=64)
+    hw = _tight(load_hardware("cpu"), mesh_problem(ct, load_hardware("cpu"), layout, **kw), fraction)
+    recomputes = (Recompute.NONE, Recompute.FULL)
+    blocks = stage_numbers(ct, hw, layout, seq_len=64, recomputes=recomputes)
+    bound = table_bound(ct, hw, layout, blocks, **kw)
+    problem = mesh_problem(ct, hw, layout, blocks=blocks, recomputes=recomputes, **kw)
+    best = brute_force(problem)
+    if best is None:
+        assert bound == float("inf")
+        return
+    assert bound <= best[1].step_s
+    assert solve_mesh(problem, cutoff_s=bound).assignment is None
 
 
 def test_stage_time_follows_its_own_layers(mixed):
