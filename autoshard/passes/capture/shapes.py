@@ -34,8 +34,24 @@ def build_cost_table(spec: ModelSpec, *, training: bool = True, dtype: torch.dty
                      model: nn.Module | None = None, kernels: Sequence[str] | None = None) -> CostTable:
     """The symbolic per-block cost table of one training step of `spec`; see docs/modules/capture.md."""
     names = kernel_table.KERNEL_NAMES if kernels is None else tuple(kernels)
-    return _build_for_layers(spec, training, BF16 if dtype is None else str(dtype), model,
-                             kernel_table.kernel_for(spec, names))
+    table = _build_for_layers(spec, training, BF16 if dtype is None else str(dtype), model,
+                              kernel_table.kernel_for(spec, names))
+    if model is not None:
+        check_params(table, model)
+    return table
+
+
+def check_params(table: CostTable, model: nn.Module) -> None:
+    """InvalidConfigError, naming each block's count, when the table's parameters (`CostTable.params`) are not
+    the model's own (every parameter once, as HF's PreTrainedModel.num_parameters(): a tied weight once, no
+    buffer): a block autoshard read wrong would price and plan a model it does not hold."""
+    own = sum(p.numel() for p in model.parameters())
+    if table.params != own:
+        blocks = ", ".join(f"{b.name} {b.params:,}" + (f" x {b.count}" if b.count > 1 else "") for b in table.blocks)
+        raise InvalidConfigError(
+            f"{table.model}: the traced blocks hold {table.params:,} parameters ({blocks}), the model "
+            f"{own:,}: autoshard does not read this model's layers right, so it does not price or plan it "
+            "(the parameters outside those blocks would go uncounted); this model is not supported yet")
 
 
 @functools.lru_cache(maxsize=64)
