@@ -53,8 +53,16 @@ NOT_YET = {
 }
 
 
+def text_config(config):
+    """The config of the decoder: a multimodal wrapper's text config (Gemma-4's `text_config`, HF's
+    PretrainedConfig.get_text_config(decoder=True)), else `config` itself."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
 def config_value(config, fact: str, default=None):
-    """The first of `ALIASES[fact]` that the config sets (not None), else `default`."""
+    """The first of `ALIASES[fact]` that the decoder's config (`text_config`) sets (not None), else `default`."""
+    config = text_config(config)
     for name in ALIASES[fact]:
         value = getattr(config, name, None)
         if value is not None:

@@ -25,7 +25,9 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
     """The spec of a mixed layer stack (None for one kind of layer); see the module docstring."""
     from autoshard.passes.capture.layer_kinds import find_layer_stack
 
-    config = getattr(model, "config", None)
+    from autoshard.models.facts import text_config
+
+    config = text_config(getattr(model, "config", None))
     stack = find_layer_stack(model)
     if config is None or stack is None or stack.uniform:
         return None

@@ -382,7 +382,14 @@ def resolve_model(name_or_factory: str, *, device: str = "meta") -> tuple[ModelS
         raise InvalidConfigError(f"{name_or_factory} returned a module without a HF .config; "
                                  "autoshard reads a Hugging Face ...ForCausalLM (its config and module tree); "
                                  "return AutoModelForCausalLM.from_config(config)")
+    from autoshard.models.facts import text_config
     from autoshard.models.layered import layered_spec  # layers of several kinds (hybrids)
 
+    config = text_config(config)
+    if getattr(config, "is_heterogeneous", False):  # reading one of them raises AmbiguousGlobalPerLayerAttributeError
+        raise InvalidConfigError(
+            f"{name_or_factory}: {type(config).__name__} declares per-layer values of "
+            f"{', '.join(sorted(config.per_layer_attributes))} (HF's per_layer_config), and autoshard reads one value "
+            "of each per model: a heterogeneous config is not supported yet; give every layer the same values")
     layered = layered_spec(model, name=name_or_factory)
     return layered or spec_from_hf_config(config, name=name_or_factory, model=model), model

@@ -35,9 +35,22 @@ def tiny_config(config, **overrides):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(config) if isinstance(config, str) else copy.deepcopy(config)
+    text = config.get_text_config(decoder=True)
+    if text is not config:  # a multimodal wrapper (Gemma-4): its decoder's sizes are in its text config
+        _shrink(text)
+    _shrink(config)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _shrink(config) -> None:
+    """`config`'s sizes set in place to `SIZES` (see the module docstring); those a heterogeneous config declares
+    per layer (HF's per_layer_config: Gemma-4's head_dim) kept, as autoshard refuses such a config by name."""
+    per_layer = getattr(config, "per_layer_attributes", None) or ()
     for fact, value in SIZES.items():
         for name in ALIASES[fact]:
-            if _settable(config, name) and (getattr(config, name) is not None or fact == "head_dim"):
+            if name not in per_layer and _settable(config, name) and (getattr(config, name) is not None or fact == "head_dim"):
                 setattr(config, name, value)
     if all(isinstance(getattr(config, n, None), int) for n in ("expand", "num_heads", "head_dim")):
         # a Mamba-2 SSD config: its heads x head_dim is the mixer's inner width, expand x hidden
@@ -64,9 +77,6 @@ def tiny_config(config, **overrides):
         if hasattr(config, name):
             setattr(config, name, [])
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    return config
 
 
 def _settable(config, name: str) -> bool:
