@@ -263,7 +263,12 @@ def check_routing(regions, spec: ModelSpec, *, holds_experts: bool = False) -> N
             raise CaptureError(f"{spec.name}: the graph routes tokens at {r.module_path!r} (a matmul of "
                                f"{int(r.size[0])} outputs feeding topk) but the model's facts found no mixture of "
                                "experts; give ModelSpec experts / moe_paths, or report the model")
-        if path != want or int(r.size[0]) != spec.experts:
+        if int(r.size[0]) != spec.experts:  # Zaya's 5th, Inkling's shared choices: not the experts module's rows
+            raise CaptureError(f"{spec.name}: the graph's router {path!r} chooses among {int(r.size[0])} experts, "
+                               f"but the routed experts at {spec.moe_paths[1]!r} hold {spec.experts}: routing to a "
+                               "choice that is no routed expert (a null or shared expert) has no rule to price or "
+                               "run; this model is not supported yet")
+        if path != want:
             raise CaptureError(f"{spec.name}: the graph's router is {path!r} choosing among {int(r.size[0])} "
                                f"experts, the module tree's (ModelSpec.moe_paths[0], experts) is {want!r}, "
                                f"{spec.experts}; fix the facts (models/facts.py _moe_modules) for this model")
