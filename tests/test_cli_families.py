@@ -1,0 +1,63 @@
+"""Classes of bench/families_sweep.json once counted wrong or crashing: through `inspect --json` on their
+`tiny_config` (autoshard/models/tiny.py), HF's parameter count or one clean line naming why not."""
+
+import functools
+import json
+
+import pytest
+from torch import nn
+
+from autoshard.cli import main
+from autoshard.errors import InvalidConfigError
+from autoshard.models.tiny import build_tiny, tiny_config
+
+
+def tiny(model_type: str):
+    return build_tiny(tiny_config(model_type), device="meta")
+
+
+# the factories: `--model tests.test_cli_families:<model type>`
+hunyuan_v1_moe, longcat_flash, gemma4, dots3_note, rwkv, zaya = (
+    functools.partial(tiny, t) for t in ("hunyuan_v1_moe", "longcat_flash", "gemma4", "dots3_note", "rwkv", "zaya"))
+
+
+def _inspect(capsys, factory: str):
+    code = main(["inspect", "--model", f"tests.test_cli_families:{factory}", "--seq-len", "64", "--json"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_router_inside_a_gate_module_is_found(capsys):
+    """HunYuan-MoE's router is the linear `mlp.gate.wg` inside its gate module: read as the router, the model
+    inspects with HF's count (its dp2 / ep2 runs match one process)."""
+    code, out, err = _inspect(capsys, "hunyuan_v1_moe")
+    assert code == 0, err
+    assert json.loads(out)["params"] == hunyuan_v1_moe().num_parameters()
+
+
+@pytest.mark.parametrize("factory,needle", [
+    ("longcat_flash", "the traced blocks hold 32,832 parameters"),  # its layers of two sublayers each: not read
+    ("gemma4", "Gemma4TextConfig declares per-layer values of head_dim"),  # a multimodal wrapper's text config
+    ("dots3_note", "declares per-layer values of kv_lora_rank, num_attention_heads"),
+    ("rwkv", "changes with the input shape (b, s) = (2, 64) vs (2, 128)"),  # a Python loop over tokens
+    ("zaya", "chooses among 5 experts, but the routed experts at 'mlp.experts' hold 4"),  # a null expert
+])
+def test_what_cannot_be_counted_right_is_one_line(capsys, factory, needle):
+    code, _, err = _inspect(capsys, factory)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("autoshard inspect: error:"), err
+    assert needle in err and "Traceback" not in err
+
+
+def test_parameters_outside_the_traced_blocks_are_refused():
+    """The cost table's parameters are checked against the model's own (`shapes.check_params`): one the
+    blocks do not hold (here on the top-level module) is refused, naming both counts."""
+    from autoshard.models import build_model, get_spec
+    from autoshard.passes.capture.shapes import build_cost_table
+
+    spec = get_spec("llama-tiny")
+    model = build_model(spec, device="meta")
+    own = model.num_parameters()
+    build_cost_table(spec, model=model)  # every parameter in a block (the tied-free head counted once)
+    model.extra = nn.Parameter(model.lm_head.weight.new_empty(7))
+    with pytest.raises(InvalidConfigError, match=f"hold {own:,} parameters .*, the model {own + 7:,}"):
+        build_cost_table(spec, model=model)
