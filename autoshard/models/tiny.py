@@ -1,7 +1,8 @@
 """Tiny configs of any HF decoder class: what `autoshard verify` and the equivalence tests run.
 
 Contract: `tiny_config(config, **overrides)` -> a copy of `config` (same class, same model_type, every
-field the family sets kept) with its sizes shrunk through the alias table (models/facts.py `ALIASES`):
+field the family sets kept; a multimodal wrapper's text config too) with its sizes shrunk through the alias
+table (models/facts.py `ALIASES`):
 hidden 64, 4 heads of 16 (2 KV heads), MLP 96, vocabulary 256, one layer of each layer type (at
 least two layers), 4 experts of width 32 (2 per token), windows of 4 tokens. `exaggerated(config)`
 turns the multipliers and softcaps a family has far from 1 / small, so that a dropped op changes the
