@@ -19,13 +19,11 @@ from torch import nn
 
 from autoshard.errors import InvalidConfigError
 from autoshard.model_spec import Mixer, ModelSpec, config_violation
-from autoshard.models.facts import ssd_mixers
+from autoshard.models.facts import ssd_mixers, text_config
 
 def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
     """The spec of a mixed layer stack (None for one kind of layer); see the module docstring."""
     from autoshard.passes.capture.layer_kinds import find_layer_stack
-
-    from autoshard.models.facts import text_config
 
     config = text_config(getattr(model, "config", None))
     stack = find_layer_stack(model)
