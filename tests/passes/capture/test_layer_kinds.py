@@ -81,6 +81,18 @@ def test_a_layer_narrowing_builds_otherwise_is_the_models_own(model_type):
         assert all(getattr(m, "layer_idx", 0) in (0, None) for m in layer.modules()), kind.name
 
 
+def test_a_router_module_around_its_gating_linear_is_the_router():
+    """AFMoE's MoE layer (after its dense one) routes through `mlp.router.gate`, a linear inside a router module:
+    the facts name it, as the traced graph's router check (fused_patterns.check_routing) finds it."""
+    from autoshard.models.facts import _moe_modules
+    from autoshard.models.tiny import build_tiny, tiny_config
+
+    model = build_tiny(tiny_config("afmoe"), device="meta")
+    layers = model.get_submodule(find_layer_stack(model).prefix)
+    assert _moe_modules(layers[1], model.config.num_experts)[:2] == ("mlp.experts", "mlp.router.gate")
+    assert _moe_modules(layers[0], model.config.num_experts) == ("", "", "", ())  # its dense layer
+
+
 def test_uniform_models_are_one_kind():
     for name in ("llama-tiny", "mamba2-tiny", "mixtral-tiny"):
         model = build_model(get_spec(name), device="meta")
