@@ -204,11 +204,11 @@ def is_attention(module) -> bool:
 def _moe_modules(layer, experts: int) -> tuple[str, str, str, tuple[str, ...]]:
     """(experts path, router path, shared-expert path, shared parts) of a MoE layer, read off
     the module tree, not its names: the experts module holds one 3-d weight per projection with `experts`
-    rows; the router is the linear (or module of one (experts, hidden) weight) beside it, else such a linear inside
-    a module beside it (HunYuan-MoE's gate `mlp.gate.wg`); the shared expert
-    the other module beside them that holds linears (Qwen2-MoE's `shared_expert`, DeepSeek's `shared_experts`,
-    GraniteMoeShared's `shared_mlp`). The shared parts: the shared expert's linears, then the block's one-output
-    linears (Qwen2-MoE's sigmoid `shared_expert_gate`), in module order. ("", "", "", ()) for a dense layer."""
+    rows; the router is the linear (or module of one (experts, hidden) weight, or of one such linear: AFMoE's
+    `router.gate`, HunYuan-MoE's `gate.wg`) beside it; the shared expert the other module beside them that
+    holds linears (Qwen2-MoE's `shared_expert`, DeepSeek's `shared_experts`, GraniteMoeShared's `shared_mlp`).
+    The shared parts: the shared expert's linears, then the block's one-output linears (Qwen2-MoE's sigmoid
+    `shared_expert_gate`), in module order. ("", "", "", ()) for a dense layer."""
     from torch import nn
 
     if layer is None or not experts:
@@ -226,9 +226,10 @@ def _moe_modules(layer, experts: int) -> tuple[str, str, str, tuple[str, ...]]:
                 router = next((at(n) for n, m in block.named_children()
                                if getattr(m, "weight", None) is not None and m.weight.dim() == 2
                                and m.weight.shape[0] == experts and at(n) != path), "")
-            if not router:  # a gate module holding the router linear (HunYuan-MoE's mlp.gate.wg)
-                router = next((at(f"{n}.{p}") for n, m in block.named_children() if at(n) != path
-                               for p, c in m.named_modules() if isinstance(c, nn.Linear) and c.out_features == experts), "")
+            if not router:  # a router module around its one gating linear (AFMoE, HunYuan-MoE)
+                router = next((f"{at(n)}.{k}" for n, m in block.named_children() if at(n) != path
+                               for k, c in m.named_children() if isinstance(c, nn.Linear) and c.out_features == experts
+                               and sum(isinstance(x, nn.Linear) for x in m.modules()) == 1), "")
             linears = lambda m: [c for c in m.modules() if isinstance(c, nn.Linear)]  # noqa: E731
             shared = next((at(n) for n, m in block.named_children() if at(n) not in (path, router)
                            and not isinstance(m, nn.Linear) and linears(m)

@@ -42,6 +42,12 @@ NO_TP_PLAN = {
 # (tp only: their other axes are DENSE's and MOE's)
 GATHERED = {"glm4": _tiny("glm4"), "olmo3": _tiny("olmo3"), "olmoe": _tiny("olmoe")}
 
+# MoE after dense layers, decided per layer by a list the narrowed one-layer copy loses (`mlp_layer_types`, longer
+# than the stack: ExaOne-MoE's first-k-dense, MiMo-V2-Flash's with sliding / full attention), so the capture traces
+# the model's own layer (passes/capture/layer_kinds.py); dp, pp and ep so far (tp and cp: not yet exact, reported)
+PER_LAYER_MOE = {"exaone_moe": _tiny("exaone_moe"), "mimo_v2_flash": _tiny("mimo_v2_flash")}
+PER_LAYER_PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(ep=2))
+
 # a uniform stack of a sequence mixer with no rule (Mamba-1's selective scan): the model's own forward under dp and
 # pp; tp, cp (and sequence parallelism) refused naming the module (models/layered.py `_ruleless_refusals`)
 RULELESS = {"mamba": _tiny("mamba")}
@@ -60,6 +66,7 @@ def check_families() -> None:
 
     check_axes({**DENSE, **MOE, **RULELESS}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
     check_axes({**NO_TP_PLAN, **GATHERED}, lambda name: (dict(tp=2),), {})
+    check_axes(PER_LAYER_MOE, lambda name: PER_LAYER_PLANS, {})
     _check_generate()
 
 

@@ -188,13 +188,19 @@ _ROUTE = ("_softmax", "softmax.int", "sigmoid", "add.Tensor", "mul.Tensor", "div
           "masked_fill.Tensor", *_CASTS)  # between the router's matmul and topk (DeepSeek: bias, group mask)
 
 
+def _bias_add(view: _PatternView, node) -> bool:
+    """An add of a bias kept as a matrix of one row (Ernie-4.5's (1, experts) score correction)."""
+    reads = [_through(a) for a in node.all_input_nodes if _through(a) in view.weights]
+    return _is(node, "add.Tensor") and all(sum(d > 1 for d in w.meta["val"].shape) == 1 for w in reads)
+
+
 def _is_router_anchor(node) -> bool:
     return _is(node, "topk")
 
 
 def _router(view: _PatternView, anchor, tokens: int) -> FusedRegion | None:
     chain, node = [anchor], kernels._through_views(anchor.args[0])
-    while _is(node, *_ROUTE) and not view.reads_weight(node):
+    while _is(node, *_ROUTE) and (not view.reads_weight(node) or _bias_add(view, node)):
         chain.append(node)
         node = kernels._through_views(node.args[0])
     if not view.reads_weight(node) or not _is(node, "mm", "addmm", "linear") or node in view.taken:

@@ -106,15 +106,31 @@ def one_layer_copy(model: nn.Module, stack: LayerStack, kind: str, dtype: torch.
     got = _layer_list(one)
     layers = model.get_submodule(stack.prefix)
     shared = _shared_children(layers, i)
-    want = _signature(layers[i], skip=shared)
-    if got is None or len(got[1]) != 1 or _signature(got[1][0], skip=shared) != want:
-        what = "no layer list" if got is None else f"{len(got[1])} layers" if len(got[1]) != 1 else \
-            f"a {type(got[1][0]).__name__} with other parameters"
+    if got is None or len(got[1]) != 1:
+        what = "no layer list" if got is None else f"{len(got[1])} layers"
         raise CaptureError(
             f"cannot copy {type(model).__name__} with one {kind!r} layer (layer {i}, a {k.cls}): narrowing the "
-            f"config ({', '.join(_changed(config, narrowed)) or 'nothing'}) built {what}; the config says which layer "
-            "is of which kind in a way autoshard does not read: report this with the model config")
+            f"config ({', '.join(_changed(config, narrowed)) or 'nothing'}) built {what}; the config says how many "
+            "layers there are in a way autoshard does not read: report this with the model config")
+    if _signature(got[1][0], skip=shared) != _signature(layers[i], skip=shared):
+        got[1][0] = _own_layer(layers[i], i, config, narrowed).to(dtype)  # the config builds layer i otherwise
     return one
+
+
+def _own_layer(layer: nn.Module, index: int, config: Any, narrowed: Any) -> nn.Module:
+    """A copy of the model's own layer `index` on the meta device, made the first layer of the one-layer
+    copy: it reads the `narrowed` config where it read `config`, and its layer index attributes
+    (`layer_idx`, `layer_number`, ...: ints named "layer...") are 0 (the narrowed per-layer lists' index)."""
+    memo: dict[int, Any] = {id(config): narrowed}
+    for t in (*layer.parameters(), *layer.buffers()):
+        meta = t.detach().to("meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    out = copy.deepcopy(layer, memo)
+    for module in out.modules():
+        for name, value in vars(module).items():
+            if name.startswith("layer") and is_int(value) and value == index:
+                setattr(module, name, 0)
+    return out
 
 
 def narrow_config(config: Any, index: int, num_layers: int) -> Any:

@@ -139,6 +139,23 @@ def test_the_graphs_router_is_the_module_trees(model_type):
     fused_patterns.check_routing(unrouted, spec)  # a layer without the experts (a dense kind) routes nothing
 
 
+def test_a_router_with_a_one_row_bias_is_found():
+    """Ernie-4.5-MoE adds its score correction, a (1, experts) parameter, before topk: a bias, not the router's
+    weight matrix. Its MoE layer (layer 1; layer 0 is dense) traced from the one-layer copy of that kind."""
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.models.tiny import build_tiny, tiny_config
+    from autoshard.passes.capture import layer_kinds
+
+    model = build_tiny(tiny_config("ernie4_5_moe"), device="meta")
+    spec = spec_from_hf_config(model.config, name="ernie4_5_moe", model=model)
+    stack = layer_kinds.find_layer_stack(model)
+    one = layer_kinds.one_layer_copy(model, stack, stack.sequence[1], torch.bfloat16)
+    found = fused_patterns.find_fused(shapes_trace._trace(one, 1, TOKENS, True), tokens=TOKENS)
+    routers = [r for r in found if r.kernel == fused_patterns.ROUTER]
+    assert [r.module_path for r in routers] == ["model.layers.0.mlp.gate"] and routers[0].size == (4.0,)
+    fused_patterns.check_routing(found, spec, holds_experts=True)
+
+
 def test_routed_experts_swiglu_is_priced_per_routed_row():
     spec, found = _hf_regions("mixtral")  # top-2 of 4 experts of width 96: 2 x 96 elements per token
     (experts,) = [r for r in found if r.kernel == "swiglu"]

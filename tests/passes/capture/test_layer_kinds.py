@@ -61,6 +61,38 @@ def test_kinds_and_one_layer_copies(model_type):
     assert rest + sum(k.params * k.count for k in stack.kinds) + stack.shared_params == model.num_parameters()
 
 
+@pytest.mark.parametrize("model_type", ["ernie4_5_moe", "modernbert-decoder", "gpt_neox_japanese"])
+def test_a_layer_narrowing_builds_otherwise_is_the_models_own(model_type):
+    """Where the narrowed config builds another layer (Ernie-4.5-MoE's MoE from `moe_layer_start_index`,
+    ModernBERT-decoder's norm on every layer but the first, GPT-NeoX-Japanese's bias on the last), the copy's
+    one layer is a copy of the model's own, reading the narrowed config at layer index 0."""
+    from autoshard.models.tiny import build_tiny, tiny_config
+    from autoshard.passes.capture.layer_kinds import _signature
+
+    model = build_tiny(tiny_config(model_type), device="meta")
+    stack = find_layer_stack(model)
+    layers = model.get_submodule(stack.prefix)
+    assert not stack.uniform
+    for kind in stack.kinds:
+        one = one_layer_copy(model, stack, kind.name, torch.bfloat16)
+        (layer,) = one.get_submodule(stack.prefix)
+        assert _signature(layer) == _signature(layers[kind.layers[0]]), kind.name
+        assert {p.device.type for p in layer.parameters()} == {"meta"} and layer is not layers[kind.layers[0]]
+        assert all(getattr(m, "layer_idx", 0) in (0, None) for m in layer.modules()), kind.name
+
+
+def test_a_router_module_around_its_gating_linear_is_the_router():
+    """AFMoE's MoE layer (after its dense one) routes through `mlp.router.gate`, a linear inside a router module:
+    the facts name it, as the traced graph's router check (fused_patterns.check_routing) finds it."""
+    from autoshard.models.facts import _moe_modules
+    from autoshard.models.tiny import build_tiny, tiny_config
+
+    model = build_tiny(tiny_config("afmoe"), device="meta")
+    layers = model.get_submodule(find_layer_stack(model).prefix)
+    assert _moe_modules(layers[1], model.config.num_experts)[:2] == ("mlp.experts", "mlp.router.gate")
+    assert _moe_modules(layers[0], model.config.num_experts) == ("", "", "", ())  # its dense layer
+
+
 def test_uniform_models_are_one_kind():
     for name in ("llama-tiny", "mamba2-tiny", "mixtral-tiny"):
         model = build_model(get_spec(name), device="meta")
