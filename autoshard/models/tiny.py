@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 
-from autoshard.models.facts import ALIASES
+from autoshard.models.facts import ALIASES, config_value
 
 SIZES = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 96, "vocab": 256, "experts": 4,
          "top_k": 2, "expert_ffn": 32, "shared_ffn": 64, "sliding_window": 4}
@@ -27,6 +27,12 @@ CHECKED = ("llama", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"
 EXAGGERATED = {"logits_scaling": 0.25, "embedding_multiplier": 6.0, "residual_multiplier": 0.5,
                "attention_multiplier": 0.4, "logit_scale": 3.0, "final_logit_softcapping": 0.1,
                "attn_logit_softcapping": 0.05}
+# multi-head latent attention (DeepSeek-V2's MLA, a config that sets kv_lora_rank): its per-head and latent widths,
+# and its sparse indexer's (DeepSeek-V3.2's DSA)
+MLA_SIZES = {"qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 24,
+             "index_head_dim": 16, "index_n_heads": 4}
+# group-limited routing (DeepSeek-V3's: the top groups of experts, then the top experts in them): 2 groups of 2
+ROUTING_GROUPS = {"n_group": 2, "topk_group": 1}
 
 
 def tiny_config(config, **overrides):
@@ -35,6 +41,8 @@ def tiny_config(config, **overrides):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(config) if isinstance(config, str) else copy.deepcopy(config)
+    latent = {name: getattr(config, name, None) for name in ("head_dim", "qk_head_dim", *MLA_SIZES)}
+    heads = [config_value(config, fact) for fact in ("heads", "kv_heads")]
     for fact, value in SIZES.items():
         for name in ALIASES[fact]:
             if _settable(config, name) and (getattr(config, name) is not None or fact == "head_dim"):
@@ -44,6 +52,10 @@ def tiny_config(config, **overrides):
         config.num_heads = config.expand * config.hidden_size // config.head_dim
         if isinstance(getattr(config, "n_groups", None), int):
             config.n_groups = math.gcd(config.n_groups, config.num_heads)
+    if config_value(config, "experts") is not None:
+        _route_tiny(config)
+    if latent["kv_lora_rank"] is not None:
+        _shrink_latent(config, latent, same_heads=heads[0] == heads[1])
     types = list(getattr(config, "layer_types", None) or [])
     kinds = list(dict.fromkeys(types)) or ["full_attention"]
     layers = max(2, len(kinds))
@@ -74,6 +86,36 @@ def _settable(config, name: str) -> bool:
     Jamba's layer_types, Bamba's layers_block_type)."""
     prop = getattr(type(config), name, None)
     return hasattr(config, name) and not (isinstance(prop, property) and prop.fset is None)
+
+
+def _route_tiny(config) -> None:
+    """A config with routed experts: its top-k set where the class declares it unset (DeepSeek-V2's defaults), its
+    expert groups (`ROUTING_GROUPS`) where it has them."""
+    if config_value(config, "top_k") is None:
+        for name in ALIASES["top_k"]:
+            if _settable(config, name):
+                setattr(config, name, SIZES["top_k"])
+    for name, value in ROUTING_GROUPS.items():
+        if getattr(config, name, None) is not None and _settable(config, name):
+            setattr(config, name, value)
+
+
+def _shrink_latent(config, full: dict, *, same_heads: bool) -> None:
+    """An MLA config with `MLA_SIZES` (those of its fields it sets), and the widths derived from them kept as the
+    `full` config's values relate: head_dim the rope width, qk_head_dim nope + rope, K/V heads as many as the
+    query heads (MLA expands its latent to every query head)."""
+    for name, value in MLA_SIZES.items():
+        if full[name] is not None and _settable(config, name):
+            setattr(config, name, value)
+    rope, nope = config.qk_rope_head_dim, getattr(config, "qk_nope_head_dim", 0)
+    if full["head_dim"] is not None and full["head_dim"] == full["qk_rope_head_dim"] and _settable(config, "head_dim"):
+        config.head_dim = rope
+    if full["qk_head_dim"] is not None and full["qk_head_dim"] == full["qk_nope_head_dim"] + full["qk_rope_head_dim"]:
+        config.qk_head_dim = nope + rope
+    if same_heads:
+        for name in ALIASES["kv_heads"]:
+            if _settable(config, name) and getattr(config, name) is not None:
+                setattr(config, name, config_value(config, "heads"))
 
 
 def _periods_within(config, kinds, layers: int) -> None:
