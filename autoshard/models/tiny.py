@@ -31,7 +31,8 @@ EXAGGERATED = {"logits_scaling": 0.25, "embedding_multiplier": 6.0, "residual_mu
 # and its sparse indexer's (DeepSeek-V3.2's DSA)
 MLA_SIZES = {"qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 24,
              "index_head_dim": 16, "index_n_heads": 4}
-# group-limited routing (DeepSeek-V3's: the top groups of experts, then the top experts in them): 2 groups of 2
+# group-limited routing (DeepSeek-V3's: the top groups of experts, then the top experts in them), where a config
+# groups its experts (n_group > 1): 2 groups of 2
 ROUTING_GROUPS = {"n_group": 2, "topk_group": 1}
 
 
@@ -90,14 +91,15 @@ def _settable(config, name: str) -> bool:
 
 def _route_tiny(config) -> None:
     """A config with routed experts: its top-k set where the class declares it unset (DeepSeek-V2's defaults), its
-    expert groups (`ROUTING_GROUPS`) where it has them."""
+    expert groups (`ROUTING_GROUPS`) where it groups them."""
     if config_value(config, "top_k") is None:
         for name in ALIASES["top_k"]:
             if _settable(config, name):
                 setattr(config, name, SIZES["top_k"])
-    for name, value in ROUTING_GROUPS.items():
-        if getattr(config, name, None) is not None and _settable(config, name):
-            setattr(config, name, value)
+    if isinstance(getattr(config, "n_group", None), int) and config.n_group > 1:  # grouped: 2 groups of 2 experts
+        for name, value in ROUTING_GROUPS.items():
+            if _settable(config, name):
+                setattr(config, name, value)
 
 
 def _shrink_latent(config, full: dict, *, same_heads: bool) -> None:
