@@ -44,6 +44,7 @@ def tiny_config(config, **overrides):
     config = AutoConfig.for_model(config) if isinstance(config, str) else copy.deepcopy(config)
     latent = {name: getattr(config, name, None) for name in ("head_dim", "qk_head_dim", *MLA_SIZES)}
     heads = [config_value(config, fact) for fact in ("heads", "kv_heads")]
+    per_layer = _per_layer_kinds(config)
     for fact, value in SIZES.items():
         for name in ALIASES[fact]:
             if _settable(config, name) and (getattr(config, name) is not None or fact == "head_dim"):
@@ -59,7 +60,7 @@ def tiny_config(config, **overrides):
         _shrink_latent(config, latent, same_heads=heads[0] == heads[1])
     types = list(getattr(config, "layer_types", None) or [])
     kinds = list(dict.fromkeys(types)) or ["full_attention"]
-    layers = max(2, len(kinds))
+    layers = max(2, len(kinds), *map(len, per_layer.values()))
     for name in ALIASES["layers"]:
         if _settable(config, name):
             setattr(config, name, layers)
@@ -67,9 +68,13 @@ def tiny_config(config, **overrides):
         _periods_within(config, kinds, layers)  # derived from periods and offsets (Jamba) or fixed (Mamba)
     elif types:
         config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
+    for name, each in per_layer.items():  # one layer of each kind (DeepSeek-style mlp_layer_types: dense, sparse)
+        setattr(config, name, [each[i % len(each)] for i in range(layers)])
     for name in ("max_window_layers",):
         if hasattr(config, name):
             setattr(config, name, layers)
+    if isinstance(getattr(config, "first_k_dense_replace", None), int) and config.first_k_dense_replace >= layers:
+        config.first_k_dense_replace = 1  # the dense layers first, then at least one MoE layer
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(config, name, None), int) and getattr(config, name) >= SIZES["vocab"]:
             setattr(config, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
@@ -87,6 +92,15 @@ def _settable(config, name: str) -> bool:
     Jamba's layer_types, Bamba's layers_block_type)."""
     prop = getattr(type(config), name, None)
     return hasattr(config, name) and not (isinstance(prop, property) and prop.fset is None)
+
+
+def _per_layer_kinds(config) -> dict[str, list[str]]:
+    """The per-layer lists of kinds `config` sets besides `layer_types` (a list of strings, one per layer of the full
+    config: `mlp_layer_types`, `indexer_types`), each as its kinds in order of appearance."""
+    full = config_value(config, "layers")
+    return {name: list(dict.fromkeys(value)) for name, value in vars(config).items()
+            if name != "layer_types" and isinstance(value, (list, tuple)) and value and len(value) == full
+            and all(isinstance(v, str) for v in value) and _settable(config, name)}
 
 
 def _route_tiny(config) -> None:

@@ -62,3 +62,12 @@ def test_tiny_mla_config_runs_hf_forward(model_type):
     assert config.kv_lora_rank == MLA_SIZES["kv_lora_rank"]
     ids = torch.randint(0, config.vocab_size, (2, 16))
     assert torch.isfinite(model(ids, labels=ids).loss)
+
+
+def test_per_layer_kinds_keep_each_kind():
+    # a per-layer list besides layer_types (mlp_layer_types: 1 dense layer, then sparse ones) shrinks to one layer of
+    # each kind, so the tiny model holds a dense MLP and routed experts
+    config = tiny_config("glm4_moe_lite")
+    assert config.mlp_layer_types == ["dense", "sparse"] and config.num_hidden_layers == 2
+    layers = build_tiny(config).model.layers
+    assert [hasattr(layer.mlp, "experts") for layer in layers] == [False, True]
