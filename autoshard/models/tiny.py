@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 
-from autoshard.models.facts import ALIASES
+from autoshard.models.facts import ALIASES, config_value
 
 SIZES = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 96, "vocab": 256, "experts": 4,
          "top_k": 2, "expert_ffn": 32, "shared_ffn": 64, "sliding_window": 4}
@@ -28,6 +28,13 @@ CHECKED = ("llama", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3"
 EXAGGERATED = {"logits_scaling": 0.25, "embedding_multiplier": 6.0, "residual_multiplier": 0.5,
                "attention_multiplier": 0.4, "logit_scale": 3.0, "final_logit_softcapping": 0.1,
                "attn_logit_softcapping": 0.05}
+# multi-head latent attention (DeepSeek-V2's MLA, a config that sets kv_lora_rank): its per-head and latent widths,
+# and its sparse indexer's (DeepSeek-V3.2's DSA)
+MLA_SIZES = {"qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 24,
+             "index_head_dim": 16, "index_n_heads": 4}
+# group-limited routing (DeepSeek-V3's: the top groups of experts, then the top experts in them), where a config
+# groups its experts (n_group > 1): 2 groups of 2
+ROUTING_GROUPS = {"n_group": 2, "topk_group": 1}
 
 
 def tiny_config(config, **overrides):
@@ -48,19 +55,26 @@ def tiny_config(config, **overrides):
 def _shrink(config) -> None:
     """`config`'s sizes set in place to `SIZES` (see the module docstring); those a heterogeneous config declares
     per layer (HF's per_layer_config: Gemma-4's head_dim) kept, as autoshard refuses such a config by name."""
-    per_layer = getattr(config, "per_layer_attributes", None) or ()
+    kept = set(getattr(config, "per_layer_attributes", None) or ())
+    latent = {name: getattr(config, name, None) for name in ("head_dim", "qk_head_dim", *MLA_SIZES)}
+    heads = [config_value(config, fact) for fact in ("heads", "kv_heads")]
+    per_layer = _per_layer_kinds(config)
     for fact, value in SIZES.items():
         for name in ALIASES[fact]:
-            if name not in per_layer and _settable(config, name) and (getattr(config, name) is not None or fact == "head_dim"):
+            if name not in kept and _settable(config, name) and (getattr(config, name) is not None or fact == "head_dim"):
                 setattr(config, name, value)
     if all(isinstance(getattr(config, n, None), int) for n in ("expand", "num_heads", "head_dim")):
         # a Mamba-2 SSD config: its heads x head_dim is the mixer's inner width, expand x hidden
         config.num_heads = config.expand * config.hidden_size // config.head_dim
         if isinstance(getattr(config, "n_groups", None), int):
             config.n_groups = math.gcd(config.n_groups, config.num_heads)
+    if config_value(config, "experts") is not None:
+        _route_tiny(config)
+    if latent["kv_lora_rank"] is not None:
+        _shrink_latent(config, latent, same_heads=heads[0] == heads[1])
     types = list(getattr(config, "layer_types", None) or [])
     kinds = list(dict.fromkeys(types)) or ["full_attention"]
-    layers = max(2, len(kinds))
+    layers = max(2, len(kinds), *map(len, per_layer.values()))
     for name in ALIASES["layers"]:
         if _settable(config, name):
             setattr(config, name, layers)
@@ -68,9 +82,13 @@ def _shrink(config) -> None:
         _periods_within(config, kinds, layers)  # derived from periods and offsets (Jamba) or fixed (Mamba)
     elif types:
         config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
+    for name, each in per_layer.items():  # one layer of each kind (DeepSeek-style mlp_layer_types: dense, sparse)
+        setattr(config, name, [each[i % len(each)] for i in range(layers)])
     for name in ("max_window_layers",):
         if hasattr(config, name):
             setattr(config, name, layers)
+    if isinstance(getattr(config, "first_k_dense_replace", None), int) and config.first_k_dense_replace >= layers:
+        config.first_k_dense_replace = 1  # the dense layers first, then at least one MoE layer
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(config, name, None), int) and getattr(config, name) >= SIZES["vocab"]:
             setattr(config, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
@@ -85,6 +103,46 @@ def _settable(config, name: str) -> bool:
     Jamba's layer_types, Bamba's layers_block_type)."""
     prop = getattr(type(config), name, None)
     return hasattr(config, name) and not (isinstance(prop, property) and prop.fset is None)
+
+
+def _per_layer_kinds(config) -> dict[str, list[str]]:
+    """The per-layer lists of kinds `config` sets besides `layer_types` (a list of strings, one per layer of the full
+    config: `mlp_layer_types`, `indexer_types`), each as its kinds in order of appearance."""
+    full = config_value(config, "layers")
+    return {name: list(dict.fromkeys(value)) for name, value in vars(config).items()
+            if name != "layer_types" and isinstance(value, (list, tuple)) and value and len(value) == full
+            and all(isinstance(v, str) for v in value) and _settable(config, name)}
+
+
+def _route_tiny(config) -> None:
+    """A config with routed experts: its top-k set where the class declares it unset (DeepSeek-V2's defaults), its
+    expert groups (`ROUTING_GROUPS`) where it groups them."""
+    if config_value(config, "top_k") is None:
+        for name in ALIASES["top_k"]:
+            if _settable(config, name):
+                setattr(config, name, SIZES["top_k"])
+    if isinstance(getattr(config, "n_group", None), int) and config.n_group > 1:  # grouped: 2 groups of 2 experts
+        for name, value in ROUTING_GROUPS.items():
+            if _settable(config, name):
+                setattr(config, name, value)
+
+
+def _shrink_latent(config, full: dict, *, same_heads: bool) -> None:
+    """An MLA config with `MLA_SIZES` (those of its fields it sets), and the widths derived from them kept as the
+    `full` config's values relate: head_dim the rope width, qk_head_dim nope + rope, K/V heads as many as the
+    query heads (MLA expands its latent to every query head)."""
+    for name, value in MLA_SIZES.items():
+        if full[name] is not None and _settable(config, name):
+            setattr(config, name, value)
+    rope, nope = config.qk_rope_head_dim, getattr(config, "qk_nope_head_dim", 0)
+    if full["head_dim"] is not None and full["head_dim"] == full["qk_rope_head_dim"] and _settable(config, "head_dim"):
+        config.head_dim = rope
+    if full["qk_head_dim"] is not None and full["qk_head_dim"] == full["qk_nope_head_dim"] + full["qk_rope_head_dim"]:
+        config.qk_head_dim = nope + rope
+    if same_heads:
+        for name in ALIASES["kv_heads"]:
+            if _settable(config, name) and getattr(config, name) is not None:
+                setattr(config, name, config_value(config, "heads"))
 
 
 def _periods_within(config, kinds, layers: int) -> None:

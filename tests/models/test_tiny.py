@@ -4,7 +4,7 @@ model builds, holds one layer of each of its layer types, and one forward gives 
 import pytest
 import torch
 
-from autoshard.models.tiny import CHECKED, build_tiny, tiny_config
+from autoshard.models.tiny import CHECKED, MLA_SIZES, build_tiny, tiny_config
 
 
 @pytest.mark.parametrize("model_type", CHECKED)
@@ -26,3 +26,48 @@ def test_jamba_holds_each_kind_of_layer():
     layers = model.model.layers
     assert {type(layer).__name__ for layer in layers} == {"JambaMambaDecoderLayer", "JambaAttentionDecoderLayer"}
     assert any(hasattr(layer.feed_forward, "experts") for layer in layers)
+
+
+def _mla_types() -> list[str]:
+    """The causal-LM classes of transformers whose config declares a KV latent (`kv_lora_rank`: multi-head latent
+    attention), read off each default config; per-layer configs (one config per layer) are not tiny_config's yet."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception:  # noqa: BLE001 - a class whose default config does not build (gemma4_assistant)
+            continue
+        if "kv_lora_rank" in config.to_dict() and not getattr(config, "is_heterogeneous", False):
+            found.append(model_type)
+    return found
+
+
+MLA_TYPES = _mla_types()
+
+
+def test_every_mla_class_is_found():
+    assert {"deepseek_v2", "deepseek_v3", "deepseek_v32", "minicpm3", "glm4_moe_lite"} <= set(MLA_TYPES)
+
+
+@pytest.mark.parametrize("model_type", MLA_TYPES)
+def test_tiny_mla_config_runs_hf_forward(model_type):
+    # MLA's widths shrunk together (models/tiny.py `MLA_SIZES`): the per-head rope / nope / value widths, the KV and
+    # query latents, and what the config derives from them (head_dim, qk_head_dim, K/V heads), so HF's forward runs
+    config = tiny_config(model_type)
+    model = build_tiny(config)
+    assert config.qk_head_dim == config.qk_nope_head_dim + config.qk_rope_head_dim == 16
+    assert config.kv_lora_rank == MLA_SIZES["kv_lora_rank"]
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    assert torch.isfinite(model(ids, labels=ids).loss)
+
+
+def test_per_layer_kinds_keep_each_kind():
+    # a per-layer list besides layer_types (mlp_layer_types: 1 dense layer, then sparse ones) shrinks to one layer of
+    # each kind, so the tiny model holds a dense MLP and routed experts
+    config = tiny_config("glm4_moe_lite")
+    assert config.mlp_layer_types == ["dense", "sparse"] and config.num_hidden_layers == 2
+    layers = build_tiny(config).model.layers
+    assert [hasattr(layer.mlp, "experts") for layer in layers] == [False, True]

@@ -124,7 +124,7 @@ def capture_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, m
     except CaptureError:
         raise
     except Exception as e:  # any failure inside the model is the user's model not tracing
-        raise _capture_error(model, e, recorder.current_path()) from e
+        raise _capture_error(model, e, recorder.current_path(), calls=recorder.layer_calls(recorder.current_path())) from e
 
     outputs = ("logits",) if not with_loss else ("loss", "logits") if not joint else (
         "loss", "logits", *(f"grad:{k}" for k in params))
@@ -213,6 +213,7 @@ class _SiteRecorder:
         self._marks: list[tuple[int, str]] = []  # (graph length when the path became current, path)
         self._bwd_start: int | None = None
         self._handles: list[Any] = []
+        self._entered: dict[str, int] = {}  # path -> times its forward was entered
 
     def __enter__(self) -> _SiteRecorder:
         from torch.nn.modules import module as module_mod
@@ -230,6 +231,11 @@ class _SiteRecorder:
     def current_path(self) -> str:
         return self._stack[-1] if self._stack else ""
 
+    def layer_calls(self, path: str) -> int:
+        """How many times the forward of the module at `path`, inside a repeated block (a layer), was entered so
+        far; 0 outside one."""
+        return self._entered.get(path, 0) if block_of(path, self._repeated) is not None else 0
+
     def _graph_len(self) -> int:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
@@ -242,6 +248,7 @@ class _SiteRecorder:
             return
         self._stack.append(path)
         self._marks.append((self._graph_len(), path))
+        self._entered[path] = self._entered.get(path, 0) + 1
 
     def _post(self, module: nn.Module, args, output) -> None:
         if self._paths.get(module) is None or not self._stack:
@@ -296,7 +303,7 @@ def _latest_input_path(node: fx.Node, index: dict[fx.Node, int], sites: dict[str
     return max(known)[1] if known else ""
 
 
-def _capture_error(model: nn.Module, e: Exception, path: str) -> CaptureError:
+def _capture_error(model: nn.Module, e: Exception, path: str, *, calls: int = 1) -> CaptureError:
     if "nonzero" in str(getattr(e, "func", "")) + str(e) and path.split(".")[-1] == "experts":
         impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
         return CaptureError(
@@ -324,6 +331,9 @@ def _capture_error(model: nn.Module, e: Exception, path: str) -> CaptureError:
     hint = ("data-dependent Python control flow or .item()/.tolist() on a tensor cannot be traced on fake tensors; "
             "make it depend on shapes only" if "data" in (what + first).lower() or "Dynamic" in what else
             "rewrite that construct with torch ops or register the op")
+    if calls > 1:  # a stack that runs a layer more than once per forward (Dory's looped layers under HF's KV cache)
+        hint = (f"the forward calls {path!r} {calls} times (a layer stack run more than once per forward: a looped or "
+                "recurrent stack), which autoshard does not trace, price or shard: each layer is costed and split once")
     return CaptureError(f"cannot trace {type(model).__name__}: {what} at {where}: {first}; {hint}")
 
 

@@ -96,6 +96,39 @@ def test_untraceable_model_names_the_module_and_construct():
     assert "'gate'" in msg and "_Gate" in msg and "data-dependent" in msg
 
 
+class _Looped(nn.Module):
+    """Runs its stack of layers twice; each layer keeps its keys between calls, as HF's KV cache does (Dory's looped
+    layers), so its second call fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Keeping(), _Keeping()])
+
+    def forward(self, input_ids, labels=None):
+        x, cache = input_ids.float(), {}
+        for _ in range(2):
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cache.setdefault(i, []))
+        return x
+
+
+class _Keeping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        keys = torch.cat([*cache, x], dim=-1)  # (B, 8 x calls)
+        cache.append(x)
+        return self.proj(x) + keys  # the second call: (B, 8) + (B, 16)
+
+
+def test_a_layer_called_twice_is_named_in_the_refusal():
+    with pytest.raises(CaptureError) as err:
+        capture_model(_Looped(), (torch.zeros(2, 8, dtype=torch.long),), joint=False)
+    assert "calls 'layers.0' 2 times" in str(err.value) and "looped or recurrent stack" in str(err.value)
+
+
 def test_bad_arguments_are_capture_errors():
     model = build_model(get_spec("llama-tiny", layers=1), device="meta")
     with pytest.raises(CaptureError, match="mode"):
