@@ -56,8 +56,9 @@ def _shrink(config) -> None:
     """`config`'s sizes set in place to `SIZES` (see the module docstring); those a heterogeneous config declares
     per layer (HF's per_layer_config: Gemma-4's head_dim) kept, as autoshard refuses such a config by name."""
     kept = set(getattr(config, "per_layer_attributes", None) or ())
-    latent = {name: getattr(config, name, None) for name in ("head_dim", "qk_head_dim", *MLA_SIZES)}
-    heads = [config_value(config, fact) for fact in ("heads", "kv_heads")]
+    latent = {name: None if name in kept else getattr(config, name, None)
+              for name in ("head_dim", "qk_head_dim", *MLA_SIZES)}
+    same_heads = latent["kv_lora_rank"] is not None and len({config_value(config, f) for f in ("heads", "kv_heads")}) == 1
     per_layer = _per_layer_kinds(config)
     for fact, value in SIZES.items():
         for name in ALIASES[fact]:
@@ -71,7 +72,7 @@ def _shrink(config) -> None:
     if config_value(config, "experts") is not None:
         _route_tiny(config)
     if latent["kv_lora_rank"] is not None:
-        _shrink_latent(config, latent, same_heads=heads[0] == heads[1])
+        _shrink_latent(config, latent, same_heads=same_heads)
     types = list(getattr(config, "layer_types", None) or [])
     kinds = list(dict.fromkeys(types)) or ["full_attention"]
     layers = max(2, len(kinds), *map(len, per_layer.values()))
