@@ -211,6 +211,10 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         if refused:  # a uniform stack of a mixer with no rule (Mamba-1): the model's own forward, dp and pp only
             return ModelSpec(mixer=Mixer.ATTENTION, ffn=value("ffn", 0) or 0, own_forward=True, refused=refused,
                              **common)
+        own = F.own_attention(model)
+        if own:
+            raise InvalidConfigError(f"{name}: {own}; no axis can be priced or run for it (autoshard plans decoders "
+                                     "whose attention calls that interface)")
         mixer = (_mixer_without_cp(model, stack) if stack is not None else None) or type(model).__name__
         raise InvalidConfigError(
             f"{name}: {mixer}: a sequence mixer autoshard has no rule for (neither a module calling HF's attention "
@@ -232,7 +236,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
 
     if facts.experts_path:
         spec = with_experts(spec, config, (facts.experts_path, facts.router_path, facts.shared_path, facts.shared_parts),
-                            model.get_submodule(facts.base).layers[0])
+                            model.get_submodule(facts.layers_path)[0])
     spec = replace(spec, **kv_latent(model, config))  # MLA's compressed KV cache (DeepSeek)
     if hybrid is not None:  # Mamba-2 mixers beside attention (Falcon-H1): their state, priced in serving; its
         from autoshard.models.layered import beside_facts, layer_parts  # table from its layers' parts, its experts
@@ -338,7 +342,7 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, 
 
 def _check_layers_alike(model, facts, *, name: str) -> None:
     """Every decoder layer must hold the same parameters (one repeated block)."""
-    layers = getattr(getattr(model, facts.base, None), "layers", None) or ()
+    layers = model.get_submodule(facts.layers_path) if facts.layers_path else ()
     first = {n for n, _ in layers[0].named_parameters()} if len(layers) else set()
     for i, layer in enumerate(layers):
         these = {n for n, _ in layer.named_parameters()}

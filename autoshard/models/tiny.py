@@ -39,6 +39,8 @@ def tiny_config(config, **overrides):
         for name in ALIASES[fact]:
             if _settable(config, name) and (getattr(config, name) is not None or fact == "head_dim"):
                 setattr(config, name, value)
+    if isinstance(getattr(config, "rotary_dim", None), int) and config.rotary_dim > SIZES["head_dim"]:
+        config.rotary_dim = SIZES["head_dim"]  # the rotated width of each head (GPT-J, CodeGen): at most the head's
     if all(isinstance(getattr(config, n, None), int) for n in ("expand", "num_heads", "head_dim")):
         # a Mamba-2 SSD config: its heads x head_dim is the mixer's inner width, expand x hidden
         config.num_heads = config.expand * config.hidden_size // config.head_dim
