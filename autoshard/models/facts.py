@@ -141,6 +141,44 @@ def layer_list(model):
     return same or (max(multi, key=lambda pm: len(pm[1])) if multi else None)
 
 
+def final_norm(body, layers):
+    """The base model `body`'s final norm: its last child with parameters after the `layers`, else (OPT's decoder
+    declares it before them) its last child holding only vectors; InvalidConfigError for none."""
+    from autoshard.errors import InvalidConfigError
+
+    children = [m for _, m in body.named_children() if any(True for _ in m.parameters())]
+    at = next(i for i, m in enumerate(children) if m is layers)
+    after = children[at + 1:] or [m for m in children[:at] if all(p.dim() == 1 for p in m.parameters())]
+    if not after:
+        raise InvalidConfigError(f"{type(body).__name__}: no final norm after its layers; use pp=1")
+    return after[-1]
+
+
+def beside_layers(model) -> tuple[list, str]:
+    """(modules, why): the base model's children with parameters beside the input embedding, the layers and the
+    final norm, which the first pipeline stage of the model's own forward holds: embeddings (GPT-2's and OPT's
+    learned positions), looked up from the input before the layers; and why pp cannot place the others, naming
+    the first (OPT's project_in / project_out linears run on either side of the layers), or ""."""
+    from torch import nn
+
+    path, layers = layer_list(model)
+    base = model.get_submodule(path.rpartition(".")[0])
+    from autoshard.errors import InvalidConfigError
+
+    try:
+        norm = final_norm(base, layers)
+    except InvalidConfigError:  # no final norm: the stages refuse the model themselves
+        norm = None
+    held = {id(layers), id(model.get_input_embeddings()), id(norm)}
+    found = [(n, m) for n, m in base.named_children() if id(m) not in held and any(True for _ in m.parameters())]
+    other = next(((n, m) for n, m in found if not isinstance(m, nn.Embedding)), None)
+    why = "" if other is None else (
+        f"{path.rpartition('.')[0]}.{other[0]} ({type(other[1]).__name__}) holds parameters beside the embedding, "
+        "the layers and the final norm that is no embedding: the pipeline stages of the model's own forward place "
+        "only embeddings there (looked up before the layers)")
+    return [m for _, m in found if isinstance(m, nn.Embedding)], why
+
+
 def _llama_stack(model, found) -> bool:
     """Whether the base model is a plain LLaMA stack, what the LLaMA stage builder (runtime/stages.py) calls layer
     by layer: its `layers` list, a rotary embedding it hands every layer, and no parameters beside the input

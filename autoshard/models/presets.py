@@ -259,7 +259,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)
     from autoshard.models.verdicts import failed_axes
 
-    found = _refusals(spec, facts, proof.refusal() if proof is not None else untraced)
+    found = _refusals(spec, facts, proof.refusal() if proof is not None else untraced, model)
     if hybrid is not None:  # a hybrid's own refusals replace the one-kind rules' (models/layered.py)
         found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
@@ -317,7 +317,7 @@ def _layer0(model):
 _PROOFS: dict = {}  # a memo, not state: the proof of a model class and config never changes
 
 
-def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, str], ...]:
+def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tuple[str, str], ...]:
     """(axis, why) of every axis this model cannot run yet (models/facts.py); `unproven`: why the placement
     propagation cannot prove its tp strategy, or None."""
     from autoshard.models import facts as F
@@ -330,6 +330,10 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, 
         out.append(("tp", why))
     if spec.is_moe and facts.experts_no_ep:
         out.append(("ep", facts.experts_no_ep))
+    if facts.own_forward and F.layer_list(model) is not None:
+        unplaced = F.beside_layers(model)[1]
+        if unplaced:
+            out.append(("pp", f"{unplaced}; use pp=1"))
     extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles]
     if not spec.is_moe and (extra or facts.own_forward or spec.grad_sum):
         what = f"layers.*.{extra[0]} has no sequence-parallel rule" if extra else (

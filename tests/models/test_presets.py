@@ -153,7 +153,8 @@ def resolve_model_spec(model, name):
 def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_name():
     """GPT-2 / GPT-J / CodeGen keep their layers in transformer.h, OPT in model.decoder.layers, GPT-NeoX's
     attention names its head width head_size: found by structure, they plan (their stages run the model's own
-    forward where the base is no plain LLaMA stack); attention computed in a module's own forward (ALiBi in Bloom
+    forward where the base is no plain LLaMA stack; pp refused where the base holds parameters beside the layers
+    that are no embedding, OPT's projections); attention computed in a module's own forward (ALiBi in Bloom
     and MPT, Falcon's direct SDPA call, XGLM's matmuls) is refused naming the module."""
     from autoshard.errors import InvalidConfigError
     from autoshard.models.presets import spec_from_hf_config
@@ -165,7 +166,9 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
         model = build_tiny(tiny_config(model_type), device="meta")
         spec = spec_from_hf_config(model.config, name=model_type, model=model)
         assert (spec.mixer, spec.attention_path, spec.own_forward) == (Mixer.ATTENTION, attention, own), spec
-        assert refusal(spec, "dp") is None and refusal(spec, "pp") is None, spec.refused
+        assert refusal(spec, "dp") is None and refusal(spec, "cp") is None, spec.refused
+        pp = refusal(spec, "pp") or ""  # tiny OPT projects its 768-wide embedding to the hidden width and back
+        assert "model.decoder.project_out (Linear)" in pp if model_type == "opt" else not pp, spec.refused
     for model_type, module in (("bloom", "h.*.self_attention (BloomAttention)"), ("mpt", "blocks.*.attn (MptAttention)"),
                                ("falcon", "h.*.self_attention (FalconAttention)"),
                                ("xglm", "layers.*.self_attn (XGLMAttention)")):
