@@ -325,7 +325,14 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
 
     out = []
     roles = tuple(r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER)
-    why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts, layered=bool(spec.parts)), unproven) if w)
+    # a declared layer module the table holds no role for (GPT-NeoX's attention.query_key_value, GPT-J's attn.q_proj):
+    # named first where the proof refuses, the reason its finding is about the table, not the model
+    unmatched = next((f"HF declares {p} {s!r}, a module the sharding table holds no role for (its roles: "
+                      f"{', '.join(roles[:4])}, ...)" for p, s in facts.tp_plan
+                      if ".*." in p and not any(_under(p.partition(".*.")[2], r) for r in roles if r)), None) \
+        if unproven else None
+    why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts, layered=bool(spec.parts)), unmatched,
+                                               unproven) if w)
     if why:
         out.append(("tp", why))
     if spec.is_moe and facts.experts_no_ep:
@@ -342,6 +349,11 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
             else "replicated parameters with gradients summed over tp (q/k norms)")
         out.append(("sequence_parallel", f"{what}; set sequence_parallel to false"))
     return tuple(out)
+
+
+def _under(path: str, role: str) -> bool:
+    """Whether the module `path` is the table's `role` or lies inside it (a declared parameter of a role's module)."""
+    return path == role or path.startswith(role + ".")
 
 
 def _check_layers_alike(model, facts, *, name: str) -> None:

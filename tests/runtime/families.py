@@ -54,8 +54,9 @@ _SCAN = "the Mamba-1 selective scan of layers.0.mixer"
 CLASSIC = {"gpt_neox": _tiny("gpt_neox"), "opt": _tiny("opt", dropout=0.0),
            "gpt2": _tiny("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "gptj": _tiny("gptj"),
            "codegen": _tiny("codegen")}
-_UNPROVEN = "the placement propagation over the traced graph cannot prove the tp strategy"
-CLASSIC_REFUSED = {("gpt_neox", "tp"): _UNPROVEN, ("gptj", "tp"): _UNPROVEN, ("codegen", "tp"): _UNPROVEN,
+_NO_ROLE = "{} 'colwise', a module the sharding table holds no role for"  # their declared plans (not the table yet)
+CLASSIC_REFUSED = {("gpt_neox", "tp"): _NO_ROLE.format("layers.*.attention.query_key_value"),
+                   ("gptj", "tp"): _NO_ROLE.format("h.*.attn.q_proj"), ("codegen", "tp"): _NO_ROLE.format("h.*.attn.qkv_proj"),
                    ("gpt2", "tp"): "no colwise -> rowwise pair on the graph",
                    ("opt", "tp"): "HF declares no tp plan for it",
                    ("opt", "pp"): "model.decoder.project_out (Linear) holds parameters beside the embedding"}
