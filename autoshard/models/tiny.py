@@ -22,7 +22,7 @@ SIZES = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 96, "vo
 # classes of transformers' causal-LM mapping it does not handle yet, and why, are listed in docs/decoders.md
 CHECKED = ("llama", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "cohere",
            "stablelm", "glm4", "falcon", "bloom", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
-           "mamba", "falcon_mamba", "mamba2", "jamba")
+           "mamba", "falcon_mamba", "mamba2", "jamba", "gpt_neox", "opt", "gptj", "codegen")
 # multipliers / caps that make a dropped op visible on a tiny random model (config field: value)
 EXAGGERATED = {"logits_scaling": 0.25, "embedding_multiplier": 6.0, "residual_multiplier": 0.5,
                "attention_multiplier": 0.4, "logit_scale": 3.0, "final_logit_softcapping": 0.1,
