@@ -75,7 +75,8 @@ class ModelFacts:
     """What autoshard reads off one decoder (docs/modules/models.md)."""
 
     mixer: str  # "attention" | "ssd"
-    base: str  # the base model's attribute ("model", "backbone", ...)
+    base: str  # the path of the base model, the module holding the layers ("model", "transformer", "model.decoder")
+    layers_path: str = ""  # the path of the decoder layers' ModuleList (`layer_list`: "model.layers", "transformer.h")
     layer_params: tuple[str, ...]  # parameter names of layer 0, relative to the layer
     embedding_plain: bool  # the input embedding is a plain nn.Embedding (no scale in its forward)
     tp_plan: tuple[tuple[str, str], ...] = ()  # HF's base_model_tp_plan, as (pattern, style)
@@ -102,13 +103,10 @@ def read_facts(config, model) -> ModelFacts:
     """The facts of `model` (a HF causal LM) and its `config` (docs/modules/models.md)."""
     from torch import nn
 
-    base_name = getattr(model, "base_model_prefix", "") or "model"
-    if not hasattr(getattr(model, base_name, None), "layers"):  # the prefix names another model (Llama-4's)
-        base_name = next((n for n, m in model.named_children() if isinstance(getattr(m, "layers", None), nn.ModuleList)),
-                         base_name)
-    base = getattr(model, base_name, None)
-    layers = getattr(base, "layers", None) if base is not None else None
-    layer0 = layers[0] if isinstance(layers, nn.ModuleList) and len(layers) else None
+    found = layer_list(model)
+    layers = found[1] if found is not None else None
+    base_name = found[0].rpartition(".")[0] if found is not None else getattr(model, "base_model_prefix", "") or "model"
+    layer0 = layers[0] if layers is not None else None
     names = tuple(n for n, _ in layer0.named_parameters()) if layer0 is not None else ()
     heads = config_value(config, "heads", 0)
     mixer = mixer_of(model) if layer0 is not None else ""
@@ -122,10 +120,10 @@ def read_facts(config, model) -> ModelFacts:
                   and n.rpartition(".")[2] not in ("weight", "bias"))
     scaling = getattr(config, "logits_scaling", None)
     logit_scale = float(getattr(config, "logit_scale", None) or 1.0) / float(scaling or 1.0)
-    window, windowed = _windows(config, layers if isinstance(layers, nn.ModuleList) else ())
+    window, windowed = _windows(config, layers if layers is not None else ())
     types = tuple(getattr(config, "layer_types", None) or ())
     facts = dict(
-        mixer=mixer, base=base_name, layer_params=names, embedding_plain=plain,
+        mixer=mixer, base=base_name, layers_path=found[0] if found is not None else "", layer_params=names, embedding_plain=plain,
         tp_plan=tuple((getattr(config, "base_model_tp_plan", None) or {}).items()),
         experts_path=experts, router_path=router, shared_path=shared, shared_parts=parts, experts_no_ep=no_ep or "",
         head_params=sinks, attention_path=attention, attention_attrs=_count_attrs(layer0), layer_types=types,
@@ -133,8 +131,76 @@ def read_facts(config, model) -> ModelFacts:
         attn_softcap=float(config_value(config, "attn_softcap", 0.0) or 0.0),
         final_softcap=float(config_value(config, "final_softcap", 0.0) or 0.0), logit_scale=logit_scale,
         embedding_multiplier=float(getattr(config, "embedding_multiplier", None) or 1.0))
-    facts["own_forward"] = mixer == "attention" and _needs_own_forward(facts, config)
+    facts["own_forward"] = mixer == "attention" and (_needs_own_forward(facts, config) or not _llama_stack(model, found))
     return ModelFacts(**facts)
+
+
+def layer_list(model):
+    """(path, ModuleList) of `model`'s decoder layers, found by structure, not by name: the outermost nn.ModuleList
+    holding as many modules as the config has layers (`ALIASES["layers"]`: LLaMA's model.layers, GPT-2's
+    transformer.h, MPT's transformer.blocks, OPT's model.decoder.layers), else the longest one of two or more;
+    None for none. Its parent module is the base model."""
+    from torch import nn
+
+    want = config_value(getattr(model, "config", None), "layers")
+    lists = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    same = next(((p, m) for p, m in lists if is_positive_int(want) and len(m) == want), None)  # outermost first
+    multi = [(p, m) for p, m in lists if len(m) > 1]
+    return same or (max(multi, key=lambda pm: len(pm[1])) if multi else None)
+
+
+def final_norm(body, layers):
+    """The base model `body`'s final norm: its last child with parameters after the `layers`, else (OPT's decoder
+    declares it before them) its last child holding only vectors; InvalidConfigError for none."""
+    from autoshard.errors import InvalidConfigError
+
+    children = [m for _, m in body.named_children() if any(True for _ in m.parameters())]
+    at = next(i for i, m in enumerate(children) if m is layers)
+    after = children[at + 1:] or [m for m in children[:at] if all(p.dim() == 1 for p in m.parameters())]
+    if not after:
+        raise InvalidConfigError(f"{type(body).__name__}: no final norm after its layers; use pp=1")
+    return after[-1]
+
+
+def beside_layers(model) -> tuple[list, str]:
+    """(modules, why): the base model's children with parameters beside the input embedding, the layers and the
+    final norm, which the first pipeline stage of the model's own forward holds: embeddings (GPT-2's and OPT's
+    learned positions), looked up from the input before the layers; and why pp cannot place the others, naming
+    the first (OPT's project_in / project_out linears run on either side of the layers), or ""."""
+    from torch import nn
+
+    path, layers = layer_list(model)
+    base = model.get_submodule(path.rpartition(".")[0])
+    from autoshard.errors import InvalidConfigError
+
+    try:
+        norm = final_norm(base, layers)
+    except InvalidConfigError:  # no final norm: the stages refuse the model themselves
+        norm = None
+    held = {id(layers), id(model.get_input_embeddings()), id(norm)}
+    found = [(n, m) for n, m in base.named_children() if id(m) not in held and any(True for _ in m.parameters())]
+    other = next(((n, m) for n, m in found if not isinstance(m, nn.Embedding)), None)
+    why = "" if other is None else (
+        f"{path.rpartition('.')[0]}.{other[0]} ({type(other[1]).__name__}) holds parameters beside the embedding, "
+        "the layers and the final norm that is no embedding: the pipeline stages of the model's own forward place "
+        "only embeddings there (looked up before the layers)")
+    return [m for _, m in found if isinstance(m, nn.Embedding)], why
+
+
+def _llama_stack(model, found) -> bool:
+    """Whether the base model is a plain LLaMA stack, what the LLaMA stage builder (runtime/stages.py) calls layer
+    by layer: its `layers` list, a rotary embedding it hands every layer, and no parameters beside the input
+    embedding, the layers and one final norm. Other stacks (GPT-2's learned positions, OPT's projections, Falcon's
+    per-layer alibi or rotary) keep the model's own forward (`own_forward`)."""
+    if found is None:
+        return True  # no layers: nothing to stage
+    path, layers = found
+    base = model.get_submodule(path.rpartition(".")[0])
+    if not hasattr(base, "rotary_emb"):
+        return False
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    held = [m for _, m in base.named_children() if m is not layers and m is not embed and any(True for _ in m.parameters())]
+    return len(held) <= 1
 
 
 def _windows(config, layers) -> tuple[int, int]:
@@ -161,6 +227,22 @@ def mixer_of(model) -> str:
     if any(is_attention(m) for m in model.modules()):
         return "attention"
     return "ssd" if ssd_mixers(model) else ""
+
+
+def own_attention(model) -> str | None:
+    """Why `model`'s attention is none autoshard prices and runs, naming its module, or None: a layer module that
+    keeps a layer index and a head width (head_dim / head_size) but is no `is_attention` module computes its
+    attention in its own forward (Bloom's and MPT's ALiBi bias, Falcon's direct SDPA call, XGLM's matmuls), not
+    through HF's attention interface, where autoshard substitutes the kernel that runs, prices it, and swaps in
+    its context-parallel attention."""
+    found = layer_list(model)
+    for path, module in found[1][0].named_modules() if found is not None else ():
+        if path and hasattr(module, "layer_idx") and (hasattr(module, "head_dim") or hasattr(module, "head_size")) \
+                and not is_attention(module):
+            return (f"{found[0].rpartition('.')[2]}.*.{path} ({type(module).__name__}) computes attention in its own "
+                    "forward, not through HF's attention interface (transformers' ALL_ATTENTION_FUNCTIONS), where "
+                    "autoshard prices the attention kernel that runs and swaps in its context-parallel attention")
+    return None
 
 
 def _needs_own_forward(facts: dict, config) -> bool:
@@ -195,10 +277,25 @@ def _attention_path(layer) -> str:
 
 
 def is_attention(module) -> bool:
-    """HF's attention modules keep their config, layer index and head width (what the attention interface
-    call is made from), whatever they name their projections."""
-    return (hasattr(module, "config") and hasattr(module, "layer_idx") and hasattr(module, "scaling")
-            and (hasattr(module, "head_dim") or hasattr(module, "num_key_value_groups")))
+    """HF's attention modules keep their config and layer index, and either their scaling and head width (what
+    the attention interface call is made from, whatever they name their projections) or a forward that looks
+    HF's attention interface up itself (`calls_attention_interface`: GPT-NeoX's, whose head width is head_size)."""
+    if not (hasattr(module, "config") and hasattr(module, "layer_idx")):
+        return False
+    return (hasattr(module, "scaling") and (hasattr(module, "head_dim") or hasattr(module, "num_key_value_groups"))) \
+        or calls_attention_interface(module)
+
+
+def calls_attention_interface(module) -> bool:
+    """Whether the forward of `module`'s class reads HF's attention registry (transformers' ALL_ATTENTION_FUNCTIONS,
+    the object itself, found among the globals its code names), where `attn_implementation` picks the kernel."""
+    import inspect
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    forward = inspect.unwrap(type(module).forward)
+    names = getattr(getattr(forward, "__code__", None), "co_names", ())
+    return any(getattr(forward, "__globals__", {}).get(n) is ALL_ATTENTION_FUNCTIONS for n in names)
 
 
 def _moe_modules(layer, experts: int) -> tuple[str, str, str, tuple[str, ...]]:

@@ -211,6 +211,10 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         if refused:  # a uniform stack of a mixer with no rule (Mamba-1): the model's own forward, dp and pp only
             return ModelSpec(mixer=Mixer.ATTENTION, ffn=value("ffn", 0) or 0, own_forward=True, refused=refused,
                              **common)
+        own = F.own_attention(model)
+        if own:
+            raise InvalidConfigError(f"{name}: {own}; no axis can be priced or run for it (autoshard plans decoders "
+                                     "whose attention calls that interface)")
         mixer = (_mixer_without_cp(model, stack) if stack is not None else None) or type(model).__name__
         raise InvalidConfigError(
             f"{name}: {mixer}: a sequence mixer autoshard has no rule for (neither a module calling HF's attention "
@@ -232,7 +236,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
 
     if facts.experts_path:
         spec = with_experts(spec, config, (facts.experts_path, facts.router_path, facts.shared_path, facts.shared_parts),
-                            model.get_submodule(facts.base).layers[0])
+                            model.get_submodule(facts.layers_path)[0])
     spec = replace(spec, **kv_latent(model, config))  # MLA's compressed KV cache (DeepSeek)
     if hybrid is not None:  # Mamba-2 mixers beside attention (Falcon-H1): their state, priced in serving; its
         from autoshard.models.layered import beside_facts, layer_parts  # table from its layers' parts, its experts
@@ -255,7 +259,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)
     from autoshard.models.verdicts import failed_axes
 
-    found = _refusals(spec, facts, proof.refusal() if proof is not None else untraced)
+    found = _refusals(spec, facts, proof.refusal() if proof is not None else untraced, model)
     if hybrid is not None:  # a hybrid's own refusals replace the one-kind rules' (models/layered.py)
         found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
@@ -313,7 +317,7 @@ def _layer0(model):
 _PROOFS: dict = {}  # a memo, not state: the proof of a model class and config never changes
 
 
-def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, str], ...]:
+def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tuple[str, str], ...]:
     """(axis, why) of every axis this model cannot run yet (models/facts.py); `unproven`: why the placement
     propagation cannot prove its tp strategy, or None."""
     from autoshard.models import facts as F
@@ -321,11 +325,22 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, 
 
     out = []
     roles = tuple(r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER)
-    why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts, layered=bool(spec.parts)), unproven) if w)
+    # a declared layer module the table holds no role for (GPT-NeoX's attention.query_key_value, GPT-J's attn.q_proj):
+    # named first where the proof refuses, the reason its finding is about the table, not the model
+    unmatched = next((f"HF declares {p} {s!r}, a module the sharding table holds no role for (its roles: "
+                      f"{', '.join(roles[:4])}, ...)" for p, s in facts.tp_plan
+                      if ".*." in p and not any(_under(p.partition(".*.")[2], r) for r in roles if r)), None) \
+        if unproven else None
+    why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts, layered=bool(spec.parts)), unmatched,
+                                               unproven) if w)
     if why:
         out.append(("tp", why))
     if spec.is_moe and facts.experts_no_ep:
         out.append(("ep", facts.experts_no_ep))
+    if facts.own_forward and F.layer_list(model) is not None:
+        unplaced = F.beside_layers(model)[1]
+        if unplaced:
+            out.append(("pp", f"{unplaced}; use pp=1"))
     extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles]
     if not spec.is_moe and (extra or facts.own_forward or spec.grad_sum):
         what = f"layers.*.{extra[0]} has no sequence-parallel rule" if extra else (
@@ -336,9 +351,14 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None) -> tuple[tuple[str, 
     return tuple(out)
 
 
+def _under(path: str, role: str) -> bool:
+    """Whether the module `path` is the table's `role` or lies inside it (a declared parameter of a role's module)."""
+    return path == role or path.startswith(role + ".")
+
+
 def _check_layers_alike(model, facts, *, name: str) -> None:
     """Every decoder layer must hold the same parameters (one repeated block)."""
-    layers = getattr(getattr(model, facts.base, None), "layers", None) or ()
+    layers = model.get_submodule(facts.layers_path) if facts.layers_path else ()
     first = {n for n, _ in layers[0].named_parameters()} if len(layers) else set()
     for i, layer in enumerate(layers):
         these = {n for n, _ in layer.named_parameters()}

@@ -23,7 +23,7 @@ SIZES = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 96, "vo
 # classes of transformers' causal-LM mapping it does not handle yet, and why, are listed in docs/decoders.md
 CHECKED = ("llama", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "cohere",
            "stablelm", "glm4", "falcon", "bloom", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
-           "mamba", "falcon_mamba", "mamba2", "jamba")
+           "mamba", "falcon_mamba", "mamba2", "jamba", "gpt_neox", "opt", "gptj", "codegen")
 # multipliers / caps that make a dropped op visible on a tiny random model (config field: value)
 EXAGGERATED = {"logits_scaling": 0.25, "embedding_multiplier": 6.0, "residual_multiplier": 0.5,
                "attention_multiplier": 0.4, "logit_scale": 3.0, "final_logit_softcapping": 0.1,
@@ -64,6 +64,8 @@ def _shrink(config) -> None:
         for name in ALIASES[fact]:
             if name not in kept and _settable(config, name) and (getattr(config, name) is not None or fact == "head_dim"):
                 setattr(config, name, value)
+    if isinstance(getattr(config, "rotary_dim", None), int) and config.rotary_dim > SIZES["head_dim"]:
+        config.rotary_dim = SIZES["head_dim"]  # the rotated width of each head (GPT-J, CodeGen): at most the head's
     if all(isinstance(getattr(config, n, None), int) for n in ("expand", "num_heads", "head_dim")):
         # a Mamba-2 SSD config: its heads x head_dim is the mixer's inner width, expand x hidden
         config.num_heads = config.expand * config.hidden_size // config.head_dim

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Stage
 from autoshard.model_spec import Mixer, ModelSpec
+from autoshard.models.facts import final_norm
 from autoshard.runtime.comm import gather_sequence, split_sequence
 
 
@@ -129,11 +130,18 @@ class OwnForwardStage(StageModule):
     the rotary embeddings, masks, multipliers, the final norm, the head and the logit transforms are
     HF's own code, on every stage."""
 
-    def __init__(self, stage: Stage, *, model: nn.Module, base: nn.Module, positions=None, **parts) -> None:
+    def __init__(self, stage: Stage, *, model: nn.Module, base: nn.Module, positions=None,
+                 extras: Sequence[nn.Module] = (), **parts) -> None:
         super().__init__(stage, **parts)
         self.__dict__["_model"] = model  # not a submodule: the stage holds only its own parameters
         self.__dict__["_base"] = base
+        self.__dict__["_attr"] = _layers_attr(model)
         self.positions = positions
+        # the base's embeddings beside the input embedding (GPT-2's learned positions, run before the layers): the
+        # first stage holds them (they train there); a later stage's forward looks them up in zeros (`_Zeros`:
+        # their output is replaced by the received hidden states, and their weights are not on this rank)
+        self.extras = nn.ModuleList(extras if stage.embed else ())
+        self.__dict__["_beside"] = [n for n, m in base.named_children() if any(m is e for e in extras)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_shards != 1 or self.boundary_group is not None:
@@ -147,25 +155,30 @@ class OwnForwardStage(StageModule):
         """This stage's output for `x` (input_ids on the first stage, else hidden states (b, s, h)):
         hidden states, or on the last stage the logits (b, s, V or V / tp)."""
         model, base, stage = self._model, self._base, self.stage
-        layers = base.layers
+        attr = self.__dict__["_attr"]
+        layers = base._modules[attr]
         first = stage.first_layer
-        inputs = {"input_ids": x} if stage.embed else {"inputs_embeds": x}
+        inputs = {"input_ids": x} if stage.embed else {"inputs_embeds": _placeholder(model, x)}
         hooks = []
         if not stage.embed:  # the received hidden states enter at this stage's first layer (or its norm)
-            entry = layers[first] if first < stage.end_layer else final_norm(base)
+            entry = layers[first] if first < stage.end_layer else final_norm(base, layers)
             hooks.append(entry.register_forward_pre_hook(_swap_input(x), with_kwargs=True))
         stand_ins = nn.ModuleList([layer if first <= i < stage.end_layer else _Skip(layer)
                                    for i, layer in enumerate(layers)])
         if not stage.head:  # (on the stand-in of the next stage's first layer)
             hooks.append(stand_ins[stage.end_layer].register_forward_pre_hook(_leave, with_kwargs=True))
-        base._modules["layers"] = stand_ins
+        base._modules[attr] = stand_ins
+        beside = {} if stage.embed else {n: base._modules[n] for n in self.__dict__["_beside"]}
+        for name, embedding in beside.items():
+            base._modules[name] = _Zeros(embedding.embedding_dim)
         wrapped = self._checkpointed(stand_ins)
         try:
             out = model(**inputs, use_cache=cache is not None, cache=cache, logits_to_keep=logits_to_keep, **kwargs)
         except _StageOutput as leaving:
             return leaving.hidden
         finally:
-            base._modules["layers"] = layers
+            base._modules[attr] = layers
+            base._modules.update(beside)
             for layer in wrapped:
                 del layer.forward
             for hook in hooks:
@@ -184,6 +197,25 @@ class OwnForwardStage(StageModule):
                 layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
                 out.append(layer)
         return out
+
+
+def _placeholder(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What a later stage feeds the own forward as its input embeddings (the received hidden states `x` replace
+    them at the stage's first layer): `x` itself, or zeros of the embedding's width where the base projects the
+    embeddings to the hidden width before the layers (OPT's project_in)."""
+    width = model.get_input_embeddings().weight.shape[-1]
+    return x if x.shape[-1] == width else x.new_zeros(*x.shape[:-1], width)
+
+
+class _Zeros(nn.Module):
+    """Stands in for an embedding of the first stage on a later one: zeros of its width for any indices."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.width, device=ids.device)
 
 
 class _StageOutput(Exception):
@@ -288,7 +320,13 @@ def _build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
                                  f"model's {layers_total} layers; stages must lie within 0..{layers_total}")
     body, parts = _parts(model, stage)
     if spec.mixer is Mixer.ATTENTION and spec.own_forward:
-        return OwnForwardStage(stage, config=config, model=model, base=body, positions=positions, **parts)
+        from autoshard.models.facts import beside_layers
+
+        extras, unplaced = beside_layers(model)
+        if unplaced:
+            raise InvalidConfigError(f"{type(model).__name__}: {unplaced}; use pp=1")
+        return OwnForwardStage(stage, config=config, model=model, base=body, positions=positions, extras=extras,
+                               **parts)
     if spec.mixer is Mixer.ATTENTION:  # rotary embeddings and the causal mask, made per stage
         return LlamaStage(stage, config=config, rotary_emb=body.rotary_emb, positions=positions, **parts)
     return Mamba2Stage(stage, config=config, **parts)  # SSD blocks: the hidden state alone
@@ -296,28 +334,28 @@ def _build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
 
 def _parts(model: nn.Module, stage: Stage) -> tuple[nn.Module, dict]:
     """(the base model holding the layers, this stage's embed / layers / norm / lm_head), found by the
-    model's structure: the base is the child holding the `layers` list (model.model first: Llama-4's
-    base_model_prefix names another model), the final norm its last child with parameters after the
-    layers, the embedding and head HF's input / output embeddings."""
-    body = model.model if isinstance(getattr(model, "model", None), nn.Module) else None
-    if not isinstance(getattr(body, "layers", None), nn.ModuleList):
-        body = next((m for m in model.children() if isinstance(getattr(m, "layers", None), nn.ModuleList)), None)
-    if body is None:
-        raise InvalidConfigError(f"{type(model).__name__}: no child module holds the decoder layers (a .layers "
-                                 "ModuleList); pipeline stages cut that list; use pp=1")
-    parts = dict(embed=model.get_input_embeddings(), layers=list(body.layers)[stage.first_layer:stage.end_layer],
-                 norm=final_norm(body), lm_head=model.get_output_embeddings())
+    model's structure (models/facts.py `layer_list`: the ModuleList of the config's layers, whatever its name:
+    model.layers, transformer.h, model.decoder.layers), the final norm its last child with parameters after
+    the layers, the embedding and head HF's input / output embeddings."""
+    body = model.get_submodule(_layers_path(model).rpartition(".")[0])
+    layers = model.get_submodule(_layers_path(model))
+    parts = dict(embed=model.get_input_embeddings(), layers=list(layers)[stage.first_layer:stage.end_layer],
+                 norm=final_norm(body, layers), lm_head=model.get_output_embeddings())
     return body, _keep(parts, stage)
 
 
-def final_norm(body: nn.Module) -> nn.Module:
-    """The base model's final norm: its last child with parameters after the layers."""
-    children = list(body.named_children())
-    after = [m for n, m in children[[n for n, _ in children].index("layers") + 1:]
-             if any(True for _ in m.parameters())]
-    if not after:
-        raise InvalidConfigError(f"{type(body).__name__}: no final norm after its layers; use pp=1")
-    return after[-1]
+def _layers_path(model: nn.Module) -> str:
+    from autoshard.models.facts import layer_list
+
+    found = layer_list(model)
+    if found is None:
+        raise InvalidConfigError(f"{type(model).__name__}: no ModuleList holds the decoder layers; pipeline stages "
+                                 "cut that list; use pp=1")
+    return found[0]
+
+
+def _layers_attr(model: nn.Module) -> str:
+    return _layers_path(model).rpartition(".")[2]
 
 
 def _keep(parts: dict, stage: Stage) -> dict:

@@ -1,3 +1,4 @@
+import re
 from dataclasses import replace
 
 import pytest
@@ -147,3 +148,30 @@ def resolve_model_spec(model, name):
     from autoshard.models.layered import layered_spec
 
     return layered_spec(model, name=name)
+
+
+def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_name():
+    """GPT-2 / GPT-J / CodeGen keep their layers in transformer.h, OPT in model.decoder.layers, GPT-NeoX's
+    attention names its head width head_size: found by structure, they plan (their stages run the model's own
+    forward where the base is no plain LLaMA stack; pp refused where the base holds parameters beside the layers
+    that are no embedding, OPT's projections); attention computed in a module's own forward (ALiBi in Bloom
+    and MPT, Falcon's direct SDPA call, XGLM's matmuls) is refused naming the module."""
+    from autoshard.errors import InvalidConfigError
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.models.tiny import build_tiny, tiny_config
+    from autoshard.rules.validity import refusal
+
+    for model_type, attention, own in (("gpt_neox", "attention", False), ("opt", "self_attn", True),
+                                       ("gpt2", "attn", True), ("gptj", "attn", False)):
+        model = build_tiny(tiny_config(model_type), device="meta")
+        spec = spec_from_hf_config(model.config, name=model_type, model=model)
+        assert (spec.mixer, spec.attention_path, spec.own_forward) == (Mixer.ATTENTION, attention, own), spec
+        assert refusal(spec, "dp") is None and refusal(spec, "cp") is None, spec.refused
+        pp = refusal(spec, "pp") or ""  # tiny OPT projects its 768-wide embedding to the hidden width and back
+        assert "model.decoder.project_out (Linear)" in pp if model_type == "opt" else not pp, spec.refused
+    for model_type, module in (("bloom", "h.*.self_attention (BloomAttention)"), ("mpt", "blocks.*.attn (MptAttention)"),
+                               ("falcon", "h.*.self_attention (FalconAttention)"),
+                               ("xglm", "layers.*.self_attn (XGLMAttention)")):
+        model = build_tiny(tiny_config(model_type), device="meta")
+        with pytest.raises(InvalidConfigError, match=rf"{re.escape(module)} computes attention in its own forward"):
+            spec_from_hf_config(model.config, name=model_type, model=model)

@@ -271,10 +271,12 @@ def _record_norm_tokens(model, spec) -> set:
 
 
 def _record_linear_outputs(model) -> set:
-    """The dtypes every nn.Linear of `model` outputs from now on (bf16-mixed: bf16 GEMMs); a Linear subclass
-    returning a tuple (Llama-4's router: scores and logits) is skipped."""
+    """The dtypes every nn.Linear (and HF's Conv1D, GPT-2's transposed linear) of `model` outputs from now on
+    (bf16-mixed: bf16 GEMMs); a Linear subclass returning a tuple (Llama-4's router: scores and logits) is skipped."""
+    from transformers.pytorch_utils import Conv1D
+
     seen = set()
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, (torch.nn.Linear, Conv1D)):
             module.register_forward_hook(lambda mod, args, out: seen.add(out.dtype) if isinstance(out, torch.Tensor) else None)
     return seen

@@ -53,6 +53,20 @@ PER_LAYER_PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(ep=2))
 RULELESS = {"mamba": _tiny("mamba")}
 _SCAN = "the Mamba-1 selective scan of layers.0.mixer"
 
+# the classic decoders, their layers found by structure (transformer.h, model.decoder.layers) and their attention by
+# its call to HF's attention interface (GPT-NeoX's head_size): dp, pp (the model's own forward where the base is no
+# plain LLaMA stack: GPT-2's learned positions, OPT) and cp; tp refused by the graph proof or the proposal, OPT's pp
+# by its project_in / project_out linears (tiny OPT projects 768 -> 64); dropout off, so one process is reproducible
+CLASSIC = {"gpt_neox": _tiny("gpt_neox"), "opt": _tiny("opt", dropout=0.0),
+           "gpt2": _tiny("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "gptj": _tiny("gptj"),
+           "codegen": _tiny("codegen")}
+_NO_ROLE = "{} 'colwise', a module the sharding table holds no role for"  # their declared plans (not the table yet)
+CLASSIC_REFUSED = {("gpt_neox", "tp"): _NO_ROLE.format("layers.*.attention.query_key_value"),
+                   ("gptj", "tp"): _NO_ROLE.format("h.*.attn.q_proj"), ("codegen", "tp"): _NO_ROLE.format("h.*.attn.qkv_proj"),
+                   ("gpt2", "tp"): "no colwise -> rowwise pair on the graph",
+                   ("opt", "tp"): "HF declares no tp plan for it",
+                   ("opt", "pp"): "model.decoder.project_out (Linear) holds parameters beside the embedding"}
+
 # every family under every axis on two ranks (dense: dp, tp, pp, cp; MoE: dp, tp, pp, cp, ep), inside the
 # shared world-2 spawn (test_equivalence.py); an axis a family refuses must say so by name, on every rank
 PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
@@ -66,6 +80,7 @@ def check_families() -> None:
 
     check_axes({**DENSE, **MOE, **RULELESS}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
     check_axes({**NO_TP_PLAN, **GATHERED}, lambda name: (dict(tp=2),), {})
+    check_axes(CLASSIC, lambda name: PLANS, CLASSIC_REFUSED)
     check_axes(PER_LAYER_MOE, lambda name: PER_LAYER_PLANS, {})
     _check_generate()
 
