@@ -310,7 +310,12 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         hd = child.head_dim
         heads, kv = linear["q_proj"].out_features // hd, linear["k_proj"].out_features // hd
         sizes = (("heads", heads), ("kv_heads", kv), ("q", heads * hd), ("kv", kv * hd))
-        return "attention", name, sizes, (), counts, ()
+        # per-head q/k norms (one head_dim vector each): whole on every rank, their gradient summed over tp
+        held = {n: [tuple(p.shape) for p in m.parameters()] for n, m in child.named_children() if n not in linear}
+        norms = tuple((n, hd) for n, shapes in held.items() if shapes)
+        if any(shapes not in ([], [(hd,)]) for shapes in held.values()) or any(True for _ in child.parameters(recurse=False)):
+            return None  # a full-width norm or a head-indexed parameter: no tensor-parallel rule splits it yet
+        return "attention", name, sizes + norms, tuple(n for n, _ in norms), counts, ()
     if attention and set(_MLA) <= set(linear) and ("q_proj" in linear or "q_b_proj" in linear):
         heads = child.num_heads
         q = linear.get("q_b_proj", linear.get("q_proj"))
