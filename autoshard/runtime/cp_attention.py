@@ -37,8 +37,9 @@ def cp_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
     if attention_mask is not None:
         raise InvalidConfigError("CP attention takes no attention_mask (padding masks are not split over CP); "
                                  "mark padding with label -100 instead")
-    # a sliding window: Mixtral passes its config's, a Qwen2-MoE sliding layer keeps its own on the module
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    # a sliding window: Mixtral passes its config's, a Qwen2-MoE sliding layer keeps its own on the module; a
+    # window passed (even None: ExaOne-MoE's full layers, whose module holds the config's) is the layer's own
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     # the attention kwargs HF passes besides (Gemma-2's softcap, GPT-OSS's sinks as s_aux): each is applied, and
     # one this function does not know is refused rather than dropped
     softcap = kwargs.pop("softcap", None)
