@@ -132,6 +132,10 @@ def init_default_group(*, backend: str, env: dict[str, str], device: torch.devic
         # a plain `python script.py`: a world of one
         env = {**env, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
     check_timeout(timeout_s)
+    # dynamo first: imported after a group exists (autoshard's capture imports it), it keeps the default
+    # group alive past destroy_process_group and gloo's threads abort the process at exit
+    import torch._dynamo  # noqa: F401
+
     timeout = timedelta(seconds=timeout_s)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if world == 1 and env.get("MASTER_PORT", "0") == "0":
