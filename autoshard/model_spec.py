@@ -39,6 +39,9 @@ class LayerPart:
     attrs: tuple[str, ...] = ()
     buffers: tuple[str, ...] = ()
     params: tuple[str, ...] = ()  # a MoE part's experts' parameters (gate_up_proj or up_proj, down_proj)
+    # an attention part's output gates: linears of the layer's input, one output per head or per head element,
+    # split by heads as q_proj (AFMoE's gate_proj, Laguna's g_proj: the attention output times their activation)
+    gates: tuple[str, ...] = ()
 
     def size(self, name: str) -> int:
         return dict(self.sizes)[name]

@@ -48,11 +48,11 @@ def attention_times(seq: int, heads: int, kv_heads: int, head_dim: int, repeat: 
 
     torch.manual_seed(0)
     q = torch.randn(1, heads, seq, head_dim)
-    kv = torch.randn(1, 2 * kv_heads, seq, head_dim)
+    kv = torch.randn(1, kv_heads, seq, 2 * head_dim)  # K then V along the features (cp_attention.py)
 
     def full():
         q_ = q.clone().requires_grad_()
-        k_, v_ = (t.clone().requires_grad_() for t in kv.split(kv_heads, dim=1))
+        k_, v_ = (t.clone().requires_grad_() for t in kv.split(head_dim, dim=-1))
         F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True).sum().backward()
 
     out = {1: [_time(full, repeat)]}

@@ -273,7 +273,7 @@ def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
             found.setdefault(part, []).append(i)
     order = ("attention", "mla", "ssd", "mamba1", "mlp", "moe", "norm", "other")  # the sequence mixers first (sharding.selective_module)
     parts = [LayerPart(kind=k, path=p, layers=tuple(ix), sizes=s, names=n, attrs=a, buffers=b,
-                       params=q[0] if q else ())
+                       params=q[0] if q else (), gates=q[1] if len(q) > 1 else ())
              for (k, p, s, n, a, b, *q), ix in sorted(found.items(), key=lambda item: order.index(item[0][0]))]
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     paths = {id(m): p for p, m in model.named_modules()}
@@ -310,12 +310,18 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         hd = child.head_dim
         heads, kv = linear["q_proj"].out_features // hd, linear["k_proj"].out_features // hd
         sizes = (("heads", heads), ("kv_heads", kv), ("q", heads * hd), ("kv", kv * hd))
+        # output gates: a linear of the layer's input with an output per head or per head element (split by heads)
+        gates = tuple(n for n, m in linear.items() if n not in _ATTENTION and m.in_features ==
+                      linear["q_proj"].in_features and m.out_features in (heads, heads * hd))
+        if set(linear) - set(_ATTENTION) - set(gates):
+            return None  # another linear inside the attention: no tensor-parallel rule splits it yet
+        sizes += tuple((n, linear[n].out_features) for n in gates)
         # per-head q/k norms (one head_dim vector each): whole on every rank, their gradient summed over tp
         held = {n: [tuple(p.shape) for p in m.parameters()] for n, m in child.named_children() if n not in linear}
         norms = tuple((n, hd) for n, shapes in held.items() if shapes)
         if any(shapes not in ([], [(hd,)]) for shapes in held.values()) or any(True for _ in child.parameters(recurse=False)):
             return None  # a full-width norm or a head-indexed parameter: no tensor-parallel rule splits it yet
-        return "attention", name, sizes + norms, tuple(n for n, _ in norms), counts, ()
+        return "attention", name, sizes + norms, tuple(n for n, _ in norms), counts, (), (), gates
     if attention and set(_MLA) <= set(linear) and ("q_proj" in linear or "q_b_proj" in linear):
         heads = child.num_heads
         q = linear.get("q_b_proj", linear.get("q_proj"))

@@ -235,8 +235,10 @@ def _parts_table(spec: ModelSpec) -> tuple[Role, ...]:
                     and r.block is (_E if part.kind == "embed" else _H)]
         elif part.kind == "final_norm":
             out.append(Role(part.path, _H, Strategy.REPLICATE))
-        elif part.kind == "attention":  # and its per-head q/k norms whole, their gradient summed over tp
+        elif part.kind == "attention":  # its output gates by heads; per-head q/k norms whole, gradient summed
             out += _at_part(LLAMA, "self_attn", i, part) + tuple(
+                Role(at(g), _L, Strategy.COLWISE, (Piece(n(g), n("heads")),), _LINEAR, fan="hidden", layers=lay)
+                for g in part.gates) + tuple(
                 Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
                 for p in part.names)
         elif part.kind == "mla":

@@ -82,33 +82,36 @@ def causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CPContext, 
     if balanced and local % 2:
         raise InvalidConfigError(f"CP attention got {local} local tokens; the balanced layout needs an even count")
     seq = local * ctx.size
-    kv = torch.cat([key, value], dim=1)  # (b, 2 hkv, L, d): one collective for both
-    kv = all_gather_autograd(kv, ctx, dim=2)  # (b, 2 hkv, S, d), rank order
+    # one collective for both, packed along the features: the value head width may differ from the key's
+    # (MiMo-V2-Flash's v_head_dim)
+    kv = torch.cat([key, value], dim=3)  # (b, hkv, L, dk + dv)
+    kv = all_gather_autograd(kv, ctx, dim=2)  # (b, hkv, S, dk + dv), rank order
     kv = kv.index_select(2, gathered_order(seq, ctx.size, layout).to(kv.device))  # natural order
     chunks = (ctx.rank, 2 * ctx.size - 1 - ctx.rank) if balanced else (ctx.rank,)
-    return _attend_chunks(query, kv, chunks, scale=scale, window=window, softcap=softcap, sinks=sinks)
+    return _attend_chunks(query, kv, chunks, key_dim=d, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, scale: float | None = None,
                            window: int | None = None, softcap: float | None = None,
                            sinks: Tensor | None = None) -> Tensor:
     """Rank `rank`'s share of the work: its two query chunks (b, hq, 2c, d) against the key prefixes
-    they can see in `kv` (b, 2 hkv, S, d), K then V, natural order; `window` as in
+    they can see in `kv` (b, hkv, S, 2d), K then V along the features, natural order; `window` as in
     `balanced_causal_attention`. -> (b, 2c, hq, d)."""
-    return _attend_chunks(query, kv, (rank, 2 * cp - 1 - rank), scale=scale, window=window, softcap=softcap,
-                          sinks=sinks)
+    return _attend_chunks(query, kv, (rank, 2 * cp - 1 - rank), key_dim=query.shape[-1], scale=scale,
+                          window=window, softcap=softcap, sinks=sinks)
 
 
-def _attend_chunks(query: Tensor, kv: Tensor, chunk_ids: tuple[int, ...], *, scale: float | None,
+def _attend_chunks(query: Tensor, kv: Tensor, chunk_ids: tuple[int, ...], *, key_dim: int, scale: float | None,
                    window: int | None, softcap: float | None, sinks: Tensor | None) -> Tensor:
     """Query chunks `chunk_ids` (of equal size, held in that order in `query` (b, hq, L, d)) against the
-    key prefixes they can see in `kv` (b, 2 hkv, S, d), K then V, natural order. -> (b, L, hq, d)."""
-    chunk, hkv = query.shape[2] // len(chunk_ids), kv.shape[1] // 2
+    key prefixes they can see in `kv` (b, hkv, S, dk + dv), K (`key_dim` wide) then V along the features,
+    natural order. -> (b, L, hq, dv)."""
+    chunk, hkv = query.shape[2] // len(chunk_ids), kv.shape[1]
     outs = []
     for part, chunk_id in enumerate(chunk_ids):
         q = query[:, :, part * chunk:(part + 1) * chunk]  # (b, hq, c, d)
         end = (chunk_id + 1) * chunk
-        k, v = kv[:, :hkv, :end], kv[:, hkv:, :end]  # (b, hkv, end, d)
+        k, v = kv[:, :, :end, :key_dim], kv[:, :, :end, key_dim:]  # (b, hkv, end, dk) and (b, hkv, end, dv)
         q_pos = torch.arange(chunk_id * chunk, end, device=q.device)
         k_pos = torch.arange(end, device=q.device)[None, :]
         mask = k_pos <= q_pos[:, None]  # (c, end) causal on real positions

@@ -120,6 +120,10 @@ class GradSync:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
         self._staged: list[_Bucket] = []  # zero=2: the buckets holding a staging buffer, oldest first
+        self._got: set[int] = set()  # id(param) of the parameters that got a gradient on this rank this step
+        # id(param) of the parameters no rank of the group got a gradient for in the last step (HF's unused
+        # ones, e.g. DeepSeek-V3.2's indexer): `.grad` stays None and the optimizer leaves them, as one process does
+        self.unused: frozenset[int] = frozenset()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
 
     def begin(self, *, last: bool, first: bool = True) -> None:
@@ -132,6 +136,8 @@ class GradSync:
         self._drain()
         self.enabled = last or self.every_micro_batch
         self._next = 0
+        if first:
+            self._got.clear()
         for b in self.buckets:
             if first:
                 for buffer in (b.main, b.acc):
@@ -150,6 +156,7 @@ class GradSync:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
+        self._got.add(id(param))
         if self.every_micro_batch and bucket.staging is None:
             self._stage(bucket)
         if self.main_grads:  # every micro-batch: into the fp32 main gradient
@@ -188,6 +195,8 @@ class GradSync:
             self._stage(bucket)
         if self.main_grads:  # what autograd left in `.grad` (zero-bubble's weight pass writes it directly)
             for p in bucket.params:
+                if p.grad is not None:
+                    self._got.add(id(p))
                 take_grad(p)
         if self.prepare is not None:
             self.prepare(bucket.params)
@@ -211,10 +220,24 @@ class GradSync:
         self._next = len(self.buckets)
         self.enabled = False
         self._drain()
+        if self.main_grads:
+            self._find_unused()
         if self.expose_grads:
             for bucket in self.buckets:
                 for p in bucket.params:
-                    p.grad = p.main_grad
+                    p.grad = None if id(p) in self.unused else p.main_grad
+
+    def _find_unused(self) -> None:
+        """`unused`: the parameters no rank of the group got a gradient for this step, agreed in one small
+        all-reduce (a rank's unused one may be another's used one: a MoE expert no token of this rank reached)."""
+        params = [p for b in self.buckets for p in b.params]
+        if not params:
+            self.unused = frozenset()
+            return
+        got = torch.tensor([id(p) in self._got for p in params], dtype=torch.int32, device=params[0].device)
+        if self.world > 1:
+            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.group)
+        self.unused = frozenset(id(p) for p, g in zip(params, got.tolist()) if not g)
 
     def _drain(self) -> None:
         """Wait for the reductions in flight; under zero=2 add them to the slices summed so far."""
@@ -246,7 +269,7 @@ class GradSync:
         if not self.main_grads:
             return {}
         if not self.zero:
-            return {id(p): p.main_grad for b in self.buckets for p in b.params}
+            return {id(p): p.main_grad for b in self.buckets for p in b.params if id(p) not in self.unused}
         out = {}
         for bucket, shard in zip(self.buckets, self.shard_grads()):
             flat = shard
@@ -255,7 +278,8 @@ class GradSync:
                 _all_gather(flat, shard, group=self.group)
             offset = 0
             for p in bucket.params:
-                out[id(p)] = flat[offset:offset + p.numel()].view_as(p)
+                if id(p) not in self.unused:
+                    out[id(p)] = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
         return out
 
@@ -288,7 +312,9 @@ class ShardedOptimizer:
     def step(self) -> None:
         for shard, grad in zip(self.shards, self.sync.shard_grads()):
             shard.grad = grad
+        kept = self._unused_slices()
         self.optimizer.step()
+        self._restore(kept)
         for shard, bucket in zip(self.shards, self.sync.buckets):
             mine = bucket.mine(bucket.weights, self.rank, self.world)
             if self.masters:  # the stepped masters into this rank's slice of the param buffer (cast)
@@ -300,6 +326,41 @@ class ShardedOptimizer:
     def zero_grad(self) -> None:
         for shard in self.shards:
             shard.grad = None
+
+    def _unused_slices(self) -> list[tuple[Tensor, slice, Tensor, dict[str, Tensor | None]]]:
+        """Before a step: the parts of this rank's shards that hold parameters no rank got a gradient for
+        (`GradSync.unused`), with their values and optimizer state, so that `_restore` undoes the step there:
+        one process's optimizer skips a parameter whose `.grad` is None (no weight decay, no moment update)."""
+        kept = []
+        if not self.sync.unused:
+            return kept
+        for shard, bucket in zip(self.shards, self.sync.buckets):
+            start = self.rank * (bucket.padded // self.world)
+            offset = 0
+            for p in bucket.params:
+                lo, hi = max(offset, start) - start, min(offset + p.numel(), start + shard.numel()) - start
+                offset += p.numel()
+                if id(p) not in self.sync.unused or lo >= hi:
+                    continue
+                part = slice(lo, hi)
+                state = self.optimizer.state.get(shard, {}) if self.optimizer is not None else {}
+                saved = {k: v[part].clone() for k, v in state.items()
+                         if isinstance(v, Tensor) and v.shape == shard.shape}
+                kept.append((shard, part, shard.detach()[part].clone(), saved))
+        return kept
+
+    def _restore(self, kept) -> None:
+        """After a step: the kept parts as they were (a state tensor the step created: zeros there, the state
+        of a parameter never stepped)."""
+        with torch.no_grad():
+            for shard, part, value, saved in kept:
+                shard[part].copy_(value)
+                for key, v in self.optimizer.state.get(shard, {}).items():
+                    if isinstance(v, Tensor) and v.shape == shard.shape:
+                        if key in saved:
+                            v[part].copy_(saved[key])
+                        else:
+                            v[part].zero_()
 
     # -- master weights and state in per-parameter terms (checkpoints: runtime/checkpoint.py) ------
     def full_params(self) -> dict[int, Tensor]:

@@ -109,6 +109,10 @@ class DistributedModel:
             self._optimizer = self._masters if optimizer is not None else None
         elif optimizer is not None:
             self._optimizer = optimizer(self._params)
+        # a frozen parameter (requires_grad False: AFMoE's expert_bias) has no master in the optimizer: its fp32
+        # value is kept here, what master_weights and checkpoints read (one process's bf16-mixed run keeps it so)
+        self._frozen = {id(p): p.detach().float().clone() for p in self._params
+                        if self._main_grads and not p.requires_grad}
         if self._main_grads:  # the masters hold the fp32 values now: the model keeps bf16 copies
             with torch.no_grad():
                 for p in self._params:
@@ -266,7 +270,9 @@ class DistributedModel:
         local = {}
         for p in self._params:
             grad = reduced.get(id(p), p.grad)
-            local[self._names[id(p)]] = full_tensor(grad) if grad is not None else torch.zeros_like(full_tensor(p))
+            if grad is None:  # no rank's loss reaches it (DeepSeek-V3.2's indexer): zeros, as a main gradient
+                grad = torch.zeros_like(p, dtype=torch.float32 if self._main_grads else p.dtype)
+            local[self._names[id(p)]] = full_tensor(grad)
         return self._assemble(local)
 
     def full_state_dict(self) -> dict[str, Tensor]:
@@ -278,7 +284,7 @@ class DistributedModel:
         dp under ZeRO), else the parameters themselves (ZeRO-3: gathered from their FSDP2 shards)."""
         if not self._main_grads:
             return {self._names[id(p)]: full_tensor(p.detach()) for p in self._params}
-        masters = self._masters.full_params()
+        masters = {**self._frozen, **self._masters.full_params()}
         return {self._names[id(p)]: masters[id(p)] for p in self._params}
 
     def load_weights(self, values: Mapping[int, Tensor]) -> None:
@@ -289,6 +295,8 @@ class DistributedModel:
                 p.copy_(values[id(p)])
         if self._masters is not None:
             self._masters.set_params(dict(values))
+        for key in self._frozen:
+            self._frozen[key] = values[key].detach().float().clone()
 
     # -- checkpoints (runtime/checkpoint.py) ----------------------------------------------------
     def save_checkpoint(self, path) -> None:

@@ -118,7 +118,7 @@ def reference(spec, data, *, bf16: bool = False, fp8_recipe: str | None = None, 
             loss.backward()
             losses.append(loss.detach())
             opt.step()
-        return model, losses, {n: p.grad for n, p in model.named_parameters()}
+        return model, losses, _grads(model.named_parameters())
     names = [n for n, _ in model.named_parameters()]
     masters = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
     for p in model.parameters():  # parameters only: buffers (RoPE inv_freq) stay as HF keeps them
@@ -132,14 +132,19 @@ def reference(spec, data, *, bf16: bool = False, fp8_recipe: str | None = None, 
         loss.backward()
         losses.append(loss.detach())
         for master, p in zip(masters, model.parameters()):
-            master.grad = p.grad.float() if p.grad is not None else torch.zeros_like(master)
+            master.grad = p.grad.float() if p.grad is not None else None  # AdamW skips it, as for p
         opt.step()
         with torch.no_grad():
             for master, p in zip(masters, model.parameters()):
                 p.copy_(master)
     final = _built(spec, prepare)
     final.load_state_dict({n: m.detach() for n, m in zip(names, masters)}, strict=False)
-    return final, losses, {n: m.grad for n, m in zip(names, masters)}
+    return final, losses, _grads(zip(names, masters))
+
+
+def _grads(named) -> dict:
+    """{name: gradient}, zeros for a parameter the loss does not reach (`full_grads` reports it so)."""
+    return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in named}
 
 
 def _built(spec, prepare):
@@ -198,7 +203,7 @@ def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, step
     if fp8_recipe is not None:
         _check_float8(dm, spec, f"{preset} {plan}")
     if bf16:
-        _check_bf16(dm, ref_grads, reference(spec, data)[2], f"{preset} {plan}",
+        _check_bf16(dm, ref_grads, reference(source or spec, data, prepare=prepare)[2], f"{preset} {plan}",
                     noise_factor=FP8_NOISE if fp8_recipe else 2.0)
         return
     if dm.plan.zero == 2:  # ZeRO-2 keeps no full gradient once a step is done, only this rank's slices
@@ -206,7 +211,8 @@ def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, step
     if dm.plan.zero == 3:  # ZeRO-3: parameters and gradients are FSDP2 shards over dp (x cp)
         from torch.distributed.tensor import DTensor
 
-        assert all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in dm.model.parameters())
+        # (a parameter the loss does not reach keeps no gradient, as in one process: DeepSeek-V3.2's indexer)
+        assert all(isinstance(p, DTensor) and isinstance(p.grad, (DTensor, type(None))) for p in dm.model.parameters())
         mesh = dm.plan.mesh  # ep > 1: the experts sharded over the ranks holding them, the dense weights over all
         expected = {True: mesh.dp * mesh.cp, False: mesh.dp * mesh.ep * mesh.cp}
         meshes = {n in dm._setup.expert_names: p.device_mesh.size() for n, p in dm.model.named_parameters()}

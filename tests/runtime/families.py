@@ -44,9 +44,22 @@ GATHERED = {"glm4": _tiny("glm4"), "olmo3": _tiny("olmo3"), "olmoe": _tiny("olmo
 
 # MoE after dense layers, decided per layer by a list the narrowed one-layer copy loses (`mlp_layer_types`, longer
 # than the stack: ExaOne-MoE's first-k-dense, MiMo-V2-Flash's with sliding / full attention), so the capture traces
-# the model's own layer (passes/capture/layer_kinds.py); dp, pp and ep so far (tp and cp: not yet exact, reported)
+# the model's own layer (passes/capture/layer_kinds.py); MiMo-V2-Flash's values wider than its keys under cp (K and V
+# packed along the features, runtime/cp_attention.py), its attention's tp refused by name
 PER_LAYER_MOE = {"exaone_moe": _tiny("exaone_moe"), "mimo_v2_flash": _tiny("mimo_v2_flash")}
-PER_LAYER_PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(ep=2))
+PER_LAYER_PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(ep=2), dict(tp=2), dict(cp=2))
+PER_LAYER_REFUSED = {("mimo_v2_flash", "tp"): "layers.1.self_attn (MiMoV2FlashAttention) is neither attention"}
+
+# attention output gates (AFMoE's sigmoid gate_proj per head element, Laguna's softplus g_proj per head), split by
+# heads with q_proj; AFMoE's router expert_bias is frozen (requires_grad False: its fp32 value kept beside the masters)
+GATED = {"afmoe": _tiny("afmoe"), "laguna": _tiny("laguna")}
+GATED_PLANS = (dict(tp=2), dict(cp=2), dict(tp=2, precision="bf16-mixed"))
+
+# parameters HF's training forward never reaches (DeepSeek-V3.2's lightning indexer: its top-k selection is not
+# differentiated): no gradient on any rank, so the optimizer leaves them, as one process does (runtime/data_parallel.py)
+UNUSED = {"deepseek_v32": _tiny("deepseek_v32")}
+UNUSED_PLANS = (dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=2, micro_batch=2), dict(dp=2, precision="bf16-mixed"),
+                dict(ep=2), dict(dp=2, zero=3))
 
 # a uniform stack of a sequence mixer with no rule (Mamba-1's selective scan): the model's own forward under dp and
 # pp; tp, cp (and sequence parallelism) refused naming the module (models/layered.py `_ruleless_refusals`)
@@ -81,8 +94,38 @@ def check_families() -> None:
     check_axes({**DENSE, **MOE, **RULELESS}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
     check_axes({**NO_TP_PLAN, **GATHERED}, lambda name: (dict(tp=2),), {})
     check_axes(CLASSIC, lambda name: PLANS, CLASSIC_REFUSED)
-    check_axes(PER_LAYER_MOE, lambda name: PER_LAYER_PLANS, {})
+    check_axes(PER_LAYER_MOE, lambda name: PER_LAYER_PLANS, PER_LAYER_REFUSED)
+    check_axes(UNUSED, lambda name: UNUSED_PLANS, {})
+    check_axes(GATED, lambda name: GATED_PLANS, {})
+    _check_unused_stay()
     _check_generate()
+
+
+def _check_unused_stay() -> None:
+    """A parameter no loss reaches keeps `.grad` None in one process, so AdamW leaves it alone; distributed it
+    must stay bit-identical too (a zero gradient in its place still takes AdamW's weight decay: 0.5 here, so any
+    step shows)."""
+    import functools
+
+    import torch
+
+    import autoshard
+    from tests.runtime.equivalence import batches
+
+    for name, source in UNUSED.items():
+        probe = source.build()
+        data = batches(probe.config.vocab_size, global_batch=8, seq=16, steps=2)
+        probe(data[0][0], labels=data[0][1]).loss.backward()
+        unused = {n: p.detach().clone() for n, p in probe.named_parameters() if p.grad is None}
+        assert unused, f"{name}: every parameter got a gradient; the check needs one that does not"
+        for plan in UNUSED_PLANS:
+            dm = autoshard.parallelize(source.build(), data[0][0], plan=plan, global_batch=8,
+                                       optimizer=functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.5))
+            for ids, labels in data:
+                dm.train_step(ids, labels)
+            state = dm.full_state_dict()
+            moved = [n for n, value in unused.items() if not torch.equal(state[n].float(), value.float())]
+            assert not moved, f"{name} {plan}: parameters no loss reaches were stepped: {moved}"
 
 
 def _check_generate() -> None:
