@@ -200,7 +200,23 @@ def _llama_stack(model, found) -> bool:
         return False
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     held = [m for _, m in base.named_children() if m is not layers and m is not embed and any(True for _ in m.parameters())]
-    return len(held) <= 1
+    return len(held) <= 1 and not _own_mask(base)
+
+
+# arguments of HF's mask functions (transformers.masking_utils) that change the mask the LLaMA stage builder makes:
+# a mask materialised where it would be skipped for SDPA's is_causal (Doge adds its dynamic mask onto it), and mask
+# functions or'ed / and'ed into the causal one (bidirectional image tokens)
+_MASK_ARGUMENTS = frozenset({"allow_is_causal_skip", "or_mask_function", "and_mask_function"})
+
+
+def _own_mask(base) -> bool:
+    """Whether `base`'s forward builds its attention mask with arguments the LLaMA stage builder does not pass
+    (`_MASK_ARGUMENTS`, read off the keyword names of the calls its code makes): then its own forward runs."""
+    import inspect
+
+    code = getattr(inspect.unwrap(type(base).forward), "__code__", None)
+    consts = code.co_consts if code is not None else ()
+    return any(isinstance(c, tuple) and _MASK_ARGUMENTS & {x for x in c if isinstance(x, str)} for c in consts)
 
 
 def _windows(config, layers) -> tuple[int, int]:
@@ -242,6 +258,26 @@ def own_attention(model) -> str | None:
             return (f"{found[0].rpartition('.')[2]}.*.{path} ({type(module).__name__}) computes attention in its own "
                     "forward, not through HF's attention interface (transformers' ALL_ATTENTION_FUNCTIONS), where "
                     "autoshard prices the attention kernel that runs and swaps in its context-parallel attention")
+    return None
+
+
+def mask_reader(model) -> str | None:
+    """Why context parallelism cannot split `model`'s attention, naming the module, or None: a child of an attention
+    module whose forward takes the attention mask itself (DeepSeek-V3.2's lightning indexer scores every key of the
+    sequence; on a cp rank it would see its own chunk only, and the runtime's CP attention hands it no mask)."""
+    import inspect
+
+    found = layer_list(model)
+    for layer in found[1] if found is not None else ():
+        for path, module in layer.named_modules():
+            if not (path and is_attention(module)):
+                continue
+            for name, child in module.named_children():
+                takes = inspect.signature(inspect.unwrap(type(child).forward)).parameters
+                if {"attention_mask", "mask"} & set(takes):
+                    return (f"{found[0].rpartition('.')[2]}.*.{path}.{name} ({type(child).__name__}) reads the "
+                            "attention mask of the whole sequence itself, which context-parallel attention does not "
+                            "split; use cp=1")
     return None
 
 

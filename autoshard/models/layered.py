@@ -153,6 +153,12 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
     mixer = _mixer_without_cp(model, stack)
     if mixer is not None:
         out.append(("cp", f"{mixer} has no CP algorithm; use cp=1"))
+    else:
+        from autoshard.models.facts import mask_reader
+
+        reader = mask_reader(model)  # DeepSeek-V3.2's indexer: its own mask over the whole sequence
+        if reader:
+            out.append(("cp", reader))
     if stack.shared_params:
         out.append(("pp", f"its layers share a block ({stack.shared_params} parameters held by several layers: "
                           "Zamba2's shared transformer, which reads the embeddings' output); pipeline stages cut "

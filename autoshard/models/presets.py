@@ -337,6 +337,9 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
         out.append(("tp", why))
     if spec.is_moe and facts.experts_no_ep:
         out.append(("ep", facts.experts_no_ep))
+    reader = F.mask_reader(model)
+    if reader:
+        out.append(("cp", reader))
     if facts.own_forward and F.layer_list(model) is not None:
         unplaced = F.beside_layers(model)[1]
         if unplaced:

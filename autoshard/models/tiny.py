@@ -82,7 +82,7 @@ def _shrink(config) -> None:
         if _settable(config, name):
             setattr(config, name, layers)
     if hasattr(config, "layer_types") and not _settable(config, "layer_types"):
-        _periods_within(config, kinds, layers)  # derived from periods and offsets (Jamba) or fixed (Mamba)
+        _derived_within(config, kinds, layers)  # derived: periods (Jamba), attention indices (Bamba), a pattern
     elif types:
         config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
     for name, each in per_layer.items():  # one layer of each kind (DeepSeek-style mlp_layer_types: dense, sparse)
@@ -104,8 +104,11 @@ def _shrink(config) -> None:
 def _settable(config, name: str) -> bool:
     """A field of `config` that can be set: not a property derived from others (Falcon's head_dim, Mamba's and
     Jamba's layer_types, Bamba's layers_block_type)."""
+    if not hasattr(config, name):
+        return False
+    name = (getattr(config, "attribute_map", None) or {}).get(name, name)  # an alias (Bamba: layers_block_type)
     prop = getattr(type(config), name, None)
-    return hasattr(config, name) and not (isinstance(prop, property) and prop.fset is None)
+    return not (isinstance(prop, property) and prop.fset is None)
 
 
 def _per_layer_kinds(config) -> dict[str, list[str]]:
@@ -148,17 +151,29 @@ def _shrink_latent(config, full: dict, *, same_heads: bool) -> None:
                 setattr(config, name, config_value(config, "heads"))
 
 
-def _periods_within(config, kinds, layers: int) -> None:
+def _derived_within(config, kinds, layers: int) -> None:
     """A config whose `layer_types` is derived (a property): every `*_layer_period` / `*_layer_offset` pair
-    (Jamba's attention and expert layers) set to period 2, offset 1, so that `layers` layers hold each kind;
-    ValueError naming the kinds when they still do not."""
+    (Jamba's attention and expert layers) set to period 2, offset 1, and every list of layer indices
+    (`*_layer_indices`: Bamba's attention layers) to the odd layers, so that `layers` layers hold each kind; a
+    fixed pattern (RecurrentGemma's block_types) by up to 8 layers; ValueError naming the kinds when they still do not."""
     for name in [n for n in dir(config) if n.endswith("_layer_period")]:
         if isinstance(getattr(config, name, None), int):
             setattr(config, name, 2)
             offset = name.replace("_period", "_offset")
             if isinstance(getattr(config, offset, None), int):
                 setattr(config, offset, 1)
-    missing = [k for k in kinds if k not in list(config.layer_types)]
+    for name in [n for n in vars(config) if n.endswith("_layer_indices")]:
+        value = getattr(config, name)
+        if isinstance(value, (list, tuple)) and value and all(isinstance(i, int) for i in value) and _settable(config, name):
+            setattr(config, name, list(range(1, layers, 2)))
+    missing = lambda: [k for k in kinds if k not in list(config.layer_types)]  # noqa: E731
+    for more in range(layers + 1, 9):
+        if not missing():
+            break
+        for name in ALIASES["layers"]:
+            if _settable(config, name):
+                setattr(config, name, more)
+    missing = missing()
     if missing:
         raise ValueError(f"{type(config).__name__}: {layers} layers of the tiny config hold no {', '.join(missing)} "
                          "layer (its layer_types is derived from fields tiny_config does not know); give overrides")

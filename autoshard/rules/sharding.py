@@ -221,12 +221,8 @@ def _moe_roles(router: str, experts: str, shared: str, extra: tuple[Role, ...], 
 
 
 def _parts_table(spec: ModelSpec) -> tuple[Role, ...]:
-    """A hybrid's table, built from its layers' parts (`ModelSpec.parts`, models/layered.py `layer_parts`), each
-    by its own rule, its roles on the layers that hold it, its sizes named "<part index>.<size>": attention as
-    LLaMA's (heads, KV heads shared under GQA), DeepSeek's latent attention (the query and key/value up
-    projections by heads, o_proj row-parallel, the latent down projections and their norms whole with their
-    gradient summed over tp, as Megatron-Core's MLA), a Mamba-2 mixer as MAMBA2's (heads, groups split or
-    whole), an MLP column then row, a MoE block whole on every tp rank (its experts over ep)."""
+    """A hybrid's table from its layers' parts (`ModelSpec.parts`, models/layered.py `layer_parts`), each by its own
+    rule on the layers that hold it, its sizes named "<part index>.<size>"; the rules: docs/decoders.md (Hybrids)."""
     out: list[Role] = []
     for i, part in enumerate(spec.parts):
         n, at, lay = (lambda name, i=i: f"{i}.{name}"), (lambda p, part=part: f"{part.path}.{p}"), part.layers

@@ -25,10 +25,12 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def take_grad(param: nn.Parameter) -> Tensor | None:
     """The gradient the runtime reduces and steps: `.grad`, or under main gradients the fp32
-    `main_grad`, into which whatever autograd left in `.grad` is first added (then `.grad` is dropped)."""
+    `main_grad`, into which whatever autograd left in `.grad` is first added (then `.grad` is dropped;
+    `got_grad` marks that it came: `GradSync.unused`)."""
     if not hasattr(param, "main_grad"):
         return param.grad
     if param.grad is not None:
+        param.got_grad = True
         if param.main_grad is None:  # (not reached by GradSync, which gives every gradient a buffer first)
             param.main_grad = param.grad.float()
         else:
@@ -120,7 +122,6 @@ class GradSync:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
         self._staged: list[_Bucket] = []  # zero=2: the buckets holding a staging buffer, oldest first
-        self._got: set[int] = set()  # id(param) of the parameters that got a gradient on this rank this step
         # id(param) of the parameters no rank of the group got a gradient for in the last step (HF's unused
         # ones, e.g. DeepSeek-V3.2's indexer): `.grad` stays None and the optimizer leaves them, as one process does
         self.unused: frozenset[int] = frozenset()
@@ -136,8 +137,10 @@ class GradSync:
         self._drain()
         self.enabled = last or self.every_micro_batch
         self._next = 0
-        if first:
-            self._got.clear()
+        if first:  # `take_grad` marks a parameter's gradient as it moves it into the main gradient
+            for b in self.buckets:
+                for p in b.params:
+                    p.got_grad = False
         for b in self.buckets:
             if first:
                 for buffer in (b.main, b.acc):
@@ -156,7 +159,6 @@ class GradSync:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
-        self._got.add(id(param))
         if self.every_micro_batch and bucket.staging is None:
             self._stage(bucket)
         if self.main_grads:  # every micro-batch: into the fp32 main gradient
@@ -195,8 +197,6 @@ class GradSync:
             self._stage(bucket)
         if self.main_grads:  # what autograd left in `.grad` (zero-bubble's weight pass writes it directly)
             for p in bucket.params:
-                if p.grad is not None:
-                    self._got.add(id(p))
                 take_grad(p)
         if self.prepare is not None:
             self.prepare(bucket.params)
@@ -234,7 +234,7 @@ class GradSync:
         if not params:
             self.unused = frozenset()
             return
-        got = torch.tensor([id(p) in self._got for p in params], dtype=torch.int32, device=params[0].device)
+        got = torch.tensor([getattr(p, "got_grad", False) for p in params], dtype=torch.int32, device=params[0].device)
         if self.world > 1:
             dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.group)
         self.unused = frozenset(id(p) for p, g in zip(params, got.tolist()) if not g)

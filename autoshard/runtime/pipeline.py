@@ -265,8 +265,9 @@ def _main_grads_after_weight_pass(stage: PipelineStage) -> None:
 
 
 def _tied_parameter(model: nn.Module, spec: ModelSpec) -> nn.Parameter | None:
-    """The embedding weight when the LM head shares it (tied embeddings), else None."""
-    head = getattr(model, "lm_head", None)
+    """The embedding weight when the LM head shares it (tied embeddings), else None. The head is the model's own
+    output embeddings, as HF's get_output_embeddings() names them (BioGPT's output_projection, not lm_head)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head_weight = getattr(head, "weight", None)
     if embed is not None and head_weight is not None and head_weight is getattr(embed, "weight", None):

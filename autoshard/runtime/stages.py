@@ -208,13 +208,15 @@ def _placeholder(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Zeros(nn.Module):
-    """Stands in for an embedding of the first stage on a later one: zeros of its width for any indices."""
+    """Stands in for an embedding of the first stage on a later one: zeros of its width for any indices (and
+    whatever else its forward takes: BioGPT's positions embedding is called with the mask, the cache length and
+    position_ids)."""
 
     def __init__(self, width: int):
         super().__init__()
         self.width = width
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return torch.zeros(*ids.shape, self.width, device=ids.device)
 
 

@@ -18,7 +18,7 @@ from autoshard.passes.cost import cost
 from autoshard.passes.cost.block import block_activation_bytes, block_params, block_time, expert_block_params
 from autoshard.passes.cost.state import state_bytes
 from autoshard.passes.solve.layer_ranges import range_columns, range_lengths, range_sums
-from autoshard.passes.solve.solve_model import evaluate, stage_entries, stage_min_layers
+from autoshard.passes.solve.solve_model import evaluate, range_class_index, stage_entries, stage_min_layers
 from autoshard.rules import schedules
 
 
@@ -64,9 +64,11 @@ def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int, memo
                                         for i in range(mesh.pp)))
     if key not in memo:
         lows = [stage_min_layers(layout, L, i) for i in range(mesh.pp)]
-        fastest = np.full((mesh.pp, (L + 1) ** 2), np.inf)
+        index = range_class_index(ct)
+        fastest = np.full((mesh.pp, int(index.max()) + 1), np.inf)  # per class of ranges, then per range
         for i, _, time, mem, _ in stage_entries(ct, hw, layout, blocks, microbatches=m, seq_len=seq_len, tails=False):
             fastest[i] = np.minimum(fastest[i], np.where(mem <= hw.memory_bytes, time, np.inf).min(axis=0))
+        fastest = fastest[:, index]
         fastest[range_lengths(L)[None, :] < np.array(lows)[:, None]] = np.inf  # too short, or no range
         floor = _least_slowest(fastest, mesh.pp, L)
         memo[key] = (floor, None if floor is None else _least_sum(fastest, mesh.pp, L, lows))

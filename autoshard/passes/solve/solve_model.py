@@ -214,12 +214,22 @@ def _stage_columns(ct: CompiledTable, hw, layout: Layout, blocks: BlockNumbers, 
     return time, act, np.broadcast_to(other_mem, n.shape), tail, params
 
 
+def range_class_index(ct: CompiledTable) -> np.ndarray | None:
+    """A mixed stack: the class of each layer range column (`layer_ranges.range_classes`): `_stage_columns` and
+    `stage_entries` price the classes, `array[..., range_class_index(ct)]` is the table over the ranges. None: one
+    kind of layer, the columns are the layer counts themselves."""
+    return layer_ranges.range_classes(ct.layer_kinds, len(ct.kinds))[1] if ct.kinds else None
+
+
 def _stage_sums(ct: CompiledTable, layout: Layout, blocks: BlockNumbers, embed: bool, head: bool) -> tuple:
     """(n, params, experts, compute [r, n], backward and forward at the first level, compute + other [r, n],
-    activations [r, n], FSDP units) of a stage holding n = 0..layers layers, kept on `blocks`."""
+    activations [r, n], FSDP units) of a stage holding n = 0..layers layers (a mixed stack: each class of layer
+    ranges, `range_class_index`), kept on `blocks`."""
     key = ("counts", embed, head, ct.spec.layers)
-    if key not in blocks.memo and ct.kinds:  # a mixed stack: a column per layer range, its layers counted by kind
-        counts = layer_ranges.range_counts(ct.layer_kinds, len(ct.kinds), embed=embed, head=head)  # [column, range]
+    if key not in blocks.memo and ct.kinds:  # a mixed stack: a column per class of layer ranges (`range_class_index`)
+        held, _ = layer_ranges.range_classes(ct.layer_kinds, len(ct.kinds))  # [kind, class]
+        edge = np.ones((1, held.shape[1]))
+        counts = np.concatenate([edge * float(embed), held, edge * float(head)])  # [column, class]
         tied = blocks.params[0] if head and ct.spec.tied and not embed else 0.0
         comp = blocks.compute_s @ counts
         blocks.memo[key] = (counts[1:-1].sum(axis=0), blocks.params @ counts + tied, blocks.experts @ counts, comp,
@@ -300,7 +310,10 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
                          f"{len(variants)} x {tuple(recomputes)}")
     width = (layers + 1) ** 2 if ct.kinds else layers + 1  # columns: a stage's layer ranges, or its layer counts
     times, mems, tails = (np.empty((mesh.pp, len(variants) * len(recomputes), width)) for _ in range(3))
+    index = range_class_index(ct)
     for i, o, time, mem, tail in stage_entries(ct, hw, layout, blocks, microbatches=m, seq_len=seq_len):
+        if index is not None:  # priced per class of ranges: to the range columns
+            time, mem, tail = time[..., index], mem[..., index], tail[..., index]
         times[i, o], mems[i, o], tails[i, o] = time, mem, tail
     if ct.kinds:  # a range that ends before it starts is no stage
         empty = layer_ranges.range_lengths(layers) < 0
@@ -318,7 +331,8 @@ def stage_entries(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumb
                   seq_len: int, tails: bool = True) -> Iterator[tuple]:
     """`mesh_problem`'s tables of a resolved `layout` (`blocks`: its `stage_numbers`), a stage and variant at a
     time: (stage i, the variant's slice of the options, time [r, column], peak memory [r, column] (inf: the
-    variant cannot go on the stage), tail [column], or None without `tails`)."""
+    variant cannot go on the stage), tail [column], or None without `tails`); a mixed stack's columns are its
+    classes of layer ranges (`range_class_index`)."""
     mesh, spec, recomputes = layout.mesh, ct.spec, blocks[0].recomputes
     chunks = mesh.pp * layout.virtual_stages
     ranks = [stage_rank(c, pp=mesh.pp, virtual_stages=layout.virtual_stages, schedule=layout.schedule)
