@@ -200,7 +200,19 @@ def _llama_stack(model, found) -> bool:
         return False
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     held = [m for _, m in base.named_children() if m is not layers and m is not embed and any(True for _ in m.parameters())]
-    return len(held) <= 1 and not _own_mask(base)
+    return len(held) <= 1 and not _own_mask(base) and _rotary_plain(base.rotary_emb)
+
+
+def _rotary_plain(rotary) -> bool:
+    """Whether the stage builder's call `rotary(hidden, position_ids=...)` is the model's: its forward needs no
+    other argument (Mellum's takes the layer type)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(rotary.forward).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
 
 
 # arguments of HF's mask functions (transformers.masking_utils) that change the mask the LLaMA stage builder makes:

@@ -200,22 +200,35 @@ def _mixer_without_cp(model: nn.Module, stack) -> str | None:
     selective scan of layers.0.mamba"), or None: a layer with neither an attention module nor an SSD mixer
     but a child holding a Conv1d or an A_log mixes its sequence some other way (Mamba-1's selective scan, Qwen3-Next's gated DeltaNet, LFM2's short
     convolutions)."""
-    from autoshard.models.facts import is_attention
+    from autoshard.models.facts import config_value, is_attention
 
     base = stack.prefix.rpartition(".")[0]
     layers = model.get_submodule(stack.prefix)
+    experts = config_value(model.config, "experts", 0) or 0
     for i, layer in enumerate(layers):
         if any(is_attention(m) for m in layer.modules()) or ssd_mixers(layer):
             continue
         scan = next((p for p, m in layer.named_modules() if _selective_scan(m)), None)
         if scan is not None:
             return f"the Mamba-1 selective scan of {_relative(f'{stack.prefix}.{i}.{scan}', base)}"
-        mixer = next(((p, m) for p, m in layer.named_children() if _mixes_sequence(m)), None)
+        # a child with a Conv1d or an A_log; else, in a mixed stack, one that is no MLP, MoE block or norm (MiniMax's
+        # lightning attention, whose decay is a buffer): either may mix the sequence, which a cp rank holds a chunk of
+        mixer = next(((p, m) for p, m in layer.named_children() if _mixes_sequence(m)), None) or next(
+            ((p, m) for p, m in layer.named_children() if not stack.uniform and _unknown_part(p, m, experts)), None)
         if mixer is None:  # a layer of per-token ops alone (Nemotron-H's MLP and MoE layers)
             continue
         path = _relative(f"{stack.prefix}.{i}.{mixer[0]}", base)
         return f"the sequence mixer {path} ({type(mixer[1]).__name__}, neither attention nor a Mamba-2 SSD)"
     return None
+
+
+def _unknown_part(name: str, module: nn.Module, experts: int) -> bool:
+    """A layer child with matrices that is no MLP nor MoE block (`_part`): what it does along the sequence is unknown."""
+    params = list(module.parameters())
+    if not params or all(p.dim() <= 1 for p in params):
+        return False  # a norm, or nothing
+    part = _part(name, module, ssd=False, experts=experts, attention=False)
+    return part is None or part[0] not in ("mlp", "moe")
 
 
 def _mixes_sequence(module: nn.Module) -> bool:

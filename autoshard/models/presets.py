@@ -207,14 +207,14 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     if facts.mixer != "attention":
         from autoshard.models.layered import _mixer_without_cp
 
+        own = F.own_attention(model)  # first: such a module is no unknown mixer (it attends, priced as nothing)
+        if own:
+            raise InvalidConfigError(f"{name}: {own}; no axis can be priced or run for it (autoshard plans decoders "
+                                     "whose attention calls that interface)")
         refused = hybrid_refusals(model, stack)
         if refused:  # a uniform stack of a mixer with no rule (Mamba-1): the model's own forward, dp and pp only
             return ModelSpec(mixer=Mixer.ATTENTION, ffn=value("ffn", 0) or 0, own_forward=True, refused=refused,
                              **common)
-        own = F.own_attention(model)
-        if own:
-            raise InvalidConfigError(f"{name}: {own}; no axis can be priced or run for it (autoshard plans decoders "
-                                     "whose attention calls that interface)")
         mixer = (_mixer_without_cp(model, stack) if stack is not None else None) or type(model).__name__
         raise InvalidConfigError(
             f"{name}: {mixer}: a sequence mixer autoshard has no rule for (neither a module calling HF's attention "
@@ -252,6 +252,9 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     block = facts.experts_path.rpartition(".")[0]
     outside = tuple((p, s) for p, s in facts.tp_plan if not (block and p.startswith(f"layers.*.{block}.")))
     gathers = any(s in F.GATHERED_STYLES for _, s in outside)
+    # a declared plan naming layer modules LLaMA's table holds no role for (Phi's dense, fc1 / fc2): that plan is the
+    # layout, proven on the graph like a gathering one
+    gathers = gathers or bool(outside and _foreign(spec, outside))
     pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe),
                                        declared=outside if gathers else ()) if hybrid is None else ((), None, None)
     spec = replace(spec, tp_pairs=pairs)
@@ -352,6 +355,17 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
             else "replicated parameters with gradients summed over tp (q/k norms)")
         out.append(("sequence_parallel", f"{what}; set sequence_parallel to false"))
     return tuple(out)
+
+
+def _foreign(spec: ModelSpec, plan: tuple[tuple[str, str], ...]) -> str:
+    """The first layer linear HF's declared `plan` splits (colwise / rowwise) that `spec`'s sharding table splits
+    under no role of its own, or ""."""
+    from autoshard.rules import sharding
+
+    split = {r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER
+             and r.strategy in (sharding.Strategy.COLWISE, sharding.Strategy.ROWWISE)}
+    return next((p for p, s in plan if ".*." in p and s.startswith(("colwise", "rowwise"))
+                 and p.partition(".*.")[2] not in split), "")
 
 
 def _under(path: str, role: str) -> bool:

@@ -183,7 +183,7 @@ def exaggerated(config):
     """`config` with the multipliers and softcaps it has (any value, even None) set to `EXAGGERATED`."""
     config = copy.deepcopy(config)
     for name, value in EXAGGERATED.items():
-        if hasattr(config, name):
+        if _settable(config, name):  # (MiniCPM3's logits_scaling is derived: a property)
             setattr(config, name, value)
     return config
 

@@ -132,7 +132,7 @@ LLAMA = (
     Role("mlp.up_proj", _L, Strategy.COLWISE, (Piece("ffn", "ffn"),), _LINEAR, fan="hidden"),
     Role("mlp.down_proj", _L, Strategy.ROWWISE, (Piece("ffn", "ffn"),), fan="hidden"),
     Role("model.norm", _H, Strategy.REPLICATE, sequence=True),
-    Role("lm_head", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
+    Role("lm_head", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), _LINEAR, fan="hidden"),  # Phi: a biased head
     Role("", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), params=()),  # vocab-parallel cross-entropy
 )
 
@@ -154,7 +154,7 @@ MAMBA2 = (
     Role("mixer.norm", _L, Strategy.COLWISE, (_INNER,)),  # gated RMSNorm over groups: by heads, synced if needed
     Role("mixer.out_proj", _L, Strategy.ROWWISE, (_INNER,), fan="hidden"),
     Role("backbone.norm_f", _H, Strategy.REPLICATE, sequence=True),
-    Role("lm_head", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), fan="hidden"),
+    Role("lm_head", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), _LINEAR, fan="hidden"),
     Role("", _H, Strategy.VOCAB, (Piece("vocab", "vocab"),), params=()),
 )
 

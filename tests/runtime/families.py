@@ -67,7 +67,16 @@ UNUSED_REFUSED = {("deepseek_v32", "cp"): "layers.*.self_attn.indexer (DeepseekV
 # over the first and last stage) and its positions embedding is called with the mask and position_ids; Doge builds its
 # causal mask materialised (its dynamic mask is added onto it), so its stages run its own forward
 STAGED = {"biogpt": _tiny("biogpt", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-          "doge": _tiny("doge", hidden_dropout=0.0)}
+          "doge": _tiny("doge", hidden_dropout=0.0), "mellum": _tiny("mellum")}  # Mellum: rotary by layer type
+
+# declared plans that name other linears than LLaMA's (Phi's dense, fc1 / fc2 and a biased LM head split with the
+# vocab; StarCoder-2's c_fc / c_proj): HF's plan is the layout, proven on the graph
+DECLARED = {"phi": _tiny("phi", resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+            "starcoder2": _tiny("starcoder2", residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0)}
+
+# MiniMax's lightning attention (a decay buffer, no Conv1d or A_log) beside attention layers: cp refused by name
+LIGHTNING = {"minimax": _tiny("minimax")}
+LIGHTNING_REFUSED = {("minimax", "cp"): "the sequence mixer layers.1.self_attn (MiniMaxLightningAttention"}
 
 # a uniform stack of a sequence mixer with no rule (Mamba-1's selective scan): the model's own forward under dp and
 # pp; tp, cp (and sequence parallelism) refused naming the module (models/layered.py `_ruleless_refusals`)
@@ -105,6 +114,8 @@ def check_families() -> None:
     check_axes(PER_LAYER_MOE, lambda name: PER_LAYER_PLANS, PER_LAYER_REFUSED)
     check_axes(UNUSED, lambda name: UNUSED_PLANS, UNUSED_REFUSED)
     check_axes(STAGED, lambda name: (dict(pp=2, micro_batch=2),), {})
+    check_axes(DECLARED, lambda name: (dict(tp=2),), {})
+    check_axes(LIGHTNING, lambda name: (dict(dp=2), dict(cp=2)), LIGHTNING_REFUSED)
     check_axes(GATED, lambda name: GATED_PLANS, {})
     _check_unused_stay()
     _check_generate()
