@@ -151,12 +151,17 @@ def layer_list(model):
 
 def final_norm(body, layers):
     """The base model `body`'s final norm: its last child with parameters after the `layers`, else (OPT's decoder
-    declares it before them) its last child holding only vectors; InvalidConfigError for none."""
+    declares it before them) its last child holding only vectors, else the first child after the layers with no
+    parameters and no rotary buffer (OLMo's and NanoChat's norms hold none); InvalidConfigError for none."""
     from autoshard.errors import InvalidConfigError
 
     children = [m for _, m in body.named_children() if any(True for _ in m.parameters())]
     at = next(i for i, m in enumerate(children) if m is layers)
     after = children[at + 1:] or [m for m in children[:at] if all(p.dim() == 1 for p in m.parameters())]
+    if not after:
+        named = [m for _, m in body.named_children()]
+        after = [m for m in named[named.index(layers) + 1:]
+                 if not any(True for _ in m.parameters()) and "inv_freq" not in dict(m.named_buffers())][:1]
     if not after:
         raise InvalidConfigError(f"{type(body).__name__}: no final norm after its layers; use pp=1")
     return after[-1]

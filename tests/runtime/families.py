@@ -67,7 +67,8 @@ UNUSED_REFUSED = {("deepseek_v32", "cp"): "layers.*.self_attn.indexer (DeepseekV
 # over the first and last stage) and its positions embedding is called with the mask and position_ids; Doge builds its
 # causal mask materialised (its dynamic mask is added onto it), so its stages run its own forward
 STAGED = {"biogpt": _tiny("biogpt", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-          "doge": _tiny("doge", hidden_dropout=0.0), "mellum": _tiny("mellum")}  # Mellum: rotary by layer type
+          "doge": _tiny("doge", hidden_dropout=0.0), "mellum": _tiny("mellum"),  # Mellum: rotary by layer type
+          "olmo": _tiny("olmo")}  # OLMo: a final norm with no parameters (the last stage's entry)
 
 # declared plans that name other linears than LLaMA's (Phi's dense, fc1 / fc2 and a biased LM head split with the
 # vocab; StarCoder-2's c_fc / c_proj): HF's plan is the layout, proven on the graph
