@@ -251,12 +251,11 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     # (of a MoE model: its plan outside the MoE block, which keeps its own roles, `sharding._moe_block`)
     block = facts.experts_path.rpartition(".")[0]
     outside = tuple((p, s) for p, s in facts.tp_plan if not (block and p.startswith(f"layers.*.{block}.")))
-    gathers = any(s in F.GATHERED_STYLES for _, s in outside)
-    # a declared plan naming layer modules LLaMA's table holds no role for (Phi's dense, fc1 / fc2): that plan is the
-    # layout, proven on the graph like a gathering one
-    gathers = gathers or bool(outside and _foreign(spec, outside))
+    # HF's declared plan is the layout, proven on the graph, where it gathers or where it splits layer linears LLaMA's
+    # table has no role for (Phi's dense, fc1 / fc2)
+    as_declared = any(s in F.GATHERED_STYLES for _, s in outside) or bool(outside and _foreign(spec, outside))
     pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe),
-                                       declared=outside if gathers else ()) if hybrid is None else ((), None, None)
+                                       declared=outside if as_declared else ()) if hybrid is None else ((), None, None)
     spec = replace(spec, tp_pairs=pairs)
     if proof is not None:
         spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)

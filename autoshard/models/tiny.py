@@ -166,17 +166,21 @@ def _derived_within(config, kinds, layers: int) -> None:
         value = getattr(config, name)
         if isinstance(value, (list, tuple)) and value and all(isinstance(i, int) for i in value) and _settable(config, name):
             setattr(config, name, list(range(1, layers, 2)))
-    missing = lambda: [k for k in kinds if k not in list(config.layer_types)]  # noqa: E731
     for more in range(layers + 1, 9):
-        if not missing():
+        if not _missing_kinds(config, kinds):
             break
         for name in ALIASES["layers"]:
             if _settable(config, name):
                 setattr(config, name, more)
-    missing = missing()
+    missing = _missing_kinds(config, kinds)
     if missing:
         raise ValueError(f"{type(config).__name__}: {layers} layers of the tiny config hold no {', '.join(missing)} "
                          "layer (its layer_types is derived from fields tiny_config does not know); give overrides")
+
+
+def _missing_kinds(config, kinds) -> list[str]:
+    """The layer kinds of `kinds` that `config`'s (derived) layer_types holds no layer of."""
+    return [k for k in kinds if k not in list(config.layer_types)]
 
 
 def exaggerated(config):

@@ -137,15 +137,13 @@ class GradSync:
         self._drain()
         self.enabled = last or self.every_micro_batch
         self._next = 0
-        if first:  # `take_grad` marks a parameter's gradient as it moves it into the main gradient
-            for b in self.buckets:
-                for p in b.params:
-                    p.got_grad = False
         for b in self.buckets:
             if first:
                 for buffer in (b.main, b.acc):
                     if buffer is not None:
                         buffer.zero_()
+                for p in b.params:  # `take_grad` marks a gradient as it moves it into the main gradient
+                    p.got_grad = False
             b.ready, b.work = 0, None
 
     @property
@@ -343,7 +341,7 @@ class ShardedOptimizer:
                 if id(p) not in self.sync.unused or lo >= hi:
                     continue
                 part = slice(lo, hi)
-                state = self.optimizer.state.get(shard, {}) if self.optimizer is not None else {}
+                state = self.optimizer.state.get(shard, {})
                 saved = {k: v[part].clone() for k, v in state.items()
                          if isinstance(v, Tensor) and v.shape == shard.shape}
                 kept.append((shard, part, shard.detach()[part].clone(), saved))
