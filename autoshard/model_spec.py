@@ -24,7 +24,7 @@ def _fact(default):
 class LayerPart:
     """One sub-block of a hybrid's layers (models/layered.py `layer_parts`), what its tensor-parallel rule
     is read from: `kind` "attention" (q/k/v/o projections), "mla" (DeepSeek's latent attention), "ssd" (a
-    Mamba-2 mixer), "mlp" (gate / up / down or up / down), "moe" (router, experts, shared experts), or the
+    Mamba-2 mixer), "delta" (a gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-hybrid), "mlp" (gate / up / down or up / down), "moe" (router, experts, shared experts), or the
     model's "embed", "final_norm" and "lm_head" (full paths); `path` inside each layer of `layers` (the
     indices holding it); `sizes`: its counts by name (heads, kv_heads, q, kv, ffn, inner, groups, ...);
     `names`: the child modules it holds (the MLP's projections; the MoE block's router, experts, shared expert
@@ -38,10 +38,14 @@ class LayerPart:
     names: tuple[str, ...] = ()
     attrs: tuple[str, ...] = ()
     buffers: tuple[str, ...] = ()
-    params: tuple[str, ...] = ()  # a MoE part's experts' parameters (gate_up_proj or up_proj, down_proj)
+    params: tuple[str, ...] = ()  # a MoE part's experts' parameters (gate_up_proj or up_proj, down_proj); an attention
+    #                               part's own per-head parameters (sinks), split with its heads
     # an attention part's output gates: linears of the layer's input, one output per head or per head element,
     # split by heads as q_proj (AFMoE's gate_proj, Laguna's g_proj: the attention output times their activation)
     gates: tuple[str, ...] = ()
+    # a gated DeltaNet part's linears, (child name, "colwise" | "rowwise"): its projections of the layer's input
+    # split by key heads, its output projection row-parallel (`names`: its norms, whole)
+    linears: tuple[tuple[str, str], ...] = ()
 
     def size(self, name: str) -> int:
         return dict(self.sizes)[name]
@@ -104,7 +108,7 @@ class ModelSpec:
     attention_beside: tuple[int, ...] = _fact(())
     ssd_beside: tuple[int, ...] = _fact(())
     # a hybrid's layers by their parts (attention, Mamba-2 mixer, MLP, MoE in any mix, per layer): the sharding
-    # table is built from them (rules/sharding.py `_parts_table`) instead of one family's table
+    # table is built from them (rules/layer_parts.py `parts_table`) instead of one family's table
     parts: tuple[LayerPart, ...] = _fact(())
     # multi-head latent attention (DeepSeek-V2/V3, models/layered.py `kv_latent`): the elements per token one layer
     # caches, its compressed KV and the shared RoPE key (kv_lora_rank + qk_rope_head_dim), whole on every tp rank

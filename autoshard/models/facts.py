@@ -44,10 +44,19 @@ ALIASES: dict[str, tuple[str, ...]] = {
 # colwise_gather_output (output all-gathered whole) / rowwise_split_input (whole input sliced): `GATHERED_STYLES`, run
 # as HF declares them (passes/capture/tp_proposal.py `declared`; outside a MoE block)
 GATHERED_STYLES = ("colwise_gather_output", "rowwise_split_input")
+# local_params: a marker on a module whose own parameters other entries split (GPT-OSS-style sinks: split with the heads)
 RUN_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "embedding_rowwise", "moe_tp_experts",
-              "packed_colwise", "grouped_gemm", "ep_dispatch_experts", *GATHERED_STYLES)
+              "packed_colwise", "grouped_gemm", "ep_dispatch_experts", "local_params", *GATHERED_STYLES)
+# styles that run where the table holds the part they name, else refused with the reason given
+RUN_WITHIN = {
+    # multi-head latent attention's compressed KV projection: the MLA part's rule of a layer-parts table (whole on
+    # every rank, its gradient summed over tp: rules/layer_parts.py `parts_table`) is what HF's style does
+    "mla_kv_a_proj": ("mla", "multi-head latent attention's compressed KV projection runs only as a layer part "
+                             "(q / kv up projections by heads, o_proj row-parallel: models/layered.py `layer_parts`)"),
+    # Llama-4 / Aria's fused [gate; up] experts: routed experts run whole on every tp rank (split over ep)
+    "packed_rowwise": ("experts", "a strided split of a fused linear runs only on routed experts, which tp keeps whole"),
+}
 NOT_YET = {
-    "mla_kv_a_proj": "multi-head latent attention's compressed KV projection has no rule yet",
     "local_colwise": "a local (non-DTensor) colwise split", "local_rowwise": "a local (non-DTensor) rowwise split",
     "gather": "its output is gathered whole over tp", "sequence_parallel": "a norm under HF's sequence parallelism",
 }
@@ -444,11 +453,23 @@ def _takes_routing(experts) -> bool:
     return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
 
 
-def tp_style_refusal(facts: ModelFacts, *, layered: bool = False) -> str | None:
+def tp_style_refusal(facts: ModelFacts, *, layered: bool = False, mla: bool = False,
+                     experts: tuple[str, ...] = (), own: tuple[str, ...] = ()) -> str | None:
     """Why HF's declared tp plan names a style autoshard does not run, naming the module, or None; `layered`: a
-    hybrid's table (built from its layers' parts, not proven on the graph), which runs no gathered style. Whether
-    the sharding table itself holds is proven on the traced graph (passes/capture/tp_proof.py)."""
+    hybrid's table (built from its layers' parts, not proven on the graph), which runs no gathered style; `mla`: the
+    table holds a multi-head latent attention part; `experts`: the paths of its routed experts inside a layer
+    (`RUN_WITHIN`); `own`: paths inside a layer of the parts the table splits by a rule of its own whatever HF declares
+    in them (a gated DeltaNet by its heads, where HF gathers its projections whole). Whether the sharding table itself
+    holds is proven on the traced graph (passes/capture/tp_proof.py)."""
     for pattern, style in facts.tp_plan:
+        if any(pattern.startswith(f"layers.*.{path}.") for path in own):
+            continue
+        if style in RUN_WITHIN:
+            where, why = RUN_WITHIN[style]
+            inside = mla if where == "mla" else any(pattern.startswith(f"layers.*.{e}.") for e in experts)
+            if not inside:
+                return f"{pattern}: HF declares it {style!r}: {why}; tp is not offered for this model"
+            continue
         if layered and style in GATHERED_STYLES:
             return (f"{pattern}: HF declares it {style!r}, which a hybrid's layer-parts table does not run yet; tp is "
                     "not offered for this model (dp, pp, cp and ep still plan)")

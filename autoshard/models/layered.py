@@ -137,12 +137,14 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
     if stack is None:
         return None
     ssd = ssd_mixers(model)
-    if stack.uniform and not ssd:
+    parts = parts if parts is not None else layer_parts(model, stack)
+    if stack.uniform and not ssd and not any(p.kind == "mla" for p in parts[0]):
         return _ruleless_refusals(model, stack)
     base = stack.prefix.rpartition(".")[0]
     what = (f"its layers are of several kinds ({', '.join(k.name for k in stack.kinds)})" if not stack.uniform
-            else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside attention")
-    _, no_tp = parts if parts is not None else layer_parts(model, stack)
+            else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside attention" if ssd
+            else "its layers hold multi-head latent attention, run by its parts")
+    _, no_tp = parts
     out = [("tp", no_tp)] if no_tp else []
     out.append(("sequence_parallel", f"{what}: sequence parallelism is not run on a hybrid's layers yet (its "
                                      "norms and residual stay whole on every tp rank); set sequence_parallel "
@@ -243,6 +245,60 @@ def _selective_scan(module: nn.Module) -> bool:
     return "A_log" in own and "dt_bias" not in own and hasattr(module, "x_proj") and hasattr(module, "dt_proj")
 
 
+_DELTA_ATTRS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")  # HF's gated DeltaNet size attributes
+
+
+def _delta_part(name: str, child: nn.Module, linear: dict) -> tuple | None:
+    """The "delta" part of a gated DeltaNet mixer (Qwen3-Next, Qwen3.5, OLMo-hybrid), found by its pattern, not its
+    class: HF's size attributes (`_DELTA_ATTRS`), a per-value-head `A_log` and `dt_bias`, a depthwise `conv1d` over
+    [q; k; v], projections of the layer's input whose widths are sizes of the heads, one output projection of the
+    value width, and norms of one value head's width. Split by key heads (every value head of a key head on its rank):
+    each projection by its width, conv1d by [q; k; v], A_log / dt_bias by head, the output projection
+    row-parallel, the norms whole (their gradient summed over tp). None where anything else is found."""
+    counts = {a: getattr(child, a, None) for a in _DELTA_ATTRS}
+    own = dict(child.named_parameters(recurse=False))
+    conv = getattr(child, "conv1d", None)
+    if not all(isinstance(v, int) and v > 0 for v in counts.values()) or set(own) != {"A_log", "dt_bias"} \
+            or not isinstance(conv, nn.Conv1d):
+        return None
+    nk, nv, hk, hv = (counts[a] for a in _DELTA_ATTRS)
+    key, value = nk * hk, nv * hv
+    if nv % nk or any(p.shape != (nv,) for p in own.values()) or conv.groups != conv.in_channels \
+            or conv.in_channels != 2 * key + value:
+        return None
+    sizes = {"k_heads": nk, "v_heads": nv, "key": key, "value": value, "conv": conv.kernel_size[0]}
+    # one piece split by key heads: q or k (key), v / z / g (value), a or b (one per value head), and Qwen3-Next's
+    # fused projections laid out per key head ([q, k, v, z] and [b, a] of each key head in turn); [q; k; v] three pieces
+    whole = {key, value, nv, 2 * key + 2 * value, 2 * nv}
+    ins = [m.in_features for m in linear.values()]
+    hidden = max(set(ins), key=ins.count, default=0)  # the layer's width: what the input projections read
+    rows = [n for n, m in linear.items() if (m.in_features, m.out_features) == (value, hidden)]
+    if len(rows) > 1:  # hidden = value: the widths do not tell the output projection apart, HF's name does
+        rows = [n for n in rows if n in ("out_proj", "o_proj")]
+    if len(rows) != 1:
+        return None  # no output projection, or no way to tell it
+    linears, norms = [], []
+    for n, m in child.named_children():
+        if n == "conv1d":
+            continue
+        if n == rows[0]:
+            linears.append((n, "rowwise"))
+        elif isinstance(m, nn.Linear) and m.in_features == hidden and \
+                (m.out_features in whole) != (m.out_features == 2 * key + value):
+            linears.append((n, "colwise" if m.out_features in whole else "qkv"))
+            sizes[n] = m.out_features
+        elif [tuple(p.shape) for p in m.parameters()] == [(hv,)]:
+            norms.append(n)
+            sizes[n] = hv
+        elif any(True for _ in m.parameters()):
+            return None  # a child no rule splits
+    if len(linears) < 2:
+        return None
+    attrs = tuple(a for a in ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
+                  if isinstance(getattr(child, a, None), int))
+    return "delta", name, tuple(sizes.items()), tuple(norms), attrs, (), (), (), tuple(linears)
+
+
 def _relative(path: str, base: str) -> str:
     """`path` below the base model ("model.layers.2.mamba" -> "layers.2.mamba")."""
     return path[len(base) + 1:] if base and path.startswith(base + ".") else path
@@ -290,9 +346,9 @@ def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
                               "neither attention, a Mamba-2 SSD mixer, an MLP nor a MoE block: no tensor-parallel "
                               "rule splits it yet; use tp=1")
             found.setdefault(part, []).append(i)
-    order = ("attention", "mla", "ssd", "mamba1", "mlp", "moe", "norm", "other")  # the sequence mixers first (sharding.selective_module)
+    order = ("attention", "mla", "ssd", "mamba1", "delta", "mlp", "moe", "norm", "other")  # the sequence mixers first (sharding.selective_module)
     parts = [LayerPart(kind=k, path=p, layers=tuple(ix), sizes=s, names=n, attrs=a, buffers=b,
-                       params=q[0] if q else (), gates=q[1] if len(q) > 1 else ())
+                       params=q[0] if q else (), gates=q[1] if len(q) > 1 else (), linears=q[2] if len(q) > 2 else ())
              for (k, p, s, n, a, b, *q), ix in sorted(found.items(), key=lambda item: order.index(item[0][0]))]
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     paths = {id(m): p for p, m in model.named_modules()}
@@ -326,21 +382,29 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
                       if n not in linear and n != "conv1d" and any(True for _ in m.parameters()))
         return "mamba1", name, sizes + norms, tuple(n for n, _ in norms), (), ()
     if attention and set(_ATTENTION) <= set(linear):
-        hd = child.head_dim
-        heads, kv = linear["q_proj"].out_features // hd, linear["k_proj"].out_features // hd
-        sizes = (("heads", heads), ("kv_heads", kv), ("q", heads * hd), ("kv", kv * hd))
+        hd, vhd = child.head_dim, getattr(child, "v_head_dim", None)
+        vhd = vhd if isinstance(vhd, int) and vhd > 0 else hd  # value heads may be wider (MiMo-V2-Flash)
+        # the heads o_proj reads; q_proj may hold a gate per head beside each query (Qwen3-Next / Qwen3.5: [query;
+        # gate] of each head in turn, chunked after a view by heads), split by heads all the same
+        heads, kv, q = linear["o_proj"].in_features // vhd, linear["k_proj"].out_features // hd, linear["q_proj"].out_features
+        if q not in (heads * hd, 2 * heads * hd) or linear["v_proj"].out_features != kv * vhd \
+                or linear["o_proj"].in_features != heads * vhd:
+            return None  # widths that are no multiples of the heads o_proj reads: no rule splits them
+        sizes = (("heads", heads), ("kv_heads", kv), ("q", q), ("kv", kv * hd), ("v", kv * vhd), ("o", heads * vhd))
         # output gates: a linear of the layer's input with an output per head or per head element (split by heads)
         gates = tuple(n for n, m in linear.items() if n not in _ATTENTION and m.in_features ==
-                      linear["q_proj"].in_features and m.out_features in (heads, heads * hd))
+                      linear["q_proj"].in_features and m.out_features in (heads, heads * vhd))
         if set(linear) - set(_ATTENTION) - set(gates):
             return None  # another linear inside the attention: no tensor-parallel rule splits it yet
         sizes += tuple((n, linear[n].out_features) for n in gates)
         # per-head q/k norms (one head_dim vector each): whole on every rank, their gradient summed over tp
         held = {n: [tuple(p.shape) for p in m.parameters()] for n, m in child.named_children() if n not in linear}
         norms = tuple((n, hd) for n, shapes in held.items() if shapes)
-        if any(shapes not in ([], [(hd,)]) for shapes in held.values()) or any(True for _ in child.parameters(recurse=False)):
-            return None  # a full-width norm or a head-indexed parameter: no tensor-parallel rule splits it yet
-        return "attention", name, sizes + norms, tuple(n for n, _ in norms), counts, (), (), gates
+        # its own per-head parameters (GPT-OSS-style sinks: one value per head) split with the heads
+        own = dict(child.named_parameters(recurse=False))
+        if any(shapes not in ([], [(hd,)]) for shapes in held.values()) or any(p.shape != (heads,) for p in own.values()):
+            return None  # a full-width norm or another parameter of its own: no tensor-parallel rule splits it yet
+        return "attention", name, sizes + norms, tuple(n for n, _ in norms), counts, (), tuple(own), gates
     if attention and set(_MLA) <= set(linear) and ("q_proj" in linear or "q_b_proj" in linear):
         heads = child.num_heads
         q = linear.get("q_b_proj", linear.get("q_proj"))
@@ -351,6 +415,9 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
                   and any(True for _ in m.parameters())]  # the latent projections and their norms: whole
         sizes += tuple((n, sum(p.numel() for p in m.parameters())) for n, m in latent)
         return "mla", name, sizes, tuple(n for n, _ in latent), counts, ()
+    delta = _delta_part(name, child, linear)
+    if delta is not None:
+        return delta
     if experts:
         path, router, shared, shared_parts = _moe_modules(child, experts)
         if path:

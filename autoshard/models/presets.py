@@ -333,8 +333,10 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
                       f"{', '.join(roles[:4])}, ...)" for p, s in facts.tp_plan
                       if ".*." in p and not any(_under(p.partition(".*.")[2], r) for r in roles if r)), None) \
         if unproven else None
-    why = "; on the graph: ".join(w for w in (F.tp_style_refusal(facts, layered=bool(spec.parts)), unmatched,
-                                               unproven) if w)
+    experts = tuple(r.path for r in sharding.table(spec) if r.strategy is sharding.Strategy.EXPERT)
+    styles = F.tp_style_refusal(facts, layered=bool(spec.parts), mla=any(p.kind == "mla" for p in spec.parts),
+                                experts=experts, own=tuple(p.path for p in spec.parts if p.kind == "delta"))
+    why = "; on the graph: ".join(w for w in (styles, unmatched, unproven) if w)
     if why:
         out.append(("tp", why))
     if spec.is_moe and facts.experts_no_ep:
@@ -358,11 +360,13 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
 
 def _foreign(spec: ModelSpec, plan: tuple[tuple[str, str], ...]) -> str:
     """The first layer linear HF's declared `plan` splits (colwise / rowwise) that `spec`'s sharding table splits
-    under no role of its own, or ""."""
+    under no role of its own, or "". A declared head-indexed parameter of the attention (GPT-OSS-style sinks,
+    `spec.head_params`) is the table's too: split with the heads."""
     from autoshard.rules import sharding
 
     split = {r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER
              and r.strategy in (sharding.Strategy.COLWISE, sharding.Strategy.ROWWISE)}
+    split |= {f"{spec.attention_path}.{name}" for name in spec.head_params}
     return next((p for p, s in plan if ".*." in p and s.startswith(("colwise", "rowwise"))
                  and p.partition(".*.")[2] not in split), "")
 

@@ -4,7 +4,8 @@ Contract: `tiny_config(config, **overrides)` -> a copy of `config` (same class, 
 field the family sets kept; a multimodal wrapper's text config too) with its sizes shrunk through the alias
 table (models/facts.py `ALIASES`):
 hidden 64, 4 heads of 16 (2 KV heads), MLP 96, vocabulary 256, one layer of each layer type (at
-least two layers), 4 experts of width 32 (2 per token), windows of 4 tokens. `exaggerated(config)`
+least two layers), 4 experts of width 32 (2 per token), windows of 4 tokens, a gated DeltaNet's 2 key heads and
+4 value heads of 16. `exaggerated(config)`
 turns the multipliers and softcaps a family has far from 1 / small, so that a dropped op changes the
 loss of a tiny random model visibly. `build_tiny(config_or_type)` builds the causal LM, float32,
 seeded, eager-free (sdpa; the experts on grouped_mm, which traces on fake tensors).
@@ -32,6 +33,10 @@ EXAGGERATED = {"logits_scaling": 0.25, "embedding_multiplier": 6.0, "residual_mu
 # and its sparse indexer's (DeepSeek-V3.2's DSA)
 MLA_SIZES = {"qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 24,
              "index_head_dim": 16, "index_n_heads": 4}
+# a gated DeltaNet's heads (Qwen3-Next, Qwen3.5, OLMo-hybrid, LaraMini: the config's linear_* fields, where it
+# sets them): 2 key heads of 16, each with 2 value heads of 16
+DELTA_SIZES = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+               "linear_value_head_dim": 16}
 # group-limited routing (DeepSeek-V3's: the top groups of experts, then the top experts in them), where a config
 # groups its experts (n_group > 1): 2 groups of 2
 ROUTING_GROUPS = {"n_group": 2, "topk_group": 1}
@@ -71,6 +76,9 @@ def _shrink(config) -> None:
         config.num_heads = config.expand * config.hidden_size // config.head_dim
         if isinstance(getattr(config, "n_groups", None), int):
             config.n_groups = math.gcd(config.n_groups, config.num_heads)
+    for name, value in DELTA_SIZES.items():
+        if name not in kept and _settable(config, name) and getattr(config, name) is not None:
+            setattr(config, name, value)
     if config_value(config, "experts") is not None:
         _route_tiny(config)
     if latent["kv_lora_rank"] is not None:

@@ -186,7 +186,8 @@ def _ssd_attrs(mixer: str, heads: int, groups: int, inner: int, state: int, *, t
 
 def _part_attrs(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strategies: list) -> tuple:
     """A hybrid's size attributes on this rank, per layer part (`ModelSpec.parts`): its attention's head counts
-    (and one KV head serving heads / tp query heads where tp > KV heads), its Mamba-2 mixers' sizes."""
+    (and one KV head serving heads / tp query heads where tp > KV heads), its Mamba-2 mixers' and gated DeltaNets'
+    sizes."""
     out = []
     for part in spec.parts:
         for i in part.layers:
@@ -199,6 +200,12 @@ def _part_attrs(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
                 local = part.size("inner") // tp
                 out += [(path, "intermediate_size", local)]
                 out += [(f"{path}.conv1d", k, local) for k in ("in_channels", "out_channels", "groups")]
+            elif part.kind == "delta":  # its forward views by its head counts and widths: this rank's
+                key, value = part.size("key") // tp, part.size("value") // tp
+                local = {"num_k_heads": part.size("k_heads") // tp, "num_v_heads": part.size("v_heads") // tp,
+                         "key_dim": key, "value_dim": value, "conv_dim": 2 * key + value}
+                out += [(path, a, local[a]) for a in part.attrs]
+                out += [(f"{path}.conv1d", k, 2 * key + value) for k in ("in_channels", "out_channels", "groups")]
             elif part.kind == "ssd":
                 split = not sharding.groups_whole(spec, tp, strategies[i])
                 out += _ssd_attrs(path, part.size("heads"), part.size("groups"), part.size("inner"), part.size("state"),
@@ -220,9 +227,9 @@ def layer_recompute(plan: Plan, spec: ModelSpec) -> tuple[Recompute, ...]:
 def _checkpointed(spec: ModelSpec, layers: Sequence[str], recompute: Sequence[Recompute]) -> tuple[str, ...]:
     """Modules whose forward reruns in backward, per layer: the whole block (full) or the attention
     module / Mamba-2 mixer (selective)."""
-    core = sharding.selective_module(spec)
     out = []
-    for path, level in zip(layers, recompute, strict=True):
+    for i, (path, level) in enumerate(zip(layers, recompute, strict=True)):
+        core = sharding.selective_module(spec, i)
         if level is Recompute.FULL:
             out.append(path)
         elif level is Recompute.SELECTIVE and core:

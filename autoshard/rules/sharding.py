@@ -95,12 +95,13 @@ _SIZES: dict[str, Callable[[ModelSpec], int]] = {
 _COUNT_NAMES = {"vocab": "vocabulary size", "heads": "number of heads", "kv_heads": "number of KV heads",
                 "ffn": "MLP width", "groups": "number of groups (n_groups)", "q": "query width (heads x head_dim)",
                 "kv": "key / value width (KV heads x head_dim)", "qkv": "fused q/k/v width",
-                "gate_up": "fused gate/up width (2 x intermediate_size)"}
+                "gate_up": "fused gate/up width (2 x intermediate_size)",
+                "k_heads": "number of key heads (linear_num_key_heads)"}
 
 
 def size(spec: ModelSpec, name: str) -> int:
     """The model size called `name` (a key of the table's pieces and fans; "<i>.<size>": that size of the
-    hybrid's part i, `_parts_table`)."""
+    hybrid's part i, rules/layer_parts.py `parts_table`)."""
     if name in _SIZES:
         return _SIZES[name](spec)
     index, _, what = name.partition(".")
@@ -178,7 +179,9 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
     an embedding whose forward is not a plain lookup (Gemma's scale) replicated: no vocab-parallel class
     swap may drop its forward (with it a tied LM head)."""
     if spec.parts:
-        base = _parts_table(spec)
+        from autoshard.rules.layer_parts import parts_table  # a hybrid's table: the parts' rules
+
+        base = parts_table(spec)
     else:
         dense = proposed_table(spec.tp_pairs) if spec.tp_pairs else _LLAMA_NO_MLP if spec.is_moe else TABLES[spec.mixer]
         base = dense + _moe_block(spec) if spec.is_moe else dense
@@ -218,75 +221,6 @@ def _moe_roles(router: str, experts: str, shared: str, extra: tuple[Role, ...], 
     if shared:
         roles += (Role(shared, _L, Strategy.REPLICATE, params=(), layers=layers),)
     return roles + extra
-
-
-def _parts_table(spec: ModelSpec) -> tuple[Role, ...]:
-    """A hybrid's table from its layers' parts (`ModelSpec.parts`, models/layered.py `layer_parts`), each by its own
-    rule on the layers that hold it, its sizes named "<part index>.<size>"; the rules: docs/decoders.md (Hybrids)."""
-    out: list[Role] = []
-    for i, part in enumerate(spec.parts):
-        n, at, lay = (lambda name, i=i: f"{i}.{name}"), (lambda p, part=part: f"{part.path}.{p}"), part.layers
-        if part.kind in ("embed", "lm_head"):  # LLaMA's embedding / LM head and loss roles at the part's path
-            out += [replace(r, path=r.path and part.path) for r in LLAMA if r.strategy is Strategy.VOCAB
-                    and r.block is (_E if part.kind == "embed" else _H)]
-        elif part.kind == "final_norm":
-            out.append(Role(part.path, _H, Strategy.REPLICATE))
-        elif part.kind == "attention":  # its output gates by heads; per-head q/k norms whole, gradient summed
-            out += _at_part(LLAMA, "self_attn", i, part) + tuple(
-                Role(at(g), _L, Strategy.COLWISE, (Piece(n(g), n("heads")),), _LINEAR, fan="hidden", layers=lay)
-                for g in part.gates) + tuple(
-                Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
-                for p in part.names)
-        elif part.kind == "mla":
-            q = "q_b_proj" if "q_a_proj" in part.names else "q_proj"
-            out += [Role(part.path, _L, Strategy.REGION, (Piece(n("heads"), n("heads")),), params=(), layers=lay),
-                    Role(at(q), _L, Strategy.COLWISE, (Piece(n("q"), n("heads")),), _LINEAR,
-                         fan=n("q_rank") if q == "q_b_proj" else "hidden", layers=lay),
-                    Role(at("kv_b_proj"), _L, Strategy.COLWISE, (Piece(n("kv_b"), n("heads")),), _LINEAR,
-                         fan=n("kv_rank"), layers=lay),
-                    Role(at("o_proj"), _L, Strategy.ROWWISE, (Piece(n("o"), n("heads")),), fan="hidden", layers=lay),
-                    *(Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
-                      for p in part.names)]
-        elif part.kind == "ssd":
-            out += _at_part(MAMBA2, "mixer", i, part)
-        elif part.kind == "mamba1":  # Mamba-1's selective scan by its inner channels (vLLM's MambaMixer split)
-            inner = Piece(n("inner"), n("inner"))
-            out += [Role(part.path, _L, Strategy.REGION, (inner,), ("A_log", "D"), layers=lay),
-                    Role(at("in_proj"), _L, Strategy.COLWISE, (inner, inner), _LINEAR, fan="hidden", layers=lay),
-                    Role(at("conv1d"), _L, Strategy.COLWISE, (inner,), _LINEAR, fan=n("conv"), layers=lay),
-                    Role(at("x_proj"), _L, Strategy.ROWWISE, (inner,), fan=n("x_out"), output_region=True, layers=lay),
-                    Role(at("dt_proj"), _L, Strategy.COLWISE, (inner,), _LINEAR, fan=n("dt_rank"), layers=lay),
-                    Role(at("out_proj"), _L, Strategy.ROWWISE, (inner,), fan="hidden", layers=lay),
-                    *(Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
-                      for p in part.names)]  # dt / B / C norms on the summed x_proj output: gradients partial
-        elif part.kind == "mlp":
-            ffn = Piece(n("ffn"), n("ffn"))
-            out += [Role(part.path, _L, Strategy.REGION, (ffn,), params=(), layers=lay),
-                    *(Role(at(p), _L, Strategy.ROWWISE if p == "down_proj" else Strategy.COLWISE, (ffn,), _LINEAR,
-                           fan="hidden", layers=lay) for p in part.names)]
-        elif part.kind == "moe":  # the shared expert's linears and the block's gate whole, counted as pieces
-            router, experts, shared, *held = part.names
-            out += _moe_roles(at(router), at(experts), at(shared) if shared else "", tuple(
-                Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, layers=lay) for p in held),
-                params=part.params, layers=lay)
-        elif part.kind in ("norm", "other"):  # whole on every rank (its elements counted as one piece)
-            out.append(Role(part.path, _L, Strategy.REPLICATE, (Piece(n("numel"), "one"),), layers=lay))
-        else:
-            raise ValueError(f"layer part kind {part.kind!r} has no sharding rule")
-    return tuple(out)
-
-
-_MODEL_SIZES = ("one", "hidden", "vocab")  # sizes of the whole model, not of one hybrid part
-
-
-def _at_part(roles: tuple[Role, ...], prefix: str, i: int, part) -> tuple[Role, ...]:
-    """A uniform table's roles at `prefix` and below it (LLaMA's `self_attn`, MAMBA2's `mixer`) as hybrid part `i`'s
-    (`_parts_table`): at its path, on its layers, each of its sizes named "<i>.<size>" (the model's hidden, vocab
-    and one kept), so the rule of an attention or Mamba-2 part is the uniform table's, stated once."""
-    name = lambda size: size if size in _MODEL_SIZES else f"{i}.{size}"  # noqa: E731
-    return tuple(replace(r, path=part.path + r.path[len(prefix):], fan=name(r.fan), layers=part.layers,
-                         pieces=tuple(replace(p, length=name(p.length), count=name(p.count)) for p in r.pieces))
-                 for r in roles if r.path == prefix or r.path.startswith(prefix + "."))
 
 
 # the pieces of a layout proposed on the graph (passes/capture/tp_proposal.py), by piece length
@@ -702,11 +636,14 @@ def tp_entry_count(spec: ModelSpec) -> int:
             - len(gathered_widths(spec, Strategy.ROWWISE)))
 
 
-def selective_module(spec: ModelSpec) -> str:
+def selective_module(spec: ModelSpec, layer: int | None = None) -> str:
     """The layer submodule selective recompute checkpoints: the attention module / the Mamba-2
     mixer, whose forward holds one row-parallel all-reduce (rewrite and cost model both ask here): the
-    layer's first REGION role, its sequence mixer ("" for a layer kind with none: a MoE layer of a hybrid)."""
-    return next((r.path for r in table(spec) if r.block is BlockKind.LAYER and r.strategy is Strategy.REGION), "")
+    layer's first REGION role, its sequence mixer ("" for a layer kind with none: a MoE layer of a hybrid).
+    `layer`: of that layer of a hybrid, whose layers hold their mixers at several paths (Qwen3-Next's
+    `linear_attn` and `self_attn`); None: of any layer (one kind, or a hybrid's kind view)."""
+    return next((r.path for r in table(spec) if r.block is BlockKind.LAYER and r.strategy is Strategy.REGION
+                 and (layer is None or not r.layers or layer in r.layers)), "")
 
 
 # -- derived: the runtime's modules and the plan's placements ----------------------------------------

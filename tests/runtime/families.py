@@ -45,10 +45,11 @@ GATHERED = {"glm4": _tiny("glm4"), "olmo3": _tiny("olmo3"), "olmoe": _tiny("olmo
 # MoE after dense layers, decided per layer by a list the narrowed one-layer copy loses (`mlp_layer_types`, longer
 # than the stack: ExaOne-MoE's first-k-dense, MiMo-V2-Flash's with sliding / full attention), so the capture traces
 # the model's own layer (passes/capture/layer_kinds.py); MiMo-V2-Flash's values wider than its keys under cp (K and V
-# packed along the features, runtime/cp_attention.py), its attention's tp refused by name
+# packed along the features, runtime/cp_attention.py) and tp (v_proj / o_proj split by their own head widths, its
+# full-attention layers' sinks with the heads)
 PER_LAYER_MOE = {"exaone_moe": _tiny("exaone_moe"), "mimo_v2_flash": _tiny("mimo_v2_flash")}
 PER_LAYER_PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(ep=2), dict(tp=2), dict(cp=2))
-PER_LAYER_REFUSED = {("mimo_v2_flash", "tp"): "layers.1.self_attn (MiMoV2FlashAttention) is neither attention"}
+PER_LAYER_REFUSED = {}
 
 # attention output gates (AFMoE's sigmoid gate_proj per head element, Laguna's softplus g_proj per head), split by
 # heads with q_proj; AFMoE's router expert_bias is frozen (requires_grad False: its fp32 value kept beside the masters)
@@ -74,6 +75,18 @@ STAGED = {"biogpt": _tiny("biogpt", hidden_dropout_prob=0.0, attention_probs_dro
 # vocab; StarCoder-2's c_fc / c_proj): HF's plan is the layout, proven on the graph
 DECLARED = {"phi": _tiny("phi", resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
             "starcoder2": _tiny("starcoder2", residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0)}
+
+# multi-head latent attention in every layer (a uniform stack): run by its layer parts (models/layered.py), HF's
+# `mla_kv_a_proj` style the MLA part's rule (q / kv up projections by heads, the latent projections and their norms
+# whole with gradients summed over tp): MiniCPM3 dense with a compressed query, DeepSeek-V2 MoE with a full q_proj
+LATENT = {"minicpm3": _tiny("minicpm3"), "deepseek_v2": _tiny("deepseek_v2")}
+# a declared sinks parameter and HF's `local_params` marker (split with the heads: Granite-SWA); Aria's
+# `packed_rowwise` experts, whole on every tp rank as every routed expert (Llama-4's: MOE below)
+MARKED = {"granite_swa": _tiny("granite_swa"), "aria_text": _tiny("aria_text")}
+
+# gated DeltaNet layers beside gated attention, split by key heads (models/layered.py `_delta_part`): Qwen3.5's separate
+# [q; k; v], z, b and a projections (Qwen3-Next's fused per-key-head ones: tests/runtime/hybrids.py)
+DELTA = {"qwen3_5": _tiny("qwen3_5_text")}
 
 # MiniMax's lightning attention (a decay buffer, no Conv1d or A_log) beside attention layers: cp refused by name
 LIGHTNING = {"minimax": _tiny("minimax")}
@@ -101,8 +114,7 @@ CLASSIC_REFUSED = {("gpt_neox", "tp"): _NO_ROLE.format("layers.*.attention.query
 # every family under every axis on two ranks (dense: dp, tp, pp, cp; MoE: dp, tp, pp, cp, ep), inside the
 # shared world-2 spawn (test_equivalence.py); an axis a family refuses must say so by name, on every rank
 PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
-REFUSED = {("llama4", "tp"): "HF's tp style 'packed_rowwise' has no rule",
-           ("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
+REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
 
@@ -118,6 +130,9 @@ def check_families() -> None:
     check_axes(DECLARED, lambda name: (dict(tp=2),), {})
     check_axes(LIGHTNING, lambda name: (dict(dp=2), dict(cp=2)), LIGHTNING_REFUSED)
     check_axes(GATED, lambda name: GATED_PLANS, {})
+    check_axes(LATENT, lambda name: PLANS + ((dict(ep=2),) if name == "deepseek_v2" else ()), {})
+    check_axes(MARKED, lambda name: (dict(tp=2),), {})
+    check_axes(DELTA, lambda name: (dict(tp=2),), {})
     _check_unused_stay()
     _check_generate()
 
@@ -153,7 +168,8 @@ def _check_generate() -> None:
     """Greedy generation keeps the model's own forward (Gemma-2's softcap and scaled embedding, Granite's
     multipliers) under tp and over pipeline stages: Gemma-2 with 4 layers and a 3-token window, so the later
     stage's sliding layer sizes its mask without layer 0 (6 + 8 tokens: the window drops keys; without it the
-    tokens differ); GPT-OSS's own experts (biases, clamped gate) sliced over ep 2 (`replicated_tokens`)."""
+    tokens differ); GPT-OSS's own experts (biases, clamped gate) sliced over ep 2 (`replicated_tokens`); DeepSeek-V2's
+    latent attention under tp 2 (its heads' cache split, the compressed projection whole)."""
     import copy
 
     import torch
@@ -165,7 +181,7 @@ def _check_generate() -> None:
     windowed.num_hidden_layers, windowed.sliding_window = 4, 3
     windowed.layer_types = ["sliding_attention", "full_attention"] * 2
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
-    for source, plan in ((DENSE["gemma2"], dict(tp=2)), (DENSE["granite"], dict(tp=2)),
+    for source, plan in ((DENSE["gemma2"], dict(tp=2)), (DENSE["granite"], dict(tp=2)), (LATENT["deepseek_v2"], dict(tp=2)),
                          (DENSE["granite"], dict(pp=2)), (Tiny("gemma2-4-window3", windowed), dict(pp=2)),
                          (MOE["gpt_oss"], dict(ep=2))):
         check_generate(source, plan, ids)

@@ -3,7 +3,8 @@
 
 The configs are tests/models/hybrid_models.py's (2-6 layers, every kind of layer the model has), Falcon-H1's
 mup multipliers exaggerated (a dropped multiplier shows) and its gated norm on. Under tp each layer part runs by its own
-rule (attention, DeepSeek's MLA, Mamba-2 mixers by heads / groups, MLPs; MoE blocks whole). An axis the
+rule (attention, DeepSeek's MLA, Mamba-2 mixers by heads / groups, gated DeltaNets by key heads, MLPs; MoE blocks
+whole). An axis the
 runtime cannot run yet on a model is refused by name, on every rank (models/layered.py `hybrid_refusals`)."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ HYBRIDS = {
     "deepseek_v3": _tiny("deepseek_v3"),  # MLA; a dense layer, then MoE layers
     "jamba": _tiny("jamba"),  # Mamba-1 selective scan, attention, MoE
     # not named by issue 25: Granite-4 (Mamba-2 / attention, MoE in every layer), Zamba2 (a shared transformer
-    # block), Qwen3-Next (gated DeltaNet + attention), LFM2 (short convolutions + attention)
+    # block), Qwen3-Next (gated DeltaNet + gated attention, MoE), LFM2 (short convolutions + attention)
     "granitemoehybrid": _tiny("granitemoehybrid"), "zamba2": _tiny("zamba2"), "qwen3_next": _tiny("qwen3_next"),
     "lfm2": _tiny("lfm2"),
 }
@@ -37,7 +38,6 @@ PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(cp=2), dict(tp=2), dict(ep=
 # tp: every layer part by its own rule (models/layered.py `layer_parts`); refused naming the first part none splits
 TP = "is neither attention, a Mamba-2 SSD mixer, an MLP nor a MoE block: no tensor-parallel rule splits it yet"
 REFUSED = {("granitemoehybrid", "tp"): f"layers.0.shared_mlp (GraniteMoeHybridMLP) {TP}",
-           ("qwen3_next", "tp"): f"layers.0.linear_attn (Qwen3NextGatedDeltaNet) {TP}",
            ("lfm2", "tp"): f"layers.0.conv (Lfm2ShortConv) {TP}",
            ("zamba2", "tp"): "no tensor-parallel rule splits a shared block yet",
            ("jamba", "cp"): "the Mamba-1 selective scan of layers.0.mamba has no CP algorithm",
@@ -55,7 +55,7 @@ def check_hybrids() -> None:
 
 
 def _check_generate() -> None:
-    """Greedy generation of Bamba and Nemotron-H under pp 2 and tp 2 equals HF's: each stage's cache holds the
+    """Greedy generation of Bamba and Nemotron-H under pp 2 and tp 2 (and Qwen3-Next's under tp 2) equals HF's: each stage's cache holds the
     K/V of its attention layers and the conv / SSM states of its Mamba-2 layers (runtime/ssd.py
     `cached_mixer_forward`), byte for byte what HF's one-process cache holds for those layers, and under tp
     each rank its share of the heads / groups (which serving prices: tests/passes/serving/test_hybrid_cache.py)."""
@@ -68,6 +68,7 @@ def _check_generate() -> None:
 
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
     new = 8
+    check_generate(HYBRIDS["qwen3_next"], dict(tp=2), ids, new=new)  # each rank's DeltaNet heads' conv / state cache
     for name, plan in itertools.product(("bamba", "nemotron_h"), (dict(pp=2), dict(tp=2))):
         dm = check_generate(HYBRIDS[name], plan, ids, new=new)
         cached = dm._generator.cache_bytes  # this rank's, after the new tokens

@@ -188,10 +188,10 @@ def test_a_mixed_stack_is_priced_as_the_sum_of_its_layers():
         cost.estimate(table, bamba, hw, Layout(mesh=Mesh(cp=2), micro_batch=1), global_batch=16, seq_len=64)
 
 
-@pytest.mark.parametrize("model_type", ["bamba", "nemotron_h", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["bamba", "nemotron_h", "deepseek_v3", "qwen3_next"])
 def test_mixed_stack_tp_is_priced_per_layer_part(model_type):
     """tp on a hybrid: each kind's one-layer table is priced by its own layer parts' rules (attention by heads,
-    MLA, Mamba-2 by heads / groups, MLP column then row, MoE whole), so the parameters a tp rank holds per
+    MLA, Mamba-2 by heads / groups, a gated DeltaNet by key heads, MLP column then row, MoE whole), so the parameters a tp rank holds per
     kind are exactly those of the runtime's shard program (passes/rewrite.py) for a layer of that kind, and
     the tp all-reduces of a kind are its own row-parallel projections."""
     from autoshard.ir import Mesh, Plan, Shard
@@ -218,7 +218,8 @@ def test_mixed_stack_tp_is_priced_per_layer_part(model_type):
         rows[kind.name] = sharding.row_parallel_count(view.spec, BlockKind.LAYER)
         assert (local < full) == (rows[kind.name] > 0), kind.name  # a kind with split parts holds less
     assert rows == {"bamba": {M: 2, A: 2}, "nemotron_h": {M: 1, "moe": 0, A: 1, "mlp": 1},  # o / out / down_proj
-                    "deepseek_v3": {"attention+dense": 2, "attention+moe": 1}}[model_type]
+                    "deepseek_v3": {"attention+dense": 2, "attention+moe": 1},
+                    "qwen3_next": {M: 1, A: 1}}[model_type]  # the DeltaNet's out_proj, the attention's o_proj
 
 
 def test_moe_kinds_are_priced_under_ep():
@@ -245,3 +246,28 @@ def test_moe_kinds_are_priced_under_ep():
     plan = planner.solve(spec, hw, devices=4, global_batch=8, seq_len=64, table=table)  # ep searched as read
     searched = {plan.mesh.ep, *(other["ep"] for other in plan.solver["other_eps"])}  # why this ep (show)
     assert searched == {1, 2, 4}
+
+
+def test_a_gated_deltanet_is_split_by_key_heads():
+    """Qwen3-Next's gated DeltaNet is a layer part of its own ("delta"), found by its pattern: each key head's
+    fused [q, k, v, z] and [b, a] rows together (its projections laid out per key head), conv1d by [q; k; v], A_log /
+    dt_bias by value head, out_proj row-parallel, the gated norm (one value head wide) whole with its gradient summed
+    over tp; the gated attention's q_proj ([query; gate] of each head) split by the heads o_proj reads."""
+    from autoshard.rules import sharding
+
+    model = _meta("qwen3_next")
+    spec = layered_spec(model, name="qwen3_next")
+    delta = next(p for p in spec.parts if p.kind == "delta")
+    assert delta.path == "linear_attn" and delta.layers == (0, 1, 2) and delta.names == ("norm",)
+    assert delta.linears == (("in_proj_qkvz", "colwise"), ("in_proj_ba", "colwise"), ("out_proj", "rowwise"))
+    assert delta.size("k_heads") == 2 and delta.size("v_heads") == 4
+    attention = next(p for p in spec.parts if p.kind == "attention")
+    assert attention.size("q") == 2 * attention.size("o")  # a gate beside each head's query
+    roles = {r.path: r for r in sharding.table(spec) if r.layers == delta.layers}
+    assert roles["linear_attn"].params == ("A_log", "dt_bias")
+    assert [p.length.split(".")[1] for p in roles["linear_attn.conv1d"].pieces] == ["key", "key", "value"]
+    assert roles["linear_attn.out_proj"].strategy is sharding.Strategy.ROWWISE
+    assert roles["linear_attn.norm"].grad_sum
+    assert sharding.tp_violation(spec, 2) is None
+    assert sharding.tp_violation(spec, 4) == ("tp (4) does not divide the number of key heads (linear_num_key_heads) "
+                                              "of layers.*.linear_attn of qwen3_next (2); use a tp that divides 2")

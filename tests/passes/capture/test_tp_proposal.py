@@ -190,3 +190,26 @@ def test_gathered_styles_run_except_in_a_hybrids_parts_table():
     assert tp_style_refusal(facts) is None
     assert tp_style_refusal(facts, layered=True).startswith(
         "layers.*.self_attn.q_proj: HF declares it 'colwise_gather_output', which a hybrid's layer-parts table")
+
+
+def test_styles_that_run_where_the_table_holds_their_part():
+    """`mla_kv_a_proj` runs where the table holds a multi-head latent attention part (its compressed KV projection
+    whole, its gradient summed over tp), `packed_rowwise` on routed experts (whole on every tp rank); elsewhere each
+    refuses tp naming the module, the style and where it runs. `local_params` marks a module whose own parameters
+    other entries split (sinks): it runs."""
+    from autoshard.models.facts import ModelFacts, tp_style_refusal
+
+    def facts(*plan):
+        return ModelFacts(mixer="attention", base="model", layer_params=(), embedding_plain=True, tp_plan=plan)
+
+    mla = facts(("layers.*.self_attn.kv_a_proj_with_mqa", "mla_kv_a_proj"))
+    assert tp_style_refusal(mla, layered=True, mla=True) is None
+    assert tp_style_refusal(mla).startswith("layers.*.self_attn.kv_a_proj_with_mqa: HF declares it 'mla_kv_a_proj': "
+                                            "multi-head latent attention's compressed KV projection runs only as a "
+                                            "layer part")
+    packed = facts(("layers.*.feed_forward.experts.gate_up_proj", "packed_rowwise"))
+    assert tp_style_refusal(packed, experts=("feed_forward.experts",)) is None
+    assert "runs only on routed experts" in tp_style_refusal(packed, experts=("mlp.experts",))
+    assert "runs only on routed experts" in tp_style_refusal(facts(("layers.*.mlp.gate_up_proj", "packed_rowwise")))
+    assert tp_style_refusal(facts(("layers.*.self_attn.sinks", "colwise"), ("layers.*.self_attn", "local_params"))) \
+        is None
