@@ -113,6 +113,10 @@ class ModelSpec:
     # multi-head latent attention (DeepSeek-V2/V3, models/layered.py `kv_latent`): the elements per token one layer
     # caches, its compressed KV and the shared RoPE key (kv_lora_rank + qk_rope_head_dim), whole on every tp rank
     kv_latent: int = _fact(0)
+    # (layer list, input embedding, final norm or "", LM head): the model's own module paths where they are not
+    # LLaMA's (model.layers, model.embed_tokens, model.norm, lm_head), which the sharding table's roles then sit at
+    # (models/facts.py `stack_paths`: GPT-NeoX's gpt_neox.layers, gpt_neox.embed_in, ..., embed_out)
+    stack: tuple[str, ...] = _fact(())
 
     def mixer_spec(self, mixer: Mixer) -> ModelSpec | None:
         """A spec of the numbers of this model's `mixer` layers alone (its own mixer's, or a hybrid's second

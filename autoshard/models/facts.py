@@ -133,7 +133,8 @@ def read_facts(config, model) -> ModelFacts:
     types = tuple(getattr(config, "layer_types", None) or ())
     facts = dict(
         mixer=mixer, base=base_name, layers_path=found[0] if found is not None else "", layer_params=names, embedding_plain=plain,
-        tp_plan=tuple((getattr(config, "base_model_tp_plan", None) or {}).items()),
+        tp_plan=_layer_patterns(tuple((getattr(config, "base_model_tp_plan", None) or {}).items()),
+                                found[0].rpartition(".")[2] if found is not None else "layers"),
         experts_path=experts, router_path=router, shared_path=shared, shared_parts=parts, experts_no_ep=no_ep or "",
         head_params=sinks, attention_path=attention, attention_attrs=_count_attrs(layer0), layer_types=types,
         sliding_window=window, window_layers=windowed,
@@ -142,6 +143,46 @@ def read_facts(config, model) -> ModelFacts:
         embedding_multiplier=float(getattr(config, "embedding_multiplier", None) or 1.0))
     facts["own_forward"] = mixer == "attention" and (_needs_own_forward(facts, config) or not _llama_stack(model, found))
     return ModelFacts(**facts)
+
+
+def _layer_patterns(plan: tuple[tuple[str, str], ...], layers: str) -> tuple[tuple[str, str], ...]:
+    """HF's declared plan with its layer patterns written as autoshard reads them, "layers.*.<path>" (GPT-J's
+    "h.*.attn.q_proj" -> "layers.*.attn.q_proj"; `layers`: the name of the base model's layer list)."""
+    if layers == "layers":
+        return plan
+    return tuple((f"layers.*.{p.removeprefix(f'{layers}.*.')}" if p.startswith(f"{layers}.*.") else p, s)
+                 for p, s in plan)
+
+
+def stack_paths(model) -> tuple[str, str, str, str]:
+    """(the layer list, the input embedding, the final norm or "", the LM head): the full module paths the sharding
+    table's embedding, layer and head roles sit at (LLaMA's model.layers, model.embed_tokens, model.norm, lm_head;
+    GPT-NeoX's gpt_neox.layers, gpt_neox.embed_in, gpt_neox.final_layer_norm, embed_out)."""
+    from autoshard.errors import InvalidConfigError
+
+    path, layers = layer_list(model)
+    body = model.get_submodule(path.rpartition(".")[0])
+    paths = {id(m): p for p, m in model.named_modules()}
+    try:
+        norm = paths[id(final_norm(body, layers))]
+    except InvalidConfigError:
+        norm = ""
+    head = model.get_output_embeddings()
+    return path, paths[id(model.get_input_embeddings())], norm, paths[id(head)] if head is not None else ""
+
+
+def mlp_width(model, facts: ModelFacts) -> int:
+    """The MLP width of a config that leaves it unset (GPT-J's and CodeGen's n_inner None: HF's 4 x hidden), read
+    off layer 0: the widest linear of the hidden states outside the attention module; 0 for none."""
+    from torch import nn
+
+    found = layer_list(model)
+    if found is None:
+        return 0
+    hidden = config_value(model.config, "hidden", 0)
+    prefix = f"{facts.attention_path}." if facts.attention_path else None
+    return max((m.out_features for p, m in found[1][0].named_modules() if isinstance(m, nn.Linear)
+                and m.in_features == hidden and not (prefix and (p + ".").startswith(prefix))), default=0)
 
 
 def layer_list(model):

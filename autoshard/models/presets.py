@@ -227,11 +227,14 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     usual = common["hidden"] // heads
     head_dim = value("head_dim", usual) or usual
     spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=value("kv_heads", heads),
-                     head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or 0,
+                     head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or F.mlp_width(model, facts),
                      embedding_plain=facts.embedding_plain, own_forward=facts.own_forward or hybrid is not None,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
                      attention_path=facts.attention_path or "self_attn",
                      sliding_window=facts.sliding_window, window_layers=facts.window_layers, **common)
+    stack_paths = F.stack_paths(model) if facts.layers_path else _LLAMA_STACK
+    if stack_paths != _LLAMA_STACK:  # the table's roles at the model's own paths (GPT-NeoX's gpt_neox.embed_in, ...)
+        spec = replace(spec, stack=stack_paths)
     from autoshard.models.layered import kv_latent, stack_experts, with_experts
 
     if facts.experts_path:
@@ -316,6 +319,7 @@ def _layer0(model):
     return model.get_submodule(f"{blocks[0].prefix}.0") if blocks else None
 
 
+_LLAMA_STACK = ("model.layers", "model.embed_tokens", "model.norm", "lm_head")  # facts.stack_paths of a LLaMA
 _PROOFS: dict = {}  # a memo, not state: the proof of a model class and config never changes
 
 

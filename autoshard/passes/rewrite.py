@@ -76,7 +76,7 @@ def layer_chunks(plan: Plan, spec: ModelSpec) -> tuple[int, ...]:
 
 def _layer_index(spec: ModelSpec, name: str) -> int | None:
     """The layer index of parameter `name` ("model.layers.3.mlp..." -> 3), None outside the layers."""
-    base = sharding.base_path(spec) + ".layers."
+    base = sharding.layers_path(spec) + "."
     if not name.startswith(base):
         return None
     return int(name[len(base):].split(".", 1)[0])

@@ -186,7 +186,12 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
         dense = proposed_table(spec.tp_pairs) if spec.tp_pairs else _LLAMA_NO_MLP if spec.is_moe else TABLES[spec.mixer]
         base = dense + _moe_block(spec) if spec.is_moe else dense
     out = []
+    edges = dict(zip(_LLAMA_EDGES, spec.stack[1:])) if spec.stack and not spec.parts else {}
     for role in base:
+        if role.block is not BlockKind.LAYER and role.path in edges:  # the model's own embedding, norm and head
+            if not edges[role.path]:
+                continue  # no final norm
+            role = replace(role, path=edges[role.path])
         if role.path == "self_attn" and spec.head_params:
             role = replace(role, params=spec.head_params)
         if role.block is BlockKind.EMBED and role.strategy is Strategy.VOCAB and not spec.embedding_plain:
@@ -196,6 +201,9 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
         out.append(role)
     out += [Role(path, _L, Strategy.REPLICATE, grad_sum=True) for path in spec.grad_sum]
     return tuple(out)
+
+
+_LLAMA_EDGES = ("model.embed_tokens", "model.norm", "lm_head")  # LLaMA's paths of `ModelSpec.stack`'s last three
 
 
 def _moe_block(spec: ModelSpec) -> tuple[Role, ...]:
@@ -390,8 +398,14 @@ def base_path(spec: ModelSpec) -> str:
     return next(r.path for r in table(spec) if r.block is BlockKind.EMBED).rpartition(".")[0]
 
 
+def layers_path(spec: ModelSpec) -> str:
+    """The path of the layer list the LAYER roles sit under: the model's own (`ModelSpec.stack`: GPT-J's
+    transformer.h), else `<base>.layers`."""
+    return spec.stack[0] if spec.stack else f"{base_path(spec)}.layers"
+
+
 def layer_prefix(spec: ModelSpec, index: int) -> str:
-    return f"{base_path(spec)}.layers.{index}"
+    return f"{layers_path(spec)}.{index}"
 
 
 # -- derived: how many parts, what tp may be ----------------------------------------------------------
@@ -526,9 +540,9 @@ def role_of(spec: ModelSpec, kind: BlockKind, path: str, strategies=()) -> Role 
     the captured graph, e.g. "model.layers.0.self_attn.q_proj"), or None (replicated)."""
     if kind is BlockKind.LAYER:
         parts = path.split(".")
-        base = base_path(spec).split(".")
-        n = len(base) + 2
-        if parts[:len(base) + 1] != [*base, "layers"] or len(parts) < n:
+        stack = layers_path(spec).split(".")
+        n = len(stack) + 1
+        if parts[:len(stack)] != stack or len(parts) < n:
             return None
         path = ".".join(parts[n:])
         if not path:
@@ -556,7 +570,7 @@ def role_at(spec: ModelSpec, path: str, strategies=()) -> Role | None:
 def _full(spec: ModelSpec, role: Role, path: str) -> str:
     if role.block is not BlockKind.LAYER:
         return role.path
-    n = len(base_path(spec).split(".")) + 2
+    n = len(layers_path(spec).split(".")) + 1
     return ".".join([*path.split(".")[:n], role.path])
 
 

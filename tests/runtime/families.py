@@ -99,15 +99,15 @@ _SCAN = "the Mamba-1 selective scan of layers.0.mixer"
 
 # the classic decoders, their layers found by structure (transformer.h, model.decoder.layers) and their attention by
 # its call to HF's attention interface (GPT-NeoX's head_size): dp, pp (the model's own forward where the base is no
-# plain LLaMA stack: GPT-2's learned positions, OPT) and cp; tp refused by the graph proof or the proposal, OPT's pp
-# by its project_in / project_out linears (tiny OPT projects 768 -> 64); dropout off, so one process is reproducible
+# plain LLaMA stack: GPT-2's learned positions, OPT) and cp; tp as HF declares it at the model's own paths
+# (GPT-NeoX's per-head fused query_key_value and parallel residual, GPT-J's h.*, CodeGen's qkv_proj in whole model-
+# parallel groups, their MLP width read off the layer), refused by the proposal where none is declared (GPT-2's Conv1D,
+# OPT's fc1 / fc2 in no module), OPT's pp by its project_in / project_out linears (tiny OPT projects 768 -> 64);
+# dropout off, so one process is reproducible
 CLASSIC = {"gpt_neox": _tiny("gpt_neox"), "opt": _tiny("opt", dropout=0.0),
            "gpt2": _tiny("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "gptj": _tiny("gptj"),
            "codegen": _tiny("codegen")}
-_NO_ROLE = "{} 'colwise', a module the sharding table holds no role for"  # their declared plans (not the table yet)
-CLASSIC_REFUSED = {("gpt_neox", "tp"): _NO_ROLE.format("layers.*.attention.query_key_value"),
-                   ("gptj", "tp"): _NO_ROLE.format("h.*.attn.q_proj"), ("codegen", "tp"): _NO_ROLE.format("h.*.attn.qkv_proj"),
-                   ("gpt2", "tp"): "no colwise -> rowwise pair on the graph",
+CLASSIC_REFUSED = {("gpt2", "tp"): "no colwise -> rowwise pair on the graph",
                    ("opt", "tp"): "HF declares no tp plan for it",
                    ("opt", "pp"): "model.decoder.project_out (Linear) holds parameters beside the embedding"}
 

@@ -82,6 +82,8 @@ def declared(layer, spec, tp_plan: tuple[tuple[str, str], ...], *, packed: bool 
 
     roles: list[tuple[str, str, str]] = []
     for pattern, style in tp_plan:
+        if not pattern.startswith("layers.*."):
+            continue  # the embedding / LM head: the table's own vocab-parallel roles
         rel = pattern.removeprefix("layers.*.")
         module = layer.get_submodule(rel) if rel != pattern and _has(layer, rel) else None
         if not isinstance(module, nn.Linear):
