@@ -23,9 +23,11 @@ def _fact(default):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerPart:
     """One sub-block of a hybrid's layers (models/layered.py `layer_parts`), what its tensor-parallel rule
-    is read from: `kind` "attention" (q/k/v/o projections), "mla" (DeepSeek's latent attention), "ssd" (a
-    Mamba-2 mixer), "delta" (a gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-hybrid), "mlp" (gate / up / down or up / down), "moe" (router, experts, shared experts), or the
-    model's "embed", "final_norm" and "lm_head" (full paths); `path` inside each layer of `layers` (the
+    is read from: `kind` "attention" (q/k/v/o projections; "attention_whole" where full-width q/k norms keep it
+    whole on every rank), "mla" (DeepSeek's latent attention), "ssd" (a
+    Mamba-2 mixer), "delta" (a gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-hybrid), "mlp" (gate / up / down or
+    up / down), "moe" (router, experts, shared experts), or the model's "embed", "final_norm" and "lm_head" (full
+    paths); `path` inside each layer of `layers` (the
     indices holding it); `sizes`: its counts by name (heads, kv_heads, q, kv, ffn, inner, groups, ...);
     `names`: the child modules it holds (the MLP's projections; the MoE block's router, experts, shared expert
     and the shared expert's linears and the block's one-output gate, models/facts.py `_moe_modules`); `attrs`: head-count attributes its module keeps (set to this rank's under tp); `buffers`:

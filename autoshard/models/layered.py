@@ -13,6 +13,8 @@ name in `passes/cost/compiled.compile_table` until the cost model prices a stage
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import replace
 
 from torch import nn
@@ -346,7 +348,7 @@ def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
                               "neither attention, a Mamba-2 SSD mixer, an MLP nor a MoE block: no tensor-parallel "
                               "rule splits it yet; use tp=1")
             found.setdefault(part, []).append(i)
-    order = ("attention", "mla", "ssd", "mamba1", "delta", "mlp", "moe", "norm", "other")  # the sequence mixers first (sharding.selective_module)
+    order = ("attention", "attention_whole", "mla", "ssd", "mamba1", "delta", "mlp", "moe", "norm", "other")  # the sequence mixers first (sharding.selective_module)
     parts = [LayerPart(kind=k, path=p, layers=tuple(ix), sizes=s, names=n, attrs=a, buffers=b,
                        params=q[0] if q else (), gates=q[1] if len(q) > 1 else (), linears=q[2] if len(q) > 2 else ())
              for (k, p, s, n, a, b, *q), ix in sorted(found.items(), key=lambda item: order.index(item[0][0]))]
@@ -402,6 +404,13 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         norms = tuple((n, hd) for n, shapes in held.items() if shapes)
         # its own per-head parameters (GPT-OSS-style sinks: one value per head) split with the heads
         own = dict(child.named_parameters(recurse=False))
+        widths = {(q,), (kv * hd,)}
+        if not gates and not own and norms and all(shapes == [] or tuple(shapes[0]) in widths and len(shapes) == 1
+                                                   for shapes in held.values()) and q == heads * hd:
+            # full-width q / k norms (OLMo-hybrid's, as OLMo-2's): the attention runs whole on every rank, its q / k /
+            # v outputs gathered and o_proj's input sliced, as HF declares it
+            full = tuple((n, math.prod(shapes[0])) for n, shapes in held.items() if shapes)
+            return "attention_whole", name, sizes + full, tuple(n for n, _ in full), (), ()
         if any(shapes not in ([], [(hd,)]) for shapes in held.values()) or any(p.shape != (heads,) for p in own.values()):
             return None  # a full-width norm or another parameter of its own: no tensor-parallel rule splits it yet
         return "attention", name, sizes + norms, tuple(n for n, _ in norms), counts, (), tuple(own), gates

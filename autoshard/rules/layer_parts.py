@@ -33,6 +33,11 @@ def parts_table(spec: ModelSpec) -> tuple[Role, ...]:
                 for g in part.gates) + tuple(
                 Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
                 for p in part.names)
+        elif part.kind == "attention_whole":  # whole on every rank: q / k / v gathered, o_proj's input sliced
+            out += [Role(at(p), _L, Strategy.ROWWISE if p == "o_proj" else Strategy.COLWISE, (Piece(n(w), n(w)),),
+                         ("weight",) if p == "o_proj" else _LINEAR, fan="hidden", gathered=True, layers=lay)
+                    for p, w in (("q_proj", "q"), ("k_proj", "kv"), ("v_proj", "v"), ("o_proj", "o"))]
+            out += [Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, layers=lay) for p in part.names]
         elif part.kind == "mla":
             q = "q_b_proj" if "q_a_proj" in part.names else "q_proj"
             out += [Role(part.path, _L, Strategy.REGION, (Piece(n("heads"), n("heads")),), params=(), layers=lay),

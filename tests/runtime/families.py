@@ -84,9 +84,11 @@ LATENT = {"minicpm3": _tiny("minicpm3"), "deepseek_v2": _tiny("deepseek_v2")}
 # `packed_rowwise` experts, whole on every tp rank as every routed expert (Llama-4's: MOE below)
 MARKED = {"granite_swa": _tiny("granite_swa"), "aria_text": _tiny("aria_text")}
 
-# gated DeltaNet layers beside gated attention, split by key heads (models/layered.py `_delta_part`): Qwen3.5's separate
-# [q; k; v], z, b and a projections (Qwen3-Next's fused per-key-head ones: tests/runtime/hybrids.py)
-DELTA = {"qwen3_5": _tiny("qwen3_5_text")}
+# gated DeltaNet layers beside attention, split by key heads (models/layered.py `_delta_part`): Qwen3.5's separate
+# [q; k; v], z, b and a projections beside gated attention (Qwen3-Next's fused per-key-head ones:
+# tests/runtime/hybrids.py); OLMo-hybrid's q / k / v / a / b / g beside attention with full-width q / k norms, which
+# runs whole on every rank as HF declares it (gathered q / k / v, o_proj's input sliced)
+DELTA = {"qwen3_5": _tiny("qwen3_5_text"), "olmo_hybrid": _tiny("olmo_hybrid")}
 
 # MiniMax's lightning attention (a decay buffer, no Conv1d or A_log) beside attention layers: cp refused by name
 LIGHTNING = {"minimax": _tiny("minimax")}
