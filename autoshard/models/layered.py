@@ -132,8 +132,8 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
     type); dp, pp and cp run, cp by state passing in the Mamba-2 layers (runtime/cp_mamba.py) and the
     attention algorithm in the attention layers. Refused by name: cp where a layer holds a sequence mixer no
     CP algorithm splits (Mamba-1's selective scan, gated DeltaNet, short convolutions), pp where layers share
-    a block (Zamba2), tp where a layer holds a part no tensor-parallel rule splits (`layer_parts`: Mamba-1's
-    selective scan, gated DeltaNet, short convolutions, a shared block; the others run by their parts' rules),
+    a block (Zamba2), tp where a layer holds a part no tensor-parallel rule splits (`layer_parts`: Kimi-Linear's
+    delta attention, a shared block; the others run by their parts' rules),
     ep and sequence parallelism. `stack`: the model's `find_layer_stack`; `parts`: its `layer_parts` where the caller
     has them (else read here)."""
     if stack is None:
@@ -309,16 +309,16 @@ def _relative(path: str, base: str) -> str:
 # -- a hybrid's layers by their parts: what its sharding table is built from ---------------------------------
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_OUTPUTS = ("o_proj", "out_proj")  # an attention's output projection, by HF's names
 _MLA = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # DeepSeek's multi-head latent attention (q_proj or q_a / q_b)
-_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
     """(parts, why): a hybrid's layers read as their parts (`model_spec.LayerPart`: attention, DeepSeek's latent
-    attention, a Mamba-2 mixer found by its pattern, a gated or plain MLP, a MoE block, a norm (a child holding
-    only vectors), and the embedding, final norm and LM head), each with the layers holding it at one path and
-    its sizes. `why` (else None) names the first layer child with parameters that is none of them (Mamba-1's
-    selective scan, gated DeltaNet, a short convolution): no tensor-parallel rule splits it, so tp is refused;
+    attention, a Mamba-2 or Mamba-1 mixer, a gated DeltaNet, a short convolution, each found by its pattern, a gated
+    or plain MLP, a MoE block, a norm (a child holding only vectors), and the embedding, final norm and LM head), each
+    with the layers holding it at one path and its sizes. `why` (else None) names the first layer child with
+    parameters that is none of them (Kimi-Linear's delta attention): no tensor-parallel rule splits it, so tp is refused;
     it is an "other" part, whole on every rank (the table still names every layer's experts for ep). A block
     shared by several layers (Zamba2): ((), why). `stack`: the model's `find_layer_stack`."""
     from autoshard.models.facts import config_value, is_attention
@@ -348,7 +348,8 @@ def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
                               "neither attention, a Mamba-2 SSD mixer, an MLP nor a MoE block: no tensor-parallel "
                               "rule splits it yet; use tp=1")
             found.setdefault(part, []).append(i)
-    order = ("attention", "attention_whole", "mla", "ssd", "mamba1", "delta", "mlp", "moe", "norm", "other")  # the sequence mixers first (sharding.selective_module)
+    order = ("attention", "attention_whole", "mla", "ssd", "mamba1", "delta", "short_conv", "mlp", "moe", "norm",
+             "other")  # the sequence mixers first (sharding.selective_module)
     parts = [LayerPart(kind=k, path=p, layers=tuple(ix), sizes=s, names=n, attrs=a, buffers=b,
                        params=q[0] if q else (), gates=q[1] if len(q) > 1 else (), linears=q[2] if len(q) > 2 else ())
              for (k, p, s, n, a, b, *q), ix in sorted(found.items(), key=lambda item: order.index(item[0][0]))]
@@ -383,7 +384,11 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         norms = tuple((n, sum(p.numel() for p in m.parameters())) for n, m in child.named_children()
                       if n not in linear and n != "conv1d" and any(True for _ in m.parameters()))
         return "mamba1", name, sizes + norms, tuple(n for n, _ in norms), (), ()
-    if attention and set(_ATTENTION) <= set(linear):
+    output = next((o for o in _OUTPUTS if o in linear), None)  # LLaMA's o_proj, LFM2's out_proj
+    if attention and {"q_proj", "k_proj", "v_proj"} <= set(linear) and output:
+        children = set(linear)
+        if output != "o_proj":  # the table's roles read o_proj: its own name, kept as its one output linear
+            linear = {("o_proj" if n == output else n): m for n, m in linear.items()}
         hd, vhd = child.head_dim, getattr(child, "v_head_dim", None)
         vhd = vhd if isinstance(vhd, int) and vhd > 0 else hd  # value heads may be wider (MiMo-V2-Flash)
         # the heads o_proj reads; q_proj may hold a gate per head beside each query (Qwen3-Next / Qwen3.5: [query;
@@ -400,7 +405,7 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
             return None  # another linear inside the attention: no tensor-parallel rule splits it yet
         sizes += tuple((n, linear[n].out_features) for n in gates)
         # per-head q/k norms (one head_dim vector each): whole on every rank, their gradient summed over tp
-        held = {n: [tuple(p.shape) for p in m.parameters()] for n, m in child.named_children() if n not in linear}
+        held = {n: [tuple(p.shape) for p in m.parameters()] for n, m in child.named_children() if n not in children}
         norms = tuple((n, hd) for n, shapes in held.items() if shapes)
         # its own per-head parameters (GPT-OSS-style sinks: one value per head) split with the heads
         own = dict(child.named_parameters(recurse=False))
@@ -413,7 +418,8 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
             return "attention_whole", name, sizes + full, tuple(n for n, _ in full), (), ()
         if any(shapes not in ([], [(hd,)]) for shapes in held.values()) or any(p.shape != (heads,) for p in own.values()):
             return None  # a full-width norm or another parameter of its own: no tensor-parallel rule splits it yet
-        return "attention", name, sizes + norms, tuple(n for n, _ in norms), counts, (), tuple(own), gates
+        renamed = ((output, "rowwise"),) if output != "o_proj" else ()
+        return "attention", name, sizes + norms, tuple(n for n, _ in norms), counts, (), tuple(own), gates, renamed
     if attention and set(_MLA) <= set(linear) and ("q_proj" in linear or "q_b_proj" in linear):
         heads = child.num_heads
         q = linear.get("q_b_proj", linear.get("q_proj"))
@@ -434,10 +440,55 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
             sizes = (("experts", experts),
                      *((p, sum(x.numel() for x in child.get_submodule(p).parameters())) for p in shared_parts))
             return "moe", name, sizes, (router, path, shared, *shared_parts), (), (), held
-    if not attention and "down_proj" in linear and set(linear) <= set(_MLP) and \
-            sum(1 for p in child.parameters()) == sum(1 for m in linear.values() for _ in m.parameters()):
-        return "mlp", name, (("ffn", linear["down_proj"].in_features),), tuple(n for n in _MLP if n in linear), (), ()
+    conv = _short_conv_part(name, child, linear)
+    if conv is not None:
+        return conv
+    mlp = _mlp_linears(child, linear) if not attention else None
+    if mlp is not None:  # its projections of the hidden states column-parallel, then its output projection row-parallel
+        width = linear[mlp[-1]].in_features
+        packed = tuple((n, "packed") for n in mlp[:-1] if linear[n].out_features == 2 * width)
+        return "mlp", name, (("ffn", width),), mlp, (), (), (), (), packed
     return None
+
+
+def _mlp_linears(child: nn.Module, linear: dict) -> tuple[str, ...] | None:
+    """An MLP's linears, its input projections (LLaMA's gate / up, LFM2's w1 / w3) then its output projection (down /
+    w2), found by their widths: every linear but one reads the hidden states and writes the MLP width, the last reads
+    that width and writes the hidden states; the child holds nothing else. One fused input projection may write twice
+    the width (Granite-4's shared_mlp input_linear: [gate; up], halves its forward chunks). None for any other child."""
+    if len(linear) < 2 or sum(1 for _ in child.parameters()) != sum(1 for m in linear.values() for _ in m.parameters()):
+        return None
+    ins = [m.in_features for m in linear.values()]
+    hidden = max(set(ins), key=ins.count)
+    downs = [n for n, m in linear.items() if m.out_features == hidden and m.in_features != hidden]
+    if len(downs) != 1:
+        return None
+    width = linear[downs[0]].in_features
+    ups = [n for n, m in linear.items() if n != downs[0]]
+    fused = len(ups) == 1 and linear[ups[0]].out_features == 2 * width
+    if any((linear[n].in_features, linear[n].out_features) != (hidden, 2 * width if fused else width) for n in ups):
+        return None
+    return (*ups, downs[0])
+
+
+def _short_conv_part(name: str, child: nn.Module, linear: dict) -> tuple | None:
+    """A short-convolution mixer (LFM2's: in_proj to [B; C; x] of the hidden width, B * x through a depthwise conv1d,
+    times C, then out_proj), found by its pattern: split by channels, in_proj as its three pieces, the conv by channel,
+    out_proj row-parallel; every op between them is per channel. None for any other child."""
+    convs = [(n, m) for n, m in child.named_children() if isinstance(m, nn.Conv1d)]
+    if len(convs) != 1 or len(linear) != 2 or any(True for _ in child.parameters(recurse=False)):
+        return None
+    (conv_name, conv), width = convs[0], convs[0][1].in_channels
+    if not (conv.groups == conv.out_channels == width):
+        return None
+    into = [n for n, m in linear.items() if m.out_features == 3 * width]
+    out = [n for n, m in linear.items() if (m.in_features, m.out_features) == (width, linear[into[0]].in_features)] \
+        if len(into) == 1 else []
+    if len(out) != 1 or out[0] == into[0] or \
+            len(list(child.named_children())) != 3:
+        return None
+    sizes = (("width", width), ("conv", conv.kernel_size[0]))
+    return "short_conv", name, sizes, (into[0], conv_name, out[0]), (), ()
 
 
 def _final_norm(base: nn.Module, layers: nn.Module) -> str:

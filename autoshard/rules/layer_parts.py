@@ -26,7 +26,9 @@ def parts_table(spec: ModelSpec) -> tuple[Role, ...]:
             out.append(Role(part.path, _H, Strategy.REPLICATE))
         elif part.kind == "attention":  # its output gates by heads; per-head q/k norms whole, gradient summed
             widths = {"o_proj": (Piece(n("o"), n("heads")),), "v_proj": (Piece(n("v"), n("kv_heads"), share=True),)}
-            out += tuple(replace(r, pieces=widths[r.path.rpartition(".")[2]]) if r.path.rpartition(".")[2] in widths
+            output = next((c for c, how in part.linears if how == "rowwise"), "o_proj")  # its own name (out_proj)
+            out += tuple(replace(r, pieces=widths[r.path.rpartition(".")[2]], path=r.path.replace(".o_proj", f".{output}"))
+                         if r.path.rpartition(".")[2] in widths
                          else replace(r, params=part.params) if r.strategy is Strategy.REGION  # its sinks, by head
                          else r for r in _at_part(LLAMA, "self_attn", i, part)) + tuple(
                 Role(at(g), _L, Strategy.COLWISE, (Piece(n(g), n("heads")),), _LINEAR, fan="hidden", layers=lay)
@@ -71,11 +73,19 @@ def parts_table(spec: ModelSpec) -> tuple[Role, ...]:
                            fan="hidden", layers=lay) for c, how in part.linears),
                     *(Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
                       for p in part.names)]  # the gated norm over one value head: whole, gradient summed
-        elif part.kind == "mlp":
+        elif part.kind == "mlp":  # its input projections column-parallel, its output projection (the last) row-parallel
             ffn = Piece(n("ffn"), n("ffn"))
+            packed = {c for c, how in part.linears if how == "packed"}  # a fused [gate; up]: its two halves
             out += [Role(part.path, _L, Strategy.REGION, (ffn,), params=(), layers=lay),
-                    *(Role(at(p), _L, Strategy.ROWWISE if p == "down_proj" else Strategy.COLWISE, (ffn,), _LINEAR,
-                           fan="hidden", layers=lay) for p in part.names)]
+                    *(Role(at(p), _L, Strategy.ROWWISE if p == part.names[-1] else Strategy.COLWISE,
+                           (ffn, ffn) if p in packed else (ffn,), _LINEAR, fan="hidden", layers=lay) for p in part.names)]
+        elif part.kind == "short_conv":  # by channels: in_proj's [B; C; x], the depthwise conv, out_proj row-parallel
+            into, conv, output = part.names
+            ch = Piece(n("width"), n("width"))
+            out += [Role(part.path, _L, Strategy.REGION, (ch,), params=(), layers=lay),
+                    Role(at(into), _L, Strategy.COLWISE, (ch, ch, ch), _LINEAR, fan="hidden", layers=lay),
+                    Role(at(conv), _L, Strategy.COLWISE, (ch,), _LINEAR, fan=n("conv"), layers=lay),
+                    Role(at(output), _L, Strategy.ROWWISE, (ch,), fan="hidden", layers=lay)]
         elif part.kind == "moe":  # the shared expert's linears and the block's gate whole, counted as pieces
             router, experts, shared, *held = part.names
             out += _moe_roles(at(router), at(experts), at(shared) if shared else "", tuple(

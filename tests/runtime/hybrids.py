@@ -3,8 +3,8 @@
 
 The configs are tests/models/hybrid_models.py's (2-6 layers, every kind of layer the model has), Falcon-H1's
 mup multipliers exaggerated (a dropped multiplier shows) and its gated norm on. Under tp each layer part runs by its own
-rule (attention, DeepSeek's MLA, Mamba-2 mixers by heads / groups, gated DeltaNets by key heads, MLPs; MoE blocks
-whole). An axis the
+rule (attention, DeepSeek's MLA, Mamba-2 mixers by heads / groups, gated DeltaNets by key heads, short convolutions
+by channel, MLPs, a fused [gate; up] by its halves; MoE blocks whole). An axis the
 runtime cannot run yet on a model is refused by name, on every rank (models/layered.py `hybrid_refusals`)."""
 
 from __future__ import annotations
@@ -36,10 +36,8 @@ HYBRIDS = {
 }
 PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(cp=2), dict(tp=2), dict(ep=2))
 # tp: every layer part by its own rule (models/layered.py `layer_parts`); refused naming the first part none splits
-TP = "is neither attention, a Mamba-2 SSD mixer, an MLP nor a MoE block: no tensor-parallel rule splits it yet"
-REFUSED = {("granitemoehybrid", "tp"): f"layers.0.shared_mlp (GraniteMoeHybridMLP) {TP}",
-           ("lfm2", "tp"): f"layers.0.conv (Lfm2ShortConv) {TP}",
-           ("zamba2", "tp"): "no tensor-parallel rule splits a shared block yet",
+# (Zamba2's shared block)
+REFUSED = {           ("zamba2", "tp"): "no tensor-parallel rule splits a shared block yet",
            ("jamba", "cp"): "the Mamba-1 selective scan of layers.0.mamba has no CP algorithm",
            ("qwen3_next", "cp"): "the sequence mixer layers.0.linear_attn (Qwen3NextGatedDeltaNet, neither attention",
            ("lfm2", "cp"): "the sequence mixer layers.0.conv (Lfm2ShortConv, neither attention",
@@ -68,7 +66,8 @@ def _check_generate() -> None:
 
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
     new = 8
-    check_generate(HYBRIDS["qwen3_next"], dict(tp=2), ids, new=new)  # each rank's DeltaNet heads' conv / state cache
+    for name in ("qwen3_next", "lfm2"):  # each rank's DeltaNet heads' conv / state cache, its short conv's channels
+        check_generate(HYBRIDS[name], dict(tp=2), ids, new=new)
     for name, plan in itertools.product(("bamba", "nemotron_h"), (dict(pp=2), dict(tp=2))):
         dm = check_generate(HYBRIDS[name], plan, ids, new=new)
         cached = dm._generator.cache_bytes  # this rank's, after the new tokens
