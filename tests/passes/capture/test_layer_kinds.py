@@ -188,10 +188,11 @@ def test_a_mixed_stack_is_priced_as_the_sum_of_its_layers():
         cost.estimate(table, bamba, hw, Layout(mesh=Mesh(cp=2), micro_batch=1), global_batch=16, seq_len=64)
 
 
-@pytest.mark.parametrize("model_type", ["bamba", "nemotron_h", "deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["bamba", "nemotron_h", "deepseek_v3", "qwen3_next", "lfm2", "granitemoehybrid"])
 def test_mixed_stack_tp_is_priced_per_layer_part(model_type):
     """tp on a hybrid: each kind's one-layer table is priced by its own layer parts' rules (attention by heads,
-    MLA, Mamba-2 by heads / groups, a gated DeltaNet by key heads, MLP column then row, MoE whole), so the parameters a tp rank holds per
+    MLA, Mamba-2 by heads / groups, a gated DeltaNet by key heads, a short convolution by channel, MLP column then
+    row, a fused [gate; up] by halves, MoE whole), so the parameters a tp rank holds per
     kind are exactly those of the runtime's shard program (passes/rewrite.py) for a layer of that kind, and
     the tp all-reduces of a kind are its own row-parallel projections."""
     from autoshard.ir import Mesh, Plan, Shard
@@ -219,7 +220,9 @@ def test_mixed_stack_tp_is_priced_per_layer_part(model_type):
         assert (local < full) == (rows[kind.name] > 0), kind.name  # a kind with split parts holds less
     assert rows == {"bamba": {M: 2, A: 2}, "nemotron_h": {M: 1, "moe": 0, A: 1, "mlp": 1},  # o / out / down_proj
                     "deepseek_v3": {"attention+dense": 2, "attention+moe": 1},
-                    "qwen3_next": {M: 1, A: 1}}[model_type]  # the DeltaNet's out_proj, the attention's o_proj
+                    "qwen3_next": {M: 1, A: 1},  # the DeltaNet's out_proj, the attention's o_proj
+                    "lfm2": {"conv": 2, A: 2},  # the short conv's / attention's out_proj, the MLP's w2
+                    "granitemoehybrid": {M: 2, A: 2}}[model_type]  # and the shared MLP's output_linear
 
 
 def test_moe_kinds_are_priced_under_ep():
