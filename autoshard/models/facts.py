@@ -154,21 +154,26 @@ def _layer_patterns(plan: tuple[tuple[str, str], ...], layers: str) -> tuple[tup
                  for p, s in plan)
 
 
-def stack_paths(model) -> tuple[str, str, str, str]:
+def stack_paths(model) -> tuple[str, str, str, str] | None:
     """(the layer list, the input embedding, the final norm or "", the LM head): the full module paths the sharding
     table's embedding, layer and head roles sit at (LLaMA's model.layers, model.embed_tokens, model.norm, lm_head;
-    GPT-NeoX's gpt_neox.layers, gpt_neox.embed_in, gpt_neox.final_layer_norm, embed_out)."""
+    GPT-NeoX's gpt_neox.layers, gpt_neox.embed_in, gpt_neox.final_layer_norm, embed_out); None where the model has
+    no layer list, or its embedding or LM head is no module of it."""
     from autoshard.errors import InvalidConfigError
 
-    path, layers = layer_list(model)
+    found = layer_list(model)
+    if found is None:
+        return None
+    path, layers = found
     body = model.get_submodule(path.rpartition(".")[0])
     paths = {id(m): p for p, m in model.named_modules()}
     try:
-        norm = paths[id(final_norm(body, layers))]
+        norm = paths.get(id(final_norm(body, layers)), "")
     except InvalidConfigError:
         norm = ""
-    head = model.get_output_embeddings()
-    return path, paths[id(model.get_input_embeddings())], norm, paths[id(head)] if head is not None else ""
+    embed = paths.get(id(model.get_input_embeddings()))
+    head = paths.get(id(model.get_output_embeddings()))
+    return (path, embed, norm, head) if embed and head else None
 
 
 def mlp_width(model, facts: ModelFacts) -> int:

@@ -232,8 +232,8 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
                      attention_path=facts.attention_path or "self_attn",
                      sliding_window=facts.sliding_window, window_layers=facts.window_layers, **common)
-    stack_paths = F.stack_paths(model) if facts.layers_path else _LLAMA_STACK
-    if stack_paths != _LLAMA_STACK:  # the table's roles at the model's own paths (GPT-NeoX's gpt_neox.embed_in, ...)
+    stack_paths = F.stack_paths(model)
+    if stack_paths not in (None, _LLAMA_STACK):  # the table's roles at the model's own paths (GPT-NeoX's embed_in, ...)
         spec = replace(spec, stack=stack_paths)
     from autoshard.models.layered import kv_latent, stack_experts, with_experts
 
