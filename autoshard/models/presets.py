@@ -224,6 +224,13 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     if hybrid is None:
         _check_layers_alike(model, facts, name=name)
     heads = value("heads")
+    missing = [f"{key} ({' / '.join(F.ALIASES[key])})" for key, v in (("hidden", common["hidden"]), ("heads", heads))
+               if not is_positive_int(v)]
+    if missing:  # BLT: its sizes live in the sub-configs of its encoder, global transformer and decoder
+        raise InvalidConfigError(
+            f"{name}: {type(model).__name__}'s config has no {' and no '.join(missing)} of its own; autoshard reads "
+            "a decoder's widths off its top-level config, so it cannot plan a model whose sizes live only in "
+            "sub-configs")
     usual = common["hidden"] // heads
     head_dim = value("head_dim", usual) or usual
     spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=value("kv_heads", heads),

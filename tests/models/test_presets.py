@@ -154,7 +154,7 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
     """GPT-2 / GPT-J / CodeGen keep their layers in transformer.h, OPT in model.decoder.layers, GPT-NeoX's
     attention names its head width head_size: found by structure, they plan (their stages run the model's own
     forward where the base is no plain LLaMA stack; pp refused where the base holds parameters beside the layers
-    that are no embedding, OPT's projections); attention computed in a module's own forward (ALiBi in Bloom
+    that are no embedding, OPT's projections); a config with no widths of its own (BLT) and attention computed in a module's own forward (ALiBi in Bloom
     and MPT, Falcon's direct SDPA call, XGLM's matmuls) is refused naming the module."""
     from autoshard.errors import InvalidConfigError
     from autoshard.models.presets import spec_from_hf_config
@@ -175,3 +175,7 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
         model = build_tiny(tiny_config(model_type), device="meta")
         with pytest.raises(InvalidConfigError, match=rf"{re.escape(module)} computes attention in its own forward"):
             spec_from_hf_config(model.config, name=model_type, model=model)
+    # BLT keeps its widths in the sub-configs of its encoder, global transformer and decoder: named, no TypeError
+    model = build_tiny(tiny_config("blt"), device="meta")
+    with pytest.raises(InvalidConfigError, match=r"BltForCausalLM's config has no hidden \(hidden_size"):
+        spec_from_hf_config(model.config, name="blt", model=model)
