@@ -5,6 +5,7 @@ The whole contract: docs/modules/solve.md (passes/solve/bounds.py).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, replace
@@ -140,9 +141,6 @@ class LazyBounds:
             f[c] = memo[key]
         self._f, self._optimizer = f[bubble], optimizer_s[state_code]
         self.peak_bytes = peak[state_code]
-        floor = _compute_floors(ct, hw, np.unique(block).tolist(), seq_len=seq_len)  # [code, kind]
-        e, l, h = floor[block].T
-        self.floor_s = np.where(self._m >= self._f, self._step(e, l, h, 0.0, slice(None)) * (1 - 1e-9), -np.inf)
         self.step_s = np.full(n, np.nan)
         self.block_s: dict = {}  # block code -> {kind: seconds} (`least_block_s`), of the codes priced
         self._blocks = np.zeros((len(reps), len(KINDS)))
@@ -150,6 +148,31 @@ class LazyBounds:
         self._done = np.zeros(len(reps), dtype=bool)  # block codes priced
         by_code = np.argsort(block, kind="stable")
         self._by_code, self._starts = by_code, np.searchsorted(block[by_code], np.arange(len(reps) + 1))
+
+    @functools.cached_property
+    def floor_s(self) -> np.ndarray:
+        """A floor under each layout's step bound (see the class), computed for all layouts at once."""
+        floor = _compute_floors(self.ct, self.hw, np.unique(self.block_code).tolist(), seq_len=self.seq_len)
+        e, l, h = floor[self.block_code].T  # [code, kind] -> per layout
+        return np.where(self._m >= self._f, self._step(e, l, h, 0.0, slice(None)) * (1 - 1e-9), -np.inf)
+
+    def steps_with(self, blocks: np.ndarray) -> np.ndarray:
+        """The step bound of every layout with its blocks at `blocks` [block code, kind] seconds instead of its own
+        (a mixed stack's kind view bounds its layouts with the stack's mean layer: planner.ranges_search)."""
+        e, l, h = blocks[self.block_code].T
+        return self._step(e, l, h, self._p2p_s(np.arange(len(self.step_s))), slice(None))
+
+    def _p2p_s(self, idx: np.ndarray) -> np.ndarray:
+        """The p2p seconds of the layouts `idx` (`lower_bounds`' memo keys, priced where not kept yet)."""
+        p2p_code = self._p2p_code[idx]
+        todo = np.unique(p2p_code[np.isnan(self._p2p[p2p_code])]).tolist()
+        keys = [_CODES.keys[c][0] for c in todo]  # lower_bounds' memo keys
+        fresh = [c for c, key in zip(todo, keys) if key not in self.memo]
+        if fresh:
+            for c, p2p in zip(fresh, _p2p_columns(self.ct, self.hw, fresh, seq_len=self.seq_len).tolist()):
+                self.memo[_CODES.keys[c][0]] = p2p
+        self._p2p[todo] = [self.memo[key] for key in keys]
+        return self._p2p[p2p_code]
 
     def _step(self, e, l, h, p, idx):
         """`lower_bounds`' step sums of the layouts `idx` with these block and p2p seconds, in its order."""
@@ -169,16 +192,8 @@ class LazyBounds:
             self._blocks[c] = [bt[k] for k in KINDS]
         self._done[codes] = True
         idx = np.concatenate([self._by_code[self._starts[c]:self._starts[c + 1]] for c in codes])
-        p2p_code = self._p2p_code[idx]
-        todo = np.unique(p2p_code[np.isnan(self._p2p[p2p_code])]).tolist()
-        keys = [_CODES.keys[c][0] for c in todo]  # lower_bounds' memo keys
-        fresh = [c for c, key in zip(todo, keys) if key not in self.memo]
-        if fresh:
-            for c, p2p in zip(fresh, _p2p_columns(self.ct, self.hw, fresh, seq_len=self.seq_len).tolist()):
-                self.memo[_CODES.keys[c][0]] = p2p
-        self._p2p[todo] = [self.memo[key] for key in keys]
         e, l, h = self._blocks[self.block_code[idx]].T
-        self.step_s[idx] = self._step(e, l, h, self._p2p[p2p_code], idx)
+        self.step_s[idx] = self._step(e, l, h, self._p2p_s(idx), idx)
         return idx
 
     def ordered(self, kept: np.ndarray):

@@ -475,28 +475,14 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     `bounds.lower_bounds` with the mean layer of the stack's sequence (its summed work exact, its heaviest
     block no more than the heaviest), its state and peak memory the least over the kinds' tables."""
     layouts = [cost.resolved(lay, hw) for lay in layouts if _priced_layout(ct, lay)]
-    counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
-    memos = [{} for _ in ct.kinds]
-    found_bounds = []
-    codes = layout_codes(layouts)[:, 0].tolist()
-    blocks = _bound_blocks(ct, hw, seq_len)  # after the codes: the epoch they are of
-    for lay, code in zip(layouts, codes):
-        each = blocks.get(code)
-        if each is None:  # a block code's layouts share their block times (bounds.layout_codes)
-            each = blocks[code] = [least_block_s(view, hw, lay, seq_len=seq_len) for view in ct.kinds]
-        block_s = dict(each[0])
-        block_s[BlockKind.LAYER] = float(counts @ [b[BlockKind.LAYER] for b in each]) / counts.sum()
-        per = [lower_bounds(view, hw, lay, global_batch=global_batch, seq_len=seq_len, block_s=block_s, memo=memo)
-               for view, memo in zip(ct.kinds, memos)]
-        found_bounds.append((min(b.step_s for b in per), min(b.peak_bytes for b in per)))
-    step_b = np.array([b[0] for b in found_bounds]) if layouts else np.zeros(0)
-    peak_b = np.array([b[1] for b in found_bounds]) if layouts else np.zeros(0)
+    step_b, peak_b = _mixed_bounds(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len)
     fits = peak_b <= hw.memory_bytes
     ep_bounds = {}
     for e in sorted({lay.mesh.ep for lay in layouts}):
         mine = np.array([lay.mesh.ep == e for lay in layouts])
         ep_bounds[e] = (float(step_b[mine & fits].min(initial=math.inf)), float(peak_b[mine].min()))
-    kept = sorted(np.flatnonzero(fits).tolist(), key=lambda k: (step_b[k], k))
+    kept = np.flatnonzero(fits)
+    kept = kept[np.argsort(step_b[kept], kind="stable")].tolist()  # by (bound, index)
     best: dict = {}  # mesh -> best Candidate on it
     numbers = _kept_numbers(ct, hw, seq_len)
     visited = 0
@@ -523,6 +509,32 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         visited += 1
         _keep(best, layout, result, progress, done, len(kept))
     return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
+
+
+def _mixed_bounds(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch: int,
+                  seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(step, peak bytes) lower bounds of each of a mixed stack's `layouts` (`ranges_search`): per kind view,
+    `bounds.lower_bounds` with the embedding and head of the layout's own blocks and the stack's mean layer
+    (each block code's per-kind `least_block_s`, kept over re-plans), over arrays (`LazyBounds.steps_with`);
+    the least over the kinds of each."""
+    if not layouts:
+        return np.zeros(0), np.zeros(0)
+    counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
+    codes = layout_codes(layouts)[:, 0]
+    blocks = _bound_blocks(ct, hw, seq_len)  # after the codes: the epoch they are of
+    first = np.unique(codes, return_index=True)[1]
+    for k in first.tolist():
+        if codes[k] not in blocks:  # a block code's layouts share their block times (bounds.layout_codes)
+            blocks[int(codes[k])] = [least_block_s(view, hw, layouts[k], seq_len=seq_len) for view in ct.kinds]
+    seconds = np.zeros((int(codes.max()) + 1, 3))  # [block code, (embed, mean layer, head)]
+    for c in codes[first].tolist():
+        each = blocks[c]
+        mean = float(counts @ [b[BlockKind.LAYER] for b in each]) / counts.sum()
+        seconds[c] = (each[0][BlockKind.EMBED], mean, each[0][BlockKind.HEAD])
+    memos = epoch_table(ct, "range bound memos", hw).setdefault(seq_len, [{} for _ in ct.kinds])
+    per = [LazyBounds(view, hw, layouts, global_batch=global_batch, seq_len=seq_len, memo=memo)
+           for view, memo in zip(ct.kinds, memos)]
+    return (np.min([b.steps_with(seconds) for b in per], axis=0), np.min([b.peak_bytes for b in per], axis=0))
 
 
 def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:
