@@ -18,7 +18,7 @@ from autoshard.passes.cost import cost
 from autoshard.passes.cost.block import block_activation_bytes, block_params, block_time, expert_block_params
 from autoshard.passes.cost.state import state_bytes
 from autoshard.passes.solve.layer_ranges import range_columns, range_lengths, range_sums
-from autoshard.passes.solve.solve_model import evaluate, range_class_index, stage_entries, stage_min_layers
+from autoshard.passes.solve.solve_model import evaluate, range_class_index, stage_groups, stage_min_layers
 from autoshard.rules import schedules
 
 
@@ -50,7 +50,7 @@ def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int, memo
     """A lower bound on the step of every split of the tables `mesh_problem` would build for the resolved `layout`
     of a mixed stack (`blocks`: its `stage_numbers`), read before they are built: `range_search`'s first bound
     (m - f) T + f S + min tail with the tails left out (0; they are the costly part) and the time cutoff not
-    applied, T and S over the same entries that fit the device (`stage_entries`' memory). `range_search`
+    applied, T and S over the same entries that fit the device (`stage_entries`' memory, `stage_groups`). `range_search`
     returns at once, nothing found, where its first bound reaches the cutoff: so does it where this one does.
     `memo`: a dict kept over plans of one device and sequence length; T and S read the global batch only through
     the micro-batches each stage holds in flight, so a re-plan at another batch mostly reuses them."""
@@ -66,8 +66,15 @@ def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int, memo
         lows = [stage_min_layers(layout, L, i) for i in range(mesh.pp)]
         index = range_class_index(ct)
         fastest = np.full((mesh.pp, int(index.max()) + 1), np.inf)  # per class of ranges, then per range
-        for i, _, time, mem, _ in stage_entries(ct, hw, layout, blocks, microbatches=m, seq_len=seq_len, tails=False):
-            fastest[i] = np.minimum(fastest[i], np.where(mem <= hw.memory_bytes, time, np.inf).min(axis=0))
+        for stages, _, time, act, other, valid, _ in stage_groups(ct, hw, layout, blocks, seq_len=seq_len,
+                                                                  tails=False):
+            if not valid:
+                continue
+            held = np.array([schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages)
+                             for i in stages])  # the micro-batches each stage holds in flight
+            mem = act[None] * held[:, None, None] + other  # [stage, r, class]: stage_entries' memory
+            fits = np.where(mem <= hw.memory_bytes, time[None], np.inf).min(axis=1)
+            fastest[list(stages)] = np.minimum(fastest[list(stages)], fits)
         fastest = fastest[:, index]
         fastest[range_lengths(L)[None, :] < np.array(lows)[:, None]] = np.inf  # too short, or no range
         floor = _least_slowest(fastest, mesh.pp, L)

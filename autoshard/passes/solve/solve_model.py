@@ -333,14 +333,27 @@ def stage_entries(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumb
     time: (stage i, the variant's slice of the options, time [r, column], peak memory [r, column] (inf: the
     variant cannot go on the stage), tail [column], or None without `tails`); a mixed stack's columns are its
     classes of layer ranges (`range_class_index`)."""
+    for stages, o, time, act, other, valid, tail in stage_groups(ct, hw, layout, blocks, seq_len=seq_len, tails=tails):
+        for i in stages:
+            # activations of the micro-batches in flight under the layout's schedule
+            mem = act * schedules.in_flight(layout.schedule, i, layout.mesh.pp, microbatches,
+                                            layout.virtual_stages) + other
+            yield i, o, time, mem if valid else np.full_like(mem, np.inf), tail
+
+
+def stage_groups(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumbers, ...], *, seq_len: int,
+                 tails: bool = True) -> list[tuple]:
+    """`stage_entries`' tables grouped by the stages that share them: [(stages, the variant's slice of the options,
+    time [r, column], activations per micro-batch [r, column], other memory [column], whether the variant may go
+    on these stages, tail [column] or None)]; a stage's peak memory is its activations times the micro-batches it
+    holds in flight, plus the other memory (the middle stages of a pipeline differ in that number only)."""
     mesh, spec, recomputes = layout.mesh, ct.spec, blocks[0].recomputes
     chunks = mesh.pp * layout.virtual_stages
     ranks = [stage_rank(c, pp=mesh.pp, virtual_stages=layout.virtual_stages, schedule=layout.schedule)
              for c in range(chunks)]
     mixed = "sequence_parallel" in layout.stage_choices
-    cols: dict = {}
+    groups: dict = {}
     for v, (lay, blk) in enumerate(zip(stage_variants(layout), blocks)):
-        o = slice(v * len(recomputes), (v + 1) * len(recomputes))
         for i in range(mesh.pp):
             p2p, valid = None, True
             if mixed and lay.sequence_parallel:
@@ -350,14 +363,15 @@ def stage_entries(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumb
                 sp = tuple(ranks[c] == i for c in range(chunks))
                 valid = sharding.choice_violation(spec, mesh.tp, lay.strategies, sequence_parallel=sp,
                                                   chunks=chunks) is None
-            key = (v, i == 0, i == mesh.pp - 1, p2p)
-            if key not in cols:
-                cols[key] = _stage_columns(ct, hw, lay, blk, embed=i == 0, head=i == mesh.pp - 1, seq_len=seq_len,
-                                           p2p_s=p2p, tails=tails)
-            time, act, other, tail, _ = cols[key]
-            # activations of the micro-batches in flight under the layout's schedule
-            mem = act * schedules.in_flight(layout.schedule, i, mesh.pp, microbatches, layout.virtual_stages) + other
-            yield i, o, time, mem if valid else np.full_like(mem, np.inf), tail
+            groups.setdefault((v, i == 0, i == mesh.pp - 1, p2p, valid), []).append(i)
+    out = []
+    for (v, first, last, p2p, valid), stages in groups.items():
+        lay, blk = stage_variants(layout)[v], blocks[v]
+        time, act, other, tail, _ = _stage_columns(ct, hw, lay, blk, embed=first, head=last, seq_len=seq_len,
+                                                   p2p_s=p2p, tails=tails)
+        out.append((tuple(stages), slice(v * len(recomputes), (v + 1) * len(recomputes)), time, act, other, valid,
+                    tail))
+    return out
 
 
 def evaluate(problem: MeshProblem, a: Assignment) -> Evaluation:
