@@ -30,8 +30,8 @@ from autoshard.rules.validity import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALL
 from autoshard.passes.cost.precision import resolve_precision
 from autoshard.rules.schedules import check_chunks, microbatches_per_step
 from autoshard.passes.solve import ranges
-from autoshard.passes.solve.bounds import (Bounds, LazyBounds, epoch_table, layout_codes, least_block_s, lower_bounds,
-                                          refined_step_bound)
+from autoshard.passes.solve.bounds import (Bounds, LazyBounds, epoch_table, layout_codes, least_block_s_many,
+                                           refined_step_bound)
 from autoshard.rules.sharding import choices, strategy_options
 from autoshard.passes.solve.solve_model import (Assignment, MeshProblem, SplitSearch, evaluate, mesh_problem,
                                           min_stage_sum, split_search, stage_numbers, stage_variants)
@@ -352,11 +352,20 @@ def _pair_layouts(mesh, micro_batch: int, intra: tuple, zeros: tuple, offload: b
     with the mesh (and offload) x the schedules. The same objects for the same arguments, so a re-plan in
     process builds only the pairs whose options changed (building one Layout validates it, ~8 us; a plan
     has ~30k), and `bounds.bound_columns` reads each layout's keys once."""
-    return tuple(Layout(mesh=mesh, micro_batch=micro_batch, zero=z, offload_optimizer=o, schedule=sched, virtual_stages=v,
-                        sequence_parallel=sp, strategies=st, stage_choices=per, moe_imbalance=moe_imbalance,
-                        precision=precision, fp8_recipe=fp8_recipe)
+    return tuple(_layout(mesh, micro_batch, z, o, sched, v, sp, st, per, moe_imbalance, precision, fp8_recipe)
                  for sp, st, per in intra for z in zeros if zero_violation(mesh, z) is None
                  for o in ((False, True) if offload and z == 3 else (False,)) for sched, v in schedules)
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _layout(mesh, micro_batch: int, zero: int, offload: bool, schedule, virtual_stages: int, sequence_parallel: bool,
+            strategies: tuple, stage_choices: tuple, moe_imbalance: float, precision: Precision,
+            fp8_recipe: Fp8Recipe | None) -> Layout:
+    """One candidate Layout, built (and validated) once per process: a re-plan at another global batch, whose
+    pairs take other schedules (`_pair_layouts`' arguments change), builds only the layouts it had not."""
+    return Layout(mesh=mesh, micro_batch=micro_batch, zero=zero, offload_optimizer=offload, schedule=schedule,
+                  virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, strategies=strategies,
+                  stage_choices=stage_choices, moe_imbalance=moe_imbalance, precision=precision, fp8_recipe=fp8_recipe)
 
 
 def pipeline_schedules(spec, pp: int, microbatches: int, options=RUNTIME_SCHEDULES) -> list:
@@ -523,9 +532,10 @@ def _mixed_bounds(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch:
     codes = layout_codes(layouts)[:, 0]
     blocks = _bound_blocks(ct, hw, seq_len)  # after the codes: the epoch they are of
     first = np.unique(codes, return_index=True)[1]
-    for k in first.tolist():
-        if codes[k] not in blocks:  # a block code's layouts share their block times (bounds.layout_codes)
-            blocks[int(codes[k])] = [least_block_s(view, hw, layouts[k], seq_len=seq_len) for view in ct.kinds]
+    new = [k for k in first.tolist() if codes[k] not in blocks]  # a code's layouts share their block times
+    each = [least_block_s_many(view, hw, [layouts[k] for k in new], seq_len=seq_len) for view in ct.kinds]
+    for j, k in enumerate(new):
+        blocks[int(codes[k])] = [per[j] for per in each]
     seconds = np.zeros((int(codes.max()) + 1, 3))  # [block code, (embed, mean layer, head)]
     for c in codes[first].tolist():
         each = blocks[c]
@@ -565,8 +575,11 @@ def _priced_layout(ct: CompiledTable, layout: Layout) -> bool:
 
 
 def _priced_mesh(ct: CompiledTable, mesh) -> bool:
-    """Whether a mixed stack's per-kind tables price `mesh` (`cost.mixed_violation`)."""
-    return mixed_violation(ct, Layout(mesh=mesh)) is None
+    """Whether a mixed stack's per-kind tables price `mesh` (`cost.mixed_violation`), kept in `ct.memo`."""
+    key = ("priced mesh", mesh)
+    if key not in ct.memo:
+        ct.memo[key] = mixed_violation(ct, Layout(mesh=mesh)) is None
+    return ct.memo[key]
 
 
 def _all_sequence_parallel(problem: MeshProblem, a: Assignment) -> bool:
