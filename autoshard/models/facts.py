@@ -23,7 +23,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
     "kv_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "n_kv_heads"),
     "head_dim": ("head_dim", "attention_head_dim", "kv_channels"),
-    "ffn": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"),
+    "ffn": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim", "dff"),
     "experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
     "top_k": ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k"),
     "expert_ffn": ("moe_intermediate_size", "expert_intermediate_size", "moe_ffn_hidden_size"),
@@ -330,6 +330,22 @@ def own_attention(model) -> str | None:
             return (f"{found[0].rpartition('.')[2]}.*.{path} ({type(module).__name__}) computes attention in its own "
                     "forward, not through HF's attention interface (transformers' ALL_ATTENTION_FUNCTIONS), where "
                     "autoshard prices the attention kernel that runs and swaps in its context-parallel attention")
+    return None
+
+
+def bidirectional_attention(model) -> str | None:
+    """Why `model` is no causal decoder, naming its attention module, or None: an attention module whose
+    `is_causal` is False attends to later tokens too (BERT-style ...LMHeadModel classes built without
+    `is_decoder=True`), where autoshard prices the causal kernel's triangle and context parallelism splits the
+    sequence into causal chunks: it would mis-price the model and train it wrong under cp."""
+    for path, module in model.named_modules():
+        if is_attention(module) and getattr(module, "is_causal", True) is False:
+            config = getattr(model, "config", None)
+            fix = ("set is_decoder=True in its config, as transformers asks of a causal LM built from an encoder"
+                   if getattr(config, "is_decoder", None) is False else "build it as a causal decoder")
+            return (f"{path} ({type(module).__name__}) attends in both directions (its is_causal is False); "
+                    f"autoshard plans causal decoders (it prices the causal attention kernel and splits the "
+                    f"sequence into causal chunks under cp): {fix}")
     return None
 
 

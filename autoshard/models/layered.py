@@ -21,7 +21,7 @@ from torch import nn
 
 from autoshard.errors import InvalidConfigError
 from autoshard.model_spec import Mixer, ModelSpec, config_violation
-from autoshard.models.facts import ssd_mixers, text_config
+from autoshard.models.facts import bidirectional_attention, ssd_mixers, text_config
 
 def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
     """The spec of a mixed layer stack (None for one kind of layer); see the module docstring."""
@@ -31,6 +31,9 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
     stack = find_layer_stack(model)
     if config is None or stack is None or stack.uniform:
         return None
+    both_ways = bidirectional_attention(model)
+    if both_ways:
+        raise InvalidConfigError(f"{name}: {both_ways}")
     common = dict(name=name, vocab=config.vocab_size, hidden=config.hidden_size, layers=stack.num_layers,
                   tied=bool(getattr(config, "tie_word_embeddings", False)))
     mixers = ssd_mixers(model)

@@ -193,6 +193,9 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     from autoshard.models import facts as F
 
     facts = F.read_facts(config, model)
+    both_ways = F.bidirectional_attention(model)
+    if both_ways:
+        raise InvalidConfigError(f"{name}: {both_ways}")
     tied = bool(getattr(config, "tie_word_embeddings", False))
     value = functools.partial(F.config_value, config)
     common = dict(name=name, vocab=value("vocab"), hidden=value("hidden"), layers=value("layers"), tied=tied)

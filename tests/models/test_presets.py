@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from autoshard.errors import UnknownNameError
+from autoshard.models import facts
 from autoshard.models import PRESETS, build_model, get_spec
 from autoshard.model_spec import Mixer
 
@@ -150,11 +151,11 @@ def resolve_model_spec(model, name):
     return layered_spec(model, name=name)
 
 
-def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_name():
+def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_name(monkeypatch):
     """GPT-2 / GPT-J / CodeGen keep their layers in transformer.h, OPT in model.decoder.layers, GPT-NeoX's
     attention names its head width head_size: found by structure, they plan (their stages run the model's own
     forward where the base is no plain LLaMA stack; pp refused where the base holds parameters beside the layers
-    that are no embedding, OPT's projections); a config with no widths of its own (BLT) and attention computed in a module's own forward (ALiBi in Bloom
+    that are no embedding, OPT's projections); a config with no widths of its own (BLT), attention that looks both ways (BERT without is_decoder) and attention computed in a module's own forward (ALiBi in Bloom
     and MPT, Falcon's direct SDPA call, XGLM's matmuls) is refused naming the module."""
     from autoshard.errors import InvalidConfigError
     from autoshard.models.presets import spec_from_hf_config
@@ -175,7 +176,20 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
         model = build_tiny(tiny_config(model_type), device="meta")
         with pytest.raises(InvalidConfigError, match=rf"{re.escape(module)} computes attention in its own forward"):
             spec_from_hf_config(model.config, name=model_type, model=model)
-    # BLT keeps its widths in the sub-configs of its encoder, global transformer and decoder: named, no TypeError
+    # BERT's causal-LM head over an encoder built without is_decoder attends both ways: refused, naming the fix
+    # (priced as the causal kernel and split into causal chunks under cp it trained wrong); as a decoder it plans
+    config = tiny_config("bert")
+    with pytest.raises(InvalidConfigError, match=r"attention.self \(BertSelfAttention\) attends in both directions"
+                                                 r".*set is_decoder=True"):
+        spec_from_hf_config(config, name="bert", model=build_tiny(config, device="meta"))
+    config.is_decoder = True
+    spec = spec_from_hf_config(config, name="bert", model=build_tiny(config, device="meta"))
+    assert refusal(spec, "dp") is None and refusal(spec, "cp") is None, spec.refused
+    # BLT: its cross-attention looks both ways; past that, its widths live in the sub-configs of its encoder, global
+    # transformer and decoder: named too, not a TypeError
     model = build_tiny(tiny_config("blt"), device="meta")
+    with pytest.raises(InvalidConfigError, match=r"cross_attn_layers.0 \(BltCrossAttention\) attends in both"):
+        spec_from_hf_config(model.config, name="blt", model=model)
+    monkeypatch.setattr(facts, "bidirectional_attention", lambda model: None)
     with pytest.raises(InvalidConfigError, match=r"BltForCausalLM's config has no hidden \(hidden_size"):
         spec_from_hf_config(model.config, name="blt", model=model)
