@@ -201,10 +201,10 @@ class OwnForwardStage(StageModule):
 
 def _placeholder(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """What a later stage feeds the own forward as its input embeddings (the received hidden states `x` replace
-    them at the stage's first layer): `x` itself, or zeros of the embedding's width where the base projects the
-    embeddings to the hidden width before the layers (OPT's project_in)."""
+    them at the stage's first layer): zeros of the embedding's width (OPT projects the embeddings to the hidden
+    width before the layers, project_in), never `x` itself (CTRL scales its embeddings in place)."""
     width = model.get_input_embeddings().weight.shape[-1]
-    return x if x.shape[-1] == width else x.new_zeros(*x.shape[:-1], width)
+    return x.new_zeros(*x.shape[:-1], width)
 
 
 class _Zeros(nn.Module):

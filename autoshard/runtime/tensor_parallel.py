@@ -295,9 +295,13 @@ class _ShardSaved(torch.autograd.graph.saved_tensors_hooks):
 
 
 def _enter_region(module: nn.Module, args: tuple, kwargs: dict, *, group) -> tuple[tuple, dict]:
-    if args:
-        return (copy_to_group(args[0], group), *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": copy_to_group(kwargs["hidden_states"], group)}
+    """The region's input (its first argument, or `hidden_states`) entering tp: identity forward, its gradient
+    all-reduced backward; wherever the same tensor is passed again (CTRL's attention takes it as v, k and q) that
+    argument is the entered tensor too, so every use's gradient is summed over the ranks."""
+    x = args[0] if args else kwargs["hidden_states"]
+    entered = copy_to_group(x, group)
+    return (tuple(entered if a is x else a for a in args),
+            {k: entered if v is x else v for k, v in kwargs.items()})
 
 
 def _checkpoint_forward(module: nn.Module) -> None:
