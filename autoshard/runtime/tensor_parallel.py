@@ -235,9 +235,9 @@ def _gather_in_forward(module: nn.Module, group, *, keep_shard: bool) -> None:
         if not module.sequence_parallel:  # `sequence_parallel_off`: the input is the whole sequence
             args, kwargs = _enter_region(module, args, kwargs, group=group)
             return forward(*args, **kwargs)
-        local = args[0] if args else kwargs["hidden_states"]
+        local = _region_input(args, kwargs)
         full = gather_from_sequence(local, group, SEQ_DIM)
-        args, kwargs = ((full, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": full})
+        args, kwargs = _replaced(args, kwargs, local, full)
         if not keep_shard:
             return forward(*args, **kwargs)
         with _ShardSaved(full, local, group):
@@ -295,13 +295,21 @@ class _ShardSaved(torch.autograd.graph.saved_tensors_hooks):
 
 
 def _enter_region(module: nn.Module, args: tuple, kwargs: dict, *, group) -> tuple[tuple, dict]:
-    """The region's input (its first argument, or `hidden_states`) entering tp: identity forward, its gradient
-    all-reduced backward; wherever the same tensor is passed again (CTRL's attention takes it as v, k and q) that
-    argument is the entered tensor too, so every use's gradient is summed over the ranks."""
-    x = args[0] if args else kwargs["hidden_states"]
-    entered = copy_to_group(x, group)
-    return (tuple(entered if a is x else a for a in args),
-            {k: entered if v is x else v for k, v in kwargs.items()})
+    """The region's input (`_region_input`) entering tp: identity forward, its gradient all-reduced backward; wherever
+    the same tensor is passed again that argument is the entered tensor too, so every use's gradient is summed."""
+    x = _region_input(args, kwargs)
+    return _replaced(args, kwargs, x, copy_to_group(x, group))
+
+
+def _region_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A tp region's input: its first positional argument, else its `hidden_states`."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _replaced(args: tuple, kwargs: dict, x: torch.Tensor, new: torch.Tensor) -> tuple[tuple, dict]:
+    """The call's arguments with every one that is `x` (the same tensor passed again: CTRL's attention takes its
+    input as v, k and q) replaced by `new`."""
+    return tuple(new if a is x else a for a in args), {k: new if v is x else v for k, v in kwargs.items()}
 
 
 def _checkpoint_forward(module: nn.Module) -> None:
