@@ -226,7 +226,8 @@ def beside_layers(model) -> tuple[list, str]:
     """(modules, why): the base model's children with parameters beside the input embedding, the layers and the
     final norm, which the first pipeline stage of the model's own forward holds: embeddings (GPT-2's and OPT's
     learned positions), looked up from the input before the layers; and why pp cannot place the others, naming
-    the first (OPT's project_in / project_out linears run on either side of the layers), or ""."""
+    the first (OPT's project_in / project_out linears run on either side of the layers), or that the base has no
+    final norm (BERT's encoder), or ""."""
     from torch import nn
 
     path, layers = layer_list(model)
@@ -234,16 +235,16 @@ def beside_layers(model) -> tuple[list, str]:
     from autoshard.errors import InvalidConfigError
 
     try:
-        norm = final_norm(base, layers)
-    except InvalidConfigError:  # no final norm: the stages refuse the model themselves
-        norm = None
+        norm, missing = final_norm(base, layers), ""
+    except InvalidConfigError as e:  # no final norm (BERT's encoder): no later stage has an entry after its layers
+        norm, missing = None, str(e).removesuffix("; use pp=1")
     held = {id(layers), id(model.get_input_embeddings()), id(norm)}
     found = [(n, m) for n, m in base.named_children() if id(m) not in held and any(True for _ in m.parameters())]
     other = next(((n, m) for n, m in found if not isinstance(m, nn.Embedding)), None)
-    why = "" if other is None else (
+    why = missing or ("" if other is None else (
         f"{path.rpartition('.')[0]}.{other[0]} ({type(other[1]).__name__}) holds parameters beside the embedding, "
         "the layers and the final norm that is no embedding: the pipeline stages of the model's own forward place "
-        "only embeddings there (looked up before the layers)")
+        "only embeddings there (looked up before the layers)"))
     return [m for _, m in found if isinstance(m, nn.Embedding)], why
 
 

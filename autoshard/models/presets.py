@@ -359,7 +359,7 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
     reader = F.mask_reader(model)
     if reader:
         out.append(("cp", reader))
-    if facts.own_forward and F.layer_list(model) is not None:
+    if facts.own_forward and F.layer_list(model) is not None:  # what the stages of its own forward cannot place
         unplaced = F.beside_layers(model)[1]
         if unplaced:
             out.append(("pp", f"{unplaced}; use pp=1"))

@@ -185,6 +185,7 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
     config.is_decoder = True
     spec = spec_from_hf_config(config, name="bert", model=build_tiny(config, device="meta"))
     assert refusal(spec, "dp") is None and refusal(spec, "cp") is None, spec.refused
+    assert "BertEncoder: no final norm after its layers; use pp=1" in refusal(spec, "pp"), spec.refused  # as it runs
     # BLT: its cross-attention looks both ways; past that, its widths live in the sub-configs of its encoder, global
     # transformer and decoder: named too, not a TypeError
     model = build_tiny(tiny_config("blt"), device="meta")
