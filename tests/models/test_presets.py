@@ -155,8 +155,9 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
     """GPT-2 / GPT-J / CodeGen keep their layers in transformer.h, OPT in model.decoder.layers, GPT-NeoX's
     attention names its head width head_size: found by structure, they plan (their stages run the model's own
     forward where the base is no plain LLaMA stack; pp refused where the base holds parameters beside the layers
-    that are no embedding, OPT's projections); a config with no widths of its own (BLT), attention that looks both ways (BERT without is_decoder) and attention computed in a module's own forward (ALiBi in Bloom
-    and MPT, Falcon's direct SDPA call, XGLM's matmuls) is refused naming the module."""
+    that are no embedding, OPT's projections); a config with no widths of its own (BLT), attention that looks both
+    ways (BERT without is_decoder) and attention computed in a module's own forward (ALiBi in Bloom and MPT,
+    Falcon's direct SDPA call, XGLM's matmuls) are refused naming the module."""
     from autoshard.errors import InvalidConfigError
     from autoshard.models.presets import spec_from_hf_config
     from autoshard.models.tiny import build_tiny, tiny_config
