@@ -531,16 +531,17 @@ def _mixed_bounds(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch:
     counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
     codes = layout_codes(layouts)[:, 0]
     blocks = _bound_blocks(ct, hw, seq_len)  # after the codes: the epoch they are of
-    first = np.unique(codes, return_index=True)[1]
-    new = [k for k in first.tolist() if codes[k] not in blocks]  # a code's layouts share their block times
-    each = [least_block_s_many(view, hw, [layouts[k] for k in new], seq_len=seq_len) for view in ct.kinds]
+    first = np.unique(codes, return_index=True)[1].tolist()  # a layout of each code: they share their block times
+    new = [k for k in first if int(codes[k]) not in blocks]
+    per_kind = [least_block_s_many(view, hw, [layouts[k] for k in new], seq_len=seq_len) for view in ct.kinds]
     for j, k in enumerate(new):
-        blocks[int(codes[k])] = [per[j] for per in each]
+        blocks[int(codes[k])] = [kind[j] for kind in per_kind]
     seconds = np.zeros((int(codes.max()) + 1, 3))  # [block code, (embed, mean layer, head)]
-    for c in codes[first].tolist():
-        each = blocks[c]
-        mean = float(counts @ [b[BlockKind.LAYER] for b in each]) / counts.sum()
-        seconds[c] = (each[0][BlockKind.EMBED], mean, each[0][BlockKind.HEAD])
+    for k in first:
+        code = int(codes[k])
+        kinds = blocks[code]  # each kind's {block: seconds}
+        mean = float(counts @ [b[BlockKind.LAYER] for b in kinds]) / counts.sum()
+        seconds[code] = (kinds[0][BlockKind.EMBED], mean, kinds[0][BlockKind.HEAD])
     memos = epoch_table(ct, "range bound memos", hw).setdefault(seq_len, [{} for _ in ct.kinds])
     per = [LazyBounds(view, hw, layouts, global_batch=global_batch, seq_len=seq_len, memo=memo)
            for view, memo in zip(ct.kinds, memos)]
