@@ -15,6 +15,7 @@ some classes and keeps the others' rows. Printed: the counts per status and ever
 
     python bench/bench_runtime_sweep.py                    # every class the families sweep plans (about an hour)
     python bench/bench_runtime_sweep.py --types qwen3,afmoe
+    python bench/bench_runtime_sweep.py --world 4 --types qwen3,gemma2   # two axes at once on four ranks
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ FAMILIES = pathlib.Path(__file__).with_name("families_sweep.json")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLANS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2, micro_batch=2), "cp2": dict(cp=2)}
 EP = {"ep2": dict(ep=2)}
+# --world 4: two axes at once (their groups, the stages' tp, the cp chunks' tp shards, FSDP2 on tp slices)
+PLANS4 = {"dp2tp2": dict(dp=2, tp=2), "tp2pp2": dict(tp=2, pp=2, micro_batch=2), "tp2cp2": dict(tp=2, cp=2),
+          "pp2cp2": dict(pp=2, cp=2, micro_batch=2), "dp2tp2zero3": dict(dp=2, tp=2, zero=3)}
+EP4 = {"ep2tp2": dict(ep=2, tp=2), "ep2pp2": dict(ep=2, pp=2, micro_batch=2)}
+OUT4 = pathlib.Path(__file__).with_name("runtime_sweep_world4.json")
 STATUSES = ("ok", "refused", "WRONG", "crash")
 
 
@@ -60,7 +66,8 @@ def _rank(rank: int, world: int, model_type: str) -> None:
     from tests.runtime.equivalence import Tiny, check_plan
 
     config = _no_dropout(exaggerated(tiny_config(model_type)))
-    plans = {**PLANS, **(EP if config_value(config.get_text_config(decoder=True), "experts") else {})}
+    moe = config_value(config.get_text_config(decoder=True), "experts")
+    plans = {**PLANS, **(EP if moe else {})} if world == 2 else {**PLANS4, **(EP4 if moe else {})}
     for name, plan in plans.items():
         try:
             check_plan(Tiny(f"{model_type}-tiny", config), plan, logits=True)
@@ -75,19 +82,19 @@ def _rank(rank: int, world: int, model_type: str) -> None:
             print(json.dumps({"plan": name, "status": status, "reason": reason}), flush=True)
 
 
-def _child(model_type: str) -> None:
+def _child(model_type: str, world: int) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
     sys.path.insert(0, str(ROOT))
     from tests.runtime.dist_harness import run_ranks
 
-    run_ranks(2, _rank, model_type)
+    run_ranks(world, _rank, model_type)
 
 
-def measure(model_type: str, *, timeout: float) -> dict:
+def measure(model_type: str, *, timeout: float, world: int = 2) -> dict:
     """One class in a fresh process: {plan: {"status", "reason"}, "seconds": s}."""
-    argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", model_type]
+    argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", model_type, "--world", str(world)]
     start = time.perf_counter()
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
@@ -113,16 +120,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", help="comma-separated model types (default: those bench/families_sweep.json plans)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per class, every plan (default 600)")
-    parser.add_argument("--out", type=pathlib.Path, default=OUT)
+    parser.add_argument("--world", type=int, choices=(2, 4), default=2,
+                        help="2: each axis alone (default); 4: two axes at once, to bench/runtime_sweep_world4.json")
+    parser.add_argument("--out", type=pathlib.Path, help="the table (default: by --world)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return _child(args.child)
+        return _child(args.child, args.world)
+    args.out = args.out or (OUT if args.world == 2 else OUT4)
     families = json.loads(FAMILIES.read_text())
     types = args.types.split(",") if args.types else sorted(t for t, row in families.items() if row["status"] == "ok")
     table = json.loads(args.out.read_text()) if args.types and args.out.exists() else {}
     for n, model_type in enumerate(types, 1):
-        table[model_type] = measure(model_type, timeout=args.timeout)
+        table[model_type] = measure(model_type, timeout=args.timeout, world=args.world)
         row = table[model_type]
         cells = "  ".join(f"{p} {r['status']}" for p, r in row.items() if p != "seconds")
         print(f"[{n}/{len(types)}] {model_type:<24} {row['seconds']:>6.1f} s  {cells}", flush=True)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from autoshard.errors import UnsupportedOpError
 from autoshard.runtime.cp_sequence import CPContext, SeqLayout, gather_sequence, sequence_positions, split_sequence
+from autoshard.runtime.mesh import process_group
 
 IGNORE_INDEX = -100
 
@@ -131,7 +132,7 @@ def setup_context_parallel(model: nn.Module, mesh, groups) -> CPRuntime | None:
         return None
     layout = layout_of(model)  # raises before any collective for a model with no CP rule
     sets, mine = data_context_group(mesh, groups.coords)
-    made = [dist.new_group(ranks, backend=groups.backend) for ranks in sets]
+    made = [process_group(ranks, backend=groups.backend) for ranks in sets]
     ctx = CPContext.from_group(groups.cp)
     enable_context_parallel(model, ctx)
     return CPRuntime(ctx=ctx, layout=layout, grad_group=made[mine], attention=has_attention(model))

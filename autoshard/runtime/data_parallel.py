@@ -5,6 +5,7 @@ The whole contract: docs/modules/runtime.md (runtime/data_parallel.py).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -79,6 +80,19 @@ class _Bucket:
         return torch.nn.functional.pad(flat, (0, self.padded - self.numel)) if self.padded > self.numel else flat
 
 
+def _weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
+    """A gradient hook that calls `method` while its object lives. A parameter holds its hooks from C++,
+    where the garbage collector cannot see them: a bound method there would keep its object, the buffers
+    and the process group (gloo's threads) alive after the model is dropped."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: nn.Parameter) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+    return hook
+
+
 class GradSync:
     """Bucketed, overlapped gradient all-reduce (or ZeRO reduce-scatter) over the dp group."""
 
@@ -125,7 +139,8 @@ class GradSync:
         # id(param) of the parameters no rank of the group got a gradient for in the last step (HF's unused
         # ones, e.g. DeepSeek-V3.2's indexer): `.grad` stays None and the optimizer leaves them, as one process does
         self.unused: frozenset[int] = frozenset()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+        on_grad = _weak_hook(self._on_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for b in self.buckets for p in b.params]
 
     def begin(self, *, last: bool, first: bool = True) -> None:
         """Start the backward of a micro-batch (`first`/`last` of the step): the reductions launch as

@@ -150,6 +150,26 @@ def init_default_group(*, backend: str, env: dict[str, str], device: torch.devic
                             device_id=device if device.type != "cpu" else None, **kwargs)
 
 
+_MADE: dict[tuple, object] = {}  # (default group, ranks, backend, timeout) -> the group `process_group` made
+
+
+def process_group(ranks, *, backend: str | None = None, timeout_s: float | None = None):
+    """`dist.new_group(ranks)`, made once per process for each (ranks, backend, timeout) and reused by every
+    later `parallelize` in it (a notebook, a test over many plans): a gloo group holds 3 threads until it is
+    destroyed, and a process holding thousands of them runs 20x slower. Collective over the world as
+    `new_group` is: every rank asks for the same groups in the same order, so every rank finds the same
+    ones already made. A new default group (the world destroyed and initialised again) starts afresh;
+    destroying one of these groups alone is not supported (the other ranks would not make it again)."""
+    world = dist.group.WORLD
+    for stale in [k for k in _MADE if k[0] is not world]:  # of a destroyed world: let them go
+        del _MADE[stale]
+    key = (world, tuple(ranks), backend, timeout_s)
+    if key not in _MADE:
+        timeout = {} if timeout_s is None else dict(timeout=timedelta(seconds=timeout_s))
+        _MADE[key] = dist.new_group(list(ranks), backend=backend, **timeout)
+    return _MADE[key]
+
+
 def build_groups(mesh: Mesh, *, device: torch.device, backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Groups:
     """Process groups of this rank for every axis of `mesh` (collective: all ranks call it); a collective
     on any of them fails after `timeout_s` seconds."""
@@ -157,12 +177,12 @@ def build_groups(mesh: Mesh, *, device: torch.device, backend: str, timeout_s: f
     mine = {}
     for axis in MESH_AXES:
         for ranks in axis_ranks(mesh, axis):
-            group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout_s))
+            group = process_group(ranks, backend=backend, timeout_s=timeout_s)
             if rank in ranks:
                 mine[axis] = group
     if mesh.ep > 1:
         for ranks in axes_ranks(mesh, ("dp", "ep", "cp")):
-            group = dist.new_group(ranks, backend=backend)
+            group = process_group(ranks, backend=backend)
             if rank in ranks:
                 mine["replicas"] = group
     return Groups(mesh=mesh, rank=rank, coords=coords_of(rank, mesh), backend=backend, device=device, **mine)

@@ -25,6 +25,7 @@ from autoshard.model_spec import ModelSpec
 from autoshard.rules.schedules import check_chunks
 from autoshard.runtime.data_parallel import take_grad
 from autoshard.runtime.loss import causal_lm_loss
+from autoshard.runtime.mesh import process_group
 from autoshard.runtime.precision import Autocast
 from autoshard.runtime.stages import build_stage_module, original_names
 
@@ -305,7 +306,7 @@ def _tied_pair_group(pp_group: dist.ProcessGroup, first: int, last: int) -> dist
     dist.all_gather_object(pairs, mine)
     group = None
     for pair in sorted(set(map(tuple, pairs))):
-        made = dist.new_group(list(pair))
+        made = process_group(pair)
         if pair == mine:
             group = made
     return group

@@ -159,9 +159,42 @@ def _run_all(rank: int, world: int, configs) -> None:
             check_plan(preset, plan, prepare=_sliding_window, logits=True)
     for preset, plan, logits in configs:
         check_plan(preset, plan, logits=logits)
+    if world == 2:
+        _check_nothing_held()
     if world == 4:
         for preset, plan, logits in WHOLE_GROUPS:
             check_plan(preset, plan, logits=logits, sgd=True)
+
+
+def _check_nothing_held() -> None:
+    """After the hundreds of plans this world ran: the process groups of the same ranks were made once
+    (runtime/mesh.py `process_group`; gloo's threads of a new set per plan slowed this run 20x), and a dropped
+    DistributedModel is freed whole (its gradient hooks hold it weakly: runtime/data_parallel.py `_weak_hook`)."""
+    import gc
+    import os
+    import weakref
+
+    import torch
+    from torch.distributed import distributed_c10d
+
+    import autoshard
+    from autoshard.models.presets import build_model
+
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    made = []
+    for _ in range(2):
+        dm = autoshard.parallelize(build_model(get_spec("llama-tiny"), seed=0), ids, plan=dict(dp=2), global_batch=8)
+        dm.train_step(ids, ids)
+        made.append((weakref.ref(dm.model), dm._groups))
+        del dm
+        gc.collect()
+    assert [model() for model, _ in made] == [None, None], "a dropped DistributedModel's model is still held"
+    assert made[0][1].dp is made[1][1].dp, "a second parallelize made new process groups for the same ranks"
+    # the world, the single-rank groups of each rank and the pair, per (backend, timeout) they were asked with
+    held = len(distributed_c10d._world.pg_map)
+    assert held <= 8, f"{held} process groups held after this world's plans"
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+    assert threads <= 64, f"{threads} threads in this rank after this world's plans"
 
 
 def _check_shard_saved() -> None:
