@@ -36,7 +36,10 @@ def compile_backend(setting: bool | str | None, spec: ModelSpec, device_type: st
 
 
 def compile_layers(model: nn.Module, backend: str) -> int:
-    layers = getattr(model, model.base_model_prefix).layers  # HF's body, as runtime/zero3.py finds the blocks
+    from autoshard.models.facts import layer_list
+
+    found = layer_list(model)  # by structure (GPT-2's and CodeGen's transformer.h too), as runtime/zero3.py
+    layers = found[1] if found is not None else ()
     for layer in layers:
         layer.compile(backend=backend)
     return len(layers)

@@ -170,7 +170,7 @@ def partial_grad_reducer(model: nn.Module, program: ShardProgram, group: dist.Pr
                 local = grad.to_local() if hasattr(grad, "to_local") else grad
                 dist.all_reduce(local, group=group)
                 continue
-            if any(placement.whole):  # (not under ZeRO-3: the rows are cut over dp there)
+            if any(placement.whole):
                 _sum_whole_pieces(grad, placement, group)
                 continue
             # ZeRO-3: the dp shard of the gradient (FSDP2 cuts every tp rank's slice at the same rows)
@@ -185,13 +185,24 @@ def partial_grad_reducer(model: nn.Module, program: ShardProgram, group: dist.Pr
 
 def _sum_whole_pieces(grad: Tensor, placement: Shard, group) -> None:
     """Sum over tp, in place, the rows of the pieces every rank holds whole (each rank's gradient
-    there is the part its own heads contributed)."""
+    there is the part its own heads contributed). Under ZeRO-3 `grad` is this rank's dp shard (a DTensor
+    cut along dim 0 as `torch.chunk` cuts, at the same rows on every tp rank, which share their dp
+    coordinate): the rows of the pieces that fall in it."""
     starts, offset = [], 0
     for i, n in enumerate(placement.local_sizes()):
         if placement.kept_whole(i):
             starts.append(torch.arange(offset, offset + n, device=grad.device))
         offset += n
     rows = torch.cat(starts)
+    if hasattr(grad, "to_local"):  # a DTensor (duck-typed: no import)
+        local = grad.to_local()
+        if placement.dim == 0:
+            mesh = grad.device_mesh
+            first = mesh.get_local_rank() * -(-grad.shape[0] // mesh.size())
+            rows = rows[(rows >= first) & (rows < first + local.shape[0])] - first
+        grad = local
+        if rows.numel() == 0:  # no whole row in this shard (nor in the tp peers' same shard)
+            return
     part = grad.index_select(placement.dim, rows).contiguous()
     dist.all_reduce(part, group=group)
     grad.index_copy_(placement.dim, rows, part)

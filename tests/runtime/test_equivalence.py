@@ -89,6 +89,7 @@ WORLD4 = (
     ("llama-tiny", dict(pp=2, cp=2, schedule="zero-bubble", virtual_stages=1), False),
     ("mamba2-tiny", dict(tp=4), False),  # 2 groups at tp 4: groups whole, the norm synced
     (ONE_GROUP, dict(dp=2, tp=2), False),
+    (ONE_GROUP, dict(dp=2, tp=2, zero=3), False),  # the whole B/C rows' gradients summed over tp on FSDP2's shard
     ("llama-tiny", dict(dp=4, zero=3), False),  # ZeRO-3: FSDP2 over dp
     ("llama-tiny", dict(dp=2, tp=2, zero=3, micro_batch=2), False),  # FSDP2 on the tp slices
     ("mamba2-tiny", dict(dp=4, zero=3), False),
