@@ -3,8 +3,8 @@
 `bench/bench_families.py` checks what a user's `inspect` and `plan` give; this runs what `parallelize` gives. For
 every model type the families sweep marks `ok` (or `--types`), a fresh process spawns two gloo ranks that build
 `exaggerated(tiny_config(model_type))` with dropout off and, for each plan of dp2, tp2, pp2 (2 micro-batches), cp2,
-dp2 with ZeRO-3 (FSDP2) and, for a mixture of experts, ep2, run `tests/runtime/equivalence.check_plan` (two AdamW steps: the loss, every gradient,
-the weights and the logits against one process). Each (class, plan) is one of:
+dp2 with ZeRO-3 (FSDP2) and, for a mixture of experts, ep2, run `tests/runtime/equivalence.check_plan` (two AdamW
+steps: the loss, every gradient, the weights and the logits against one process). Each (class, plan) is one of:
 * `ok`: exact against one process;
 * `refused`: parallelize raised an autoshard error (its one line is the reason);
 * `WRONG`: it ran and differs from one process (the assertion's first line): a silent wrong answer (where only the
@@ -139,12 +139,12 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, help="the table (default: by --world)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    only = tuple(args.plans.split(",")) if args.plans else ()
     if args.child:
-        return _child(args.child, args.world, tuple(args.plans.split(",")) if args.plans else ())
+        return _child(args.child, args.world, only)
     args.out = args.out or (OUT if args.world == 2 else OUT4)
     families = json.loads(FAMILIES.read_text())
     types = args.types.split(",") if args.types else sorted(t for t, row in families.items() if row["status"] == "ok")
-    only = tuple(args.plans.split(",")) if args.plans else ()
     table = json.loads(args.out.read_text()) if (args.types or only) and args.out.exists() else {}
     for n, model_type in enumerate(types, 1):
         row = measure(model_type, timeout=args.timeout, world=args.world, only=only)

@@ -156,10 +156,11 @@ _MADE: dict[tuple, object] = {}  # (default group, ranks, backend, timeout) -> t
 def process_group(ranks, *, backend: str | None = None, timeout_s: float | None = None):
     """`dist.new_group(ranks)`, made once per process for each (ranks, backend, timeout) and reused by every
     later `parallelize` in it (a notebook, a test over many plans): a gloo group holds 3 threads until it is
-    destroyed, and a process holding thousands of them runs 20x slower. Collective over the world as
-    `new_group` is: every rank asks for the same groups in the same order, so every rank finds the same
-    ones already made. A new default group (the world destroyed and initialised again) starts afresh;
-    destroying one of these groups alone is not supported (the other ranks would not make it again)."""
+    destroyed, and a process holding thousands of them runs ~15x slower (bench/bench_process_groups.py).
+    Collective over the world as `new_group` is: every rank asks for the same groups in the same order, so
+    every rank finds the same ones already made. A new default group (the world destroyed and initialised
+    again) starts afresh; destroying one of these groups alone is not supported (the other ranks would not
+    make it again)."""
     world = dist.group.WORLD
     for stale in [k for k in _MADE if k[0] is not world]:  # of a destroyed world: let them go
         del _MADE[stale]

@@ -169,7 +169,7 @@ def _run_all(rank: int, world: int, configs) -> None:
 
 def _check_nothing_held() -> None:
     """After the hundreds of plans this world ran: the process groups of the same ranks were made once
-    (runtime/mesh.py `process_group`; gloo's threads of a new set per plan slowed this run 20x), and a dropped
+    (runtime/mesh.py `process_group`; gloo's threads of a new set per plan slowed this run ~15x), and a dropped
     DistributedModel is freed whole (its gradient hooks hold it weakly: runtime/data_parallel.py `_weak_hook`)."""
     import gc
     import os
