@@ -1,7 +1,7 @@
 """`autoshard verify --model M`: prove a model class exact on gloo before trusting a plan on it.
 
 A tiny config of the same class (models/tiny.py: one layer of each layer type, multipliers and
-softcaps exaggerated so a dropped op shows) is trained for two AdamW steps on `--ranks` gloo
+softcaps exaggerated so a dropped op shows, dropout off: a split run draws other masks than one process) is trained for two AdamW steps on `--ranks` gloo
 processes under every axis the planner may choose (dp, tp, pp, cp; ep for a MoE model), each rank
 against one process it runs itself: the loss of every step, every gradient and every weight after
 the steps must agree (rtol 1e-4, atol 1e-5). The table says per axis: exact, refused (the model's
@@ -42,7 +42,7 @@ def run(args) -> int:
     from autoshard.errors import InvalidConfigError
     from autoshard.models import verdicts
     from autoshard.models.presets import resolve_model
-    from autoshard.models.tiny import exaggerated, tiny_config
+    from autoshard.models.tiny import exaggerated, tiny_config, without_dropout
 
     if not 2 <= args.ranks <= 4:
         raise InvalidConfigError(f"--ranks {args.ranks}: verify runs 2 to 4 gloo processes; use --ranks 2, 3 or 4")
@@ -51,7 +51,7 @@ def run(args) -> int:
     if unknown or not axes:
         raise InvalidConfigError(f"--axes {args.axes!r}: expected a comma-separated list of {', '.join(AXES)}")
     spec, model = resolve_model(args.model, device="meta")
-    config = exaggerated(tiny_config(model.config))
+    config = without_dropout(exaggerated(tiny_config(model.config)))
     kept = {a: v for a, v in verdicts.load(type(model)).items() if a not in axes}
     verdicts.clear(type(model))  # the axes asked for are re-proven from scratch
     results = verify_config(config, ranks=args.ranks, axes=tuple(a for a in axes if a != "ep" or spec.is_moe))

@@ -323,15 +323,31 @@ def own_attention(model) -> str | None:
     keeps a layer index and a head width (head_dim / head_size) but is no `is_attention` module computes its
     attention in its own forward (Bloom's and MPT's ALiBi bias, Falcon's direct SDPA call, XGLM's matmuls), not
     through HF's attention interface, where autoshard substitutes the kernel that runs, prices it, and swaps in
-    its context-parallel attention."""
+    its context-parallel attention: such a model runs dp and pp by its own forward, priced by the ops it traces to
+    (models/presets.py `_own_attention_refusals`)."""
     found = layer_list(model)
     for path, module in found[1][0].named_modules() if found is not None else ():
         if path and hasattr(module, "layer_idx") and (hasattr(module, "head_dim") or hasattr(module, "head_size")) \
                 and not is_attention(module):
             return (f"{found[0].rpartition('.')[2]}.*.{path} ({type(module).__name__}) computes attention in its own "
-                    "forward, not through HF's attention interface (transformers' ALL_ATTENTION_FUNCTIONS), where "
-                    "autoshard prices the attention kernel that runs and swaps in its context-parallel attention")
+                    "forward, not through HF's attention interface (transformers' ALL_ATTENTION_FUNCTIONS)")
     return None
+
+
+def own_loss(model) -> str | None:
+    """Why `model`'s training loss is none autoshard computes, or None: a forward that takes `labels` but computes
+    its loss without HF's `loss_function` (the shifted causal-LM cross-entropy, ForCausalLMLoss, which
+    runtime/loss.py computes over any split of the batch: TrOCR's and MVP's own CrossEntropyLoss takes the labels
+    already shifted)."""
+    import inspect
+
+    code = getattr(inspect.unwrap(type(model).forward), "__code__", None)
+    if code is None or "labels" not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount] \
+            or "loss_function" in code.co_names:
+        return None
+    return (f"{type(model).__name__} computes its loss in its own forward, not through HF's causal-LM "
+            "loss_function: autoshard trains on that shifted cross-entropy (labels shifted by one inside, as "
+            "ForCausalLMLoss), which need not be this model's number, so no axis can run it")
 
 
 def bidirectional_attention(model) -> str | None:

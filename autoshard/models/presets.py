@@ -193,7 +193,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     from autoshard.models import facts as F
 
     facts = F.read_facts(config, model)
-    both_ways = F.bidirectional_attention(model)
+    both_ways = F.bidirectional_attention(model) or F.own_loss(model)
     if both_ways:
         raise InvalidConfigError(f"{name}: {both_ways}")
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -211,10 +211,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         from autoshard.models.layered import _mixer_without_cp
 
         own = F.own_attention(model)  # first: such a module is no unknown mixer (it attends, priced as nothing)
-        if own:
-            raise InvalidConfigError(f"{name}: {own}; no axis can be priced or run for it (autoshard plans decoders "
-                                     "whose attention calls that interface)")
-        refused = hybrid_refusals(model, stack)
+        refused = _own_attention_refusals(own, model) if own else hybrid_refusals(model, stack)
         if refused:  # a uniform stack of a mixer with no rule (Mamba-1): the model's own forward, dp and pp only
             return ModelSpec(mixer=Mixer.ATTENTION, ffn=value("ffn", 0) or 0, own_forward=True, refused=refused,
                              **common)
@@ -279,6 +276,25 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
     return replace(spec, refused=found + verified)
+
+
+def _own_attention_refusals(own: str, model) -> tuple[tuple[str, str], ...]:
+    """An attention computed in the layer's own forward (`facts.own_attention`: Falcon, MPT, BLOOM, XGLM): run by
+    the model's own forward under dp (any ZeRO) and pp, priced by the ops its graph runs; tp, sequence parallelism
+    and cp refused naming the module (no rule splits its heads, no CP attention swaps in), serving too (its KV cache
+    is read off the attention interface's calls), pp where the base holds parameters beside the layers that are no
+    embedding (BLOOM's embedding norm)."""
+    from autoshard.models import facts as F
+
+    out = [("tp", f"{own}: no tensor-parallel rule splits its heads; use tp=1"),
+           ("sequence_parallel", f"{own}: sequence parallelism runs with tp; set sequence_parallel to false"),
+           ("cp", f"{own}: no context-parallel attention swaps in for it; use cp=1"),
+           ("inference", f"{own}: serving prices the KV cache of attention called through that interface; plan "
+                         "its training")]
+    unplaced = F.beside_layers(model)[1] if F.layer_list(model) is not None else ""
+    if unplaced:
+        out.append(("pp", f"{unplaced}; use pp=1"))
+    return tuple(out)
 
 
 def _tp_proof(spec: ModelSpec, model, *, propose: bool = False, declared: tuple[tuple[str, str], ...] = ()):
@@ -368,7 +384,8 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
         what = f"layers.*.{extra[0]} has no sequence-parallel rule" if extra else (
             "the model's own forward around its layers (embedding scale, logit scaling / softcap, rotary per layer "
             "type, per-head parameters) is not run on a sequence shard" if facts.own_forward or spec.head_params
-            else "replicated parameters with gradients summed over tp (q/k norms)")
+            else f"replicated parameters with gradients summed over tp "
+                 f"({', '.join(f'layers.*.{p}' for p in spec.grad_sum)})")
         out.append(("sequence_parallel", f"{what}; set sequence_parallel to false"))
     return tuple(out)
 

@@ -200,6 +200,21 @@ def exaggerated(config):
     return config
 
 
+def without_dropout(config):
+    """`config` with every dropout probability it has (a number field named *dropout*, *pdrop*, *dropout_prob*,
+    *layerdrop*: GPT-2's resid_pdrop, Seed-OSS's residual_dropout, XGLM's layerdrop) set to 0, its text config's too:
+    a run split over ranks draws other random masks than one process, so only a model without dropout can be
+    compared with one."""
+    config = copy.deepcopy(config)
+    text = config.get_text_config(decoder=True)
+    for part in (config,) if text is config else (config, text):
+        for name, value in list(vars(part).items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and \
+                    any(k in name for k in ("dropout", "pdrop", "layerdrop")) and _settable(part, name):
+                setattr(part, name, 0.0)
+    return config
+
+
 def build_tiny(config, *, seed: int = 0, device: str = "cpu"):
     """The HF causal LM of `config` (see `tiny_config`), float32, weights drawn from `seed`."""
     config = copy.deepcopy(config)

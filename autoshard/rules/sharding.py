@@ -199,8 +199,16 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
         if role.block is BlockKind.HEAD and role.strategy is Strategy.VOCAB and not spec.embedding_plain and spec.tied:
             role = replace(role, strategy=Strategy.REPLICATE)
         out.append(role)
-    out += [Role(path, _L, Strategy.REPLICATE, grad_sum=True) for path in spec.grad_sum]
+    kept = {r.path for r in out if one_kv_head(spec, r)}  # summed as shared pieces already (passes/rewrite.py)
+    out += [Role(path, _L, Strategy.REPLICATE, grad_sum=True) for path in spec.grad_sum if path not in kept]
     return tuple(out)
+
+
+def one_kv_head(spec: ModelSpec, role: Role) -> bool:
+    """Whether `role` is a projection of multi-query attention's one KV head: whole on every tp rank, its gradient
+    (this rank's query heads' part) summed over tp as any shared piece's."""
+    return role.strategy is Strategy.COLWISE and bool(role.pieces) and all(
+        p.share and size(spec, p.count) == 1 for p in role.pieces)
 
 
 _LLAMA_EDGES = ("model.embed_tokens", "model.norm", "lm_head")  # LLaMA's paths of `ModelSpec.stack`'s last three

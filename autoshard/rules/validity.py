@@ -157,7 +157,8 @@ class Rule:
 
 
 def refusal(spec: ModelSpec, axis: str) -> str | None:
-    """Why `spec`'s facts refuse `axis` ("tp", "pp", "cp", "ep", "sequence_parallel"), or None."""
+    """Why `spec`'s facts refuse `axis` ("tp", "pp", "cp", "ep", "sequence_parallel"; "inference": generation and
+    serving plans), or None."""
     for name, why in spec.refused:
         if name == axis:
             return f"{axis} is refused for {spec.name}: {why}"
@@ -371,6 +372,8 @@ RULES: tuple[Rule, ...] = (
     Rule(name="world-size", checks="the mesh multiplies to the world size it runs on", violation=_world_size),
     Rule(name="one-replica", checks="generation runs one model replica: dp = cp = 1", violation=_one_replica,
          modes=GENERATE),
+    Rule(name="serving-refused", checks="generation only where the model's facts allow it",
+         violation=lambda q: refusal(q.spec, "inference"), modes=GENERATE),
     Rule(name="sizes-positive", checks="global batch, sequence length and micro-batch are positive integers",
          violation=_sizes_positive),
     Rule(name="sequence-predicts", checks=f"a training sequence holds at least {MIN_SEQ_LEN} tokens",

@@ -155,9 +155,11 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
     """GPT-2 / GPT-J / CodeGen keep their layers in transformer.h, OPT in model.decoder.layers, GPT-NeoX's
     attention names its head width head_size: found by structure, they plan (their stages run the model's own
     forward where the base is no plain LLaMA stack; pp refused where the base holds parameters beside the layers
-    that are no embedding, OPT's projections); a config with no widths of its own (BLT), attention that looks both
-    ways (BERT without is_decoder) and attention computed in a module's own forward (ALiBi in Bloom and MPT,
-    Falcon's direct SDPA call, XGLM's matmuls) are refused naming the module."""
+    that are no embedding, OPT's projections); a config with no widths of its own (BLT) and attention that looks both
+    ways (BERT without is_decoder) are refused naming the module; attention computed in a module's own forward
+    (ALiBi in Bloom and MPT, Falcon's direct SDPA call, XGLM's matmuls) plans dp and pp by the model's own forward,
+    tp, sequence parallelism, cp and serving refused naming the module (and Bloom's pp: its embedding norm); a loss
+    computed in the model's own forward (TrOCR's, labels already shifted) is refused whole."""
     from autoshard.errors import InvalidConfigError
     from autoshard.models.presets import spec_from_hf_config
     from autoshard.models.tiny import build_tiny, tiny_config
@@ -175,8 +177,14 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
                                ("falcon", "h.*.self_attention (FalconAttention)"),
                                ("xglm", "layers.*.self_attn (XGLMAttention)")):
         model = build_tiny(tiny_config(model_type), device="meta")
-        with pytest.raises(InvalidConfigError, match=rf"{re.escape(module)} computes attention in its own forward"):
-            spec_from_hf_config(model.config, name=model_type, model=model)
+        spec = spec_from_hf_config(model.config, name=model_type, model=model)
+        assert spec.own_forward and refusal(spec, "dp") is None, spec.refused
+        assert (refusal(spec, "pp") is None) == (model_type != "bloom"), spec.refused
+        for axis in ("tp", "cp", "sequence_parallel", "inference"):
+            assert f"{module} computes attention in its own forward" in (refusal(spec, axis) or ""), (axis, spec.refused)
+    model = build_tiny(tiny_config("trocr"), device="meta")
+    with pytest.raises(InvalidConfigError, match=r"TrOCRForCausalLM computes its loss in its own forward"):
+        spec_from_hf_config(model.config, name="trocr", model=model)
     # BERT's causal-LM head over an encoder built without is_decoder attends both ways: refused, naming the fix
     # (priced as the causal kernel and split into causal chunks under cp it trained wrong); as a decoder it plans
     config = tiny_config("bert")

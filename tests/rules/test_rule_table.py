@@ -29,6 +29,7 @@ def _ask(spec=LLAMA, mesh=Mesh(), **fields) -> PlanQuestion:
 CASES = {
     "world-size": (_ask(mesh=Mesh(dp=2), world_size=4), r"multiplies to 2, but the world size is 4"),
     "one-replica": (_ask(mesh=Mesh(dp=2), generate=True), r"generate runs one model replica: the plan has dp=2"),
+    "serving-refused": (_ask(_refusing(LLAMA, "inference"), generate=True), r"inference is refused for llama-tiny"),
     "sizes-positive": (_ask(global_batch=0), r"global batch must be a positive integer, got 0"),
     "sequence-predicts": (_ask(seq_len=1), r"a sequence needs at least 2 tokens"),
     "ep-refused": (_ask(_refusing(MIXTRAL, "ep"), Mesh(ep=2)), r"ep is refused for mixtral-tiny"),

@@ -6,7 +6,7 @@ windows so that a dropped window shows at 16 tokens."""
 
 from __future__ import annotations
 
-from autoshard.models.tiny import exaggerated, tiny_config
+from autoshard.models.tiny import exaggerated, tiny_config, without_dropout
 from tests.runtime.equivalence import Tiny
 
 
@@ -28,6 +28,11 @@ MOE = {
     "gpt_oss": _tiny("gpt_oss"),  # attention sinks; biased, transposed, interleaved, clamped experts (HF's own under ep)
     "llama4": _tiny("llama4_text"),  # base_model_prefix names another model; experts called pre-scattered
 }
+
+# multi-query attention (one KV head, Gemma-2B's, Falcon-7B's): under tp its k / v projections stay whole on every
+# rank and their gradients (this rank's query heads' part) are summed over tp; Llama reads the head through SDPA's
+# native GQA, Gemma-2 (softcapped, eager) repeats it (`repeat_kv`, its count set per rank)
+MULTI_QUERY = {"llama_mq": _tiny("llama", num_key_value_heads=1), "gemma2_mq": _tiny("gemma2", num_key_value_heads=1)}
 
 # classes that declare no base_model_tp_plan: tp runs the Megatron pairs found on their graph
 # (passes/capture/tp_proposal.py): Persimmon's fused per-head query_key_value -> dense, dense_h_to_4h -> dense_4h_to_h
@@ -118,6 +123,14 @@ CLASSIC_REFUSED = {("gpt2", "tp"): "no colwise -> rowwise pair on the graph",
 # every family under every axis on two ranks (dense: dp, tp, pp, cp; MoE: dp, tp, pp, cp, ep), inside the
 # shared world-2 spawn (test_equivalence.py); an axis a family refuses must say so by name, on every rank
 PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
+
+# attention computed in the layer's own forward (Falcon's direct SDPA call, MPT's and Bloom's ALiBi, XGLM's matmuls):
+# dp and pp by the model's own forward, priced by the ops it traces to; tp and cp refused naming the module (no rule
+# splits its heads, no CP attention swaps in), Bloom's pp by its embedding norm; dropout off
+OWN_ATTENTION = {t: Tiny(f"{t}-tiny", without_dropout(exaggerated(tiny_config(t)))) for t in ("falcon", "mpt", "bloom", "xglm")}
+_OWN = "computes attention in its own forward"
+OWN_ATTENTION_REFUSED = {**{(t, a): _OWN for t in OWN_ATTENTION for a in ("tp", "cp")},
+                         ("bloom", "pp"): "transformer.word_embeddings_layernorm (LayerNorm) holds parameters beside"}
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
@@ -127,7 +140,10 @@ def check_families() -> None:
 
     check_axes({**DENSE, **MOE, **RULELESS}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
     check_axes({**NO_TP_PLAN, **GATHERED}, lambda name: (dict(tp=2),), {})
+    check_axes(MULTI_QUERY, lambda name: (dict(tp=2), dict(tp=2, micro_batch=2, precision="bf16-mixed")), {})
     check_axes(CLASSIC, lambda name: PLANS, CLASSIC_REFUSED)
+    check_axes(OWN_ATTENTION, lambda name: PLANS + ((dict(dp=2, zero=3),) if name == "falcon" else ()),
+               OWN_ATTENTION_REFUSED)
     # ZeRO-3's FSDP2 units and torch.compile's regions are the blocks found by structure (CodeGen's and GPT-2's
     # transformer.h): both raised "'CodeGenModel' object has no attribute 'layers'"
     check_axes({"codegen": CLASSIC["codegen"]}, lambda name: (dict(dp=2, zero=3),), {})
@@ -177,7 +193,8 @@ def _check_generate() -> None:
     multipliers) under tp and over pipeline stages: Gemma-2 with 4 layers and a 3-token window, so the later
     stage's sliding layer sizes its mask without layer 0 (6 + 8 tokens: the window drops keys; without it the
     tokens differ); GPT-OSS's own experts (biases, clamped gate) sliced over ep 2 (`replicated_tokens`); DeepSeek-V2's
-    latent attention under tp 2 (its heads' cache split, the compressed projection whole)."""
+    latent attention under tp 2 (its heads' cache split, the compressed projection whole); multi-query Gemma-2 under tp 2
+    (its one KV head cached whole on each rank)."""
     import copy
 
     import torch
@@ -190,6 +207,7 @@ def _check_generate() -> None:
     windowed.layer_types = ["sliding_attention", "full_attention"] * 2
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
     for source, plan in ((DENSE["gemma2"], dict(tp=2)), (DENSE["granite"], dict(tp=2)), (LATENT["deepseek_v2"], dict(tp=2)),
+                         (MULTI_QUERY["gemma2_mq"], dict(tp=2)),
                          (DENSE["granite"], dict(pp=2)), (Tiny("gemma2-4-window3", windowed), dict(pp=2)),
                          (MOE["gpt_oss"], dict(ep=2))):
         check_generate(source, plan, ids)

@@ -15,6 +15,7 @@ from autoshard.models.presets import get_spec
 
 from tests.runtime.dist_harness import run_ranks
 from tests.runtime.equivalence import check_plan
+from tests.runtime.families import MULTI_QUERY
 
 # mamba2-tiny with one group (as mamba2-1b): tp does not divide the groups, so B/C are kept whole
 ONE_GROUP = dataclasses.replace(get_spec("mamba2-tiny"), name="mamba2-tiny-1group", groups=1)
@@ -77,6 +78,8 @@ WORLD4 = (
     ("llama-tiny", dict(dp=2, tp=2, recompute="full"), False),
     ("mamba2-tiny", dict(dp=2, tp=2, recompute="full", zero=1), False),
     ("llama-tiny", dict(tp=4), False),  # 2 KV heads, tp 4: each rank keeps one KV head
+    (MULTI_QUERY["gemma2_mq"], dict(tp=4), True),  # one KV head for one query head per rank (repeat_kv once)
+    (MULTI_QUERY["llama_mq"], dict(dp=2, tp=2, zero=3), False),  # the whole k / v gradients summed on FSDP2's shard
     ("llama-tiny", dict(dp=2, pp=2, micro_batch=2), False),
     ("mamba2-tiny", dict(pp=2, tp=2, micro_batch=2), True),
     ("mamba2-tiny", dict(dp=2, tp=2, zero=2), False),

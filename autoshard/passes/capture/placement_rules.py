@@ -204,7 +204,7 @@ def _baddbmm(node, ins, ctx):
 
 
 def _shifted(ctx: Context) -> Context:
-    return Context(shapes=ctx.shapes[1:], out=ctx.out, phase=ctx.phase, counts=ctx.counts,
+    return Context(shapes=ctx.shapes[1:], out=ctx.out, phase=ctx.phase, counts=ctx.counts, repeats=ctx.repeats,
                    rowwise=ctx.rowwise, names=ctx.names[1:], handled=ctx.handled)
 
 
@@ -266,7 +266,19 @@ def _complex(node, ins, ctx):
 
 
 def _expand(node, ins, ctx):
+    """A split dim follows; a whole tensor broadcast on one size-1 dim, behind a dim of size 1, to a count the rewrite
+    sets per rank (HF's `repeat_kv` of multi-query attention: its one KV head, (batch, 1, 1, seq, head_dim), repeated
+    `num_key_value_groups` times for the local query heads) is, on each rank, its slice of the whole expansion:
+    split there."""
     p = ins[0]
+    if p is R and ctx.phase == "fwd":
+        src = (1,) * (len(ctx.out) - len(ctx.shapes[0])) + tuple(ctx.shapes[0])
+        grown = [d for d, (a, b) in enumerate(zip(src, ctx.out)) if a == 1 and b != 1]
+        if len(grown) == 1 and 0 < grown[0] and ctx.out[grown[0] - 1] == 1 and ctx.out[grown[0]] in ctx.repeats:
+            if ctx.handled is not None:
+                ctx.handled.append(f"a whole tensor expanded by the count {ctx.out[grown[0]]} (an attribute of the "
+                                   "module the rewrite sets per rank)")
+            return Shard(grown[0])
     if not isinstance(p, Shard):
         return p
     return p.at(p.dim + len(ctx.out) - len(ctx.shapes[0]))
@@ -425,7 +437,8 @@ def _layer_norm_backward(node, ins, ctx):
 
 def _attention(node, ins, ctx):
     """The fused attention ops, forward and backward (q, k, v as (batch, heads, seq, head_dim)): split by
-    heads (dim 1) or whole; a mask is whole and broadcast over heads. Every output split like q."""
+    heads (dim 1) or whole; a mask, and the KV head of multi-query attention, whole and broadcast over heads. Every
+    output split like q, but the backward's gradient of such a broadcast operand: a partial sum."""
     ts = _tensors(ins, ctx.shapes, ctx.names)
     n_out = len(ctx.out) if isinstance(ctx.out, list) else 1
     if any(p is X for p, _, _ in ts):
@@ -443,7 +456,10 @@ def _attention(node, ins, ctx):
             raise Unprovable("replicated meets split", f"aten.{_op(node)}: an operand{_named(name)} of shape {list(s)} "
                              f"is {p} while q / k / v are split by heads")
     outs = ctx.out if isinstance(ctx.out, list) else [ctx.out]
-    return tuple(Shard(1) if isinstance(s, tuple) and len(s) >= 2 else R for s in outs)
+    # an output with one head (the backward's gradient of a KV head every query head reads: multi-query) sums over
+    # this rank's query heads only: partial
+    return tuple(R if not isinstance(s, tuple) or len(s) < 2 else P if len(s) >= 3 and s[1] == 1 else Shard(1)
+                 for s in outs)
 
 
 # -- packing: cat / split / slice -------------------------------------------------------------------

@@ -95,13 +95,16 @@ class Unprovable(Exception):
 class Context:
     """What a rule may read besides the placements: `shapes` mirrors `ins` (a tensor argument's
     shape, else None), `out` the output shape(s), `phase` "fwd" / "bwd", `counts` the head counts the
-    attention module keeps as attributes (the rewrite sets them per rank), `rowwise`: the node is the
-    output of a row-parallel linear, `names` mirrors `ins` with the parameter a tensor comes from."""
+    attention module keeps as attributes (the rewrite sets them per rank), `repeats` the node's attention module's
+    `num_key_value_groups` where the rewrite sets it per rank (its KV heads repeated for the local query heads),
+    `rowwise`: the node is the output of a row-parallel linear, `names` mirrors `ins` with the parameter a tensor
+    comes from."""
 
     shapes: tuple
     out: Any
     phase: str
     counts: frozenset[int] = frozenset()
+    repeats: frozenset[int] = frozenset()
     rowwise: bool = False
     names: tuple = ()
     handled: list = None  # findings the runtime handles (appended by rules; see `constant_size`)

@@ -62,9 +62,11 @@ class Proof:
 
 
 def propagate(captured: Captured, params: Mapping[str, Placement], *, regions: tuple[str, ...] = (),
-              rowwise: tuple[str, ...] = (), counts: frozenset[int] = frozenset()) -> Proof:
-    """Place every node of `captured`'s joint graph under the strategy; see docs/modules/capture.md."""
-    walk = _Walk(captured, params, regions, rowwise, counts)
+              rowwise: tuple[str, ...] = (), counts: frozenset[int] = frozenset(),
+              repeats: tuple[tuple[str, int], ...] = ()) -> Proof:
+    """Place every node of `captured`'s joint graph under the strategy; see docs/modules/capture.md. `repeats`:
+    (attention module inside a layer, its KV heads' repeat count the rewrite sets per rank)."""
+    walk = _Walk(captured, params, regions, rowwise, counts, repeats)
     for node in captured.graph_module.graph.nodes:
         walk.visit(node)
     return walk.proof()
@@ -73,8 +75,9 @@ def propagate(captured: Captured, params: Mapping[str, Placement], *, regions: t
 class _Walk:
     """One pass over the graph: the placement of every node so far, and what was found."""
 
-    def __init__(self, cap: Captured, params, regions, rowwise, counts) -> None:
+    def __init__(self, cap: Captured, params, regions, rowwise, counts, repeats) -> None:
         self.cap, self.params, self.regions, self.rowwise, self.counts = cap, params, regions, rowwise, counts
+        self.repeats = repeats
         self.prefixes = tuple(r.prefix for r in cap.repeated)
         self.inputs = (*cap.param_names, *cap.buffer_names) + ("",) * cap.num_inputs
         self.place: dict[fx.Node, object] = {}
@@ -140,7 +143,9 @@ class _Walk:
             self.joined.add(node)  # its partial inputs were all-reduced on the way in: whole, and rightly so
         ins = fill_zeros(fx.node.map_arg(node.args, lambda a: self.read(a, path, phase, join=join)))
         val = node.meta.get("val")
+        rel = self.rel(path)
         ctx = Context(shapes=_shapes(node.args), out=_shape(val), phase=phase, counts=self.counts,
+                      repeats=frozenset(n for m, n in self.repeats if self.under(rel, (m,))),
                       rowwise=phase == "fwd" and self.under(self.rel(path), self.rowwise) is not None,
                       names=fx.node.map_arg(node.args, lambda a: self.origin.get(a)), handled=[])
         name = "getitem" if node.target is operator.getitem else \

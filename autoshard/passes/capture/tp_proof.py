@@ -76,6 +76,8 @@ def _placement(spec, role, leaf: str):
     if role.gathered:  # whole in, whole out (its gather / slice on the way): the graph around it sees it whole
         return R
     if s is sharding.Strategy.COLWISE and leaf in role.params:
+        if sharding.one_kv_head(spec, role):
+            return R  # multi-query attention's one KV head: whole on every rank
         pieces = tuple(sharding.size(spec, p.length) for p in role.pieces)
         return Shard(0, pieces if len(pieces) > 1 else ())
     if s is sharding.Strategy.ROWWISE and leaf in role.params and leaf != "bias":
@@ -107,12 +109,16 @@ def prove_tp(spec, model, graph=None) -> Proof:
     """The proof of `spec`'s tp strategy on `model`'s own graph (docs/modules/capture.md); `graph`:
     `traced(model)`, when the caller has it already."""
     from autoshard.models import facts
+    from autoshard.rules import sharding
 
     small, cap = graph or traced(model)
     layers = cap.repeated[0].prefix if cap.repeated else ""
     tp_plan = tuple((getattr(model.config, "base_model_tp_plan", None) or {}).items())
     st = strategy(spec, cap.param_names, tp_plan, layers=layers)
-    return propagate(cap, dict(st.params), regions=st.regions, rowwise=st.rowwise, counts=_counts(small, facts))
+    whole = sharding.attention_whole(spec)
+    return propagate(cap, dict(st.params), regions=st.regions, rowwise=st.rowwise,
+                     counts=_counts(small, facts, whole_attention=whole),
+                     repeats=() if whole or not spec.kv_heads or spec.kv_heads > 1 else _repeats(small, facts))
 
 
 def _one_of_each(model):
@@ -144,15 +150,28 @@ PER_RANK_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "nu
                   "intermediate_size", "conv_dim")
 
 
-def _counts(model, facts) -> frozenset[int]:
+def _counts(model, facts, *, whole_attention: bool = False) -> frozenset[int]:
     """The sizes the layer's attention module or SSD mixer keeps as attributes that the rewrite sets per
-    rank: a view by one of them is right on every rank."""
+    rank: a view by one of them is right on every rank. `whole_attention`: the attention runs whole on every
+    rank (`sharding.attention_whole`), its counts kept."""
     base = getattr(model, getattr(model, "base_model_prefix", "") or "model", None)
     layers = getattr(base, "layers", None)
     if not layers:
         return frozenset()
-    mods = [m for p, m in layers[0].named_modules() if p and (facts.is_attention(m) or hasattr(m, "dt_bias"))]
+    mods = [m for p, m in layers[0].named_modules()
+            if p and ((facts.is_attention(m) and not whole_attention) or hasattr(m, "dt_bias"))]
     return frozenset(getattr(m, a) for m in mods for a in PER_RANK_ATTRS if isinstance(getattr(m, a, None), int))
+
+
+def _repeats(model, facts) -> tuple[tuple[str, int], ...]:
+    """(path inside a layer, `num_key_value_groups`) of the layer's attention modules: with one KV head, whole on
+    every rank, the rewrite sets it to the local query heads (passes/rewrite.py `_attention_attrs`)."""
+    base = getattr(model, getattr(model, "base_model_prefix", "") or "model", None)
+    layers = getattr(base, "layers", None)
+    if not layers:
+        return ()
+    return tuple((p, m.num_key_value_groups) for p, m in layers[0].named_modules()
+                 if p and facts.is_attention(m) and isinstance(getattr(m, "num_key_value_groups", None), int))
 
 
 def table_findings(spec, proof: Proof) -> tuple[str, ...]:
@@ -161,7 +180,8 @@ def table_findings(spec, proof: Proof) -> tuple[str, ...]:
     table sums whose gradient is whole (summing would multiply it by tp)."""
     from autoshard.rules import sharding
 
-    summed = {r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER and r.grad_sum}
+    summed = {r.path for r in sharding.table(spec)
+              if r.block is BlockKind.LAYER and (r.grad_sum or sharding.one_kv_head(spec, r))}
     out = [f"layers.*.{m}: its gradient comes out partial on each tp rank, but the sharding table does not sum "
            "it over tp" for m in proof.grad_sums if m not in summed]
     out += [f"layers.*.{m}: the sharding table sums its gradient over tp, but it comes out whole on every rank "

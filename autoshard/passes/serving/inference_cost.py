@@ -155,8 +155,13 @@ class InferenceTable:
 
 
 def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) -> InferenceTable:
+    from autoshard.rules.validity import refusal
+
     if isinstance(table, InferenceTable):
         return table
+    why = refusal(spec, "inference")  # the facts refuse serving it (the rule "serving-refused" asks the same)
+    if why:
+        raise InvalidConfigError(why)
     ct = compile_table(table, spec, layers_compiled=True)  # priced as serving engines run it: their norms, RoPE and
     if not ct.kinds:                                       # SwiGLU fused (CUDA graphs and custom ops), any model
         return _kind_table(ct, table.blocks, spec)

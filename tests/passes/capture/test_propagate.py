@@ -105,6 +105,37 @@ def test_gathered_styles_are_the_table_as_hf_declares_them(name):
     assert "tp" not in dict(spec.refused)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "olmo3", "solar_open"])
+def test_one_kv_head_is_whole_and_its_gradient_summed(model_type):
+    """Multi-query attention under tp: the one KV head stays whole on every rank, read by SDPA's native GQA
+    (Llama) or repeated for the local query heads (Gemma-2's eager attention: `repeat_kv` by the count the rewrite
+    sets per rank), and its projections' gradients come out partial, summed over tp as the rewrite sums shared
+    heads (no second role for them). OLMo-3's attention runs whole on every rank (its q/k/v gathered), so nothing
+    there is repeated per rank; Solar-Open's router expands its group mask the same way outside the attention: not
+    a per-rank count."""
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.models.tiny import exaggerated, tiny_config
+    from autoshard.rules import sharding
+    from tests.runtime.equivalence import Tiny
+
+    source = Tiny(f"{model_type}-mq", exaggerated(tiny_config(model_type, num_key_value_heads=1)))
+    model = source.build()
+    spec = spec_from_hf_config(model.config, name=source.name, model=model)
+    assert "tp" not in dict(spec.refused)
+    proof = prove_tp(spec, model)
+    assert proof.proven, [f.message() for f in proof.findings]
+    assert not table_findings(spec, proof)
+    grads, placed = dict(proof.grads), dict(proof.placements)
+    kv = ("self_attn.k_proj", "self_attn.v_proj")
+    if sharding.attention_whole(spec):  # gathered q/k/v: whole, their gradients whole
+        assert all(placed[f"{m}.weight"] == grads[f"{m}.weight"] == "Replicate" for m in kv)
+        return
+    assert all(placed[f"{m}.weight"] == "Replicate" and grads[f"{m}.weight"] == "Partial" for m in kv)
+    assert set(kv) <= set(proof.grad_sums) and set(kv) <= set(spec.grad_sum)
+    assert [r.strategy for r in sharding.table(spec) if r.path in kv] == [sharding.Strategy.COLWISE] * 2
+    assert placed["self_attn.q_proj.weight"] == "Shard(0)"
+
+
 def _wrong(name: str, change):
     """The proof of `name`'s table with `change(params)` applied to its placements."""
     from autoshard.passes.capture.capture import capture_model
