@@ -87,7 +87,7 @@ class ModelFacts:
     base: str  # the path of the base model, the module holding the layers ("model", "transformer", "model.decoder")
     layers_path: str = ""  # the path of the decoder layers' ModuleList (`layer_list`: "model.layers", "transformer.h")
     layer_params: tuple[str, ...]  # parameter names of layer 0, relative to the layer
-    embedding_plain: bool  # the input embedding is a plain nn.Embedding (no scale in its forward)
+    embedding_plain: bool  # the input embedding is a plain nn.Embedding of the vocabulary's rows (no scale in its forward)
     tp_plan: tuple[tuple[str, str], ...] = ()  # HF's base_model_tp_plan, as (pattern, style)
     experts_path: str = ""  # the routed-experts module inside a layer ("mlp.experts"), "" for dense
     router_path: str = ""  # the router linear inside a layer ("mlp.gate")
@@ -120,7 +120,10 @@ def read_facts(config, model) -> ModelFacts:
     heads = config_value(config, "heads", 0)
     mixer = mixer_of(model) if layer0 is not None else ""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    plain = embed is not None and type(embed).forward is nn.Embedding.forward
+    # a plain lookup over the vocabulary: not Gemma's scaled one, nor one with rows beyond the vocabulary (Mllama's 8
+    # image tokens), which the vocab-parallel embedding would cut at other rows than the LM head
+    plain = embed is not None and type(embed).forward is nn.Embedding.forward and \
+        getattr(embed, "num_embeddings", None) == config_value(config, "vocab")
     experts, router, shared, parts = _moe_modules(layer0, config_value(config, "experts", 0) or 0)
     no_ep = experts_ep_refusal(layer0.get_submodule(experts), f"layers.*.{experts}") if experts else None
     attention = _attention_path(layer0)

@@ -380,12 +380,15 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
         if unplaced:
             out.append(("pp", f"{unplaced}; use pp=1"))
     extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles]
-    if not spec.is_moe and (extra or facts.own_forward or spec.grad_sum):
+    # one KV head's projections run on the gathered sequence like any split linear: their tp sum is no hindrance
+    one_kv = {r.path for r in sharding.table(spec) if sharding.one_kv_head(spec, r)}
+    summed = tuple(p for p in spec.grad_sum if p not in one_kv)
+    if not spec.is_moe and (extra or facts.own_forward or summed):
         what = f"layers.*.{extra[0]} has no sequence-parallel rule" if extra else (
             "the model's own forward around its layers (embedding scale, logit scaling / softcap, rotary per layer "
             "type, per-head parameters) is not run on a sequence shard" if facts.own_forward or spec.head_params
             else f"replicated parameters with gradients summed over tp "
-                 f"({', '.join(f'layers.*.{p}' for p in spec.grad_sum)})")
+                 f"({', '.join(f'layers.*.{p}' for p in summed)})")
         out.append(("sequence_parallel", f"{what}; set sequence_parallel to false"))
     return tuple(out)
 

@@ -31,8 +31,13 @@ MOE = {
 
 # multi-query attention (one KV head, Gemma-2B's, Falcon-7B's): under tp its k / v projections stay whole on every
 # rank and their gradients (this rank's query heads' part) are summed over tp; Llama reads the head through SDPA's
-# native GQA, Gemma-2 (softcapped, eager) repeats it (`repeat_kv`, its count set per rank)
+# native GQA, Gemma-2 (softcapped, eager) repeats it (`repeat_kv`, its count set per rank); Llama's also under sequence
+# parallelism (the whole k / v projections read the gathered sequence as any split one)
 MULTI_QUERY = {"llama_mq": _tiny("llama", num_key_value_heads=1), "gemma2_mq": _tiny("gemma2", num_key_value_heads=1)}
+
+# an embedding with rows beyond the vocabulary (Mllama's text model: 8 image tokens), replicated under tp while the LM
+# head stays vocab-parallel; its layers under model.language_model, their head counts set per rank all the same
+BEYOND_VOCAB = {"mllama": _tiny("mllama")}
 
 # classes that declare no base_model_tp_plan: tp runs the Megatron pairs found on their graph
 # (passes/capture/tp_proposal.py): Persimmon's fused per-head query_key_value -> dense, dense_h_to_4h -> dense_4h_to_h
@@ -140,7 +145,9 @@ def check_families() -> None:
 
     check_axes({**DENSE, **MOE, **RULELESS}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
     check_axes({**NO_TP_PLAN, **GATHERED}, lambda name: (dict(tp=2),), {})
-    check_axes(MULTI_QUERY, lambda name: (dict(tp=2), dict(tp=2, micro_batch=2, precision="bf16-mixed")), {})
+    check_axes(MULTI_QUERY, lambda name: (dict(tp=2), dict(tp=2, micro_batch=2, precision="bf16-mixed"))
+               + ((dict(tp=2, sequence_parallel=True, recompute="selective"),) if name == "llama_mq" else ()), {})
+    check_axes(BEYOND_VOCAB, lambda name: (dict(tp=2),), {})
     check_axes(CLASSIC, lambda name: PLANS, CLASSIC_REFUSED)
     check_axes(OWN_ATTENTION, lambda name: PLANS + ((dict(dp=2, zero=3),) if name == "falcon" else ()),
                OWN_ATTENTION_REFUSED)

@@ -154,8 +154,8 @@ def _counts(model, facts, *, whole_attention: bool = False) -> frozenset[int]:
     """The sizes the layer's attention module or SSD mixer keeps as attributes that the rewrite sets per
     rank: a view by one of them is right on every rank. `whole_attention`: the attention runs whole on every
     rank (`sharding.attention_whole`), its counts kept."""
-    base = getattr(model, getattr(model, "base_model_prefix", "") or "model", None)
-    layers = getattr(base, "layers", None)
+    found = facts.layer_list(model)  # by structure (Mllama's text layers sit under model.language_model)
+    layers = found[1] if found is not None else None
     if not layers:
         return frozenset()
     mods = [m for p, m in layers[0].named_modules()
@@ -166,8 +166,8 @@ def _counts(model, facts, *, whole_attention: bool = False) -> frozenset[int]:
 def _repeats(model, facts) -> tuple[tuple[str, int], ...]:
     """(path inside a layer, `num_key_value_groups`) of the layer's attention modules: with one KV head, whole on
     every rank, the rewrite sets it to the local query heads (passes/rewrite.py `_attention_attrs`)."""
-    base = getattr(model, getattr(model, "base_model_prefix", "") or "model", None)
-    layers = getattr(base, "layers", None)
+    found = facts.layer_list(model)
+    layers = found[1] if found is not None else None
     if not layers:
         return ()
     return tuple((p, m.num_key_value_groups) for p, m in layers[0].named_modules()
