@@ -1,4 +1,4 @@
-"""`autoshard verify` verdicts: per model class and transformers version, which parallel axes ran a tiny
+"""`autoshard verify` verdicts: per model class, transformers version and verify method, which parallel axes ran a tiny
 model of the class exactly like one process, and which did not (with why).
 
 Contract: `store(model_class, verdicts)` writes {axis: (status, detail)}; `failed_axes(model_class)` ->
@@ -15,11 +15,14 @@ import json
 from importlib import metadata
 
 FAILED = ("failed", "error")
+# how verify proves a class; a verdict stored by another method is not read (2: dropout off, `tiny.without_dropout`:
+# method 1 stored "failed" for classes whose only difference from one process was their dropout masks)
+METHOD = 2
 
 
 def _key(model_class: type) -> dict:
     return {"class": f"{model_class.__module__}.{model_class.__qualname__}",
-            "transformers": metadata.version("transformers")}
+            "transformers": metadata.version("transformers"), "method": METHOD}
 
 
 def _path(model_class: type):
