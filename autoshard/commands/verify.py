@@ -1,7 +1,8 @@
 """`autoshard verify --model M`: prove a model class exact on gloo before trusting a plan on it.
 
 A tiny config of the same class (models/tiny.py: one layer of each layer type, multipliers and
-softcaps exaggerated so a dropped op shows, dropout off: a split run draws other masks than one process) is trained for two AdamW steps on `--ranks` gloo
+softcaps exaggerated so a dropped op shows, dropout off: a split run draws other masks than one
+process) is trained for two AdamW steps on `--ranks` gloo
 processes under every axis the planner may choose (dp, tp, pp, cp; ep for a MoE model), each rank
 against one process it runs itself: the loss of every step, every gradient and every weight after
 the steps must agree (rtol 1e-4, atol 1e-5). The table says per axis: exact, refused (the model's

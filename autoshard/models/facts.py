@@ -87,7 +87,7 @@ class ModelFacts:
     base: str  # the path of the base model, the module holding the layers ("model", "transformer", "model.decoder")
     layers_path: str = ""  # the path of the decoder layers' ModuleList (`layer_list`: "model.layers", "transformer.h")
     layer_params: tuple[str, ...]  # parameter names of layer 0, relative to the layer
-    embedding_plain: bool  # the input embedding is a plain nn.Embedding of the vocabulary's rows (no scale in its forward)
+    embedding_plain: bool  # the input embedding: a plain nn.Embedding of the vocabulary's rows (no scale in its forward)
     tp_plan: tuple[tuple[str, str], ...] = ()  # HF's base_model_tp_plan, as (pattern, style)
     experts_path: str = ""  # the routed-experts module inside a layer ("mlp.experts"), "" for dense
     router_path: str = ""  # the router linear inside a layer ("mlp.gate")
