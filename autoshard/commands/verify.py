@@ -2,13 +2,13 @@
 
 A tiny config of the same class (models/tiny.py: one layer of each layer type, multipliers and
 softcaps exaggerated so a dropped op shows, dropout off: a split run draws other masks than one
-process) is trained for two AdamW steps on `--ranks` gloo
-processes under every axis the planner may choose (dp, tp, pp, cp; ep for a MoE model), each rank
-against one process it runs itself: the loss of every step, every gradient and every weight after
-the steps must agree (rtol 1e-4, atol 1e-5). The table says per axis: exact, refused (the model's
-facts refuse it, with why: models/facts.py), failed (what differed) or error (what was raised). The
-verdict is stored per model class and transformers version (models/verdicts.py); `plan` and `sweep`
-then do not search a failed axis, and `parallelize` refuses a plan that uses one, naming the verdict.
+process) is trained for two AdamW steps on `--ranks` gloo processes under every axis the planner
+may choose (dp, tp, pp, cp; ep for a MoE model), each rank against one process it runs itself: the
+loss of every step, every gradient and every weight after the steps must agree (rtol 1e-4, atol
+1e-5). The table says per axis: exact, refused (the model's facts refuse it, with why:
+models/facts.py), failed (what differed) or error (what was raised). The verdict is stored per model
+class, transformers version and verify method (models/verdicts.py); `plan` and `sweep` then do not
+search a failed axis, and `parallelize` refuses a plan that uses one, naming the verdict.
 """
 
 from __future__ import annotations
