@@ -179,18 +179,23 @@ def stack_paths(model) -> tuple[str, str, str, str] | None:
     return (path, embed, norm, head) if embed and head else None
 
 
-def mlp_width(model, facts: ModelFacts) -> int:
-    """The MLP width of a config that leaves it unset (GPT-J's and CodeGen's n_inner None: HF's 4 x hidden), read
-    off layer 0: the widest linear of the hidden states outside the attention module; 0 for none."""
+def mlp_width(model, facts: ModelFacts, declared: int = 0) -> int:
+    """The MLP width: the config's (`declared`) where a linear of layer 0 has it (or a multiple of it: Phi-3's fused
+    gate / up), else read off layer 0: the widest
+    linear of the hidden states outside the attention module (GPT-J's and CodeGen's n_inner None: HF's 4 x hidden;
+    LFM2's intermediate_size, which its MLP adjusts to 2/3 of it rounded up to a multiple); 0 for none."""
     from torch import nn
 
     found = layer_list(model)
     if found is None:
-        return 0
+        return declared
     hidden = config_value(model.config, "hidden", 0)
     prefix = f"{facts.attention_path}." if facts.attention_path else None
-    return max((m.out_features for p, m in found[1][0].named_modules() if isinstance(m, nn.Linear)
-                and m.in_features == hidden and not (prefix and (p + ".").startswith(prefix))), default=0)
+    widths = [m.out_features for p, m in found[1][0].named_modules() if isinstance(m, nn.Linear)
+              and m.in_features == hidden and not (prefix and (p + ".").startswith(prefix))]
+    if declared and (not widths or any(w % declared == 0 for w in widths)):  # (a fused gate / up: twice it)
+        return declared
+    return max(widths, default=declared)
 
 
 def layer_list(model):

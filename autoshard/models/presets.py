@@ -234,7 +234,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     usual = common["hidden"] // heads
     head_dim = value("head_dim", usual) or usual
     spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=value("kv_heads", heads),
-                     head_dim=0 if head_dim == usual else head_dim, ffn=value("ffn", 0) or F.mlp_width(model, facts),
+                     head_dim=0 if head_dim == usual else head_dim, ffn=_ffn(model, facts, value("ffn", 0), hybrid),
                      embedding_plain=facts.embedding_plain, own_forward=facts.own_forward or hybrid is not None,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs,
                      attention_path=facts.attention_path or "self_attn",
@@ -264,7 +264,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     # HF's declared plan is the layout, proven on the graph, where it gathers or where it splits layer linears LLaMA's
     # table has no role for (Phi's dense, fc1 / fc2)
     as_declared = any(s in F.GATHERED_STYLES for _, s in outside) or bool(outside and _foreign(spec, outside))
-    pairs, proof, untraced = _tp_proof(spec, model, propose=not (facts.tp_plan or spec.is_moe),
+    pairs, proof, untraced = _tp_proof(spec, model, propose=not (any(".*." in p for p, _ in facts.tp_plan) or spec.is_moe),
                                        declared=outside if as_declared else ()) if hybrid is None else ((), None, None)
     spec = replace(spec, tp_pairs=pairs)
     if proof is not None:
@@ -276,6 +276,16 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
     return replace(spec, refused=found + verified)
+
+
+def _ffn(model, facts, declared: int, hybrid) -> int:
+    """The MLP width of the spec: read off the layer where a dense uniform stack's config misstates it
+    (`facts.mlp_width`); a MoE or mixed stack's layer 0 holds no dense MLP to read: the config's."""
+    from autoshard.models import facts as F
+
+    if hybrid is None and not facts.experts_path:
+        return F.mlp_width(model, facts, declared)
+    return declared or F.mlp_width(model, facts)
 
 
 def _own_attention_refusals(own: str, model) -> tuple[tuple[str, str], ...]:

@@ -41,10 +41,12 @@ BEYOND_VOCAB = {"mllama": _tiny("mllama")}
 
 # classes that declare no base_model_tp_plan: tp runs the Megatron pairs found on their graph
 # (passes/capture/tp_proposal.py): Persimmon's fused per-head query_key_value -> dense, dense_h_to_4h -> dense_4h_to_h
-# (its per-head q/k layer norms' gradients summed over tp), StableLM's q/k/v -> o_proj, gate/up -> down_proj
+# (its per-head q/k layer norms' gradients summed over tp), StableLM's q/k/v -> o_proj, gate/up -> down_proj, LFM2's
+# q/k/v -> out_proj, w1/w3 -> w2 (HF declares its embedding only)
 NO_TP_PLAN = {
     "persimmon": _tiny("persimmon"),
     "stablelm": _tiny("stablelm"),
+    "lfm2": _tiny("lfm2"),  # declares its embedding only; w1 / w3 -> w2 at its adjusted width (2/3, rounded up), not the config's
 }
 
 # HF's gathered styles beside plain ones: GLM-4's per-head attention region and gathered gate_up_proj ->
