@@ -310,14 +310,8 @@ def mesh_problem(ct: CompiledTable, hw, layout: Layout, *, global_batch: int, se
                          f"{len(variants)} x {tuple(recomputes)}")
     width = (layers + 1) ** 2 if ct.kinds else layers + 1  # columns: a stage's layer ranges, or its layer counts
     times, mems, tails = (np.empty((mesh.pp, len(variants) * len(recomputes), width)) for _ in range(3))
-    index = range_class_index(ct)
     for i, o, time, mem, tail in stage_entries(ct, hw, layout, blocks, microbatches=m, seq_len=seq_len):
-        if index is not None:  # priced per class of ranges: to the range columns
-            time, mem, tail = time[..., index], mem[..., index], tail[..., index]
         times[i, o], mems[i, o], tails[i, o] = time, mem, tail
-    if ct.kinds:  # a range that ends before it starts is no stage
-        empty = layer_ranges.range_lengths(layers) < 0
-        times[..., empty], mems[..., empty] = np.inf, np.inf
     for a in (times, mems, tails):
         a.flags.writeable = False
     return MeshProblem(layout=layout, layers=layers, microbatches=m, capacity_bytes=hw.memory_bytes,
@@ -332,13 +326,35 @@ def stage_entries(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumb
     """`mesh_problem`'s tables of a resolved `layout` (`blocks`: its `stage_numbers`), a stage and variant at a
     time: (stage i, the variant's slice of the options, time [r, column], peak memory [r, column] (inf: the
     variant cannot go on the stage), tail [column], or None without `tails`); a mixed stack's columns are its
-    classes of layer ranges (`range_class_index`)."""
+    layer ranges (priced per class of ranges, `range_class_index`, and taken to the ranges once per group of
+    stages; a range that ends before it starts is no stage: infinite time and memory)."""
+    index = range_class_index(ct)
     for stages, o, time, act, other, valid, tail in stage_groups(ct, hw, layout, blocks, seq_len=seq_len, tails=tails):
+        if index is not None:
+            time, act, other = _to_ranges(ct, time), _to_ranges(ct, act), np.asarray(other)[..., index]
+            tail = tail[..., index] if tail is not None else None
         for i in stages:
             # activations of the micro-batches in flight under the layout's schedule
             mem = act * schedules.in_flight(layout.schedule, i, layout.mesh.pp, microbatches,
                                             layout.virtual_stages) + other
             yield i, o, time, mem if valid else np.full_like(mem, np.inf), tail
+
+
+def _to_ranges(ct: CompiledTable, per_class: np.ndarray) -> np.ndarray:
+    """A mixed stack's table per class of layer ranges [..., class] taken to its range columns [..., (L + 1)^2],
+    infinite where a range ends before it starts (no stage)."""
+    index = _padded_index(ct.layer_kinds, len(ct.kinds))
+    pad = np.full(per_class.shape[:-1] + (1,), np.inf)
+    return np.concatenate([per_class, pad], axis=-1)[..., index]
+
+
+@functools.lru_cache(maxsize=16)
+def _padded_index(sequence: tuple[int, ...], kinds: int) -> np.ndarray:
+    """`range_class_index` with the ranges that end before they start sent one column past the classes."""
+    held, index = layer_ranges.range_classes(sequence, kinds)
+    out = np.where(layer_ranges.range_lengths(len(sequence)) < 0, held.shape[1], index)
+    out.flags.writeable = False
+    return out
 
 
 def stage_groups(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumbers, ...], *, seq_len: int,
