@@ -340,6 +340,14 @@ def stage_entries(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumb
             yield i, o, time, mem if valid else np.full_like(mem, np.inf), tail
 
 
+@functools.lru_cache(maxsize=4096)
+def _stage_choice_ok(spec, tp: int, strategies, sequence_parallel: tuple[bool, ...]) -> bool:
+    """Whether the plan validator allows `strategies` with sequence parallelism on the chunks `sequence_parallel`
+    says (`sharding.choice_violation`), memoised: the planner asks it for every stage of many layouts."""
+    return sharding.choice_violation(spec, tp, strategies, sequence_parallel=sequence_parallel,
+                                     chunks=len(sequence_parallel)) is None
+
+
 def _to_ranges(ct: CompiledTable, per_class: np.ndarray) -> np.ndarray:
     """A mixed stack's table per class of layer ranges [..., class] taken to its range columns [..., (L + 1)^2],
     infinite where a range ends before it starts (no stage)."""
@@ -368,17 +376,18 @@ def stage_groups(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumbe
     ranks = [stage_rank(c, pp=mesh.pp, virtual_stages=layout.virtual_stages, schedule=layout.schedule)
              for c in range(chunks)]
     mixed = "sequence_parallel" in layout.stage_choices
+    # per rank: the boundaries its chunks cross (a chunk not first nor last has two), its chunks sequence-parallel
+    crossings = [0] * mesh.pp
+    for c, r in enumerate(ranks):
+        crossings[r] += (c > 0) + (c < chunks - 1)
     groups: dict = {}
     for v, (lay, blk) in enumerate(zip(stage_variants(layout), blocks)):
         for i in range(mesh.pp):
             p2p, valid = None, True
             if mixed and lay.sequence_parallel:
-                mine = [c for c in range(chunks) if ranks[c] == i]
-                crossings = sum((c > 0) + (c < chunks - 1) for c in mine)
-                p2p = blocks[0].p2p_s + sequence_boundary_time(ct, hw, lay, seq_len=seq_len, boundaries=crossings)
-                sp = tuple(ranks[c] == i for c in range(chunks))
-                valid = sharding.choice_violation(spec, mesh.tp, lay.strategies, sequence_parallel=sp,
-                                                  chunks=chunks) is None
+                p2p = blocks[0].p2p_s + sequence_boundary_time(ct, hw, lay, seq_len=seq_len, boundaries=crossings[i])
+                sp = tuple(r == i for r in ranks)
+                valid = _stage_choice_ok(spec, mesh.tp, lay.strategies, sp)
             groups.setdefault((v, i == 0, i == mesh.pp - 1, p2p, valid), []).append(i)
     out = []
     for (v, first, last, p2p, valid), stages in groups.items():
