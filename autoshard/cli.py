@@ -17,10 +17,19 @@ COMMANDS = ("inspect", "sweep", "plan", "price", "show", "verify", "cache")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its usage errors on one line (exit 2) like autoshard's own."""
+    """argparse, with its usage errors on one line (exit 2) like autoshard's own, and no abbreviated options (`plan
+    --tp 2` read as `--tpot-slo 2`: an option's prefix is no option)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        hint = ""
+        if "unrecognized arguments" in message and self.prog.endswith(" plan") and any(
+                f"--{axis}" in message.split() for axis in ("dp", "tp", "pp", "cp", "ep")):
+            hint = "; plan searches the layout itself: price a given one with `autoshard price --tp ... --pp ...`"
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"autoshard.commands.{name}").add_parser(sub)
+    parser.commands = sub.choices  # name -> the command's parser (its errors name it)
     return parser
 
 
@@ -47,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser, which can tell what was meant
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.run(args) or 0)
     except AutoshardError as e:

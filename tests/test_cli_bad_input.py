@@ -242,6 +242,14 @@ def test_plan_flags_of_the_other_kind_of_plan_are_refused(capsys, argv, needle):
     _fails(capsys, ["plan", "--model", "llama-tiny", "--devices", "2", *argv], needle)
 
 
+def test_an_option_s_prefix_is_no_option(capsys):
+    # before: argparse took `plan --tp 2` for `--tpot-slo 2` and said that one only applies with --inference
+    _fails(capsys, ["plan", "--model", "llama-tiny", "--devices", "2", *PLAN, "--tp", "2"],
+           "autoshard plan: error: unrecognized arguments: --tp 2", "autoshard price --tp")
+    _fails(capsys, ["sweep", "--model", "llama-tiny", "--hardware", "cpu", "--dev", "2", "--global-batch", "8",
+                    "--seq-len", "64"], "required: --devices")  # (was read as --devices 2)
+
+
 @pytest.mark.parametrize("field, value", [("kernels", 5), ("kernels", None), ("kernels", {"rope": 1}),
                                           ("log_collectives", 5), ("log_collectives", None),
                                           ("log_collectives", [1])])
