@@ -8,6 +8,7 @@ tail U, each (T, U) solved by a min-plus DP over the stage boundaries; it always
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import replace
 
@@ -53,7 +54,9 @@ def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int, memo
     applied, T and S over the same entries that fit the device (`stage_entries`' memory, `stage_groups`). `range_search`
     returns at once, nothing found, where its first bound reaches the cutoff: so does it where this one does.
     `memo`: a dict kept over plans of one device and sequence length; T and S read the global batch only through
-    the micro-batches each stage holds in flight, so a re-plan at another batch mostly reuses them."""
+    the micro-batches each stage holds in flight, so a re-plan at another batch mostly reuses them; and the two DPs
+    read only the per-class table of the entries that fit, so layouts whose tables are alike (a mesh's ZeRO levels,
+    most often, where memory does not bind) share one evaluation."""
     mesh, L = layout.mesh, ct.spec.layers
     m = layout.microbatches(global_batch)
     f = float(schedules.bubble_fraction(layout.schedule, layout.virtual_stages, microbatches=m, pp=mesh.pp))
@@ -75,10 +78,13 @@ def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int, memo
             mem = act[None] * held[:, None, None] + other  # [stage, r, class]: stage_entries' memory
             fits = np.where(mem <= hw.memory_bytes, time[None], np.inf).min(axis=1)
             fastest[list(stages)] = np.minimum(fastest[list(stages)], fits)
-        fastest = fastest[:, index]
-        fastest[range_lengths(L)[None, :] < np.array(lows)[:, None]] = np.inf  # too short, or no range
-        floor = _least_slowest(fastest, mesh.pp, L)
-        memo[key] = (floor, None if floor is None else _least_sum(fastest, mesh.pp, L, lows))
+        same = ("table bound of", hashlib.blake2b(fastest.tobytes(), digest_size=16).digest(), tuple(lows))
+        if same not in memo:  # layouts whose fitting entries are alike (a mesh's ZeRO levels, mostly) share it
+            fastest = fastest[:, index]
+            fastest[range_lengths(L)[None, :] < np.array(lows)[:, None]] = np.inf  # too short, or no range
+            floor = _least_slowest(fastest, mesh.pp, L)
+            memo[same] = (floor, None if floor is None else _least_sum(fastest, mesh.pp, L, lows))
+        memo[key] = memo[same]
     floor, total = memo[key]
     return math.inf if floor is None else (m - f) * floor + f * total
 
