@@ -512,12 +512,29 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         if ranges.table_bound(ct, hw, layout, numbers[key], global_batch=global_batch, seq_len=seq_len,
                               memo=numbers) >= cutoff:
             continue  # its search would stop at once, nothing found: skip its tables
-        problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key],
-                               recomputes=(Recompute.NONE, Recompute.FULL))
-        result = _solve_ranges(problem, cutoff_s=cutoff)
-        visited += 1
+        result = _known_result(numbers.get(("range result", layout, global_batch)), cutoff)
+        if result is None:
+            problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key],
+                                   recomputes=(Recompute.NONE, Recompute.FULL))
+            result = _solve_ranges(problem, cutoff_s=cutoff)
+            numbers[("range result", layout, global_batch)] = (cutoff, result)
+            visited += 1
         _keep(best, layout, result, progress, done, len(kept))
     return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
+
+
+def _known_result(known: tuple[float, MeshResult] | None, cutoff: float) -> MeshResult | None:
+    """The exact search's result for a layout under `cutoff` where an earlier search of the same tables decides it
+    (`known`: its cutoff and result; a re-plan of the same shape): the best split it found, when that beats
+    `cutoff` too (the search is exact: nothing else does better), or nothing, when it found nothing under a cutoff
+    at least this one; else None (search again)."""
+    if known is None:
+        return None
+    before, result = known
+    if result.assignment is not None:
+        return result if result.step_s < cutoff else MeshResult(status="cut", assignment=None, step_s=math.inf,
+                                                                 bound_s=cutoff, wall_s=0.0)
+    return result if cutoff <= before else None
 
 
 def _mixed_bounds(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch: int,
