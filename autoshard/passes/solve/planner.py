@@ -33,25 +33,11 @@ from autoshard.passes.solve import ranges
 from autoshard.passes.solve.bounds import (Bounds, LazyBounds, epoch_table, layout_codes, least_block_s_many,
                                            refined_step_bound)
 from autoshard.rules.sharding import choices, strategy_options
-from autoshard.passes.solve.solve_model import (Assignment, MeshProblem, SplitSearch, evaluate, mesh_problem,
-                                          min_stage_sum, split_search, stage_numbers, stage_variants)
+from autoshard.passes.solve.solve_model import (Assignment, MeshProblem, MeshResult, SplitSearch, evaluate,
+                                                mesh_problem, min_stage_sum, split_search, stage_numbers,
+                                                stage_variants)
 
 Progress = Callable[[int, int, float], None]  # (layouts visited, layouts in total, best step so far)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MeshResult:
-    status: str  # optimal / feasible / infeasible / unknown
-    assignment: Assignment | None
-    step_s: float  # evaluated in floats from the tables (math.inf when nothing fits)
-    bound_s: float  # CP-SAT's lower bound, converted back to seconds
-    wall_s: float
-
-    @property
-    def gap(self) -> float:
-        if not math.isfinite(self.step_s) or self.step_s <= 0:
-            return 0.0
-        return max(0.0, (self.step_s - self.bound_s) / self.step_s)
 
 
 def solve_mesh(problem: MeshProblem, *, time_limit_s: float = 10.0, hint: Assignment | None = None,
@@ -512,7 +498,7 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         if ranges.table_bound(ct, hw, layout, numbers[key], global_batch=global_batch, seq_len=seq_len,
                               memo=numbers) >= cutoff:
             continue  # its search would stop at once, nothing found: skip its tables
-        result = _known_result(numbers.get(("range result", layout, global_batch)), cutoff)
+        result = ranges.known_result(numbers.get(("range result", layout, global_batch)), cutoff)
         if result is None:
             problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key],
                                    recomputes=(Recompute.NONE, Recompute.FULL))
@@ -521,20 +507,6 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
             visited += 1
         _keep(best, layout, result, progress, done, len(kept))
     return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
-
-
-def _known_result(known: tuple[float, MeshResult] | None, cutoff: float) -> MeshResult | None:
-    """The exact search's result for a layout under `cutoff` where an earlier search of the same tables decides it
-    (`known`: its cutoff and result; a re-plan of the same shape): the best split it found, when that beats
-    `cutoff` too (the search is exact: nothing else does better), or nothing, when it found nothing under a cutoff
-    at least this one; else None (search again)."""
-    if known is None:
-        return None
-    before, result = known
-    if result.assignment is not None:
-        return result if result.step_s < cutoff else MeshResult(status="cut", assignment=None, step_s=math.inf,
-                                                                 bound_s=cutoff, wall_s=0.0)
-    return result if cutoff <= before else None
 
 
 def _mixed_bounds(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch: int,

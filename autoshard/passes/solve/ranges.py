@@ -19,7 +19,8 @@ from autoshard.passes.cost import cost
 from autoshard.passes.cost.block import block_activation_bytes, block_params, block_time, expert_block_params
 from autoshard.passes.cost.state import state_bytes
 from autoshard.passes.solve.layer_ranges import range_columns, range_lengths, range_sums
-from autoshard.passes.solve.solve_model import evaluate, range_class_index, stage_groups, stage_min_layers
+from autoshard.passes.solve.solve_model import (MeshResult, evaluate, range_class_index, stage_groups,
+                                                stage_min_layers)
 from autoshard.rules import schedules
 
 
@@ -151,6 +152,20 @@ def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
                 if math.isfinite(s_u[0]):
                     found(split[0])
     return best_a, best, min(best, cutoff_s)
+
+
+def known_result(known: tuple[float, MeshResult] | None, cutoff: float) -> MeshResult | None:
+    """The exact search's result for a layout under `cutoff` where an earlier search of the same tables decides it
+    (`known`: its cutoff and result; a re-plan of the same shape): the best split it found, when that beats
+    `cutoff` too (the search is exact: nothing else does better), or nothing, when it found nothing under a cutoff
+    at least this one; else None (search again)."""
+    if known is None:
+        return None
+    before, result = known
+    if result.assignment is not None:
+        return result if result.step_s < cutoff else MeshResult(status="cut", assignment=None, step_s=math.inf,
+                                                                 bound_s=cutoff, wall_s=0.0)
+    return result if cutoff <= before else None
 
 
 def kind_breakdown(ct, hw, layout, a, *, global_batch: int, seq_len: int) -> list[dict]:

@@ -118,6 +118,23 @@ class Evaluation:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MeshResult:
+    """What the search of one mesh problem found (`planner.solve_mesh`; a mixed stack's by `ranges.range_search`)."""
+
+    status: str  # optimal / feasible / infeasible / unknown
+    assignment: Assignment | None
+    step_s: float  # evaluated in floats from the tables (math.inf when nothing fits)
+    bound_s: float  # CP-SAT's lower bound, converted back to seconds
+    wall_s: float
+
+    @property
+    def gap(self) -> float:
+        if not math.isfinite(self.step_s) or self.step_s <= 0:
+            return 0.0
+        return max(0.0, (self.step_s - self.bound_s) / self.step_s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BlockNumbers:
     """Per-instance numbers of the three blocks for one (mesh, micro-batch), every recompute
     level: they do not depend on the ZeRO level, so the planner computes them once for all levels.
