@@ -11,6 +11,7 @@ The whole contract: docs/modules/runtime.md (runtime/mesh.py).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 from dataclasses import dataclass
 from datetime import timedelta
@@ -151,6 +152,9 @@ def init_default_group(*, backend: str, env: dict[str, str], device: torch.devic
 
 
 _MADE: dict[tuple, object] = {}  # (default group, ranks, backend, timeout) -> the group `process_group` made
+# let go of them before the interpreter's teardown: a gloo group freed there, after destroy_process_group, can
+# abort the process at exit ("terminate called without an active exception", once in a CI run of an example)
+atexit.register(_MADE.clear)
 
 
 def process_group(ranks, *, backend: str | None = None, timeout_s: float | None = None):
