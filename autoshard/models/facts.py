@@ -181,9 +181,9 @@ def stack_paths(model) -> tuple[str, str, str, str] | None:
 
 def mlp_width(model, facts: ModelFacts, declared: int = 0) -> int:
     """The MLP width: the config's (`declared`) where a linear of layer 0 has it (or a multiple of it: Phi-3's fused
-    gate / up), else read off layer 0: the widest
-    linear of the hidden states outside the attention module (GPT-J's and CodeGen's n_inner None: HF's 4 x hidden;
-    LFM2's intermediate_size, which its MLP adjusts to 2/3 of it rounded up to a multiple); 0 for none."""
+    gate / up), else read off layer 0: the widest linear of the hidden states outside the attention module (GPT-J's
+    and CodeGen's n_inner None: HF's 4 x hidden; LFM2's intermediate_size, which its MLP adjusts to 2/3 of it rounded
+    up to a multiple); 0 for none."""
     from torch import nn
 
     found = layer_list(model)

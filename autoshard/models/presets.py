@@ -301,10 +301,16 @@ def _own_attention_refusals(own: str, model) -> tuple[tuple[str, str], ...]:
            ("cp", f"{own}: no context-parallel attention swaps in for it; use cp=1"),
            ("inference", f"{own}: serving prices the KV cache of attention called through that interface; plan "
                          "its training")]
+    return tuple(out) + _unplaced_refusal(model)
+
+
+def _unplaced_refusal(model) -> tuple[tuple[str, str], ...]:
+    """pp refused where the pipeline stages of the model's own forward cannot place what its base holds beside the
+    layers (`facts.beside_layers`: OPT's project_out, BLOOM's embedding norm), else nothing."""
+    from autoshard.models import facts as F
+
     unplaced = F.beside_layers(model)[1] if F.layer_list(model) is not None else ""
-    if unplaced:
-        out.append(("pp", f"{unplaced}; use pp=1"))
-    return tuple(out)
+    return (("pp", f"{unplaced}; use pp=1"),) if unplaced else ()
 
 
 def _tp_proof(spec: ModelSpec, model, *, propose: bool = False, declared: tuple[tuple[str, str], ...] = ()):
@@ -385,10 +391,8 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
     reader = F.mask_reader(model)
     if reader:
         out.append(("cp", reader))
-    if facts.own_forward and F.layer_list(model) is not None:  # what the stages of its own forward cannot place
-        unplaced = F.beside_layers(model)[1]
-        if unplaced:
-            out.append(("pp", f"{unplaced}; use pp=1"))
+    if facts.own_forward:  # what the stages of its own forward cannot place
+        out.extend(_unplaced_refusal(model))
     extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles]
     # one KV head's projections run on the gathered sequence like any split linear: their tp sum is no hindrance
     one_kv = {r.path for r in sharding.table(spec) if sharding.one_kv_head(spec, r)}

@@ -146,7 +146,7 @@ class _Walk:
         rel = self.rel(path)
         ctx = Context(shapes=_shapes(node.args), out=_shape(val), phase=phase, counts=self.counts,
                       repeats=frozenset(n for m, n in self.repeats if self.under(rel, (m,))),
-                      rowwise=phase == "fwd" and self.under(self.rel(path), self.rowwise) is not None,
+                      rowwise=phase == "fwd" and self.under(rel, self.rowwise) is not None,
                       names=fx.node.map_arg(node.args, lambda a: self.origin.get(a)), handled=[])
         name = "getitem" if node.target is operator.getitem else \
             getattr(getattr(node.target, "overloadpacket", None), "__name__", str(node.target))

@@ -154,24 +154,23 @@ def _counts(model, facts, *, whole_attention: bool = False) -> frozenset[int]:
     """The sizes the layer's attention module or SSD mixer keeps as attributes that the rewrite sets per
     rank: a view by one of them is right on every rank. `whole_attention`: the attention runs whole on every
     rank (`sharding.attention_whole`), its counts kept."""
-    found = facts.layer_list(model)  # by structure (Mllama's text layers sit under model.language_model)
-    layers = found[1] if found is not None else None
-    if not layers:
-        return frozenset()
-    mods = [m for p, m in layers[0].named_modules()
-            if p and ((facts.is_attention(m) and not whole_attention) or hasattr(m, "dt_bias"))]
+    mods = [m for _, m in _layer0_modules(model, facts)
+            if (facts.is_attention(m) and not whole_attention) or hasattr(m, "dt_bias")]
     return frozenset(getattr(m, a) for m in mods for a in PER_RANK_ATTRS if isinstance(getattr(m, a, None), int))
+
+
+def _layer0_modules(model, facts) -> list:
+    """(path inside the layer, module) of the first layer's submodules, its layers found by structure
+    (`facts.layer_list`: Mllama's text layers sit under model.language_model); none without a layer list."""
+    found = facts.layer_list(model)
+    return [(p, m) for p, m in found[1][0].named_modules() if p] if found is not None and len(found[1]) else []
 
 
 def _repeats(model, facts) -> tuple[tuple[str, int], ...]:
     """(path inside a layer, `num_key_value_groups`) of the layer's attention modules: with one KV head, whole on
     every rank, the rewrite sets it to the local query heads (passes/rewrite.py `_attention_attrs`)."""
-    found = facts.layer_list(model)
-    layers = found[1] if found is not None else None
-    if not layers:
-        return ()
-    return tuple((p, m.num_key_value_groups) for p, m in layers[0].named_modules()
-                 if p and facts.is_attention(m) and isinstance(getattr(m, "num_key_value_groups", None), int))
+    return tuple((p, m.num_key_value_groups) for p, m in _layer0_modules(model, facts)
+                 if facts.is_attention(m) and isinstance(getattr(m, "num_key_value_groups", None), int))
 
 
 def table_findings(spec, proof: Proof) -> tuple[str, ...]:
