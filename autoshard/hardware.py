@@ -126,6 +126,11 @@ class DeviceProfile:
     recipes: tuple[StackRecipe, ...] | None = None
     sources: tuple[tuple[str, str], ...] = ()
 
+    def __hash__(self) -> int:
+        # the name alone: equal profiles share it, and the cost model's memo keys (which hold the profile) are
+        # hashed at every lookup: the generated hash reads all fields, nested tuples included (1.5 us a time)
+        return hash(self.name)
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip() or not self.name.isprintable():
             raise InvalidConfigError(f"hardware profile: field 'name' must be a non-empty one-line name (plans, "

@@ -454,6 +454,38 @@ def _fixed_state(ct: CompiledTable, hw, layout: Layout) -> tuple[float, float]:
     return ct.memo[key]
 
 
+def mixed_peak_floor(ct: CompiledTable, layouts, *, seq_len: int) -> np.ndarray:
+    """A floor under the peak bytes of every plan of each of a mixed stack's `layouts` (`ct.kinds`), each a sum
+    of what no stage split escapes: the weights, gradients and optimizer state of the average stage over the
+    stack's actual kinds (`state_bytes` is linear in the parameters, so it is the kinds' states weighted by their
+    layer counts; the stage holding the most holds at least the average), the least of the kinds' buffers (what
+    `_stage_columns` adds per stage), and the activations of the average stage at full recompute (a layer's input,
+    a sequence shard where a stage may take sequence parallelism) for the one micro-batch every stage holds at
+    least. ZeRO-2's staging is left out (it is not monotone in a stage's dense and expert parameters together).
+    `bounds.lower_bounds`' peak per kind view holds every layer at that kind's size: this one reads the mix."""
+    counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
+    spec, out = ct.spec, np.zeros(len(layouts))
+    for j, lay in enumerate(layouts):
+        mesh = lay.mesh
+        key = ("mixed state", mesh, lay.strategies, lay.zero, lay.offload_optimizer, lay.numerics)
+        state = ct.memo.get(key)
+        if state is None:
+            state = 0.0
+            for count, view in zip(counts, ct.kinds):
+                params = sum(block_params(view, lay, k) for k in KINDS) + (spec.layers - 1) * \
+                    block_params(view, lay, BlockKind.LAYER)
+                if spec.tied and mesh.pp > 1:
+                    params += block_params(view, lay, BlockKind.EMBED)  # the head's copy
+                experts = spec.layers * expert_block_params(view, lay, BlockKind.LAYER)
+                state += count / spec.layers * state_bytes(params / mesh.pp, lay, expert=experts / mesh.pp).total
+            ct.memo[key] = state
+        buffers = min(cost.buffer_bytes(view, lay, seq_len=seq_len) for view in ct.kinds)
+        shard = mesh.tp if lay.sequence_parallel or "sequence_parallel" in lay.stage_choices else 1
+        act = lay.micro_batch * seq_len / mesh.cp * spec.hidden * lay.numbers.act_bytes / shard
+        out[j] = state + buffers + spec.layers * act / mesh.pp
+    return out
+
+
 def _state_columns(ct: CompiledTable, hw, codes: np.ndarray, *, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """(optimizer seconds, peak bytes) of the state codes `codes` (`_state_bounds` of each code's layout, the
     same float operations over arrays: `cost.staging_bytes`). Their shape-independent terms are kept in the

@@ -31,7 +31,7 @@ from autoshard.passes.cost.precision import resolve_precision
 from autoshard.rules.schedules import check_chunks, microbatches_per_step
 from autoshard.passes.solve import ranges
 from autoshard.passes.solve.bounds import (Bounds, LazyBounds, epoch_table, layout_codes, least_block_s_many,
-                                           refined_step_bound)
+                                           mixed_peak_floor, refined_step_bound)
 from autoshard.rules.sharding import choices, strategy_options
 from autoshard.passes.solve.solve_model import (Assignment, MeshProblem, MeshResult, SplitSearch, evaluate,
                                                 mesh_problem, min_stage_sum, split_search, stage_numbers,
@@ -534,7 +534,8 @@ def _mixed_bounds(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch:
     memos = epoch_table(ct, "range bound memos", hw).setdefault(seq_len, [{} for _ in ct.kinds])
     per = [LazyBounds(view, hw, layouts, global_batch=global_batch, seq_len=seq_len, memo=memo)
            for view, memo in zip(ct.kinds, memos)]
-    return (np.min([b.steps_with(seconds) for b in per], axis=0), np.min([b.peak_bytes for b in per], axis=0))
+    peak = np.maximum(np.min([b.peak_bytes for b in per], axis=0), mixed_peak_floor(ct, layouts, seq_len=seq_len))
+    return np.min([b.steps_with(seconds) for b in per], axis=0), peak
 
 
 def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:

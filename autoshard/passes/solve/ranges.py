@@ -143,8 +143,11 @@ def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
                 continue
             top = found(counts)
             capped = np.where(fastest <= cap, fastest, np.inf)
-            tails = np.unique(tail[np.isfinite(capped) & (tail < top)])
-            for u in tails[tails >= tail_lo]:  # the split at (cap, inf) has max tail `top`: smaller caps on the tail
+            allowed = np.isfinite(capped)
+            tails = np.unique(tail[allowed & (tail < top)])
+            # no split under `cap` has a largest tail below the least one (a min-max DP): those caps are infeasible
+            least_top = _least_slowest(np.where(allowed, tail, np.inf), p, L)
+            for u in tails[tails >= max(tail_lo, least_top)]:  # the split at (cap, inf) has max tail `top`
                 if (m - f) * cap + f * s_t + u >= min(best, cutoff_s):
                     break
                 under = np.where(tail <= u, capped, np.inf)

@@ -1,6 +1,7 @@
 """The planner on a mixed layer stack: its exact split search over layer ranges finds the optimum of every
 contiguous split enumerated, its tables agree with estimate, and `solve` plans it."""
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,8 @@ from autoshard.passes.cost import cost
 from autoshard.passes.cost.cost import Layout
 from autoshard.passes.solve.planner import solve, solve_mesh
 from autoshard.passes.solve.ranges import table_bound
-from autoshard.passes.solve.solve_model import Assignment, brute_force, evaluate, mesh_problem, stage_numbers
+from autoshard.passes.solve.solve_model import (Assignment, brute_force, evaluate, mesh_problem, stage_numbers,
+                                                stage_splits)
 from autoshard.passes.cost.compiled import compile_table
 from autoshard.passes.cost.block import block_time
 
@@ -83,6 +85,26 @@ def test_table_bound_is_below_every_split(mixed, pp, dp, zero, schedule, fractio
         return
     assert bound <= best[1].step_s
     assert solve_mesh(problem, cutoff_s=bound).assignment is None
+
+
+@pytest.mark.parametrize("pp, dp, tp, zero, sp", [
+    (1, 8, 1, 0, False), (1, 4, 2, 2, True), (2, 4, 1, 1, False), (3, 1, 2, 0, True), (4, 2, 1, 2, False),
+    (7, 1, 1, 1, False)])
+def test_mixed_peak_floor_is_below_every_split(mixed, pp, dp, tp, zero, sp):
+    """The peak floor a mixed stack's layout is pruned by before its tables are built is at most the peak of every
+    split and recompute choice (brute force over a device large enough for all)."""
+    from autoshard.passes.solve.bounds import mixed_peak_floor
+
+    spec, ct = mixed
+    hw = replace(load_hardware("cpu"), memory_bytes=1e18)
+    layout = cost.resolved(Layout(mesh=Mesh(dp=dp, pp=pp, tp=tp), micro_batch=2, zero=zero,
+                                  sequence_parallel=sp), hw)
+    kw = dict(global_batch=16, seq_len=64)
+    problem = mesh_problem(ct, hw, layout, recomputes=(Recompute.NONE, Recompute.FULL), **kw)
+    floor = float(mixed_peak_floor(ct, [layout], seq_len=64)[0])
+    peaks = [evaluate(problem, problem.assignment(split, opts)).peak_bytes
+             for split in stage_splits(7, pp) for opts in itertools.product(range(len(problem.options)), repeat=pp)]
+    assert 0 < floor <= min(peaks)
 
 
 def test_stage_time_follows_its_own_layers(mixed):
