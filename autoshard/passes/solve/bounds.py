@@ -79,13 +79,21 @@ def least_block_s(ct: CompiledTable, hw, layout: Layout, *, seq_len: int) -> dic
 
 def least_block_s_many(ct: CompiledTable, hw, layouts, *, seq_len: int) -> list[dict]:
     """`least_block_s` of each of `layouts`, their block times priced together (`block_times`)."""
+    return [{k: min(bt.total_s for bt in times[k]) for k in KINDS}
+            for _, times in variant_block_times(ct, hw, layouts, seq_len=seq_len)]
+
+
+def variant_block_times(ct: CompiledTable, hw, layouts, *, seq_len: int) -> list[tuple[list[Layout], dict]]:
+    """For each of `layouts`: the variants a stage of it may take without recompute (`solve_model.stage_variants`)
+    and {kind: [the `BlockTime` of each variant]}, all priced together (`block_times`)."""
     from autoshard.passes.solve.solve_model import stage_variants
 
     variants = [[v if v.recompute is Recompute.NONE else replace(v, recompute=Recompute.NONE)
                  for v in stage_variants(lay)] for lay in layouts]
     flat = [v for vs in variants for v in vs]
-    times = {k: iter(block_times(ct, hw, flat, k, seq_len=seq_len)) for k in KINDS}
-    return [{k: min(next(times[k]).total_s for _ in vs) for k in KINDS} for vs in variants]
+    times = {k: block_times(ct, hw, flat, k, seq_len=seq_len) for k in KINDS}
+    ends = np.cumsum([len(vs) for vs in variants]).tolist()
+    return [(vs, {k: t[end - len(vs):end] for k, t in times.items()}) for vs, end in zip(variants, ends)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,11 +164,12 @@ class LazyBounds:
         e, l, h = floor[self.block_code].T  # [code, kind] -> per layout
         return np.where(self._m >= self._f, self._step(e, l, h, 0.0, slice(None)) * (1 - 1e-9), -np.inf)
 
-    def steps_with(self, blocks: np.ndarray) -> np.ndarray:
+    def steps_with(self, blocks: np.ndarray, *, extra: np.ndarray | float = 0.0) -> np.ndarray:
         """The step bound of every layout with its blocks at `blocks` [block code, kind] seconds instead of its own
-        (a mixed stack's kind view bounds its layouts with the stack's mean layer: planner.ranges_search)."""
+        (a mixed stack's kind view bounds its layouts with the stack's mean layer: passes/solve/mixed_bounds.py),
+        `extra` seconds of work more on some stage (the recompute memory forces there)."""
         e, l, h = blocks[self.block_code].T
-        return self._step(e, l, h, self._p2p_s(np.arange(len(self.step_s))), slice(None))
+        return self._step(e, l, h, self._p2p_s(np.arange(len(self.step_s))), slice(None), extra=extra)
 
     def _p2p_s(self, idx: np.ndarray) -> np.ndarray:
         """The p2p seconds of the layouts `idx` (`lower_bounds`' memo keys, priced where not kept yet)."""
@@ -174,10 +183,10 @@ class LazyBounds:
         self._p2p[todo] = [self.memo[key] for key in keys]
         return self._p2p[p2p_code]
 
-    def _step(self, e, l, h, p, idx):
+    def _step(self, e, l, h, p, idx, *, extra=0.0):
         """`lower_bounds`' step sums of the layouts `idx` with these block and p2p seconds, in its order."""
         pp, m, f = self._pp[idx], self._m[idx], self._f[idx]
-        work = e + l + h + (self.ct.spec.layers - 1) * l + pp * p
+        work = e + l + h + (self.ct.spec.layers - 1) * l + pp * p + extra
         heaviest = np.maximum(np.maximum(e, l), h) + p
         return f * work + (m - f) * np.maximum(work / pp, heaviest) + self._optimizer[idx]
 
@@ -452,38 +461,6 @@ def _fixed_state(ct: CompiledTable, hw, layout: Layout) -> tuple[float, float]:
                         + zero2_staging_bytes(avg, layout, expert=experts),
                         optimizer_time(hw, avg, layout, expert=experts))
     return ct.memo[key]
-
-
-def mixed_peak_floor(ct: CompiledTable, layouts, *, seq_len: int) -> np.ndarray:
-    """A floor under the peak bytes of every plan of each of a mixed stack's `layouts` (`ct.kinds`), each a sum
-    of what no stage split escapes: the weights, gradients and optimizer state of the average stage over the
-    stack's actual kinds (`state_bytes` is linear in the parameters, so it is the kinds' states weighted by their
-    layer counts; the stage holding the most holds at least the average), the least of the kinds' buffers (what
-    `_stage_columns` adds per stage), and the activations of the average stage at full recompute (a layer's input,
-    a sequence shard where a stage may take sequence parallelism) for the one micro-batch every stage holds at
-    least. ZeRO-2's staging is left out (it is not monotone in a stage's dense and expert parameters together).
-    `bounds.lower_bounds`' peak per kind view holds every layer at that kind's size: this one reads the mix."""
-    counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
-    spec, out = ct.spec, np.zeros(len(layouts))
-    for j, lay in enumerate(layouts):
-        mesh = lay.mesh
-        key = ("mixed state", mesh, lay.strategies, lay.zero, lay.offload_optimizer, lay.numerics)
-        state = ct.memo.get(key)
-        if state is None:
-            state = 0.0
-            for count, view in zip(counts, ct.kinds):
-                params = sum(block_params(view, lay, k) for k in KINDS) + (spec.layers - 1) * \
-                    block_params(view, lay, BlockKind.LAYER)
-                if spec.tied and mesh.pp > 1:
-                    params += block_params(view, lay, BlockKind.EMBED)  # the head's copy
-                experts = spec.layers * expert_block_params(view, lay, BlockKind.LAYER)
-                state += count / spec.layers * state_bytes(params / mesh.pp, lay, expert=experts / mesh.pp).total
-            ct.memo[key] = state
-        buffers = min(cost.buffer_bytes(view, lay, seq_len=seq_len) for view in ct.kinds)
-        shard = mesh.tp if lay.sequence_parallel or "sequence_parallel" in lay.stage_choices else 1
-        act = lay.micro_batch * seq_len / mesh.cp * spec.hidden * lay.numbers.act_bytes / shard
-        out[j] = state + buffers + spec.layers * act / mesh.pp
-    return out
 
 
 def _state_columns(ct: CompiledTable, hw, codes: np.ndarray, *, seq_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from autoshard.errors import InfeasiblePlanError, InvalidConfigError
-from autoshard.ir import (BlockKind, Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, chunk_layers,
+from autoshard.ir import (Fp8Recipe, Plan, Precision, Recompute, Schedule, Stage, check_schedule, chunk_layers,
                           even_stages, is_positive_int, stage_rank)
 from autoshard.passes.cost import cost
 from autoshard.passes.cost.compiled import compile_table, mixed_violation
@@ -30,8 +30,8 @@ from autoshard.rules.validity import (RUNTIME_SCHEDULES, RUNTIME_SEQUENCE_PARALL
 from autoshard.passes.cost.precision import resolve_precision
 from autoshard.rules.schedules import check_chunks, microbatches_per_step
 from autoshard.passes.solve import ranges
-from autoshard.passes.solve.bounds import (Bounds, LazyBounds, epoch_table, layout_codes, least_block_s_many,
-                                           mixed_peak_floor, refined_step_bound)
+from autoshard.passes.solve.bounds import Bounds, LazyBounds, refined_step_bound
+from autoshard.passes.solve.mixed_bounds import mixed_bounds
 from autoshard.rules.sharding import choices, strategy_options
 from autoshard.passes.solve.solve_model import (Assignment, MeshProblem, MeshResult, SplitSearch, evaluate,
                                                 mesh_problem, min_stage_sum, split_search, stage_numbers,
@@ -469,8 +469,8 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     value it must beat as a cutoff, until the bound reaches the runner-up. The bound of a layout is
     `bounds.lower_bounds` with the mean layer of the stack's sequence (its summed work exact, its heaviest
     block no more than the heaviest), its state and peak memory the least over the kinds' tables."""
-    layouts = [cost.resolved(lay, hw) for lay in layouts if _priced_layout(ct, lay)]
-    step_b, peak_b = _mixed_bounds(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len)
+    layouts = _priced_layouts(ct, hw, layouts)
+    step_b, peak_b = mixed_bounds(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len)
     fits = peak_b <= hw.memory_bytes
     ep_bounds = {}
     for e in sorted({lay.mesh.ep for lay in layouts}):
@@ -509,35 +509,6 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
 
 
-def _mixed_bounds(ct: CompiledTable, hw, layouts: list[Layout], *, global_batch: int,
-                  seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(step, peak bytes) lower bounds of each of a mixed stack's `layouts` (`ranges_search`): per kind view,
-    `bounds.lower_bounds` with the embedding and head of the layout's own blocks and the stack's mean layer
-    (each block code's per-kind `least_block_s`, kept over re-plans), over arrays (`LazyBounds.steps_with`);
-    the least over the kinds of each."""
-    if not layouts:
-        return np.zeros(0), np.zeros(0)
-    counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
-    codes = layout_codes(layouts)[:, 0]
-    blocks = _bound_blocks(ct, hw, seq_len)  # after the codes: the epoch they are of
-    first = np.unique(codes, return_index=True)[1].tolist()  # a layout of each code: they share their block times
-    new = [k for k in first if int(codes[k]) not in blocks]
-    per_kind = [least_block_s_many(view, hw, [layouts[k] for k in new], seq_len=seq_len) for view in ct.kinds]
-    for j, k in enumerate(new):
-        blocks[int(codes[k])] = [kind[j] for kind in per_kind]
-    seconds = np.zeros((int(codes.max()) + 1, 3))  # [block code, (embed, mean layer, head)]
-    for k in first:
-        code = int(codes[k])
-        kinds = blocks[code]  # each kind's {block: seconds}
-        mean = float(counts @ [b[BlockKind.LAYER] for b in kinds]) / counts.sum()
-        seconds[code] = (kinds[0][BlockKind.EMBED], mean, kinds[0][BlockKind.HEAD])
-    memos = epoch_table(ct, "range bound memos", hw).setdefault(seq_len, [{} for _ in ct.kinds])
-    per = [LazyBounds(view, hw, layouts, global_batch=global_batch, seq_len=seq_len, memo=memo)
-           for view, memo in zip(ct.kinds, memos)]
-    peak = np.maximum(np.min([b.peak_bytes for b in per], axis=0), mixed_peak_floor(ct, layouts, seq_len=seq_len))
-    return np.min([b.steps_with(seconds) for b in per], axis=0), peak
-
-
 def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:
     """The block numbers and table bounds (`ranges.table_bound`) a mixed stack's search reuses over plans (a
     re-plan at another global batch needs the same ones), kept in `ct.memo` for the last two (device, sequence
@@ -551,11 +522,20 @@ def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:
     return kept[key]
 
 
-def _bound_blocks(ct: CompiledTable, hw, seq_len: int) -> dict:
-    """block code (`bounds.layout_codes`) -> each kind's `least_block_s`, what a mixed stack's layout bounds read:
-    kept in `ct.memo` per device, sequence length and code epoch, so a re-plan at another global batch prices
-    no block again."""
-    return epoch_table(ct, "range bound blocks", hw).setdefault(seq_len, {})
+def _priced_layouts(ct: CompiledTable, hw, layouts) -> list[Layout]:
+    """The resolved `layouts` a mixed stack's search prices (`_priced_layout`); of the planner's candidates a part at
+    a time, kept in `ct.memo` per part object (the same in every plan of the process: `bounds.layout_codes` then
+    reads each part's codes once)."""
+    parts = getattr(layouts, "parts", None)
+    if parts is None:
+        return [cost.resolved(lay, hw) for lay in layouts if _priced_layout(ct, lay)]
+    kept, out = ct.memo.setdefault(("priced parts", hw), {}), []
+    for part in parts:
+        entry = kept.get(id(part))
+        if entry is None or entry[0] is not part:  # (held here, so its id is not reused)
+            entry = kept[id(part)] = (part, tuple(cost.resolved(lay, hw) for lay in part if _priced_layout(ct, lay)))
+        out.append(entry[1])
+    return CandidateLayouts(out, precision=layouts.precision)
 
 
 def _priced_layout(ct: CompiledTable, layout: Layout) -> bool:

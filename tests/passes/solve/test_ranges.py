@@ -93,7 +93,7 @@ def test_table_bound_is_below_every_split(mixed, pp, dp, zero, schedule, fractio
 def test_mixed_peak_floor_is_below_every_split(mixed, pp, dp, tp, zero, sp):
     """The peak floor a mixed stack's layout is pruned by before its tables are built is at most the peak of every
     split and recompute choice (brute force over a device large enough for all)."""
-    from autoshard.passes.solve.bounds import mixed_peak_floor
+    from autoshard.passes.solve.mixed_bounds import mixed_peak_floor
 
     spec, ct = mixed
     hw = replace(load_hardware("cpu"), memory_bytes=1e18)
@@ -105,6 +105,26 @@ def test_mixed_peak_floor_is_below_every_split(mixed, pp, dp, tp, zero, sp):
     peaks = [evaluate(problem, problem.assignment(split, opts)).peak_bytes
              for split in stage_splits(7, pp) for opts in itertools.product(range(len(problem.options)), repeat=pp)]
     assert 0 < floor <= min(peaks)
+
+
+@pytest.mark.parametrize("pp, dp, zero, schedule, fraction", [
+    (1, 8, 0, "1f1b", 0.7), (2, 4, 1, "1f1b", 0.3), (3, 1, 0, "1f1b", 0.2), (4, 2, 2, "gpipe", 0.1),
+    (4, 1, 1, "zero-bubble", 0.2), (7, 1, 0, "1f1b", 0.05)])
+def test_mixed_bounds_are_below_every_split(mixed, pp, dp, zero, schedule, fraction):
+    """The step and peak bounds a mixed stack's layouts are ordered and pruned by (the forced recompute included)
+    are at most the brute-force optimum's on devices tight enough to force recompute on some stages (the floor
+    counts 1 to 5 layers forced on four of these)."""
+    from autoshard.passes.solve.mixed_bounds import mixed_bounds
+
+    spec, ct = mixed
+    cpu = load_hardware("cpu")
+    layout = cost.resolved(Layout(mesh=Mesh(dp=dp, pp=pp), micro_batch=1, zero=zero, schedule=schedule), cpu)
+    kw = dict(global_batch=16, seq_len=64)
+    recomputes = (Recompute.NONE, Recompute.FULL)
+    hw = _tight(cpu, mesh_problem(ct, cpu, layout, recomputes=recomputes, **kw), fraction)
+    step, peak = (float(x[0]) for x in mixed_bounds(replace(ct, memo={}), hw, [layout], **kw))
+    best = brute_force(mesh_problem(ct, hw, layout, recomputes=recomputes, **kw))
+    assert best is not None and step <= best[1].step_s and peak <= best[1].peak_bytes
 
 
 def test_stage_time_follows_its_own_layers(mixed):
