@@ -614,6 +614,28 @@ def role_numel(spec: ModelSpec, role: Role) -> int:
     return length * size(spec, role.fan) * max(1, len([p for p in role.params if p != "bias"]))
 
 
+@functools.lru_cache(maxsize=1024)
+def partial_grad_sizes(spec: ModelSpec, tp: int, strategies=()) -> tuple[tuple[float, float], ...]:
+    """Elements of each gradient one layer all-reduces over tp for the slices several tp ranks hold (passes/rewrite.py
+    `partial_grads`, runtime/tensor_parallel.py `partial_grad_reducer`): a role cut into fewer parts than tp (GQA's
+    KV heads shared by tp / kv_heads ranks) sums a slot per part, its whole weight; one whose pieces are kept whole
+    (Mamba-2's B / C groups) sums those pieces' rows. One (elements, share of the layers) per weight (`role_numel`'s;
+    a bias, where the model has one, is a few hundred elements and no fact says whether it does: left out); a hybrid's
+    part is on its own layers only (`Role.layers`). One KV head's projections are not here: they are
+    `spec.grad_sum`'s (`one_kv_head`)."""
+    out = []
+    for role in table(spec, strategies) if tp > 1 else ():
+        if role.block is not BlockKind.LAYER or not role.params or not role.pieces or one_kv_head(spec, role) or \
+                role.strategy in (Strategy.REPLICATE, Strategy.EXPERT):
+            continue
+        kept, lengths = whole_pieces(spec, role, tp), [size(spec, p.length) for p in role.pieces]
+        share = sum(n for n, k in zip(lengths, kept) if k) if any(kept) else (
+            sum(lengths) if role_parts(spec, role, tp) < tp else 0)
+        on = len(role.layers) / spec.layers if role.layers else 1.0
+        out += [(float(share * size(spec, role.fan)), on) for p in role.params if share and p != "bias"]
+    return tuple(out)
+
+
 def params_per_rank(spec: ModelSpec, kind: BlockKind, total: float, tp: int, strategies=()) -> float:
     """See `_params_per_rank` (memoised: the planner asks for every layout)."""
     return _params_per_rank(spec, kind, total, tp, tuple(strategies))

@@ -5,6 +5,9 @@ validator agree. The gloo equivalence runs are in tests/runtime/test_equivalence
 from __future__ import annotations
 
 import dataclasses
+import math
+
+import pytest
 
 import torch
 
@@ -70,3 +73,25 @@ def test_mamba2_1b_gets_tp_layouts_and_a_bad_tp_names_the_numbers():
     assert {2, 4, 8} <= tps
     why = sharding.tp_violation(dataclasses.replace(get_spec("mamba2-tiny"), vocab=255), 3)  # vocab splits
     assert why is not None and "tp (3)" in why and "heads" in why and "(8)" in why
+
+
+@pytest.mark.parametrize("name, tp", [("llama-tiny", 4), ("mamba2-tiny-1group", 2)])
+def test_the_cost_model_prices_the_partial_gradients_the_runtime_sums(name, tp):
+    """The elements per layer the cost model's tp gradient sums move (`sharding.partial_grad_sizes`) are those the
+    runtime all-reduces (`partial_grads`: GQA's KV heads shared by tp / kv_heads ranks, one slot per part, the whole
+    weight; Mamba-2's B / C rows kept whole on every rank): the layer-0 weights of the program's partial gradients."""
+    spec = ONE if name == ONE.name else get_spec(name)
+    program, shapes = _program(spec, tp, 0)
+    placements = dict(program.placements)
+    moved = []
+    for param in program.partial_grads:
+        placement = placements[param]
+        if ".layers.0." not in f".{param}" or not param.endswith("weight") or not isinstance(placement, Shard):
+            continue
+        shape = shapes[param]
+        rest = math.prod(shape) // shape[placement.dim]
+        rows = sum(n for i, n in enumerate(placement.segments) if placement.kept_whole(i)) if placement.whole else \
+            shape[placement.dim]  # whole pieces: their rows; else a slot per part, the whole weight
+        moved.append(float(rows * rest))
+    priced = [n for n, on in sharding.partial_grad_sizes(spec, tp) if on == 1.0]
+    assert moved and sorted(moved) == sorted(priced)

@@ -15,6 +15,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.hardware import DeviceProfile
 from autoshard.passes.cost.collectives import Collective, best_time
 from autoshard.rules.buckets import gradient_bucket_params
+from autoshard.rules import sharding
 from autoshard.rules.ranks import group_stride
 from autoshard.passes.cost.layout import Layout, MemoryBreakdown, OPTIM_TRAFFIC
 
@@ -85,18 +86,27 @@ def zero2_staging_bytes(params, layout: Layout, *, expert=0.0):
 
 
 def tp_grad_sum_time(hw: DeviceProfile, spec, layout: Layout, layers):
-    """Per-step seconds of the tp all-reduces of the gradients the placement propagation proves partial
-    (passes/capture/tp_proof.py: replicated parameters used on this rank's heads only, Qwen3's per-head q/k
-    norms; `spec.grad_sum`, `spec.grad_sum_numel` elements per layer), for a stage of `layers` layers (a number
-    or a numpy array). The runtime (runtime/tensor_parallel.py `partial_grad_reducer`) all-reduces each such
-    gradient over tp once per step, before the data-parallel sync, on the critical path; one collective per
-    module and layer (a few hundred bytes: latency-bound), priced as collectives.best_time prices any."""
+    """Per-step seconds of the tp all-reduces of partial gradients, for a stage of `layers` layers (a number or a
+    numpy array): those the placement propagation proves partial (passes/capture/tp_proof.py: replicated parameters
+    used on this rank's heads only, Qwen3's per-head q/k norms, one KV head's projections; `spec.grad_sum`,
+    `spec.grad_sum_numel` elements per layer), and the slices several tp ranks hold (GQA's KV heads at tp >
+    kv_heads, Mamba-2's whole groups: `sharding.partial_grad_sizes`, the ZeRO-3 dp shard of each under ZeRO-3; a
+    hybrid's per layer as the stack's average, exact over the whole stack). The
+    runtime (runtime/tensor_parallel.py `partial_grad_reducer`) all-reduces each such gradient over tp once per
+    step, before the data-parallel sync, on the critical path; one collective per parameter and layer, priced as
+    collectives.best_time prices any."""
     tp = layout.mesh.tp
-    if tp == 1 or not spec.grad_sum:
+    if tp == 1:
         return 0.0 * layers
-    each = spec.grad_sum_numel / len(spec.grad_sum) * layout.numbers.grad_bytes
-    return layers * len(spec.grad_sum) * best_time(hw, Collective.ALL_REDUCE, each, size=tp,
-                                                     stride=group_stride(layout.mesh, "tp"))
+    stride = group_stride(layout.mesh, "tp")
+    sizes = sharding.partial_grad_sizes(spec, tp, layout.strategies)
+    shard = _dp_group(layout) if layout.zero == 3 else 1
+    each = sum(on * best_time(hw, Collective.ALL_REDUCE, n / shard * layout.numbers.grad_bytes, size=tp,
+                              stride=stride) for n, on in sizes)  # a hybrid's part: the share of layers holding it
+    if spec.grad_sum:
+        each += len(spec.grad_sum) * best_time(hw, Collective.ALL_REDUCE, spec.grad_sum_numel / len(spec.grad_sum)
+                                               * layout.numbers.grad_bytes, size=tp, stride=stride)
+    return layers * each
 
 
 def dp_exposed_time(hw: DeviceProfile, params, layout: Layout, *, backward_s, forward_s, expert=0.0):
