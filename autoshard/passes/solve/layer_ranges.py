@@ -66,27 +66,40 @@ def range_lengths(layers: int) -> np.ndarray:
     return out
 
 
-def range_sums(stage_table, pp: int, layers: int, count: int, lows) -> tuple[np.ndarray, np.ndarray | None]:
-    """The least sum over stages of t_i[a_i, a_{i+1}] with a_0 = 0 and a_pp = L, for `count` tables side by side,
-    stage i holding at least `lows[i]` layers: `stage_table(i, starts, ends)` gives stage i's [count, starts, ends]
-    (inf: not allowed) for the slices of starts and ends the other stages' least layers leave open. Returns
-    (sums [count], counts [count, pp] of the splits reaching them; a row is meaningless where its sum is inf)."""
-    size = layers + 1
+def stage_windows(layers: int, lows) -> list[tuple[slice, slice]]:
+    """Per stage i, the slices of starts and ends it can have when stage j holds at least `lows[j]` layers (the
+    stages before i hold their least, those after it leave theirs)."""
     before = np.concatenate([[0], np.cumsum(lows)]).astype(int)  # least layers of the stages before i
     after = int(before[-1])
+    return [(slice(int(before[i]), layers - (after - int(before[i])) + 1),
+             slice(int(before[i]) + int(lows[i]), layers - (after - int(before[i + 1])) + 1)) for i in range(len(lows))]
+
+
+def range_sums(stage_table, pp: int, layers: int, count: int, lows, *,
+               splits: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+    """The least sum over stages of t_i[a_i, a_{i+1}] with a_0 = 0 and a_pp = L, for `count` tables side by side,
+    stage i holding at least `lows[i]` layers: `stage_table(i, starts, ends)` gives stage i's [count, starts, ends]
+    (inf: not allowed) for the slices of starts and ends the other stages' least layers leave open
+    (`stage_windows`). Returns (sums [count], counts [count, pp] of the splits reaching them, or None without
+    `splits`; a row is meaningless where its sum is inf)."""
+    size = layers + 1
     best = np.full((count, size), np.inf)
     best[:, 0] = 0.0
     args = []
-    for i in range(pp):
-        a0, a1 = int(before[i]), layers - (after - int(before[i]))  # the starts stage i can have
-        b0, b1 = a0 + int(lows[i]), layers - (after - int(before[i + 1]))  # and its ends
-        cand = best[:, a0:a1 + 1, None] + stage_table(i, slice(a0, a1 + 1), slice(b0, b1 + 1))  # [j, a, b]
+    for i, (starts, ends) in enumerate(stage_windows(layers, lows)):
+        cand = best[:, starts, None] + stage_table(i, starts, ends)  # [j, a, b]
+        if not splits:
+            best = np.full((count, size), np.inf)
+            best[:, ends] = cand.min(axis=1)
+            continue
         arg = cand.argmin(axis=1)  # [j, b]: the smallest start on ties
         best = np.full((count, size), np.inf)
-        best[:, b0:b1 + 1] = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
+        best[:, ends] = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
         full = np.zeros((count, size), dtype=np.int64)
-        full[:, b0:b1 + 1] = arg + a0
+        full[:, ends] = arg + starts.start
         args.append(full)
+    if not splits:
+        return best[:, layers], None
     ends = np.full(count, layers)
     bounds = [ends]
     for arg in reversed(args):  # each table's boundaries, from the last stage back

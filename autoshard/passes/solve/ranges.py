@@ -8,6 +8,7 @@ tail U, each (T, U) solved by a min-plus DP over the stage boundaries; it always
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import replace
@@ -18,7 +19,7 @@ from autoshard.ir import BlockKind
 from autoshard.passes.cost import cost
 from autoshard.passes.cost.block import block_activation_bytes, block_params, block_time, expert_block_params
 from autoshard.passes.cost.state import state_bytes
-from autoshard.passes.solve.layer_ranges import range_columns, range_lengths, range_sums
+from autoshard.passes.solve.layer_ranges import range_columns, range_lengths, range_sums, stage_windows
 from autoshard.passes.solve.solve_model import (MeshResult, evaluate, range_class_index, stage_groups,
                                                 stage_min_layers)
 from autoshard.rules import schedules
@@ -30,14 +31,20 @@ def bottleneck(problem, ok: np.ndarray) -> float | None:
     return _least_slowest(np.where(ok, problem.time_s, np.inf).min(axis=1), problem.pp, problem.layers)
 
 
-def _least_slowest(fastest: np.ndarray, pp: int, layers: int) -> float | None:
+def _least_slowest(fastest: np.ndarray, pp: int, layers: int, lows=None) -> float | None:
     """The least slowest-stage time of the splits of stage tables `fastest` [i, column] (None: no split): a min-max
-    DP over the stages and their boundaries (best_i[b] = min_a max(best_{i-1}[a], t_i[a, b]))."""
+    DP over the stages and their boundaries (best_i[b] = min_a max(best_{i-1}[a], t_i[a, b])). `lows`: each stage's
+    least layers, where the tables hold inf for the ranges shorter (the DP then reads only the starts and ends a
+    split can reach, `stage_windows`)."""
     size = layers + 1
+    square = fastest.reshape(pp, size, size)
+    windows = stage_windows(layers, lows) if lows is not None else [(slice(None), slice(None))] * pp
     best = np.full(size, np.inf)
     best[0] = 0.0
-    for i in range(pp):
-        best = np.maximum(best[:, None], fastest[i].reshape(size, size)).min(axis=0)
+    for i, (starts, ends) in enumerate(windows):
+        step = np.full(size, np.inf)
+        step[ends] = np.maximum(best[starts, None], square[i, starts, ends]).min(axis=0)
+        best = step
     value = float(best[layers])
     return value if math.isfinite(value) else None
 
@@ -45,7 +52,7 @@ def _least_slowest(fastest: np.ndarray, pp: int, layers: int) -> float | None:
 def _least_sum(fastest: np.ndarray, pp: int, layers: int, lows) -> float:
     """The least sum of stage times of the splits of stage tables `fastest` [i, column] (`range_sums`)."""
     square = fastest.reshape(pp, layers + 1, layers + 1)  # [i, a, b]
-    return float(range_sums(lambda i, ra, rb: square[i, None, ra, rb], pp, layers, 1, lows)[0][0])
+    return float(range_sums(lambda i, ra, rb: square[i, None, ra, rb], pp, layers, 1, lows, splits=False)[0][0])
 
 
 def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int, memo: dict | None = None) -> float:
@@ -81,13 +88,20 @@ def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int, memo
             fastest[list(stages)] = np.minimum(fastest[list(stages)], fits)
         same = ("table bound of", hashlib.blake2b(fastest.tobytes(), digest_size=16).digest(), tuple(lows))
         if same not in memo:  # layouts whose fitting entries are alike (a mesh's ZeRO levels, mostly) share it
-            fastest = fastest[:, index]
-            fastest[range_lengths(L)[None, :] < np.array(lows)[:, None]] = np.inf  # too short, or no range
-            floor = _least_slowest(fastest, mesh.pp, L)
+            fastest = np.where(_short(L, tuple(lows)), np.inf, fastest[:, index])  # too short, or no range
+            floor = _least_slowest(fastest, mesh.pp, L, lows)
             memo[same] = (floor, None if floor is None else _least_sum(fastest, mesh.pp, L, lows))
         memo[key] = memo[same]
     floor, total = memo[key]
     return math.inf if floor is None else (m - f) * floor + f * total
+
+
+@functools.lru_cache(maxsize=64)
+def _short(layers: int, lows: tuple[int, ...]) -> np.ndarray:
+    """[stage, range column]: the ranges shorter than each stage's least layers (or no range, b < a)."""
+    out = range_lengths(layers)[None, :] < np.array(lows)[:, None]
+    out.flags.writeable = False
+    return out
 
 
 def _chunks(values: np.ndarray, limit: int):
@@ -103,14 +117,13 @@ def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
     Returns (assignment or None, step seconds, lower bound seconds)."""
     m, L, p, f = problem.microbatches, problem.layers, problem.pp, problem.bubble
     size = L + 1
-    short = range_lengths(L)[None, :] < np.array([problem.min_layers(i) for i in range(p)])[:, None]  # [i, column]
-    t = np.where(ok & ~short[:, None, :], problem.time_s, np.inf)
+    lows = [problem.min_layers(i) for i in range(p)]
+    t = np.where(ok & ~_short(L, tuple(lows))[:, None, :], problem.time_s, np.inf)
     fastest = t.min(axis=1)  # [i, column]: a stage's tail is the same at every level
     tail = problem.tail_s.min(axis=1)
-    floor = _least_slowest(fastest, p, L)
+    floor = _least_slowest(fastest, p, L, lows)
     if floor is None:
         return None, math.inf, math.inf
-    lows = [problem.min_layers(i) for i in range(p)]
     square = fastest.reshape(p, size, size)  # [i, a, b]
     total = _least_sum(fastest, p, L, lows)
     live = np.isfinite(fastest)
@@ -146,7 +159,7 @@ def range_search(problem, ok: np.ndarray, *, cutoff_s: float = math.inf):
             allowed = np.isfinite(capped)
             tails = np.unique(tail[allowed & (tail < top)])
             # no split under `cap` has a largest tail below the least one (a min-max DP): those caps are infeasible
-            least_top = _least_slowest(np.where(allowed, tail, np.inf), p, L)
+            least_top = _least_slowest(np.where(allowed, tail, np.inf), p, L, lows)
             for u in tails[tails >= max(tail_lo, least_top)]:  # the split at (cap, inf) has max tail `top`
                 if (m - f) * cap + f * s_t + u >= min(best, cutoff_s):
                     break
