@@ -115,8 +115,9 @@ _SCAN = "the Mamba-1 selective scan of layers.0.mixer"
 # its call to HF's attention interface (GPT-NeoX's head_size): dp, pp (the model's own forward where the base is no
 # plain LLaMA stack: GPT-2's learned positions, OPT) and cp; tp as HF declares it at the model's own paths
 # (GPT-NeoX's per-head fused query_key_value and parallel residual, GPT-J's h.*, CodeGen's qkv_proj in whole model-
-# parallel groups, their MLP width read off the layer), refused by the proposal where none is declared (GPT-2's Conv1D,
-# OPT's fc1 / fc2 in no module), OPT's pp by its project_in / project_out linears (tiny OPT projects 768 -> 64);
+# parallel groups, their MLP width read off the layer), refused by the proposal where none is declared (GPT-2's Conv1D);
+# OPT's fc1 -> fc2 sit in the layer itself, no module holds the pair: fc1's own input enters the tp region; OPT's pp
+# refused by its project_in / project_out linears (tiny OPT projects 768 -> 64);
 # dropout off, so one process is reproducible. CTRL's attention takes its normed input as v, k and q (tp: each use's
 # gradient summed over the ranks; only v's was) and its base scales the embeddings in place (a later pipeline stage
 # feeds its own forward zeros, not the received tensor, which in-place scaling refused)
@@ -124,7 +125,6 @@ CLASSIC = {"gpt_neox": _tiny("gpt_neox"), "opt": _tiny("opt", dropout=0.0),
            "gpt2": _tiny("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "gptj": _tiny("gptj"),
            "codegen": _tiny("codegen"), "ctrl": _tiny("ctrl", resid_pdrop=0.0, embd_pdrop=0.0)}
 CLASSIC_REFUSED = {("gpt2", "tp"): "no colwise -> rowwise pair on the graph",
-                   ("opt", "tp"): "HF declares no tp plan for it",
                    ("opt", "pp"): "model.decoder.project_out (Linear) holds parameters beside the embedding"}
 
 # every family under every axis on two ranks (dense: dp, tp, pp, cp; MoE: dp, tp, pp, cp, ep), inside the

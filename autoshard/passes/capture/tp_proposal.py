@@ -50,6 +50,9 @@ def propose(cap: Captured, layer, spec) -> Proposal:
     for b in rowwise:
         group = sorted(feeders[b], key=order.index)
         region = _common_parent([*group, b])
+        entry = not region and len(group) == 1  # a lone colwise linear in the layer itself (OPT's, BioGPT's fc1)
+        if entry:
+            region = group[0]  # its own input enters the tp region; the ops up to the rowwise one run on the shard
         if not region:
             return Proposal(refusal=f"layers.*.{group[0]} -> layers.*.{b}: no module of the layer holds the pair, "
                                     "so the tp region has no input to enter at; tp is not offered for this model")
@@ -63,6 +66,9 @@ def propose(cap: Captured, layer, spec) -> Proposal:
                       else "the MLP width (intermediate_size)")
             return Proposal(refusal=f"layers.*.{odd[0]}: its {odd[1]} width {width} is not {counts} of the config, "
                                     "so no count splits it; tp is not offered for this model")
+        if entry:  # the linear's own role first: the table's innermost role at its path (`sharding.role_of`)
+            roles += [pieces[0], (region, "region", "ffn"), pieces[1]]
+            continue
         roles.append((region, "region", "heads" if attention else "ffn"))
         roles += pieces
     return Proposal(roles=tuple(roles))

@@ -42,14 +42,21 @@ def test_stablelm_pairs_are_megatrons_layout():
     assert "tp" not in dict(spec.refused)
 
 
-def test_a_pair_no_module_holds_is_refused_by_name():
-    """BioGPT's fc1 -> fc2 sit directly in the layer: no module to enter the tp region at."""
+def test_a_lone_colwise_linear_in_the_layer_enters_the_region_itself():
+    """BioGPT's fc1 -> fc2 sit directly in the layer, no module holds the pair: fc1's own input enters the tp region
+    (its colwise role first, so its weight is split), the activation between runs on the shard; proven on the graph
+    (the tp2 runs: OPT's in tests/runtime/families.py `CLASSIC`)."""
     from autoshard.models.tiny import tiny_config
     from tests.runtime.equivalence import Tiny
 
-    spec = Tiny("biogpt-tiny", tiny_config("biogpt")).spec
-    why = dict(spec.refused)["tp"]
-    assert "HF declares no tp plan" in why and "layers.*.fc1 -> layers.*.fc2: no module of the layer holds the pair" in why
+    source = Tiny("biogpt-tiny", tiny_config("biogpt"))
+    spec = source.spec
+    assert "tp" not in dict(spec.refused)
+    assert spec.tp_pairs[-3:] == (("fc1", "colwise", "ffn"), ("fc1", "region", "ffn"), ("fc2", "rowwise", "ffn"))
+    assert sharding.role_at(spec, "biogpt.layers.0.fc1").strategy is sharding.Strategy.COLWISE
+    assert "biogpt.layers.0.fc1" in sharding.modules(spec, sharding.Strategy.REGION)
+    proof = prove_tp(spec, source.build())
+    assert proof.proven and ("fwd", "layers.*.fc2") in proof.reduces, [f.message() for f in proof.findings]
 
 
 def test_the_proposal_is_proven_before_it_runs():
