@@ -84,11 +84,11 @@ def forced_recompute(ct: CompiledTable, hw, layouts, per_layer: np.ndarray, act:
     most of the stack's layers (its own kinds and counts) whose bytes at that stage's in-flight count fit; over
     all stages, the most whose bytes at one micro-batch in flight fit pp devices. A stage that recomputes reruns
     the forward of every layer it holds (`Recompute.FULL`: a mixed stack's stages recompute all or none)."""
+    if not layouts:
+        return np.zeros(0)
     L = ct.spec.layers
     counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
     room = np.maximum(hw.memory_bytes - buffers, 0.0)  # what a stage's layers may take
-    if not layouts:
-        return np.zeros(0)
     codes = layout_codes(layouts)  # (.., schedule code, pp, dp x ep x micro-batch, ..)
     groups, first, inverse = np.unique(np.stack([codes[:, 3], codes[:, 4], global_batch // codes[:, 5]], axis=1),
                                        axis=0, return_index=True, return_inverse=True)
