@@ -79,8 +79,12 @@ def least_block_s(ct: CompiledTable, hw, layout: Layout, *, seq_len: int) -> dic
 
 def least_block_s_many(ct: CompiledTable, hw, layouts, *, seq_len: int) -> list[dict]:
     """`least_block_s` of each of `layouts`, their block times priced together (`block_times`)."""
-    return [{k: min(bt.total_s for bt in times[k]) for k in KINDS}
-            for _, times in variant_block_times(ct, hw, layouts, seq_len=seq_len)]
+    return [least_of(times) for _, times in variant_block_times(ct, hw, layouts, seq_len=seq_len)]
+
+
+def least_of(times: dict) -> dict:
+    """{kind: the least seconds} of {kind: [the `BlockTime` of each variant]} (`variant_block_times`)."""
+    return {k: min(bt.total_s for bt in times[k]) for k in KINDS}
 
 
 def variant_block_times(ct: CompiledTable, hw, layouts, *, seq_len: int) -> list[tuple[list[Layout], dict]]:
@@ -442,21 +446,26 @@ def _state_bounds(ct: CompiledTable, hw, layout: Layout, *, seq_len: int) -> tup
     return optimizer_s, state + cost.buffer_bytes(ct, layout, seq_len=seq_len)
 
 
-def _fixed_state(ct: CompiledTable, hw, layout: Layout) -> tuple[float, float]:
-    """(state bytes, optimizer seconds) of the average stage of `layout`, kept in the table's memo over plans."""
-    kinds = KINDS
+def average_stage_params(ct: CompiledTable, layout: Layout) -> tuple[float, float]:
+    """(parameters, routed-expert parameters) of the average stage of `layout`: the whole model's over pp (the stage
+    with the most holds at least the average); the model's parameters kept in the table's memo over plans."""
     mesh, spec = layout.mesh, ct.spec
     key = ("params", mesh.tp, mesh.ep, mesh.pp > 1, layout.strategies)
     if key not in ct.memo:
-        params = sum(block_params(ct, layout, k) for k in kinds) + \
+        params = sum(block_params(ct, layout, k) for k in KINDS) + \
             (spec.layers - 1) * block_params(ct, layout, BlockKind.LAYER)
         if spec.tied and mesh.pp > 1:
             params += block_params(ct, layout, BlockKind.EMBED)  # the head's copy
         ct.memo[key] = params
-    avg = ct.memo[key] / mesh.pp  # the stage with the most parameters holds at least the average
+    return ct.memo[key] / mesh.pp, spec.layers * expert_block_params(ct, layout, BlockKind.LAYER) / mesh.pp
+
+
+def _fixed_state(ct: CompiledTable, hw, layout: Layout) -> tuple[float, float]:
+    """(state bytes, optimizer seconds) of the average stage of `layout`, kept in the table's memo over plans."""
+    mesh = layout.mesh
     key = ("state bytes", hw, mesh, layout.strategies, layout.zero, layout.offload_optimizer, layout.numerics)  # not the micro-batch
     if key not in ct.memo:
-        experts = spec.layers * expert_block_params(ct, layout, BlockKind.LAYER) / mesh.pp
+        avg, experts = average_stage_params(ct, layout)
         ct.memo[key] = (state_bytes(avg, layout, expert=experts).total
                         + zero2_staging_bytes(avg, layout, expert=experts),
                         optimizer_time(hw, avg, layout, expert=experts))

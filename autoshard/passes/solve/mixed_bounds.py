@@ -20,7 +20,8 @@ from autoshard.passes.cost import cost
 from autoshard.passes.cost.block import block_activation_bytes, block_params, expert_block_params
 from autoshard.passes.cost.compiled import CompiledTable
 from autoshard.passes.cost.state import state_bytes
-from autoshard.passes.solve.bounds import KINDS, LazyBounds, epoch_table, layout_codes, variant_block_times
+from autoshard.passes.solve.bounds import (LazyBounds, average_stage_params, epoch_table, layout_codes, least_of,
+                                           variant_block_times)
 from autoshard.rules import schedules
 
 
@@ -30,7 +31,7 @@ def mixed_bounds(ct: CompiledTable, hw, layouts: list, *, global_batch: int, seq
     bound of a layout whose peak bound exceeds the device is left without the forced recompute (it is pruned)."""
     if not layouts:
         return np.zeros(0), np.zeros(0)
-    counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
+    counts = _kind_counts(ct)
     all_codes = layout_codes(layouts)
     codes = all_codes[:, 0]
     blocks = epoch_table(ct, "range bound blocks", hw).setdefault(seq_len, {})  # after the codes: their epoch
@@ -55,8 +56,8 @@ def mixed_bounds(ct: CompiledTable, hw, layouts: list, *, global_batch: int, seq
     average, per_layer, buffers, inputs = _memory_columns(ct, layouts, all_codes, seq_len=seq_len)
     peak = np.maximum(np.min([b.peak_bytes for b in per], axis=0), average + buffers + inputs)
     fits = np.flatnonzero(peak <= hw.memory_bytes)
-    layers = forced_recompute(ct, hw, [layouts[j] for j in fits.tolist()], per_layer[fits], act[codes[fits]],
-                              buffers[fits], global_batch=global_batch)
+    layers = forced_recompute(ct, hw, [layouts[j] for j in fits.tolist()], all_codes[fits], per_layer[fits],
+                              act[codes[fits]], buffers[fits], global_batch=global_batch)
     extra = np.zeros(len(layouts))
     extra[fits] = _least_total(fwd[codes[fits]], counts, layers)  # the forced layers' reruns, at least
     return np.min([b.steps_with(seconds, extra=extra) for b in per], axis=0), peak
@@ -75,9 +76,10 @@ def mixed_peak_floor(ct: CompiledTable, layouts, *, seq_len: int) -> np.ndarray:
     return average + buffers + inputs
 
 
-def forced_recompute(ct: CompiledTable, hw, layouts, per_layer: np.ndarray, act: np.ndarray, buffers: np.ndarray, *,
-                     global_batch: int) -> np.ndarray:
-    """How many of a mixed stack's layers every plan of each of `layouts` recomputes, at least, to fit the device:
+def forced_recompute(ct: CompiledTable, hw, layouts, codes: np.ndarray, per_layer: np.ndarray, act: np.ndarray,
+                     buffers: np.ndarray, *, global_batch: int) -> np.ndarray:
+    """How many of a mixed stack's layers every plan of each of `layouts` (`codes`: their `bounds.layout_codes`)
+    recomputes, at least, to fit the device:
     a stage without recompute keeps, per layer of kind k, its state `per_layer[j, k]` and its saved bytes
     `act[j, k]` for each micro-batch it holds in flight (`schedules.in_flight`), besides `buffers[j]`, all within
     the device. Two ceilings on the layers the stages without recompute hold, the lower one counts: per stage, the
@@ -86,10 +88,9 @@ def forced_recompute(ct: CompiledTable, hw, layouts, per_layer: np.ndarray, act:
     the forward of every layer it holds (`Recompute.FULL`: a mixed stack's stages recompute all or none)."""
     if not layouts:
         return np.zeros(0)
-    L = ct.spec.layers
-    counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
+    L, counts = ct.spec.layers, _kind_counts(ct)
     room = np.maximum(hw.memory_bytes - buffers, 0.0)  # what a stage's layers may take
-    codes = layout_codes(layouts)  # (.., schedule code, pp, dp x ep x micro-batch, ..)
+    # (.., schedule code, pp, dp x ep x micro-batch, ..) of the codes: the micro-batches each stage holds
     groups, first, inverse = np.unique(np.stack([codes[:, 3], codes[:, 4], global_batch // codes[:, 5]], axis=1),
                                        axis=0, return_index=True, return_inverse=True)
     rows = np.zeros((len(groups), int(groups[:, 1].max())))  # [group, stage] micro-batches in flight, 0: no stage
@@ -133,8 +134,7 @@ def _memory_columns(ct: CompiledTable, layouts, codes: np.ndarray, *, seq_len: i
     buffers, and the saved bytes of the average stage at full recompute (each layer's input, a sequence shard where
     a stage may take sequence parallelism, one micro-batch in flight). Priced once per state code and per block
     code (a layout of each); the states are kept in the table's memo over plans."""
-    counts = np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)
-    spec = ct.spec
+    counts, spec = _kind_counts(ct), ct.spec
     state_codes, first, inverse = np.unique(codes[:, 2], return_index=True, return_inverse=True)
     average, per_layer, buffers = np.zeros(len(first)), np.zeros((len(first), len(ct.kinds))), np.zeros(len(first))
     for j, k in enumerate(first.tolist()):
@@ -144,15 +144,11 @@ def _memory_columns(ct: CompiledTable, layouts, codes: np.ndarray, *, seq_len: i
         state = ct.memo.get(key)
         if state is None:
             mean, layer = 0.0, []
-            for count, view in zip(counts, ct.kinds):
-                params = sum(block_params(view, lay, k) for k in KINDS) + (spec.layers - 1) * \
-                    block_params(view, lay, BlockKind.LAYER)
-                if spec.tied and mesh.pp > 1:
-                    params += block_params(view, lay, BlockKind.EMBED)  # the head's copy
-                experts = expert_block_params(view, lay, BlockKind.LAYER)
-                mean += count / spec.layers * state_bytes(params / mesh.pp, lay,
-                                                          expert=spec.layers * experts / mesh.pp).total
-                layer.append(state_bytes(block_params(view, lay, BlockKind.LAYER), lay, expert=experts).total)
+            for count, view in zip(counts, ct.kinds):  # each kind's stack: every layer of that kind
+                avg, experts = average_stage_params(view, lay)
+                mean += count / spec.layers * state_bytes(avg, lay, expert=experts).total
+                layer.append(state_bytes(block_params(view, lay, BlockKind.LAYER), lay,
+                                         expert=expert_block_params(view, lay, BlockKind.LAYER)).total)
             state = ct.memo[key] = (mean, tuple(layer))
         average[j], per_layer[j] = state
         buffers[j] = min(cost.buffer_bytes(view, lay, seq_len=seq_len) for view in ct.kinds)
@@ -171,6 +167,11 @@ def _least_layer_many(ct: CompiledTable, hw, layouts, *, seq_len: int) -> list[t
     """For each of `layouts`: `bounds.least_block_s` ({kind: seconds}), the least forward seconds of a layer (what a
     full recompute reruns, at least) and the least bytes a layer saves without recompute, each the least over the
     variants a stage may take (`bounds.variant_block_times`)."""
-    return [({k: min(bt.total_s for bt in times[k]) for k in KINDS}, min(bt.fwd_s for bt in times[BlockKind.LAYER]),
+    return [(least_of(times), min(bt.fwd_s for bt in times[BlockKind.LAYER]),
              min(block_activation_bytes(ct, v, BlockKind.LAYER, seq_len=seq_len, hw=hw) for v in vs))
             for vs, times in variant_block_times(ct, hw, layouts, seq_len=seq_len)]
+
+
+def _kind_counts(ct: CompiledTable) -> np.ndarray:
+    """[kind]: the layers of each kind of the stack (`ct.layer_kinds`)."""
+    return np.bincount(np.asarray(ct.layer_kinds), minlength=len(ct.kinds)).astype(float)

@@ -466,9 +466,8 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     """`search` of a mixed stack (`ct.kinds`): the layouts its per-kind tables price (`cost.mixed_violation`;
     one model chunk per rank, since a rank of an interleaved pipeline holds no one layer range) in order of a
     lower bound on their step, each solved exactly over its stages' layer ranges (`_solve_ranges`) with the
-    value it must beat as a cutoff, until the bound reaches the runner-up. The bound of a layout is
-    `bounds.lower_bounds` with the mean layer of the stack's sequence (its summed work exact, its heaviest
-    block no more than the heaviest), its state and peak memory the least over the kinds' tables."""
+    value it must beat as a cutoff, until the bound reaches the runner-up. The bounds of a layout: passes/solve/
+    mixed_bounds.py (the mean layer of the stack's sequence, the recompute memory forces, the peak of its mix)."""
     layouts = _priced_layouts(ct, hw, layouts)
     step_b, peak_b = mixed_bounds(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len)
     fits = peak_b <= hw.memory_bytes
