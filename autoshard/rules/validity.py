@@ -12,6 +12,7 @@ tests/rules/test_rule_table.py.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -607,13 +608,15 @@ def _dense_count(devices: int) -> int:
     return math.prod(math.comb(e + 3, 3) for e in prime_factors(devices).values())
 
 
+@functools.lru_cache(maxsize=16)
 def mesh_micro_batches(spec: ModelSpec, devices: int, *, global_batch: int, seq_len: int,
                        micro_batches: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[tuple[Mesh, int], ...]:
     """Every (valid mesh, micro-batch) pair the planner searches: for each mesh of
     `factorizations` and each micro-batch in `micro_batches`, the pair when `plan_violation`
     finds no broken rule (so dp x ep x micro-batch divides the global batch; ep > 1 only for a
     mixture of experts whose experts it divides).
-    Empty when no pair is valid (the caller words the error)."""
+    Empty when no pair is valid (the caller words the error). Memoised: the planner asks once per precision
+    and again on a re-plan of the same shape."""
     rules = dict(global_batch=global_batch, seq_len=seq_len, strategies=None)  # some intra-op choices pass
     out = []
     for mesh in _meshes(devices, lambda axis, size: axis_violation(spec, axis, size, **rules) is None):

@@ -220,10 +220,17 @@ def buffer_bytes(ct: CompiledTable, layout: Layout, *, seq_len: int) -> float:
 def buffer_terms(ct: CompiledTable, layout: Layout) -> tuple:
     """What `buffer_bytes` reads of `layout`, which does not depend on the shape: (micro-batch, cp, activation
     bytes per value, whether the TP / p2p buffers exist, ZeRO-3's gathered-weight bytes)."""
-    z3 = 0.0
-    if layout.zero == 3:
-        z3 = 2 * block_params(ct, layout, BlockKind.LAYER) * layout.numbers.gather_bytes
-    return layout.micro_batch, layout.mesh.cp, layout.numbers.act_bytes, layout.mesh.tp > 1 or layout.mesh.pp > 1, z3
+    return (*staged_terms(layout), gathered_bytes(ct, layout))
+
+
+def staged_terms(layout: Layout) -> tuple:
+    """`buffer_terms` less ZeRO-3's gathered weights (what does not depend on the model's blocks)."""
+    return layout.micro_batch, layout.mesh.cp, layout.numbers.act_bytes, layout.mesh.tp > 1 or layout.mesh.pp > 1
+
+
+def gathered_bytes(ct: CompiledTable, layout: Layout) -> float:
+    """ZeRO-3's gathered weights of one layer in flight, twice (prefetch); 0 below ZeRO-3."""
+    return 2 * block_params(ct, layout, BlockKind.LAYER) * layout.numbers.gather_bytes if layout.zero == 3 else 0.0
 
 
 def staging_bytes(ct: CompiledTable, micro_batch, cp, act_bytes, staged, z3, *, seq_len: int):

@@ -13,6 +13,8 @@ The whole contract: docs/modules/solve.md (passes/solve/mixed_bounds.py).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from autoshard.ir import BlockKind
@@ -20,6 +22,7 @@ from autoshard.passes.cost import cost
 from autoshard.passes.cost.block import block_activation_bytes, block_params, expert_block_params
 from autoshard.passes.cost.compiled import CompiledTable
 from autoshard.passes.cost.state import state_bytes
+from autoshard.passes.solve import layer_ranges
 from autoshard.passes.solve.bounds import (LazyBounds, average_stage_params, epoch_table, layout_codes, least_of,
                                            variant_block_times)
 from autoshard.rules import schedules
@@ -83,9 +86,12 @@ def forced_recompute(ct: CompiledTable, hw, layouts, codes: np.ndarray, per_laye
     a stage without recompute keeps, per layer of kind k, its state `per_layer[j, k]` and its saved bytes
     `act[j, k]` for each micro-batch it holds in flight (`schedules.in_flight`), besides `buffers[j]`, all within
     the device. Two ceilings on the layers the stages without recompute hold, the lower one counts: per stage, the
-    most of the stack's layers (its own kinds and counts) whose bytes at that stage's in-flight count fit; over
-    all stages, the most whose bytes at one micro-batch in flight fit pp devices. A stage that recomputes reruns
-    the forward of every layer it holds (`Recompute.FULL`: a mixed stack's stages recompute all or none)."""
+    longest contiguous range of the stack whose bytes at that stage's in-flight count fit (`_longest_within`); over
+    all stages, the most of the stack's layers whose bytes at one micro-batch in flight fit pp devices. A stage that
+    recomputes reruns the forward of every layer it holds (`Recompute.FULL`: a mixed stack's stages recompute all
+    or none): where the ceilings hold fewer than all the layers, at least one stage recomputes, and the stages that
+    do not are at most pp - 1 (the ceilings again, the least stage's left out, over pp - 1 devices); the one stage
+    of pp = 1 then reruns all."""
     if not layouts:
         return np.zeros(0)
     L, counts = ct.spec.layers, _kind_counts(ct)
@@ -97,11 +103,44 @@ def forced_recompute(ct: CompiledTable, hw, layouts, codes: np.ndarray, per_laye
     for g, (k, (_, pp, m)) in enumerate(zip(first.tolist(), groups.tolist())):
         lay = layouts[k]
         rows[g, :pp] = [schedules.in_flight(lay.schedule, i, pp, m, lay.virtual_stages) for i in range(pp)]
-    held = rows[inverse.reshape(-1)]
-    weight = per_layer[:, None, :] + held[:, :, None] * act[:, None, :]  # [layout, stage, kind]
-    per_stage = np.where(held > 0, _most_within(weight, counts, np.broadcast_to(room[:, None], held.shape)), 0.0)
-    overall = _most_within(per_layer + act, counts, room * (held > 0).sum(axis=1))
-    return np.maximum(L - np.minimum(per_stage.sum(axis=1), overall), 0.0)
+    inverse = inverse.reshape(-1)
+    held = rows[inverse]
+    # the longest range a stage keeps, per distinct (a layer's state, its saved bytes, the room) and in-flight count
+    distinct, which = np.unique(np.column_stack([per_layer, act, room]), axis=0, return_inverse=True)
+    in_flight, at = np.unique(rows, return_inverse=True)  # at[group, stage]: the index of its count in in_flight
+    k = len(ct.kinds)
+    weight = distinct[:, None, :k] + in_flight[None, :, None] * distinct[:, None, k:2 * k]  # [distinct, count, kind]
+    longest = _longest_within(ct, weight, np.broadcast_to(distinct[:, -1:], weight.shape[:2]))
+    per_stage = np.where(held > 0, longest[which.reshape(-1)[:, None], at.reshape(rows.shape)[inverse]], 0.0)
+    stages = (held > 0).sum(axis=1)
+    kept = np.minimum(per_stage.sum(axis=1), _most_within(per_layer + act, counts, room * stages))
+    # short of all: some stage recomputes (all it holds), so the others keep at most their ceilings less the least
+    one_off = np.minimum(per_stage.sum(axis=1) - np.where(held > 0, per_stage, np.inf).min(axis=1),
+                         _most_within(per_layer + act, counts, room * (stages - 1)))
+    return np.where(kept >= L, 0.0, L - one_off)
+
+
+def _longest_within(ct: CompiledTable, weight: np.ndarray, budget: np.ndarray) -> np.ndarray:
+    """A ceiling on the layers of one contiguous range of the stack (`ct.layer_kinds`; each layer of kind k weighing
+    `weight[..., k]`) whose weights sum to at most `budget[...]`: the longest n whose ranges' least weight fits,
+    that weight at least the fewest layers of each kind a range of n holds, the rest at the lightest kind's."""
+    fewest = _fewest_of_each(ct.layer_kinds, len(ct.kinds))  # [kind, n]
+    n = np.arange(fewest.shape[1])
+    least = weight @ fewest + weight.min(axis=-1, keepdims=True) * (n - fewest.sum(axis=0))  # [..., n]
+    fits = least <= budget[..., None]  # n = 0 always
+    return (n[-1] - np.argmax(fits[..., ::-1], axis=-1)).astype(float)
+
+
+@functools.lru_cache(maxsize=16)
+def _fewest_of_each(sequence: tuple[int, ...], kinds: int) -> np.ndarray:
+    """[kind, n]: the fewest layers of each kind a contiguous range of n layers of `sequence` holds."""
+    classes, _ = layer_ranges.range_classes(sequence, kinds)  # [kind, class]
+    classes = classes[:, (classes >= 0).all(axis=0)].astype(int)
+    out = np.full((kinds, len(sequence) + 1), len(sequence))
+    for n, counts in zip(classes.sum(axis=0).tolist(), classes.T.tolist()):
+        out[:, n] = np.minimum(out[:, n], counts)
+    out.flags.writeable = False
+    return out
 
 
 def _most_within(weight: np.ndarray, counts: np.ndarray, budget: np.ndarray) -> np.ndarray:
@@ -136,7 +175,8 @@ def _memory_columns(ct: CompiledTable, layouts, codes: np.ndarray, *, seq_len: i
     code (a layout of each); the states are kept in the table's memo over plans."""
     counts, spec = _kind_counts(ct), ct.spec
     state_codes, first, inverse = np.unique(codes[:, 2], return_index=True, return_inverse=True)
-    average, per_layer, buffers = np.zeros(len(first)), np.zeros((len(first), len(ct.kinds))), np.zeros(len(first))
+    average, per_layer = np.zeros(len(first)), np.zeros((len(first), len(ct.kinds)))
+    terms = np.zeros((len(first), 5))  # `cost.buffer_terms`, ZeRO-3's gathered layer the least over the kinds
     for j, k in enumerate(first.tolist()):
         lay = layouts[k]
         mesh = lay.mesh
@@ -149,9 +189,11 @@ def _memory_columns(ct: CompiledTable, layouts, codes: np.ndarray, *, seq_len: i
                 mean += count / spec.layers * state_bytes(avg, lay, expert=experts).total
                 layer.append(state_bytes(block_params(view, lay, BlockKind.LAYER), lay,
                                          expert=expert_block_params(view, lay, BlockKind.LAYER)).total)
-            state = ct.memo[key] = (mean, tuple(layer))
-        average[j], per_layer[j] = state
-        buffers[j] = min(cost.buffer_bytes(view, lay, seq_len=seq_len) for view in ct.kinds)
+            state = ct.memo[key] = (mean, tuple(layer), min(cost.gathered_bytes(view, lay) for view in ct.kinds))
+        average[j], per_layer[j], terms[j, 4] = state
+        terms[j, :4] = cost.staged_terms(lay)
+    mb, cp, act_bytes, staged, z3 = terms.T
+    buffers = cost.staging_bytes(ct, mb.astype(np.int64), cp.astype(np.int64), act_bytes, staged, z3, seq_len=seq_len)
     block_codes, first_block, block_of = np.unique(codes[:, 0], return_index=True, return_inverse=True)
     inputs = np.zeros(len(first_block))  # a layer's input bytes per block code
     for j, k in enumerate(first_block.tolist()):

@@ -8,6 +8,7 @@ The whole contract: docs/modules/solve.md (passes/solve/planner.py).
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import math
 import time
@@ -466,7 +467,8 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     """`search` of a mixed stack (`ct.kinds`): the layouts its per-kind tables price (`cost.mixed_violation`;
     one model chunk per rank, since a rank of an interleaved pipeline holds no one layer range) in order of a
     lower bound on their step, each solved exactly over its stages' layer ranges (`_solve_ranges`) with the
-    value it must beat as a cutoff, until the bound reaches the runner-up. The bounds of a layout: passes/solve/
+    value it must beat as a cutoff, until the bound reaches the runner-up; a layout whose table bound
+    (`ranges.table_bound`) lies above the next one's bound goes back in line at it. The bounds of a layout: passes/solve/
     mixed_bounds.py (the mean layer of the stack's sequence, the recompute memory forces, the peak of its mix)."""
     layouts = _priced_layouts(ct, hw, layouts)
     step_b, peak_b = mixed_bounds(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len)
@@ -476,13 +478,14 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         mine = np.array([lay.mesh.ep == e for lay in layouts])
         ep_bounds[e] = (float(step_b[mine & fits].min(initial=math.inf)), float(peak_b[mine].min()))
     kept = np.flatnonzero(fits)
-    kept = kept[np.argsort(step_b[kept], kind="stable")].tolist()  # by (bound, index)
+    queue = [(float(step_b[k]), k, False) for k in kept[np.argsort(step_b[kept], kind="stable")].tolist()]
     best: dict = {}  # mesh -> best Candidate on it
     numbers = _kept_numbers(ct, hw, seq_len)
-    visited = 0
+    visited = done = 0
 
-    for done, k in enumerate(kept):
-        layout, bound = layouts[k], float(step_b[k])
+    while queue:  # by (bound, index): a heap already
+        bound, k, tabled = heapq.heappop(queue)
+        layout = layouts[k]
         first, second = _top2(best)
         if bound >= second * (1 - 1e-9):
             break
@@ -494,9 +497,14 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         if key not in numbers:
             numbers[key] = stage_numbers(ct, hw, layout, seq_len=seq_len, memo=numbers,
                                          recomputes=(Recompute.NONE, Recompute.FULL))
-        if ranges.table_bound(ct, hw, layout, numbers[key], global_batch=global_batch, seq_len=seq_len,
-                              memo=numbers) >= cutoff:
-            continue  # its search would stop at once, nothing found: skip its tables
+        if not tabled:
+            table_b = ranges.table_bound(ct, hw, layout, numbers[key], global_batch=global_batch, seq_len=seq_len,
+                                         memo=numbers)
+            if table_b >= cutoff:
+                continue  # its search would stop at once, nothing found: skip its tables
+            if queue and (table_b, k) > queue[0][:2]:  # a layout bounded lower first: back in line at this bound
+                heapq.heappush(queue, (table_b, k, True))
+                continue
         result = ranges.known_result(numbers.get(("range result", layout, global_batch)), cutoff)
         if result is None:
             problem = mesh_problem(ct, hw, layout, global_batch=global_batch, seq_len=seq_len, blocks=numbers[key],
@@ -505,6 +513,7 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
             numbers[("range result", layout, global_batch)] = (cutoff, result)
             visited += 1
         _keep(best, layout, result, progress, done, len(kept))
+        done += 1
     return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
 
 

@@ -71,8 +71,9 @@ def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int, memo
     if not 0 <= f <= m:  # the bound is monotone in T and S only so
         return -math.inf
     memo = {} if memo is None else memo
-    key = ("table bound", layout, tuple(schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages)
-                                        for i in range(mesh.pp)))
+    # the micro-batches each stage holds in flight
+    flight = tuple(schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages) for i in range(mesh.pp))
+    key = ("table bound", layout, flight)
     if key not in memo:
         lows = [stage_min_layers(layout, L, i) for i in range(mesh.pp)]
         index = range_class_index(ct)
@@ -81,19 +82,30 @@ def table_bound(ct, hw, layout, blocks, *, global_batch: int, seq_len: int, memo
                                                                   tails=False):
             if not valid:
                 continue
-            held = np.array([schedules.in_flight(layout.schedule, i, mesh.pp, m, layout.virtual_stages)
-                             for i in stages])  # the micro-batches each stage holds in flight
+            held = np.array([flight[i] for i in stages])
             mem = act[None] * held[:, None, None] + other  # [stage, r, class]: stage_entries' memory
             fits = np.where(mem <= hw.memory_bytes, time[None], np.inf).min(axis=1)
             fastest[list(stages)] = np.minimum(fastest[list(stages)], fits)
         same = ("table bound of", hashlib.blake2b(fastest.tobytes(), digest_size=16).digest(), tuple(lows))
         if same not in memo:  # layouts whose fitting entries are alike (a mesh's ZeRO levels, mostly) share it
-            fastest = np.where(_short(L, tuple(lows)), np.inf, fastest[:, index])  # too short, or no range
+            fastest = _to_windows(fastest, index, L, lows)
             floor = _least_slowest(fastest, mesh.pp, L, lows)
             memo[same] = (floor, None if floor is None else _least_sum(fastest, mesh.pp, L, lows))
         memo[key] = memo[same]
     floor, total = memo[key]
     return math.inf if floor is None else (m - f) * floor + f * total
+
+
+def _to_windows(per_class: np.ndarray, index: np.ndarray, layers: int, lows) -> np.ndarray:
+    """Stage tables per class of ranges [i, class] taken to the range columns [i, (L + 1)^2] the DPs read (the
+    starts and ends a split can reach, `stage_windows`), inf elsewhere and where a range is shorter than the
+    stage's least layers (or no range)."""
+    size = layers + 1
+    out = np.full((len(lows), size, size), np.inf)
+    square, short = index.reshape(size, size), _short(layers, tuple(lows)).reshape(len(lows), size, size)
+    for i, (starts, ends) in enumerate(stage_windows(layers, lows)):
+        out[i, starts, ends] = np.where(short[i, starts, ends], np.inf, per_class[i, square[starts, ends]])
+    return out.reshape(len(lows), -1)
 
 
 @functools.lru_cache(maxsize=64)

@@ -357,12 +357,15 @@ def stage_entries(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumb
             yield i, o, time, mem if valid else np.full_like(mem, np.inf), tail
 
 
-@functools.lru_cache(maxsize=4096)
-def _stage_choice_ok(spec, tp: int, strategies, sequence_parallel: tuple[bool, ...]) -> bool:
+def _stage_choice_ok(ct: CompiledTable, tp: int, strategies, sequence_parallel: tuple[bool, ...]) -> bool:
     """Whether the plan validator allows `strategies` with sequence parallelism on the chunks `sequence_parallel`
-    says (`sharding.choice_violation`), memoised: the planner asks it for every stage of many layouts."""
-    return sharding.choice_violation(spec, tp, strategies, sequence_parallel=sequence_parallel,
-                                     chunks=len(sequence_parallel)) is None
+    says (`sharding.choice_violation` of `ct.spec`), kept in `ct.memo`: the planner asks it for every stage of many
+    layouts."""
+    key = ("stage choice ok", tp, strategies, sequence_parallel)
+    if key not in ct.memo:
+        ct.memo[key] = sharding.choice_violation(ct.spec, tp, strategies, sequence_parallel=sequence_parallel,
+                                                 chunks=len(sequence_parallel)) is None
+    return ct.memo[key]
 
 
 def _to_ranges(ct: CompiledTable, per_class: np.ndarray) -> np.ndarray:
@@ -388,7 +391,7 @@ def stage_groups(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumbe
     time [r, column], activations per micro-batch [r, column], other memory [column], whether the variant may go
     on these stages, tail [column] or None)]; a stage's peak memory is its activations times the micro-batches it
     holds in flight, plus the other memory (the middle stages of a pipeline differ in that number only)."""
-    mesh, spec, recomputes = layout.mesh, ct.spec, blocks[0].recomputes
+    mesh, recomputes = layout.mesh, blocks[0].recomputes
     chunks = mesh.pp * layout.virtual_stages
     ranks = [stage_rank(c, pp=mesh.pp, virtual_stages=layout.virtual_stages, schedule=layout.schedule)
              for c in range(chunks)]
@@ -399,12 +402,14 @@ def stage_groups(ct: CompiledTable, hw, layout: Layout, blocks: tuple[BlockNumbe
         crossings[r] += (c > 0) + (c < chunks - 1)
     groups: dict = {}
     for v, (lay, blk) in enumerate(zip(stage_variants(layout), blocks)):
+        # a stage taking sequence parallelism where others do not: its boundaries' all-gathers, its choices' rules
+        boundary = (sequence_boundary_time(ct, hw, lay, seq_len=seq_len, boundaries=1)
+                    if mixed and lay.sequence_parallel else None)
         for i in range(mesh.pp):
             p2p, valid = None, True
-            if mixed and lay.sequence_parallel:
-                p2p = blocks[0].p2p_s + sequence_boundary_time(ct, hw, lay, seq_len=seq_len, boundaries=crossings[i])
-                sp = tuple(r == i for r in ranks)
-                valid = _stage_choice_ok(spec, mesh.tp, lay.strategies, sp)
+            if boundary is not None:
+                p2p = blocks[0].p2p_s + crossings[i] * boundary
+                valid = _stage_choice_ok(ct, mesh.tp, lay.strategies, tuple(r == i for r in ranks))
             groups.setdefault((v, i == 0, i == mesh.pp - 1, p2p, valid), []).append(i)
     out = []
     for (v, first, last, p2p, valid), stages in groups.items():

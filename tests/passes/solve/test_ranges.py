@@ -4,6 +4,7 @@ contiguous split enumerated, its tables agree with estimate, and `solve` plans i
 import itertools
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from autoshard.hardware import load_hardware
@@ -107,6 +108,15 @@ def test_mixed_peak_floor_is_below_every_split(mixed, pp, dp, tp, zero, sp):
     assert 0 < floor <= min(peaks)
 
 
+def _tight_problem(ct, *, pp, dp, zero, schedule, fraction):
+    """(layout, device, its tables at both recompute levels) of the mixed stack on a device `_tight` makes tight."""
+    cpu = load_hardware("cpu")
+    layout = cost.resolved(Layout(mesh=Mesh(dp=dp, pp=pp), micro_batch=1, zero=zero, schedule=schedule), cpu)
+    kw = dict(global_batch=16, seq_len=64, recomputes=(Recompute.NONE, Recompute.FULL))
+    hw = _tight(cpu, mesh_problem(ct, cpu, layout, **kw), fraction)
+    return layout, hw, mesh_problem(ct, hw, layout, **kw)
+
+
 @pytest.mark.parametrize("pp, dp, zero, schedule, fraction", [
     (1, 8, 0, "1f1b", 0.7), (2, 4, 1, "1f1b", 0.3), (3, 1, 0, "1f1b", 0.2), (4, 2, 2, "gpipe", 0.1),
     (4, 1, 1, "zero-bubble", 0.2), (7, 1, 0, "1f1b", 0.05)])
@@ -117,14 +127,35 @@ def test_mixed_bounds_are_below_every_split(mixed, pp, dp, zero, schedule, fract
     from autoshard.passes.solve.mixed_bounds import mixed_bounds
 
     spec, ct = mixed
-    cpu = load_hardware("cpu")
-    layout = cost.resolved(Layout(mesh=Mesh(dp=dp, pp=pp), micro_batch=1, zero=zero, schedule=schedule), cpu)
-    kw = dict(global_batch=16, seq_len=64)
-    recomputes = (Recompute.NONE, Recompute.FULL)
-    hw = _tight(cpu, mesh_problem(ct, cpu, layout, recomputes=recomputes, **kw), fraction)
-    step, peak = (float(x[0]) for x in mixed_bounds(replace(ct, memo={}), hw, [layout], **kw))
-    best = brute_force(mesh_problem(ct, hw, layout, recomputes=recomputes, **kw))
+    layout, hw, problem = _tight_problem(ct, pp=pp, dp=dp, zero=zero, schedule=schedule, fraction=fraction)
+    step, peak = (float(x[0]) for x in mixed_bounds(replace(ct, memo={}), hw, [layout], global_batch=16, seq_len=64))
+    best = brute_force(problem)
     assert best is not None and step <= best[1].step_s and peak <= best[1].peak_bytes
+
+
+@pytest.mark.parametrize("pp, dp, zero, schedule, fraction", [
+    (1, 8, 0, "1f1b", 0.7), (1, 8, 1, "1f1b", 0.9), (2, 4, 1, "1f1b", 0.3), (3, 1, 0, "1f1b", 0.2),
+    (4, 1, 1, "zero-bubble", 0.2), (4, 2, 2, "gpipe", 0.1), (7, 1, 0, "1f1b", 0.05)])
+def test_forced_recompute_is_below_every_split(mixed, pp, dp, zero, schedule, fraction):
+    """The layers the mixed bound counts as rerun, at least, are at most those of every split and recompute choice
+    that fits a tight device; with one stage, that stage reruns all its layers wherever it cannot keep them all."""
+    from autoshard.passes.solve import mixed_bounds
+    from autoshard.passes.solve.bounds import layout_codes
+
+    spec, ct = mixed
+    layout, hw, problem = _tight_problem(ct, pp=pp, dp=dp, zero=zero, schedule=schedule, fraction=fraction)
+    codes = layout_codes([layout])
+    _, per_layer, buffers, _ = mixed_bounds._memory_columns(ct, [layout], codes, seq_len=64)
+    act = np.array([[each[0][2] for each in (mixed_bounds._least_layer_many(v, hw, [layout], seq_len=64)
+                                              for v in ct.kinds)]])
+    forced = float(mixed_bounds.forced_recompute(ct, hw, [layout], codes, per_layer, act, buffers,
+                                                 global_batch=16)[0])
+    rerun = [sum(n for n, r in zip(split, opts) if problem.recomputes[r] is Recompute.FULL)
+             for split in stage_splits(7, pp) for opts in itertools.product(range(2), repeat=pp)
+             if evaluate(problem, problem.assignment(split, opts)).peak_bytes <= hw.memory_bytes]
+    assert rerun and forced <= min(rerun)
+    if pp == 1:
+        assert forced == min(rerun)  # 0 where the stage keeps all, else all 7
 
 
 def test_stage_time_follows_its_own_layers(mixed):
