@@ -1,7 +1,10 @@
 """Planning speed on two large mixed layer stacks (issue 25 item 2): Nemotron-H-56B (118 layers: Mamba-2,
 attention, MLP) and DeepSeek-V3 (61 layers, 3 dense then MoE) on 1024 H100, built from their published configs
 on the meta device (autoshard/models/hybrids.py: no weights materialised), one layer of each kind traced on
-fake tensors. Wall and CPU seconds both (the CPU time is what the plan costs on a machine others share).
+fake tensors. Wall and CPU seconds both (the CPU time is what the plan costs on a machine others share), and
+the seconds of them the interpreter spent in full garbage collections: a pass walks the whole process heap (torch,
+transformers and the captured models: ~1M objects, 0.35-0.6 s a pass here) and lands in whichever plan crosses
+CPython's threshold, so it is shown apart.
 
 Reports per model: the capture (model on meta, a layer per kind traced: once per machine, then read from the
 on-disk cache), the first plan in the process from the table (the target: under 5 s), and re-plans in the same
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+import gc
 import os
 import time
 
@@ -40,6 +44,8 @@ def main() -> None:
     from autoshard.passes.solve.planner import solve
 
     hw = load_hardware(args.hardware)
+    passes = []  # the start and stop of each of the interpreter's full (generation 2) garbage collections
+    gc.callbacks.append(lambda phase, info: passes.append(time.perf_counter()) if info["generation"] == 2 else None)
     for name in args.models.split(","):
         t0 = time.perf_counter()
         spec, model = resolve_model(MODELS[name], device="meta")
@@ -52,12 +58,15 @@ def main() -> None:
               f"{model.num_parameters() / 1e9:.1f}B parameters; capture {capture:.2f} s")
         for label, batch, seq in (("plan", 1024, 4096), ("re-plan", 2048, 4096), ("re-plan", 1024, 8192),
                                   ("re-plan", 1024, 4096)):
+            passes.clear()
             t0, c0 = time.perf_counter(), time.process_time()
             plan = solve(spec, hw, devices=args.devices, global_batch=batch, seq_len=seq, table=table,
                          fingerprint=fingerprint)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             pred, solver = plan.predicted, plan.solver
-            print(f"  {label:8s} batch {batch} seq {seq}: {wall:.2f} s wall, {cpu:.2f} s CPU ({solver['layouts_solved']} of "
+            full = sum(b - a for a, b in zip(passes[::2], passes[1::2]))
+            print(f"  {label:8s} batch {batch} seq {seq}: {wall:.2f} s wall, {cpu:.2f} s CPU, {full:.2f} s of it in "
+                  f"full collections ({solver['layouts_solved']} of "
                   f"{solver['layouts']} layouts solved) -> {plan.mesh}, micro-batch {plan.micro_batch}, "
                   f"ZeRO-{plan.zero}, stages {[st.layers for st in plan.stages]}, "
                   f"step {pred['step_time_s']:.3g} s, MFU {100 * pred['mfu']:.1f}%, {pred['memory_gb']:.1f} GB")

@@ -7,7 +7,7 @@ Part of the cost model: passes/cost/cost.py composes these into `estimate`.
 from __future__ import annotations
 
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -95,6 +95,18 @@ class Layout:
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per step (rules/schedules.microbatches_per_step)."""
         return microbatches_per_step(global_batch, self.mesh, self.micro_batch)
+
+    def priced_twin(self) -> Layout:
+        """The layout the cost model prices exactly as this one with the first fp8 recipe (`Fp8Recipe` order) that
+        does: the recipes' numbers differ only in the bytes ZeRO-3 gathers (`PrecisionNumbers.gather_bytes`, read
+        under ZeRO-3 alone), so below ZeRO-3 every fp8 layout prices as its tensorwise twin; else itself."""
+        if self.precision is not Precision.FP8 or self.zero == 3:
+            return self
+        first = next(iter(Fp8Recipe))
+        if self.fp8_recipe is first or replace(self.numbers, gather_bytes=0.0) != replace(
+                precision_numbers(Precision.FP8, first), gather_bytes=0.0):
+            return self
+        return replace(self, fp8_recipe=first)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

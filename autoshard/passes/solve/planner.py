@@ -478,6 +478,10 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         mine = np.array([lay.mesh.ep == e for lay in layouts])
         ep_bounds[e] = (float(step_b[mine & fits].min(initial=math.inf)), float(peak_b[mine].min()))
     kept = np.flatnonzero(fits)
+    # a layout priced exactly as a twin also kept (`Layout.priced_twin`: its tensorwise fp8 twin) never beats it
+    present = {layouts[k] for k in kept.tolist()}
+    kept = np.array([k for k in kept.tolist() if layouts[k].priced_twin() is layouts[k]
+                     or layouts[k].priced_twin() not in present], dtype=np.int64)
     queue = [(float(step_b[k]), k, False) for k in kept[np.argsort(step_b[kept], kind="stable")].tolist()]
     best: dict = {}  # mesh -> best Candidate on it
     numbers = _kept_numbers(ct, hw, seq_len)
@@ -514,7 +518,8 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
             visited += 1
         _keep(best, layout, result, progress, done, len(kept))
         done += 1
-    return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
+    return _searched(best, visited=visited, pruned=len(layouts) - len(present), layouts=len(layouts),
+                     ep_bounds=ep_bounds)
 
 
 def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:

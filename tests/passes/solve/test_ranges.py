@@ -158,6 +158,26 @@ def test_forced_recompute_is_below_every_split(mixed, pp, dp, zero, schedule, fr
         assert forced == min(rerun)  # 0 where the stage keeps all, else all 7
 
 
+def test_an_fp8_recipe_prices_as_its_tensorwise_twin(mixed):
+    """Below ZeRO-3 the cost model prices an fp8 layout exactly as its tensorwise twin (the recipes differ in the
+    bytes ZeRO-3 gathers only): the same tables, so the mixed search keeps the twin alone; under ZeRO-3 they differ."""
+    from autoshard.ir import Fp8Recipe, Precision
+
+    spec, ct = mixed
+    hw = load_hardware("h100")
+    kw = dict(global_batch=16, seq_len=64, recomputes=(Recompute.NONE, Recompute.FULL))
+    row, tensor = (cost.resolved(Layout(mesh=Mesh(dp=2, pp=2), micro_batch=1, zero=1, precision=Precision.FP8,
+                                        fp8_recipe=r), hw) for r in (Fp8Recipe.ROWWISE, Fp8Recipe.TENSORWISE))
+    assert row.priced_twin() == tensor and tensor.priced_twin() is tensor
+    a, b = mesh_problem(ct, hw, row, **kw), mesh_problem(ct, hw, tensor, **kw)
+    assert all(np.array_equal(getattr(a, t), getattr(b, t)) for t in ("time_s", "mem_bytes", "tail_s"))
+    z3 = replace(row, mesh=Mesh(dp=4), zero=3)
+    assert z3.priced_twin() is z3
+    est = [cost.estimate(ct.kinds[0], spec, hw, lay, global_batch=16, seq_len=64).memory_gb
+           for lay in (z3, replace(tensor, mesh=Mesh(dp=4), zero=3))]
+    assert est[0] > est[1]  # rowwise gathers bf16 weights, tensorwise float8
+
+
 def test_stage_time_follows_its_own_layers(mixed):
     """A stage's time is the sum of its layers' kinds: the heavy layers make uneven splits the better ones, and
     the tables agree with estimate at every split."""
