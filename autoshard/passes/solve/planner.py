@@ -478,10 +478,6 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
         mine = np.array([lay.mesh.ep == e for lay in layouts])
         ep_bounds[e] = (float(step_b[mine & fits].min(initial=math.inf)), float(peak_b[mine].min()))
     kept = np.flatnonzero(fits)
-    # a layout priced exactly as a twin also kept (`Layout.priced_twin`: its tensorwise fp8 twin) never beats it
-    present = {layouts[k] for k in kept.tolist()}
-    kept = np.array([k for k in kept.tolist() if layouts[k].priced_twin() is layouts[k]
-                     or layouts[k].priced_twin() not in present], dtype=np.int64)
     queue = [(float(step_b[k]), k, False) for k in kept[np.argsort(step_b[kept], kind="stable")].tolist()]
     best: dict = {}  # mesh -> best Candidate on it
     numbers = _kept_numbers(ct, hw, seq_len)
@@ -518,8 +514,7 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
             visited += 1
         _keep(best, layout, result, progress, done, len(kept))
         done += 1
-    return _searched(best, visited=visited, pruned=len(layouts) - len(present), layouts=len(layouts),
-                     ep_bounds=ep_bounds)
+    return _searched(best, visited=visited, pruned=len(layouts) - len(kept), layouts=len(layouts), ep_bounds=ep_bounds)
 
 
 def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:
@@ -538,17 +533,25 @@ def _kept_numbers(ct: CompiledTable, hw, seq_len: int) -> dict:
 def _priced_layouts(ct: CompiledTable, hw, layouts) -> list[Layout]:
     """The resolved `layouts` a mixed stack's search prices (`_priced_layout`); of the planner's candidates a part at
     a time, kept in `ct.memo` per part object (the same in every plan of the process: `bounds.layout_codes` then
-    reads each part's codes once)."""
+    reads each part's codes once), less the layouts priced exactly as a twin the candidates hold too
+    (`Layout.priced_twin`: below ZeRO-3 an fp8 recipe's prices as tensorwise, and never beats it). A part's twins
+    are those of another part here: `candidate_layouts` makes each recipe's part of a (mesh, micro-batch) from the
+    same options, in the same order, so the first layouts stand for the parts."""
     parts = getattr(layouts, "parts", None)
     if parts is None:
         return [cost.resolved(lay, hw) for lay in layouts if _priced_layout(ct, lay)]
-    kept, out = ct.memo.setdefault(("priced parts", hw), {}), []
+    kept, entries = ct.memo.setdefault(("priced parts", hw), {}), []
     for part in parts:
         entry = kept.get(id(part))
         if entry is None or entry[0] is not part:  # (held here, so its id is not reused)
-            entry = kept[id(part)] = (part, tuple(cost.resolved(lay, hw) for lay in part if _priced_layout(ct, lay)))
-        out.append(entry[1])
-    return CandidateLayouts(out, precision=layouts.precision)
+            priced = tuple(cost.resolved(lay, hw) for lay in part if _priced_layout(ct, lay))
+            twin = priced[0].priced_twin() if priced else None
+            entry = kept[id(part)] = (part, priced, twin if priced and twin is not priced[0] else None,
+                                      tuple(lay for lay in priced if lay.priced_twin() is lay))
+        entries.append(entry)
+    firsts = {priced[0] for _, priced, _, _ in entries if priced}
+    return CandidateLayouts([alone if twin in firsts else priced for _, priced, twin, alone in entries],
+                            precision=layouts.precision)
 
 
 def _priced_layout(ct: CompiledTable, layout: Layout) -> bool:

@@ -176,6 +176,18 @@ def test_an_fp8_recipe_prices_as_its_tensorwise_twin(mixed):
     est = [cost.estimate(ct.kinds[0], spec, hw, lay, global_batch=16, seq_len=64).memory_gb
            for lay in (z3, replace(tensor, mesh=Mesh(dp=4), zero=3))]
     assert est[0] > est[1]  # rowwise gathers bf16 weights, tensorwise float8
+    # the search leaves a twin out only where its tensorwise twin is searched too
+    from autoshard.passes.solve.planner import CandidateLayouts, candidate_layouts, search
+
+    parts = {r: candidate_layouts(spec, devices=4, global_batch=16, seq_len=64, precision=Precision.FP8,
+                                  fp8_recipe=r).parts for r in (Fp8Recipe.ROWWISE, Fp8Recipe.TENSORWISE)}
+    alone = search(replace(ct, memo={}), hw, global_batch=16, seq_len=64,
+                   layouts=CandidateLayouts(list(parts[Fp8Recipe.ROWWISE]), precision=Precision.FP8))
+    both = search(replace(ct, memo={}), hw, global_batch=16, seq_len=64, layouts=CandidateLayouts(
+        list(parts[Fp8Recipe.TENSORWISE] + parts[Fp8Recipe.ROWWISE]), precision=Precision.FP8))
+    assert alone.found[0].layout.fp8_recipe is Fp8Recipe.ROWWISE and both.layouts < 2 * alone.layouts
+    assert both.found[0].layout == alone.found[0].layout.priced_twin()
+    assert both.found[0].result.step_s == alone.found[0].result.step_s
 
 
 def test_stage_time_follows_its_own_layers(mixed):
