@@ -71,11 +71,7 @@ def _shrink(config) -> None:
                 setattr(config, name, value)
     if isinstance(getattr(config, "rotary_dim", None), int) and config.rotary_dim > SIZES["head_dim"]:
         config.rotary_dim = SIZES["head_dim"]  # the rotated width of each head (GPT-J, CodeGen): at most the head's
-    if all(isinstance(getattr(config, n, None), int) for n in ("expand", "num_heads", "head_dim")):
-        # a Mamba-2 SSD config: its heads x head_dim is the mixer's inner width, expand x hidden
-        config.num_heads = config.expand * config.hidden_size // config.head_dim
-        if isinstance(getattr(config, "n_groups", None), int):
-            config.n_groups = math.gcd(config.n_groups, config.num_heads)
+    _ssd_within(config)
     for name, value in DELTA_SIZES.items():
         if name not in kept and _settable(config, name) and getattr(config, name) is not None:
             setattr(config, name, value)
@@ -107,6 +103,30 @@ def _shrink(config) -> None:
         if hasattr(config, name):
             setattr(config, name, [])
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+
+
+# a Mamba-2 SSD mixer's (expand, heads, head_dim, groups) as each family names them: Mamba-2's; Bamba's, Granite-4's
+# and Falcon-H1's; Zamba2's
+SSD_NAMES = (("expand", "num_heads", "head_dim", "n_groups"),
+             ("mamba_expand", "mamba_n_heads", "mamba_d_head", "mamba_n_groups"),
+             ("mamba_expand", "n_mamba_heads", "mamba_headdim", "mamba_ngroups"))
+
+
+def _ssd_within(config) -> None:
+    """A Mamba-2 SSD config's heads set so that heads x head_dim is the mixer's inner width, expand x hidden (its
+    head_dim the tiny one where the config's does not divide that width: Zamba2 derives it from the full hidden size;
+    a Falcon-H1 that sets its inner width, `mamba_d_ssm`, to that too), its groups to a divisor of the heads."""
+    for expand, heads, head_dim, groups in SSD_NAMES:
+        if all(isinstance(getattr(config, n, None), int) for n in (expand, heads, head_dim)) and _settable(config, heads):
+            inner = getattr(config, expand) * config.hidden_size
+            if inner % getattr(config, head_dim) and _settable(config, head_dim):
+                setattr(config, head_dim, math.gcd(SIZES["head_dim"], inner))
+            setattr(config, heads, max(1, inner // getattr(config, head_dim)))
+            if isinstance(getattr(config, groups, None), int):
+                setattr(config, groups, math.gcd(getattr(config, groups), getattr(config, heads)))
+            if isinstance(getattr(config, "mamba_d_ssm", None), int):
+                config.mamba_d_ssm = getattr(config, heads) * getattr(config, head_dim)
+            return
 
 
 def _settable(config, name: str) -> bool:

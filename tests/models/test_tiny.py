@@ -28,6 +28,26 @@ def test_jamba_holds_each_kind_of_layer():
     assert any(hasattr(layer.feed_forward, "experts") for layer in layers)
 
 
+@pytest.mark.parametrize("model_type, published", [
+    ("bamba", dict(num_hidden_layers=32, hidden_size=4096, attn_layer_indices=[9, 18, 27], mamba_n_heads=128,
+                   mamba_d_head=64, mamba_n_groups=1)),  # Bamba-9B's Mamba-2 sizes
+    ("granitemoehybrid", dict(num_hidden_layers=10, hidden_size=1536, mamba_d_head=24,
+                              layer_types=["mamba"] * 5 + ["attention"] + ["mamba"] * 4)),
+    ("falcon_h1", dict(hidden_size=1024, mamba_n_heads=24, mamba_d_head=64, mamba_d_ssm=1536))])
+def test_tiny_config_of_a_published_mamba2_hybrid_runs(model_type, published):
+    """`autoshard verify` shrinks the user's own config: a hybrid's Mamba-2 heads x head_dim made the tiny mixer's
+    inner width (expand x hidden) under the family's own names (Bamba's mamba_n_heads / mamba_d_head; they kept
+    the published 128 x 64 against a 128-wide mixer), its attention layers kept."""
+    from transformers import AutoConfig
+
+    config = tiny_config(AutoConfig.for_model(model_type, **published))
+    model = build_tiny(config)
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert "full_attention" in config.layer_types or model_type == "falcon_h1"
+    ids = torch.randint(0, config.vocab_size, (2, 8))
+    assert torch.isfinite(model(ids, labels=ids).loss)
+
+
 def _mla_types() -> list[str]:
     """The causal-LM classes of transformers whose config declares a KV latent (`kv_lora_rank`: multi-head latent
     attention), read off each default config; per-layer configs (one config per layer) are not tiny_config's yet."""
