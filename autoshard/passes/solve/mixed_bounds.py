@@ -112,11 +112,11 @@ def forced_recompute(ct: CompiledTable, hw, layouts, codes: np.ndarray, per_laye
     weight = distinct[:, None, :k] + in_flight[None, :, None] * distinct[:, None, k:2 * k]  # [distinct, count, kind]
     longest = _longest_within(ct, weight, np.broadcast_to(distinct[:, -1:], weight.shape[:2]))
     per_stage = np.where(held > 0, longest[which.reshape(-1)[:, None], at.reshape(rows.shape)[inverse]], 0.0)
-    stages = (held > 0).sum(axis=1)
-    kept = np.minimum(per_stage.sum(axis=1), _most_within(per_layer + act, counts, room * stages))
+    stages, ceilings, one_each = (held > 0).sum(axis=1), per_stage.sum(axis=1), per_layer + act
+    kept = np.minimum(ceilings, _most_within(one_each, counts, room * stages))
     # short of all: some stage recomputes (all it holds), so the others keep at most their ceilings less the least
-    one_off = np.minimum(per_stage.sum(axis=1) - np.where(held > 0, per_stage, np.inf).min(axis=1),
-                         _most_within(per_layer + act, counts, room * (stages - 1)))
+    one_off = np.minimum(ceilings - np.where(held > 0, per_stage, np.inf).min(axis=1),
+                         _most_within(one_each, counts, room * (stages - 1)))
     return np.where(kept >= L, 0.0, L - one_off)
 
 

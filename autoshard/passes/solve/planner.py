@@ -473,9 +473,9 @@ def ranges_search(ct: CompiledTable, hw, *, global_batch: int, seq_len: int, lay
     layouts = _priced_layouts(ct, hw, layouts)
     step_b, peak_b = mixed_bounds(ct, hw, layouts, global_batch=global_batch, seq_len=seq_len)
     fits = peak_b <= hw.memory_bytes
-    ep_bounds = {}
-    for e in sorted({lay.mesh.ep for lay in layouts}):
-        mine = np.array([lay.mesh.ep == e for lay in layouts])
+    ep_bounds, eps = {}, np.array([lay.mesh.ep for lay in layouts])
+    for e in np.unique(eps).tolist():
+        mine = eps == e
         ep_bounds[e] = (float(step_b[mine & fits].min(initial=math.inf)), float(peak_b[mine].min()))
     kept = np.flatnonzero(fits)
     queue = [(float(step_b[k]), k, False) for k in kept[np.argsort(step_b[kept], kind="stable")].tolist()]
