@@ -143,7 +143,7 @@ def _compare(source: _Source, plan: dict) -> str | None:
     losses = []
     for ids in data:
         opt.zero_grad()
-        loss = ref(ids, labels=ids).loss
+        loss = ref(ids, labels=ids, use_cache=False).loss  # a training step keeps no cache
         loss.backward()
         losses.append(loss.detach())
         opt.step()

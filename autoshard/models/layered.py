@@ -29,7 +29,10 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
 
     config = text_config(getattr(model, "config", None))
     stack = find_layer_stack(model)
-    if config is None or stack is None or stack.uniform:
+    if config is None or stack is None:
+        return None
+    parts = layer_parts(model, stack)  # the stack found once, its parts read once: passed on
+    if stack.uniform and not _ssd_layers_beyond_mamba2(model, stack, parts[0]):
         return None
     both_ways = bidirectional_attention(model)
     if both_ways:
@@ -46,13 +49,23 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
                          ffn=getattr(config, "intermediate_size", 0) or 0, **common)
     # the axes the runtime refuses on this model are not searched either (rules/validity.axis_violation): a plan
     # of `autoshard plan` is one `parallelize` runs
-    parts = layer_parts(model, stack)  # the stack found once, its parts read once: passed on
     spec = replace(stack_experts(spec, model, stack, config), refused=hybrid_refusals(model, stack, parts) or (),
-                   **beside_facts(model, config, spec.mixer), **kv_latent(model, config), parts=parts[0])
+                   **beside_facts(model, config, spec.mixer), **kv_latent(model, config), parts=parts[0],
+                   own_forward=True)  # its stages run HF's own forward (the hybrid cache, a mask per layer type)
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
     if why:
         raise InvalidConfigError(f"{name}: {why}")
     return spec
+
+
+def _ssd_layers_beyond_mamba2(model: nn.Module, stack, parts: tuple) -> bool:
+    """Whether a uniform stack's layers are Mamba-2 layers other than Mamba2ForCausalLM's (the one-kind SSD
+    table of rules/sharding.py: `backbone.layers.*` holding a mixer and a norm): an all-Mamba Bamba, Granite-4 or
+    Nemotron-H (an MLP or MoE beside the mixer, or the layers elsewhere), read by their parts as a hybrid is.
+    A layer with attention beside its mixer (Falcon-H1) is read as an attention model (presets._spec_of)."""
+    kinds = {p.kind for p in parts if p.kind not in ("embed", "final_norm", "lm_head")}
+    return bool(ssd_mixers(model)) and "attention" not in kinds and (
+        kinds != {"ssd", "norm"} or stack.prefix != "backbone.layers")
 
 
 def _ssd_numbers(mixer: nn.Module, hidden: int) -> dict:
@@ -147,7 +160,8 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
         return _ruleless_refusals(model, stack)
     base = stack.prefix.rpartition(".")[0]
     what = (f"its layers are of several kinds ({', '.join(k.name for k in stack.kinds)})" if not stack.uniform
-            else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside attention" if ssd
+            else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside "
+                 f"{'attention' if any(p.kind == 'attention' for p in parts[0]) else 'an MLP or experts'}" if ssd
             else "its layers hold multi-head latent attention, run by its parts")
     _, no_tp = parts
     out = [("tp", no_tp)] if no_tp else []
@@ -170,7 +184,20 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
         out.append(("pp", f"its layers share a block ({stack.shared_params} parameters held by several layers: "
                           "Zamba2's shared transformer, which reads the embeddings' output); pipeline stages cut "
                           "layers that own their weights; use pp=1"))
+    elif _reads_embeddings(model, stack):
+        out.append(("pp", "its layers read the embeddings' output beside their input (original_hidden_states: "
+                          "Zamba's shared transformer), which no pipeline boundary carries; use pp=1"))
     return tuple(out)
+
+
+def _reads_embeddings(model: nn.Module, stack) -> bool:
+    """Whether a layer's forward takes the embeddings' output beside the hidden states (HF's
+    `original_hidden_states`: Zamba's and Zamba2's hybrid layers, even a tiny stack whose one such layer shares
+    its block with none)."""
+    import inspect
+
+    layers = model.get_submodule(stack.prefix)
+    return any("original_hidden_states" in inspect.signature(type(layer).forward).parameters for layer in layers)
 
 
 def _ruleless_refusals(model: nn.Module, stack) -> tuple[tuple[str, str], ...] | None:

@@ -200,6 +200,11 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     value = functools.partial(F.config_value, config)
     common = dict(name=name, vocab=value("vocab"), hidden=value("hidden"), layers=value("layers"), tied=tied)
     if facts.mixer == "ssd":
+        from autoshard.models.layered import layered_spec
+
+        layered = layered_spec(model, name=name)  # Mamba-2 layers with an MLP or experts (an all-Mamba Bamba)
+        if layered is not None:
+            return layered
         return ModelSpec(mixer=Mixer.SSD, state=value("state"), expand=value("expand", 2),
                          head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
                          conv=value("conv"), chunk=value("chunk", 256), **common)

@@ -24,7 +24,8 @@ SIZES = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 96, "vo
 # classes of transformers' causal-LM mapping it does not handle yet, and why, are listed in docs/decoders.md
 CHECKED = ("llama", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "cohere",
            "stablelm", "glm4", "falcon", "bloom", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
-           "mamba", "falcon_mamba", "mamba2", "jamba", "gpt_neox", "opt", "gptj", "codegen")
+           "mamba", "falcon_mamba", "mamba2", "jamba", "gpt_neox", "opt", "gptj", "codegen", "bamba",
+           "granitemoehybrid", "zamba2")
 # multipliers / caps that make a dropped op visible on a tiny random model (config field: value)
 EXAGGERATED = {"logits_scaling": 0.25, "embedding_multiplier": 6.0, "residual_multiplier": 0.5,
                "attention_multiplier": 0.4, "logit_scale": 3.0, "final_logit_softcapping": 0.1,
@@ -89,6 +90,7 @@ def _shrink(config) -> None:
         _derived_within(config, kinds, layers)  # derived: periods (Jamba), attention indices (Bamba), a pattern
     elif types:
         config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
+    _shared_block_within(config)
     for name, each in per_layer.items():  # one layer of each kind (DeepSeek-style mlp_layer_types: dense, sparse)
         setattr(config, name, [each[i % len(each)] for i in range(layers)])
     for name in ("max_window_layers",):
@@ -127,6 +129,21 @@ def _ssd_within(config) -> None:
             if isinstance(getattr(config, "mamba_d_ssm", None), int):
                 config.mamba_d_ssm = getattr(config, heads) * getattr(config, head_dim)
             return
+
+
+def _shared_block_within(config) -> None:
+    """Zamba's and Zamba2's shared transformer block reads the layer input beside the embeddings' output,
+    concatenated: its width (`attention_hidden_size`) twice the hidden size and its heads' that over the heads,
+    its adapters' rank at most a head, the layers calling it (Zamba2's `hybrid_layer_ids`) those of the tiny
+    stack, as HF's config derives them only when it is built (they stay the full model's after the sizes shrink)."""
+    if isinstance(getattr(config, "attention_hidden_size", None), int) and _settable(config, "attention_hidden_size"):
+        config.attention_hidden_size = 2 * config.hidden_size
+        if isinstance(getattr(config, "attention_head_dim", None), int):
+            config.attention_head_dim = config.attention_hidden_size // config.num_attention_heads
+    if isinstance(getattr(config, "adapter_rank", None), int):
+        config.adapter_rank = min(config.adapter_rank, SIZES["head_dim"])
+    if isinstance(getattr(config, "hybrid_layer_ids", None), list):  # Zamba2's layers that call the shared block
+        config.hybrid_layer_ids = [i for i, kind in enumerate(config.layers_block_type) if kind == "hybrid"]
 
 
 def _settable(config, name: str) -> bool:

@@ -321,7 +321,7 @@ def _build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
         raise InvalidConfigError(f"stage layers [{stage.first_layer}, {stage.end_layer}) are outside the "
                                  f"model's {layers_total} layers; stages must lie within 0..{layers_total}")
     body, parts = _parts(model, stage)
-    if spec.mixer is Mixer.ATTENTION and spec.own_forward:
+    if spec.own_forward:
         from autoshard.models.facts import beside_layers
 
         extras, unplaced = beside_layers(model)

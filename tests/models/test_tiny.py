@@ -16,7 +16,8 @@ def test_tiny_config_builds_and_runs_one_forward(model_type):
     types = list(getattr(config, "layer_types", None) or [])
     assert config.num_hidden_layers == max(2, len(set(types)))
     ids = torch.randint(0, config.vocab_size, (2, 8))
-    assert torch.isfinite(model(ids, labels=ids).loss)
+    assert torch.isfinite(model(ids, labels=ids, use_cache=False).loss)  # a training step (Bamba's default config
+    # has no attention layer, for which HF's hybrid cache cannot be built)
 
 
 def test_jamba_holds_each_kind_of_layer():

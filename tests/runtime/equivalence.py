@@ -114,7 +114,7 @@ def reference(spec, data, *, bf16: bool = False, fp8_recipe: str | None = None, 
         losses = []
         for ids, labels in data:
             opt.zero_grad()
-            loss = model(ids, labels=labels).loss
+            loss = model(ids, labels=labels, use_cache=False).loss  # a training step: no cache
             loss.backward()
             losses.append(loss.detach())
             opt.step()
@@ -128,7 +128,7 @@ def reference(spec, data, *, bf16: bool = False, fp8_recipe: str | None = None, 
     for ids, labels in data:
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(ids, labels=labels).loss
+            loss = model(ids, labels=labels, use_cache=False).loss
         loss.backward()
         losses.append(loss.detach())
         for master, p in zip(masters, model.parameters()):
@@ -231,7 +231,7 @@ def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, step
     if logits:  # the forward alone, on the weights the run ended with
         ref.load_state_dict(state, strict=False)
         with torch.no_grad():
-            expected = ref(data[0][0]).logits
+            expected = ref(data[0][0], use_cache=False).logits
         assert_close(dm(data[0][0]), expected, **TOL, msg=lambda m: f"{preset} {plan} logits: {m}")
 
 

@@ -10,6 +10,7 @@ The whole contract: docs/modules/capture.md (passes/capture/capture.py).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -62,6 +63,20 @@ class Captured:
         return (n for n in self.graph_module.graph.nodes if n.op == "call_function")
 
 
+def _no_cache(model: nn.Module) -> dict:
+    """{"use_cache": False} for a model without attention layers (an all-Mamba Bamba or Granite-4: HF's hybrid
+    cache cannot even be built for it, and a training step keeps none), else {} (HF's default: the trace of an
+    attention model keeps sdpa's causal mask unmaterialized only beside the cache it builds, as the runtime's real
+    tensors do without one)."""
+    from autoshard.models.facts import is_attention
+
+    takes = inspect.signature(model.forward).parameters
+    if any(is_attention(m) for m in model.modules()) or not (
+            "use_cache" in takes or any(p.kind is p.VAR_KEYWORD for p in takes.values())):
+        return {}
+    return {"use_cache": False}
+
+
 def capture_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, mode: str = "fake",
                   joint: bool = True) -> Captured:
     """Trace `model` at the aten level on fake tensors; see docs/modules/capture.md."""
@@ -90,12 +105,13 @@ def capture_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, m
     recorder = _SiteRecorder(model)
 
     n_params, n_buffers = len(params), len(buffers)
+    no_cache = _no_cache(model)
 
     def step(*flat: torch.Tensor):
         p = dict(zip(params, flat[:n_params]))
         b = dict(zip(buffers, flat[n_params:n_params + n_buffers]))
         xs = flat[n_params + n_buffers:]
-        kwargs = {"labels": xs[1]} if with_loss else {}
+        kwargs = {"labels": xs[1], **no_cache} if with_loss else no_cache
         out = torch.func.functional_call(model, {**p, **b}, (xs[0],), kwargs)
         logits = out.logits if hasattr(out, "logits") else out
         if not with_loss:
