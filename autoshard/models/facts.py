@@ -328,15 +328,16 @@ def mixer_of(model) -> str:
 
 def own_attention(model) -> str | None:
     """Why `model`'s attention is none autoshard prices and runs, naming its module, or None: a layer module that
-    keeps a layer index and a head width (head_dim / head_size) but is no `is_attention` module computes its
-    attention in its own forward (Bloom's and MPT's ALiBi bias, Falcon's direct SDPA call, XGLM's matmuls), not
+    keeps a layer index (layer_idx, GPT-Neo's layer_id) and a head width (head_dim / head_size) but is no
+    `is_attention` module computes its attention in its own forward (Bloom's and MPT's ALiBi bias, Falcon's direct
+    SDPA call, XGLM's and GPT-Neo's matmuls), not
     through HF's attention interface, where autoshard substitutes the kernel that runs, prices it, and swaps in
     its context-parallel attention: such a model runs dp and pp by its own forward, priced by the ops it traces to
     (models/presets.py `_own_attention_refusals`)."""
     found = layer_list(model)
     for path, module in found[1][0].named_modules() if found is not None else ():
-        if path and hasattr(module, "layer_idx") and (hasattr(module, "head_dim") or hasattr(module, "head_size")) \
-                and not is_attention(module):
+        if path and (hasattr(module, "layer_idx") or hasattr(module, "layer_id")) and not is_attention(module) and (
+                hasattr(module, "head_dim") or hasattr(module, "head_size")):  # GPT-Neo's keeps a layer_id
             return (f"{found[0].rpartition('.')[2]}.*.{path} ({type(module).__name__}) computes attention in its own "
                     "forward, not through HF's attention interface (transformers' ALL_ATTENTION_FUNCTIONS)")
     return None

@@ -131,10 +131,12 @@ CLASSIC_REFUSED = {("gpt2", "tp"): "no colwise -> rowwise pair on the graph",
 # shared world-2 spawn (test_equivalence.py); an axis a family refuses must say so by name, on every rank
 PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
 
-# attention computed in the layer's own forward (Falcon's direct SDPA call, MPT's and Bloom's ALiBi, XGLM's matmuls):
-# dp and pp by the model's own forward, priced by the ops it traces to; tp and cp refused naming the module (no rule
-# splits its heads, no CP attention swaps in), Bloom's pp by its embedding norm; dropout off
-OWN_ATTENTION = {t: Tiny(f"{t}-tiny", without_dropout(exaggerated(tiny_config(t)))) for t in ("falcon", "mpt", "bloom", "xglm")}
+# attention computed in the layer's own forward (Falcon's direct SDPA call, MPT's and Bloom's ALiBi, XGLM's matmuls,
+# GPT-Neo's global and 4-token local layers): dp and pp by the model's own forward, priced by the ops it traces to; tp
+# and cp refused naming the module (no rule splits its heads, no CP attention swaps in), Bloom's pp by its embedding
+# norm; dropout off
+OWN_ATTENTION = {t: Tiny(f"{t}-tiny", without_dropout(exaggerated(tiny_config(t, **more)))) for t, more in (
+    ("falcon", {}), ("mpt", {}), ("bloom", {}), ("xglm", {}), ("gpt_neo", dict(window_size=4)))}
 _OWN = "computes attention in its own forward"
 OWN_ATTENTION_REFUSED = {**{(t, a): _OWN for t in OWN_ATTENTION for a in ("tp", "cp")},
                          ("bloom", "pp"): "transformer.word_embeddings_layernorm (LayerNorm) holds parameters beside"}
