@@ -188,9 +188,64 @@ def _even(layers: int, pp: int) -> tuple[int, ...]:
     return tuple(st.layers for st in even_stages(layers, pp))
 
 
+# a layer part as Megatron's hybrid model names its layer (megatron/core/ssm/mamba_hybrid_layer_allocation.py's
+# symbols): Mamba-2 mixer, attention, MLP, mixture of experts
+HYBRID_SYMBOLS = {"ssd": "M", "attention": "*", "mlp": "-", "moe": "E"}
+_BESIDE_LAYERS = ("embed", "final_norm", "lm_head", "norm")
+
+
+def hybrid_pattern(spec: ModelSpec) -> str:
+    """Megatron's `--hybrid-override-pattern` of a model read by its layer parts (`ModelSpec.parts`: Nemotron-H's
+    Mamba-2, MoE, attention and MLP layers, one symbol each); InvalidConfigError naming the first layer that is no
+    one of those (Bamba's mixer beside an MLP, Falcon-H1's two mixers, DeepSeek's latent attention): its layers
+    would be another model in Megatron's terms."""
+    out = []
+    for i in range(spec.layers):
+        kinds = [p.kind for p in spec.parts if p.kind not in _BESIDE_LAYERS and (not p.layers or i in p.layers)]
+        if len(kinds) != 1 or kinds[0] not in HYBRID_SYMBOLS:
+            held = " + ".join(f"{k} ({next(p.path for p in spec.parts if p.kind == k)})" for k in kinds) or "no mixer"
+            raise InvalidConfigError(
+                f"{spec.name}: layer {i} holds {held}; Megatron's hybrid model (--hybrid-override-pattern) has one "
+                f"Mamba-2 mixer, attention, MLP or MoE block per layer ({', '.join(f'{s} {k}' for k, s in HYBRID_SYMBOLS.items())}), "
+                "so its arguments would describe another model; emit torchtitan (its Hugging Face backend) or accelerate")
+        out.append(HYBRID_SYMBOLS[kinds[0]])
+    return "".join(out)
+
+
+def _hybrid_arguments(spec: ModelSpec) -> list[str]:
+    """The sizes of a model read by its layer parts, in Megatron's hybrid model's names (one part per layer)."""
+    pattern = hybrid_pattern(spec)
+    sizes = {p.kind: dict(p.sizes) for p in spec.parts}
+    out = [f"--hybrid-override-pattern {pattern}"]
+    if "ssd" in sizes:
+        ssd = sizes["ssd"]
+        out += [f"--mamba-state-dim {ssd['state']}", f"--mamba-head-dim {ssd['head_dim']}",
+                f"--mamba-num-groups {ssd['groups']}"]
+    if "attention" in sizes:
+        att = sizes["attention"]
+        out.append(f"--num-attention-heads {att['heads']}")
+        if att["kv_heads"] != att["heads"]:
+            out += ["--group-query-attention", f"--num-query-groups {att['kv_heads']}"]
+        if att["q"] != spec.hidden:
+            out.append(f"--kv-channels {att['q'] // att['heads']}")
+    if "mlp" in sizes:
+        out.append(f"--ffn-hidden-size {sizes['mlp']['ffn']}")
+    if "moe" in sizes:
+        out += [f"--num-experts {spec.experts}", f"--moe-router-topk {spec.top_k}", f"--moe-ffn-hidden-size {spec.ffn}",
+                "--expert-tensor-parallel-size 1"]
+        if spec.shared_ffn:
+            out.append(f"--moe-shared-expert-intermediate-size {spec.shared_ffn}")
+    if not spec.tied:
+        out.append("--untie-embeddings-and-output-weights")
+    return out + ["--tokenizer-type NullTokenizer", "--normalization RMSNorm"]
+
+
 def model_arguments(spec: ModelSpec) -> list[str]:
-    """The model's sizes in Megatron's names (GPT / LLaMA-style decoder, MoE, Mamba)."""
+    """The model's sizes in Megatron's names (GPT / LLaMA-style decoder, MoE, Mamba; a model read by its layer
+    parts as Megatron's hybrid model, `hybrid_pattern`)."""
     out = [f"--num-layers {spec.layers}", f"--hidden-size {spec.hidden}", f"--vocab-size {spec.vocab}"]
+    if spec.parts:
+        return out + _hybrid_arguments(spec)
     if spec.mixer is Mixer.SSD:
         return out + [f"--mamba-state-dim {spec.state}", f"--mamba-head-dim {spec.head_dim}",
                       f"--mamba-num-groups {spec.groups}", f"--hybrid-override-pattern {'M' * spec.layers}",
@@ -434,7 +489,9 @@ def spec_of(model: dict, *, name: str = "megatron-model", source: str = "--from-
 def check_model(spec: ModelSpec, model: dict, *, source: str) -> None:
     """The model sizes a command line gives must be the model's own."""
     facts = {"--num-layers": spec.layers, "--hidden-size": spec.hidden, "--vocab-size": spec.vocab}
-    if spec.mixer is Mixer.ATTENTION:
+    if "--hybrid-override-pattern" in model and (spec.parts or spec.mixer is Mixer.SSD):
+        facts["--hybrid-override-pattern"] = hybrid_pattern(spec) if spec.parts else "M" * spec.layers
+    if spec.mixer is Mixer.ATTENTION and not spec.parts:  # a model read by its parts: the pattern says which is which
         facts.update({"--ffn-hidden-size": spec.ffn, "--num-attention-heads": spec.heads,
                       "--num-query-groups": spec.kv_heads})
         if spec.is_moe:

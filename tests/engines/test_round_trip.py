@@ -71,3 +71,27 @@ def test_torchtitan_round_trip_through_its_own_parser():
     cases = [c for c in CASES if get_spec(c[0]).mixer is not Mixer.SSD and c[2] == 8]
     exact = [c for c in cases if _round_trip(torchtitan, parse, *c)]
     assert len(exact) >= len(cases) // 2
+
+
+def test_a_hybrid_is_emitted_as_megatrons_hybrid_pattern_or_refused():
+    # a model read by its layer parts: one Mamba-2 mixer, MoE, attention or MLP per layer is Megatron's hybrid
+    # pattern (Nemotron-H); a layer holding two (Bamba's mixer and MLP, Falcon-H1's two mixers) or DeepSeek's latent
+    # attention is refused by name (before, Bamba was written as four Mamba layers and DeepSeek-V3 as a GPT)
+    from autoshard.errors import InvalidConfigError
+    from autoshard.ir import Mesh
+    from autoshard.engines.training_run import TrainingRun
+    from autoshard.models.presets import resolve_model
+
+    spec = resolve_model("tests.models.hybrid_models:nemotron_h_tiny", device="meta")[0]
+    words = megatron.model_arguments(spec)
+    assert "--hybrid-override-pattern ME*-M-" in words and "--ffn-hidden-size 96" in words
+    assert "--num-query-groups 2" in words and "--moe-ffn-hidden-size 32" in words
+    parsed = megatron.parse(" ".join(["--tensor-model-parallel-size 1", *words]), spec=spec, devices=1)
+    megatron.check_model(spec, parsed.model, source="--from-megatron")  # its own pattern reads back
+    with pytest.raises(InvalidConfigError, match="--hybrid-override-pattern MMMMMM but .* has ME\\*-M-"):
+        megatron.check_model(spec, {**parsed.model, "--hybrid-override-pattern": "MMMMMM"}, source="--from-megatron")
+    for name, held in (("bamba_tiny", "ssd \\(mamba\\) \\+ mlp"), ("falcon_h1_tiny", "attention \\(self_attn\\) \\+ ssd"),
+                       ("deepseek_v3_tiny", "mla \\(self_attn\\)")):
+        other = resolve_model(f"tests.models.hybrid_models:{name}", device="meta")[0]
+        with pytest.raises(InvalidConfigError, match=f"layer 0 holds {held}.*emit torchtitan"):
+            megatron.arguments(other, TrainingRun(mesh=Mesh(dp=1)), global_batch=1, seq_len=16)
