@@ -230,14 +230,19 @@ def _hybrid_arguments(spec: ModelSpec) -> list[str]:
             out.append(f"--kv-channels {att['q'] // att['heads']}")
     if "mlp" in sizes:
         out.append(f"--ffn-hidden-size {sizes['mlp']['ffn']}")
-    if "moe" in sizes:
+    return out + _experts_and_head(spec, moe="moe" in sizes) + ["--tokenizer-type NullTokenizer", "--normalization RMSNorm"]
+
+
+def _experts_and_head(spec: ModelSpec, *, moe: bool) -> list[str]:
+    """The routed (and shared) experts' flags where the model has them, whole on every tp rank as autoshard runs
+    and prices them (passes/cost/moe_cost.py); the untied LM head's."""
+    out = []
+    if moe:
         out += [f"--num-experts {spec.experts}", f"--moe-router-topk {spec.top_k}", f"--moe-ffn-hidden-size {spec.ffn}",
                 "--expert-tensor-parallel-size 1"]
         if spec.shared_ffn:
             out.append(f"--moe-shared-expert-intermediate-size {spec.shared_ffn}")
-    if not spec.tied:
-        out.append("--untie-embeddings-and-output-weights")
-    return out + ["--tokenizer-type NullTokenizer", "--normalization RMSNorm"]
+    return out + ([] if spec.tied else ["--untie-embeddings-and-output-weights"])
 
 
 def model_arguments(spec: ModelSpec) -> list[str]:
@@ -255,15 +260,7 @@ def model_arguments(spec: ModelSpec) -> list[str]:
         out += ["--group-query-attention", f"--num-query-groups {spec.kv_heads}"]
     if spec.head_dim:
         out.append(f"--kv-channels {spec.head_dim}")
-    if spec.is_moe:
-        # experts whole on every tp rank, as autoshard runs and prices them (passes/cost/moe_cost.py)
-        out += [f"--num-experts {spec.experts}", f"--moe-router-topk {spec.top_k}", f"--moe-ffn-hidden-size {spec.ffn}",
-                "--expert-tensor-parallel-size 1"]
-        if spec.shared_ffn:
-            out.append(f"--moe-shared-expert-intermediate-size {spec.shared_ffn}")
-    if not spec.tied:
-        out.append("--untie-embeddings-and-output-weights")
-    return out + ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope", "--disable-bias-linear",
+    return out + _experts_and_head(spec, moe=spec.is_moe) + ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope", "--disable-bias-linear",
                   "--tokenizer-type NullTokenizer"]
 
 
