@@ -187,6 +187,10 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
     elif _reads_embeddings(model, stack):
         out.append(("pp", "its layers read the embeddings' output beside their input (original_hidden_states: "
                           "Zamba's shared transformer), which no pipeline boundary carries; use pp=1"))
+    if ssd and not any(p.kind in ("attention", "attention_whole", "mla") for p in parts[0]):
+        out.append(("inference", "it has no attention layer, and HF's hybrid cache asks an attention layer for the "
+                                 "cached length (its forward with a cache, HF's own generate too, raise "
+                                 "`get_seq_length` can only be called on Attention layers); plan its training"))
     return tuple(out)
 
 

@@ -81,6 +81,15 @@ def _check_generate() -> None:
 
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
     new = 8
+    import pytest
+
+    import autoshard
+    from autoshard.errors import InvalidConfigError
+
+    # no attention layer: HF's hybrid cache cannot serve it (HF's own generate raises), so generate is refused by name
+    dm = autoshard.parallelize(HYBRIDS["bamba_no_attention"].build(), ids, plan=dict(tp=2), global_batch=2)
+    with pytest.raises(InvalidConfigError, match="inference is refused for .*: it has no attention layer"):
+        dm.generate(ids, max_new_tokens=2)
     for name in ("qwen3_next", "lfm2"):  # each rank's DeltaNet heads' conv / state cache, its short conv's channels
         check_generate(HYBRIDS[name], dict(tp=2), ids, new=new)
     for name, plan in itertools.product(("bamba", "nemotron_h"), (dict(pp=2), dict(tp=2))):
