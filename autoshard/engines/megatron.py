@@ -204,10 +204,11 @@ def hybrid_pattern(spec: ModelSpec) -> str:
         kinds = [p.kind for p in spec.parts if p.kind not in _BESIDE_LAYERS and (not p.layers or i in p.layers)]
         if len(kinds) != 1 or kinds[0] not in HYBRID_SYMBOLS:
             held = " + ".join(f"{k} ({next(p.path for p in spec.parts if p.kind == k)})" for k in kinds) or "no mixer"
+            symbols = ", ".join(f"{s} {k}" for k, s in HYBRID_SYMBOLS.items())
             raise InvalidConfigError(
                 f"{spec.name}: layer {i} holds {held}; Megatron's hybrid model (--hybrid-override-pattern) has one "
-                f"Mamba-2 mixer, attention, MLP or MoE block per layer ({', '.join(f'{s} {k}' for k, s in HYBRID_SYMBOLS.items())}), "
-                "so its arguments would describe another model; emit torchtitan (its Hugging Face backend) or accelerate")
+                f"Mamba-2 mixer, attention, MLP or MoE block per layer ({symbols}), so its arguments would describe "
+                "another model; emit torchtitan (its Hugging Face backend) or accelerate")
         out.append(HYBRID_SYMBOLS[kinds[0]])
     return "".join(out)
 
@@ -230,7 +231,8 @@ def _hybrid_arguments(spec: ModelSpec) -> list[str]:
             out.append(f"--kv-channels {att['q'] // att['heads']}")
     if "mlp" in sizes:
         out.append(f"--ffn-hidden-size {sizes['mlp']['ffn']}")
-    return out + _experts_and_head(spec, moe="moe" in sizes) + ["--tokenizer-type NullTokenizer", "--normalization RMSNorm"]
+    return out + _experts_and_head(spec, moe="moe" in sizes) + ["--tokenizer-type NullTokenizer",
+                                                                 "--normalization RMSNorm"]
 
 
 def _experts_and_head(spec: ModelSpec, *, moe: bool) -> list[str]:
@@ -260,8 +262,9 @@ def model_arguments(spec: ModelSpec) -> list[str]:
         out += ["--group-query-attention", f"--num-query-groups {spec.kv_heads}"]
     if spec.head_dim:
         out.append(f"--kv-channels {spec.head_dim}")
-    return out + _experts_and_head(spec, moe=spec.is_moe) + ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope", "--disable-bias-linear",
-                  "--tokenizer-type NullTokenizer"]
+    return out + _experts_and_head(spec, moe=spec.is_moe) + [
+        "--swiglu", "--normalization RMSNorm", "--position-embedding-type rope", "--disable-bias-linear",
+        "--tokenizer-type NullTokenizer"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,14 +1,12 @@
 """The spec of a model whose decoder layers are of several kinds (Bamba, Nemotron-H, Granite-4, Jamba,
 Zamba2, DeepSeek-V3's dense and MoE layers; passes/capture/layer_kinds.py), read off its modules and config.
 
-`layered_spec(model, *, name) -> ModelSpec | None`: None for a model whose layers are all of one kind
-(the type gate of `presets.spec_from_hf_config` reads those, as it always did). Otherwise a spec of
-the family of its sequence mixer: MAMBA2 when a layer holds a Mamba-2 SSD mixer, found by its pattern
-(parameters `A_log`, `D`, `dt_bias`, a `conv1d` child and HF's mixer attributes `num_heads`,
-`head_dim`, `n_groups`, `ssm_state_size`, `conv_kernel_size`, `chunk_size`), not by class name, with
-those numbers; else LLAMA with the config's attention numbers. What the spec holds is what capture and
-`inspect` need (the family's sampled lengths and fused kernels); planning a mixed stack is refused by
-name in `passes/cost/compiled.compile_table` until the cost model prices a stage as the sum of its kinds.
+`layered_spec(model, *, name) -> ModelSpec | None`: None for a model whose layers are all of one kind (read by
+`presets.spec_from_hf_config`'s facts), except Mamba-2 layers other than Mamba2ForCausalLM's (an all-Mamba Bamba:
+an MLP beside the mixer). Otherwise a spec of the family of its sequence mixer: SSD when a layer holds a Mamba-2
+mixer, found by its pattern (parameters `A_log`, `D`, `dt_bias`, a `conv1d` child and HF's mixer size attributes),
+not by class name, with those numbers; else ATTENTION with the config's attention numbers; its layer parts (each
+part's tensor-parallel rule), experts and what the runtime refuses on it. Contract: docs/modules/models.md.
 """
 
 from __future__ import annotations
@@ -160,8 +158,8 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
         return _ruleless_refusals(model, stack)
     base = stack.prefix.rpartition(".")[0]
     what = (f"its layers are of several kinds ({', '.join(k.name for k in stack.kinds)})" if not stack.uniform
-            else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)}) beside "
-                 f"{'attention' if any(p.kind == 'attention' for p in parts[0]) else 'an MLP or experts'}" if ssd
+            else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)})"
+                 f"{' beside attention' if any(p.kind == 'attention' for p in parts[0]) else ''}" if ssd
             else "its layers hold multi-head latent attention, run by its parts")
     _, no_tp = parts
     out = [("tp", no_tp)] if no_tp else []
