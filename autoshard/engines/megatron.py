@@ -201,15 +201,15 @@ def hybrid_pattern(spec: ModelSpec) -> str:
     would be another model in Megatron's terms."""
     out = []
     for i in range(spec.layers):
-        kinds = [p.kind for p in spec.parts if p.kind not in _BESIDE_LAYERS and (not p.layers or i in p.layers)]
-        if len(kinds) != 1 or kinds[0] not in HYBRID_SYMBOLS:
-            held = " + ".join(f"{k} ({next(p.path for p in spec.parts if p.kind == k)})" for k in kinds) or "no mixer"
+        held = [p for p in spec.parts if p.kind not in _BESIDE_LAYERS and (not p.layers or i in p.layers)]
+        if len(held) != 1 or held[0].kind not in HYBRID_SYMBOLS:
+            blocks = " + ".join(f"{p.kind} ({p.path})" for p in held) or "no mixer"
             symbols = ", ".join(f"{s} {k}" for k, s in HYBRID_SYMBOLS.items())
             raise InvalidConfigError(
-                f"{spec.name}: layer {i} holds {held}; Megatron's hybrid model (--hybrid-override-pattern) has one "
+                f"{spec.name}: layer {i} holds {blocks}; Megatron's hybrid model (--hybrid-override-pattern) has one "
                 f"Mamba-2 mixer, attention, MLP or MoE block per layer ({symbols}), so its arguments would describe "
                 "another model; emit torchtitan (its Hugging Face backend) or accelerate")
-        out.append(HYBRID_SYMBOLS[kinds[0]])
+        out.append(HYBRID_SYMBOLS[held[0].kind])
     return "".join(out)
 
 

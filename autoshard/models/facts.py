@@ -330,10 +330,9 @@ def own_attention(model) -> str | None:
     """Why `model`'s attention is none autoshard prices and runs, naming its module, or None: a layer module that
     keeps a layer index (layer_idx, GPT-Neo's layer_id) and a head width (head_dim / head_size) but is no
     `is_attention` module computes its attention in its own forward (Bloom's and MPT's ALiBi bias, Falcon's direct
-    SDPA call, XGLM's and GPT-Neo's matmuls), not
-    through HF's attention interface, where autoshard substitutes the kernel that runs, prices it, and swaps in
-    its context-parallel attention: such a model runs dp and pp by its own forward, priced by the ops it traces to
-    (models/presets.py `_own_attention_refusals`)."""
+    SDPA call, XGLM's and GPT-Neo's matmuls), not through HF's attention interface, where autoshard substitutes the
+    kernel that runs, prices it, and swaps in its context-parallel attention: such a model runs dp and pp by its
+    own forward, priced by the ops it traces to (models/presets.py `_own_attention_refusals`)."""
     found = layer_list(model)
     for path, module in found[1][0].named_modules() if found is not None else ():
         if path and (hasattr(module, "layer_idx") or hasattr(module, "layer_id")) and not is_attention(module) and (

@@ -27,17 +27,17 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
 
     config = text_config(getattr(model, "config", None))
     stack = find_layer_stack(model)
-    if config is None or stack is None:
+    mixers = ssd_mixers(model)
+    if config is None or stack is None or (stack.uniform and not mixers):
         return None
     parts = layer_parts(model, stack)  # the stack found once, its parts read once: passed on
-    if stack.uniform and not _ssd_layers_beyond_mamba2(model, stack, parts[0]):
+    if stack.uniform and not _ssd_layers_beyond_mamba2(stack, parts[0]):
         return None
     both_ways = bidirectional_attention(model)
     if both_ways:
         raise InvalidConfigError(f"{name}: {both_ways}")
     common = dict(name=name, vocab=config.vocab_size, hidden=config.hidden_size, layers=stack.num_layers,
                   tied=bool(getattr(config, "tie_word_embeddings", False)))
-    mixers = ssd_mixers(model)
     if mixers:
         spec = ModelSpec(mixer=Mixer.SSD, **_ssd_numbers(mixers[0][1], config.hidden_size), **common)
     else:
@@ -56,14 +56,13 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
     return spec
 
 
-def _ssd_layers_beyond_mamba2(model: nn.Module, stack, parts: tuple) -> bool:
-    """Whether a uniform stack's layers are Mamba-2 layers other than Mamba2ForCausalLM's (the one-kind SSD
+def _ssd_layers_beyond_mamba2(stack, parts: tuple) -> bool:
+    """Whether a uniform stack of layers holding a Mamba-2 mixer is other than Mamba2ForCausalLM's (the one-kind SSD
     table of rules/sharding.py: `backbone.layers.*` holding a mixer and a norm): an all-Mamba Bamba, Granite-4 or
     Nemotron-H (an MLP or MoE beside the mixer, or the layers elsewhere), read by their parts as a hybrid is.
     A layer with attention beside its mixer (Falcon-H1) is read as an attention model (presets._spec_of)."""
     kinds = {p.kind for p in parts if p.kind not in ("embed", "final_norm", "lm_head")}
-    return bool(ssd_mixers(model)) and "attention" not in kinds and (
-        kinds != {"ssd", "norm"} or stack.prefix != "backbone.layers")
+    return "attention" not in kinds and (kinds != {"ssd", "norm"} or stack.prefix != "backbone.layers")
 
 
 def _ssd_numbers(mixer: nn.Module, hidden: int) -> dict:
