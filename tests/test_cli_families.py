@@ -37,7 +37,7 @@ def test_a_router_inside_a_gate_module_is_found(capsys):
 
 @pytest.mark.parametrize("factory,needle", [
     ("longcat_flash", "the traced blocks hold 32,832 parameters"),  # its layers of two sublayers each: not read
-    ("gemma4", "Gemma4TextConfig declares per-layer values of head_dim"),  # a multimodal wrapper's text config
+    ("gemma4", "feeds each layer its own slice of a per-layer input embedding"),  # a multimodal wrapper's text config
     ("dots3_note", "declares per-layer values of kv_lora_rank, num_attention_heads"),
     ("rwkv", "changes with the input shape (b, s) = (2, 64) vs (2, 128)"),  # a Python loop over tokens
     ("zaya", "chooses among 5 experts, but the routed experts at 'mlp.experts' hold 4"),  # a null expert
@@ -61,3 +61,33 @@ def test_parameters_outside_the_traced_blocks_are_refused():
     model.extra = nn.Parameter(model.lm_head.weight.new_empty(7))
     with pytest.raises(InvalidConfigError, match=f"hold {own:,} parameters .*, the model {own + 7:,}"):
         build_cost_table(spec, model=model)
+
+
+def gemma4_31b_shaped():
+    """Gemma-4-31B's shape of a heterogeneous config (HF's per_layer_config), tiny: the full-attention layers' head_dim
+    twice the sliding ones', a quarter of their K/V heads and the keys as values (k_eq_v), no per-layer input."""
+    from transformers import Gemma4TextConfig
+
+    config = Gemma4TextConfig(hidden_size_per_layer_input=0, attention_k_eq_v=True, num_attention_heads=32,
+                              num_key_value_heads=16, num_global_key_value_heads=4)
+    return build_tiny(tiny_config(config), device="meta")
+
+
+def test_a_per_layer_config_is_read_as_layers_of_several_kinds(capsys):
+    """Gemma-4's head_dim and K/V heads per layer type (HF's per_layer_config) were refused; each layer type is a
+    kind whose table is traced off its own layer: inspect counts HF's parameters, one row per kind, and plan emits a
+    plan with tp (the attention split by each kind's own heads)."""
+    model = gemma4_31b_shaped()
+    attention = [layer.self_attn for layer in model.model.layers]
+    assert [a.head_dim for a in attention] == [16, 32] and attention[1].v_proj is None
+    code, out, err = _inspect(capsys, "gemma4_31b_shaped")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["params"] == model.num_parameters()
+    assert got["layer_kinds"] == ["sliding_attention", "full_attention"]
+    assert [b["name"] for b in got["blocks"]] == ["embed", "sliding_attention", "full_attention", "head"]
+    code = main(["plan", "--model", "tests.test_cli_families:gemma4_31b_shaped", "--hardware", "h100", "--devices",
+                 "8", "--global-batch", "8", "--seq-len", "64", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["mesh"]["tp"] >= 1

@@ -25,7 +25,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "head_dim": ("head_dim", "attention_head_dim", "kv_channels"),
     "ffn": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim", "dff"),
     "experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
-    "top_k": ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k"),
+    "top_k": ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k", "top_k_experts"),
     "expert_ffn": ("moe_intermediate_size", "expert_intermediate_size", "moe_ffn_hidden_size"),
     "shared_ffn": ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
     "sliding_window": ("sliding_window", "attention_window"),
@@ -67,6 +67,50 @@ def text_config(config):
     PretrainedConfig.get_text_config(decoder=True)), else `config` itself."""
     get = getattr(config, "get_text_config", None)
     return get(decoder=True) if callable(get) else config
+
+
+# the per-layer values (HF's per_layer_config) read per layer type: the attention's sizes, which each kind's own
+# modules give (models/layered.py `layer_parts`), proven on Gemma-4's sliding and full-attention layers
+PER_LAYER_READ = frozenset({"head_dim", "num_key_value_heads"})
+
+
+def per_layer_refusal(config, model) -> str | None:
+    """Why a heterogeneous config (HF's `per_layer_config`: values that differ per layer) cannot be read, or None.
+    One whose layers of each type share their values (Gemma-4: the full-attention layers' head_dim and K/V heads)
+    is read as layers of several kinds, each kind's sizes off its own modules (passes/capture/layer_kinds.py,
+    models/layered.py `layer_parts`); its global values (the first layer type's) stand for the model where one
+    number is asked (the spec's heads, the tiny config), so HF's per-layer guard is lifted on it
+    (`allow_global_per_layer_attribute_access`). Refused: layers of one type that differ (a per-index config), and
+    layers reading a per-layer input or keys and values of another layer (Gemma-3n's and Gemma-4's E models: their
+    per-layer embedding table grows with the layer count, outside the layers, and a pipeline stage would need the
+    other layer's keys)."""
+    config = text_config(config)
+    attributes = getattr(config, "per_layer_attributes", None)
+    if attributes:
+        types = list(dict.fromkeys(getattr(config, "layer_types", None) or ()))
+        what = f"{type(config).__name__} declares per-layer values of {', '.join(sorted(attributes))} (HF's per_layer_config)"
+        if not attributes <= PER_LAYER_READ:
+            return (f"{what}; autoshard reads per layer type only {', '.join(sorted(PER_LAYER_READ))} (each kind's "
+                    "attention sizes off its modules) so far: give every layer the same values of the others")
+        try:
+            if not types:
+                raise ValueError("no layer_types")
+            for t in types:
+                config.per_layer_config[t]  # HF raises where the layers of a type differ
+        except ValueError:
+            return (f"{what} that differ between layers of one type: autoshard reads the layers by kind (one table "
+                    "per layer type); give the layers of each type the same values")
+        config.allow_global_per_layer_attribute_access = True
+    if is_positive_int(getattr(config, "hidden_size_per_layer_input", None)):
+        return (f"{type(config).__name__} feeds each layer its own slice of a per-layer input embedding "
+                f"(hidden_size_per_layer_input={config.hidden_size_per_layer_input}): that table grows with the layer "
+                "count outside the layers and is not priced or split yet; set hidden_size_per_layer_input to 0")
+    shared = [n for n, m in model.named_modules() if getattr(m, "is_kv_shared_layer", False)]
+    if shared:
+        return (f"{shared[0]} reuses the keys and values of an earlier layer (num_kv_shared_layers="
+                f"{getattr(config, 'num_kv_shared_layers', '?')}): a layer reading another layer's keys is not priced "
+                "or split over pipeline stages yet; set num_kv_shared_layers to 0")
+    return None
 
 
 def config_value(config, fact: str, default=None):

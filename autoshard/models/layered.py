@@ -416,7 +416,8 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
                       if n not in linear and n != "conv1d" and any(True for _ in m.parameters()))
         return "mamba1", name, sizes + norms, tuple(n for n, _ in norms), (), ()
     output = next((o for o in _OUTPUTS if o in linear), None)  # LLaMA's o_proj, LFM2's out_proj
-    if attention and {"q_proj", "k_proj", "v_proj"} <= set(linear) and output:
+    keys_as_values = getattr(child, "v_proj", False) is None  # the keys are the values (Gemma-4's k_eq_v layers)
+    if attention and {"q_proj", "k_proj"} <= set(linear) and ("v_proj" in linear or keys_as_values) and output:
         children = set(linear)
         if output != "o_proj":  # the table's roles read o_proj: its own name, kept as its one output linear
             linear = {("o_proj" if n == output else n): m for n, m in linear.items()}
@@ -425,10 +426,11 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         # the heads o_proj reads; q_proj may hold a gate per head beside each query (Qwen3-Next / Qwen3.5: [query;
         # gate] of each head in turn, chunked after a view by heads), split by heads all the same
         heads, kv, q = linear["o_proj"].in_features // vhd, linear["k_proj"].out_features // hd, linear["q_proj"].out_features
-        if q not in (heads * hd, 2 * heads * hd) or linear["v_proj"].out_features != kv * vhd \
+        if q not in (heads * hd, 2 * heads * hd) or not keys_as_values and linear["v_proj"].out_features != kv * vhd \
                 or linear["o_proj"].in_features != heads * vhd:
             return None  # widths that are no multiples of the heads o_proj reads: no rule splits them
-        sizes = (("heads", heads), ("kv_heads", kv), ("q", q), ("kv", kv * hd), ("v", kv * vhd), ("o", heads * vhd))
+        sizes = (("heads", heads), ("kv_heads", kv), ("q", q), ("kv", kv * hd), ("v", 0 if keys_as_values else kv * vhd),
+                 ("o", heads * vhd))  # v 0: no v_proj (rules/layer_parts.py gives it no role)
         # output gates: a linear of the layer's input with an output per head or per head element (split by heads)
         gates = tuple(n for n, m in linear.items() if n not in _ATTENTION and m.in_features ==
                       linear["q_proj"].in_features and m.out_features in (heads, heads * vhd))
@@ -442,7 +444,8 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         own = dict(child.named_parameters(recurse=False))
         widths = {(q,), (kv * hd,)}
         if not gates and not own and norms and all(shapes == [] or tuple(shapes[0]) in widths and len(shapes) == 1
-                                                   for shapes in held.values()) and q == heads * hd:
+                                                   for shapes in held.values()) and q == heads * hd \
+                and any(shapes not in ([], [(hd,)]) for shapes in held.values()):  # one KV head: k_norm per head
             # full-width q / k norms (OLMo-hybrid's, as OLMo-2's): the attention runs whole on every rank, its q / k /
             # v outputs gathered and o_proj's input sliced, as HF declares it
             full = tuple((n, math.prod(shapes[0])) for n, shapes in held.items() if shapes)

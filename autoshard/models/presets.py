@@ -168,8 +168,13 @@ def spec_from_hf_config(config, *, name: str, model: nn.Module | None = None) ->
     config on the meta device), by facts, not by model type (models/facts.py); InvalidConfigError for a
     config HF builds but whose forward fails (`config_violation`) or a model with no sequence mixer
     autoshard knows. What an axis cannot run yet is in `spec.refused`, named per axis."""
+    from autoshard.models.facts import per_layer_refusal
+
     if model is None:
         model = _meta_model(config, name=name)
+    why = per_layer_refusal(config, model)
+    if why:
+        raise InvalidConfigError(f"{name}: {why}")
     spec = _spec_of(config, model, name=name)
     why = config_violation(spec)
     if why:
@@ -476,14 +481,12 @@ def resolve_model(name_or_factory: str, *, device: str = "meta") -> tuple[ModelS
         raise InvalidConfigError(f"{name_or_factory} returned a module without a HF .config; "
                                  "autoshard reads a Hugging Face ...ForCausalLM (its config and module tree); "
                                  "return AutoModelForCausalLM.from_config(config)")
-    from autoshard.models.facts import text_config
+    from autoshard.models.facts import per_layer_refusal, text_config
     from autoshard.models.layered import layered_spec  # layers of several kinds (hybrids)
 
     config = text_config(config)
-    if getattr(config, "is_heterogeneous", False):  # reading one of them raises AmbiguousGlobalPerLayerAttributeError
-        raise InvalidConfigError(
-            f"{name_or_factory}: {type(config).__name__} declares per-layer values of "
-            f"{', '.join(sorted(config.per_layer_attributes))} (HF's per_layer_config), and autoshard reads one value "
-            "of each per model: a heterogeneous config is not supported yet; give every layer the same values")
+    why = per_layer_refusal(config, model)  # before any read: a per-layer value read globally raises in HF
+    if why:
+        raise InvalidConfigError(f"{name_or_factory}: {why}")
     layered = layered_spec(model, name=name_or_factory)
     return layered or spec_from_hf_config(config, name=name_or_factory, model=model), model

@@ -38,6 +38,8 @@ MLA_SIZES = {"qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv
 # sets them): 2 key heads of 16, each with 2 value heads of 16
 DELTA_SIZES = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                "linear_value_head_dim": 16}
+# a per-layer input embedding (Gemma-3n's, Gemma-4's: each layer reads its own slice of a second embedding)
+PER_LAYER_INPUT_SIZES = {"hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 256}
 # group-limited routing (DeepSeek-V3's: the top groups of experts, then the top experts in them), where a config
 # groups its experts (n_group > 1): 2 groups of 2
 ROUTING_GROUPS = {"n_group": 2, "topk_group": 1}
@@ -59,8 +61,12 @@ def tiny_config(config, **overrides):
 
 
 def _shrink(config) -> None:
-    """`config`'s sizes set in place to `SIZES` (see the module docstring); those a heterogeneous config declares
-    per layer (HF's per_layer_config: Gemma-4's head_dim) kept, as autoshard refuses such a config by name."""
+    """`config`'s sizes set in place to `SIZES` (see the module docstring); a heterogeneous config's per-layer
+    values (HF's per_layer_config: Gemma-4's head_dim and K/V heads of its full-attention layers) shrunk with them,
+    per layer type (`_per_layer_within`)."""
+    per_type = _per_type_values(config)
+    if per_type is not None:
+        config.per_layer_config = None  # homogeneous while the sizes shrink; per layer again at the end
     kept = set(getattr(config, "per_layer_attributes", None) or ())
     latent = {name: None if name in kept else getattr(config, name, None)
               for name in ("head_dim", "qk_head_dim", *MLA_SIZES)}
@@ -73,8 +79,8 @@ def _shrink(config) -> None:
     if isinstance(getattr(config, "rotary_dim", None), int) and config.rotary_dim > SIZES["head_dim"]:
         config.rotary_dim = SIZES["head_dim"]  # the rotated width of each head (GPT-J, CodeGen): at most the head's
     _ssd_within(config)
-    for name, value in DELTA_SIZES.items():
-        if name not in kept and _settable(config, name) and getattr(config, name) is not None:
+    for name, value in {**DELTA_SIZES, **PER_LAYER_INPUT_SIZES}.items():
+        if name not in kept and _settable(config, name) and getattr(config, name):
             setattr(config, name, value)
     if config_value(config, "experts") is not None:
         _route_tiny(config)
@@ -91,6 +97,8 @@ def _shrink(config) -> None:
     elif types:
         config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
     _shared_block_within(config)
+    if per_type is not None:
+        _per_layer_within(config, *per_type)
     for name, each in per_layer.items():  # one layer of each kind (DeepSeek-style mlp_layer_types: dense, sparse)
         setattr(config, name, [each[i % len(each)] for i in range(layers)])
     for name in ("max_window_layers",):
@@ -144,6 +152,38 @@ def _shared_block_within(config) -> None:
         config.adapter_rank = min(config.adapter_rank, SIZES["head_dim"])
     if isinstance(getattr(config, "hybrid_layer_ids", None), list):  # Zamba2's layers that call the shared block
         config.hybrid_layer_ids = [i for i, kind in enumerate(config.layers_block_type) if kind == "hybrid"]
+
+
+def _per_type_values(config) -> tuple[dict, dict] | None:
+    """A heterogeneous config's per-layer values by layer type ({type: {attribute: value}}) and the global values
+    of those attributes; None for a homogeneous config, or one whose layers of a type differ (HF raises)."""
+    from autoshard.models.facts import PER_LAYER_READ
+
+    attributes = getattr(config, "per_layer_attributes", None)
+    types = getattr(config, "layer_types", None)
+    if not attributes or not types or not attributes <= PER_LAYER_READ:  # others kept (refused by name)
+        return None
+    try:
+        views = {t: config.per_layer_config[t] for t in dict.fromkeys(types)}
+    except ValueError:  # the layers of one type differ: kept as they are (presets refuses such a config by name)
+        return None
+    return ({t: {a: getattr(v, a) for a in attributes} for t, v in views.items()},
+            {a: config._getattr_without_heterogeneous_validation(a) for a in attributes})
+
+
+def _per_layer_within(config, per_type: dict, full: dict) -> None:
+    """`config` heterogeneous again: each layer of the tiny stack given its type's per-layer values, each scaled
+    as it relates to the full config's global value (Gemma-4's full-attention head_dim 512 of 256: 32 of 16), at
+    least 1, K/V heads a divisor of the query heads."""
+    def scaled(name: str, value):
+        tiny = getattr(config, name)
+        if not isinstance(value, int) or not isinstance(full[name], int) or not full[name]:
+            return value
+        out = max(1, round(tiny * value / full[name]))
+        return math.gcd(out, config_value(config, "heads")) if name in ALIASES["kv_heads"] else out
+
+    overrides = {i: {a: scaled(a, v) for a, v in per_type[t].items()} for i, t in enumerate(config.layer_types)}
+    config.per_layer_config = {i: o for i, o in overrides.items() if any(getattr(config, a) != v for a, v in o.items())} or None
 
 
 def _settable(config, name: str) -> bool:

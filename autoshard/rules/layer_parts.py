@@ -30,7 +30,8 @@ def parts_table(spec: ModelSpec) -> tuple[Role, ...]:
             out += tuple(replace(r, pieces=widths[r.path.rpartition(".")[2]], path=r.path.replace(".o_proj", f".{output}"))
                          if r.path.rpartition(".")[2] in widths
                          else replace(r, params=part.params) if r.strategy is Strategy.REGION  # its sinks, by head
-                         else r for r in _at_part(LLAMA, "self_attn", i, part)) + tuple(
+                         else r for r in _at_part(LLAMA, "self_attn", i, part)
+                         if not r.path.endswith(".v_proj") or dict(part.sizes)["v"]) + tuple(
                 Role(at(g), _L, Strategy.COLWISE, (Piece(n(g), n("heads")),), _LINEAR, fan="hidden", layers=lay)
                 for g in part.gates) + tuple(
                 Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)

@@ -154,9 +154,10 @@ def _built(spec, prepare):
     return model
 
 
-def check_axes(sources: dict, plans, refused: dict) -> None:
+def check_axes(sources: dict, plans, refused: dict, *, sgd: bool = False) -> None:
     """Every model of `sources` ({name: source}) under each plan of `plans(name)`: exact against one process,
-    logits included, or, where `refused` names (name, axis), refused on every rank with that reason."""
+    logits included, or, where `refused` names (name, axis), refused on every rank with that reason. `sgd`: see
+    `optimizer_factory`."""
     import re
 
     import pytest
@@ -170,7 +171,7 @@ def check_axes(sources: dict, plans, refused: dict) -> None:
                 with pytest.raises(InvalidConfigError, match=f"{axis} is refused for .*: .*" + re.escape(refused[name, axis])):
                     check_plan(source, plan)
                 continue
-            check_plan(source, plan, logits=True)
+            check_plan(source, plan, logits=True, sgd=sgd)
 
 
 def check_plan(preset, plan: dict, *, global_batch: int = 8, seq: int = 16, steps: int = 2,

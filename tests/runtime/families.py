@@ -140,6 +140,23 @@ OWN_ATTENTION = {t: Tiny(f"{t}-tiny", without_dropout(exaggerated(tiny_config(t,
 _OWN = "computes attention in its own forward"
 OWN_ATTENTION_REFUSED = {**{(t, a): _OWN for t in OWN_ATTENTION for a in ("tp", "cp")},
                          ("bloom", "pp"): "transformer.word_embeddings_layernorm (LayerNorm) holds parameters beside"}
+# a heterogeneous config (HF's per_layer_config): Gemma-4's full-attention layers with twice the head_dim of its
+# sliding ones, and (k_eq_v) half their K/V heads with the keys as values (no v_proj); read as two layer kinds.
+# Its attention (scale 1, q/k RMS-normed) turns float32 noise in the first step's weights into ~1e-4 of the second
+# step's gradients under AdamW (the first step's gradients agree to 3e-6 under tp), so these train with SGD
+def _gemma4(name: str, **full) -> Tiny:
+    from transformers import Gemma4TextConfig
+
+    return Tiny(name, exaggerated(tiny_config(Gemma4TextConfig(hidden_size_per_layer_input=0, **full))))
+
+
+GEMMA4 = {"gemma4": _gemma4("gemma4-tiny"),
+          "gemma4_k_eq_v": _gemma4("gemma4-k-eq-v-tiny", attention_k_eq_v=True, num_attention_heads=32,
+                                   num_key_value_heads=16, num_global_key_value_heads=4),  # Gemma-4-31B's heads
+          # Gemma-4-26B-A4B's layer: an MLP and a MoE block side by side (its router reads the layer's input)
+          "gemma4_moe": _gemma4("gemma4-moe-tiny", enable_moe_block=True, num_experts=128, top_k_experts=8,
+                                moe_intermediate_size=704)}
+GEMMA4_REFUSED = {("gemma4_moe", "tp"): "layers.0.router (Gemma4TextRouter) is neither attention"}  # HF plans it by ep
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
@@ -168,6 +185,7 @@ def check_families() -> None:
     check_axes(LATENT, lambda name: PLANS + ((dict(ep=2),) if name == "deepseek_v2" else ()), {})
     check_axes(MARKED, lambda name: (dict(tp=2),), {})
     check_axes(DELTA, lambda name: (dict(tp=2),), {})
+    check_axes(GEMMA4, lambda name: PLANS + ((dict(ep=2),) if name == "gemma4_moe" else ()), GEMMA4_REFUSED, sgd=True)
     _check_unused_stay()
     _check_generate()
 

@@ -72,8 +72,7 @@ def find_layer_stack(model: nn.Module) -> LayerStack | None:
     if found is None:
         return None
     prefix, layers = found
-    config = getattr(model, "config", None)
-    field, labels = _labels(config, len(layers))
+    field, labels = _labels(_decoder_config(getattr(model, "config", None)), len(layers))
     groups: dict[tuple, list[int]] = {}
     for i, layer in enumerate(layers):
         groups.setdefault(_signature(layer), []).append(i)
@@ -134,7 +133,17 @@ def _own_layer(layer: nn.Module, index: int, config: Any, narrowed: Any) -> nn.M
 
 
 def narrow_config(config: Any, index: int, num_layers: int) -> Any:
-    """A copy of `config` describing one layer: layer `index` of a `num_layers`-layer model (no cache)."""
+    """A copy of `config` describing one layer: layer `index` of a `num_layers`-layer model (no cache). A
+    heterogeneous config (HF's `per_layer_config`: Gemma-4's head_dim per layer type) is read as that layer's own."""
+    text = _decoder_config(config)
+    if text is not config:  # a multimodal wrapper (Gemma-4's): its decoder's config narrowed in a copy
+        out = copy.deepcopy(config)
+        for name, value in vars(config).items():
+            if value is text:
+                setattr(out, name, narrow_config(text, index, num_layers))
+        return out
+    if getattr(config, "is_heterogeneous", False):
+        config = config.per_layer_config[index]  # a copy with the layer's values, not heterogeneous
     out = copy.deepcopy(config)
     for name, value in list(vars(config).items()):
         narrowed = _narrow_value(name, value, index, num_layers)
@@ -177,8 +186,7 @@ def _changed(before: Any, after: Any) -> list[str]:
 
 
 def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    config = getattr(model, "config", None)
-    want = getattr(config, "num_hidden_layers", None)
+    want = getattr(_decoder_config(getattr(model, "config", None)), "num_hidden_layers", None)
     lists = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if is_positive_int(want):
         for prefix, module in lists:  # named_modules is outermost first
@@ -186,6 +194,12 @@ def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
                 return prefix, module
     multi = [(p, m) for p, m in lists if len(m) > 1]
     return max(multi, key=lambda pm: len(pm[1])) if multi else None
+
+
+def _decoder_config(config: Any) -> Any:
+    """The config of the decoder layers: a multimodal wrapper's text config (HF's get_text_config), else `config`."""
+    get_text = getattr(config, "get_text_config", None)
+    return get_text(decoder=True) if callable(get_text) else config
 
 
 def _labels(config: Any, n: int) -> tuple[str | None, list[str]]:
