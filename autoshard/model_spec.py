@@ -120,12 +120,21 @@ class ModelSpec:
     # (models/facts.py `stack_paths`: GPT-NeoX's gpt_neox.layers, gpt_neox.embed_in, ..., embed_out)
     stack: tuple[str, ...] = _fact(())
 
-    def mixer_spec(self, mixer: Mixer) -> ModelSpec | None:
+    def mixer_spec(self, mixer: Mixer, layers: tuple[int, ...] = ()) -> ModelSpec | None:
         """A spec of the numbers of this model's `mixer` layers alone (its own mixer's, or a hybrid's second
         mixer's from `attention_beside` / `ssd_beside`), or None when the model holds no such mixer the spec
         knows: what serving prices a layer's KV cache / SSM state from, by that mixer family's sharding rule
-        (KV heads over tp; Mamba-2 heads and groups), whatever table the model's layers are split by."""
+        (KV heads over tp; Mamba-2 heads and groups), whatever table the model's layers are split by. `layers`:
+        those of one layer kind; where a part of `parts` is their attention, its own heads, head_dim and window
+        (Gemma-4's sliding and full-attention layers differ in all three)."""
         common = dict(name=self.name, vocab=self.vocab, hidden=self.hidden, layers=self.layers, tied=self.tied)
+        part = next((p for p in self.parts if p.kind == "attention" and set(p.layers) & set(layers)), None)
+        if mixer is Mixer.ATTENTION and part is not None:
+            sizes = dict(part.sizes)
+            head_dim, window = sizes["kv"] // sizes["kv_heads"], sizes.get("window", 0)
+            return ModelSpec(mixer=mixer, heads=sizes["heads"], kv_heads=sizes["kv_heads"],
+                             head_dim=0 if head_dim * sizes["heads"] == self.hidden else head_dim,
+                             sliding_window=window, window_layers=self.layers if window else 0, **common)
         if mixer is Mixer.ATTENTION:
             own = (self.heads, self.kv_heads, self.attention_head_dim) if mixer is self.mixer else ()
             if not (own or self.attention_beside):

@@ -431,6 +431,8 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
             return None  # widths that are no multiples of the heads o_proj reads: no rule splits them
         sizes = (("heads", heads), ("kv_heads", kv), ("q", q), ("kv", kv * hd), ("v", 0 if keys_as_values else kv * vhd),
                  ("o", heads * vhd))  # v 0: no v_proj (rules/layer_parts.py gives it no role)
+        window = getattr(child, "sliding_window", None)  # the keys it attends to and caches (ModelSpec.mixer_spec)
+        sizes += (("window", window),) if isinstance(window, int) and window > 0 else ()
         # output gates: a linear of the layer's input with an output per head or per head element (split by heads)
         gates = tuple(n for n, m in linear.items() if n not in _ATTENTION and m.in_features ==
                       linear["q_proj"].in_features and m.out_features in (heads, heads * vhd))

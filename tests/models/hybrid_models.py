@@ -70,6 +70,12 @@ _TINY = {
     "lfm2": dict(_COMMON, num_hidden_layers=4, intermediate_size=96,
                  layer_types=["conv", "full_attention", "conv", "full_attention"]),
     "gemma3_text": dict(_COMMON, num_hidden_layers=6, intermediate_size=96, head_dim=16, sliding_window=8),
+    # Gemma-4-31B's layers: sliding ones (head_dim 16, 2 KV heads, an 8-token window) and full ones with twice the
+    # head_dim and one K/V head whose keys are its values (k_eq_v), per layer type in HF's per_layer_config
+    "gemma4_text": dict(_COMMON, num_hidden_layers=4, intermediate_size=96, head_dim=16, global_head_dim=32,
+                        num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                        hidden_size_per_layer_input=0),
 }
 
 
@@ -78,3 +84,4 @@ bamba_tiny, nemotron_h_tiny, granitemoehybrid_tiny, falcon_h1_tiny, jamba_tiny, 
     functools.partial(build, t) for t in ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "jamba", "zamba2",
                                           "deepseek_v3"))
 qwen3_next_tiny = functools.partial(build, "qwen3_next")
+gemma4_tiny = functools.partial(build, "gemma4_text")

@@ -223,7 +223,8 @@ def _check_generate() -> None:
     stage's sliding layer sizes its mask without layer 0 (6 + 8 tokens: the window drops keys; without it the
     tokens differ); GPT-OSS's own experts (biases, clamped gate) sliced over ep 2 (`replicated_tokens`); DeepSeek-V2's
     latent attention under tp 2 (its heads' cache split, the compressed projection whole); multi-query Gemma-2 under tp 2
-    (its one KV head cached whole on each rank)."""
+    (its one KV head cached whole on each rank); Gemma-4's two layer kinds (head_dim 16 / 32, k_eq_v) under tp 2 and
+    pp 2, its MLP-beside-MoE layer over ep 2."""
     import copy
 
     import torch
@@ -238,7 +239,8 @@ def _check_generate() -> None:
     for source, plan in ((DENSE["gemma2"], dict(tp=2)), (DENSE["granite"], dict(tp=2)), (LATENT["deepseek_v2"], dict(tp=2)),
                          (MULTI_QUERY["gemma2_mq"], dict(tp=2)),
                          (DENSE["granite"], dict(pp=2)), (Tiny("gemma2-4-window3", windowed), dict(pp=2)),
-                         (MOE["gpt_oss"], dict(ep=2))):
+                         (MOE["gpt_oss"], dict(ep=2)), (GEMMA4["gemma4_k_eq_v"], dict(tp=2)),
+                         (GEMMA4["gemma4_k_eq_v"], dict(pp=2)), (GEMMA4["gemma4_moe"], dict(ep=2))):
         check_generate(source, plan, ids)
 
 

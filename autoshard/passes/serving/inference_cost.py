@@ -166,16 +166,18 @@ def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) 
     if not ct.kinds:                                       # SwiGLU fused (CUDA graphs and custom ops), any model
         return _kind_table(ct, table.blocks, spec)
     edges = [b for b in table.blocks if b.kind is not BlockKind.LAYER]
-    kinds = tuple(_kind_table(view, (edges[0], blk, edges[1]), spec)
+    kinds = tuple(_kind_table(view, (edges[0], blk, edges[1]), spec,
+                              tuple(i for i, k in enumerate(table.layer_kinds) if k == blk.name))
                   for view, blk in zip(ct.kinds, table.layer_blocks()))
     return replace(kinds[0], ct=ct, kinds=kinds)
 
 
-def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec) -> InferenceTable:
+def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec, layers: tuple[int, ...] = ()) -> InferenceTable:
     """The inference table of a one-kind table `ct` (its symbolic `blocks`): which nodes decode replaces (the
     sequence mixers' own ops, found on the graph: the module of an attention kernel or of eager attention's s x s
     matmuls (`cost_table.attention_modules`), its s x s ops; the module
-    of the SSD scan / conv1d, all of its ops) and the specs of those mixers (`stack`'s numbers, ModelSpec.mixer_spec)."""
+    of the SSD scan / conv1d, all of its ops) and the specs of those mixers (`stack`'s numbers for its `layers`,
+    ModelSpec.mixer_spec)."""
     ssd = stack.mixer_spec(Mixer.SSD) is not None
     core, skip, lookup, paths, attn, mixers = {}, {}, {}, {}, sympy.Integer(0), ()
     for block in blocks:
@@ -190,7 +192,7 @@ def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec) -> InferenceTable:
         if block.kind is BlockKind.LAYER:
             attn = sum((n.flops.subs(S, 1) * C for n, c in zip(nodes, in_core)
                         if c and n.phase == "fwd" and n.module_path in attention), sympy.Integer(0))
-            mixers = tuple(_mixer_spec(stack, m, block) for m, held in ((Mixer.ATTENTION, attention), (Mixer.SSD, scans))
+            mixers = tuple(_mixer_spec(stack, m, block, layers) for m, held in ((Mixer.ATTENTION, attention), (Mixer.SSD, scans))
                            if held)
             _check_state_priced(stack, block, fwd, ssd)
         core[block.kind] = np.array(in_core, dtype=bool)
@@ -199,8 +201,8 @@ def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec) -> InferenceTable:
                           attention_flops=sympy.lambdify((B, C), attn, modules=[np]))
 
 
-def _mixer_spec(stack: ModelSpec, mixer: Mixer, block) -> ModelSpec:
-    spec = stack.mixer_spec(mixer)
+def _mixer_spec(stack: ModelSpec, mixer: Mixer, block, layers: tuple[int, ...]) -> ModelSpec:
+    spec = stack.mixer_spec(mixer, layers)
     if spec is None:
         raise InvalidConfigError(f"{stack.name}: the layers of kind {block.name!r} hold {mixer.value} but the model's "
                                  f"spec has no {mixer.value} numbers to price its cache from (ModelSpec.mixer_spec); "

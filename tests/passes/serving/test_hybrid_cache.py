@@ -151,3 +151,19 @@ def test_eager_attention_caches_and_decodes_as_sdpa(family):
     assert [cache_layer_bytes(layer) for layer in cache.layers] == priced["eager"][0]
     # the step's attention: the same KV read (its FLOPs count eager's softmax and mask ops besides the two matmuls)
     assert priced["eager"][1] == pytest.approx(priced["sdpa"][1], rel=0.05)
+
+
+def test_each_layer_kind_caches_its_own_heads_and_window():
+    """Gemma-4's sliding layers (2 KV heads of 16, an 8-token window) and full-attention layer (1 K/V head of 32,
+    every token) are priced each by its own part (ModelSpec.mixer_spec of the kind's layers): before, every layer
+    was priced with the model's one head count and width and no window (5,120 bytes each at 20 tokens). HF keeps a
+    sliding layer's last window - 1 keys between steps (and an 8-byte length); the priced window is the step's."""
+    spec, it = _inference_table("gemma4")
+    held = _hf_cache_per_layer("gemma4_text")
+    per_layer = [ic.layer_cache_bytes(it.kinds[k], batch=BATCH, tokens=PROMPT, tp=1) for k in it.ct.layer_kinds]
+    token = 2 * BATCH * 2 * 16 * ic.KV_BYTES  # K and V of one token in a sliding layer
+    assert per_layer[3] == held[3] == 2 * BATCH * 1 * 32 * PROMPT * ic.KV_BYTES
+    assert all(priced == 8 * token and held_ == 7 * token + 8 for priced, held_ in zip(per_layer[:3], held[:3]))
+    # tp 2 splits the sliding layers' 2 KV heads; the full layer's one K/V head stays whole on each rank
+    assert [ic.layer_cache_bytes(it.kinds[k], batch=BATCH, tokens=PROMPT, tp=2) for k in it.ct.layer_kinds] == \
+        [4 * token] * 3 + [held[3]]
