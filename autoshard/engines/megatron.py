@@ -217,6 +217,13 @@ def _hybrid_arguments(spec: ModelSpec) -> list[str]:
     """The sizes of a model read by its layer parts, in Megatron's hybrid model's names (one part per layer)."""
     pattern = hybrid_pattern(spec)
     sizes = {p.kind: dict(p.sizes) for p in spec.parts}
+    for kind in sizes:
+        each = {p.sizes for p in spec.parts if p.kind == kind}
+        if len(each) > 1:  # Megatron's arguments give one size of each block to every layer holding it
+            raise InvalidConfigError(
+                f"{spec.name}: its {kind} layers differ in sizes ({' vs '.join(map(str, sorted(each)))}); Megatron's "
+                "hybrid model gives every layer of a block the same sizes, so its arguments would describe another "
+                "model; emit torchtitan (its Hugging Face backend) or accelerate")
     out = [f"--hybrid-override-pattern {pattern}"]
     if "ssd" in sizes:
         ssd = sizes["ssd"]

@@ -5,6 +5,8 @@ torchtitan's command lines are read back by torchtitan's own ConfigManager.parse
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 
 import pytest
@@ -90,6 +92,14 @@ def test_a_hybrid_is_emitted_as_megatrons_hybrid_pattern_or_refused():
     megatron.check_model(spec, parsed.model, source="--from-megatron")  # its own pattern reads back
     with pytest.raises(InvalidConfigError, match="--hybrid-override-pattern MMMMMM but .* has ME\\*-M-"):
         megatron.check_model(spec, {**parsed.model, "--hybrid-override-pattern": "MMMMMM"}, source="--from-megatron")
+    # MLP layers of two widths (as Gemma-4's attention layers of two head widths): one --ffn-hidden-size would
+    # describe another model
+    mlp = next(p for p in spec.parts if p.kind == "mlp")
+    two = tuple(q for p in spec.parts for q in ((dataclasses.replace(p, layers=p.layers[:1]),
+                                                dataclasses.replace(p, layers=p.layers[1:], sizes=(("ffn", 128),)))
+                                               if p is mlp else (p,)))
+    with pytest.raises(InvalidConfigError, match="its mlp layers differ in sizes .*emit torchtitan"):
+        megatron.model_arguments(dataclasses.replace(spec, parts=two))
     for name, held in (("bamba_tiny", "ssd \\(mamba\\) \\+ mlp"), ("falcon_h1_tiny", "attention \\(self_attn\\) \\+ ssd"),
                        ("deepseek_v3_tiny", "mla \\(self_attn\\)")):
         other = resolve_model(f"tests.models.hybrid_models:{name}", device="meta")[0]
