@@ -88,7 +88,8 @@ def per_layer_refusal(config, model) -> str | None:
     attributes = getattr(config, "per_layer_attributes", None)
     if attributes:
         types = list(dict.fromkeys(getattr(config, "layer_types", None) or ()))
-        what = f"{type(config).__name__} declares per-layer values of {', '.join(sorted(attributes))} (HF's per_layer_config)"
+        what = (f"{type(config).__name__} declares per-layer values of {', '.join(sorted(attributes))} "
+                "(HF's per_layer_config)")
         if not attributes <= PER_LAYER_READ:
             return (f"{what}; autoshard reads per layer type only {', '.join(sorted(PER_LAYER_READ))} (each kind's "
                     "attention sizes off its modules) so far: give every layer the same values of the others")

@@ -183,7 +183,8 @@ def _per_layer_within(config, per_type: dict, full: dict) -> None:
         return math.gcd(out, config_value(config, "heads")) if name in ALIASES["kv_heads"] else out
 
     overrides = {i: {a: scaled(a, v) for a, v in per_type[t].items()} for i, t in enumerate(config.layer_types)}
-    config.per_layer_config = {i: o for i, o in overrides.items() if any(getattr(config, a) != v for a, v in o.items())} or None
+    differ = {i: o for i, o in overrides.items() if any(getattr(config, a) != v for a, v in o.items())}
+    config.per_layer_config = differ or None
 
 
 def _settable(config, name: str) -> bool:

@@ -6,7 +6,6 @@ torchtitan's command lines are read back by torchtitan's own ConfigManager.parse
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 
 import pytest

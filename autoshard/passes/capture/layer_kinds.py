@@ -18,6 +18,7 @@ from torch import nn
 
 from autoshard.errors import CaptureError
 from autoshard.ir import is_int, is_positive_int
+from autoshard.models.facts import text_config
 
 UNIFORM = "layer"  # the name of the one kind of a model whose layers are all alike
 _LABEL_FIELDS = ("layers_block_type", "layer_types")  # HF's per-layer labels, the first one present wins
@@ -72,7 +73,7 @@ def find_layer_stack(model: nn.Module) -> LayerStack | None:
     if found is None:
         return None
     prefix, layers = found
-    field, labels = _labels(_decoder_config(getattr(model, "config", None)), len(layers))
+    field, labels = _labels(text_config(getattr(model, "config", None)), len(layers))
     groups: dict[tuple, list[int]] = {}
     for i, layer in enumerate(layers):
         groups.setdefault(_signature(layer), []).append(i)
@@ -135,7 +136,7 @@ def _own_layer(layer: nn.Module, index: int, config: Any, narrowed: Any) -> nn.M
 def narrow_config(config: Any, index: int, num_layers: int) -> Any:
     """A copy of `config` describing one layer: layer `index` of a `num_layers`-layer model (no cache). A
     heterogeneous config (HF's `per_layer_config`: Gemma-4's head_dim per layer type) is read as that layer's own."""
-    text = _decoder_config(config)
+    text = text_config(config)
     if text is not config:  # a multimodal wrapper (Gemma-4's): its decoder's config narrowed in a copy
         out = copy.deepcopy(config)
         for name, value in vars(config).items():
@@ -186,7 +187,7 @@ def _changed(before: Any, after: Any) -> list[str]:
 
 
 def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    want = getattr(_decoder_config(getattr(model, "config", None)), "num_hidden_layers", None)
+    want = getattr(text_config(getattr(model, "config", None)), "num_hidden_layers", None)
     lists = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if is_positive_int(want):
         for prefix, module in lists:  # named_modules is outermost first
@@ -194,12 +195,6 @@ def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
                 return prefix, module
     multi = [(p, m) for p, m in lists if len(m) > 1]
     return max(multi, key=lambda pm: len(pm[1])) if multi else None
-
-
-def _decoder_config(config: Any) -> Any:
-    """The config of the decoder layers: a multimodal wrapper's text config (HF's get_text_config), else `config`."""
-    get_text = getattr(config, "get_text_config", None)
-    return get_text(decoder=True) if callable(get_text) else config
 
 
 def _labels(config: Any, n: int) -> tuple[str | None, list[str]]:
