@@ -499,7 +499,8 @@ def _moe_modules(layer, experts: int) -> tuple[str, str, str, tuple[str, ...]]:
     `router.gate`, HunYuan-MoE's `gate.wg`) beside it; the shared expert the other module beside them that
     holds linears (Qwen2-MoE's `shared_expert`, DeepSeek's `shared_experts`, GraniteMoeShared's `shared_mlp`).
     The shared parts: the shared expert's linears, then the block's one-output linears (Qwen2-MoE's sigmoid
-    `shared_expert_gate`), in module order. ("", "", "", ()) for a dense layer."""
+    `shared_expert_gate`), in module order; none where the experts are the layer's own child (Gemma-4: its attention
+    and MLP beside them). ("", "", "", ()) for a dense layer."""
     from torch import nn
 
     if layer is None or not experts:
@@ -524,7 +525,9 @@ def _moe_modules(layer, experts: int) -> tuple[str, str, str, tuple[str, ...]]:
             linears = lambda m: [c for c in m.modules() if isinstance(c, nn.Linear)]  # noqa: E731
             shared = next((at(n) for n, m in block.named_children() if at(n) not in (path, router)
                            and not isinstance(m, nn.Linear) and linears(m)
-                           and all(c.out_features != experts for c in linears(m))), "")  # not a router's gating
+                           and all(c.out_features != experts for c in linears(m))),
+                          "") if parent else ""  # not a router's gating; in a layer holding the experts itself
+            # (Gemma-4's MLP-beside-MoE layer) the modules beside them are the layer's attention and MLP, no shared expert
             parts = tuple(f"{shared}.{n}" for n, m in layer.get_submodule(shared).named_modules()
                           if isinstance(m, nn.Linear)) if shared else ()
             parts += tuple(at(n) for n, m in block.named_children()
