@@ -96,13 +96,17 @@ def test_a_per_layer_config_is_read_as_layers_of_several_kinds(capsys):
 def test_experts_held_by_the_layer_itself_are_its_moe_block_beside_its_mlp():
     """Gemma-4-26B-A4B's layer holds its router and experts as its own children beside its attention and MLP: the
     experts' module beside the attention was read as a shared expert (`moe_paths` named self_attn); now none, top-k
-    read from `top_k_experts` (it was 1), inspect counts HF's parameters."""
+    read from `top_k_experts` (it was 1); the layer's router and experts are one MoE part at the layer's own path,
+    so tp is no longer refused for them ("layers.0.router is neither attention, ..."): its experts whole per rank."""
     from transformers import Gemma4TextConfig
 
     from autoshard.models.presets import spec_from_hf_config
+    from autoshard.rules.validity import refusal
 
     config = tiny_config(Gemma4TextConfig(hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=128,
                                           top_k_experts=8, moe_intermediate_size=704))
     model = build_tiny(config, device="meta")
     spec = spec_from_hf_config(model.config, name="gemma4-moe", model=model)
     assert (spec.experts, spec.top_k, spec.moe_paths[:3]) == (4, 2, ("router.proj", "experts", ""))
+    moe = [p for p in spec.parts if p.kind == "moe"]
+    assert [(p.path, p.names) for p in moe] == [("", ("router.proj", "experts", ""))] and refusal(spec, "tp") is None

@@ -526,8 +526,8 @@ def _moe_modules(layer, experts: int) -> tuple[str, str, str, tuple[str, ...]]:
             shared = next((at(n) for n, m in block.named_children() if at(n) not in (path, router)
                            and not isinstance(m, nn.Linear) and linears(m)
                            and all(c.out_features != experts for c in linears(m))),
-                          "") if parent else ""  # not a router's gating; in a layer holding the experts itself
-            # (Gemma-4's MLP-beside-MoE layer) the modules beside them are the layer's attention and MLP, no shared expert
+                          "") if not any(map(is_attention, block.children())) else ""  # not a router's gating; a
+            # whole layer holding its experts (Gemma-4's MLP-beside-MoE layer): beside them its attention and MLP
             parts = tuple(f"{shared}.{n}" for n, m in layer.get_submodule(shared).named_modules()
                           if isinstance(m, nn.Linear)) if shared else ()
             parts += tuple(at(n) for n, m in block.named_children()

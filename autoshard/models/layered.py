@@ -352,7 +352,7 @@ def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
     parameters that is none of them (Kimi-Linear's delta attention): no tensor-parallel rule splits it, so tp is refused;
     it is an "other" part, whole on every rank (the table still names every layer's experts for ep). A block
     shared by several layers (Zamba2): ((), why). `stack`: the model's `find_layer_stack`."""
-    from autoshard.models.facts import config_value, is_attention
+    from autoshard.models.facts import _moe_modules, config_value, is_attention
     from autoshard.model_spec import LayerPart
 
     base = stack.prefix.rpartition(".")[0]
@@ -365,9 +365,15 @@ def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
         return (), (f"its layers share a block ({stack.shared_params} parameters held by several layers): no "
                     "tensor-parallel rule splits a shared block yet; use tp=1")
     for i, layer in enumerate(layers):
+        own = _moe_modules(layer, experts) if experts else ("",)
+        held_by_layer = ()  # the layer holds its router and experts itself (Gemma-4-26B-A4B): one MoE part at ""
+        if own[0] and "." not in own[0]:
+            moe = _part("", layer, ssd=False, experts=experts, attention=False)
+            found.setdefault(moe, []).append(i)
+            held_by_layer = (own[0], own[1].partition(".")[0])
         for name, child in layer.named_children():
             vectors = [p for p in child.parameters()]
-            if not vectors:
+            if not vectors or name in held_by_layer:
                 continue
             if all(p.dim() == 1 for p in vectors):  # a norm: whole on every rank
                 part = ("norm", name, (("numel", sum(p.numel() for p in vectors)),), (), (), ())

@@ -18,7 +18,7 @@ def parts_table(spec: ModelSpec) -> tuple[Role, ...]:
     rule on the layers that hold it, its sizes named "<part index>.<size>"; the rules: docs/decoders.md (Hybrids)."""
     out: list[Role] = []
     for i, part in enumerate(spec.parts):
-        n, at, lay = (lambda name, i=i: f"{i}.{name}"), (lambda p, part=part: f"{part.path}.{p}"), part.layers
+        n, at, lay = (lambda name, i=i: f"{i}.{name}"), (lambda p, part=part: f"{part.path}.{p}".lstrip(".")), part.layers
         if part.kind in ("embed", "lm_head"):  # LLaMA's embedding / LM head and loss roles at the part's path
             out += [replace(r, path=r.path and part.path) for r in LLAMA if r.strategy is Strategy.VOCAB
                     and r.block is (_E if part.kind == "embed" else _H)]

@@ -153,10 +153,11 @@ def _gemma4(name: str, **full) -> Tiny:
 GEMMA4 = {"gemma4": _gemma4("gemma4-tiny"),
           "gemma4_k_eq_v": _gemma4("gemma4-k-eq-v-tiny", attention_k_eq_v=True, num_attention_heads=32,
                                    num_key_value_heads=16, num_global_key_value_heads=4),  # Gemma-4-31B's heads
-          # Gemma-4-26B-A4B's layer: an MLP and a MoE block side by side (its router reads the layer's input)
+          # Gemma-4-26B-A4B's layer: an MLP and a MoE block side by side, its router and experts the layer's own
+          # children (its router reads the layer's input); under tp its experts whole on each rank, as Qwen3-MoE's
           "gemma4_moe": _gemma4("gemma4-moe-tiny", enable_moe_block=True, num_experts=128, top_k_experts=8,
                                 moe_intermediate_size=704)}
-GEMMA4_REFUSED = {("gemma4_moe", "tp"): "layers.0.router (Gemma4TextRouter) is neither attention"}  # HF plans it by ep
+GEMMA4_REFUSED = {}
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
@@ -224,7 +225,7 @@ def _check_generate() -> None:
     tokens differ); GPT-OSS's own experts (biases, clamped gate) sliced over ep 2 (`replicated_tokens`); DeepSeek-V2's
     latent attention under tp 2 (its heads' cache split, the compressed projection whole); multi-query Gemma-2 under tp 2
     (its one KV head cached whole on each rank); Gemma-4's two layer kinds (head_dim 16 / 32, k_eq_v) under tp 2 and
-    pp 2, its MLP-beside-MoE layer over ep 2."""
+    pp 2, its MLP-beside-MoE layer over ep 2 and tp 2."""
     import copy
 
     import torch
@@ -240,7 +241,7 @@ def _check_generate() -> None:
                          (MULTI_QUERY["gemma2_mq"], dict(tp=2)),
                          (DENSE["granite"], dict(pp=2)), (Tiny("gemma2-4-window3", windowed), dict(pp=2)),
                          (MOE["gpt_oss"], dict(ep=2)), (GEMMA4["gemma4_k_eq_v"], dict(tp=2)),
-                         (GEMMA4["gemma4_k_eq_v"], dict(pp=2)), (GEMMA4["gemma4_moe"], dict(ep=2))):
+                         (GEMMA4["gemma4_k_eq_v"], dict(pp=2)), (GEMMA4["gemma4_moe"], dict(ep=2)), (GEMMA4["gemma4_moe"], dict(tp=2))):
         check_generate(source, plan, ids)
 
 
