@@ -110,3 +110,17 @@ def test_experts_held_by_the_layer_itself_are_its_moe_block_beside_its_mlp():
     assert (spec.experts, spec.top_k, spec.moe_paths[:3]) == (4, 2, ("router.proj", "experts", ""))
     moe = [p for p in spec.parts if p.kind == "moe"]
     assert [(p.path, p.names) for p in moe] == [("", ("router.proj", "experts", ""))] and refusal(spec, "tp") is None
+
+
+def test_a_multimodal_wrapper_plans_its_decoder_and_refuses_pp_by_name():
+    """Gemma-4-unified's causal LM is a ConditionalGeneration wrapper (its decoder's sizes in a text config): its
+    layers were not read ("narrowing the config built 2 layers"); now the wrapper's text config is narrowed and its
+    layer types read, so it inspects with HF's count, and pp (whose stages run a decoder's own forward; the
+    wrapper's pp2 hung) is refused by name."""
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.rules.validity import refusal
+
+    model = build_tiny(tiny_config("gemma4_unified"), device="meta")
+    spec = spec_from_hf_config(model.config, name="gemma4-unified", model=model)
+    assert "wraps its decoder (its sizes in Gemma4UnifiedTextConfig)" in refusal(spec, "pp")
+    assert refusal(spec, "dp") is None and refusal(spec, "tp") is None

@@ -316,9 +316,16 @@ def _own_attention_refusals(own: str, model) -> tuple[tuple[str, str], ...]:
 
 def _unplaced_refusal(model) -> tuple[tuple[str, str], ...]:
     """pp refused where the pipeline stages of the model's own forward cannot place what its base holds beside the
-    layers (`facts.beside_layers`: OPT's project_out, BLOOM's embedding norm), else nothing."""
+    layers (`facts.beside_layers`: OPT's project_out, BLOOM's embedding norm), or where the model is a multimodal
+    wrapper (its decoder's sizes in a text config: Gemma-4-unified's ConditionalGeneration class, whose pp2 hung
+    in its stages), else nothing."""
     from autoshard.models import facts as F
 
+    config = getattr(model, "config", None)
+    if config is not None and F.text_config(config) is not config:
+        return (("pp", f"{type(model).__name__} wraps its decoder (its sizes in {type(F.text_config(config)).__name__}): "
+                       "pipeline stages run a decoder's own forward, not a wrapper's; use pp=1, or pipeline its "
+                       "text model (AutoModelForCausalLM of the text config)"),)
     unplaced = F.beside_layers(model)[1] if F.layer_list(model) is not None else ""
     return (("pp", f"{unplaced}; use pp=1"),) if unplaced else ()
 

@@ -75,7 +75,7 @@ class PipelineRunner:
                  cp=None, sequence_group: dist.ProcessGroup | None = None) -> None:
         pp, virtual = dist.get_world_size(pp_group), options.virtual_stages
         check_schedule(options.schedule, virtual, pp=pp)
-        self.stages = check_stages(stages, num_layers=model.config.num_hidden_layers, pp=pp * virtual)
+        self.stages = check_stages(stages, num_layers=spec.layers, pp=pp * virtual)  # (a wrapper's config: no count)
         self.options = options
         self.pp_group, self.tp_group = pp_group, tp_group
         self.device = torch.device(device)
