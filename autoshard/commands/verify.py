@@ -5,11 +5,9 @@ softcaps exaggerated so a dropped op shows, dropout off: a split run draws other
 process) is trained for two SGD steps on `--ranks` gloo processes under every axis the planner
 may choose (dp, tp, pp, cp; ep for a MoE model), each rank against one process it runs itself: the
 loss of every step, every gradient and every weight after the steps must agree (rtol 1e-4, atol
-1e-5). SGD, not AdamW: its step is linear in the gradient, so the weights after it compare at fp32 tolerance;
-AdamW's normalized step turns last-bit noise of the first step into lr-sized moves (Gemma-4's scale-1 attention
-over RMS-normed q/k: gradients that agree to 3e-6 after one step under tp differed by 1e-4 after two AdamW steps,
-and verify said "failed" of an exact run). The table says per axis: exact, refused (the model's facts refuse it, with why:
-models/facts.py), failed (what differed) or error (what was raised). The verdict is stored per model
+1e-5; SGD, whose step is linear in the gradient: why not AdamW, docs/decoders.md). The table says per
+axis: exact, refused (the model's facts refuse it, with why: models/facts.py), failed (what differed)
+or error (what was raised). The verdict is stored per model
 class, transformers version and verify method (models/verdicts.py); `plan` and `sweep` then do not
 search a failed axis, and `parallelize` refuses a plan that uses one, naming the verdict.
 """
