@@ -74,6 +74,17 @@ def text_config(config):
 PER_LAYER_READ = frozenset({"head_dim", "num_key_value_heads"})
 
 
+def per_type_values(config) -> dict[str, dict] | None:
+    """A heterogeneous config's per-layer values by layer type ({type: {attribute: value}}), or None where it has
+    no layer types or HF finds the layers of a type differ (its per_layer_config[type] raises)."""
+    types = dict.fromkeys(getattr(config, "layer_types", None) or ())
+    try:
+        views = {t: config.per_layer_config[t] for t in types}
+    except ValueError:
+        return None
+    return {t: {a: getattr(v, a) for a in config.per_layer_attributes} for t, v in views.items()} or None
+
+
 def per_layer_refusal(config, model) -> str | None:
     """Why a heterogeneous config (HF's `per_layer_config`: values that differ per layer) cannot be read, or None.
     One whose layers of each type share their values (Gemma-4: the full-attention layers' head_dim and K/V heads)
@@ -87,18 +98,12 @@ def per_layer_refusal(config, model) -> str | None:
     config = text_config(config)
     attributes = getattr(config, "per_layer_attributes", None)
     if attributes:
-        types = list(dict.fromkeys(getattr(config, "layer_types", None) or ()))
         what = (f"{type(config).__name__} declares per-layer values of {', '.join(sorted(attributes))} "
                 "(HF's per_layer_config)")
         if not attributes <= PER_LAYER_READ:
             return (f"{what}; autoshard reads per layer type only {', '.join(sorted(PER_LAYER_READ))} (each kind's "
                     "attention sizes off its modules) so far: give every layer the same values of the others")
-        try:
-            if not types:
-                raise ValueError("no layer_types")
-            for t in types:
-                config.per_layer_config[t]  # HF raises where the layers of a type differ
-        except ValueError:
+        if per_type_values(config) is None:
             return (f"{what} that differ between layers of one type: autoshard reads the layers by kind (one table "
                     "per layer type); give the layers of each type the same values")
         config.allow_global_per_layer_attribute_access = True

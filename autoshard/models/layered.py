@@ -368,8 +368,7 @@ def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
         own = _moe_modules(layer, experts) if experts else ("",)
         held_by_layer = ()  # the layer holds its router and experts itself (Gemma-4-26B-A4B): one MoE part at ""
         if own[0] and "." not in own[0]:
-            moe = _part("", layer, ssd=False, experts=experts, attention=False)
-            found.setdefault(moe, []).append(i)
+            found.setdefault(_moe_part("", layer, experts, own), []).append(i)
             held_by_layer = (own[0], own[1].partition(".")[0])
         for name, child in layer.named_children():
             vectors = [p for p in child.parameters()]
@@ -476,12 +475,9 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
     if delta is not None:
         return delta
     if experts:
-        path, router, shared, shared_parts = _moe_modules(child, experts)
-        if path:
-            held = tuple(n for n, _ in child.get_submodule(path).named_parameters(recurse=False))
-            sizes = (("experts", experts),
-                     *((p, sum(x.numel() for x in child.get_submodule(p).parameters())) for p in shared_parts))
-            return "moe", name, sizes, (router, path, shared, *shared_parts), (), (), held
+        paths = _moe_modules(child, experts)
+        if paths[0]:
+            return _moe_part(name, child, experts, paths)
     conv = _short_conv_part(name, child, linear)
     if conv is not None:
         return conv
@@ -491,6 +487,16 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         packed = tuple((n, "packed") for n in mlp[:-1] if linear[n].out_features == 2 * width)
         return "mlp", name, (("ffn", width),), mlp, (), (), (), (), packed
     return None
+
+
+def _moe_part(name: str, block: nn.Module, experts: int, paths: tuple) -> tuple:
+    """The "moe" part (`_part`'s tuple) of `block` at `name`, whose routed experts, router, shared expert and its parts
+    are `paths` (`facts._moe_modules(block, experts)`): a MoE block, or a layer holding its experts itself."""
+    path, router, shared, shared_parts = paths
+    held = tuple(n for n, _ in block.get_submodule(path).named_parameters(recurse=False))
+    sizes = (("experts", experts),
+             *((p, sum(x.numel() for x in block.get_submodule(p).parameters())) for p in shared_parts))
+    return "moe", name, sizes, (router, path, shared, *shared_parts), (), (), held
 
 
 def _mlp_linears(child: nn.Module, linear: dict) -> tuple[str, ...] | None:

@@ -157,18 +157,14 @@ def _shared_block_within(config) -> None:
 def _per_type_values(config) -> tuple[dict, dict] | None:
     """A heterogeneous config's per-layer values by layer type ({type: {attribute: value}}) and the global values
     of those attributes; None for a homogeneous config, or one whose layers of a type differ (HF raises)."""
-    from autoshard.models.facts import PER_LAYER_READ
+    from autoshard.models.facts import PER_LAYER_READ, per_type_values
 
     attributes = getattr(config, "per_layer_attributes", None)
-    types = getattr(config, "layer_types", None)
-    if not attributes or not types or not attributes <= PER_LAYER_READ:  # others kept (refused by name)
+    if not attributes or not attributes <= PER_LAYER_READ:  # others kept (refused by name)
         return None
-    try:
-        views = {t: config.per_layer_config[t] for t in dict.fromkeys(types)}
-    except ValueError:  # the layers of one type differ: kept as they are (presets refuses such a config by name)
-        return None
-    return ({t: {a: getattr(v, a) for a in attributes} for t, v in views.items()},
-            {a: config._getattr_without_heterogeneous_validation(a) for a in attributes})
+    per_type = per_type_values(config)  # None: the layers of one type differ, kept (refused by name)
+    return None if per_type is None else (
+        per_type, {a: config._getattr_without_heterogeneous_validation(a) for a in attributes})
 
 
 def _per_layer_within(config, per_type: dict, full: dict) -> None:
