@@ -17,8 +17,9 @@ def tiny(model_type: str):
 
 
 # the factories: `--model tests.test_cli_families:<model type>`
-hunyuan_v1_moe, longcat_flash, gemma4, dots3_note, rwkv, zaya = (
-    functools.partial(tiny, t) for t in ("hunyuan_v1_moe", "longcat_flash", "gemma4", "dots3_note", "rwkv", "zaya"))
+hunyuan_v1_moe, longcat_flash, gemma4, dots3_note, rwkv, zaya, gemma3 = (
+    functools.partial(tiny, t) for t in ("hunyuan_v1_moe", "longcat_flash", "gemma4", "dots3_note", "rwkv", "zaya",
+                                         "gemma3"))
 
 
 def _inspect(capsys, factory: str):
@@ -124,3 +125,27 @@ def test_a_multimodal_wrapper_plans_its_decoder_and_refuses_pp_by_name():
     spec = spec_from_hf_config(model.config, name="gemma4-unified", model=model)
     assert "wraps its decoder (its sizes in Gemma4UnifiedTextConfig)" in refusal(spec, "pp")
     assert refusal(spec, "dp") is None and refusal(spec, "tp") is None
+
+
+def test_a_vision_tower_as_deep_as_the_decoder_is_not_read_as_its_layers(capsys):
+    """Gemma-3's causal LM is Gemma3ForConditionalGeneration; with its vision tower shrunk, the tower holds as many
+    layers as the decoder. Its layers were read as the decoder's (the tiny one refused: "the traced blocks hold
+    178,129,088 parameters"; the tp rewrite looked for o_proj in SiglipAttention): now the decoder's layers are the
+    list beside the input embedding, the tower (no layer the text forward runs) counts with the embedding, and the
+    tp plan HF declares in the text config is the one proven."""
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.rules import sharding
+    from autoshard.rules.validity import refusal
+
+    model = tiny("gemma3")
+    tower = model.model.vision_tower.encoder.layers
+    assert len(tower) == len(model.model.language_model.layers) == 2
+    code, out, _ = _inspect(capsys, "gemma3")
+    assert code == 0
+    table = json.loads(out)
+    layer = sum(p.numel() for p in model.model.language_model.layers[0].parameters())
+    assert table["params"] == sum(p.numel() for p in model.parameters())
+    assert [(b["name"], b["count"], b["params"]) for b in table["blocks"] if b["name"] == "layer"] == [("layer", 2, layer)]
+    spec = spec_from_hf_config(model.config, name="gemma3", model=model)
+    assert sharding.layers_path(spec) == "model.language_model.layers"
+    assert refusal(spec, "tp") is None and "wraps its decoder" in refusal(spec, "pp")

@@ -148,7 +148,8 @@ def _compare(source: _Source, plan: dict) -> str | None:
         loss.backward()
         losses.append(loss.detach())
         opt.step()
-    grads = {n: p.grad for n, p in ref.named_parameters()}
+    # a parameter no loss reaches (a wrapper's vision tower on text) has no gradient: zeros, as full_grads gives it
+    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in ref.named_parameters()}
     dm = autoshard.parallelize(source.build(), data[0], plan=plan, global_batch=batch, optimizer=optimizer,
                                timeout_s=120)
     for step, (ids, expected) in enumerate(zip(data, losses)):

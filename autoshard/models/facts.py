@@ -21,7 +21,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "hidden": ("hidden_size", "n_embd", "d_model", "model_dim"),
     "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
     "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
-    "kv_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "n_kv_heads"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "n_kv_heads", "kv_n_heads"),
     "head_dim": ("head_dim", "attention_head_dim", "kv_channels"),
     "ffn": ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim", "dff"),
     "experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
@@ -118,6 +118,9 @@ def per_layer_refusal(config, model) -> str | None:
                 "or split over pipeline stages yet; set num_kv_shared_layers to 0")
     return None
 
+# the count of dense layers a MoE stack starts with (DeepSeek's first_k_dense_replace, LFM2-MoE's num_dense_layers)
+DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers")
+
 
 def config_value(config, fact: str, default=None):
     """The first of `ALIASES[fact]` that the decoder's config (`text_config`) sets (not None), else `default`."""
@@ -162,6 +165,7 @@ def read_facts(config, model) -> ModelFacts:
     """The facts of `model` (a HF causal LM) and its `config` (docs/modules/models.md)."""
     from torch import nn
 
+    config = text_config(config)  # a multimodal wrapper's decoder (Gemma-3's): its plan, layer types and scales
     found = layer_list(model)
     layers = found[1] if found is not None else None
     base_name = found[0].rpartition(".")[0] if found is not None else getattr(model, "base_model_prefix", "") or "model"
@@ -251,12 +255,19 @@ def mlp_width(model, facts: ModelFacts, declared: int = 0) -> int:
 def layer_list(model):
     """(path, ModuleList) of `model`'s decoder layers, found by structure, not by name: the outermost nn.ModuleList
     holding as many modules as the config has layers (`ALIASES["layers"]`: LLaMA's model.layers, GPT-2's
-    transformer.h, MPT's transformer.blocks, OPT's model.decoder.layers), else the longest one of two or more;
+    transformer.h, MPT's transformer.blocks, OPT's model.decoder.layers), one beside the input embedding first,
+    else the longest one of two or more;
     None for none. Its parent module is the base model."""
     from torch import nn
 
     want = config_value(getattr(model, "config", None), "layers")
     lists = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    try:
+        embed = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a model that does not say which module embeds its tokens
+        embed = None
+    # beside the input embedding first: a multimodal wrapper's vision tower may have as many layers (Gemma-3's)
+    lists.sort(key=lambda pm: not any(c is embed for c in model.get_submodule(pm[0].rpartition(".")[0]).children()))
     same = next(((p, m) for p, m in lists if is_positive_int(want) and len(m) == want), None)  # outermost first
     multi = [(p, m) for p, m in lists if len(m) > 1]
     return same or (max(multi, key=lambda pm: len(pm[1])) if multi else None)

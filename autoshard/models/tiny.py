@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import math
 
-from autoshard.models.facts import ALIASES, config_value
+from autoshard.models.facts import ALIASES, DENSE_FIRST, config_value
 
 SIZES = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 96, "vocab": 256, "experts": 4,
          "top_k": 2, "expert_ffn": 32, "shared_ffn": 64, "sliding_window": 4}
@@ -25,7 +25,7 @@ SIZES = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 96, "vo
 CHECKED = ("llama", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "cohere",
            "stablelm", "glm4", "falcon", "bloom", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe",
            "mamba", "falcon_mamba", "mamba2", "jamba", "gpt_neox", "opt", "gptj", "codegen", "bamba",
-           "granitemoehybrid", "zamba2")
+           "granitemoehybrid", "zamba2", "nemotron", "dots1", "lfm2_moe", "cohere_compass_text")
 # multipliers / caps that make a dropped op visible on a tiny random model (config field: value)
 EXAGGERATED = {"logits_scaling": 0.25, "embedding_multiplier": 6.0, "residual_multiplier": 0.5,
                "attention_multiplier": 0.4, "logit_scale": 3.0, "final_logit_softcapping": 0.1,
@@ -40,6 +40,15 @@ DELTA_SIZES = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_k
                "linear_value_head_dim": 16}
 # a per-layer input embedding (Gemma-3n's, Gemma-4's: each layer reads its own slice of a second embedding)
 PER_LAYER_INPUT_SIZES = {"hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 256}
+# fields HF's default config of a family leaves unset although every published checkpoint of it sets them (the model
+# does not build without them): what a tiny config of that family takes (model_type: {field: value})
+UNSET_BY_DEFAULT = {"nemotron": {"num_key_value_heads": SIZES["kv_heads"]},
+                    "dots1": {"n_routed_experts": SIZES["experts"], "num_experts_per_tok": SIZES["top_k"],
+                              "n_shared_experts": 1},
+                    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+                    "cohere_compass_text": {"rope_parameters": {
+                        kind: {"rope_type": "default", "rope_theta": 10000.0}
+                        for kind in ("full_attention", "sliding_attention")}}}
 # group-limited routing (DeepSeek-V3's: the top groups of experts, then the top experts in them), where a config
 # groups its experts (n_group > 1): 2 groups of 2
 ROUTING_GROUPS = {"n_group": 2, "topk_group": 1}
@@ -48,11 +57,19 @@ ROUTING_GROUPS = {"n_group": 2, "topk_group": 1}
 def tiny_config(config, **overrides):
     """A tiny config of the same class as `config` (a config or a model_type string); see the module
     docstring. `overrides`: config fields set last."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     config = AutoConfig.for_model(config) if isinstance(config, str) else copy.deepcopy(config)
     text = config.get_text_config(decoder=True)
-    if text is not config:  # a multimodal wrapper (Gemma-4): its decoder's sizes are in its text config
+    for name, value in UNSET_BY_DEFAULT.get(getattr(text, "model_type", None), {}).items():
+        if not getattr(text, name, None):
+            setattr(text, name, copy.deepcopy(value))
+    # a multimodal wrapper's decoder sizes are in its text config (Gemma-3, Gemma-4), its towers' in theirs (a
+    # heterogeneous tower kept as it is); DBRX's attention and MLP sizes in its attn_config and ffn_config
+    for sub in [v for v in vars(config).values() if isinstance(v, PretrainedConfig) and v is not text]:
+        if not getattr(sub, "is_heterogeneous", False):
+            _shrink(sub)
+    if text is not config:
         _shrink(text)
     _shrink(config)
     for key, value in overrides.items():
@@ -104,8 +121,9 @@ def _shrink(config) -> None:
     for name in ("max_window_layers",):
         if hasattr(config, name):
             setattr(config, name, layers)
-    if isinstance(getattr(config, "first_k_dense_replace", None), int) and config.first_k_dense_replace >= layers:
-        config.first_k_dense_replace = 1  # the dense layers first, then at least one MoE layer
+    for name in DENSE_FIRST:
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= layers:
+            setattr(config, name, 1)  # the dense layers first, then at least one MoE layer
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(config, name, None), int) and getattr(config, name) >= SIZES["vocab"]:
             setattr(config, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])

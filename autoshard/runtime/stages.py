@@ -316,8 +316,8 @@ def build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
 def _build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
                         positions: Callable[[int], torch.Tensor] | None) -> StageModule:
     config = getattr(model, "config", None)
-    layers_total = getattr(config, "num_hidden_layers", None)
-    if not 0 <= stage.first_layer <= stage.end_layer <= (layers_total or 0):
+    layers_total = spec.layers  # the decoder's (a multimodal wrapper's config has none of its own)
+    if not 0 <= stage.first_layer <= stage.end_layer <= layers_total:
         raise InvalidConfigError(f"stage layers [{stage.first_layer}, {stage.end_layer}) are outside the "
                                  f"model's {layers_total} layers; stages must lie within 0..{layers_total}")
     body, parts = _parts(model, stage)

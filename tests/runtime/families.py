@@ -158,6 +158,14 @@ GEMMA4 = {"gemma4": _gemma4("gemma4-tiny"),
           "gemma4_moe": _gemma4("gemma4-moe-tiny", enable_moe_block=True, num_experts=128, top_k_experts=8,
                                 moe_intermediate_size=704)}
 GEMMA4_REFUSED = {}
+# HF's default configs leave a field unset that every checkpoint sets (models/tiny.py `UNSET_BY_DEFAULT`; before, the
+# tiny model did not build): Nemotron's K/V heads (squared-ReLU MLP, partial rotary, LayerNorm1P), dots1's experts
+# (shared experts beside routed ones), LFM2-MoE's layer types (a dense conv layer, then a MoE attention layer)
+UNSET = {"nemotron": _tiny("nemotron"), "dots1": _tiny("dots1"), "lfm2_moe": _tiny("lfm2_moe")}
+# a multimodal wrapper whose vision tower holds as many layers as its decoder (Gemma-3's tiny config): the decoder's
+# layers are the list beside the input embedding, the tower (never run on text) no gradient; pp refused by name
+WRAPPED = {"gemma3_wrapper": _tiny("gemma3")}
+WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
@@ -187,6 +195,8 @@ def check_families() -> None:
     check_axes(MARKED, lambda name: (dict(tp=2),), {})
     check_axes(DELTA, lambda name: (dict(tp=2),), {})
     check_axes(GEMMA4, lambda name: PLANS + ((dict(ep=2),) if name == "gemma4_moe" else ()), GEMMA4_REFUSED, sgd=True)
+    check_axes(UNSET, lambda name: (dict(tp=2),) + ((dict(ep=2),) if name != "nemotron" else ()), {})
+    check_axes(WRAPPED, lambda name: PLANS, WRAPPED_REFUSED)
     _check_unused_stay()
     _check_generate()
 
@@ -225,7 +235,8 @@ def _check_generate() -> None:
     tokens differ); GPT-OSS's own experts (biases, clamped gate) sliced over ep 2 (`replicated_tokens`); DeepSeek-V2's
     latent attention under tp 2 (its heads' cache split, the compressed projection whole); multi-query Gemma-2 under tp 2
     (its one KV head cached whole on each rank); Gemma-4's two layer kinds (head_dim 16 / 32, k_eq_v) under tp 2 and
-    pp 2, its MLP-beside-MoE layer over ep 2 and tp 2."""
+    pp 2, its MLP-beside-MoE layer over ep 2 and tp 2; Gemma-3's multimodal wrapper under tp 2 (its stage read the
+    wrapper config's missing layer count); dots1's shared and routed experts over ep 2."""
     import copy
 
     import torch
@@ -241,7 +252,8 @@ def _check_generate() -> None:
                          (MULTI_QUERY["gemma2_mq"], dict(tp=2)),
                          (DENSE["granite"], dict(pp=2)), (Tiny("gemma2-4-window3", windowed), dict(pp=2)),
                          (MOE["gpt_oss"], dict(ep=2)), (GEMMA4["gemma4_k_eq_v"], dict(tp=2)),
-                         (GEMMA4["gemma4_k_eq_v"], dict(pp=2)), (GEMMA4["gemma4_moe"], dict(ep=2)), (GEMMA4["gemma4_moe"], dict(tp=2))):
+                         (GEMMA4["gemma4_k_eq_v"], dict(pp=2)), (GEMMA4["gemma4_moe"], dict(ep=2)), (GEMMA4["gemma4_moe"], dict(tp=2)),
+                         (WRAPPED["gemma3_wrapper"], dict(tp=2)), (UNSET["dots1"], dict(ep=2))):
         check_generate(source, plan, ids)
 
 

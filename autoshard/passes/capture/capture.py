@@ -147,7 +147,7 @@ def capture_model(model: nn.Module, example_inputs: Sequence[torch.Tensor], *, m
     return Captured(
         graph_module=gm, param_names=tuple(params), buffer_names=tuple(buffers), num_inputs=len(fake_inputs),
         joint=joint, outputs=outputs, sites=MappingProxyType(recorder.sites(gm, joint=joint)),
-        repeated=find_repeated_blocks(model),
+        repeated=recorder.ran_blocks(),
     )
 
 
@@ -246,6 +246,11 @@ class _SiteRecorder:
 
     def current_path(self) -> str:
         return self._stack[-1] if self._stack else ""
+
+    def ran_blocks(self) -> tuple[RepeatedBlock, ...]:
+        """The repeated blocks whose layers the traced forward ran (a multimodal wrapper's vision tower, not run
+        on text, is no layer stack of the decoder)."""
+        return tuple(r for r in self._repeated if any(p.startswith(r.prefix + ".") for p in self._entered))
 
     def layer_calls(self, path: str) -> int:
         """How many times the forward of the module at `path`, inside a repeated block (a layer), was entered so

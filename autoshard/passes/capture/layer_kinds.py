@@ -18,7 +18,7 @@ from torch import nn
 
 from autoshard.errors import CaptureError
 from autoshard.ir import is_int, is_positive_int
-from autoshard.models.facts import text_config
+from autoshard.models.facts import DENSE_FIRST, layer_list, text_config
 
 UNIFORM = "layer"  # the name of the one kind of a model whose layers are all alike
 _LABEL_FIELDS = ("layers_block_type", "layer_types")  # HF's per-layer labels, the first one present wins
@@ -69,7 +69,7 @@ class LayerStack:
 
 def find_layer_stack(model: nn.Module) -> LayerStack | None:
     """The decoder layers of `model` and their kinds; see docs/modules/capture.md."""
-    found = _layer_list(model)
+    found = layer_list(model)
     if found is None:
         return None
     prefix, layers = found
@@ -103,7 +103,7 @@ def one_layer_copy(model: nn.Module, stack: LayerStack, kind: str, dtype: torch.
     narrowed = narrow_config(config, i, stack.num_layers)
     with torch.device("meta"):
         one = type(model)(narrowed).to(dtype)
-    got = _layer_list(one)
+    got = layer_list(one)
     layers = model.get_submodule(stack.prefix)
     shared = _shared_children(layers, i)
     if got is None or len(got[1]) != 1:
@@ -157,8 +157,9 @@ def narrow_config(config: Any, index: int, num_layers: int) -> Any:
             special = index % period == at
             setattr(out, name, 1 if special else 2)
             setattr(out, offset, 0 if special else 1)
-    if is_int(getattr(config, "first_k_dense_replace", None)):
-        out.first_k_dense_replace = int(index < config.first_k_dense_replace)
+    for name in DENSE_FIRST:  # the dense layers a MoE stack starts with: this layer's kind
+        if is_int(getattr(config, name, None)):
+            setattr(out, name, int(index < getattr(config, name)))
     step = getattr(config, "decoder_sparse_step", None)
     if is_positive_int(step):
         out.decoder_sparse_step = 1 if (index + 1) % step == 0 else 2
@@ -184,17 +185,6 @@ def _narrow_value(name: str, value: Any, index: int, num_layers: int) -> Any:
 
 def _changed(before: Any, after: Any) -> list[str]:
     return [f"{k}={getattr(after, k)!r}" for k in vars(before) if getattr(after, k, None) != getattr(before, k)]
-
-
-def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    want = getattr(text_config(getattr(model, "config", None)), "num_hidden_layers", None)
-    lists = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if is_positive_int(want):
-        for prefix, module in lists:  # named_modules is outermost first
-            if len(module) == want:
-                return prefix, module
-    multi = [(p, m) for p, m in lists if len(m) > 1]
-    return max(multi, key=lambda pm: len(pm[1])) if multi else None
 
 
 def _labels(config: Any, n: int) -> tuple[str | None, list[str]]:

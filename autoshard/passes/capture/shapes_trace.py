@@ -19,6 +19,7 @@ from autoshard.errors import CaptureError
 from autoshard.cost_table import B, S, BlockCost, CostTable, NodeCost, RegionTag
 from autoshard.ir import BlockKind, OpKind
 from autoshard.model_spec import Mixer, ModelSpec
+from autoshard.models.facts import text_config
 from autoshard.models.presets import build_model
 from autoshard.passes.capture import fused_patterns
 from autoshard.passes.capture import kernels as kernel_table
@@ -145,7 +146,7 @@ def _truncated(spec: ModelSpec, dtype: torch.dtype, model: nn.Module | None) -> 
     if model is None:
         return build_model(replace(spec, layers=1), device="meta", dtype=dtype)
     config = copy.deepcopy(model.config)
-    config.num_hidden_layers = 1
+    text_config(config).num_hidden_layers = 1  # a multimodal wrapper's decoder (Gemma-3's): its text config's
     with torch.device("meta"):
         return type(model)(config).to(dtype)
 
@@ -547,7 +548,8 @@ def _block_params(model: nn.Module, cap: Captured) -> dict[BlockKind, int]:
         if name.startswith(prefixes):
             out[BlockKind.LAYER] += p.numel()
             continue
-        first_use = min((order[u.name] for u in node.users if u.name in order), default=0)
+        # a parameter the forward never reads (a multimodal wrapper's vision tower, on text) is held with the embedding
+        first_use = min((order[u.name] for u in node.users if u.name in order and cap.site(u).phase == FWD), default=0)
         embed = first_layer is not None and first_use < first_layer
         out[BlockKind.EMBED if embed else BlockKind.HEAD] += p.numel()
     return out

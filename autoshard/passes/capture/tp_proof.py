@@ -113,7 +113,7 @@ def prove_tp(spec, model, graph=None) -> Proof:
 
     small, cap = graph or traced(model)
     layers = cap.repeated[0].prefix if cap.repeated else ""
-    tp_plan = tuple((getattr(model.config, "base_model_tp_plan", None) or {}).items())
+    tp_plan = tuple((getattr(facts.text_config(model.config), "base_model_tp_plan", None) or {}).items())
     st = strategy(spec, cap.param_names, tp_plan, layers=layers)
     whole = sharding.attention_whole(spec)
     return propagate(cap, dict(st.params), regions=st.regions, rowwise=st.rowwise,
@@ -127,9 +127,10 @@ def _one_of_each(model):
     experts does not trace: `capture_model` says to switch)."""
     import torch
 
-    from autoshard.models.facts import ALIASES
+    from autoshard.models.facts import ALIASES, text_config
 
-    config = copy.deepcopy(model.config)
+    whole = copy.deepcopy(model.config)
+    config = text_config(whole)  # a multimodal wrapper's decoder: its text config, narrowed inside the copy
     kinds = list(dict.fromkeys(getattr(config, "layer_types", None) or ())) or [None]
     for name in ALIASES["layers"]:
         if hasattr(config, name) and getattr(config, name) is not None:
@@ -141,7 +142,7 @@ def _one_of_each(model):
             pass
     experts = any(getattr(config, n, None) for n in ALIASES["experts"])
     with torch.device("meta"):  # the config keeps the model's own experts implementation
-        small = type(model)(config)
+        small = type(model)(whole)
     return small.to(torch.bfloat16) if experts else small
 
 
