@@ -46,6 +46,7 @@ UNSET_BY_DEFAULT = {"nemotron": {"num_key_value_heads": SIZES["kv_heads"]},
                     "dots1": {"n_routed_experts": SIZES["experts"], "num_experts_per_tok": SIZES["top_k"],
                               "n_shared_experts": 1},
                     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+                    "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},  # a sub-config's
                     "cohere_compass_text": {"rope_parameters": {
                         kind: {"rope_type": "default", "rope_theta": 10000.0}
                         for kind in ("full_attention", "sliding_attention")}}}
@@ -62,8 +63,10 @@ def tiny_config(config, **overrides):
     config = AutoConfig.for_model(config) if isinstance(config, str) else copy.deepcopy(config)
     text = config.get_text_config(decoder=True)
     for name, value in UNSET_BY_DEFAULT.get(getattr(text, "model_type", None), {}).items():
-        if not getattr(text, name, None):
-            setattr(text, name, copy.deepcopy(value))
+        holder, _, field = name.rpartition(".")
+        held = getattr(text, holder) if holder else text
+        if not getattr(held, field, None):
+            setattr(held, field, copy.deepcopy(value))
     # a multimodal wrapper's decoder sizes are in its text config (Gemma-3, Gemma-4), its towers' in theirs (a
     # heterogeneous tower kept as it is); DBRX's attention and MLP sizes in its attn_config and ffn_config
     for sub in [v for v in vars(config).values() if isinstance(v, PretrainedConfig) and v is not text]:

@@ -36,6 +36,21 @@ def test_eager_experts_routing_is_a_clear_capture_error():
         capture_model(model, (torch.zeros(1, 8, dtype=torch.long),))
 
 
+def test_experts_with_no_fixed_shape_implementation_are_named_so():
+    """DBRX's experts run HF's eager loop only (no use_experts_implementation on DbrxExperts): the error said to
+    switch to 'grouped_mm', which this class does not have."""
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    config = DbrxConfig(d_model=64, n_heads=4, n_layers=1, vocab_size=256, max_seq_len=64,
+                        attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0),
+                        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2))
+    with torch.device("meta"):
+        model = DbrxForCausalLM(config)
+    with pytest.raises(CaptureError, match=r"nonzero.*DbrxExperts has only that loop.*cannot price or plan") as e:
+        capture_model(model, (torch.zeros(1, 8, dtype=torch.long),))
+    assert "experts_implementation='grouped_mm'" not in str(e.value)
+
+
 def test_misaligned_expert_width_is_a_clear_capture_error():
     """torch._grouped_mm needs 16-byte rows: an expert width of 36 in bf16 (72 bytes) cannot run."""
     spec = get_spec("mixtral-tiny").__class__(**{**_fields(get_spec("mixtral-tiny")), "layers": 1, "ffn": 36})

@@ -327,12 +327,17 @@ def _latest_input_path(node: fx.Node, index: dict[fx.Node, int], sites: dict[str
 def _capture_error(model: nn.Module, e: Exception, path: str, *, calls: int = 1) -> CaptureError:
     if "nonzero" in str(getattr(e, "func", "")) + str(e) and path.split(".")[-1] == "experts":
         impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
-        return CaptureError(
-            f"cannot trace {type(model).__name__}: the mixture-of-experts routing at {path!r} "
-            f"(experts implementation {impl!r}) selects tokens with nonzero(), whose shape depends on the "
-            "routing data and cannot be traced on fake tensors; use HF's fixed-shape 'grouped_mm' experts: "
-            "build the config with experts_implementation='grouped_mm' (or set "
-            "model.config._experts_implementation = 'grouped_mm')")
+        experts = _get_submodule(model, path)
+        why = (f"cannot trace {type(model).__name__}: the mixture-of-experts routing at {path!r} "
+               f"(experts implementation {impl!r}) selects tokens with nonzero(), whose shape depends on the "
+               "routing data and cannot be traced on fake tensors; ")
+        if not hasattr(experts, "_is_expert_parallel"):  # HF's use_experts_implementation sets it on its classes
+            return CaptureError(why + f"{type(experts).__name__} has only that loop (HF offers no fixed-shape "
+                                      "'grouped_mm' implementation of it in this transformers), so autoshard cannot "
+                                      "price or plan this model yet")
+        return CaptureError(why + "use HF's fixed-shape 'grouped_mm' experts: build the config with "
+                                  "experts_implementation='grouped_mm' (or set "
+                                  "model.config._experts_implementation = 'grouped_mm')")
     if "multiple of 16 bytes" in str(e) and path.split(".")[-1] == "experts":
         config = getattr(model, "config", None)
         sizes = {k: getattr(config, k) for k in ("hidden_size", "intermediate_size", "moe_intermediate_size")
