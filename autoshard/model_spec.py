@@ -28,7 +28,8 @@ class LayerPart:
     Mamba-2 mixer), "delta" (a gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-hybrid), "mlp" (gate / up / down or
     up / down), "moe" (router, experts, shared experts), or the model's "embed", "final_norm" and "lm_head" (full
     paths); `path` inside each layer of `layers` (the
-    indices holding it); `sizes`: its counts by name (heads, kv_heads, q, kv, ffn, inner, groups, ...);
+    indices holding it); `sizes`: its counts by name (heads, kv_heads, q, kv, ffn, inner, groups, ..., a recurrent
+    mixer's state_bytes per sequence);
     `names`: the child modules it holds (the MLP's projections; the MoE block's router, experts, shared expert
     and the shared expert's linears and the block's one-output gate, models/facts.py `_moe_modules`); `attrs`: head-count attributes its module keeps (set to this rank's under tp); `buffers`:
     buffers indexed like its in_proj's output (Falcon-H1's mup_vector)."""

@@ -6,6 +6,7 @@ what a user runs:
 
     autoshard inspect --model <factory> --seq-len 64 --json
     autoshard plan --model <factory> --hardware h100 --devices 4 --global-batch 8 --seq-len 64 --json
+    autoshard plan --model <factory> --hardware h100 --devices 4 --inference --prompt-len 64 --output-len 16 ...
 
 (the CLI's `main` in that process, one after the other, against a cost-table cache fresh for the sweep).
 Each class is one of:
@@ -13,6 +14,7 @@ Each class is one of:
 * `refused`: a command ends in one clean line `autoshard <command>: error: ...` (exit 2, no traceback);
 * `WRONG`: inspect's `params` differ from HF's: a silent wrong answer;
 * `crash`: a Python traceback, or the process ran past `--timeout`, instead of a clean error.
+The serving plan's outcome (ok / refused / crash, the same rules) is kept beside, as `serving`, and counted apart.
 
 The table (model type -> status and one line of reason) goes to `bench/families_sweep.json`; `--types`
 re-measures some classes and keeps the others' rows. Printed: the counts per status and the crash / WRONG list.
@@ -37,6 +39,8 @@ import time
 OUT = pathlib.Path(__file__).with_name("families_sweep.json")
 INSPECT = ["inspect", "--seq-len", "64", "--json"]
 PLAN = ["plan", "--hardware", "h100", "--devices", "4", "--global-batch", "8", "--seq-len", "64", "--json"]
+SERVE = ["plan", "--hardware", "h100", "--devices", "4", "--inference", "--prompt-len", "64", "--output-len", "16",
+         "--ttft-slo", "1", "--tpot-slo", "0.05"]
 FACTORY = """from autoshard.models.tiny import build_tiny, tiny_config
 
 
@@ -49,7 +53,8 @@ import contextlib, io, json, sys, traceback
 import torch
 from autoshard.cli import main
 
-model_type, factory, inspect, plan = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+model_type, factory = sys.argv[1], sys.argv[2]
+inspect, plan, serve = (json.loads(a) for a in sys.argv[3:6])
 
 
 def say(step, **row):
@@ -62,7 +67,7 @@ try:
         say("hf", params=importlib.import_module(factory.partition(":")[0]).build().num_parameters())
 except Exception as e:
     say("hf", error=f"{type(e).__name__}: {e}")
-for command, argv in (("inspect", inspect), ("plan", plan)):
+for command, argv in (("inspect", inspect), ("plan", plan), ("serve", serve)):
     say("start", command=command)
     out, err = io.StringIO(), io.StringIO()
     try:
@@ -90,7 +95,7 @@ def _outcome(command: str, row: dict) -> tuple[str, str]:
     err = [line for line in row["stderr"].splitlines() if line.strip()]
     if row["code"] == 0:
         return "ok", ""
-    clean = f"autoshard {command}: error:"
+    clean = f"autoshard {'plan' if command == 'serve' else command}: error:"
     if row["code"] == 2 and err and err[-1].startswith(clean) and "Traceback" not in row["stderr"]:
         return "refused", f"{command}: {_line(err[-1][len(clean):])}"
     return "crash", f"{command}: exit {row['code']}: {_line(err[-1] if err else '(no stderr)')}"
@@ -121,7 +126,8 @@ def measure(model_type: str, *, workdir: pathlib.Path, timeout: float) -> dict:
     (workdir / f"{module}.py").write_text(FACTORY.format(model_type=model_type))
     env = {**os.environ, "AUTOSHARD_CACHE_DIR": str(workdir / "cache"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(workdir), os.environ.get("PYTHONPATH")) if p)}
-    argv = [sys.executable, "-c", CHILD, model_type, f"{module}:build", json.dumps(INSPECT), json.dumps(PLAN)]
+    argv = [sys.executable, "-c", CHILD, model_type, f"{module}:build", json.dumps(INSPECT), json.dumps(PLAN),
+            json.dumps(SERVE)]
     start = time.perf_counter()
     try:
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
@@ -131,16 +137,19 @@ def measure(model_type: str, *, workdir: pathlib.Path, timeout: float) -> dict:
     seconds = round(time.perf_counter() - start, 1)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{\"step\"")]
     finished = [r for r in rows if r["step"] in ("inspect", "plan")]
-    if code == "timeout" or len(finished) < 2:
+    why = f"timeout after {timeout:g} s" if code == "timeout" else f"process died (exit {code})"
+    if len(finished) < 2:
         running = [r["command"] for r in rows if r["step"] == "start"]
         where = running[-1] if running else "building the model"
-        why = f"timeout after {timeout:g} s" if code == "timeout" else f"process died (exit {code})"
         status, reason = classify(rows) if finished else ("ok", "")
         if status not in ("WRONG", "crash"):
             status, reason = "crash", f"{where}: {why}"
         return {"status": status, "reason": reason, "seconds": seconds}
     status, reason = classify(rows)
-    return {"status": status, "reason": reason, "seconds": seconds}
+    serve = next((r for r in rows if r["step"] == "serve"), None)
+    serving = _outcome("serve", serve) if serve is not None else ("crash", f"serve: {why}")
+    return {"status": status, "reason": reason, "seconds": seconds,
+            "serving": {"status": serving[0], "reason": serving[1]}}
 
 
 def main() -> None:
@@ -149,7 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", help="comma-separated model types (default: every causal-LM class)")
     parser.add_argument("--jobs", type=int, default=1, help="classes measured at once (default 1)")
-    parser.add_argument("--timeout", type=float, default=90.0, help="seconds per class (inspect and plan)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per class (inspect and both plans)")
     parser.add_argument("--out", type=pathlib.Path, default=OUT)
     args = parser.parse_args()
     every = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -169,6 +178,10 @@ def main() -> None:
                 args.out.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
     counts = collections.Counter(row["status"] for row in table.values())
     print(f"\n{len(table)} classes: " + ", ".join(f"{s} {counts[s]}" for s in ("ok", "refused", "WRONG", "crash")))
+    served = collections.Counter(row["serving"]["status"] for row in table.values()
+                                 if row["status"] == "ok" and "serving" in row)
+    print(f"serving (plan --inference) of the {counts['ok']} that plan: "
+          + ", ".join(f"{s} {served[s]}" for s in ("ok", "refused", "crash")))
     for status in ("WRONG", "crash"):
         for model_type, row in sorted(table.items()):
             if row["status"] == status:

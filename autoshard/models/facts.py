@@ -644,3 +644,15 @@ def ssd_mixers(model) -> list:
                 all(isinstance(getattr(module, a, None), int) for a in _SSD_ATTRS):
             out.append((path, module))
     return out
+
+
+def cache_layer_bytes(layer) -> int:
+    """Bytes of every tensor one layer of a HF cache holds (K/V, conv and SSM states, once filled)."""
+    import torch
+
+    total = 0
+    for value in vars(layer).values():
+        tensors = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else (value,)
+        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return total
+

@@ -344,6 +344,35 @@ _OUTPUTS = ("o_proj", "out_proj")  # an attention's output projection, by HF's n
 _MLA = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # DeepSeek's multi-head latent attention (q_proj or q_a / q_b)
 
 
+# the parts whose mixer keeps a recurrent state per sequence that no spec number prices (a Mamba-2 mixer's is priced
+# by its heads, state and conv: ModelSpec.mixer_spec): its bytes measured on HF's own cache (`recurrent_state_bytes`)
+STATE_PARTS = ("mamba1", "delta", "short_conv")
+
+
+def recurrent_state_bytes(model: nn.Module) -> dict[int, int]:
+    """{layer index: bytes one sequence's cache keeps for that layer whatever its length}: a recurrent mixer's conv
+    and scan state, read off HF's own cache after a bf16 forward of a copy of `model` on the meta device at 4 and 8
+    tokens (what grows with the tokens, attention's K and V, cancels: 2 x bytes(4) - bytes(8)); {} where that forward
+    or cache cannot be read (serving then refuses the layer by name)."""
+    import copy
+
+    import torch
+
+    from autoshard.models.facts import cache_layer_bytes
+
+    sizes = []
+    try:
+        with torch.device("meta"):
+            twin = type(model)(copy.deepcopy(model.config)).to(torch.bfloat16)
+        for tokens in (4, 8):
+            out = twin(torch.zeros(1, tokens, dtype=torch.long, device="meta"), use_cache=True)
+            cache = getattr(out, "past_key_values", None)
+            sizes.append([cache_layer_bytes(layer) for layer in cache.layers])
+    except Exception:  # a forward or cache this reading does not know: nothing measured
+        return {}
+    return {i: 2 * a - b for i, (a, b) in enumerate(zip(*sizes)) if 2 * a - b > 0}
+
+
 def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
     """(parts, why): a hybrid's layers read as their parts (`model_spec.LayerPart`: attention, DeepSeek's latent
     attention, a Mamba-2 or Mamba-1 mixer, a gated DeltaNet, a short convolution, each found by its pattern, a gated
@@ -389,6 +418,9 @@ def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
     parts = [LayerPart(kind=k, path=p, layers=tuple(ix), sizes=s, names=n, attrs=a, buffers=b,
                        params=q[0] if q else (), gates=q[1] if len(q) > 1 else (), linears=q[2] if len(q) > 2 else ())
              for (k, p, s, n, a, b, *q), ix in sorted(found.items(), key=lambda item: order.index(item[0][0]))]
+    held = recurrent_state_bytes(model) if any(p.kind in STATE_PARTS for p in parts) else {}
+    parts = [replace(p, sizes=p.sizes + (("state_bytes", max(held[i] for i in p.layers)),))
+             if p.kind in STATE_PARTS and all(i in held for i in p.layers) else p for p in parts]
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     paths = {id(m): p for p, m in model.named_modules()}
     norm = _final_norm(model.get_submodule(base) if base else model, layers)

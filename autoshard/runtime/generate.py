@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import NON_NEGATIVE_INT
 from autoshard.model_spec import Mixer, ModelSpec
+from autoshard.models.facts import cache_layer_bytes
 from autoshard.models.presets import max_positions, position_violation
 from autoshard.runtime.comm import gather_last_dim
 from autoshard.runtime.stages import OwnForwardStage, StageModule, attention_masks
@@ -134,10 +135,3 @@ class Generator:
                 "position_embeddings": stage.rotary_emb(hidden, position_ids=position_ids)}
 
 
-def cache_layer_bytes(layer) -> int:
-    """Bytes of every tensor one layer of a HF cache holds (K/V, conv and SSM states, once filled)."""
-    total = 0
-    for value in vars(layer).values():
-        tensors = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else (value,)
-        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
-    return total

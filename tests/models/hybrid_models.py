@@ -83,5 +83,5 @@ _TINY = {
 bamba_tiny, nemotron_h_tiny, granitemoehybrid_tiny, falcon_h1_tiny, jamba_tiny, zamba2_tiny, deepseek_v3_tiny = (
     functools.partial(build, t) for t in ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "jamba", "zamba2",
                                           "deepseek_v3"))
-qwen3_next_tiny = functools.partial(build, "qwen3_next")
+qwen3_next_tiny, lfm2_tiny = functools.partial(build, "qwen3_next"), functools.partial(build, "lfm2")
 gemma4_tiny = functools.partial(build, "gemma4_text")

@@ -76,7 +76,7 @@ def _check_generate() -> None:
 
     import torch
 
-    from autoshard.runtime.generate import cache_layer_bytes
+    from autoshard.models.facts import cache_layer_bytes
     from tests.runtime.families import check_generate
 
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))

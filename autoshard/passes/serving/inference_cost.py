@@ -9,6 +9,7 @@ The whole contract: docs/modules/serving.md (passes/serving/inference_cost.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -148,10 +149,18 @@ class InferenceTable:
     # `ct.layer_kinds`); the embedding and head are read from this table, the layers through `layer_tables` /
     # `stage_layer_tables`
     kinds: tuple = ()
+    # a recurrent mixer's state per sequence beside those (a gated DeltaNet's, a short convolution's, Mamba-1's: the
+    # part's measured `state_bytes`, models/layered.py `recurrent_state_bytes`) and what tp divides it by, per tp
+    state: tuple[float, Any] = (0.0, None)
 
     @property
     def spec(self) -> ModelSpec:
         return self.ct.spec
+
+    def state_bytes(self, tp: int) -> float:
+        """Bytes of one sequence's recurrent state (`state`) one tp rank holds for one layer of this kind."""
+        nbytes, divisor = self.state
+        return nbytes / divisor(tp) if nbytes else 0.0
 
 
 def compile_inference_table(table: CostTable | InferenceTable, spec: ModelSpec) -> InferenceTable:
@@ -179,7 +188,7 @@ def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec, layers: tuple[int, 
     of the SSD scan / conv1d, all of its ops) and the specs of those mixers (`stack`'s numbers for its `layers`,
     ModelSpec.mixer_spec)."""
     ssd = stack.mixer_spec(Mixer.SSD) is not None
-    core, skip, lookup, paths, attn, mixers = {}, {}, {}, {}, sympy.Integer(0), ()
+    core, skip, lookup, paths, attn, mixers, state = {}, {}, {}, {}, sympy.Integer(0), (), (0.0, None)
     for block in blocks:
         nodes = priced_nodes(block)  # the nodes compile_table keeps, in its order
         lookup[block.kind] = np.array([n.target == "aten.embedding.default" for n in nodes], dtype=bool)
@@ -194,10 +203,10 @@ def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec, layers: tuple[int, 
                         if c and n.phase == "fwd" and n.module_path in attention), sympy.Integer(0))
             mixers = tuple(_mixer_spec(stack, m, block, layers) for m, held in ((Mixer.ATTENTION, attention), (Mixer.SSD, scans))
                            if held)
-            _check_state_priced(stack, block, fwd, ssd)
+            state = _recurrent_state(stack, block, fwd, ssd, layers)
         core[block.kind] = np.array(in_core, dtype=bool)
         skip[block.kind] = np.array([block.kind is BlockKind.HEAD and n.module_path == "" for n in nodes], dtype=bool)
-    return InferenceTable(ct=ct, core=core, skip=skip, lookup=lookup, paths=paths, mixers=mixers,
+    return InferenceTable(ct=ct, core=core, skip=skip, lookup=lookup, paths=paths, mixers=mixers, state=state,
                           attention_flops=sympy.lambdify((B, C), attn, modules=[np]))
 
 
@@ -210,16 +219,31 @@ def _mixer_spec(stack: ModelSpec, mixer: Mixer, block, layers: tuple[int, ...]) 
     return spec
 
 
-def _check_state_priced(stack: ModelSpec, block, fwd, ssd: bool) -> None:
-    """A layer whose sequence mixer keeps a state that serving does not price (a convolution over the sequence
-    that is no Mamba-2 SSD: Mamba-1's selective scan, short convolutions, gated DeltaNet) is refused by name."""
+def _recurrent_state(stack: ModelSpec, block, fwd, ssd: bool, layers: tuple[int, ...]) -> tuple[float, Any]:
+    """(bytes, tp divisor) of the recurrent state a layer's sequence mixer keeps beside attention's KV and Mamba-2's
+    state (a convolution over the sequence that is no Mamba-2 SSD: Mamba-1's selective scan, a short convolution, a
+    gated DeltaNet): its part's measured `state_bytes`, split over tp as its convolution's channels are
+    (`sharding.node_divisor` at the kind's own first layer); (0, None) for none; one with no measured state is
+    refused by name."""
     conv = next((n for n in fwd if "convolution" in n.target), None)
-    if conv is not None and not ssd:
+    if conv is None or ssd:
+        return 0.0, None
+    first = layers[0] if layers else 0
+    part = next((p for p in stack.parts if first in p.layers and dict(p.sizes).get("state_bytes")), None)
+    if part is None:
         raise InvalidConfigError(
             f"{stack.name}: {conv.module_path or block.name} mixes its sequence by a convolution that is no Mamba-2 "
-            "SSD (Mamba-1's selective scan, a short convolution, gated DeltaNet): serving prices the attention layers' "
-            "KV cache and the Mamba-2 layers' conv + SSM state only, not this layer's recurrent state; plan its "
-            "training, or serve a model whose mixers are attention and Mamba-2")
+            "SSD (Mamba-1's selective scan, a short convolution, gated DeltaNet) whose state per sequence could not "
+            "be read off HF's cache: serving prices the attention layers' KV cache, the Mamba-2 layers' conv + SSM "
+            "state and the measured state of a hybrid's Mamba-1, short-convolution and gated-DeltaNet layers; plan "
+            "its training")
+    prefix = sharding.layer_prefix(stack, 0)
+    path = sharding.layer_prefix(stack, first) + conv.module_path.removeprefix(prefix)
+    return float(dict(part.sizes)["state_bytes"]), functools.partial(_state_divisor, stack, path)
+
+
+def _state_divisor(stack: ModelSpec, path: str, tp: int) -> float:
+    return sharding.node_divisor(stack, BlockKind.LAYER, path, tp)
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,7 +347,8 @@ def layer_cache_bytes(it: InferenceTable, *, batch: int, tokens: int, tp: int, d
     """Bytes one device holds for one layer of the kind `it` prices: `cache_bytes_per_layer` of each sequence
     mixer the layer holds (a hybrid's attention layer its KV, its Mamba-2 layer its state, Falcon-H1's layer both;
     0 for a layer of per-token ops)."""
-    return sum(cache_bytes_per_layer(m, batch=batch, tokens=tokens, tp=tp, dtype_bytes=dtype_bytes) for m in it.mixers)
+    return sum(cache_bytes_per_layer(m, batch=batch, tokens=tokens, tp=tp, dtype_bytes=dtype_bytes)
+               for m in it.mixers) + batch * it.state_bytes(tp)
 
 
 def stage_cache_bytes(it: InferenceTable, stage: Stage, *, batch: int, tokens: int, tp: int,
@@ -343,7 +368,9 @@ def _conv_channels(spec: ModelSpec, tp: int) -> float:
 def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch: int, context: float) -> float:
     """One layer's sequence mixing for one decode step on one device (docs/modules/serving.md): each of the
     layer's sequence mixers (`it.mixers`) as its own kernel."""
-    return sum(_mixer_step_seconds(it, spec, hw, tp, batch=batch, context=context) for spec in it.mixers)
+    state = 2.0 * batch * it.state_bytes(tp)  # a recurrent mixer's state, read and written back each step
+    return sum(_mixer_step_seconds(it, spec, hw, tp, batch=batch, context=context) for spec in it.mixers) + \
+        state / (hw.hbm_bandwidth * hw.vector_efficiency)
 
 
 def _mixer_step_seconds(it: InferenceTable, spec: ModelSpec, hw: DeviceProfile, tp: int, *, batch: int,

@@ -15,7 +15,7 @@ from autoshard.commands.common import cost_table_for, model_for
 from autoshard.errors import InvalidConfigError
 from autoshard.model_spec import Mixer
 from autoshard.passes.serving import inference_cost as ic
-from autoshard.runtime.generate import cache_layer_bytes
+from autoshard.models.facts import cache_layer_bytes
 from tests.models.hybrid_models import build
 
 BATCH, PROMPT = 2, 20  # 20 tokens: more than the tiny chunk (16), the prefill scan spans two chunks
@@ -83,9 +83,34 @@ def test_decode_reads_the_kv_cache_of_attention_layers_and_a_constant_state_of_m
     assert est.decode.core == pytest.approx(want)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_next", "lfm2", "jamba"])
+def test_a_recurrent_state_beside_attention_is_priced_as_hf_caches_it(model_type):
+    """A gated DeltaNet's (Qwen3-Next), a short convolution's (LFM2) and Mamba-1's (Jamba) state per sequence, read
+    off HF's own cache when the spec is made (models/layered.py `recurrent_state_bytes`), priced beside the attention
+    layers' KV: every stage's bytes equal HF's after a prefill, half on each rank at tp 2 (the DeltaNet's key heads,
+    the convolutions' channels split as the sharding table splits them); the recurrent step reads and writes it,
+    whatever the context (serving refused these models before)."""
+    from autoshard.hardware import load_hardware
+
+    spec, it = _inference_table(model_type)
+    held = _hf_cache_per_layer(model_type)
+    kinds = [it.kinds[k] for k in it.ct.layer_kinds] if it.kinds else [it] * spec.layers
+    assert any(kind.state_bytes(1) > 0 for kind in kinds) and all(h > 0 for h in held)
+    for pp in (1, 2):
+        for stage in ic.stages_of(spec, pp):
+            priced = ic.stage_cache_bytes(it, stage, batch=BATCH, tokens=PROMPT, tp=1)
+            assert priced == sum(held[stage.first_layer:stage.end_layer]), f"{model_type} pp{pp} {stage}"
+    assert 2 * ic.stage_cache_bytes(it, ic.stages_of(spec, 1)[0], batch=BATCH, tokens=PROMPT, tp=2) == sum(held)
+    hw = load_hardware("h100")
+    recurrent = next(kind for kind in kinds if kind.state_bytes(1) and not kind.mixers)
+    steps = [ic.decode_core_seconds(recurrent, hw, 1, batch=64, context=c) for c in (1024, 65536)]
+    assert steps[0] == steps[1] > 0
+
+
 def test_a_layer_state_serving_does_not_price_is_refused_by_name():
     """A convolution over the sequence that is no Mamba-2 SSD (Mamba-1's selective scan, LFM2's short
-    convolutions) keeps a state the cost model does not price: refused, naming the module."""
+    convolutions) whose state could not be read off HF's cache (here: a table of no model) is refused, naming the
+    module."""
     import dataclasses
 
     from tests.passes.serving.test_inference_cost import LLAMA, toy_table
