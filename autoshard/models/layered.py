@@ -345,8 +345,9 @@ _MLA = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # DeepSeek's multi-head la
 
 
 # the parts whose mixer keeps a recurrent state per sequence that no spec number prices (a Mamba-2 mixer's is priced
-# by its heads, state and conv: ModelSpec.mixer_spec): its bytes measured on HF's own cache (`recurrent_state_bytes`)
-STATE_PARTS = ("mamba1", "delta", "short_conv")
+# by its heads, state and conv: ModelSpec.mixer_spec; "other": a mixer no rule reads, Kimi-Linear's delta attention):
+# its bytes measured on HF's own cache (`recurrent_state_bytes`)
+STATE_PARTS = ("mamba1", "delta", "short_conv", "other")
 
 
 def recurrent_state_bytes(model: nn.Module) -> dict[int, int]:

@@ -107,6 +107,26 @@ def test_a_recurrent_state_beside_attention_is_priced_as_hf_caches_it(model_type
     assert steps[0] == steps[1] > 0
 
 
+def kimi_linear_tiny():
+    from autoshard.models.tiny import build_tiny, tiny_config
+
+    return build_tiny(tiny_config("kimi_linear"))
+
+
+def test_a_mixer_no_rule_reads_keeps_its_measured_state():
+    """Kimi-Linear's delta attention is a part no tensor-parallel rule reads ("other": whole on every rank, tp
+    refused); its state per sequence is still HF's cache's, measured when the spec is made: priced equal to it."""
+    name = "tests.passes.serving.test_hybrid_cache:kimi_linear_tiny"
+    spec, module = model_for(name)
+    spec, table = cost_table_for(name, spinner=False, spec=spec, module=module)
+    it = ic.compile_inference_table(table, spec)
+    model = kimi_linear_tiny().to(torch.bfloat16)
+    ids = torch.randint(3, 200, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        held = sum(cache_layer_bytes(layer) for layer in model(ids, use_cache=True).past_key_values.layers)
+    assert ic.stage_cache_bytes(it, ic.stages_of(spec, 1)[0], batch=BATCH, tokens=PROMPT, tp=1) == held
+
+
 def test_a_layer_state_serving_does_not_price_is_refused_by_name():
     """A convolution over the sequence that is no Mamba-2 SSD (Mamba-1's selective scan, LFM2's short
     convolutions) whose state could not be read off HF's cache (here: a table of no model) is refused, naming the
