@@ -118,6 +118,7 @@ def per_layer_refusal(config, model) -> str | None:
                 "or split over pipeline stages yet; set num_kv_shared_layers to 0")
     return None
 
+
 # the count of dense layers a MoE stack starts with (DeepSeek's first_k_dense_replace, LFM2-MoE's num_dense_layers)
 DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers")
 
@@ -655,4 +656,3 @@ def cache_layer_bytes(layer) -> int:
         tensors = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else (value,)
         total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     return total
-

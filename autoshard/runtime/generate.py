@@ -133,5 +133,3 @@ class Generator:
                                 cache=cache, position_ids=position_ids)
         return {"attention_mask": masks, "position_ids": position_ids, "cache": cache, "use_cache": True,
                 "position_embeddings": stage.rotary_emb(hidden, position_ids=position_ids)}
-
-

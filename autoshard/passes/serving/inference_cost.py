@@ -235,8 +235,8 @@ def _recurrent_state(stack: ModelSpec, block, fwd, ssd: bool, layers: tuple[int,
             f"{stack.name}: {conv.module_path or block.name} mixes its sequence by a convolution that is no Mamba-2 "
             "SSD (Mamba-1's selective scan, a short convolution, gated DeltaNet) whose state per sequence could not "
             "be read off HF's cache: serving prices the attention layers' KV cache, the Mamba-2 layers' conv + SSM "
-            "state and the measured state of a hybrid's Mamba-1, short-convolution and gated-DeltaNet layers; plan "
-            "its training")
+            "state and the measured state of a hybrid's other recurrent layers (Mamba-1, short convolutions, gated "
+            "DeltaNet); plan its training")
     prefix = sharding.layer_prefix(stack, 0)
     path = sharding.layer_prefix(stack, first) + conv.module_path.removeprefix(prefix)
     return float(dict(part.sizes)["state_bytes"]), functools.partial(_state_divisor, stack, path)
@@ -346,7 +346,7 @@ def cache_bytes_per_layer(spec: ModelSpec, *, batch: int, tokens: int, tp: int,
 def layer_cache_bytes(it: InferenceTable, *, batch: int, tokens: int, tp: int, dtype_bytes: float = KV_BYTES) -> float:
     """Bytes one device holds for one layer of the kind `it` prices: `cache_bytes_per_layer` of each sequence
     mixer the layer holds (a hybrid's attention layer its KV, its Mamba-2 layer its state, Falcon-H1's layer both;
-    0 for a layer of per-token ops)."""
+    0 for a layer of per-token ops), plus a recurrent mixer's measured state (`InferenceTable.state_bytes`)."""
     return sum(cache_bytes_per_layer(m, batch=batch, tokens=tokens, tp=tp, dtype_bytes=dtype_bytes)
                for m in it.mixers) + batch * it.state_bytes(tp)
 
@@ -367,7 +367,7 @@ def _conv_channels(spec: ModelSpec, tp: int) -> float:
 
 def decode_core_seconds(it: InferenceTable, hw: DeviceProfile, tp: int, *, batch: int, context: float) -> float:
     """One layer's sequence mixing for one decode step on one device (docs/modules/serving.md): each of the
-    layer's sequence mixers (`it.mixers`) as its own kernel."""
+    layer's sequence mixers (`it.mixers`) as its own kernel, and a recurrent mixer's state read and written once."""
     state = 2.0 * batch * it.state_bytes(tp)  # a recurrent mixer's state, read and written back each step
     return sum(_mixer_step_seconds(it, spec, hw, tp, batch=batch, context=context) for spec in it.mixers) + \
         state / (hw.hbm_bandwidth * hw.vector_efficiency)
