@@ -213,7 +213,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         return ModelSpec(mixer=Mixer.SSD, state=value("state"), expand=value("expand", 2),
                          head_dim=value("head_dim"), heads=value("heads"), groups=value("groups", 1),
                          conv=value("conv"), chunk=value("chunk", 256), **common)
-    from autoshard.models.layered import hybrid_refusals
+    from autoshard.models.layered import hybrid_refusals, layer_parts
     from autoshard.passes.capture.layer_kinds import find_layer_stack
 
     stack = find_layer_stack(model)  # walked once, passed on
@@ -230,7 +230,8 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
             f"{name}: {mixer}: a sequence mixer autoshard has no rule for (neither a module calling HF's attention "
             "interface nor the Mamba-2 SSD scan), so no axis can be priced or run for it; autoshard plans decoders "
             "whose layers mix tokens by attention or SSD (mixed stacks may hold other mixers: dp and pp)")
-    hybrid = hybrid_refusals(model, stack)  # None: one repeated kind of attention layer
+    parts = layer_parts(model, stack) if stack is not None else None  # read once (its recurrent states measured)
+    hybrid = hybrid_refusals(model, stack, parts)  # None: one repeated kind of attention layer
     if hybrid is None:
         _check_layers_alike(model, facts, name=name)
     heads = value("heads")
@@ -259,12 +260,12 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                             model.get_submodule(facts.layers_path)[0])
     spec = replace(spec, **kv_latent(model, config))  # MLA's compressed KV cache (DeepSeek)
     if hybrid is not None:  # Mamba-2 mixers beside attention (Falcon-H1): their state, priced in serving; its
-        from autoshard.models.layered import beside_facts, layer_parts  # table from its layers' parts, its experts
+        from autoshard.models.layered import beside_facts  # table from its layers' parts, its experts
 
         spec = replace(spec, **beside_facts(model, config, Mixer.ATTENTION))
         if not spec.is_moe:  # those of its MoE layers (models/layered.py)
             spec = stack_experts(spec, model, stack, config)
-        spec = replace(spec, parts=layer_parts(model, stack)[0])
+        spec = replace(spec, parts=parts[0])
     # the table proven on the model's own graph (a hybrid refuses tp by its own rule: nothing to prove)
     # where HF declares no tp plan, the Megatron pairs found on the graph (passes/capture/tp_proposal.py) are the table
     # where HF's declared plan gathers (colwise_gather_output / rowwise_split_input), the declared layout is the table
