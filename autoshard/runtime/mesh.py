@@ -12,7 +12,9 @@ The whole contract: docs/modules/runtime.md (runtime/mesh.py).
 from __future__ import annotations
 
 import atexit
+import gc
 import itertools
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -141,6 +143,7 @@ def init_default_group(*, backend: str, env: dict[str, str], device: torch.devic
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     if world == 1 and env.get("MASTER_PORT", "0") == "0":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        _OWN_WORLD.append(weakref.ref(dist.group.WORLD))
         return
     store = None
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # the agent hosts the store: a client, per attempt
@@ -149,12 +152,28 @@ def init_default_group(*, backend: str, env: dict[str, str], device: torch.devic
     kwargs = dict(store=store) if store is not None else dict(init_method="env://")
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                             device_id=device if device.type != "cpu" else None, **kwargs)
+    _OWN_WORLD.append(weakref.ref(dist.group.WORLD))
 
 
 _MADE: dict[tuple, object] = {}  # (default group, ranks, backend, timeout) -> the group `process_group` made
-# let go of them before the interpreter's teardown: a gloo group freed there, after destroy_process_group, can
-# abort the process at exit ("terminate called without an active exception", once in a CI run of an example)
-atexit.register(_MADE.clear)
+_OWN_WORLD: list = []  # weak references to the default groups `init_default_group` made (`_release_groups`)
+
+
+def _release_groups() -> None:
+    """At exit, before the interpreter's teardown: destroy the default group autoshard made and free every group.
+    A gloo worker thread drops a finished collective's work (and the Python tensors it holds) just after the
+    caller's wait returns; doing that during the teardown kills the thread inside a destructor and aborts the
+    process ("terminate called without an active exception", gdb: ~AsyncAllgatherWork taking the GIL in
+    Py_FinalizeEx; about 1 run in 20 of examples/train_llama.py under torchrun). Freed here, with the
+    interpreter whole, a group's destructor releases the GIL and joins its threads once their work is done."""
+    _MADE.clear()
+    if _OWN_WORLD and dist.is_initialized() and dist.group.WORLD is _OWN_WORLD[-1]():
+        dist.destroy_process_group()
+    _OWN_WORLD.clear()
+    gc.collect()
+
+
+atexit.register(_release_groups)
 
 
 def process_group(ranks, *, backend: str | None = None, timeout_s: float | None = None):
