@@ -105,6 +105,9 @@ class ModelSpec:
     # the MoE layout, read off the module tree (models/facts.py `_moe_modules`): (router, routed experts, shared
     # expert or "", *the shared expert's linears and the block's one-output gate), paths inside a layer
     moe_paths: tuple[str, ...] = _fact(())
+    # the layer's own residual-stream norms where they are not LLaMA's two (models/facts.py `residual_norms`): the
+    # table's `sequence` roles, replicated, on the sequence shard under sequence parallelism (rules/sharding.py)
+    sequence_norms: tuple[str, ...] = _fact(())
     # a hybrid's second sequence mixer (models/layered.py `beside_facts`), for the KV cache / SSM state its layers
     # hold in serving: the attention layers of a stack read as SSD (Bamba, Nemotron-H: heads, kv_heads, head_dim),
     # or the Mamba-2 mixers beside attention (Falcon-H1: heads, head_dim, state, groups, conv, expand)

@@ -278,6 +278,12 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     pairs, proof, untraced = _tp_proof(spec, model, propose=not (any(".*." in p for p, _ in facts.tp_plan) or spec.is_moe),
                                        declared=outside if as_declared else ()) if hybrid is None else ((), None, None)
     spec = replace(spec, tp_pairs=pairs)
+    if not spec.parts:  # the layer's residual-stream norms, where they are not the table's (LLaMA's two)
+        from autoshard.rules.sharding import table
+
+        held = {r.path for r in table(spec) if r.block is BlockKind.LAYER and r.sequence}
+        if facts.residual_norms and set(facts.residual_norms) != held:
+            spec = replace(spec, sequence_norms=facts.residual_norms)
     if proof is not None:
         spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)
     from autoshard.models.verdicts import failed_axes
@@ -411,18 +417,43 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
         out.append(("cp", reader))
     if facts.own_forward:  # what the stages of its own forward cannot place
         out.extend(_unplaced_refusal(model))
-    extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles]
-    # one KV head's projections run on the gathered sequence like any split linear: their tp sum is no hindrance
-    one_kv = {r.path for r in sharding.table(spec) if sharding.one_kv_head(spec, r)}
-    summed = tuple(p for p in spec.grad_sum if p not in one_kv)
-    if not spec.is_moe and (extra or facts.own_forward or summed):
-        what = f"layers.*.{extra[0]} has no sequence-parallel rule" if extra else (
-            "the model's own forward around its layers (embedding scale, logit scaling / softcap, rotary per layer "
-            "type, per-head parameters) is not run on a sequence shard" if facts.own_forward or spec.head_params
-            else f"replicated parameters with gradients summed over tp "
-                 f"({', '.join(f'layers.*.{p}' for p in summed)})")
-        out.append(("sequence_parallel", f"{what}; set sequence_parallel to false"))
+    why = _sequence_refusal(spec, facts, roles)
+    if why and not spec.is_moe:
+        out.append(("sequence_parallel", f"{why}; set sequence_parallel to false"))
     return tuple(out)
+
+
+def _sequence_refusal(spec: ModelSpec, facts, roles: tuple[str, ...]) -> str:
+    """Why sequence parallelism cannot run this attention model's layers, or "". It runs each layer's own ops (the
+    residual adds, the norms of `sequence` roles) on a tp shard of the sequence, which each region (attention, MLP)
+    gathers at its input and each row-parallel linear reduce-scatters at its output: so every layer parameter needs a
+    role, every column-parallel linear a region around it, and a replicated parameter whose gradient is summed over
+    tp (Qwen3's q/k norms) a region too (there it reads the gathered sequence, as without sequence parallelism)."""
+    from autoshard.rules import sharding
+
+    layer = [r for r in sharding.table(spec) if r.block is BlockKind.LAYER]
+    regions = tuple(f"{r.path}." for r in layer if r.strategy is sharding.Strategy.REGION)
+    extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles]
+    open_cols = [r.path for r in layer if r.strategy is sharding.Strategy.COLWISE and not r.path.startswith(regions)]
+    # one KV head's projections run on the gathered sequence like any split linear: their tp sum is no hindrance
+    one_kv = {r.path for r in layer if sharding.one_kv_head(spec, r)}
+    summed = [p for p in spec.grad_sum if p not in one_kv and not p.startswith(regions)]
+    if extra:
+        return f"layers.*.{extra[0]} has no sequence-parallel rule"
+    if facts.own_forward or spec.head_params:
+        return ("the model's own forward around its layers (embedding scale, logit scaling / softcap, rotary per "
+                "layer type, per-head parameters) is not run on a sequence shard")
+    if spec.window_layers:  # a causal mask alone HF leaves to SDPA; a window's mask it builds, for the shard's length
+        return (f"{spec.window_layers} of its layers attend within a sliding window ({spec.sliding_window} tokens), "
+                "whose mask HF builds from the embedding's output, a 1/tp shard of the sequence under sequence "
+                "parallelism")
+    if open_cols:
+        return (f"layers.*.{open_cols[0]} splits its output over tp with no region around it to gather the sequence "
+                "shard at its input (HF's gathered layout or a linear beside the layer's own ops)")
+    if summed:
+        return (f"replicated parameters with gradients summed over tp outside any region "
+                f"({', '.join(f'layers.*.{p}' for p in summed)})")
+    return ""
 
 
 def _foreign(spec: ModelSpec, plan: tuple[tuple[str, str], ...]) -> str:

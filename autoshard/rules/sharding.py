@@ -199,6 +199,9 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
         if role.block is BlockKind.HEAD and role.strategy is Strategy.VOCAB and not spec.embedding_plain and spec.tied:
             role = replace(role, strategy=Strategy.REPLICATE)
         out.append(role)
+    if spec.sequence_norms:  # the layer's own norms (Apertus' attention_layernorm, GPT-J's ln_1), not LLaMA's
+        out = [r for r in out if not (r.block is BlockKind.LAYER and r.sequence)]
+        out += [Role(path, _L, Strategy.REPLICATE, sequence=True) for path in spec.sequence_norms]
     kept = {r.path for r in out if one_kv_head(spec, r)}  # summed as shared pieces already (passes/rewrite.py)
     out += [Role(path, _L, Strategy.REPLICATE, grad_sum=True) for path in spec.grad_sum if path not in kept]
     return tuple(out)
@@ -253,7 +256,7 @@ def proposed_table(pairs: tuple[tuple[str, str, str], ...]) -> tuple[Role, ...]:
     """The table of a layout read off the model (`ModelSpec.tp_pairs`: (path, strategy, piece length)): the
     Megatron pairs found on the graph of a model that declares no tp plan, or HF's declared plan where it
     gathers (colwise_gather_output / rowwise_split_input, passes/capture/tp_proposal.py `declared`), with LLaMA's embedding and head
-    roles around them; the layer's norms hold no role (replicated; no sequence-parallel rule). A gathered
+    roles around them; the layer's norms are `ModelSpec.sequence_norms`' roles (`_base_table`). A gathered
     linear splits its whole width (any column split gathers back exactly): tp must divide it; a packed one
     (`packed_colwise`, a fused [gate; up] the graph proves chunked) each of its pieces."""
     layer = []
@@ -447,11 +450,12 @@ def on_sequence_shard(spec: ModelSpec, kind: BlockKind, role: Role | None) -> bo
 
 
 def sequence_violation(spec: ModelSpec) -> str | None:
-    """Why `spec` has no sequence-parallel rule, or None (LLaMA and Mamba-2 dense models have one)."""
+    """Why `spec` has no sequence-parallel rule, or None (dense models have one; a model's own refusals are its
+    `refused` pairs, models/presets.py `_sequence_refusal`)."""
     if spec.is_moe:
         return (f"sequence_parallel: {spec.name} is a mixture of experts, whose router statistics and expert "
-                "gradients the sequence shard would split; sequence parallelism runs dense LLaMA and Mamba-2 "
-                "models: set sequence_parallel to false")
+                "gradients the sequence shard would split; sequence parallelism runs dense models: "
+                "set sequence_parallel to false")
     return None
 
 

@@ -166,6 +166,15 @@ UNSET = {"nemotron": _tiny("nemotron"), "dots1": _tiny("dots1"), "lfm2_moe": _ti
 # layers are the list beside the input embedding, the tower (never run on text) no gradient; pp refused by name
 WRAPPED = {"gemma3_wrapper": _tiny("gemma3")}
 WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
+# sequence parallelism on the layer's own residual norms (models/facts.py `residual_norms`, not LLaMA's two): Apertus'
+# attention_layernorm / feedforward_layernorm, StableLM's LayerNorms with biases, GPT-NeoX's parallel residual (both
+# regions gather the one shard), Qwen3's q/k norms (summed over tp inside the attention region, on the gathered
+# sequence); Mistral's 4-token window refused by name (HF builds its mask from the shard's length)
+SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_config("apertus")))),
+            "stablelm": NO_TP_PLAN["stablelm"], "gpt_neox": CLASSIC["gpt_neox"], "qwen3": DENSE["qwen3"],
+            "mistral": DENSE["mistral"]}
+SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)  # its first key names the refused axis
+SEQUENCE_REFUSED = {("mistral", "sequence_parallel"): "attend within a sliding window (4 tokens), whose mask HF builds"}
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
@@ -197,6 +206,7 @@ def check_families() -> None:
     check_axes(GEMMA4, lambda name: PLANS + ((dict(ep=2),) if name == "gemma4_moe" else ()), GEMMA4_REFUSED, sgd=True)
     check_axes(UNSET, lambda name: (dict(tp=2),) + ((dict(ep=2),) if name != "nemotron" else ()), {})
     check_axes(WRAPPED, lambda name: PLANS, WRAPPED_REFUSED)
+    check_axes(SEQUENCE, lambda name: (SEQUENCE_PLAN,), SEQUENCE_REFUSED)
     _check_unused_stay()
     _check_generate()
 
