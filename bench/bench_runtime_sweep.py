@@ -3,7 +3,7 @@
 `bench/bench_families.py` checks what a user's `inspect` and `plan` give; this runs what `parallelize` gives. For
 every model type the families sweep marks `ok` (or `--types`), a fresh process spawns two gloo ranks that build
 `exaggerated(tiny_config(model_type))` with dropout off and, for each plan of dp2, tp2, pp2 (2 micro-batches), cp2,
-dp2 with ZeRO-3 (FSDP2) and, for a mixture of experts, ep2, run `tests/runtime/equivalence.check_plan` (two AdamW
+dp2 with ZeRO-3 (FSDP2), tp2 with sequence parallelism and, for a mixture of experts, ep2, run `tests/runtime/equivalence.check_plan` (two AdamW
 steps: the loss, every gradient, the weights and the logits against one process). Each (class, plan) is one of:
 * `ok`: exact against one process;
 * `refused`: parallelize raised an autoshard error (its one line is the reason);
@@ -37,7 +37,8 @@ OUT = pathlib.Path(__file__).with_name("runtime_sweep.json")
 FAMILIES = pathlib.Path(__file__).with_name("families_sweep.json")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLANS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2, micro_batch=2), "cp2": dict(cp=2),
-         "dp2zero3": dict(dp=2, zero=3)}  # FSDP2, a unit per block found by structure
+         "dp2zero3": dict(dp=2, zero=3),  # FSDP2, a unit per block found by structure
+         "tp2sp": dict(sequence_parallel=True, tp=2)}  # the layer's own norms on a sequence shard
 EP = {"ep2": dict(ep=2)}
 # --world 4: two axes at once (their groups, the stages' tp, the cp chunks' tp shards, FSDP2 on tp slices)
 PLANS4 = {"dp2tp2": dict(dp=2, tp=2), "tp2pp2": dict(tp=2, pp=2, micro_batch=2), "tp2cp2": dict(tp=2, cp=2),
