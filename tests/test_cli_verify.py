@@ -48,3 +48,27 @@ def test_a_failed_verdict_is_refused_by_plan_rules(tmp_path, monkeypatch):
 def test_bad_axes_are_named(capsys):
     assert main(["verify", "--model", "llama-tiny", "--axes", "dp,xp"]) == 2
     assert "--axes 'dp,xp': expected a comma-separated list of dp, tp, pp, cp, ep" in capsys.readouterr().err
+
+
+def qwen3():  # q/k norms summed over tp inside the attention region, the layer's norms on the sequence shard
+    from autoshard.models.tiny import build_tiny, tiny_config
+
+    return build_tiny(tiny_config("qwen3"))
+
+
+def test_verify_proves_sequence_parallelism_and_a_failed_verdict_refuses_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AUTOSHARD_CACHE_DIR", str(tmp_path))
+    assert main(["verify", "--model", "tests.test_cli_verify:qwen3", "--axes", "sequence_parallel"]) == 0
+    assert "tp=2 sequence_parallel  exact" in capsys.readouterr().out
+    from transformers import Qwen3ForCausalLM
+
+    from autoshard.models import verdicts
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.rules.validity import refusal
+
+    assert verdicts.load(Qwen3ForCausalLM) == {"sequence_parallel": ("exact", "")}
+    model = qwen3()
+    assert refusal(spec_from_hf_config(model.config, name="q", model=model), "sequence_parallel") is None
+    verdicts.store(Qwen3ForCausalLM, {"sequence_parallel": ("failed", "gradient x differs")})
+    why = refusal(spec_from_hf_config(model.config, name="q", model=model), "sequence_parallel")
+    assert why.startswith("sequence_parallel is refused for q: autoshard verify found it not exact")

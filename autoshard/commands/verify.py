@@ -3,7 +3,7 @@
 A tiny config of the same class (models/tiny.py: one layer of each layer type, multipliers and
 softcaps exaggerated so a dropped op shows, dropout off: a split run draws other masks than one
 process) is trained for two SGD steps on `--ranks` gloo processes under every axis the planner
-may choose (dp, tp, pp, cp; ep for a MoE model), each rank against one process it runs itself: the
+may choose (dp, tp, pp, cp; ep for a MoE model; tp with sequence_parallel), each rank against one process: the
 loss of every step, every gradient and every weight after the steps must agree (rtol 1e-4, atol
 1e-5; SGD, whose step is linear in the gradient: why not AdamW, docs/decoders.md). The table says per
 axis: exact, refused (the model's facts refuse it, with why: models/facts.py), failed (what differed)
@@ -18,7 +18,7 @@ import json
 import os
 import tempfile
 
-AXES = ("dp", "tp", "pp", "cp", "ep")
+AXES = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel")
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
@@ -27,8 +27,8 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("verify", help="prove a model class exact on gloo under every axis, against one process",
                        description="Train a tiny model of the same class as --model (one layer of each kind, "
-                       "exaggerated multipliers / softcaps) on --ranks gloo processes under dp, tp, pp, cp (and ep "
-                       "for a MoE model), each against one process: loss, every gradient and the weights after two "
+                       "exaggerated multipliers / softcaps) on --ranks gloo processes under dp, tp, pp, cp (ep "
+                       "for a MoE model, and tp with sequence_parallel), each against one process: loss, every gradient and the weights after two "
                        "SGD steps. Prints axis -> exact / refused / failed / error; the verdict is cached per "
                        "model class and transformers version, and plan / sweep / parallelize then leave out an "
                        "axis that failed.")
@@ -64,7 +64,8 @@ def run(args) -> int:
     else:
         print(f"{type(model).__name__} ({args.model}), tiny config on {args.ranks} gloo ranks vs one process:")
         for axis, (status, detail) in results.items():
-            print(f"  {axis}={args.ranks}  {status}" + (f": {detail}" if detail else ""))
+            where = f"tp={args.ranks} sequence_parallel" if axis == "sequence_parallel" else f"{axis}={args.ranks}"
+            print(f"  {where}  {status}" + (f": {detail}" if detail else ""))
     return 1 if any(s in verdicts.FAILED for s, _ in results.values()) else 0
 
 
@@ -101,10 +102,13 @@ def _verdict(config, axis: str, ranks: int) -> tuple[str, str]:
 
     try:
         source = _Source(config)
-        why = refusal(source.spec, axis)
+        sequence = axis == "sequence_parallel"  # on tp's ranks: refused where tp is
+        why = refusal(source.spec, "tp") if sequence else None
+        why = why or refusal(source.spec, axis)
         if why:
             return "refused", why.split(": ", 1)[1]
-        plan = {axis: ranks, **({"micro_batch": 2} if axis == "pp" else {})}
+        plan = {"tp": ranks, "sequence_parallel": True} if sequence else \
+            {axis: ranks, **({"micro_batch": 2} if axis == "pp" else {})}
         diff = _compare(source, plan)
         return ("exact", "") if diff is None else ("failed", diff)
     except AutoshardError as e:

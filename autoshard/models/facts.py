@@ -158,8 +158,8 @@ class ModelFacts:
     final_softcap: float = 0.0
     logit_scale: float = 1.0  # what ForCausalLM multiplies the logits by (Cohere logit_scale, 1/Granite logits_scaling)
     embedding_multiplier: float = 1.0  # Granite's, applied in the base forward after the embedding
-    # the layer's own norms on the residual stream (direct children, every layer alike: "input_layernorm", "ln_1"),
-    # per-token, so sequence parallelism runs them on a sequence shard (`residual_norms`)
+    # the layer's own norms on the residual stream (leaf children holding hidden-wide vectors, every layer alike:
+    # "input_layernorm", "ln_1"), per token, so sequence parallelism runs them on a sequence shard (`residual_norms`)
     residual_norms: tuple[str, ...] = ()
     own_forward: bool = False  # the model's own forward does something around the layers the stage builder
     #                            of a plain LLaMA stack would drop: pipeline stages run the model's own forward
@@ -202,19 +202,19 @@ def read_facts(config, model) -> ModelFacts:
         attn_softcap=float(config_value(config, "attn_softcap", 0.0) or 0.0),
         final_softcap=float(config_value(config, "final_softcap", 0.0) or 0.0), logit_scale=logit_scale,
         embedding_multiplier=float(getattr(config, "embedding_multiplier", None) or 1.0))
-    facts["residual_norms"] = residual_norms(layers) if layers is not None else ()
+    facts["residual_norms"] = residual_norms(layers, config_value(config, "hidden", 0)) if layers is not None else ()
     facts["own_forward"] = mixer == "attention" and (_needs_own_forward(facts, config) or not _llama_stack(model, found))
     return ModelFacts(**facts)
 
 
-def residual_norms(layers) -> tuple[str, ...]:
-    """The norm modules every layer holds as its direct children (a class named ...Norm, every parameter a vector:
-    RMSNorm's weight, LayerNorm's weight and bias): per-token ops on the residual stream. () where the layers differ
-    in them (a hybrid's kinds)."""
+def residual_norms(layers, hidden: int) -> tuple[str, ...]:
+    """The layer's direct children that are leaf modules holding only vectors of the hidden width (RMSNorm's
+    weight, LayerNorm's weight and bias; found by structure, not by class name): per-channel ops on the residual
+    stream, each token on its own. () where the layers differ in them (a hybrid's kinds)."""
     def norms(layer) -> tuple[str, ...]:
         return tuple(name for name, child in layer.named_children()
-                     if "norm" in type(child).__name__.lower() and any(True for _ in child.parameters())
-                     and all(p.dim() == 1 for p in child.parameters()))
+                     if next(child.children(), None) is None and next(child.parameters(), None) is not None
+                     and all(p.shape == (hidden,) for p in child.parameters()))
 
     found = {norms(layer) for layer in layers}
     return found.pop() if len(found) == 1 else ()
