@@ -28,10 +28,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="prove a model class exact on gloo under every axis, against one process",
                        description="Train a tiny model of the same class as --model (one layer of each kind, "
                        "exaggerated multipliers / softcaps) on --ranks gloo processes under dp, tp, pp, cp (ep "
-                       "for a MoE model, and tp with sequence_parallel), each against one process: loss, every gradient and the weights after two "
-                       "SGD steps. Prints axis -> exact / refused / failed / error; the verdict is cached per "
-                       "model class and transformers version, and plan / sweep / parallelize then leave out an "
-                       "axis that failed.")
+                       "for a MoE model, and tp with sequence_parallel), each against one process: loss, every "
+                       "gradient and the weights after two SGD steps. Prints axis -> exact / refused / failed / "
+                       "error; the verdict is cached per model class and transformers version, and plan / sweep / "
+                       "parallelize then leave out an axis that failed.")
     p.add_argument("--model", required=True, help="preset name or package.module:factory returning the model")
     p.add_argument("--ranks", type=positive_int, default=2, help="gloo processes (2-4; default 2)")
     p.add_argument("--axes", default=",".join(AXES),
