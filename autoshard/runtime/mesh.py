@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
+import sys
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -165,8 +166,11 @@ def _release_groups() -> None:
     caller's wait returns; doing that during the teardown kills the thread inside a destructor and aborts the
     process ("terminate called without an active exception", gdb: ~AsyncAllgatherWork taking the GIL in
     Py_FinalizeEx; about 1 run in 20 of examples/train_llama.py under torchrun). Freed here, with the
-    interpreter whole, a group's destructor releases the GIL and joins its threads once their work is done."""
+    interpreter whole, a group's destructor releases the GIL and joins its threads once their work is done.
+    Not after an uncaught exception: a collective of this rank still in flight would hold the exit until it ends."""
     _MADE.clear()
+    if getattr(sys, "last_exc", None) or getattr(sys, "last_value", None):  # failing: end now, as before
+        return
     if _OWN_WORLD and dist.is_initialized() and dist.group.WORLD is _OWN_WORLD[-1]():
         dist.destroy_process_group()
     _OWN_WORLD.clear()
