@@ -417,13 +417,13 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
         out.append(("cp", reader))
     if facts.own_forward:  # what the stages of its own forward cannot place
         out.extend(_unplaced_refusal(model))
-    why = _sequence_refusal(spec, facts, roles)
+    why = _sequence_refusal(spec, facts)
     if why and not spec.is_moe:
         out.append(("sequence_parallel", f"{why}; set sequence_parallel to false"))
     return tuple(out)
 
 
-def _sequence_refusal(spec: ModelSpec, facts, roles: tuple[str, ...]) -> str:
+def _sequence_refusal(spec: ModelSpec, facts) -> str:
     """Why sequence parallelism cannot run this attention model's layers, or "". It runs each layer's own ops (the
     residual adds, the norms of `sequence` roles) on a tp shard of the sequence, which each region (attention, MLP)
     gathers at its input and each row-parallel linear reduce-scatters at its output: so every layer parameter needs a
@@ -433,6 +433,7 @@ def _sequence_refusal(spec: ModelSpec, facts, roles: tuple[str, ...]) -> str:
 
     layer = [r for r in sharding.table(spec) if r.block is BlockKind.LAYER]
     regions = tuple(f"{r.path}." for r in layer if r.strategy is sharding.Strategy.REGION)
+    roles = {r.path for r in layer}
     extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles]
     open_cols = [r.path for r in layer if r.strategy is sharding.Strategy.COLWISE and not r.path.startswith(regions)]
     # one KV head's projections run on the gathered sequence like any split linear: their tp sum is no hindrance

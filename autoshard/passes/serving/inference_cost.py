@@ -239,11 +239,8 @@ def _recurrent_state(stack: ModelSpec, block, fwd, ssd: bool, layers: tuple[int,
             "DeltaNet); plan its training")
     prefix = sharding.layer_prefix(stack, 0)
     path = sharding.layer_prefix(stack, first) + conv.module_path.removeprefix(prefix)
-    return float(dict(part.sizes)["state_bytes"]), functools.partial(_state_divisor, stack, path)
-
-
-def _state_divisor(stack: ModelSpec, path: str, tp: int) -> float:
-    return sharding.node_divisor(stack, BlockKind.LAYER, path, tp)
+    divisor = functools.partial(sharding.node_divisor, stack, BlockKind.LAYER, path)  # of tp
+    return float(dict(part.sizes)["state_bytes"]), divisor
 
 
 # --------------------------------------------------------------------------------------------
