@@ -115,8 +115,6 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
         out = given()
         if schedule is not None:
             out = dataclasses.replace(out, schedule=schedule)
-        if out.sequence_parallel:
-            _check_sequence_attention(model)
         if not serving:  # generation asks for no router logits; it holds its prompts to the positions itself
             _check_router_aux(model, out)
             _check_positions(model, spec, out.seq_len)
@@ -182,19 +180,6 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                       expert_names=experts, expert_tp=expert_tp, fingerprint=fingerprint, full_shapes=full_shapes,
                       generate_only=serving)
     return DistributedModel(setup, optimizer=optimizer)
-
-
-def _check_sequence_attention(model: nn.Module) -> None:
-    """Sequence parallelism hands HF's LLaMA model 1/tp of the sequence between layers: its mask is
-    then sized for the shard, so the attention must build its own causal mask (sdpa's is_causal,
-    flash attention, the CP attention) rather than take HF's (eager, flex)."""
-    impl = getattr(model.config, "_attn_implementation", None)
-    from autoshard.models.facts import mixer_of
-
-    if impl in ("eager", "flex_attention") and mixer_of(model) == "attention":
-        raise InvalidConfigError(f"sequence_parallel with attn_implementation={impl!r}: HF would build the causal "
-                                 "mask for a 1/tp shard of the sequence; load the model with "
-                                 "attn_implementation='sdpa' (the default) or set sequence_parallel to false")
 
 
 def _check_positions(model: nn.Module, spec, seq_len: int) -> None:

@@ -444,10 +444,6 @@ def _sequence_refusal(spec: ModelSpec, facts) -> str:
     if facts.own_forward or spec.head_params:
         return ("the model's own forward around its layers (embedding scale, logit scaling / softcap, rotary per "
                 "layer type, per-head parameters) is not run on a sequence shard")
-    if spec.window_layers:  # a causal mask alone HF leaves to SDPA; a window's mask it builds, for the shard's length
-        return (f"{spec.window_layers} of its layers attend within a sliding window ({spec.sliding_window} tokens), "
-                "whose mask HF builds from the embedding's output, a 1/tp shard of the sequence under sequence "
-                "parallelism")
     if open_cols:
         return (f"layers.*.{open_cols[0]} splits its output over tp with no region around it to gather the sequence "
                 "shard at its input (HF's gathered layout or a linear beside the layer's own ops)")

@@ -25,6 +25,7 @@ from autoshard.runtime.expert_parallel import GradSyncs, load_balancing_loss, re
 from autoshard.runtime.loss import causal_lm_loss, count_tokens
 from autoshard.runtime.mesh import Groups, peer_lost
 from autoshard.runtime.precision import autocast
+from autoshard.runtime.stages import whole_sequence_mask
 from autoshard.runtime.tensor_parallel import partial_grad_reducer, sequence_parallel_off, shard_tensor, unshard
 from autoshard.runtime.zero3 import full_tensor
 
@@ -211,8 +212,10 @@ class DistributedModel:
         head (Granite's logits_scaling, Cohere's logit_scale, Gemma-2's final softcap) runs as in one
         process; under tp those are elementwise on this rank's vocab slice of the logits."""
         if self.plan.sequence_parallel and self._setup.spec.mixer is Mixer.ATTENTION and "position_ids" not in kwargs:
-            # HF would number the positions of the 1/tp shard it sees between layers
-            kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)[None]}
+            # HF would number the positions, and size the masks, of the 1/tp shard it sees between layers
+            dtype = self.model.get_input_embeddings().weight.dtype
+            kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)[None],
+                      "attention_mask": whole_sequence_mask(self.model.config, self._setup.spec.layers, ids, dtype)}
         if getattr(self.model.config, "output_router_logits", False) and torch.is_grad_enabled() and not self._zero3:
             kwargs = {**kwargs, "output_router_logits": True}
         out = self.model(input_ids=ids, use_cache=False, **kwargs)

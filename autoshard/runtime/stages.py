@@ -88,6 +88,22 @@ def attention_masks(config, layers, **mask_kwargs) -> dict[str, torch.Tensor | N
         config=config, layer_idx=index, **mask_kwargs) for kind, index in first.items()}
 
 
+def whole_sequence_mask(config, layers: int, ids: torch.Tensor, dtype: torch.dtype):
+    """The `attention_mask` a sequence-parallel forward hands HF's model for `ids` (b, s): HF would size its masks
+    by the embedding's output, 1/tp of the sequence, while each attention runs on the gathered whole. The masks of
+    the whole sequence as HF builds them (`attention_masks`; None where HF leaves it to the kernel: sdpa's causal
+    mask, flash, the CP attention): one per layer type as a dict (the forwards of a config with alternating
+    layer_types take one), or the one mask of layers that share a type (Mistral's window)."""
+    b, s = ids.shape
+    masks = attention_masks(config, range(layers), inputs_embeds=torch.empty(b, s, 1, dtype=dtype, device=ids.device),
+                            attention_mask=None, cache=None, position_ids=torch.arange(s, device=ids.device)[None])
+    other = sorted(set(masks) - {"full_attention", "sliding_attention"})
+    if other:
+        raise InvalidConfigError(f"sequence_parallel: layers of type {other[0]!r} take a mask autoshard does not "
+                                 "build for the whole sequence; set sequence_parallel to false")
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
 def layer_type(config, index: int) -> str:
     """The attention type of layer `index` (a key of `attention_masks`): the config's layer_types
     (Qwen2-MoE), else sliding for every layer when the config has a window (Mixtral), else full."""

@@ -10,6 +10,15 @@ from autoshard.models.tiny import exaggerated, tiny_config, without_dropout
 from tests.runtime.equivalence import Tiny
 
 
+class EagerTiny(Tiny):
+    """A tiny model run with HF's eager attention: the causal mask HF builds, where sdpa takes a causal flag."""
+
+    def build(self):
+        model = super().build()
+        model.set_attn_implementation("eager")
+        return model
+
+
 def _tiny(model_type: str, **overrides) -> Tiny:
     return Tiny(f"{model_type}-tiny", exaggerated(tiny_config(model_type, **overrides)))
 
@@ -169,12 +178,14 @@ WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
 # sequence parallelism on the layer's own residual norms (models/facts.py `residual_norms`, not LLaMA's two): Apertus'
 # attention_layernorm / feedforward_layernorm, StableLM's LayerNorms with biases, GPT-NeoX's parallel residual (both
 # regions gather the one shard), Qwen3's q/k norms (summed over tp inside the attention region, on the gathered
-# sequence); Mistral's 4-token window refused by name (HF builds its mask from the shard's length)
+# sequence); the masks HF builds, for the whole sequence (runtime/stages.py `whole_sequence_mask`): Mistral's 4-token
+# window in every layer, Ministral's (its layer_types), LLaMA under eager attention
 SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_config("apertus")))),
             "stablelm": NO_TP_PLAN["stablelm"], "gpt_neox": CLASSIC["gpt_neox"], "qwen3": DENSE["qwen3"],
-            "mistral": DENSE["mistral"]}
-SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)  # its first key names the refused axis
-SEQUENCE_REFUSED = {("mistral", "sequence_parallel"): "attend within a sliding window (4 tokens), whose mask HF builds"}
+            "mistral": DENSE["mistral"],
+            "ministral": _tiny("ministral"),
+            "llama_eager": EagerTiny("llama-tiny", exaggerated(tiny_config("llama")))}
+SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
@@ -206,7 +217,7 @@ def check_families() -> None:
     check_axes(GEMMA4, lambda name: PLANS + ((dict(ep=2),) if name == "gemma4_moe" else ()), GEMMA4_REFUSED, sgd=True)
     check_axes(UNSET, lambda name: (dict(tp=2),) + ((dict(ep=2),) if name != "nemotron" else ()), {})
     check_axes(WRAPPED, lambda name: PLANS, WRAPPED_REFUSED)
-    check_axes(SEQUENCE, lambda name: (SEQUENCE_PLAN,), SEQUENCE_REFUSED)
+    check_axes(SEQUENCE, lambda name: (SEQUENCE_PLAN,), {})
     _check_unused_stay()
     _check_generate()
 
