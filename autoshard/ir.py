@@ -186,6 +186,8 @@ class ShardProgram:
     sequence_grads: tuple[str, ...] = ()  # under it: parameters whose gradients are summed over tp
     gather_outputs: tuple[str, ...] = ()  # colwise linears entering tp themselves, their output all-gathered whole
     split_inputs: tuple[str, ...] = ()  # row-parallel linears (in `rowwise`) slicing their whole input first
+    sequence_splits: tuple[str, ...] = ()  # under it: a replicated embedding, its output cut to this rank's shard
+    sequence_gathers: tuple[str, ...] = ()  # under it: a replicated LM head, its input gathered from the shards
 
     def placement(self, name: str) -> Placement:
         return dict(self.placements)[name]

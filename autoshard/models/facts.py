@@ -163,6 +163,8 @@ class ModelFacts:
     residual_norms: tuple[str, ...] = ()
     own_forward: bool = False  # the model's own forward does something around the layers the stage builder
     #                            of a plain LLaMA stack would drop: pipeline stages run the model's own forward
+    plain_stack: bool = True  # its base holds only the input embedding, the layers, one final norm and a rotary
+    #                           embedding (`_bare_stack`): no learned positions or projections beside the layers
 
 
 def read_facts(config, model) -> ModelFacts:
@@ -203,6 +205,7 @@ def read_facts(config, model) -> ModelFacts:
         final_softcap=float(config_value(config, "final_softcap", 0.0) or 0.0), logit_scale=logit_scale,
         embedding_multiplier=float(getattr(config, "embedding_multiplier", None) or 1.0))
     facts["residual_norms"] = residual_norms(layers, config_value(config, "hidden", 0)) if layers is not None else ()
+    facts["plain_stack"] = _bare_stack(model, found)
     facts["own_forward"] = mixer == "attention" and (_needs_own_forward(facts, config) or not _llama_stack(model, found))
     return ModelFacts(**facts)
 
@@ -337,18 +340,26 @@ def beside_layers(model) -> tuple[list, str]:
 
 def _llama_stack(model, found) -> bool:
     """Whether the base model is a plain LLaMA stack, what the LLaMA stage builder (runtime/stages.py) calls layer
-    by layer: its `layers` list, a rotary embedding it hands every layer, and no parameters beside the input
-    embedding, the layers and one final norm. Other stacks (GPT-2's learned positions, OPT's projections, Falcon's
-    per-layer alibi or rotary) keep the model's own forward (`own_forward`)."""
+    by layer: a bare stack (`_bare_stack`) whose rotary embedding the builder can call as the model does."""
     if found is None:
         return True  # no layers: nothing to stage
+    return _bare_stack(model, found) and _rotary_plain(model.get_submodule(found[0].rpartition(".")[0]).rotary_emb)
+
+
+def _bare_stack(model, found) -> bool:
+    """Whether the base model holds only its `layers` list, a rotary embedding it hands every layer, the input
+    embedding and at most one more module with parameters (the final norm), and builds no mask of its own. Other
+    stacks (GPT-2's learned positions, OPT's projections, Falcon's per-layer alibi) keep the model's own forward
+    (`own_forward`), and their positions or projections beside the layers see the whole sequence."""
+    if found is None:
+        return True
     path, layers = found
     base = model.get_submodule(path.rpartition(".")[0])
     if not hasattr(base, "rotary_emb"):
         return False
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     held = [m for _, m in base.named_children() if m is not layers and m is not embed and any(True for _ in m.parameters())]
-    return len(held) <= 1 and not _own_mask(base) and _rotary_plain(base.rotary_emb)
+    return len(held) <= 1 and not _own_mask(base)
 
 
 def _rotary_plain(rotary) -> bool:

@@ -441,9 +441,9 @@ def _sequence_refusal(spec: ModelSpec, facts) -> str:
     summed = [p for p in spec.grad_sum if p not in one_kv and not p.startswith(regions)]
     if extra:
         return f"layers.*.{extra[0]} has no sequence-parallel rule"
-    if facts.own_forward or spec.head_params:
-        return ("the model's own forward around its layers (embedding scale, logit scaling / softcap, rotary per "
-                "layer type, per-head parameters) is not run on a sequence shard")
+    if not facts.plain_stack or spec.head_params:
+        return ("the model's own forward around its layers (learned positions, projections or attention masks of "
+                "its own beside them, per-head parameters) is not run on a sequence shard")
     if open_cols:
         return (f"layers.*.{open_cols[0]} splits its output over tp with no region around it to gather the sequence "
                 "shard at its input (HF's gathered layout or a linear beside the layer's own ops)")

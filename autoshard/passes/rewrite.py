@@ -47,6 +47,7 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
         tp=tp, tp_rank=tp_rank, placements=tuple(placements), partial_grads=tuple(partial),
         checkpoint=_checkpointed(spec, layers, layer_recompute(plan, spec)),
         sequence_parallel=any(sp), sequence_paths=on, sequence_grads=_sequence_grads(spec, params, on),
+        **_sequence_edges(spec, on),
         buffers=_buffer_placements(spec, layers, tp, tp_rank, [chosen[c] for c in chunk_of]) if tp > 1 else (),
         **(_tp_modules(spec, layers, tp, tp_rank, [chosen[c] for c in chunk_of]) if tp > 1 else {}),
     )
@@ -96,6 +97,17 @@ def _sequence_paths(spec: ModelSpec, layers: Sequence[str], on: Sequence[bool], 
              and (r.sequence or r.strategy in (Strategy.REGION, Strategy.ROWWISE))]
     out += [f"{p}.{q}" for p, keep in zip(layers, on) if keep for q in inner]
     return tuple(out)
+
+
+def _sequence_edges(spec: ModelSpec, on: Sequence[str]) -> dict:
+    """Where a replicated embedding or LM head (an embedding that is no plain lookup of the vocabulary's rows:
+    Gemma's scaled one, Mllama's with image rows; a head tied to it) meets the sequence shard: the embedding's
+    output is cut to this rank's slice (its gradient gathered whole), the head's input gathered (its gradient cut
+    back). The vocab-parallel ones do it themselves (reduce-scatter, all-gather)."""
+    def replicated(kind: BlockKind) -> tuple[str, ...]:
+        return tuple(r.path for r in sharding.table(spec) if r.block is kind and r.path in on
+                     and r.strategy is Strategy.REPLICATE and not r.sequence)
+    return dict(sequence_splits=replicated(BlockKind.EMBED), sequence_gathers=replicated(BlockKind.HEAD))
 
 
 def _sequence_grads(spec: ModelSpec, params: Mapping[str, tuple[int, ...]], on: Sequence[str]) -> tuple[str, ...]:

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from autoshard.ir import Replicate, Shard, ShardProgram
-from autoshard.runtime.comm import (all_gather_dim, copy_to_group, gather_from_sequence, gather_last_dim,
-                                    reduce_from_group, reduce_scatter_to_sequence, split_last_dim)
+from autoshard.runtime.comm import (all_gather_dim, copy_to_group, gather_from_sequence, gather_last_dim, gather_sequence,
+                                    reduce_from_group, reduce_scatter_to_sequence, split_last_dim, split_sequence)
 from autoshard.runtime.data_parallel import take_grad
 
 SEQ_DIM = 1  # hidden states are (batch, sequence, hidden)
@@ -145,6 +145,16 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
     for path in program.split_inputs:  # HF's rowwise_split_input: its whole input's columns of this rank
         model.get_submodule(path).register_forward_pre_hook(
             lambda module, args: (split_last_dim(args[0], group), *args[1:]))
+    for path in program.sequence_splits:  # a replicated embedding: its output enters the sequence shard
+        module = model.get_submodule(path)
+        module.sequence_parallel = True  # (`sequence_parallel_off` turns it off)
+        module.register_forward_hook(
+            lambda module, args, out: split_sequence(out, group, SEQ_DIM) if module.sequence_parallel else out)
+    for path in program.sequence_gathers:  # a replicated LM head: its input leaves the sequence shard
+        module = model.get_submodule(path)
+        module.sequence_parallel = True
+        module.register_forward_pre_hook(lambda module, args: (
+            (gather_sequence(args[0], group, SEQ_DIM), *args[1:]) if module.sequence_parallel else args))
     for path in program.checkpoint:
         _checkpoint_forward(model.get_submodule(path))
 

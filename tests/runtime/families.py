@@ -179,12 +179,15 @@ WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
 # attention_layernorm / feedforward_layernorm, StableLM's LayerNorms with biases, GPT-NeoX's parallel residual (both
 # regions gather the one shard), Qwen3's q/k norms (summed over tp inside the attention region, on the gathered
 # sequence); the masks HF builds, for the whole sequence (runtime/stages.py `whole_sequence_mask`): Mistral's 4-token
-# window in every layer, Ministral's (its layer_types), LLaMA under eager attention
+# window in every layer, Ministral's on one layer of two (a mask per layer type), LLaMA under eager attention; the
+# model's own forward around the layers on the shard: Gemma-2's scaled embedding (replicated, its output cut to the
+# shard), softcaps and alternating windows, Granite's multipliers, Mllama's embedding with image rows
 SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_config("apertus")))),
             "stablelm": NO_TP_PLAN["stablelm"], "gpt_neox": CLASSIC["gpt_neox"], "qwen3": DENSE["qwen3"],
             "mistral": DENSE["mistral"],
-            "ministral": _tiny("ministral"),
-            "llama_eager": EagerTiny("llama-tiny", exaggerated(tiny_config("llama")))}
+            "ministral": _tiny("ministral", layer_types=["sliding_attention", "full_attention"]),
+            "llama_eager": EagerTiny("llama-tiny", exaggerated(tiny_config("llama"))),
+            "gemma2": DENSE["gemma2"], "granite": DENSE["granite"], "mllama": BEYOND_VOCAB["mllama"]}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
