@@ -279,9 +279,9 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                                        declared=outside if as_declared else ()) if hybrid is None else ((), None, None)
     spec = replace(spec, tp_pairs=pairs)
     if not spec.parts:  # the layer's residual-stream norms, where they are not the table's (LLaMA's two)
-        from autoshard.rules.sharding import table
+        from autoshard.rules.sharding import moe_block_paths, table
 
-        held = {r.path for r in table(spec) if r.block is BlockKind.LAYER and r.sequence}
+        held = {r.path for r in table(spec) if r.block is BlockKind.LAYER and r.sequence} - moe_block_paths(spec)
         if facts.residual_norms and set(facts.residual_norms) != held:
             spec = replace(spec, sequence_norms=facts.residual_norms)
     if proof is not None:
@@ -418,7 +418,7 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
     if facts.own_forward:  # what the stages of its own forward cannot place
         out.extend(_unplaced_refusal(model))
     why = _sequence_refusal(spec, facts)
-    if why and not spec.is_moe:
+    if why:
         out.append(("sequence_parallel", f"{why}; set sequence_parallel to false"))
     return tuple(out)
 
@@ -444,6 +444,9 @@ def _sequence_refusal(spec: ModelSpec, facts) -> str:
     if not facts.plain_stack or spec.head_params:
         return ("the model's own forward around its layers (learned positions, projections or attention masks of "
                 "its own beside them, per-head parameters) is not run on a sequence shard")
+    masked = sorted(set(facts.layer_types) - {"full_attention", "sliding_attention"})
+    if masked:  # runtime/stages.whole_sequence_mask builds HF's causal and sliding-window masks
+        return f"its layers of type {masked[0]!r} take a mask autoshard does not build for the whole sequence"
     if open_cols:
         return (f"layers.*.{open_cols[0]} splits its output over tp with no region around it to gather the sequence "
                 "shard at its input (HF's gathered layout or a linear beside the layer's own ops)")

@@ -112,11 +112,12 @@ def _sequence_edges(spec: ModelSpec, on: Sequence[str]) -> dict:
 
 def _sequence_grads(spec: ModelSpec, params: Mapping[str, tuple[int, ...]], on: Sequence[str]) -> tuple[str, ...]:
     """Parameters used on the sequence shard under sequence parallelism (modules `on` it): the
-    `sequence` roles' (norm weights) and the row-parallel biases (added after the reduce-scatter)."""
-    norms = set(sharding.sequence_modules(spec)) & set(on)
+    `sequence` roles' (norm weights, and everything in a MoE block, which routes the shard's tokens) and the
+    row-parallel biases (added after the reduce-scatter)."""
+    held = tuple(f"{m}." for m in set(sharding.sequence_modules(spec)) & set(on))
     rows = set(sharding.modules(spec, Strategy.ROWWISE)) & set(on)
     split = [name.rpartition(".") for name in params]
-    return tuple(f"{m}.{a}" for m, _, a in split if m in norms or (m in rows and a == "bias"))
+    return tuple(f"{m}.{a}" for m, _, a in split if f"{m}.".startswith(held) or (m in rows and a == "bias"))
 
 
 def _grad_summed(spec: ModelSpec, name: str) -> bool:

@@ -140,7 +140,8 @@ LLAMA = (
 # Mixture of experts: LLaMA's attention, norms, embedding and head, and the MoE block where the model's module
 # tree has it (`spec.moe_paths`, `_moe_block`): router, routed experts and shared expert run whole on every tp
 # rank, the experts split over ep (Megatron-Core's default without expert tensor parallelism). The block is no
-# TP region, so no all-reduce.
+# TP region, so no all-reduce; under sequence parallelism it routes this rank's shard of the tokens (its roles are
+# `sequence` ones: their gradients summed over tp), as Megatron-Core runs MoE with tp.
 _DENSE_MLP = ("mlp", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _LLAMA_NO_MLP = tuple(r for r in LLAMA if r.path not in _DENSE_MLP)
 
@@ -184,7 +185,7 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
         base = parts_table(spec)
     else:
         dense = proposed_table(spec.tp_pairs) if spec.tp_pairs else _LLAMA_NO_MLP if spec.is_moe else TABLES[spec.mixer]
-        base = dense + _moe_block(spec) if spec.is_moe else dense
+        base = dense + tuple(replace(r, sequence=True) for r in _moe_block(spec)) if spec.is_moe else dense
     out = []
     edges = dict(zip(_LLAMA_EDGES, spec.stack[1:])) if spec.stack and not spec.parts else {}
     for role in base:
@@ -200,7 +201,7 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
             role = replace(role, strategy=Strategy.REPLICATE)
         out.append(role)
     if spec.sequence_norms:  # the layer's own norms (Apertus' attention_layernorm, GPT-J's ln_1), not LLaMA's
-        out = [r for r in out if not (r.block is BlockKind.LAYER and r.sequence)]
+        out = [r for r in out if not (r.block is BlockKind.LAYER and r.sequence and r.path not in moe_block_paths(spec))]
         out += [Role(path, _L, Strategy.REPLICATE, sequence=True) for path in spec.sequence_norms]
     kept = {r.path for r in out if one_kv_head(spec, r)}  # summed as shared pieces already (passes/rewrite.py)
     out += [Role(path, _L, Strategy.REPLICATE, grad_sum=True) for path in spec.grad_sum if path not in kept]
@@ -215,6 +216,12 @@ def one_kv_head(spec: ModelSpec, role: Role) -> bool:
 
 
 _LLAMA_EDGES = ("model.embed_tokens", "model.norm", "lm_head")  # LLaMA's paths of `ModelSpec.stack`'s last three
+
+
+def moe_block_paths(spec: ModelSpec) -> frozenset[str]:
+    """The paths inside a layer of a one-kind MoE model's block roles (`_moe_block`), empty otherwise: `sequence`
+    roles that are not the layer's residual norms."""
+    return frozenset(r.path for r in _moe_block(spec)) if spec.is_moe and not spec.parts else frozenset()
 
 
 def _moe_block(spec: ModelSpec) -> tuple[Role, ...]:
@@ -447,16 +454,6 @@ def on_sequence_shard(spec: ModelSpec, kind: BlockKind, role: Role | None) -> bo
     """Under sequence parallelism: does an op of block `kind` in `role` (None: the layer's own ops,
     the residual adds) run on a tp shard of the sequence? (the cost model divides it by tp)"""
     return (role is None and kind is BlockKind.LAYER) or (role is not None and role.sequence)
-
-
-def sequence_violation(spec: ModelSpec) -> str | None:
-    """Why `spec` has no sequence-parallel rule, or None (dense models have one; a model's own refusals are its
-    `refused` pairs, models/presets.py `_sequence_refusal`)."""
-    if spec.is_moe:
-        return (f"sequence_parallel: {spec.name} is a mixture of experts, whose router statistics and expert "
-                "gradients the sequence shard would split; sequence parallelism runs dense models: "
-                "set sequence_parallel to false")
-    return None
 
 
 def role_parts(spec: ModelSpec, role: Role, tp: int) -> int:

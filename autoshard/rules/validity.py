@@ -23,7 +23,7 @@ from autoshard.errors import InvalidConfigError
 from autoshard.ir import Mesh, Plan, Precision, Schedule, check_stages, is_positive_int
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.rules.schedules import check_chunks, microbatches_per_step, rows_per_microbatch
-from autoshard.rules.sharding import choice_violation, sequence_violation, tp_violation
+from autoshard.rules.sharding import choice_violation, tp_violation
 
 
 def prime_factors(n: int) -> dict[int, int]:
@@ -221,8 +221,8 @@ def sizes_violation(*, global_batch, seq_len, micro_batch=1) -> str | None:
 
 def sequence_parallel_violation(spec: ModelSpec, mesh: Mesh, seq_len: int) -> str | None:
     """Why sequence parallelism cannot go with `mesh` and `seq_len`, or None: it splits each cp rank's
-    seq_len / cp tokens over the tp ranks (dense LLaMA and Mamba-2 models)."""
-    why = sequence_violation(spec) or refusal(spec, "sequence_parallel")
+    seq_len / cp tokens over the tp ranks (attention, MoE and Mamba-2 models whose facts allow it)."""
+    why = refusal(spec, "sequence_parallel")
     if why:
         return why
     if mesh.tp == 1:

@@ -196,7 +196,8 @@ class DistributedModel:
             if router_logits:  # HF's router auxiliary loss, statistics over all replicas, mean over micro-batches
                 spec = self._setup.spec
                 aux = load_balancing_loss(router_logits, experts=spec.experts, top_k=spec.top_k,
-                                          group=self._loss_group if self._replicas > 1 else None)
+                                          group=self._loss_group if self._replicas > 1 else None,
+                                          sequence_group=self._tp_group if self.plan.sequence_parallel else None)
                 loss = loss + self._aux_coef * aux / chunks
             loss.backward()
             total += loss.detach()

@@ -232,7 +232,7 @@ class ShardedOptimizers:
 # -- the router's auxiliary loss --------------------------------------------------------------------
 
 def load_balancing_loss(router_logits: Sequence[Tensor], *, experts: int, top_k: int,
-                        group: dist.ProcessGroup | None) -> Tensor:
+                        group: dist.ProcessGroup | None, sequence_group: dist.ProcessGroup | None = None) -> Tensor:
     """This rank's share of HF's load-balancing loss (Switch Transformer eq. 4-6, HF's
     `load_balancing_loss_func`) over the rows that all ranks of `group` (dp x ep x cp) process
     together, such that the SUM over the group's ranks is HF's loss on those rows.
@@ -247,7 +247,11 @@ def load_balancing_loss(router_logits: Sequence[Tensor], *, experts: int, top_k:
     Under gradient accumulation each micro-step's loss is that of the global micro-batch (the
     rows every rank processes at that step), and the runtime averages them over micro-steps
     (Megatron-Core scales its per-micro-batch aux loss the same way): with one micro-batch per
-    rank it is HF's loss on the global batch exactly (tests/moe/test_expert_parallel.py)."""
+    rank it is HF's loss on the global batch exactly (tests/moe/test_expert_parallel.py).
+
+    `sequence_group` (tp under sequence parallelism: each rank routes its shard of the tokens): the statistics are
+    summed over it too, and the loss takes the value of the tp ranks' sum (the same on each, as the cross-entropy
+    is) with the gradient of this rank's share (summed over tp with the MoE block's gradients)."""
     counts, probs = 0, 0
     for logits in router_logits:
         p = torch.softmax(logits.float(), dim=-1)  # (rows, E)
@@ -255,8 +259,14 @@ def load_balancing_loss(router_logits: Sequence[Tensor], *, experts: int, top_k:
         counts = counts + torch.bincount(chosen.reshape(-1), minlength=experts).float()
         probs = probs + p.sum(dim=0)
     total = torch.tensor([float(sum(logits.shape[0] for logits in router_logits))], device=probs.device)
-    if group is not None and dist.get_world_size(group) > 1:
-        counts = counts.detach().clone()
-        dist.all_reduce(counts, group=group)
-        dist.all_reduce(total, group=group)
-    return experts * torch.sum((counts / total) * (probs / total))
+    counts = counts.detach().clone()
+    for g in (group, sequence_group):
+        if g is not None and dist.get_world_size(g) > 1:
+            dist.all_reduce(counts, group=g)
+            dist.all_reduce(total, group=g)
+    share = experts * torch.sum((counts / total) * (probs / total))
+    if sequence_group is None or dist.get_world_size(sequence_group) == 1:
+        return share
+    whole = share.detach().clone()
+    dist.all_reduce(whole, group=sequence_group)
+    return share + (whole - share.detach())

@@ -93,14 +93,11 @@ def whole_sequence_mask(config, layers: int, ids: torch.Tensor, dtype: torch.dty
     by the embedding's output, 1/tp of the sequence, while each attention runs on the gathered whole. The masks of
     the whole sequence as HF builds them (`attention_masks`; None where HF leaves it to the kernel: sdpa's causal
     mask, flash, the CP attention): one per layer type as a dict (the forwards of a config with alternating
-    layer_types take one), or the one mask of layers that share a type (Mistral's window)."""
+    layer_types take one), or the one mask of layers that share a type (Mistral's window). Other layer types
+    (Llama-4's chunked attention) are refused sequence parallelism (`presets._sequence_refusal`)."""
     b, s = ids.shape
     masks = attention_masks(config, range(layers), inputs_embeds=torch.empty(b, s, 1, dtype=dtype, device=ids.device),
                             attention_mask=None, cache=None, position_ids=torch.arange(s, device=ids.device)[None])
-    other = sorted(set(masks) - {"full_attention", "sliding_attention"})
-    if other:
-        raise InvalidConfigError(f"sequence_parallel: layers of type {other[0]!r} take a mask autoshard does not "
-                                 "build for the whole sequence; set sequence_parallel to false")
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
 

@@ -1,6 +1,6 @@
 """Expert parallelism on gloo equals one process (Mixtral, Qwen2-MoE): the loss of two AdamW steps,
 every gradient, the weights; composed with dp, tp, pp and cp; dropless under skewed routing; the
-router auxiliary loss; checkpoints saved under ep that resume under another ep or dp. Each world size is spawned once and runs all its configurations."""
+router auxiliary loss; sequence parallelism (the MoE block on each tp rank's shard); checkpoints saved under ep that resume under another ep or dp. Each world size is spawned once and runs all its configurations."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ WORLD2 = (
     # fp8: attention and the shared expert in float8 (runtime/fp8.py); router and routed experts bf16
     ("qwen2-moe-tiny", dict(ep=2, precision="fp8"), None, False),
     ("mixtral-tiny", dict(ep=2, precision="fp8", fp8_recipe="rowwise"), None, False),
+    # sequence parallelism: each tp rank routes its shard of the tokens, the aux statistics summed over tp too
+    ("mixtral-tiny", dict(tp=2, sequence_parallel=True, micro_batch=8), aux_loss, False),
 )
 WORLD4 = (
     ("mixtral-tiny", dict(ep=4), None, False),
@@ -60,6 +62,8 @@ WORLD4 = (
     ("qwen2-moe-tiny", dict(ep=2, cp=2), None, False),
     ("mixtral-tiny", dict(dp=2, ep=2, zero=3), None, False),  # experts sharded over dp 2, dense over all 4
     ("qwen2-moe-tiny", dict(dp=2, ep=2, zero=3), None, True),
+    ("qwen2-moe-tiny", dict(ep=2, tp=2, sequence_parallel=True, micro_batch=4), aux_loss, False),
+    ("mixtral-tiny", dict(dp=2, tp=2, zero=3, sequence_parallel=True), None, False),
 )
 
 

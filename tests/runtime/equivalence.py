@@ -267,13 +267,18 @@ def _check_float8(dm, spec, what: str) -> None:
 
 def _record_norm_tokens(model, spec) -> set:
     """{norm path: the sequence lengths it sees from now on} of the norms outside the TP regions that run on
-    this rank (sequence parallelism)."""
+    this rank (sequence parallelism), and of a MoE block (its router and experts take its tokens flattened:
+    (b, s, h) only at the block)."""
     from autoshard.rules.sharding import sequence_modules
 
     seen: dict[str, set] = {}
+
+    def record(mod, args, out, path):
+        if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 3:
+            seen.setdefault(path, set()).add(args[0].shape[1])
+
     for path in sequence_modules(spec):
-        model.get_submodule(path).register_forward_hook(
-            lambda mod, args, out, path=path: seen.setdefault(path, set()).add(args[0].shape[1]))
+        model.get_submodule(path).register_forward_hook(functools.partial(record, path=path))
     return seen
 
 

@@ -181,13 +181,16 @@ WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
 # sequence); the masks HF builds, for the whole sequence (runtime/stages.py `whole_sequence_mask`): Mistral's 4-token
 # window in every layer, Ministral's on one layer of two (a mask per layer type), LLaMA under eager attention; the
 # model's own forward around the layers on the shard: Gemma-2's scaled embedding (replicated, its output cut to the
-# shard), softcaps and alternating windows, Granite's multipliers, Mllama's embedding with image rows
+# shard), softcaps and alternating windows, Granite's multipliers, Mllama's embedding with image rows; a MoE block
+# routing each rank's shard of the tokens (Qwen3-MoE); Llama-4's chunked attention refused by name
 SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_config("apertus")))),
             "stablelm": NO_TP_PLAN["stablelm"], "gpt_neox": CLASSIC["gpt_neox"], "qwen3": DENSE["qwen3"],
             "mistral": DENSE["mistral"],
             "ministral": _tiny("ministral", layer_types=["sliding_attention", "full_attention"]),
             "llama_eager": EagerTiny("llama-tiny", exaggerated(tiny_config("llama"))),
-            "gemma2": DENSE["gemma2"], "granite": DENSE["granite"], "mllama": BEYOND_VOCAB["mllama"]}
+            "gemma2": DENSE["gemma2"], "granite": DENSE["granite"], "mllama": BEYOND_VOCAB["mllama"],
+            "qwen3_moe": MOE["qwen3_moe"], "llama4": MOE["llama4"]}
+SEQUENCE_REFUSED = {("llama4", "sequence_parallel"): "its layers of type 'chunked_attention' take a mask"}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
@@ -220,7 +223,7 @@ def check_families() -> None:
     check_axes(GEMMA4, lambda name: PLANS + ((dict(ep=2),) if name == "gemma4_moe" else ()), GEMMA4_REFUSED, sgd=True)
     check_axes(UNSET, lambda name: (dict(tp=2),) + ((dict(ep=2),) if name != "nemotron" else ()), {})
     check_axes(WRAPPED, lambda name: PLANS, WRAPPED_REFUSED)
-    check_axes(SEQUENCE, lambda name: (SEQUENCE_PLAN,), {})
+    check_axes(SEQUENCE, lambda name: (SEQUENCE_PLAN,), SEQUENCE_REFUSED)
     _check_unused_stay()
     _check_generate()
 

@@ -343,8 +343,9 @@ def _block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
         if kind is BlockKind.LAYER and tp_b > 0:  # the input-gradient all-reduces overlap weight gradients
             n, gather_b = sharding.tp_entry_count(ct.spec), _gather_comm(ct, hw, layout, seq_len)[1]
             tp_b = _tp_backward_exposed(blk, t, (tp_b - gather_b) / max(1, n), n) + gather_b
+    shard = layout.mesh.tp if layout.sequence_parallel else 1  # each tp rank dispatches its shard of the tokens
     ep_f, ep_b = (0.0, 0.0) if kind is not BlockKind.LAYER else moe_cost.ep_comm_time(
-        hw, ct.spec, layout.mesh, tokens=_tokens(layout, seq_len), imbalance=layout.moe_imbalance,
+        hw, ct.spec, layout.mesh, tokens=_tokens(layout, seq_len) / shard, imbalance=layout.moe_imbalance,
         act_bytes=layout.numbers.act_bytes)
     return BlockTime(fwd_s=fwd, bwd_s=bwd, recompute_s=_recompute_time(ct, layout, kind, t, tp_f, cp_f, ep_f),
                      tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b, ep_comm_s=ep_f + ep_b)

@@ -86,10 +86,38 @@ def test_bad_sequence_parallel_layouts_are_refused(llama):
         _estimate(ct, spec, sp=True, seq=66, tp=4)
     with pytest.raises(InvalidConfigError, match="sequence_parallel must be true or false"):
         Layout(mesh=Mesh(tp=2), sequence_parallel="yes")
-    moe = get_spec("mixtral-tiny")
+    own = dataclasses.replace(spec, own_forward=True)  # Gemma's scaled embedding: its stages run HF's own forward
     from autoshard.rules.validity import plan_violation
-    assert "mixture of experts" in plan_violation(moe, Mesh(tp=2), global_batch=8, seq_len=64,
-                                                  sequence_parallel=True)
+    assert plan_violation(own, Mesh(tp=2), global_batch=8, seq_len=64, sequence_parallel=True) is None
+    assert "its pipeline stages run the model's own forward" in plan_violation(
+        own, Mesh(tp=2, pp=2), global_batch=8, seq_len=64, sequence_parallel=True)
+
+
+def test_a_moe_block_routes_the_shard_of_the_tokens():
+    """Under SP each tp rank routes its own shard of the tokens (the MoE block's roles are `sequence` ones): its
+    work and its ep all-to-alls are 1/tp of those without (every tp rank routing every token), its parameters'
+    gradients (router, experts) summed over tp by the rewrite, as the norms' are."""
+    from autoshard.ir import Plan
+    from autoshard.passes.rewrite import shard_program
+
+    spec, module = model_for("mixtral-tiny")
+    ct = compile_table(cost_table_for("mixtral-tiny", spinner=False, spec=spec, module=module)[1], spec)
+    moe = [r for r in sharding.table(spec) if r.path in sharding.moe_block_paths(spec)]
+    assert len(moe) >= 3 and all(sharding.on_sequence_shard(spec, BlockKind.LAYER, r) for r in moe)
+    lay = Layout(mesh=Mesh(tp=2, ep=2), precision="bf16-mixed")
+    off, on = (block_time(ct, HW, dataclasses.replace(lay, sequence_parallel=sp), BlockKind.LAYER, seq_len=64)
+               for sp in (False, True))
+    assert on.ep_comm_s < off.ep_comm_s and on.fwd_s < off.fwd_s
+    plan = Plan(model="mixtral-tiny", fingerprint="", hardware="cpu", mesh=Mesh(tp=2), global_batch=8, seq_len=64,
+                micro_batch=8, devices=2, sequence_parallel=True)
+    from autoshard.models.presets import build_model
+
+    params = {n: tuple(p.shape) for n, p in build_model(spec).named_parameters()}
+    summed = set(shard_program(plan, spec, params, tp_rank=0).sequence_grads)
+    layer = "model.layers.0"
+    assert {f"{layer}.mlp.gate.weight", f"{layer}.mlp.experts.gate_up_proj", f"{layer}.mlp.experts.down_proj",
+            f"{layer}.input_layernorm.weight"} <= summed
+    assert f"{layer}.self_attn.q_proj.weight" not in summed
 
 
 def test_placements_name_the_sequence_parallel_norms(llama):
