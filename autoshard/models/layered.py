@@ -147,7 +147,7 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
     CP algorithm splits (Mamba-1's selective scan, gated DeltaNet, short convolutions), pp where layers share
     a block (Zamba2), tp where a layer holds a part no tensor-parallel rule splits (`layer_parts`: Kimi-Linear's
     delta attention, a shared block; the others run by their parts' rules),
-    ep and sequence parallelism. `stack`: the model's `find_layer_stack`; `parts`: its `layer_parts` where the caller
+    ep, and sequence parallelism where a part has no rule for it (`_sequence_unsplit`). `stack`: the model's `find_layer_stack`; `parts`: its `layer_parts` where the caller
     has them (else read here)."""
     if stack is None:
         return None
@@ -162,9 +162,10 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
             else "its layers hold multi-head latent attention, run by its parts")
     _, no_tp = parts
     out = [("tp", no_tp)] if no_tp else []
-    out.append(("sequence_parallel", f"{what}: sequence parallelism is not run on a hybrid's layers yet (its "
-                                     "norms and residual stay whole on every tp rank); set sequence_parallel "
-                                     "to false"))
+    unsplit = _sequence_unsplit(model, stack, parts[0])
+    if unsplit:
+        out.append(("sequence_parallel", f"{what}: sequence parallelism is not run on {unsplit} yet; set "
+                                         "sequence_parallel to false"))
     no_ep = _experts_without_ep(model, stack)
     if no_ep:
         out.append(("ep", no_ep))
@@ -189,6 +190,28 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
                                  "cached length (its forward with a cache, HF's own generate too, raise "
                                  "`get_seq_length` can only be called on Attention layers); plan its training"))
     return tuple(out)
+
+
+# the parts sequence parallelism runs on a hybrid's layers: regions gathering the shard (attention, latent
+# attention, MLP), per-token ops on it (a norm holding hidden-wide vectors, a MoE block routing the shard's tokens)
+SEQUENCE_PARTS = ("embed", "lm_head", "final_norm", "attention", "mla", "mlp", "moe", "norm")
+
+
+def _sequence_unsplit(model: nn.Module, stack, parts) -> str:
+    """What of a hybrid's layers sequence parallelism cannot run on a tp shard of the sequence, or "": a part of
+    another kind (a Mamba mixer, a gated DeltaNet, a short convolution: their state runs along the sequence) or a
+    "norm" holding other than hidden-wide vectors (per-token ops only)."""
+    from autoshard.models.facts import config_value
+
+    other = next((p for p in parts if p.kind not in SEQUENCE_PARTS), None)
+    if other is not None:
+        return f"its {other.kind} parts ({other.path})"
+    hidden = config_value(model.config, "hidden", 0)
+    for part in (p for p in parts if p.kind == "norm"):
+        module = model.get_submodule(f"{stack.prefix}.{part.layers[0]}.{part.path}")
+        if any(tuple(p.shape) != (hidden,) for p in module.parameters()):
+            return f"its layers' {part.path}, which holds other than {hidden}-wide vectors"
+    return ""
 
 
 def _reads_embeddings(model: nn.Module, stack) -> bool:

@@ -93,9 +93,10 @@ def _sequence_paths(spec: ModelSpec, layers: Sequence[str], on: Sequence[bool], 
     for kind, keep in ((BlockKind.EMBED, first), (BlockKind.HEAD, last)):
         if keep:
             out += [r.path for r in sharding.table(spec) if r.block is kind and r.path]
-    inner = [r.path for r in sharding.table(spec) if r.block is BlockKind.LAYER and r.path
+    inner = [r for r in sharding.table(spec) if r.block is BlockKind.LAYER and r.path
              and (r.sequence or r.strategy in (Strategy.REGION, Strategy.ROWWISE))]
-    out += [f"{p}.{q}" for p, keep in zip(layers, on) if keep for q in inner]
+    out += [f"{p}.{r.path}" for i, (p, keep) in enumerate(zip(layers, on)) if keep for r in inner
+            if not r.layers or i in r.layers]  # a hybrid's part: on the layers holding it
     return tuple(out)
 
 

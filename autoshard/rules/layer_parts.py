@@ -22,8 +22,8 @@ def parts_table(spec: ModelSpec) -> tuple[Role, ...]:
         if part.kind in ("embed", "lm_head"):  # LLaMA's embedding / LM head and loss roles at the part's path
             out += [replace(r, path=r.path and part.path) for r in LLAMA if r.strategy is Strategy.VOCAB
                     and r.block is (_E if part.kind == "embed" else _H)]
-        elif part.kind == "final_norm":
-            out.append(Role(part.path, _H, Strategy.REPLICATE))
+        elif part.kind == "final_norm":  # per token: on the sequence shard under sequence parallelism
+            out.append(Role(part.path, _H, Strategy.REPLICATE, sequence=True))
         elif part.kind == "attention":  # its output gates by heads; per-head q/k norms whole, gradient summed
             widths = {"o_proj": (Piece(n("o"), n("heads")),), "v_proj": (Piece(n("v"), n("kv_heads"), share=True),)}
             output = next((c for c, how in part.linears if how == "rowwise"), "o_proj")  # its own name (out_proj)
@@ -87,13 +87,14 @@ def parts_table(spec: ModelSpec) -> tuple[Role, ...]:
                     Role(at(into), _L, Strategy.COLWISE, (ch, ch, ch), _LINEAR, fan="hidden", layers=lay),
                     Role(at(conv), _L, Strategy.COLWISE, (ch,), _LINEAR, fan=n("conv"), layers=lay),
                     Role(at(output), _L, Strategy.ROWWISE, (ch,), fan="hidden", layers=lay)]
-        elif part.kind == "moe":  # the shared expert's linears and the block's gate whole, counted as pieces
-            router, experts, shared, *held = part.names
-            out += _moe_roles(at(router), at(experts), at(shared) if shared else "", tuple(
-                Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, layers=lay) for p in held),
-                params=part.params, layers=lay)
-        elif part.kind in ("norm", "other"):  # whole on every rank (its elements counted as one piece)
-            out.append(Role(part.path, _L, Strategy.REPLICATE, (Piece(n("numel"), "one"),), layers=lay))
+        elif part.kind == "moe":  # the shared expert's linears and the block's gate whole, counted as pieces; under
+            router, experts, shared, *held = part.names  # sequence parallelism it routes this rank's shard of tokens
+            out += [replace(r, sequence=True) for r in _moe_roles(at(router), at(experts), at(shared) if shared else "",
+                    tuple(Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, layers=lay) for p in held),
+                    params=part.params, layers=lay)]
+        elif part.kind in ("norm", "other"):  # whole on every rank (its elements counted as one piece); a norm runs on
+            out.append(Role(part.path, _L, Strategy.REPLICATE, (Piece(n("numel"), "one"),), layers=lay,  # the shard
+                            sequence=part.kind == "norm"))
         else:
             raise ValueError(f"layer part kind {part.kind!r} has no sharding rule")
     return tuple(out)

@@ -228,10 +228,6 @@ def sequence_parallel_violation(spec: ModelSpec, mesh: Mesh, seq_len: int) -> st
     if mesh.tp == 1:
         return ("sequence_parallel needs tp > 1 (it splits the sequence over the tensor-parallel ranks outside "
                 "their sharded regions); set tp > 1 or sequence_parallel to false")
-    if mesh.pp > 1 and spec.own_forward:
-        return (f"sequence_parallel with pp={mesh.pp} is refused for {spec.name}: its pipeline stages run the "
-                "model's own forward (its embedding scale, logit transforms or rotary per layer type), which takes "
-                "the whole sequence; use pp=1 or set sequence_parallel to false")
     local = seq_len // mesh.cp
     if local % mesh.tp:
         where = f"sequence length {seq_len}" + (f" over cp={mesh.cp} leaves {local} tokens per rank, which is"

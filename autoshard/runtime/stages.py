@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Stage
 from autoshard.model_spec import Mixer, ModelSpec
-from autoshard.models.facts import final_norm
+from autoshard.models.facts import final_norm, text_config
 from autoshard.runtime.comm import gather_sequence, split_sequence
 
 
@@ -157,21 +157,31 @@ class OwnForwardStage(StageModule):
         self.__dict__["_beside"] = [n for n, m in base.named_children() if any(m is e for e in extras)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_shards != 1 or self.boundary_group is not None:
-            raise InvalidConfigError("sequence_parallel is not run by the stages of a model whose own forward they "
-                                     "keep; set sequence_parallel to false")
-        s = x.shape[1]
-        position_ids = self.positions(s) if self.positions is not None else torch.arange(s)[None]  # (1, s)
-        return self.run(x, position_ids=position_ids.to(x.device))
+        """Under sequence parallelism the hidden states between layers (and stages) hold 1/tp of the sequence: the
+        positions, masks and placeholder are the whole (cp-local) sequence's, as `DistributedModel` hands them."""
+        if not self.stage.embed:  # a mixed pipeline hands a sequence-parallel stage the whole sequence
+            x = split_sequence(x, self.boundary_group)
+        s = x.shape[1] if self.stage.embed else x.shape[1] * self.sequence_shards
+        position_ids = (self.positions(s) if self.positions is not None else torch.arange(s)[None]).to(x.device)
+        kwargs = {}
+        if self.sequence_shards > 1:
+            layers = len(self._base._modules[self.__dict__["_attr"]])
+            dtype = self._model.get_input_embeddings().weight.dtype
+            kwargs["attention_mask"] = whole_sequence_mask(text_config(self.config), layers,
+                                                           torch.empty(x.shape[0], s, device=x.device), dtype)
+        out = self.run(x, position_ids=position_ids, length=s, **kwargs)
+        return out if self.stage.head else gather_sequence(out, self.boundary_group)
 
-    def run(self, x: torch.Tensor, *, cache=None, logits_to_keep: int = 0, **kwargs) -> torch.Tensor:
+    def run(self, x: torch.Tensor, *, cache=None, logits_to_keep: int = 0, length: int | None = None,
+            **kwargs) -> torch.Tensor:
         """This stage's output for `x` (input_ids on the first stage, else hidden states (b, s, h)):
-        hidden states, or on the last stage the logits (b, s, V or V / tp)."""
+        hidden states, or on the last stage the logits (b, s, V or V / tp). `length`: the sequence the base forward
+        builds its positions and masks for (default x's; the whole one when `x` is a sequence-parallel shard)."""
         model, base, stage = self._model, self._base, self.stage
         attr = self.__dict__["_attr"]
         layers = base._modules[attr]
         first = stage.first_layer
-        inputs = {"input_ids": x} if stage.embed else {"inputs_embeds": _placeholder(model, x)}
+        inputs = {"input_ids": x} if stage.embed else {"inputs_embeds": _placeholder(model, x, length)}
         hooks = []
         if not stage.embed:  # the received hidden states enter at this stage's first layer (or its norm)
             entry = layers[first] if first < stage.end_layer else final_norm(base, layers)
@@ -212,12 +222,13 @@ class OwnForwardStage(StageModule):
         return out
 
 
-def _placeholder(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _placeholder(model: nn.Module, x: torch.Tensor, length: int | None = None) -> torch.Tensor:
     """What a later stage feeds the own forward as its input embeddings (the received hidden states `x` replace
     them at the stage's first layer): zeros of the embedding's width (OPT projects the embeddings to the hidden
-    width before the layers, project_in), never `x` itself (CTRL scales its embeddings in place)."""
+    width before the layers, project_in), never `x` itself (CTRL scales its embeddings in place); `length`
+    positions long (x's by default)."""
     width = model.get_input_embeddings().weight.shape[-1]
-    return x.new_zeros(*x.shape[:-1], width)
+    return x.new_zeros(x.shape[0], length or x.shape[1], width)
 
 
 class _Zeros(nn.Module):

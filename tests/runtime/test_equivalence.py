@@ -168,6 +168,14 @@ def _run_all(rank: int, world: int, configs) -> None:
     if world == 4:
         for preset, plan, logits in WHOLE_GROUPS:
             check_plan(preset, plan, logits=logits, sgd=True)
+        from tests.runtime.families import DENSE
+        from tests.runtime.hybrids import HYBRIDS
+
+        # sequence parallelism through stages that run HF's own forward (positions, masks and placeholder of the
+        # whole sequence, the shard swapped in at the stage's first layer): Gemma-2's scaled embedding and
+        # softcaps, DeepSeek-V3's latent attention and its dense and MoE layers, per stage too
+        check_plan(DENSE["gemma2"], dict(pp=2, tp=2, micro_batch=2, sequence_parallel=True), logits=True)
+        check_plan(HYBRIDS["deepseek_v3"], dict(pp=2, tp=2, micro_batch=2, sequence_parallel=[False, True]), logits=True)
 
 
 def _check_nothing_held() -> None:
