@@ -565,6 +565,8 @@ def _mlp_linears(child: nn.Module, linear: dict) -> tuple[str, ...] | None:
     ins = [m.in_features for m in linear.values()]
     hidden = max(set(ins), key=ins.count)
     downs = [n for n, m in linear.items() if m.out_features == hidden and m.in_features != hidden]
+    if not downs and all((m.in_features, m.out_features) == (hidden, hidden) for m in linear.values()):
+        downs = [n for n in linear if n not in _reading_input(child, linear, hidden)]  # an MLP as wide as the model
     if len(downs) != 1:
         return None
     width = linear[downs[0]].in_features
@@ -573,6 +575,28 @@ def _mlp_linears(child: nn.Module, linear: dict) -> tuple[str, ...] | None:
     if any((linear[n].in_features, linear[n].out_features) != (hidden, 2 * width if fused else width) for n in ups):
         return None
     return (*ups, downs[0])
+
+
+def _reading_input(child: nn.Module, linear: dict, hidden: int) -> set[str]:
+    """The names of `child`'s linears that read its input itself, seen on a forward of one token (on the device of
+    its parameters: meta while planning); empty where that forward fails. Where every linear maps the hidden width
+    to itself, the one that does not read the input is the MLP's output projection."""
+    import torch
+
+    param = next(child.parameters())
+    x = torch.zeros(1, 1, hidden, dtype=param.dtype, device=param.device)
+    seen: set[str] = set()
+    hooks = [m.register_forward_pre_hook(lambda m, args, n=n: seen.add(n) if args and args[0] is x else None)
+             for n, m in linear.items()]
+    try:
+        with torch.no_grad():
+            child(x)
+    except Exception:  # noqa: BLE001 (a child whose forward takes more than the hidden states: not an MLP)
+        return set()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
 
 
 def _short_conv_part(name: str, child: nn.Module, linear: dict) -> tuple | None:

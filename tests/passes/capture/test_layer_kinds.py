@@ -274,3 +274,17 @@ def test_a_gated_deltanet_is_split_by_key_heads():
     assert sharding.tp_violation(spec, 2) is None
     assert sharding.tp_violation(spec, 4) == ("tp (4) does not divide the number of key heads (linear_num_key_heads) "
                                               "of layers.*.linear_attn of qwen3_next (2); use a tp that divides 2")
+
+
+def test_an_mlp_as_wide_as_the_model_is_read_by_its_data_flow():
+    """A dense MLP whose width equals the hidden size (every linear hidden -> hidden: DeepSeek-V3's first layer at
+    intermediate_size == hidden_size) is found by which linear does not read the block's input (its output
+    projection), not refused tp as "no MLP" as it was by widths alone."""
+    from autoshard.models.layered import layer_parts
+    from autoshard.models.tiny import build_tiny, tiny_config
+
+    model = build_tiny(tiny_config("deepseek_v3", hidden_size=64, intermediate_size=64), device="meta")
+    parts, why = layer_parts(model, find_layer_stack(model))
+    assert why is None
+    mlp = next(p for p in parts if p.kind == "mlp")
+    assert mlp.names == ("gate_proj", "up_proj", "down_proj") and mlp.sizes == (("ffn", 64),)
