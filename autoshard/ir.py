@@ -188,6 +188,7 @@ class ShardProgram:
     split_inputs: tuple[str, ...] = ()  # row-parallel linears (in `rowwise`) slicing their whole input first
     sequence_splits: tuple[str, ...] = ()  # under it: a replicated embedding, its output cut to this rank's shard
     sequence_gathers: tuple[str, ...] = ()  # under it: a replicated LM head, its input gathered from the shards
+    sequence_wholes: tuple[str, ...] = ()  # under it: modules run whole (HF's gathered attention), input gathered
 
     def placement(self, name: str) -> Placement:
         return dict(self.placements)[name]

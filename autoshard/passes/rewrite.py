@@ -47,7 +47,7 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
         tp=tp, tp_rank=tp_rank, placements=tuple(placements), partial_grads=tuple(partial),
         checkpoint=_checkpointed(spec, layers, layer_recompute(plan, spec)),
         sequence_parallel=any(sp), sequence_paths=on, sequence_grads=_sequence_grads(spec, params, on),
-        **_sequence_edges(spec, on),
+        **_sequence_edges(spec, on), sequence_wholes=_sequence_wholes(spec, layers, [sp[c] for c in chunk_of]),
         buffers=_buffer_placements(spec, layers, tp, tp_rank, [chosen[c] for c in chunk_of]) if tp > 1 else (),
         **(_tp_modules(spec, layers, tp, tp_rank, [chosen[c] for c in chunk_of]) if tp > 1 else {}),
     )
@@ -98,6 +98,12 @@ def _sequence_paths(spec: ModelSpec, layers: Sequence[str], on: Sequence[bool], 
     out += [f"{p}.{r.path}" for i, (p, keep) in enumerate(zip(layers, on)) if keep for r in inner
             if not r.layers or i in r.layers]  # a hybrid's part: on the layers holding it
     return tuple(out)
+
+
+def _sequence_wholes(spec: ModelSpec, layers: Sequence[str], on: Sequence[bool]) -> tuple[str, ...]:
+    """The modules of a sequence-parallel stage's layers that run whole on every tp rank (`sharding.whole_modules`:
+    HF's gathered attention), which leave the shard at their input."""
+    return tuple(f"{p}.{w}" for p, keep in zip(layers, on) if keep for w in sharding.whole_modules(spec))
 
 
 def _sequence_edges(spec: ModelSpec, on: Sequence[str]) -> dict:

@@ -203,6 +203,10 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
     if spec.sequence_norms:  # the layer's own norms (Apertus' attention_layernorm, GPT-J's ln_1), not LLaMA's
         out = [r for r in out if not (r.block is BlockKind.LAYER and r.sequence and r.path not in moe_block_paths(spec))]
         out += [Role(path, _L, Strategy.REPLICATE, sequence=True) for path in spec.sequence_norms]
+    if any(r.gathered and r.strategy is Strategy.COLWISE and r.path.startswith(f"{spec.attention_path}.") for r in out):
+        # HF's gathered attention runs whole on every rank (`attention_whole`): its own ops (the attention itself,
+        # full-width q/k norms) are this role's, on the whole sequence under sequence parallelism too
+        out.append(Role(spec.attention_path, _L, Strategy.REPLICATE, params=()))
     kept = {r.path for r in out if one_kv_head(spec, r)}  # summed as shared pieces already (passes/rewrite.py)
     out += [Role(path, _L, Strategy.REPLICATE, grad_sum=True) for path in spec.grad_sum if path not in kept]
     return tuple(out)
@@ -486,6 +490,13 @@ def attention_whole(spec: ModelSpec) -> bool:
     it, OLMo-2's, Phi-3's qkv_proj) give it every head."""
     return any(r.gathered and r.strategy is Strategy.COLWISE and r.path.startswith(spec.attention_path + ".")
                for r in table(spec) if r.block is BlockKind.LAYER)
+
+
+def whole_modules(spec: ModelSpec) -> tuple[str, ...]:
+    """The layer's modules that run whole on every tp rank (`attention_whole`: HF's gathered q / k / v): under
+    sequence parallelism each leaves the shard at its input (all-gathered, its gradient cut back to the shard) and
+    runs as without it, its row-parallel output reduce-scattering back to the shard."""
+    return (spec.attention_path,) if attention_whole(spec) else ()
 
 
 def kv_parts(spec: ModelSpec, tp: int) -> int:

@@ -123,6 +123,8 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
         else:
             model.get_submodule(path).register_forward_pre_hook(
                 functools.partial(_enter_region, group=group), with_kwargs=True)
+    for path in program.sequence_wholes:  # HF's gathered attention: leaves the shard at its input, runs whole
+        _whole_in_forward(model.get_submodule(path), group)
     swaps = [(p, RowParallelLinear) for p in program.rowwise]
     swaps += [(p, cls) for p, cls in ((program.vocab_embed, VocabParallelEmbedding),
                                       (program.vocab_head, VocabParallelHead)) if p]
@@ -265,6 +267,22 @@ def _gather_in_forward(module: nn.Module, group, *, keep_shard: bool) -> None:
             return forward(*args, **kwargs)
 
     module.forward = gathered
+    module.sequence_parallel = True
+
+
+def _whole_in_forward(module: nn.Module, group) -> None:
+    """Sequence parallelism around a module that runs whole on every tp rank (HF's gathered attention): its
+    hidden-states input all-gathered along the sequence first, the (whole, same on every rank) gradient cut back
+    to this rank's shard (`gather_sequence`); inside it runs as without sequence parallelism."""
+    forward = module.forward
+
+    def whole(*args, **kwargs):
+        if module.sequence_parallel:  # (`sequence_parallel_off`: the input is the whole sequence already)
+            local = _region_input(args, kwargs)
+            args, kwargs = _replaced(args, kwargs, local, gather_sequence(local, group, SEQ_DIM))
+        return forward(*args, **kwargs)
+
+    module.forward = whole
     module.sequence_parallel = True
 
 

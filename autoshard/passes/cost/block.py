@@ -370,7 +370,15 @@ def _sequence_tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind
     comm = sequence_cost.tp_comm(ct.spec, hw, kind=kind, tp=tp, act_bytes=act, small_all_reduce_s=small,
                                  recompute=layout.recompute)
     hidden = sum(_tp_backward_exposed(ct.block(kind), t, s, n) for s, n in comm.backward_overlapped if n)
-    return comm.forward + sync, hidden + comm.backward_exposed + sync
+    whole_f = whole_b = 0.0
+    if kind is BlockKind.LAYER and sharding.whole_modules(ct.spec):  # HF's gathered attention (runs whole)
+        stride = group_stride(layout.mesh, "tp")
+        gather_f, gather_b = _gather_comm(ct, hw, layout, seq_len)  # its linears' output / input gathers
+        entry = best_time(hw, Collective.ALL_GATHER, act, size=tp, stride=stride)  # its input leaves the shard
+        inputs = len(sharding.gathered_widths(ct.spec, sharding.Strategy.COLWISE))  # each gathered linear's input
+        whole_f = entry + gather_f  # gradient all-reduced in backward, as without sequence parallelism
+        whole_b = inputs * best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=stride) + gather_b
+    return comm.forward + sync + whole_f, hidden + comm.backward_exposed + sync + whole_b
 
 
 def _tp_backward_exposed(blk: CompiledBlock, t: np.ndarray, all_reduce_s: float, count: int) -> float:
