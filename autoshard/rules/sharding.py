@@ -450,8 +450,10 @@ def whole_pieces(spec: ModelSpec, role: Role, tp: int) -> tuple[bool, ...]:
 
 
 def role_strategy(role: Role, *, sequence_parallel: bool = False) -> Strategy:
-    """What the role does in a plan: SEQUENCE for a `sequence` role under sequence parallelism."""
-    return Strategy.SEQUENCE if sequence_parallel and role.sequence else role.strategy
+    """What the role does in a plan: SEQUENCE for a replicated `sequence` role under sequence parallelism (routed
+    experts stay EXPERT: split over ep, they route the shard's tokens)."""
+    return Strategy.SEQUENCE if sequence_parallel and role.sequence and role.strategy is Strategy.REPLICATE \
+        else role.strategy
 
 
 def on_sequence_shard(spec: ModelSpec, kind: BlockKind, role: Role | None) -> bool:
