@@ -210,14 +210,20 @@ def read_facts(config, model) -> ModelFacts:
     return ModelFacts(**facts)
 
 
+def holds_hidden_vectors(module, hidden: int) -> bool:
+    """Whether `module` holds parameters and all are vectors of the hidden width (a norm's weight and bias): a
+    per-channel op, each token on its own (so it runs on a sequence shard as on the whole)."""
+    params = list(module.parameters())
+    return bool(params) and all(tuple(p.shape) == (hidden,) for p in params)
+
+
 def residual_norms(layers, hidden: int) -> tuple[str, ...]:
     """The layer's direct children that are leaf modules holding only vectors of the hidden width (RMSNorm's
     weight, LayerNorm's weight and bias; found by structure, not by class name): per-channel ops on the residual
     stream, each token on its own. () where the layers differ in them (a hybrid's kinds)."""
     def norms(layer) -> tuple[str, ...]:
         return tuple(name for name, child in layer.named_children()
-                     if next(child.children(), None) is None and next(child.parameters(), None) is not None
-                     and all(p.shape == (hidden,) for p in child.parameters()))
+                     if next(child.children(), None) is None and holds_hidden_vectors(child, hidden))
 
     found = {norms(layer) for layer in layers}
     return found.pop() if len(found) == 1 else ()

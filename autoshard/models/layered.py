@@ -201,15 +201,14 @@ def _sequence_unsplit(model: nn.Module, stack, parts) -> str:
     """What of a hybrid's layers sequence parallelism cannot run on a tp shard of the sequence, or "": a part of
     another kind (a Mamba mixer, a gated DeltaNet, a short convolution: their state runs along the sequence) or a
     "norm" holding other than hidden-wide vectors (per-token ops only)."""
-    from autoshard.models.facts import config_value
+    from autoshard.models.facts import config_value, holds_hidden_vectors
 
     other = next((p for p in parts if p.kind not in SEQUENCE_PARTS), None)
     if other is not None:
         return f"its {other.kind} parts ({other.path})"
     hidden = config_value(model.config, "hidden", 0)
     for part in (p for p in parts if p.kind == "norm"):
-        module = model.get_submodule(f"{stack.prefix}.{part.layers[0]}.{part.path}")
-        if any(tuple(p.shape) != (hidden,) for p in module.parameters()):
+        if not holds_hidden_vectors(model.get_submodule(f"{stack.prefix}.{part.layers[0]}.{part.path}"), hidden):
             return f"its layers' {part.path}, which holds other than {hidden}-wide vectors"
     return ""
 

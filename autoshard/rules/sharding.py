@@ -203,7 +203,7 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
     if spec.sequence_norms:  # the layer's own norms (Apertus' attention_layernorm, GPT-J's ln_1), not LLaMA's
         out = [r for r in out if not (r.block is BlockKind.LAYER and r.sequence and r.path not in moe_block_paths(spec))]
         out += [Role(path, _L, Strategy.REPLICATE, sequence=True) for path in spec.sequence_norms]
-    if any(r.gathered and r.strategy is Strategy.COLWISE and r.path.startswith(f"{spec.attention_path}.") for r in out):
+    if _gathers_attention(spec, out):
         # HF's gathered attention runs whole on every rank (`attention_whole`): its own ops (the attention itself,
         # full-width q/k norms) are this role's, on the whole sequence under sequence parallelism too
         out.append(Role(spec.attention_path, _L, Strategy.REPLICATE, params=()))
@@ -490,8 +490,13 @@ def role_divisor(spec: ModelSpec, role: Role, tp: int) -> float:
 def attention_whole(spec: ModelSpec) -> bool:
     """Whether the attention module runs whole on every tp rank: HF's gathered q/k/v (`Role.gathered` linears in
     it, OLMo-2's, Phi-3's qkv_proj) give it every head."""
-    return any(r.gathered and r.strategy is Strategy.COLWISE and r.path.startswith(spec.attention_path + ".")
-               for r in table(spec) if r.block is BlockKind.LAYER)
+    return _gathers_attention(spec, table(spec))
+
+
+def _gathers_attention(spec: ModelSpec, roles) -> bool:
+    """Whether `roles` hold a gathered column-parallel linear inside the layer's attention (`attention_whole`)."""
+    return any(r.block is BlockKind.LAYER and r.gathered and r.strategy is Strategy.COLWISE
+               and r.path.startswith(f"{spec.attention_path}.") for r in roles)
 
 
 def whole_modules(spec: ModelSpec) -> tuple[str, ...]:

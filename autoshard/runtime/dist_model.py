@@ -15,7 +15,6 @@ from torch import Tensor, nn
 from autoshard.errors import AutoshardError, InvalidConfigError
 from autoshard.ir import Plan
 from autoshard.model_spec import Mixer, ModelSpec
-from autoshard.models.facts import text_config
 from autoshard.models.presets import max_positions
 from autoshard.ir import Replicate, ShardProgram
 from autoshard.runtime.agreement import BATCH_FIELDS, agree, batch_facts
@@ -215,9 +214,9 @@ class DistributedModel:
         process; under tp those are elementwise on this rank's vocab slice of the logits."""
         if self.plan.sequence_parallel and self._setup.spec.mixer is Mixer.ATTENTION and "position_ids" not in kwargs:
             # HF would number the positions, and size the masks, of the 1/tp shard it sees between layers
-            config, dtype = text_config(self.model.config), self.model.get_input_embeddings().weight.dtype
-            kwargs = {**kwargs, "position_ids": torch.arange(ids.shape[1], device=ids.device)[None],
-                      "attention_mask": whole_sequence_mask(config, self._setup.spec.layers, ids, dtype)}
+            b, s = ids.shape
+            kwargs = {**kwargs, "position_ids": torch.arange(s, device=ids.device)[None],
+                      "attention_mask": whole_sequence_mask(self.model, self._setup.spec.layers, b, s, ids.device)}
         if getattr(self.model.config, "output_router_logits", False) and torch.is_grad_enabled() and not self._zero3:
             kwargs = {**kwargs, "output_router_logits": True}
         out = self.model(input_ids=ids, use_cache=False, **kwargs)

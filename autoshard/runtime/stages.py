@@ -88,16 +88,16 @@ def attention_masks(config, layers, **mask_kwargs) -> dict[str, torch.Tensor | N
         config=config, layer_idx=index, **mask_kwargs) for kind, index in first.items()}
 
 
-def whole_sequence_mask(config, layers: int, ids: torch.Tensor, dtype: torch.dtype):
-    """The `attention_mask` a sequence-parallel forward hands HF's model for `ids` (b, s): HF would size its masks
-    by the embedding's output, 1/tp of the sequence, while each attention runs on the gathered whole. The masks of
+def whole_sequence_mask(model: nn.Module, layers: int, batch: int, seq: int, device):
+    """The `attention_mask` a sequence-parallel forward hands HF's `model` for `batch` x `seq` tokens: HF would size
+    its masks by the embedding's output, 1/tp of the sequence, while each attention runs on the gathered whole. The masks of
     the whole sequence as HF builds them (`attention_masks`; None where HF leaves it to the kernel: sdpa's causal
     mask, flash, the CP attention): one per layer type as a dict (the forwards of a config with alternating
     layer_types take one), or the one mask of layers that share a type (Mistral's window). Other layer types
     (Llama-4's chunked attention) are refused sequence parallelism (`presets._sequence_refusal`)."""
-    b, s = ids.shape
-    masks = attention_masks(config, range(layers), inputs_embeds=torch.empty(b, s, 1, dtype=dtype, device=ids.device),
-                            attention_mask=None, cache=None, position_ids=torch.arange(s, device=ids.device)[None])
+    embeds = torch.empty(batch, seq, 1, dtype=model.get_input_embeddings().weight.dtype, device=device)
+    masks = attention_masks(text_config(model.config), range(layers), inputs_embeds=embeds, attention_mask=None,
+                            cache=None, position_ids=torch.arange(seq, device=device)[None])
     return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
@@ -166,9 +166,7 @@ class OwnForwardStage(StageModule):
         kwargs = {}
         if self.sequence_shards > 1:
             layers = len(self._base._modules[self.__dict__["_attr"]])
-            dtype = self._model.get_input_embeddings().weight.dtype
-            kwargs["attention_mask"] = whole_sequence_mask(text_config(self.config), layers,
-                                                           torch.empty(x.shape[0], s, device=x.device), dtype)
+            kwargs["attention_mask"] = whole_sequence_mask(self._model, layers, x.shape[0], s, x.device)
         out = self.run(x, position_ids=position_ids, length=s, **kwargs)
         return out if self.stage.head else gather_sequence(out, self.boundary_group)
 
