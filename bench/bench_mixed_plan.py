@@ -11,8 +11,7 @@ on-disk cache), the first plan in the process from the table (the target: under 
 process at another global batch and at a longer and a shorter sequence length (the target: under 1 s), with the
 plan each found.
 dp, pp, cp, tp and ep run on these hybrids; what the runtime still refuses on a hybrid (models/layered.py
-`hybrid_refusals`: sequence parallelism where a layer holds a Mamba mixer, and tp / ep only where a layer holds
-a part no rule splits) is searched here all the same (the spec's `refused` cleared): this measures the planner on the whole
+`hybrid_refusals`: tp, sequence parallelism and ep only where a layer holds a part no rule splits) is searched here all the same (the spec's `refused` cleared): this measures the planner on the whole
 space, a little more than the runtime runs; `autoshard plan` on these models searches only what `parallelize` runs.
 
     python bench/bench_mixed_plan.py [--models nemotron-h-56b,deepseek-v3] [--devices 1024]

@@ -62,6 +62,15 @@ NOT_YET = {
 }
 
 
+# the attention mask a layer of each config layer type (`layer_types`, the keys of HF's mask mapping) takes, which a
+# sequence-parallel forward builds for the whole sequence (runtime/stages.whole_sequence_mask): the causal one (a
+# Falcon-H1 / Zamba2 "hybrid" layer's attention too), the sliding-window one, the padding mask of recurrent layers
+# (Mamba, gated DeltaNet, short convolutions: None for unpadded tokens) or none (Nemotron-H's MLP and MoE layers).
+# Other types (Llama-4's chunked attention, DeepSeek-V3.2's indexed one) take masks it does not build.
+LAYER_MASKS = {"full_attention": "causal", "hybrid": "causal", "sliding_attention": "sliding",
+               "linear_attention": "recurrent", "conv": "recurrent", "mlp": "none", "moe": "none"}
+
+
 def text_config(config):
     """The config of the decoder: a multimodal wrapper's text config (Gemma-4's `text_config`, HF's
     PretrainedConfig.get_text_config(decoder=True)), else `config` itself."""
@@ -163,8 +172,8 @@ class ModelFacts:
     residual_norms: tuple[str, ...] = ()
     own_forward: bool = False  # the model's own forward does something around the layers the stage builder
     #                            of a plain LLaMA stack would drop: pipeline stages run the model's own forward
-    plain_stack: bool = True  # its base holds only the input embedding, the layers, one final norm and a rotary
-    #                           embedding (`_bare_stack`): no learned positions or projections beside the layers
+    plain_stack: bool = True  # its base holds only the input embedding, the layers, one final norm and rotary
+    #                           embeddings (`_bare_stack`): no learned positions or projections beside the layers
 
 
 def read_facts(config, model) -> ModelFacts:
@@ -349,23 +358,27 @@ def _llama_stack(model, found) -> bool:
     by layer: a bare stack (`_bare_stack`) whose rotary embedding the builder can call as the model does."""
     if found is None:
         return True  # no layers: nothing to stage
-    return _bare_stack(model, found) and _rotary_plain(model.get_submodule(found[0].rpartition(".")[0]).rotary_emb)
+    base = model.get_submodule(found[0].rpartition(".")[0])
+    return _bare_stack(model, found) and hasattr(base, "rotary_emb") and _rotary_plain(base.rotary_emb)
 
 
 def _bare_stack(model, found) -> bool:
-    """Whether the base model holds only its `layers` list, a rotary embedding it hands every layer, the input
-    embedding and at most one more module with parameters (the final norm), and builds no mask of its own. Other
-    stacks (GPT-2's learned positions, OPT's projections, Falcon's per-layer alibi) keep the model's own forward
-    (`own_forward`), and their positions or projections beside the layers see the whole sequence."""
+    """Whether the base model holds only its `layers` list, the input embedding, rotary embeddings (or none:
+    Nemotron-H's attention has no positions) and at most one more module with parameters (the final
+    norm), no other buffers, and builds no mask of its own. Other stacks (GPT-2's learned positions, CTRL's and
+    XGLM's sinusoidal ones, OPT's projections) keep the model's own forward (`own_forward`), and their positions or
+    projections beside the layers see the whole sequence."""
     if found is None:
         return True
     path, layers = found
     base = model.get_submodule(path.rpartition(".")[0])
-    if not hasattr(base, "rotary_emb"):
-        return False
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    held = [m for _, m in base.named_children() if m is not layers and m is not embed and any(True for _ in m.parameters())]
-    return len(held) <= 1 and not _own_mask(base)
+    others = [m for m in base.children() if m is not layers and m is not embed]
+    held = [m for m in others if any(True for _ in m.parameters())]
+    # buffers of anything but a rotary embedding (Gemma-3's per layer type, Granite's list of them): positions
+    buffers = any(True for _ in base.buffers(recurse=False)) or any(
+        "Rotary" not in type(x).__name__ for m in others for x in m.modules() if any(True for _ in x.buffers(recurse=False)))
+    return len(held) <= 1 and not buffers and not _own_mask(base)
 
 
 def _rotary_plain(rotary) -> bool:

@@ -147,7 +147,7 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
     CP algorithm splits (Mamba-1's selective scan, gated DeltaNet, short convolutions), pp where layers share
     a block (Zamba2), tp where a layer holds a part no tensor-parallel rule splits (`layer_parts`: Kimi-Linear's
     delta attention, a shared block; the others run by their parts' rules),
-    ep, and sequence parallelism where a part has no rule for it (`_sequence_unsplit`). `stack`: the model's `find_layer_stack`; `parts`: its `layer_parts` where the caller
+    ep, and sequence parallelism where a part has no rule of its own (`_sequence_unsplit`). `stack`: the model's `find_layer_stack`; `parts`: its `layer_parts` where the caller
     has them (else read here)."""
     if stack is None:
         return None
@@ -192,20 +192,17 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
     return tuple(out)
 
 
-# the parts sequence parallelism runs on a hybrid's layers: regions gathering the shard (attention, latent
-# attention, MLP), per-token ops on it (a norm holding hidden-wide vectors, a MoE block routing the shard's tokens)
-SEQUENCE_PARTS = ("embed", "lm_head", "final_norm", "attention", "mla", "mlp", "moe", "norm")
-
-
 def _sequence_unsplit(model: nn.Module, stack, parts) -> str:
-    """What of a hybrid's layers sequence parallelism cannot run on a tp shard of the sequence, or "": a part of
-    another kind (a Mamba mixer, a gated DeltaNet, a short convolution: their state runs along the sequence) or a
-    "norm" holding other than hidden-wide vectors (per-token ops only)."""
+    """What of a hybrid's layers sequence parallelism cannot run on a tp shard of the sequence, or "": a part with
+    no rule of its own ("other": whole on every rank) or a "norm" holding other than hidden-wide vectors (per-token
+    ops only). Every other part runs as on a uniform model: a sequence mixer (attention, latent attention, a Mamba-1
+    or Mamba-2 mixer, a gated DeltaNet, a short convolution) and an MLP gather the shard at their input, their
+    state running along the whole sequence, HF's gathered attention runs whole, a MoE block routes the shard."""
     from autoshard.models.facts import config_value, holds_hidden_vectors
 
-    other = next((p for p in parts if p.kind not in SEQUENCE_PARTS), None)
+    other = next((p for p in parts if p.kind == "other"), None)
     if other is not None:
-        return f"its {other.kind} parts ({other.path})"
+        return f"its {other.path} (a part no tensor-parallel rule splits)"
     hidden = config_value(model.config, "hidden", 0)
     for part in (p for p in parts if p.kind == "norm"):
         if not holds_hidden_vectors(model.get_submodule(f"{stack.prefix}.{part.layers[0]}.{part.path}"), hidden):

@@ -431,10 +431,11 @@ def _sequence_refusal(spec: ModelSpec, facts) -> str:
     tp (Qwen3's q/k norms) a region too (there it reads the gathered sequence, as without sequence parallelism). A
     module that runs whole on every rank (HF's gathered attention, `sharding.whole_modules`) gathers the sequence at
     its input and runs as without it: what it holds needs no role of its own (OLMo-2's full-width q/k norms)."""
+    from autoshard.models.facts import LAYER_MASKS
     from autoshard.rules import sharding
 
     layer = [r for r in sharding.table(spec) if r.block is BlockKind.LAYER]
-    wholes = tuple(f"{w}." for w in sharding.whole_modules(spec))
+    wholes = tuple(f"{w}." for w, _ in sharding.whole_modules(spec))
     regions = tuple(f"{r.path}." for r in layer if r.strategy is sharding.Strategy.REGION) + wholes
     roles = {r.path for r in layer}
     extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles and not n.startswith(wholes)]
@@ -447,8 +448,8 @@ def _sequence_refusal(spec: ModelSpec, facts) -> str:
     if not facts.plain_stack or spec.head_params:
         return ("the model's own forward around its layers (learned positions, projections or attention masks of "
                 "its own beside them, per-head parameters) is not run on a sequence shard")
-    masked = sorted(set(facts.layer_types) - {"full_attention", "sliding_attention"})
-    if masked:  # runtime/stages.whole_sequence_mask builds HF's causal and sliding-window masks
+    masked = sorted(set(facts.layer_types) - set(LAYER_MASKS))
+    if masked:  # runtime/stages.whole_sequence_mask builds the masks of facts.LAYER_MASKS
         return f"its layers of type {masked[0]!r} take a mask autoshard does not build for the whole sequence"
     if open_cols:
         return (f"layers.*.{open_cols[0]} splits its output over tp with no region around it to gather the sequence "

@@ -103,7 +103,9 @@ def _sequence_paths(spec: ModelSpec, layers: Sequence[str], on: Sequence[bool], 
 def _sequence_wholes(spec: ModelSpec, layers: Sequence[str], on: Sequence[bool]) -> tuple[str, ...]:
     """The modules of a sequence-parallel stage's layers that run whole on every tp rank (`sharding.whole_modules`:
     HF's gathered attention), which leave the shard at their input."""
-    return tuple(f"{p}.{w}" for p, keep in zip(layers, on) if keep for w in sharding.whole_modules(spec))
+    wholes = sharding.whole_modules(spec)
+    return tuple(f"{p}.{w}" for i, (p, keep) in enumerate(zip(layers, on)) if keep for w, held in wholes
+                 if not held or i in held)
 
 
 def _sequence_edges(spec: ModelSpec, on: Sequence[str]) -> dict:

@@ -499,11 +499,13 @@ def _gathers_attention(spec: ModelSpec, roles) -> bool:
                and r.path.startswith(f"{spec.attention_path}.") for r in roles)
 
 
-def whole_modules(spec: ModelSpec) -> tuple[str, ...]:
-    """The layer's modules that run whole on every tp rank (`attention_whole`: HF's gathered q / k / v): under
-    sequence parallelism each leaves the shard at its input (all-gathered, its gradient cut back to the shard) and
-    runs as without it, its row-parallel output reduce-scattering back to the shard."""
-    return (spec.attention_path,) if attention_whole(spec) else ()
+def whole_modules(spec: ModelSpec) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The layer's modules that run whole on every tp rank (`attention_whole`: HF's gathered q / k / v; a hybrid's
+    "attention_whole" parts), as (path in the layer, the layers holding it: () for every layer): under sequence
+    parallelism each leaves the shard at its input (all-gathered, its gradient cut back to the shard) and runs as
+    without it, its row-parallel output reduce-scattering back to the shard."""
+    return tuple(dict.fromkeys((r.path.rpartition(".")[0], r.layers) for r in table(spec)
+                               if r.block is BlockKind.LAYER and r.gathered and r.strategy is Strategy.COLWISE))
 
 
 def kv_parts(spec: ModelSpec, tp: int) -> int:

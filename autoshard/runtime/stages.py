@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Stage
 from autoshard.model_spec import Mixer, ModelSpec
-from autoshard.models.facts import final_norm, text_config
+from autoshard.models.facts import LAYER_MASKS, final_norm, text_config
 from autoshard.runtime.comm import gather_sequence, split_sequence
 
 
@@ -93,12 +93,24 @@ def whole_sequence_mask(model: nn.Module, layers: int, batch: int, seq: int, dev
     its masks by the embedding's output, 1/tp of the sequence, while each attention runs on the gathered whole. The masks of
     the whole sequence as HF builds them (`attention_masks`; None where HF leaves it to the kernel: sdpa's causal
     mask, flash, the CP attention): one per layer type as a dict (the forwards of a config with alternating
-    layer_types take one), or the one mask of layers that share a type (Mistral's window). Other layer types
-    (Llama-4's chunked attention) are refused sequence parallelism (`presets._sequence_refusal`)."""
+    layer_types take one), or the one mask of layers that share a type (Mistral's window). A hybrid's forward takes
+    a mapping too: its attention layers' mask under "full_attention", its recurrent layers' padding mask (None: no
+    padding) under "linear_attention" and their type (`facts.LAYER_MASKS`). Other layer types (Llama-4's chunked
+    attention) are refused sequence parallelism (`presets._sequence_refusal`)."""
+    from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
+
+    config = text_config(model.config)
     embeds = torch.empty(batch, seq, 1, dtype=model.get_input_embeddings().weight.dtype, device=device)
-    masks = attention_masks(text_config(model.config), range(layers), inputs_embeds=embeds, attention_mask=None,
-                            cache=None, position_ids=torch.arange(seq, device=device)[None])
-    return masks if len(masks) > 1 else next(iter(masks.values()))
+    kwargs = dict(inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=torch.arange(seq, device=device)[None])
+    kinds = {layer_type(config, i): LAYER_MASKS.get(layer_type(config, i)) for i in range(layers)}
+    masks = attention_masks(config, [i for i in range(layers) if kinds[layer_type(config, i)] in ("causal", "sliding")],
+                            **kwargs)
+    if set(masks) == set(kinds):  # an attention model: one mask per layer type, or the one of them all
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+    causal = masks["full_attention"] if "full_attention" in masks else create_causal_mask(config=config, **kwargs)
+    by_kind = {"causal": causal, "recurrent": create_recurrent_attention_mask(config, embeds, None), "none": None}
+    return {"full_attention": causal, "linear_attention": by_kind["recurrent"],
+            **{kind: masks[kind] if kind in masks else by_kind[how] for kind, how in kinds.items()}}
 
 
 def layer_type(config, index: int) -> str:

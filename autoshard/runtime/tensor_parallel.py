@@ -132,7 +132,8 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
         module = model.get_submodule(path)
         module.__class__ = cls
         module.tp_group = group
-        module.sequence_parallel = path in on
+        # a row-parallel linear inside a region (Mamba-1's x_proj) sums its output on the gathered sequence
+        module.sequence_parallel = path in on and path not in program.output_regions
         if cls is VocabParallelEmbedding:
             module.vocab_start = program.placement(f"{path}.weight").index * module.weight.shape[0]
             module.num_embeddings = module.weight.shape[0]

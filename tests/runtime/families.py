@@ -182,10 +182,11 @@ WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
 # window in every layer, Ministral's on one layer of two (a mask per layer type), LLaMA under eager attention; the
 # model's own forward around the layers on the shard: Gemma-2's scaled embedding (replicated, its output cut to the
 # shard), softcaps and alternating windows, Granite's multipliers, Mllama's embedding with image rows; a MoE block
-# routing each rank's shard of the tokens (Qwen3-MoE); a hybrid's parts (models/layered.py `SEQUENCE_PARTS`):
-# DeepSeek-V2's latent attention and its MoE block, AFMoE's sliding / full layers with a dense first layer; refused
-# by name: Llama-4's chunked attention, Qwen3.5's gated DeltaNet (its state runs along the sequence); HF's gathered
-# attention run whole with the sequence gathered at its input (OLMo-2's full-width q/k norms, Phi-3's fused qkv)
+# routing each rank's shard of the tokens (Qwen3-MoE); a hybrid's parts (models/layered.py `_sequence_unsplit`):
+# DeepSeek-V2's latent attention and its MoE block, AFMoE's sliding / full layers with a dense first layer, Qwen3.5's
+# gated DeltaNet (its region gathers the whole sequence; tests/runtime/hybrids.py runs the Mamba hybrids); refused
+# by name: Llama-4's chunked attention; HF's gathered attention run whole with the sequence gathered at its input
+# (OLMo-2's full-width q/k norms, Phi-3's fused qkv)
 SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_config("apertus")))),
             "stablelm": NO_TP_PLAN["stablelm"], "gpt_neox": CLASSIC["gpt_neox"], "qwen3": DENSE["qwen3"],
             "mistral": DENSE["mistral"],
@@ -194,8 +195,7 @@ SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_con
             "gemma2": DENSE["gemma2"], "granite": DENSE["granite"], "mllama": BEYOND_VOCAB["mllama"],
             "qwen3_moe": MOE["qwen3_moe"], "llama4": MOE["llama4"], "deepseek_v2": LATENT["deepseek_v2"],
             "afmoe": GATED["afmoe"], "qwen3_5": DELTA["qwen3_5"], "olmo2": DENSE["olmo2"], "phi3": DENSE["phi3"]}
-SEQUENCE_REFUSED = {("llama4", "sequence_parallel"): "its layers of type 'chunked_attention' take a mask",
-                    ("qwen3_5", "sequence_parallel"): "sequence parallelism is not run on its delta parts"}
+SEQUENCE_REFUSED = {("llama4", "sequence_parallel"): "its layers of type 'chunked_attention' take a mask"}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}

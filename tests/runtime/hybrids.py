@@ -40,7 +40,10 @@ HYBRIDS = {
     "nemotron_h_no_attention": _tiny("nemotron_h", layers_block_type=["linear_attention", "moe", "linear_attention",
                                                                       "mlp"]),
 }
-PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(cp=2), dict(tp=2), dict(ep=2))
+# tp with sequence parallelism: each sequence mixer (attention, Mamba-1 / Mamba-2 mixers, gated DeltaNets, short
+# convolutions) gathers the shard at its input, its state running along the whole sequence; HF handed the whole
+# sequence's masks (runtime/stages.whole_sequence_mask: the attention layers' causal one, the recurrent layers' none)
+PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(cp=2), dict(tp=2), dict(ep=2), dict(tp=2, sequence_parallel=True))
 # tp: every layer part by its own rule (models/layered.py `layer_parts`); refused naming the first part none splits
 # (Zamba2's shared block)
 REFUSED = {           ("zamba2", "tp"): "no tensor-parallel rule splits a shared block yet",

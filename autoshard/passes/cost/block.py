@@ -368,7 +368,8 @@ def _sequence_tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind
                       stride=group_stride(layout.mesh, "tp"))
     act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
     comm = sequence_cost.tp_comm(ct.spec, hw, kind=kind, tp=tp, act_bytes=act, small_all_reduce_s=small,
-                                 recompute=layout.recompute)
+                                 recompute=layout.recompute,
+                                 vocab=kind is BlockKind.LAYER or sharding.vocab_parallel(ct.spec, kind, layout.strategies))
     hidden = sum(_tp_backward_exposed(ct.block(kind), t, s, n) for s, n in comm.backward_overlapped if n)
     whole_f = whole_b = 0.0
     if kind is BlockKind.LAYER and sharding.whole_modules(ct.spec):  # HF's gathered attention (runs whole)

@@ -44,16 +44,19 @@ class SequenceComm:
 
 
 def tp_comm(spec: ModelSpec, hw: DeviceProfile, *, kind: BlockKind, tp: int, act_bytes: float,
-            small_all_reduce_s: float, recompute: Recompute) -> SequenceComm:
+            small_all_reduce_s: float, recompute: Recompute, vocab: bool = True) -> SequenceComm:
     """The collectives of docs/modules/cost.md (sequence_cost.py); `act_bytes`: the full activation of one micro-batch
-    (tokens of this cp rank x hidden x bytes), `small_all_reduce_s`: the cross-entropy's."""
+    (tokens of this cp rank x hidden x bytes), `small_all_reduce_s`: the cross-entropy's; `vocab`: whether the
+    embedding / head `kind` is vocab-parallel (else replicated: Gemma's scaled embedding, cut to the shard for free,
+    its gradient gathered; a head tied to it gathers its input, its gradient cut for free)."""
     stride = group_stride(Mesh(tp=tp), "tp")
     ag = best_time(hw, Collective.ALL_GATHER, act_bytes, size=tp, stride=stride)
     rs = best_time(hw, Collective.REDUCE_SCATTER, act_bytes, size=tp, stride=stride)
     if kind is BlockKind.EMBED:
-        return SequenceComm(forward=rs, backward_overlapped=(), backward_exposed=ag)
+        return SequenceComm(forward=rs if vocab else 0.0, backward_overlapped=(), backward_exposed=ag)
     if kind is BlockKind.HEAD:
-        return SequenceComm(forward=ag + small_all_reduce_s, backward_overlapped=(), backward_exposed=rs)
+        return SequenceComm(forward=ag + small_all_reduce_s * vocab, backward_overlapped=(),
+                            backward_exposed=rs if vocab else 0.0)
     rows = sharding.row_parallel_count(spec, BlockKind.LAYER)
     regions = region_count(spec)
     return SequenceComm(forward=regions * ag + rows * rs,

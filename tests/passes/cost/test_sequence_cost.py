@@ -123,3 +123,21 @@ def test_placements_name_the_sequence_parallel_norms(llama):
     assert off["layers.*.input_layernorm"] == "replicate" and on["layers.*.self_attn.q_proj"] == "colwise"
     mamba = dict(sharding.block_placements(get_spec("mamba2-tiny"), tp=2, sequence_parallel=True))
     assert mamba["layers.*.norm"] == mamba["backbone.norm_f"] == "sequence" and mamba["layers.*.mixer.norm"] == "colwise"
+
+
+def test_a_replicated_embedding_enters_the_shard_for_free():
+    """Gemma's scaled embedding is replicated under tp (no plain lookup): under SP the runtime cuts its output to
+    this rank's shard (no collective) and gathers the gradient back, and the head tied to it gathers its input
+    (its gradient cut for free), with no vocab-parallel cross-entropy; a vocab-parallel one reduce-scatters."""
+    from tests.runtime.families import DENSE
+
+    source = DENSE["gemma2"]
+    spec = source.spec
+    assert not spec.embedding_plain and not sharding.vocab_parallel(spec, BlockKind.EMBED)
+    ct = compile_table(cost_table_for("gemma2", spinner=False, spec=spec, module=source.build())[1], spec)
+    tp, seq = 2, 64
+    act = seq * spec.hidden * 2.0
+    ag = best_time(HW, Collective.ALL_GATHER, act, size=tp, stride=1)
+    lay = Layout(mesh=Mesh(tp=tp), precision="bf16-mixed", sequence_parallel=True)
+    assert block_time(ct, HW, lay, BlockKind.EMBED, seq_len=seq).tp_comm_s == pytest.approx(ag)
+    assert block_time(ct, HW, lay, BlockKind.HEAD, seq_len=seq).tp_comm_s == pytest.approx(ag)
