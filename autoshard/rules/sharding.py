@@ -679,28 +679,6 @@ def _params_per_rank(spec: ModelSpec, kind: BlockKind, total: float, tp: int, st
     return held + left / tp
 
 
-def row_parallel_count(spec: ModelSpec, kind: BlockKind, *, under: str = "") -> int:
-    """Row-parallel roles of block `kind` (each all-reduces its output in forward), optionally only
-    those under module `under` (what selective recompute reruns)."""
-    return sum(1 for r in table(spec) if r.block is kind and r.strategy is Strategy.ROWWISE
-               and (not under or r.path.startswith(under + ".")))
-
-
-def gathered_widths(spec: ModelSpec, strategy: Strategy) -> tuple[int, ...]:
-    """The widths of one layer's gathered linears (`Role.gathered`) of `strategy`: a colwise one's output (all-gathered
-    in forward), a rowwise one's input (its gradient all-gathered in backward)."""
-    return tuple(size(spec, r.pieces[0].length) for r in table(spec)
-                 if r.block is BlockKind.LAYER and r.gathered and r.strategy is strategy)
-
-
-def tp_entry_count(spec: ModelSpec) -> int:
-    """Input-gradient all-reduces of one layer in backward: one per row-parallel linear's region (Megatron's
-    pair), plus each gathered colwise linear, which enters tp itself, less each gathered rowwise linear, whose
-    whole input enters no region (`Role.gathered`; runtime/tensor_parallel.py)."""
-    return (row_parallel_count(spec, BlockKind.LAYER) + len(gathered_widths(spec, Strategy.COLWISE))
-            - len(gathered_widths(spec, Strategy.ROWWISE)))
-
-
 def selective_module(spec: ModelSpec, layer: int | None = None) -> str:
     """The layer submodule selective recompute checkpoints: the attention module / the Mamba-2
     mixer, whose forward holds one row-parallel all-reduce (rewrite and cost model both ask here): the

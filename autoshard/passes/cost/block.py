@@ -19,7 +19,7 @@ from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.cost import fused_regions, moe_cost
 from autoshard.passes.cost.collectives import Collective, best_time
 from autoshard.passes.cost import sequence_cost
-from autoshard.rules import sharding
+from autoshard.rules import sharding, tp_collectives
 from autoshard.rules.kernels import runs_fused
 from autoshard.rules.sharding import selective_module
 from autoshard.rules.ranks import group_stride
@@ -187,10 +187,14 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
     act = _tokens(layout, seq_len) * ct.spec.hidden * layout.numbers.act_bytes
     ar = best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=group_stride(layout.mesh, "tp"), low_latency=low_latency)
     if kind is BlockKind.LAYER:
-        n, entries = sharding.row_parallel_count(ct.spec, BlockKind.LAYER), sharding.tp_entry_count(ct.spec)
+        n, entries = tp_collectives.row_parallel_count(ct.spec, BlockKind.LAYER), tp_collectives.tp_entry_count(ct.spec)
         sync = _group_sync(ct, hw, layout, seq_len, low_latency=low_latency)
         gather_f, gather_b = _gather_comm(ct, hw, layout, seq_len, low_latency=low_latency)
-        return n * ar + sync + gather_f, entries * ar + sync + gather_b
+        inner = tp_collectives.region_output_widths(ct.spec)  # Mamba-1's x_proj: its own width summed, not the hidden
+        inner_s = sum(best_time(hw, Collective.ALL_REDUCE, act * w / ct.spec.hidden, size=tp,
+                                stride=group_stride(layout.mesh, "tp"), low_latency=low_latency) for w in inner)
+        return ((n - len(inner)) * ar + inner_s + sync + gather_f,
+                (entries - len(inner)) * ar + inner_s + sync + gather_b)
     if not sharding.vocab_parallel(ct.spec, kind, layout.strategies):
         return 0.0, 0.0  # replicated embedding / LM head and loss (the plan's choice): no collective
     if kind is BlockKind.EMBED:
@@ -204,11 +208,11 @@ def _gather_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: 
                  low_latency: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of the all-gathers of one layer's gathered linears (HF's colwise_gather_output:
     its output gathered whole in forward, its gradient sliced; rowwise_split_input: its whole input sliced in
-    forward, its gradient gathered in backward), each of tokens x the linear's width (`sharding.gathered_widths`)."""
+    forward, its gradient gathered in backward), each of tokens x the linear's width (`tp_collectives.gathered_widths`)."""
     tokens, tp = _tokens(layout, seq_len) * layout.numbers.act_bytes, layout.mesh.tp
     stride = group_stride(layout.mesh, "tp")
     return tuple(sum(best_time(hw, Collective.ALL_GATHER, tokens * w, size=tp, stride=stride, low_latency=low_latency)
-                     for w in sharding.gathered_widths(ct.spec, strategy))
+                     for w in tp_collectives.gathered_widths(ct.spec, strategy))
                  for strategy in (sharding.Strategy.COLWISE, sharding.Strategy.ROWWISE))
 
 
@@ -269,8 +273,8 @@ def _recompute_time(ct: CompiledTable, layout: Layout, kind: BlockKind, t: np.nd
     if layout.recompute is Recompute.FULL:
         return float(t[fwd].sum()) + tp_f + cp_f + ep_f
     spec = ct.spec
-    inside = sharding.row_parallel_count(spec, BlockKind.LAYER, under=selective_module(spec))
-    return float(t[fwd & blk.rerun].sum()) + tp_f * inside / max(1, sharding.row_parallel_count(spec, kind)) + cp_f
+    inside = tp_collectives.row_parallel_count(spec, BlockKind.LAYER, under=selective_module(spec))
+    return float(t[fwd & blk.rerun].sum()) + tp_f * inside / max(1, tp_collectives.row_parallel_count(spec, kind)) + cp_f
 
 
 def block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, *,
@@ -341,7 +345,7 @@ def _block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
     else:
         tp_f, tp_b = _tp_comm(ct, hw, layout, kind, seq_len)
         if kind is BlockKind.LAYER and tp_b > 0:  # the input-gradient all-reduces overlap weight gradients
-            n, gather_b = sharding.tp_entry_count(ct.spec), _gather_comm(ct, hw, layout, seq_len)[1]
+            n, gather_b = tp_collectives.tp_entry_count(ct.spec), _gather_comm(ct, hw, layout, seq_len)[1]
             tp_b = _tp_backward_exposed(blk, t, (tp_b - gather_b) / max(1, n), n) + gather_b
     shard = layout.mesh.tp if layout.sequence_parallel else 1  # each tp rank dispatches its shard of the tokens
     ep_f, ep_b = (0.0, 0.0) if kind is not BlockKind.LAYER else moe_cost.ep_comm_time(
@@ -376,7 +380,7 @@ def _sequence_tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind
         stride = group_stride(layout.mesh, "tp")
         gather_f, gather_b = _gather_comm(ct, hw, layout, seq_len)  # its linears' output / input gathers
         entry = best_time(hw, Collective.ALL_GATHER, act, size=tp, stride=stride)  # its input leaves the shard
-        inputs = len(sharding.gathered_widths(ct.spec, sharding.Strategy.COLWISE))  # each gathered linear's input
+        inputs = len(tp_collectives.gathered_widths(ct.spec, sharding.Strategy.COLWISE))  # each gathered linear's input
         whole_f = entry + gather_f  # gradient all-reduced in backward, as without sequence parallelism
         whole_b = inputs * best_time(hw, Collective.ALL_REDUCE, act, size=tp, stride=stride) + gather_b
     return comm.forward + sync + whole_f, hidden + comm.backward_exposed + sync + whole_b

@@ -15,7 +15,7 @@ import numpy as np
 from autoshard.hardware import DeviceProfile
 from autoshard.ir import BlockKind, Mesh, Recompute
 from autoshard.model_spec import ModelSpec
-from autoshard.rules import sharding
+from autoshard.rules import sharding, tp_collectives
 from autoshard.passes.cost.collectives import Collective, best_time
 from autoshard.rules.ranks import group_stride
 
@@ -57,11 +57,14 @@ def tp_comm(spec: ModelSpec, hw: DeviceProfile, *, kind: BlockKind, tp: int, act
     if kind is BlockKind.HEAD:
         return SequenceComm(forward=ag + small_all_reduce_s * vocab, backward_overlapped=(),
                             backward_exposed=rs if vocab else 0.0)
-    rows = sharding.row_parallel_count(spec, BlockKind.LAYER)
+    inner = tp_collectives.region_output_widths(spec)  # all-reduced inside their region (Mamba-1's x_proj), at their width
+    inner_s = sum(best_time(hw, Collective.ALL_REDUCE, act_bytes * w / spec.hidden, size=tp, stride=stride)
+                  for w in inner)
+    rows = tp_collectives.row_parallel_count(spec, BlockKind.LAYER) - len(inner)
     regions = region_count(spec)
-    return SequenceComm(forward=regions * ag + rows * rs,
+    return SequenceComm(forward=regions * ag + rows * rs + inner_s,
                         backward_overlapped=((rs, regions), (ag, _regathered(regions, recompute))),
-                        backward_exposed=rows * ag)
+                        backward_exposed=rows * ag + inner_s)
 
 
 def region_count(spec: ModelSpec) -> int:

@@ -197,7 +197,7 @@ def test_mixed_stack_tp_is_priced_per_layer_part(model_type):
     the tp all-reduces of a kind are its own row-parallel projections."""
     from autoshard.ir import Mesh, Plan, Shard
     from autoshard.passes.rewrite import shard_program
-    from autoshard.rules import sharding
+    from autoshard.rules import tp_collectives
 
     model, spec, table = _mixed_table(model_type)
     ct = compile_table(table, spec)
@@ -216,7 +216,7 @@ def test_mixed_stack_tp_is_priced_per_layer_part(model_type):
         local = sum(v for n, v in held.items() if n.startswith(f"{prefix}.{i}."))
         assert block_params(view, two, BlockKind.LAYER) == pytest.approx(local), kind.name
         full = block_params(view, one, BlockKind.LAYER)
-        rows[kind.name] = sharding.row_parallel_count(view.spec, BlockKind.LAYER)
+        rows[kind.name] = tp_collectives.row_parallel_count(view.spec, BlockKind.LAYER)
         assert (local < full) == (rows[kind.name] > 0), kind.name  # a kind with split parts holds less
     assert rows == {"bamba": {M: 2, A: 2}, "nemotron_h": {M: 1, "moe": 0, A: 1, "mlp": 1},  # o / out / down_proj
                     "deepseek_v3": {"attention+dense": 2, "attention+moe": 1},

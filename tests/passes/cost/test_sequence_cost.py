@@ -12,7 +12,7 @@ from autoshard.ir import BlockKind, Mesh, Recompute
 from autoshard.models.presets import get_spec
 from autoshard.passes.cost.block import block_time
 from autoshard.passes.cost.pipeline import p2p_time
-from autoshard.rules import sharding
+from autoshard.rules import sharding, tp_collectives
 from autoshard.passes.cost.collectives import Collective, best_time, volume
 from autoshard.passes.cost.compiled import compile_table
 from autoshard.passes.cost.cost import estimate
@@ -60,7 +60,7 @@ def test_collectives_move_the_all_reduce_volume(llama):
     ag, rs = (best_time(HW, op, act, size=tp, stride=1) for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER))
     layer = block_time(ct, HW, lay, BlockKind.LAYER, seq_len=seq)
     embed = block_time(ct, HW, lay, BlockKind.EMBED, seq_len=seq)
-    assert sharding.row_parallel_count(spec, BlockKind.LAYER) == 2
+    assert tp_collectives.row_parallel_count(spec, BlockKind.LAYER) == 2
     full = block_time(ct, HW, dataclasses.replace(lay, recompute=Recompute.FULL), BlockKind.LAYER, seq_len=seq)
     assert full.recompute_s == pytest.approx(full.fwd_s + 2 * ag + 2 * rs)  # the rerun forward gathers again
     assert embed.tp_comm_s == pytest.approx(rs + ag)  # forward reduce-scatter, backward all-gather
