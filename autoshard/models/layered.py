@@ -3,7 +3,7 @@ Zamba2, DeepSeek-V3's dense and MoE layers; passes/capture/layer_kinds.py), read
 
 `layered_spec(model, *, name) -> ModelSpec | None`: None for a model whose layers are all of one kind (read by
 `presets.spec_from_hf_config`'s facts), except Mamba-2 layers other than Mamba2ForCausalLM's (an all-Mamba Bamba:
-an MLP beside the mixer). Otherwise a spec of the family of its sequence mixer: SSD when a layer holds a Mamba-2
+an MLP beside the mixer) and Mamba-1's selective scans (Mamba, Falcon-Mamba: by Jamba's part rule). Otherwise a spec of the family of its sequence mixer: SSD when a layer holds a Mamba-2
 mixer, found by its pattern (parameters `A_log`, `D`, `dt_bias`, a `conv1d` child and HF's mixer size attributes),
 not by class name, with those numbers; else ATTENTION with the config's attention numbers; its layer parts (each
 part's tensor-parallel rule), experts and what the runtime refuses on it. Contract: docs/modules/models.md.
@@ -22,16 +22,19 @@ from autoshard.model_spec import Mixer, ModelSpec, config_violation
 from autoshard.models.facts import bidirectional_attention, ssd_mixers, text_config
 
 def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
-    """The spec of a mixed layer stack (None for one kind of layer); see the module docstring."""
+    """The spec of a mixed layer stack (None for one kind of layer but those read by their parts); see the module
+    docstring."""
     from autoshard.passes.capture.layer_kinds import find_layer_stack
 
     config = text_config(getattr(model, "config", None))
     stack = find_layer_stack(model)
     mixers = ssd_mixers(model)
-    if config is None or stack is None or (stack.uniform and not mixers):
+    # a uniform stack of Mamba-1 selective scans (Mamba, Falcon-Mamba): by its parts' rules, as Jamba's layers are
+    scans = stack is not None and stack.uniform and any(_selective_scan(m) for m in model.get_submodule(stack.prefix)[0].modules())
+    if config is None or stack is None or (stack.uniform and not mixers and not scans):
         return None
     parts = layer_parts(model, stack)  # the stack found once, its parts read once: passed on
-    if stack.uniform and not _ssd_layers_beyond_mamba2(stack, parts[0]):
+    if stack.uniform and not scans and not _ssd_layers_beyond_mamba2(stack, parts[0]):
         return None
     both_ways = bidirectional_attention(model)
     if both_ways:
@@ -153,12 +156,13 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
         return None
     ssd = ssd_mixers(model)
     parts = parts if parts is not None else layer_parts(model, stack)
-    if stack.uniform and not ssd and not any(p.kind == "mla" for p in parts[0]):
+    if stack.uniform and not ssd and not any(p.kind in ("mla", "mamba1") for p in parts[0]):
         return _ruleless_refusals(model, stack)
     base = stack.prefix.rpartition(".")[0]
     what = (f"its layers are of several kinds ({', '.join(k.name for k in stack.kinds)})" if not stack.uniform
             else f"its layers hold a Mamba-2 mixer ({_relative(ssd[0][0], base)})"
                  f"{' beside attention' if any(p.kind == 'attention' for p in parts[0]) else ''}" if ssd
+            else "its layers hold Mamba-1 selective scans, run by their parts" if any(p.kind == "mamba1" for p in parts[0])
             else "its layers hold multi-head latent attention, run by its parts")
     _, no_tp = parts
     out = [("tp", no_tp)] if no_tp else []
@@ -221,9 +225,10 @@ def _reads_embeddings(model: nn.Module, stack) -> bool:
 
 
 def _ruleless_refusals(model: nn.Module, stack) -> tuple[tuple[str, str], ...] | None:
-    """A uniform stack whose layers mix tokens by a module with no rule (Mamba-1's selective scan: no attention,
-    no SSD): run by the model's own forward under dp and pp; tp, sequence parallelism and cp refused naming the
-    module. None for a uniform stack of attention (or per-token) layers."""
+    """A uniform stack whose layers mix tokens by a module with no rule (a Conv1d or a recurrence's A_log in a module
+    no part rule reads; Mamba-1's scans are read by their parts, `layered_spec`): run by the model's own forward
+    under dp and pp; tp, sequence parallelism and cp refused naming the module. None for a uniform stack of
+    attention (or per-token) layers."""
     mixer = _mixer_without_cp(model, stack)
     if mixer is None:
         return None

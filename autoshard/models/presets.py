@@ -218,11 +218,15 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
 
     stack = find_layer_stack(model)  # walked once, passed on
     if facts.mixer != "attention":
-        from autoshard.models.layered import _mixer_without_cp
+        from autoshard.models.layered import _mixer_without_cp, layered_spec
+
+        layered = layered_spec(model, name=name)  # Mamba-1's selective scans (Mamba, Falcon-Mamba): by their rules
+        if layered is not None:
+            return layered
 
         own = F.own_attention(model)  # first: such a module is no unknown mixer (it attends, priced as nothing)
         refused = _own_attention_refusals(own, model) if own else hybrid_refusals(model, stack)
-        if refused:  # a uniform stack of a mixer with no rule (Mamba-1): the model's own forward, dp and pp only
+        if refused:  # a uniform stack of a mixer with no rule: the model's own forward, dp and pp only
             return ModelSpec(mixer=Mixer.ATTENTION, ffn=value("ffn", 0) or 0, own_forward=True, refused=refused,
                              **common)
         mixer = (_mixer_without_cp(model, stack) if stack is not None else None) or type(model).__name__
@@ -445,9 +449,9 @@ def _sequence_refusal(spec: ModelSpec, facts) -> str:
     summed = [p for p in spec.grad_sum if p not in one_kv and not p.startswith(regions)]
     if extra:
         return f"layers.*.{extra[0]} has no sequence-parallel rule"
-    if not facts.plain_stack or spec.head_params:
+    if not facts.plain_stack:
         return ("the model's own forward around its layers (learned positions, projections or attention masks of "
-                "its own beside them, per-head parameters) is not run on a sequence shard")
+                "its own beside them) is not run on a sequence shard")
     masked = sorted(set(facts.layer_types) - set(LAYER_MASKS))
     if masked:  # runtime/stages.whole_sequence_mask builds the masks of facts.LAYER_MASKS
         return f"its layers of type {masked[0]!r} take a mask autoshard does not build for the whole sequence"

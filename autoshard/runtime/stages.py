@@ -107,6 +107,8 @@ def whole_sequence_mask(model: nn.Module, layers: int, batch: int, seq: int, dev
                             **kwargs)
     if set(masks) == set(kinds):  # an attention model: one mask per layer type, or the one of them all
         return masks if len(masks) > 1 else next(iter(masks.values()))
+    if not {"causal", "sliding"} & set(kinds.values()):  # no layer attends (Mamba's): the forward's own recurrent mask, None unpadded
+        return None
     causal = masks["full_attention"] if "full_attention" in masks else create_causal_mask(config=config, **kwargs)
     by_kind = {"causal": causal, "recurrent": create_recurrent_attention_mask(config, embeds, None), "none": None}
     return {"full_attention": causal, "linear_attention": by_kind["recurrent"],

@@ -115,9 +115,9 @@ DELTA = {"qwen3_5": _tiny("qwen3_5_text"), "olmo_hybrid": _tiny("olmo_hybrid")}
 LIGHTNING = {"minimax": _tiny("minimax")}
 LIGHTNING_REFUSED = {("minimax", "cp"): "the sequence mixer layers.1.self_attn (MiniMaxLightningAttention"}
 
-# a uniform stack of a sequence mixer with no rule (Mamba-1's selective scan): the model's own forward under dp and
-# pp; tp, cp (and sequence parallelism) refused naming the module (models/layered.py `_ruleless_refusals`)
-RULELESS = {"mamba": _tiny("mamba")}
+# a uniform stack of Mamba-1 selective scans, read by its parts as Jamba's layers are (models/layered.py
+# `layered_spec`): the model's own forward under dp and pp, tp by the scan's inner channels; cp refused naming it
+SCANS = {"mamba": _tiny("mamba")}
 _SCAN = "the Mamba-1 selective scan of layers.0.mixer"
 
 # the classic decoders, their layers found by structure (transformer.h, model.decoder.layers) and their attention by
@@ -184,7 +184,9 @@ WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
 # shard), softcaps and alternating windows, Granite's multipliers, Mllama's embedding with image rows; a MoE block
 # routing each rank's shard of the tokens (Qwen3-MoE); a hybrid's parts (models/layered.py `_sequence_unsplit`):
 # DeepSeek-V2's latent attention and its MoE block, AFMoE's sliding / full layers with a dense first layer, Qwen3.5's
-# gated DeltaNet (its region gathers the whole sequence; tests/runtime/hybrids.py runs the Mamba hybrids); refused
+# gated DeltaNet and Mamba-1's scans (their regions gather the whole sequence, Mamba-1's row-parallel x_proj summing
+# inside it; tests/runtime/hybrids.py runs the Mamba hybrids), GPT-OSS's sinks (split with the heads inside the
+# attention region, which reads the gathered sequence); refused
 # by name: Llama-4's chunked attention; HF's gathered attention run whole with the sequence gathered at its input
 # (OLMo-2's full-width q/k norms, Phi-3's fused qkv)
 SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_config("apertus")))),
@@ -194,17 +196,18 @@ SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_con
             "llama_eager": EagerTiny("llama-tiny", exaggerated(tiny_config("llama"))),
             "gemma2": DENSE["gemma2"], "granite": DENSE["granite"], "mllama": BEYOND_VOCAB["mllama"],
             "qwen3_moe": MOE["qwen3_moe"], "llama4": MOE["llama4"], "deepseek_v2": LATENT["deepseek_v2"],
-            "afmoe": GATED["afmoe"], "qwen3_5": DELTA["qwen3_5"], "olmo2": DENSE["olmo2"], "phi3": DENSE["phi3"]}
+            "afmoe": GATED["afmoe"], "qwen3_5": DELTA["qwen3_5"], "olmo2": DENSE["olmo2"], "phi3": DENSE["phi3"],
+            "mamba": SCANS["mamba"], "gpt_oss": MOE["gpt_oss"]}
 SEQUENCE_REFUSED = {("llama4", "sequence_parallel"): "its layers of type 'chunked_attention' take a mask"}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
-           ("mamba", "tp"): f"{_SCAN} has no tensor-parallel rule", ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
+           ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
 
 def check_families() -> None:
     from tests.runtime.equivalence import check_axes, check_plan
 
-    check_axes({**DENSE, **MOE, **RULELESS}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
+    check_axes({**DENSE, **MOE, **SCANS}, lambda name: PLANS + ((dict(ep=2),) if name in MOE else ()), REFUSED)
     check_axes({**NO_TP_PLAN, **GATHERED}, lambda name: (dict(tp=2),), {})
     check_axes(MULTI_QUERY, lambda name: (dict(tp=2), dict(tp=2, micro_batch=2, precision="bf16-mixed"))
                + ((dict(tp=2, sequence_parallel=True, recompute="selective"),) if name == "llama_mq" else ()), {})
@@ -268,7 +271,8 @@ def _check_generate() -> None:
     latent attention under tp 2 (its heads' cache split, the compressed projection whole); multi-query Gemma-2 under tp 2
     (its one KV head cached whole on each rank); Gemma-4's two layer kinds (head_dim 16 / 32, k_eq_v) under tp 2 and
     pp 2, its MLP-beside-MoE layer over ep 2 and tp 2; Gemma-3's multimodal wrapper under tp 2 (its stage read the
-    wrapper config's missing layer count); dots1's shared and routed experts over ep 2."""
+    wrapper config's missing layer count); dots1's shared and routed experts over ep 2; Mamba-1's conv and scan state
+    cached per rank's inner channels under tp 2."""
     import copy
 
     import torch
@@ -285,7 +289,8 @@ def _check_generate() -> None:
                          (DENSE["granite"], dict(pp=2)), (Tiny("gemma2-4-window3", windowed), dict(pp=2)),
                          (MOE["gpt_oss"], dict(ep=2)), (GEMMA4["gemma4_k_eq_v"], dict(tp=2)),
                          (GEMMA4["gemma4_k_eq_v"], dict(pp=2)), (GEMMA4["gemma4_moe"], dict(ep=2)), (GEMMA4["gemma4_moe"], dict(tp=2)),
-                         (WRAPPED["gemma3_wrapper"], dict(tp=2)), (UNSET["dots1"], dict(ep=2))):
+                         (WRAPPED["gemma3_wrapper"], dict(tp=2)), (UNSET["dots1"], dict(ep=2)),
+                         (SCANS["mamba"], dict(tp=2))):
         check_generate(source, plan, ids)
 
 

@@ -16,7 +16,7 @@ from autoshard.cli import main
 from autoshard.commands.common import cost_table_for, model_for
 from autoshard.cost_table import B, S
 from autoshard.hardware import load_hardware
-from autoshard.ir import Mesh, Recompute
+from autoshard.ir import BlockKind, Mesh, Recompute
 from autoshard.passes.capture import selective_scan
 from autoshard.passes.capture.capture import capture_model
 from autoshard.passes.cost import cost
@@ -155,15 +155,28 @@ def test_inspect_counts_hf_parameters(name, capsys):
     assert cost.model_flops_per_token(compile_table(table, spec), 64) == want
 
 
-def test_mamba_plans_dp_and_pp_only(tmp_path, capsys):
+def test_mamba_plans_tp_by_its_inner_channels_and_refuses_cp(tmp_path, capsys):
+    """A uniform stack of Mamba-1 scans is read by its parts (models/layered.py `layered_spec`), as Jamba's Mamba-1
+    layers are: tp splits the scan's inner channels (its x_proj row-parallel inside the region), priced; cp refused."""
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", MAMBA, "--hardware", "cpu", "--devices", "4", "--global-batch", "8",
                  "--seq-len", "64", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    plan = json.loads(out.read_text())
-    assert plan["mesh"]["tp"] == plan["mesh"]["cp"] == 1 and plan["mesh"]["dp"] * plan["mesh"]["pp"] == 4
-    assert "tp not searched: the Mamba-1 selective scan of layers.0.mixer has no tensor-parallel rule" in text
+    assert json.loads(out.read_text())["mesh"]["cp"] == 1 and "tp not searched" not in text
     assert "cp not searched: the Mamba-1 selective scan of layers.0.mixer has no CP algorithm" in text
+    spec, table = _table(MAMBA)
+    assert [p.kind for p in spec.parts if p.kind == "mamba1"] == ["mamba1"]
+    layout = Layout(mesh=Mesh(tp=2), micro_batch=1, zero=1, recompute=Recompute.NONE)
+    hw = load_hardware("h100")
+    assert cost.estimate(table, spec, hw, layout, global_batch=8, seq_len=256).time.tp_comm > 0
+    # out_proj all-reduces the hidden width, x_proj (row-parallel inside the region) only its dt_rank + 2 x state
+    from autoshard.passes.cost.block import _tp_comm
+    from autoshard.passes.cost.collectives import Collective, best_time
+
+    scan = next(p for p in spec.parts if p.kind == "mamba1")
+    ar = lambda width: best_time(hw, Collective.ALL_REDUCE, 256 * width * layout.numbers.act_bytes, size=2, stride=1)
+    forward, _ = _tp_comm(compile_table(table, spec), hw, layout, BlockKind.LAYER, 256)
+    assert scan.size("x_out") != spec.hidden and forward == pytest.approx(ar(spec.hidden) + ar(scan.size("x_out")))
 
 
 def test_jamba_prices_tp_and_ep_refuses_cp():

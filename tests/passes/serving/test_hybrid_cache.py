@@ -107,6 +107,33 @@ def test_a_recurrent_state_beside_attention_is_priced_as_hf_caches_it(model_type
     assert steps[0] == steps[1] > 0
 
 
+@pytest.mark.parametrize("factory", ["mamba_tiny", "falcon_mamba_tiny"])
+def test_a_stack_of_mamba1_scans_holds_the_state_hf_caches(factory):
+    """An all-Mamba-1 model (Mamba, Falcon-Mamba), read by its parts as Jamba's Mamba-1 layers are: its conv and scan
+    state per sequence priced equal to HF's cache after a prefill, whole and per stage, half on each rank at tp 2 (the
+    scan's inner channels split), a decode step's reading of it the same at any context (refused before)."""
+    import importlib
+
+    from autoshard.hardware import load_hardware
+
+    name = f"tests.models.mamba1_models:{factory}"
+    spec, module = model_for(name)
+    spec, table = cost_table_for(name, spinner=False, spec=spec, module=module)
+    it = ic.compile_inference_table(table, spec)
+    model = getattr(importlib.import_module("tests.models.mamba1_models"), factory)().to(torch.bfloat16)
+    ids = torch.randint(3, 200, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        held = [cache_layer_bytes(layer) for layer in model(ids, use_cache=True).past_key_values.layers]
+    assert all(h > 0 for h in held)
+    for pp in (1, 2):
+        for stage in ic.stages_of(spec, pp):
+            priced = ic.stage_cache_bytes(it, stage, batch=BATCH, tokens=PROMPT, tp=1)
+            assert priced == sum(held[stage.first_layer:stage.end_layer]), f"{factory} pp{pp} {stage}"
+    assert 2 * ic.stage_cache_bytes(it, ic.stages_of(spec, 1)[0], batch=BATCH, tokens=PROMPT, tp=2) == sum(held)
+    steps = [ic.decode_core_seconds(it, load_hardware("h100"), 1, batch=64, context=c) for c in (1024, 65536)]
+    assert steps[0] == steps[1] > 0
+
+
 def kimi_linear_tiny():
     from autoshard.models.tiny import build_tiny, tiny_config
 
