@@ -65,10 +65,12 @@ NOT_YET = {
 # the attention mask a layer of each config layer type (`layer_types`, the keys of HF's mask mapping) takes, which a
 # sequence-parallel forward builds for the whole sequence (runtime/stages.whole_sequence_mask): the causal one (a
 # Falcon-H1 / Zamba2 "hybrid" layer's attention too), the sliding-window one, the padding mask of recurrent layers
-# (Mamba, gated DeltaNet, short convolutions: None for unpadded tokens) or none (Nemotron-H's MLP and MoE layers).
-# Other types (Llama-4's chunked attention, DeepSeek-V3.2's indexed one) take masks it does not build.
+# (Mamba, gated DeltaNet, short convolutions: None for unpadded tokens), none (Nemotron-H's MLP and MoE layers) or
+# the causal one always materialised (DeepSeek-V3.2's indexer masks its scores with it). Other types (Llama-4's
+# chunked attention) take masks it does not build.
 LAYER_MASKS = {"full_attention": "causal", "hybrid": "causal", "sliding_attention": "sliding",
-               "linear_attention": "recurrent", "conv": "recurrent", "mlp": "none", "moe": "none"}
+               "linear_attention": "recurrent", "conv": "recurrent", "mlp": "none", "moe": "none",
+               "indexed_attention": "materialised"}
 
 
 def text_config(config):
@@ -214,7 +216,8 @@ def read_facts(config, model) -> ModelFacts:
         final_softcap=float(config_value(config, "final_softcap", 0.0) or 0.0), logit_scale=logit_scale,
         embedding_multiplier=float(getattr(config, "embedding_multiplier", None) or 1.0))
     facts["residual_norms"] = residual_norms(layers, config_value(config, "hidden", 0)) if layers is not None else ()
-    facts["plain_stack"] = _bare_stack(model, found)
+    facts["plain_stack"] = _bare_stack(model, found, materialised=bool(types) and all(
+        LAYER_MASKS.get(t) == "materialised" for t in types))
     facts["own_forward"] = mixer == "attention" and (_needs_own_forward(facts, config) or not _llama_stack(model, found))
     return ModelFacts(**facts)
 
@@ -362,12 +365,13 @@ def _llama_stack(model, found) -> bool:
     return _bare_stack(model, found) and hasattr(base, "rotary_emb") and _rotary_plain(base.rotary_emb)
 
 
-def _bare_stack(model, found) -> bool:
+def _bare_stack(model, found, *, materialised: bool = False) -> bool:
     """Whether the base model holds only its `layers` list, the input embedding, rotary embeddings (or none:
     Nemotron-H's attention has no positions) and at most one more module with parameters (the final
     norm), no other buffers, and builds no mask of its own. Other stacks (GPT-2's learned positions, CTRL's and
     XGLM's sinusoidal ones, OPT's projections) keep the model's own forward (`own_forward`), and their positions or
-    projections beside the layers see the whole sequence."""
+    projections beside the layers see the whole sequence. `materialised`: the causal mask it builds unskipped
+    (DeepSeek-V3.2's indexed layers, `LAYER_MASKS`) is one a sequence-parallel forward hands it whole."""
     if found is None:
         return True
     path, layers = found
@@ -378,7 +382,7 @@ def _bare_stack(model, found) -> bool:
     # buffers of anything but a rotary embedding (Gemma-3's per layer type, Granite's list of them): positions
     buffers = any(True for _ in base.buffers(recurse=False)) or any(
         "Rotary" not in type(x).__name__ for m in others for x in m.modules() if any(True for _ in x.buffers(recurse=False)))
-    return len(held) <= 1 and not buffers and not _own_mask(base)
+    return len(held) <= 1 and not buffers and not _own_mask(base, built={"allow_is_causal_skip"} if materialised else ())
 
 
 def _rotary_plain(rotary) -> bool:
@@ -399,14 +403,16 @@ def _rotary_plain(rotary) -> bool:
 _MASK_ARGUMENTS = frozenset({"allow_is_causal_skip", "or_mask_function", "and_mask_function"})
 
 
-def _own_mask(base) -> bool:
+def _own_mask(base, built=()) -> bool:
     """Whether `base`'s forward builds its attention mask with arguments the LLaMA stage builder does not pass
-    (`_MASK_ARGUMENTS`, read off the keyword names of the calls its code makes): then its own forward runs."""
+    (`_MASK_ARGUMENTS` but those `built`, read off the keyword names of the calls its code makes): then its own
+    forward runs."""
     import inspect
 
     code = getattr(inspect.unwrap(type(base).forward), "__code__", None)
     consts = code.co_consts if code is not None else ()
-    return any(isinstance(c, tuple) and _MASK_ARGUMENTS & {x for x in c if isinstance(x, str)} for c in consts)
+    own = _MASK_ARGUMENTS - set(built)
+    return any(isinstance(c, tuple) and own & {x for x in c if isinstance(x, str)} for c in consts)
 
 
 def _windows(config, layers) -> tuple[int, int]:

@@ -431,7 +431,7 @@ def _sequence_refusal(spec: ModelSpec, facts) -> str:
     """Why sequence parallelism cannot run this attention model's layers, or "". It runs each layer's own ops (the
     residual adds, the norms of `sequence` roles) on a tp shard of the sequence, which each region (attention, MLP)
     gathers at its input and each row-parallel linear reduce-scatters at its output: so every layer parameter needs a
-    role, every column-parallel linear a region around it, and a replicated parameter whose gradient is summed over
+    role or a region around it (DeepSeek-V3.2's indexer), every column-parallel linear a region around it, and a replicated parameter whose gradient is summed over
     tp (Qwen3's q/k norms) a region too (there it reads the gathered sequence, as without sequence parallelism). A
     module that runs whole on every rank (HF's gathered attention, `sharding.whole_modules`) gathers the sequence at
     its input and runs as without it: what it holds needs no role of its own (OLMo-2's full-width q/k norms)."""
@@ -442,7 +442,9 @@ def _sequence_refusal(spec: ModelSpec, facts) -> str:
     wholes = tuple(f"{w}." for w, _ in sharding.whole_modules(spec))
     regions = tuple(f"{r.path}." for r in layer if r.strategy is sharding.Strategy.REGION) + wholes
     roles = {r.path for r in layer}
-    extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles and not n.startswith(wholes)]
+    # a parameter with no role inside a region (DeepSeek-V3.2's indexer in the latent attention) is replicated and
+    # reads the gathered sequence there, as without sequence parallelism
+    extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles and not n.startswith(regions)]
     open_cols = [r.path for r in layer if r.strategy is sharding.Strategy.COLWISE and not r.path.startswith(regions)]
     # one KV head's projections run on the gathered sequence like any split linear: their tp sum is no hindrance
     one_kv = {r.path for r in layer if sharding.one_kv_head(spec, r)}

@@ -107,12 +107,16 @@ def whole_sequence_mask(model: nn.Module, layers: int, batch: int, seq: int, dev
                             **kwargs)
     if set(masks) == set(kinds):  # an attention model: one mask per layer type, or the one of them all
         return masks if len(masks) > 1 else next(iter(masks.values()))
-    if not {"causal", "sliding"} & set(kinds.values()):  # no layer attends (Mamba's): the forward's own recurrent mask, None unpadded
-        return None
-    causal = masks["full_attention"] if "full_attention" in masks else create_causal_mask(config=config, **kwargs)
-    by_kind = {"causal": causal, "recurrent": create_recurrent_attention_mask(config, embeds, None), "none": None}
-    return {"full_attention": causal, "linear_attention": by_kind["recurrent"],
-            **{kind: masks[kind] if kind in masks else by_kind[how] for kind, how in kinds.items()}}
+    if not {"causal", "sliding", "materialised"} & set(kinds.values()):  # no layer attends (Mamba's): the forward's
+        return None  # own recurrent mask, None unpadded
+    build = {"causal": lambda: masks["full_attention"] if "full_attention" in masks else create_causal_mask(
+                 config=config, **kwargs),
+             "recurrent": lambda: create_recurrent_attention_mask(config, embeds, None), "none": lambda: None,
+             "materialised": lambda: create_causal_mask(config=config, allow_is_causal_skip=False, **kwargs)}
+    out = {kind: masks[kind] if kind in masks else build[how]() for kind, how in kinds.items()}
+    out.setdefault("full_attention", build["causal"]())  # the keys a hybrid's forward reads whatever its types
+    out.setdefault("linear_attention", build["recurrent"]())
+    return out
 
 
 def layer_type(config, index: int) -> str:

@@ -186,7 +186,8 @@ WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
 # DeepSeek-V2's latent attention and its MoE block, AFMoE's sliding / full layers with a dense first layer, Qwen3.5's
 # gated DeltaNet and Mamba-1's scans (their regions gather the whole sequence, Mamba-1's row-parallel x_proj summing
 # inside it; tests/runtime/hybrids.py runs the Mamba hybrids), GPT-OSS's sinks (split with the heads inside the
-# attention region, which reads the gathered sequence); refused
+# attention region, which reads the gathered sequence), DeepSeek-V3.2's indexer (inside the latent attention's region,
+# handed the whole sequence's causal mask materialised, as its forward builds it); refused
 # by name: Llama-4's chunked attention; HF's gathered attention run whole with the sequence gathered at its input
 # (OLMo-2's full-width q/k norms, Phi-3's fused qkv)
 SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_config("apertus")))),
@@ -197,7 +198,7 @@ SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_con
             "gemma2": DENSE["gemma2"], "granite": DENSE["granite"], "mllama": BEYOND_VOCAB["mllama"],
             "qwen3_moe": MOE["qwen3_moe"], "llama4": MOE["llama4"], "deepseek_v2": LATENT["deepseek_v2"],
             "afmoe": GATED["afmoe"], "qwen3_5": DELTA["qwen3_5"], "olmo2": DENSE["olmo2"], "phi3": DENSE["phi3"],
-            "mamba": SCANS["mamba"], "gpt_oss": MOE["gpt_oss"]}
+            "mamba": SCANS["mamba"], "gpt_oss": MOE["gpt_oss"], "deepseek_v32": UNUSED["deepseek_v32"]}
 SEQUENCE_REFUSED = {("llama4", "sequence_parallel"): "its layers of type 'chunked_attention' take a mask"}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
