@@ -66,11 +66,11 @@ NOT_YET = {
 # sequence-parallel forward builds for the whole sequence (runtime/stages.whole_sequence_mask): the causal one (a
 # Falcon-H1 / Zamba2 "hybrid" layer's attention too), the sliding-window one, the padding mask of recurrent layers
 # (Mamba, gated DeltaNet, short convolutions: None for unpadded tokens), none (Nemotron-H's MLP and MoE layers) or
-# the causal one always materialised (DeepSeek-V3.2's indexer masks its scores with it). Other types (Llama-4's
-# chunked attention) take masks it does not build.
+# the causal one always materialised (DeepSeek-V3.2's indexer masks its scores with it) or the chunked one (Llama-4's
+# chunked attention: causal within chunks of attention_chunk_size tokens). Other types take masks it does not build.
 LAYER_MASKS = {"full_attention": "causal", "hybrid": "causal", "sliding_attention": "sliding",
                "linear_attention": "recurrent", "conv": "recurrent", "mlp": "none", "moe": "none",
-               "indexed_attention": "materialised"}
+               "indexed_attention": "materialised", "chunked_attention": "chunked"}
 
 
 def text_config(config):

@@ -51,7 +51,16 @@ def cp_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
                                  "parallel attention does not implement; run this model with cp=1")
     layout = getattr(module, _LAYOUT_ATTR, SeqLayout.BALANCED)
     return causal_attention(query, key, value, ctx, layout, scale=scaling, window=window, softcap=softcap,
-                            sinks=sinks), None
+                            sinks=sinks, chunk=_attention_chunk(module)), None
+
+
+def _attention_chunk(module: nn.Module) -> int | None:
+    """The chunk of a chunked-attention layer (its config's layer_types entry "chunked_attention": Llama-4's, a query
+    sees the causal keys of its own attention_chunk_size tokens, HF's create_chunked_causal_mask), else None."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None) or ()
+    return config.attention_chunk_size if index is not None and index < len(types) and \
+        types[index] == "chunked_attention" else None
 
 
 # kwargs HF's attention modules pass that do not change the result of causal attention over positions
@@ -74,9 +83,10 @@ def balanced_causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CP
 
 def causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CPContext, layout: SeqLayout, *,
                      scale: float | None = None, window: int | None = None, softcap: float | None = None,
-                     sinks: Tensor | None = None) -> Tensor:
+                     sinks: Tensor | None = None, chunk: int | None = None) -> Tensor:
     """`balanced_causal_attention` for this rank's slice in `layout`: balanced (chunks r and 2cp-1-r of
-    2cp) or contiguous (chunk r of cp). query (b, hq, L, d), key/value (b, hkv, L, d) -> (b, L, hq, d)."""
+    2cp) or contiguous (chunk r of cp); `chunk`: a query attends within its own chunk of that many positions
+    (Llama-4's chunked attention). query (b, hq, L, d), key/value (b, hkv, L, d) -> (b, L, hq, d)."""
     b, hkv, local, d = key.shape
     balanced = layout is SeqLayout.BALANCED
     if balanced and local % 2:
@@ -88,7 +98,8 @@ def causal_attention(query: Tensor, key: Tensor, value: Tensor, ctx: CPContext, 
     kv = all_gather_autograd(kv, ctx, dim=2)  # (b, hkv, S, dk + dv), rank order
     kv = kv.index_select(2, gathered_order(seq, ctx.size, layout).to(kv.device))  # natural order
     chunks = (ctx.rank, 2 * ctx.size - 1 - ctx.rank) if balanced else (ctx.rank,)
-    return _attend_chunks(query, kv, chunks, key_dim=d, scale=scale, window=window, softcap=softcap, sinks=sinks)
+    return _attend_chunks(query, kv, chunks, key_dim=d, scale=scale, window=window, softcap=softcap, sinks=sinks,
+                          attention_chunk=chunk)
 
 
 def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, scale: float | None = None,
@@ -102,7 +113,8 @@ def local_causal_attention(query: Tensor, kv: Tensor, *, rank: int, cp: int, sca
 
 
 def _attend_chunks(query: Tensor, kv: Tensor, chunk_ids: tuple[int, ...], *, key_dim: int, scale: float | None,
-                   window: int | None, softcap: float | None, sinks: Tensor | None) -> Tensor:
+                   window: int | None, softcap: float | None, sinks: Tensor | None,
+                   attention_chunk: int | None = None) -> Tensor:
     """Query chunks `chunk_ids` (of equal size, held in that order in `query` (b, hq, L, d)) against the
     key prefixes they can see in `kv` (b, hkv, S, dk + dv), K (`key_dim` wide) then V along the features,
     natural order. -> (b, L, hq, dv)."""
@@ -117,6 +129,8 @@ def _attend_chunks(query: Tensor, kv: Tensor, chunk_ids: tuple[int, ...], *, key
         mask = k_pos <= q_pos[:, None]  # (c, end) causal on real positions
         if window:
             mask &= k_pos > q_pos[:, None] - window
+        if attention_chunk:  # Llama-4's chunked attention: keys of the query's own chunk only
+            mask &= k_pos // attention_chunk == q_pos[:, None] // attention_chunk
         if softcap or sinks is not None:
             outs.append(_explicit_attention(q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks))
             continue

@@ -95,9 +95,10 @@ def whole_sequence_mask(model: nn.Module, layers: int, batch: int, seq: int, dev
     mask, flash, the CP attention): one per layer type as a dict (the forwards of a config with alternating
     layer_types take one), or the one mask of layers that share a type (Mistral's window). A hybrid's forward takes
     a mapping too: its attention layers' mask under "full_attention", its recurrent layers' padding mask (None: no
-    padding) under "linear_attention" and their type (`facts.LAYER_MASKS`). Other layer types (Llama-4's chunked
-    attention) are refused sequence parallelism (`presets._sequence_refusal`)."""
-    from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
+    padding) under "linear_attention" and their type; a chunked or indexed layer its own (`facts.LAYER_MASKS`).
+    Other layer types are refused sequence parallelism (`presets._sequence_refusal`)."""
+    from transformers.masking_utils import (create_causal_mask, create_chunked_causal_mask,
+                                            create_recurrent_attention_mask)
 
     config = text_config(model.config)
     embeds = torch.empty(batch, seq, 1, dtype=model.get_input_embeddings().weight.dtype, device=device)
@@ -107,12 +108,13 @@ def whole_sequence_mask(model: nn.Module, layers: int, batch: int, seq: int, dev
                             **kwargs)
     if set(masks) == set(kinds):  # an attention model: one mask per layer type, or the one of them all
         return masks if len(masks) > 1 else next(iter(masks.values()))
-    if not {"causal", "sliding", "materialised"} & set(kinds.values()):  # no layer attends (Mamba's): the forward's
+    if not {"causal", "sliding", "materialised", "chunked"} & set(kinds.values()):  # no layer attends (Mamba's): the forward's
         return None  # own recurrent mask, None unpadded
     build = {"causal": lambda: masks["full_attention"] if "full_attention" in masks else create_causal_mask(
                  config=config, **kwargs),
              "recurrent": lambda: create_recurrent_attention_mask(config, embeds, None), "none": lambda: None,
-             "materialised": lambda: create_causal_mask(config=config, allow_is_causal_skip=False, **kwargs)}
+             "materialised": lambda: create_causal_mask(config=config, allow_is_causal_skip=False, **kwargs),
+             "chunked": lambda: create_chunked_causal_mask(config=config, **kwargs)}
     out = {kind: masks[kind] if kind in masks else build[how]() for kind, how in kinds.items()}
     out.setdefault("full_attention", build["causal"]())  # the keys a hybrid's forward reads whatever its types
     out.setdefault("linear_attention", build["recurrent"]())

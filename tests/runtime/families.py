@@ -35,7 +35,9 @@ DENSE = {
 MOE = {
     "qwen3_moe": _tiny("qwen3_moe"),
     "gpt_oss": _tiny("gpt_oss"),  # attention sinks; biased, transposed, interleaved, clamped experts (HF's own under ep)
-    "llama4": _tiny("llama4_text"),  # base_model_prefix names another model; experts called pre-scattered
+    # base_model_prefix names another model; experts called pre-scattered; chunked attention within 4 tokens of the
+    # 16 (HF's default chunk, 8192, is causal at these lengths: cp attended across chunks, silently wrong, before)
+    "llama4": _tiny("llama4_text", attention_chunk_size=4),
 }
 
 # multi-query attention (one KV head, Gemma-2B's, Falcon-7B's): under tp its k / v projections stay whole on every
@@ -187,8 +189,8 @@ WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
 # gated DeltaNet and Mamba-1's scans (their regions gather the whole sequence, Mamba-1's row-parallel x_proj summing
 # inside it; tests/runtime/hybrids.py runs the Mamba hybrids), GPT-OSS's sinks (split with the heads inside the
 # attention region, which reads the gathered sequence), DeepSeek-V3.2's indexer (inside the latent attention's region,
-# handed the whole sequence's causal mask materialised, as its forward builds it); refused
-# by name: Llama-4's chunked attention; HF's gathered attention run whole with the sequence gathered at its input
+# handed the whole sequence's causal mask materialised, as its forward builds it), Llama-4's chunked attention (the
+# whole sequence's chunked mask); HF's gathered attention run whole with the sequence gathered at its input
 # (OLMo-2's full-width q/k norms, Phi-3's fused qkv)
 SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_config("apertus")))),
             "stablelm": NO_TP_PLAN["stablelm"], "gpt_neox": CLASSIC["gpt_neox"], "qwen3": DENSE["qwen3"],
@@ -199,7 +201,7 @@ SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_con
             "qwen3_moe": MOE["qwen3_moe"], "llama4": MOE["llama4"], "deepseek_v2": LATENT["deepseek_v2"],
             "afmoe": GATED["afmoe"], "qwen3_5": DELTA["qwen3_5"], "olmo2": DENSE["olmo2"], "phi3": DENSE["phi3"],
             "mamba": SCANS["mamba"], "gpt_oss": MOE["gpt_oss"], "deepseek_v32": UNUSED["deepseek_v32"]}
-SEQUENCE_REFUSED = {("llama4", "sequence_parallel"): "its layers of type 'chunked_attention' take a mask"}
+SEQUENCE_REFUSED = {}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
