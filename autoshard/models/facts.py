@@ -418,14 +418,18 @@ def _own_mask(base, built=()) -> bool:
 def _windows(config, layers) -> tuple[int, int]:
     """(sliding window, layers that use it): what each layer's attention passes HF's attention interface as
     `sliding_window`: the module's own attribute where it keeps one (Gemma-2/3, GPT-OSS, Qwen2: None on a
-    full-attention layer), else the config's (Mistral, Mixtral pass config.sliding_window in every layer)."""
+    full-attention layer), else the config's (Mistral, Mixtral pass config.sliding_window in every layer); a
+    chunked-attention layer (Llama-4's) its chunk, which HF caches as a sliding window of attention_chunk_size."""
     config_window = config_value(config, "sliding_window", None)
+    types, chunk = getattr(config, "layer_types", None) or (), getattr(config, "attention_chunk_size", None)
     windows = []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         module = next((m for m in layer.modules() if is_attention(m)), None)
         if module is None:
             continue
         window = getattr(module, "sliding_window", config_window)
+        if i < len(types) and types[i] == "chunked_attention":
+            window = chunk
         windows.append(window if is_positive_int(window) else 0)
     used = [w for w in windows if w]
     return (max(used), len(used)) if used else (0, 0)

@@ -239,3 +239,30 @@ def test_each_layer_kind_caches_its_own_heads_and_window():
     # tp 2 splits the sliding layers' 2 KV heads; the full layer's one K/V head stays whole on each rank
     assert [ic.layer_cache_bytes(it.kinds[k], batch=BATCH, tokens=PROMPT, tp=2) for k in it.ct.layer_kinds] == \
         [4 * token] * 3 + [held[3]]
+
+
+def llama4_chunk4_tiny():
+    from autoshard.models.tiny import build_tiny, tiny_config
+
+    config = tiny_config("llama4_text")
+    config.attention_chunk_size = 4
+    return build_tiny(config)
+
+
+def test_a_chunked_attention_layer_caches_its_chunk():
+    """Llama-4's chunked-attention layer (a 4-token chunk) is cached by HF as a sliding window of its chunk, so it is
+    priced as one (facts `_windows`): before, as a full-attention layer (every one of the 20 tokens). As for a
+    sliding layer, HF keeps the window's last chunk - 1 keys between steps (and an 8-byte length); the full layer
+    keeps every token."""
+    name = "tests.passes.serving.test_hybrid_cache:llama4_chunk4_tiny"
+    spec, module = model_for(name)
+    spec, table = cost_table_for(name, spinner=False, spec=spec, module=module)
+    assert (spec.sliding_window, spec.window_layers) == (4, 1)
+    it = ic.compile_inference_table(table, spec)
+    model = llama4_chunk4_tiny().to(torch.bfloat16)
+    ids = torch.randint(3, 200, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        chunked, full = (cache_layer_bytes(layer) for layer in model(ids, use_cache=True).past_key_values.layers)
+    token = full // PROMPT  # K and V of one token in one layer
+    assert chunked == 3 * token + 8
+    assert ic.stage_cache_bytes(it, ic.stages_of(spec, 1)[0], batch=BATCH, tokens=PROMPT, tp=1) == full + 4 * token
