@@ -29,6 +29,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "expert_ffn": ("moe_intermediate_size", "expert_intermediate_size", "moe_ffn_hidden_size"),
     "shared_ffn": ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
     "sliding_window": ("sliding_window", "attention_window"),
+    "attention_chunk": ("attention_chunk_size",),  # Llama-4's chunked attention
     "attn_softcap": ("attn_logit_softcapping", "attention_logit_softcapping"),
     "final_softcap": ("final_logit_softcapping", "logit_softcapping"),
     # SSD (Mamba-2)

@@ -36,8 +36,8 @@ MOE = {
     "qwen3_moe": _tiny("qwen3_moe"),
     "gpt_oss": _tiny("gpt_oss"),  # attention sinks; biased, transposed, interleaved, clamped experts (HF's own under ep)
     # base_model_prefix names another model; experts called pre-scattered; chunked attention within 4 tokens of the
-    # 16 (HF's default chunk, 8192, is causal at these lengths: cp attended across chunks, silently wrong, before)
-    "llama4": _tiny("llama4_text", attention_chunk_size=4),
+    # 16 (tiny_config's chunk; HF's default, 8192, is causal at these lengths: it hid cp attending across chunks)
+    "llama4": _tiny("llama4_text"),
 }
 
 # multi-query attention (one KV head, Gemma-2B's, Falcon-7B's): under tp its k / v projections stay whole on every
