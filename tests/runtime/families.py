@@ -275,7 +275,7 @@ def _check_generate() -> None:
     (its one KV head cached whole on each rank); Gemma-4's two layer kinds (head_dim 16 / 32, k_eq_v) under tp 2 and
     pp 2, its MLP-beside-MoE layer over ep 2 and tp 2; Gemma-3's multimodal wrapper under tp 2 (its stage read the
     wrapper config's missing layer count); dots1's shared and routed experts over ep 2; Mamba-1's conv and scan state
-    cached per rank's inner channels under tp 2."""
+    cached per rank's inner channels under tp 2; Llama-4's chunked layers (4-token chunks, 14 tokens) over pp 2."""
     import copy
 
     import torch
@@ -293,7 +293,7 @@ def _check_generate() -> None:
                          (MOE["gpt_oss"], dict(ep=2)), (GEMMA4["gemma4_k_eq_v"], dict(tp=2)),
                          (GEMMA4["gemma4_k_eq_v"], dict(pp=2)), (GEMMA4["gemma4_moe"], dict(ep=2)), (GEMMA4["gemma4_moe"], dict(tp=2)),
                          (WRAPPED["gemma3_wrapper"], dict(tp=2)), (UNSET["dots1"], dict(ep=2)),
-                         (SCANS["mamba"], dict(tp=2))):
+                         (SCANS["mamba"], dict(tp=2)), (MOE["llama4"], dict(pp=2))):
         check_generate(source, plan, ids)
 
 
