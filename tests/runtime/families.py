@@ -36,8 +36,10 @@ MOE = {
     "qwen3_moe": _tiny("qwen3_moe"),
     "gpt_oss": _tiny("gpt_oss"),  # attention sinks; biased, transposed, interleaved, clamped experts (HF's own under ep)
     # base_model_prefix names another model; experts called pre-scattered; chunked attention within 4 tokens of the
-    # 16 (tiny_config's chunk; HF's default, 8192, is causal at these lengths: it hid cp attending across chunks)
-    "llama4": _tiny("llama4_text"),
+    # 16 (tiny_config's chunk; HF's default, 8192, is causal at these lengths: it hid cp attending across chunks); its
+    # full-attention layer without rope, as Llama-4's are, scaling its queries by position past 4 tokens (temperature
+    # tuning; HF's default floor_scale, 8192, hid that cp counted the positions from each rank's chunk)
+    "llama4": _tiny("llama4_text", no_rope_layers=[1, 0], floor_scale=4),
 }
 
 # multi-query attention (one KV head, Gemma-2B's, Falcon-7B's): under tp its k / v projections stay whole on every
@@ -203,7 +205,10 @@ SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_con
             "mamba": SCANS["mamba"], "gpt_oss": MOE["gpt_oss"], "deepseek_v32": UNUSED["deepseek_v32"]}
 SEQUENCE_REFUSED = {}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
-REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
+# Llama-4 with rope in every layer: its chunked attention under cp (the CP attention keeps the chunk)
+CHUNKED = {"llama4_rope": _tiny("llama4_text")}
+REFUSED = {("llama4", "cp"): "layers.1.self_attn (Llama4TextAttention) scales its queries by their positions",
+           ("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
 
@@ -235,6 +240,7 @@ def check_families() -> None:
     check_axes(UNSET, lambda name: (dict(tp=2),) + ((dict(ep=2),) if name != "nemotron" else ()), {})
     check_axes(WRAPPED, lambda name: PLANS, WRAPPED_REFUSED)
     check_axes(SEQUENCE, lambda name: (SEQUENCE_PLAN,), SEQUENCE_REFUSED)
+    check_axes(CHUNKED, lambda name: (dict(cp=2),), {})
     _check_unused_stay()
     _check_generate()
 
