@@ -33,7 +33,7 @@ EXAGGERATED = {"logits_scaling": 0.25, "embedding_multiplier": 6.0, "residual_mu
 # multi-head latent attention (DeepSeek-V2's MLA, a config that sets kv_lora_rank): its per-head and latent widths,
 # and its sparse indexer's (DeepSeek-V3.2's DSA)
 MLA_SIZES = {"qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 24,
-             "index_head_dim": 16, "index_n_heads": 4}
+             "index_head_dim": 16, "index_n_heads": 4, "index_topk": 4}  # 4 keys of the 16: sparse (HF's 2048: all)
 # a gated DeltaNet's heads (Qwen3-Next, Qwen3.5, OLMo-hybrid, LaraMini: the config's linear_* fields, where it
 # sets them): 2 key heads of 16, each with 2 value heads of 16
 DELTA_SIZES = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
