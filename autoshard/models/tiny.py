@@ -19,7 +19,7 @@ import math
 from autoshard.models.facts import ALIASES, DENSE_FIRST, config_value
 
 SIZES = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 96, "vocab": 256, "experts": 4,
-         "top_k": 2, "expert_ffn": 32, "shared_ffn": 64, "sliding_window": 4, "attention_chunk": 4}
+         "top_k": 2, "expert_ffn": 32, "shared_ffn": 64, "sliding_window": 4, "attention_chunk": 4, "chunk": 4}
 # the model types tiny_config is checked on (tests/models/test_tiny.py: each builds and runs a forward); the
 # classes of transformers' causal-LM mapping it does not handle yet, and why, are listed in docs/decoders.md
 CHECKED = ("llama", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "cohere",
