@@ -30,6 +30,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "shared_ffn": ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
     "sliding_window": ("sliding_window", "attention_window"),
     "attention_chunk": ("attention_chunk_size",),  # Llama-4's chunked attention
+    "position_floor": ("floor_scale",),  # Llama-4's attention temperature: scales change every floor_scale tokens
     "attn_softcap": ("attn_logit_softcapping", "attention_logit_softcapping"),
     "final_softcap": ("final_logit_softcapping", "logit_softcapping"),
     # SSD (Mamba-2)

@@ -19,7 +19,8 @@ import math
 from autoshard.models.facts import ALIASES, DENSE_FIRST, config_value
 
 SIZES = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 96, "vocab": 256, "experts": 4,
-         "top_k": 2, "expert_ffn": 32, "shared_ffn": 64, "sliding_window": 4, "attention_chunk": 4, "chunk": 4}
+         "top_k": 2, "expert_ffn": 32, "shared_ffn": 64, "sliding_window": 4, "attention_chunk": 4, "chunk": 4,
+         "position_floor": 4}
 # the model types tiny_config is checked on (tests/models/test_tiny.py: each builds and runs a forward); the
 # classes of transformers' causal-LM mapping it does not handle yet, and why, are listed in docs/decoders.md
 CHECKED = ("llama", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "cohere",
@@ -116,6 +117,7 @@ def _shrink(config) -> None:
         _derived_within(config, kinds, layers)  # derived: periods (Jamba), attention indices (Bamba), a pattern
     elif types:
         config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
+        _flags_by_type(config, types, config.layer_types)
     _shared_block_within(config)
     if per_type is not None:
         _per_layer_within(config, *per_type)
@@ -212,6 +214,17 @@ def _settable(config, name: str) -> bool:
     name = (getattr(config, "attribute_map", None) or {}).get(name, name)  # an alias (Bamba: layers_block_type)
     prop = getattr(type(config), name, None)
     return not (isinstance(prop, property) and prop.fset is None)
+
+
+def _flags_by_type(config, full: list[str], tiny: list[str]) -> None:
+    """Per-layer flags of the full config (0 / 1 lists as long as its `layer_types`: Llama-4's no_rope_layers) re-picked
+    for the tiny layers: each takes the flag of the full config's first layer of its type (a Llama-4 full-attention
+    layer keeps its lack of rope, as in every checkpoint, not the first layers' flags)."""
+    source = [full.index(kind) for kind in tiny]
+    for name, value in list(vars(config).items()):
+        if name != "layer_types" and isinstance(value, list) and len(value) == len(full) and \
+                all(v in (0, 1) and not isinstance(v, float) for v in value) and _settable(config, name):
+            setattr(config, name, [value[i] for i in source])
 
 
 def _per_layer_kinds(config) -> dict[str, list[str]]:

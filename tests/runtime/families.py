@@ -38,8 +38,9 @@ MOE = {
     # base_model_prefix names another model; experts called pre-scattered; chunked attention within 4 tokens of the
     # 16 (tiny_config's chunk; HF's default, 8192, is causal at these lengths: it hid cp attending across chunks); its
     # full-attention layer without rope, as Llama-4's are, scaling its queries by position past 4 tokens (temperature
-    # tuning; HF's default floor_scale, 8192, hid that cp counted the positions from each rank's chunk)
-    "llama4": _tiny("llama4_text", no_rope_layers=[1, 0], floor_scale=4),
+    # tuning; tiny_config's floor_scale: HF's 8192, and a tiny whose layers all had rope, hid that cp counted the
+    # positions from each rank's chunk)
+    "llama4": _tiny("llama4_text"),
 }
 
 # multi-query attention (one KV head, Gemma-2B's, Falcon-7B's): under tp its k / v projections stay whole on every
@@ -206,7 +207,7 @@ SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_con
 SEQUENCE_REFUSED = {}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
 # Llama-4 with rope in every layer: its chunked attention under cp (the CP attention keeps the chunk)
-CHUNKED = {"llama4_rope": _tiny("llama4_text")}
+CHUNKED = {"llama4_rope": _tiny("llama4_text", no_rope_layers=[1, 1])}
 REFUSED = {("llama4", "cp"): "layers.1.self_attn (Llama4TextAttention) scales its queries by their positions",
            ("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
