@@ -515,22 +515,6 @@ def mask_reader(model) -> str | None:
     return None
 
 
-def position_counter(model) -> str | None:
-    """Why context parallelism cannot split `model`'s attention because a module counts its tokens' positions from its
-    own input, naming it, or None: Llama-4's NoPE layers scale each query by its position (attention temperature
-    tuning, `attn_temperature_tuning` on a layer without rope), which HF's forward counts from 0 over the tokens it
-    is handed, a cp rank's chunk, not where that chunk sits in the sequence (silently other scales past
-    `floor_scale` tokens)."""
-    found = layer_list(model)
-    for i, layer in enumerate(found[1] if found is not None else ()):
-        for path, module in layer.named_modules():
-            if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
-                return (f"{found[0].rpartition('.')[2]}.{i}.{path} ({type(module).__name__}) scales its queries by "
-                        "their positions counted from its own input (attention temperature tuning of a layer "
-                        "without rope), which a cp rank's chunk does not start at; use cp=1")
-    return None
-
-
 def _needs_own_forward(facts: dict, config) -> bool:
     """Whether anything around the layers differs from a plain LLaMA stack (embedding, rotary per layer
     type, logit scaling / softcap): then pipeline stages run the model's own forward."""

@@ -416,7 +416,7 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
         out.append(("tp", why))
     if spec.is_moe and facts.experts_no_ep:
         out.append(("ep", facts.experts_no_ep))
-    reader = F.mask_reader(model) or F.position_counter(model)
+    reader = F.mask_reader(model)
     if reader:
         out.append(("cp", reader))
     if facts.own_forward:  # what the stages of its own forward cannot place

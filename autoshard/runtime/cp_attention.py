@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
-from autoshard.runtime.cp_sequence import CPContext, SeqLayout, all_gather_autograd, gathered_order
+from autoshard.runtime.cp_sequence import (CPContext, SeqLayout, all_gather_autograd, gathered_order,
+                                           sequence_positions)
 
 ATTN_NAME = "autoshard_cp"
 _CTX_ATTR = "autoshard_cp_context"
 _LAYOUT_ATTR = "autoshard_cp_layout"
+_TEMPERATURE_ATTR = "autoshard_cp_temperature"  # Llama-4 NoPE layers: queries scaled at their real positions
 
 
 def cp_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -50,8 +52,19 @@ def cp_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
         raise InvalidConfigError(f"{type(module).__name__} passes the attention kwargs {unknown}, which context-"
                                  "parallel attention does not implement; run this model with cp=1")
     layout = getattr(module, _LAYOUT_ATTR, SeqLayout.BALANCED)
+    if getattr(module, _TEMPERATURE_ATTR, False):
+        query = _tempered(module, query, sequence_positions(query.shape[2] * ctx.size, ctx.size, ctx.rank, layout))
     return causal_attention(query, key, value, ctx, layout, scale=scaling, window=window, softcap=softcap,
                             sinks=sinks, chunk=_attention_chunk(module)), None
+
+
+def _tempered(module: nn.Module, query: Tensor, positions: Tensor) -> Tensor:
+    """Llama-4's attention temperature tuning on a layer without rope, at the tokens' real `positions`: each query
+    scaled by log1p(floor((position + 1) / floor_scale)) x attn_scale + 1, as HF's forward scales it from positions
+    it counts from 0 over the tokens it is handed (a cp rank's chunk: so `install_cp_attention` turns that off and
+    this applies it here). query (b, hq, L, d)."""
+    scales = torch.log1p(torch.floor((positions.to(query.device).float() + 1.0) / module.floor_scale))
+    return (query * (scales * module.attn_scale + 1.0)[None, None, :, None]).to(query.dtype)
 
 
 def _attention_chunk(module: nn.Module) -> int | None:
@@ -178,6 +191,9 @@ def install_cp_attention(model: nn.Module, ctx: CPContext, layout: SeqLayout = S
             setattr(module, _LAYOUT_ATTR, layout)
             module.config._attn_implementation = ATTN_NAME
             count += 1
+            if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+                module.attn_temperature_tuning = False  # applied at the real positions instead (`_tempered`)
+                setattr(module, _TEMPERATURE_ATTR, True)
     if count == 0:
         raise InvalidConfigError(f"{type(model).__name__} has no HF attention module (config, layer_idx, scaling); "
                                  "CP attention cannot be installed")

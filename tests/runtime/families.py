@@ -38,8 +38,8 @@ MOE = {
     # base_model_prefix names another model; experts called pre-scattered; chunked attention within 4 tokens of the
     # 16 (tiny_config's chunk; HF's default, 8192, is causal at these lengths: it hid cp attending across chunks); its
     # full-attention layer without rope, as Llama-4's are, scaling its queries by position past 4 tokens (temperature
-    # tuning; tiny_config's floor_scale: HF's 8192, and a tiny whose layers all had rope, hid that cp counted the
-    # positions from each rank's chunk)
+    # tuning, applied by the CP attention at each rank's real positions; tiny_config's floor_scale: HF's 8192, and a
+    # tiny whose layers all had rope, hid that cp counted the positions from each rank's chunk)
     "llama4": _tiny("llama4_text"),
 }
 
@@ -206,10 +206,7 @@ SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_con
             "mamba": SCANS["mamba"], "gpt_oss": MOE["gpt_oss"], "deepseek_v32": UNUSED["deepseek_v32"]}
 SEQUENCE_REFUSED = {}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
-# Llama-4 with rope in every layer: its chunked attention under cp (the CP attention keeps the chunk)
-CHUNKED = {"llama4_rope": _tiny("llama4_text", no_rope_layers=[1, 1])}
-REFUSED = {("llama4", "cp"): "layers.1.self_attn (Llama4TextAttention) scales its queries by their positions",
-           ("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
+REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
            ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
 
 
@@ -241,7 +238,6 @@ def check_families() -> None:
     check_axes(UNSET, lambda name: (dict(tp=2),) + ((dict(ep=2),) if name != "nemotron" else ()), {})
     check_axes(WRAPPED, lambda name: PLANS, WRAPPED_REFUSED)
     check_axes(SEQUENCE, lambda name: (SEQUENCE_PLAN,), SEQUENCE_REFUSED)
-    check_axes(CHUNKED, lambda name: (dict(cp=2),), {})
     _check_unused_stay()
     _check_generate()
 
