@@ -103,13 +103,14 @@ def whole_sequence_mask(model: nn.Module, layers: int, batch: int, seq: int, dev
     config = text_config(model.config)
     embeds = torch.empty(batch, seq, 1, dtype=model.get_input_embeddings().weight.dtype, device=device)
     kwargs = dict(inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=torch.arange(seq, device=device)[None])
-    kinds = {layer_type(config, i): LAYER_MASKS.get(layer_type(config, i)) for i in range(layers)}
-    masks = attention_masks(config, [i for i in range(layers) if kinds[layer_type(config, i)] in ("causal", "sliding")],
+    types = [layer_type(config, i) for i in range(layers)]
+    kinds = {kind: LAYER_MASKS.get(kind) for kind in types}
+    masks = attention_masks(config, [i for i, kind in enumerate(types) if kinds[kind] in ("causal", "sliding")],
                             **kwargs)
     if set(masks) == set(kinds):  # an attention model: one mask per layer type, or the one of them all
         return masks if len(masks) > 1 else next(iter(masks.values()))
-    if not {"causal", "sliding", "materialised", "chunked"} & set(kinds.values()):  # no layer attends (Mamba's): the forward's
-        return None  # own recurrent mask, None unpadded
+    if not {"causal", "sliding", "materialised", "chunked"} & set(kinds.values()):  # no layer attends (Mamba's): the
+        return None  # forward's own recurrent mask, None unpadded
     build = {"causal": lambda: masks["full_attention"] if "full_attention" in masks else create_causal_mask(
                  config=config, **kwargs),
              "recurrent": lambda: create_recurrent_attention_mask(config, embeds, None), "none": lambda: None,

@@ -190,11 +190,10 @@ def _tp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKi
         n, entries = tp_collectives.row_parallel_count(ct.spec, BlockKind.LAYER), tp_collectives.tp_entry_count(ct.spec)
         sync = _group_sync(ct, hw, layout, seq_len, low_latency=low_latency)
         gather_f, gather_b = _gather_comm(ct, hw, layout, seq_len, low_latency=low_latency)
-        inner = tp_collectives.region_output_widths(ct.spec)  # Mamba-1's x_proj: its own width summed, not the hidden
-        inner_s = sum(best_time(hw, Collective.ALL_REDUCE, act * w / ct.spec.hidden, size=tp,
-                                stride=group_stride(layout.mesh, "tp"), low_latency=low_latency) for w in inner)
-        return ((n - len(inner)) * ar + inner_s + sync + gather_f,
-                (entries - len(inner)) * ar + inner_s + sync + gather_b)
+        inner = len(tp_collectives.region_output_widths(ct.spec))  # Mamba-1's x_proj: summed at its own width
+        inner_s = sequence_cost.region_output_all_reduces(ct.spec, hw, act_bytes=act, tp=tp,
+                                                          stride=group_stride(layout.mesh, "tp"), low_latency=low_latency)
+        return (n - inner) * ar + inner_s + sync + gather_f, (entries - inner) * ar + inner_s + sync + gather_b
     if not sharding.vocab_parallel(ct.spec, kind, layout.strategies):
         return 0.0, 0.0  # replicated embedding / LM head and loss (the plan's choice): no collective
     if kind is BlockKind.EMBED:

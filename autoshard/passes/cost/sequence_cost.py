@@ -57,14 +57,22 @@ def tp_comm(spec: ModelSpec, hw: DeviceProfile, *, kind: BlockKind, tp: int, act
     if kind is BlockKind.HEAD:
         return SequenceComm(forward=ag + small_all_reduce_s * vocab, backward_overlapped=(),
                             backward_exposed=rs if vocab else 0.0)
-    inner = tp_collectives.region_output_widths(spec)  # all-reduced inside their region (Mamba-1's x_proj), at their width
-    inner_s = sum(best_time(hw, Collective.ALL_REDUCE, act_bytes * w / spec.hidden, size=tp, stride=stride)
-                  for w in inner)
-    rows = tp_collectives.row_parallel_count(spec, BlockKind.LAYER) - len(inner)
+    inner = len(tp_collectives.region_output_widths(spec))  # all-reduced inside their region, as without SP
+    inner_s = region_output_all_reduces(spec, hw, act_bytes=act_bytes, tp=tp, stride=stride)
+    rows = tp_collectives.row_parallel_count(spec, BlockKind.LAYER) - inner
     regions = region_count(spec)
     return SequenceComm(forward=regions * ag + rows * rs + inner_s,
                         backward_overlapped=((rs, regions), (ag, _regathered(regions, recompute))),
                         backward_exposed=rows * ag + inner_s)
+
+
+def region_output_all_reduces(spec: ModelSpec, hw: DeviceProfile, *, act_bytes: float, tp: int, stride: int,
+                              low_latency: bool = False) -> float:
+    """Seconds of one layer's all-reduces of the row-parallel linears inside a region (Mamba-1's x_proj,
+    `tp_collectives.region_output_widths`), each of its own output width, with or without sequence parallelism;
+    `act_bytes`: tokens x hidden x bytes."""
+    return sum(best_time(hw, Collective.ALL_REDUCE, act_bytes * w / spec.hidden, size=tp, stride=stride,
+                         low_latency=low_latency) for w in tp_collectives.region_output_widths(spec))
 
 
 def region_count(spec: ModelSpec) -> int:
