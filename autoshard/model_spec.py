@@ -94,8 +94,10 @@ class ModelSpec:
     head_params: tuple[str, ...] = _fact(())  # attention parameters indexed by head (sinks): split with the heads
     attention_path: str = _fact("self_attn")  # the layer's module calling HF's attention interface (models/facts.py)
     attention_attrs: tuple[str, ...] = _fact(())  # the attention module's head-count attributes (num_heads, ...)
+    transposed: tuple[str, ...] = _fact(())  # a layer's linears storing their weight [input, output] (GPT-2's Conv1D)
     embedding_plain: bool = _fact(True)  # a plain nn.Embedding (else: no vocab-parallel embedding is offered)
     own_forward: bool = _fact(False)  # pipeline stages run the model's own forward (models/facts.py)
+    after_layers: tuple[str, ...] = _fact(())  # the base's children its forward runs after the layers (models/beside.py)
     # attention features read at HF's attention-interface call (models/facts.py): the window of the layers
     # that attend within one (sliding_window tokens; Mistral all layers, Gemma-2/3 and GPT-OSS alternate ones)
     sliding_window: int = _fact(0)

@@ -164,6 +164,7 @@ class ModelFacts:
     head_params: tuple[str, ...] = ()  # attention parameters indexed by head (GPT-OSS "sinks")
     attention_path: str = ""  # the layer's module calling HF's attention interface ("self_attn", "attn", ...)
     attention_attrs: tuple[str, ...] = ()  # head counts the attention module keeps (StableLM's num_heads)
+    transposed: tuple[str, ...] = ()  # layer 0's linears storing their weight as [input, output] (GPT-2's Conv1D)
     layer_types: tuple[str, ...] = ()  # the config's layer_types (per-layer attention kinds)
     sliding_window: int = 0
     window_layers: int = 0  # layers whose attention call gets sliding_window (HF's attention interface kwarg)
@@ -217,6 +218,8 @@ def read_facts(config, model) -> ModelFacts:
         attn_softcap=float(config_value(config, "attn_softcap", 0.0) or 0.0),
         final_softcap=float(config_value(config, "final_softcap", 0.0) or 0.0), logit_scale=logit_scale,
         embedding_multiplier=float(getattr(config, "embedding_multiplier", None) or 1.0))
+    facts["transposed"] = tuple(p for p, m in layer0.named_modules() if transposed_linear(m)) if layer0 is not None \
+        else ()
     facts["residual_norms"] = residual_norms(layers, config_value(config, "hidden", 0)) if layers is not None else ()
     facts["plain_stack"] = _bare_stack(model, found, materialised=bool(types) and all(
         LAYER_MASKS.get(t) == "materialised" for t in types))
@@ -279,15 +282,13 @@ def mlp_width(model, facts: ModelFacts, declared: int = 0) -> int:
     gate / up), else read off layer 0: the widest linear of the hidden states outside the attention module (GPT-J's
     and CodeGen's n_inner None: HF's 4 x hidden; LFM2's intermediate_size, which its MLP adjusts to 2/3 of it rounded
     up to a multiple); 0 for none."""
-    from torch import nn
-
     found = layer_list(model)
     if found is None:
         return declared
     hidden = config_value(model.config, "hidden", 0)
     prefix = f"{facts.attention_path}." if facts.attention_path else None
-    widths = [m.out_features for p, m in found[1][0].named_modules() if isinstance(m, nn.Linear)
-              and m.in_features == hidden and not (prefix and (p + ".").startswith(prefix))]
+    widths = [w[1] for p, m in found[1][0].named_modules() if (w := linear_widths(m)) is not None
+              and w[0] == hidden and not (prefix and (p + ".").startswith(prefix))]
     if declared and (not widths or any(w % declared == 0 for w in widths)):  # (a fused gate / up: twice it)
         return declared
     return max(widths, default=declared)
@@ -330,32 +331,6 @@ def final_norm(body, layers):
     if not after:
         raise InvalidConfigError(f"{type(body).__name__}: no final norm after its layers; use pp=1")
     return after[-1]
-
-
-def beside_layers(model) -> tuple[list, str]:
-    """(modules, why): the base model's children with parameters beside the input embedding, the layers and the
-    final norm, which the first pipeline stage of the model's own forward holds: embeddings (GPT-2's and OPT's
-    learned positions), looked up from the input before the layers; and why pp cannot place the others, naming
-    the first (OPT's project_in / project_out linears run on either side of the layers), or that the base has no
-    final norm (BERT's encoder), or ""."""
-    from torch import nn
-
-    path, layers = layer_list(model)
-    base = model.get_submodule(path.rpartition(".")[0])
-    from autoshard.errors import InvalidConfigError
-
-    try:
-        norm, missing = final_norm(base, layers), ""
-    except InvalidConfigError as e:  # no final norm (BERT's encoder): no later stage has an entry after its layers
-        norm, missing = None, str(e).removesuffix("; use pp=1")
-    held = {id(layers), id(model.get_input_embeddings()), id(norm)}
-    found = [(n, m) for n, m in base.named_children() if id(m) not in held and any(True for _ in m.parameters())]
-    other = next(((n, m) for n, m in found if not isinstance(m, nn.Embedding)), None)
-    why = missing or ("" if other is None else (
-        f"{path.rpartition('.')[0]}.{other[0]} ({type(other[1]).__name__}) holds parameters beside the embedding, "
-        "the layers and the final norm that is no embedding: the pipeline stages of the model's own forward place "
-        "only embeddings there (looked up before the layers)"))
-    return [m for _, m in found if isinstance(m, nn.Embedding)], why
 
 
 def _llama_stack(model, found) -> bool:
@@ -524,6 +499,7 @@ def _needs_own_forward(facts: dict, config) -> bool:
 
 
 COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+WIDTH_ATTRS = ("split_size",)  # the query width an attention module cuts its packed [q; k; v] by (GPT-2's)
 
 
 def _count_attrs(layer) -> tuple[str, ...]:
@@ -533,7 +509,28 @@ def _count_attrs(layer) -> tuple[str, ...]:
     if not path:
         return ()
     module = layer.get_submodule(path)
-    return tuple(a for a in COUNT_ATTRS if isinstance(getattr(module, a, None), int))
+    return tuple(a for a in (*COUNT_ATTRS, *WIDTH_ATTRS) if isinstance(getattr(module, a, None), int))
+
+
+def linear_widths(module) -> tuple[int, int] | None:
+    """(input, output) width of a linear map: an nn.Linear, or HF's Conv1D (GPT-2's, found by structure: a module
+    holding a weight of [nx, nf] and a bias of [nf], applied as x @ weight, `transposed_linear`); None otherwise."""
+    from torch import nn
+
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if transposed_linear(module):
+        return module.nx, module.nf
+    return None
+
+
+def transposed_linear(module) -> bool:
+    """Whether `module` is a linear map storing its weight as [input, output] (HF's Conv1D: nf outputs of nx inputs;
+    its forward views its output by `nf`), so tp splits that weight on the other dimension than nn.Linear's."""
+    weight = getattr(module, "_parameters", {}).get("weight")
+    nf, nx = getattr(module, "nf", None), getattr(module, "nx", None)
+    return weight is not None and isinstance(nf, int) and isinstance(nx, int) and tuple(weight.shape) == (nx, nf) \
+        and next(module.children(), None) is None
 
 
 def _attention_path(layer) -> str:

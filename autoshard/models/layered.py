@@ -186,9 +186,10 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
         out.append(("pp", f"its layers share a block ({stack.shared_params} parameters held by several layers: "
                           "Zamba2's shared transformer, which reads the embeddings' output); pipeline stages cut "
                           "layers that own their weights; use pp=1"))
-    elif _reads_embeddings(model, stack):
-        out.append(("pp", "its layers read the embeddings' output beside their input (original_hidden_states: "
-                          "Zamba's shared transformer), which no pipeline boundary carries; use pp=1"))
+    elif _cross_layer_input(model, stack):
+        out.append(("pp", f"its layers read {_cross_layer_input(model, stack)} beside their input (hidden states of "
+                          "other layers than the one before: Zamba's embeddings' output, Inkling-2's block residual "
+                          "states), which no pipeline boundary carries; use pp=1"))
     if ssd and not any(p.kind in ("attention", "attention_whole", "mla") for p in parts[0]):
         out.append(("inference", "it has no attention layer, and HF's hybrid cache asks an attention layer for the "
                                  "cached length (its forward with a cache, HF's own generate too, raise "
@@ -214,14 +215,19 @@ def _sequence_unsplit(model: nn.Module, stack, parts) -> str:
     return ""
 
 
-def _reads_embeddings(model: nn.Module, stack) -> bool:
-    """Whether a layer's forward takes the embeddings' output beside the hidden states (HF's
-    `original_hidden_states`: Zamba's and Zamba2's hybrid layers, even a tiny stack whose one such layer shares
-    its block with none)."""
+# a layer's forward argument carrying hidden states of other layers than the one before it (Zamba's embeddings' output,
+# Inkling-2's states at its block boundaries), which a pipeline boundary does not carry
+CROSS_LAYER_INPUTS = ("original_hidden_states", "block_states")
+
+
+def _cross_layer_input(model: nn.Module, stack) -> str:
+    """The first of `CROSS_LAYER_INPUTS` a layer's forward takes (even a tiny stack whose one Zamba layer shares its
+    block with none), else ""."""
     import inspect
 
     layers = model.get_submodule(stack.prefix)
-    return any("original_hidden_states" in inspect.signature(type(layer).forward).parameters for layer in layers)
+    return next((name for layer in layers for name in inspect.signature(type(layer).forward).parameters
+                 if name in CROSS_LAYER_INPUTS), "")
 
 
 def _ruleless_refusals(model: nn.Module, stack) -> tuple[tuple[str, str], ...] | None:

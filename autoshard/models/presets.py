@@ -168,7 +168,7 @@ def spec_from_hf_config(config, *, name: str, model: nn.Module | None = None) ->
     config on the meta device), by facts, not by model type (models/facts.py); InvalidConfigError for a
     config HF builds but whose forward fails (`config_violation`) or a model with no sequence mixer
     autoshard knows. What an axis cannot run yet is in `spec.refused`, named per axis."""
-    from autoshard.models.facts import per_layer_refusal
+    from autoshard.models.facts import layer_list, per_layer_refusal
 
     if model is None:
         model = _meta_model(config, name=name)
@@ -179,6 +179,10 @@ def spec_from_hf_config(config, *, name: str, model: nn.Module | None = None) ->
     why = config_violation(spec)
     if why:
         raise InvalidConfigError(f"{name}: {why}")
+    if spec.own_forward and layer_list(model) is not None:  # read off its graph now: the runtime's may not trace
+        from autoshard.models.beside import after_layers  # (under cp its attention is autoshard's)
+
+        spec = replace(spec, after_layers=after_layers(model))
     return spec
 
 
@@ -251,7 +255,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=value("kv_heads", heads),
                      head_dim=0 if head_dim == usual else head_dim, ffn=_ffn(model, facts, value("ffn", 0), hybrid),
                      embedding_plain=facts.embedding_plain, own_forward=facts.own_forward or hybrid is not None,
-                     head_params=facts.head_params, attention_attrs=facts.attention_attrs,
+                     head_params=facts.head_params, attention_attrs=facts.attention_attrs, transposed=facts.transposed,
                      attention_path=facts.attention_path or "self_attn",
                      sliding_window=facts.sliding_window, window_layers=facts.window_layers, **common)
     stack_paths = F.stack_paths(model)
@@ -327,17 +331,18 @@ def _own_attention_refusals(own: str, model) -> tuple[tuple[str, str], ...]:
 
 def _unplaced_refusal(model) -> tuple[tuple[str, str], ...]:
     """pp refused where the pipeline stages of the model's own forward cannot place what its base holds beside the
-    layers (`facts.beside_layers`: OPT's project_out, BLOOM's embedding norm), or where the model is a multimodal
+    layers (`beside.beside_layers`: a module no stand-in replaces on a later stage), or where the model is a multimodal
     wrapper (its decoder's sizes in a text config: Gemma-4-unified's ConditionalGeneration class, whose pp2 hung
     in its stages), else nothing."""
     from autoshard.models import facts as F
+    from autoshard.models.beside import beside_layers
 
     config = getattr(model, "config", None)
     if config is not None and F.text_config(config) is not config:
         return (("pp", f"{type(model).__name__} wraps its decoder (its sizes in {type(F.text_config(config)).__name__}): "
                        "pipeline stages run a decoder's own forward, not a wrapper's; use pp=1, or pipeline its "
                        "text model (AutoModelForCausalLM of the text config)"),)
-    unplaced = F.beside_layers(model)[1] if F.layer_list(model) is not None else ""
+    unplaced = beside_layers(model)[2] if F.layer_list(model) is not None else ""
     return (("pp", f"{unplaced}; use pp=1"),) if unplaced else ()
 
 
@@ -351,11 +356,10 @@ def _tp_proof(spec: ModelSpec, model, *, propose: bool = False, declared: tuple[
     if key not in _PROOFS:
         from autoshard.errors import CaptureError
         from autoshard.passes.capture.tp_proof import prove_tp, traced
-        from autoshard.passes.capture.tp_proposal import propose as pairs_of
 
         try:
             graph = traced(model)
-            found = pairs_of(graph[1], _layer0(graph[0]), spec) if propose else \
+            found = _proposed_layout(spec, model, graph) if propose else \
                 _declared_layout(spec, model, graph, declared) if declared else None
             if found is not None and found.refusal is not None:
                 _PROOFS[key] = (), None, (f"HF declares no tp plan for it, and on its graph {found.refusal}" if propose
@@ -367,6 +371,22 @@ def _tp_proof(spec: ModelSpec, model, *, propose: bool = False, declared: tuple[
             _PROOFS[key] = (), None, (f"the model's graph does not trace, so its tp strategy cannot be proven ({e}); "
                                       "tp is not offered for this model (dp, pp, cp and ep still plan)")
     return _PROOFS[key]
+
+
+def _proposed_layout(spec: ModelSpec, model, graph):
+    """The Megatron pairs found on the graph (passes/capture/tp_proposal.py `propose`), a fused q/k/v among them split
+    by heads as interleaved per head (Persimmon's), or as packed [q; k; v] pieces (GPT-2's c_attn) where only that
+    is proven on the graph."""
+    from autoshard.passes.capture.tp_proof import prove_tp
+    from autoshard.passes.capture.tp_proposal import Proposal, propose
+
+    found = propose(graph[1], _layer0(graph[0]), spec)
+    fused = tuple(("packed_colwise", n) if (s, n) == ("colwise", "qkv") else (s, n) for _, s, n in found.roles)
+    if found.refusal is not None or fused == tuple((s, n) for _, s, n in found.roles) or \
+            prove_tp(replace(spec, tp_pairs=found.roles), model, graph).proven:
+        return found
+    packed = Proposal(roles=tuple((p, *f) for (p, _, _), f in zip(found.roles, fused)))
+    return packed if prove_tp(replace(spec, tp_pairs=packed.roles), model, graph).proven else found
 
 
 def _declared_layout(spec: ModelSpec, model, graph, declared: tuple[tuple[str, str], ...]):

@@ -93,10 +93,12 @@ def _shrink(config) -> None:
               for name in ("head_dim", "qk_head_dim", *MLA_SIZES)}
     same_heads = latent["kv_lora_rank"] is not None and len({config_value(config, f) for f in ("heads", "kv_heads")}) == 1
     per_layer = _per_layer_kinds(config)
+    # multi-query attention (StarCoder's one KV head) kept so (a per-layer value, `kept`, is not read globally)
+    one_kv = any(getattr(config, n, None) == 1 for n in ALIASES["kv_heads"] if n not in kept)
     for fact, value in SIZES.items():
         for name in ALIASES[fact]:
             if name not in kept and _settable(config, name) and (getattr(config, name) is not None or fact == "head_dim"):
-                setattr(config, name, value)
+                setattr(config, name, 1 if one_kv and fact == "kv_heads" else value)
     if isinstance(getattr(config, "rotary_dim", None), int) and config.rotary_dim > SIZES["head_dim"]:
         config.rotary_dim = SIZES["head_dim"]  # the rotated width of each head (GPT-J, CodeGen): at most the head's
     _ssd_within(config)

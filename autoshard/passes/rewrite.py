@@ -144,7 +144,7 @@ def _placement(spec: ModelSpec, name: str, tp: int, tp_rank: int, strategies=())
         return Replicate()  # (experts: whole on every tp rank, split over ep by runtime/expert_parallel.py)
     parts = sharding.role_parts(spec, role, tp)
     whole = sharding.whole_pieces(spec, role, tp)
-    return Shard(dim=1 if role.strategy is Strategy.ROWWISE else 0, index=tp_rank * parts // tp, parts=parts,
+    return Shard(dim=sharding.param_dim(role, attr), index=tp_rank * parts // tp, parts=parts,
                  segments=tuple(sharding.size(spec, p.length) for p in role.pieces), whole=whole if any(whole) else ())
 
 
@@ -164,10 +164,11 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
     if spec.mixer is Mixer.ATTENTION:
         attention = sharding.selective_module(spec)  # the attention module (the layer's first tp region)
         if sharding.attention_whole(spec):  # it runs whole on every rank (gathered q/k/v): its head counts kept
-            return dict(common, attrs=())
+            return dict(common, attrs=tuple(_transposed_attrs(spec, layers, tp, tp_rank)))
         attrs = [a for p in layers
-                 for a in _attention_attrs(f"{p}.{attention}", spec.heads, spec.kv_heads, spec.attention_attrs, tp=tp)]
-        return dict(common, attrs=tuple(attrs))
+                 for a in _attention_attrs(f"{p}.{attention}", spec.heads, spec.kv_heads, spec.attention_attrs, tp=tp,
+                                           head_dim=spec.attention_head_dim)]
+        return dict(common, attrs=(*attrs, *_transposed_attrs(spec, layers, tp, tp_rank)))
     attrs = []
     for p, chosen in zip(layers, strategies):
         split_groups = not sharding.groups_whole(spec, tp, chosen)  # else every rank keeps all groups (B, C
@@ -177,14 +178,27 @@ def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
     return dict(common, attrs=tuple(attrs))
 
 
-def _attention_attrs(attention: str, heads: int, kv_heads: int, names, *, tp: int) -> list:
+def _attention_attrs(attention: str, heads: int, kv_heads: int, names, *, tp: int, head_dim: int = 0) -> list:
     """The head counts of the attention module at `attention` on this rank, for those of its attributes
-    `names` its forward views by; where tp > KV heads one KV head per rank serves heads / tp query heads."""
+    `names` its forward views by (and the query width it cuts a fused q/k/v by, GPT-2's split_size); where
+    tp > KV heads one KV head per rank serves heads / tp query heads."""
     local = {"num_heads": heads // tp, "num_attention_heads": heads // tp,
-             "num_key_value_heads": max(1, kv_heads // tp), "num_kv_heads": max(1, kv_heads // tp)}
+             "num_key_value_heads": max(1, kv_heads // tp), "num_kv_heads": max(1, kv_heads // tp),
+             "split_size": heads // tp * head_dim}
     out = [(attention, a, local[a]) for a in names]
     if kv_heads < tp:
         out.append((attention, "num_key_value_groups", heads // tp))
+    return out
+
+
+def _transposed_attrs(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int) -> list:
+    """The output width each column-parallel transposed linear (HF's Conv1D, whose forward views its output by
+    `nf`) holds on this rank."""
+    out = []
+    for role in sharding.table(spec):
+        if role.transposed and role.strategy is Strategy.COLWISE and role.block is BlockKind.LAYER:
+            shards = [(p, _placement(spec, f"{p}.{role.path}.weight", tp, tp_rank)) for p in layers]
+            out += [(f"{p}.{role.path}", "nf", sum(s.local_sizes())) for p, s in shards if isinstance(s, Shard)]
     return out
 
 

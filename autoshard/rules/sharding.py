@@ -71,6 +71,8 @@ class Role:
     gathered: bool = False  # HF's colwise_gather_output (a colwise linear entering tp itself, its output all-gathered
     #                         whole) / rowwise_split_input (a rowwise linear slicing its whole input): the module
     #                         around it runs whole on every rank (a full-width q/k norm, a fused qkv or gate_up split)
+    transposed: bool = False  # a linear storing its weight [input, output] (HF's Conv1D: GPT-2's): tp splits its
+    #                           weight on the other dimension (colwise: dim 1, rowwise: dim 0; a bias as ever)
 
 
 _SIZES: dict[str, Callable[[ModelSpec], int]] = {
@@ -193,6 +195,8 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
             if not edges[role.path]:
                 continue  # no final norm
             role = replace(role, path=edges[role.path])
+        if role.block is BlockKind.LAYER and role.path in spec.transposed:
+            role = replace(role, transposed=True)
         if role.path == "self_attn" and spec.head_params:
             role = replace(role, params=spec.head_params)
         if role.block is BlockKind.EMBED and role.strategy is Strategy.VOCAB and not spec.embedding_plain:
@@ -260,7 +264,9 @@ _PROPOSED_PIECES = {"q": Piece("q", "heads"), "kv": Piece("kv", "kv_heads", shar
 _PROPOSED = {"region": (Strategy.REGION, False), "colwise": (Strategy.COLWISE, False),
              "rowwise": (Strategy.ROWWISE, False), "colwise_gather_output": (Strategy.COLWISE, True),
              "rowwise_split_input": (Strategy.ROWWISE, True), "packed_colwise": (Strategy.COLWISE, False)}
-_PACKED_PIECES = {"gate_up": (Piece("ffn", "ffn"), Piece("ffn", "ffn"))}  # [gate; up], each split by the MLP width
+# [gate; up], each split by the MLP width; [q; k; v] (GPT-2's c_attn), each split by the heads
+_PACKED_PIECES = {"gate_up": (Piece("ffn", "ffn"), Piece("ffn", "ffn")),
+                  "qkv": (Piece("q", "heads"), Piece("kv", "kv_heads", share=True), Piece("kv", "kv_heads", share=True))}
 
 
 def proposed_table(pairs: tuple[tuple[str, str, str], ...]) -> tuple[Role, ...]:
@@ -269,7 +275,7 @@ def proposed_table(pairs: tuple[tuple[str, str, str], ...]) -> tuple[Role, ...]:
     gathers (colwise_gather_output / rowwise_split_input, passes/capture/tp_proposal.py `declared`), with LLaMA's embedding and head
     roles around them; the layer's norms are `ModelSpec.sequence_norms`' roles (`_base_table`). A gathered
     linear splits its whole width (any column split gathers back exactly): tp must divide it; a packed one
-    (`packed_colwise`, a fused [gate; up] the graph proves chunked) each of its pieces."""
+    (`packed_colwise`, a fused [gate; up] or [q; k; v] the graph proves cut so) each of its pieces."""
     layer = []
     for path, strategy, length in pairs:
         kind, gathered = _PROPOSED[strategy]
@@ -447,6 +453,13 @@ def piece_parts(spec: ModelSpec, piece: Piece, tp: int) -> int | None:
 def whole_pieces(spec: ModelSpec, role: Role, tp: int) -> tuple[bool, ...]:
     """Per piece of the role: kept whole on every rank at `tp` (a `whole` piece tp does not split)."""
     return tuple(p.whole and tp > 1 and (p.kept or size(spec, p.count) % tp != 0) for p in role.pieces)
+
+
+def param_dim(role: Role, leaf: str) -> int:
+    """The dimension tp splits parameter `leaf` of `role` on: a row-parallel weight its inputs (dim 1), any other its
+    outputs (dim 0); a transposed linear's weight (HF's Conv1D, [input, output]) the other one."""
+    dim = 1 if role.strategy is Strategy.ROWWISE else 0
+    return 1 - dim if role.transposed and leaf == "weight" else dim
 
 
 def role_strategy(role: Role, *, sequence_parallel: bool = False) -> Strategy:
@@ -712,8 +725,9 @@ def is_float8_role(role: Role | None) -> bool:
     projection (attention, MLP, Mamba-2 mixer, shared expert: a weight matrix one of whose sides is the
     hidden size or an MLP width), not the embedding or LM head (other blocks), norms (fan one), the router
     (fan experts; a (1, hidden) shared-expert gate: fan one), conv1d (fan conv) or the routed experts' grouped
-    weights (`expert`). The cost model prices these GEMMs at the float8 rate (passes/cost/cost.py)."""
-    return (role is not None and role.block is BlockKind.LAYER and "weight" in role.params
+    weights (`expert`), nor a transposed linear (HF's Conv1D, no nn.Linear for torchao to swap). The cost model
+    prices these GEMMs at the float8 rate (passes/cost/cost.py)."""
+    return (role is not None and role.block is BlockKind.LAYER and "weight" in role.params and not role.transposed
             and role.strategy in (Strategy.COLWISE, Strategy.ROWWISE, Strategy.REPLICATE)
             and role.fan in ("hidden", "shared_ffn"))
 

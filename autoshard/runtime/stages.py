@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Recompute, Stage
 from autoshard.model_spec import Mixer, ModelSpec
+from autoshard.models.beside import beside_layers, stand_in_width
 from autoshard.models.facts import LAYER_MASKS, final_norm, text_config
 from autoshard.runtime.comm import gather_sequence, split_sequence
 
@@ -165,16 +166,19 @@ class OwnForwardStage(StageModule):
     HF's own code, on every stage."""
 
     def __init__(self, stage: Stage, *, model: nn.Module, base: nn.Module, positions=None,
-                 extras: Sequence[nn.Module] = (), **parts) -> None:
+                 extras: Sequence[nn.Module] = (), finals: Sequence[nn.Module] = (), **parts) -> None:
         super().__init__(stage, **parts)
         self.__dict__["_model"] = model  # not a submodule: the stage holds only its own parameters
         self.__dict__["_base"] = base
         self.__dict__["_attr"] = _layers_attr(model)
         self.positions = positions
-        # the base's embeddings beside the input embedding (GPT-2's learned positions, run before the layers): the
-        # first stage holds them (they train there); a later stage's forward looks them up in zeros (`_Zeros`:
-        # their output is replaced by the received hidden states, and their weights are not on this rank)
+        # the base's modules beside the layers (models/beside.py `beside_layers`): those run before the layers (GPT-2's
+        # learned positions, BLOOM's embedding norm, OPT's project_in) the first stage holds (they train there); a
+        # later stage's forward runs stand-ins giving zeros of their output's shape (`_Zeros`: their output is
+        # replaced by the received hidden states, and their weights are not on this rank); those run after the
+        # layers (OPT's project_out) the last stage holds, and no earlier stage reaches them
         self.extras = nn.ModuleList(extras if stage.embed else ())
+        self.finals = nn.ModuleList(finals if stage.head else ())
         self.__dict__["_beside"] = [n for n, m in base.named_children() if any(m is e for e in extras)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,8 +206,8 @@ class OwnForwardStage(StageModule):
         first = stage.first_layer
         inputs = {"input_ids": x} if stage.embed else {"inputs_embeds": _placeholder(model, x, length)}
         hooks = []
-        if not stage.embed:  # the received hidden states enter at this stage's first layer (or its norm)
-            entry = layers[first] if first < stage.end_layer else final_norm(base, layers)
+        if not stage.embed:  # the received hidden states enter at this stage's first layer (or the last's norm)
+            entry = layers[first] if first < stage.end_layer else self.norm
             hooks.append(entry.register_forward_pre_hook(_swap_input(x), with_kwargs=True))
         stand_ins = nn.ModuleList([layer if first <= i < stage.end_layer else _Skip(layer)
                                    for i, layer in enumerate(layers)])
@@ -211,13 +215,13 @@ class OwnForwardStage(StageModule):
             hooks.append(stand_ins[stage.end_layer].register_forward_pre_hook(_leave, with_kwargs=True))
         base._modules[attr] = stand_ins
         beside = {} if stage.embed else {n: base._modules[n] for n in self.__dict__["_beside"]}
-        for name, embedding in beside.items():
-            base._modules[name] = _Zeros(embedding.embedding_dim)
+        for name, module in beside.items():
+            base._modules[name] = _Zeros(stand_in_width(module))
         wrapped = self._checkpointed(stand_ins)
         try:
             out = model(**inputs, use_cache=cache is not None, cache=cache, logits_to_keep=logits_to_keep, **kwargs)
         except _StageOutput as leaving:
-            return leaving.hidden
+            return leaving.hidden.contiguous()  # (a view, Inkling-2's: p2p sends contiguous tensors)
         finally:
             base._modules[attr] = layers
             base._modules.update(beside)
@@ -251,16 +255,19 @@ def _placeholder(model: nn.Module, x: torch.Tensor, length: int | None = None) -
 
 
 class _Zeros(nn.Module):
-    """Stands in for an embedding of the first stage on a later one: zeros of its width for any indices (and
-    whatever else its forward takes: BioGPT's positions embedding is called with the mask, the cache length and
-    position_ids)."""
+    """Stands in for a module of the first stage run before the layers on a later one (models/beside.py
+    `stand_in_width`): zeros of an embedding's width for any indices, of a linear's output for its input, of a
+    norm's input (and whatever else its forward takes: BioGPT's positions embedding is called with the mask, the
+    cache length and position_ids)."""
 
-    def __init__(self, width: int):
+    def __init__(self, width):
         super().__init__()
-        self.width = width
+        self.lookup, self.width = width if isinstance(width, tuple) else (None, width)
 
-    def forward(self, ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return torch.zeros(*ids.shape, self.width, device=ids.device)
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        shape = x.shape if self.lookup else x.shape[:-1]
+        return torch.zeros(*shape, self.width or x.shape[-1], device=x.device,
+                           dtype=None if self.lookup else x.dtype)
 
 
 class _StageOutput(Exception):
@@ -363,29 +370,34 @@ def _build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
     if not 0 <= stage.first_layer <= stage.end_layer <= layers_total:
         raise InvalidConfigError(f"stage layers [{stage.first_layer}, {stage.end_layer}) are outside the "
                                  f"model's {layers_total} layers; stages must lie within 0..{layers_total}")
-    body, parts = _parts(model, stage)
+    body, parts = _parts(model, stage, own_forward=spec.own_forward)
     if spec.own_forward:
-        from autoshard.models.facts import beside_layers
-
-        extras, unplaced = beside_layers(model)
+        extras, finals, unplaced = beside_layers(model, after=spec.after_layers)
         if unplaced:
             raise InvalidConfigError(f"{type(model).__name__}: {unplaced}; use pp=1")
         return OwnForwardStage(stage, config=config, model=model, base=body, positions=positions, extras=extras,
-                               **parts)
+                               finals=finals, **parts)
     if spec.mixer is Mixer.ATTENTION:  # rotary embeddings and the causal mask, made per stage
         return LlamaStage(stage, config=config, rotary_emb=body.rotary_emb, positions=positions, **parts)
     return Mamba2Stage(stage, config=config, **parts)  # SSD blocks: the hidden state alone
 
 
-def _parts(model: nn.Module, stage: Stage) -> tuple[nn.Module, dict]:
+def _parts(model: nn.Module, stage: Stage, *, own_forward: bool = False) -> tuple[nn.Module, dict]:
     """(the base model holding the layers, this stage's embed / layers / norm / lm_head), found by the
     model's structure (models/facts.py `layer_list`: the ModuleList of the config's layers, whatever its name:
     model.layers, transformer.h, model.decoder.layers), the final norm its last child with parameters after
-    the layers, the embedding and head HF's input / output embeddings."""
+    the layers, the embedding and head HF's input / output embeddings. `own_forward`: a base with no final norm
+    (OPT-350m's decoder) runs its own forward without one, each stage entered at a layer of its own."""
     body = model.get_submodule(_layers_path(model).rpartition(".")[0])
     layers = model.get_submodule(_layers_path(model))
+    try:
+        norm = final_norm(body, layers)
+    except InvalidConfigError:
+        if not own_forward or (stage.first_layer == stage.end_layer and not stage.embed):
+            raise
+        norm = None
     parts = dict(embed=model.get_input_embeddings(), layers=list(layers)[stage.first_layer:stage.end_layer],
-                 norm=final_norm(body, layers), lm_head=model.get_output_embeddings())
+                 norm=norm, lm_head=model.get_output_embeddings())
     return body, _keep(parts, stage)
 
 

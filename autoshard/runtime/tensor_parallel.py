@@ -63,6 +63,18 @@ class RowParallelLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+class RowParallelConv1D(nn.Module):
+    """HF's Conv1D (GPT-2's; weight stored [input, output]) holding rows of its weight: y = all_reduce(x_local
+    W_local) + b, as RowParallelLinear sums. No nn.Linear: torchao's float8 swap leaves it alone, as the cost model
+    prices it (rules/sharding.py `is_float8_role`)."""
+
+    tp_group: dist.ProcessGroup
+    sequence_parallel: bool = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return RowParallelLinear.reduce_and_add_bias(self, torch.matmul(x, self.weight))
+
+
 class VocabParallelEmbedding(nn.Embedding):
     """Rows [vocab_start, vocab_start + rows) of the table; other ids contribute zeros, then sum."""
 
@@ -125,7 +137,9 @@ def apply_tensor_parallel(model: nn.Module, program: ShardProgram, group: dist.P
                 functools.partial(_enter_region, group=group), with_kwargs=True)
     for path in program.sequence_wholes:  # HF's gathered attention: leaves the shard at its input, runs whole
         _whole_in_forward(model.get_submodule(path), group)
-    swaps = [(p, RowParallelLinear) for p in program.rowwise]
+    # a row-parallel weight split on dim 0 is a transposed linear's (rules/sharding.py `param_dim`)
+    swaps = [(p, RowParallelConv1D if getattr(placements.get(f"{p}.weight"), "dim", 1) == 0 else RowParallelLinear)
+             for p in program.rowwise]
     swaps += [(p, cls) for p, cls in ((program.vocab_embed, VocabParallelEmbedding),
                                       (program.vocab_head, VocabParallelHead)) if p]
     for path, cls in swaps:

@@ -151,11 +151,11 @@ def resolve_model_spec(model, name):
 def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_name(monkeypatch):
     """GPT-2 / GPT-J / CodeGen keep their layers in transformer.h, OPT in model.decoder.layers, GPT-NeoX's
     attention names its head width head_size: found by structure, they plan (their stages run the model's own
-    forward where the base is no plain LLaMA stack; pp refused where the base holds parameters beside the layers
-    that are no embedding, OPT's projections); a config with no widths of its own (BLT) and attention that looks both
+    forward where the base is no plain LLaMA stack, OPT's projections and Bloom's embedding norm with the stage
+    that runs them; pp refused where no stage would hold a parameter, BERT's); a config with no widths of its own (BLT) and attention that looks both
     ways (BERT without is_decoder) are refused naming the module; attention computed in a module's own forward
     (ALiBi in Bloom and MPT, Falcon's direct SDPA call, XGLM's matmuls) plans dp and pp by the model's own forward,
-    tp, sequence parallelism, cp and serving refused naming the module (and Bloom's pp: its embedding norm); a loss
+    tp, sequence parallelism, cp and serving refused naming the module; a loss
     computed in the model's own forward (TrOCR's, labels already shifted) is refused whole."""
     from autoshard.errors import InvalidConfigError
     from autoshard.models.presets import spec_from_hf_config
@@ -168,15 +168,14 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
         spec = spec_from_hf_config(model.config, name=model_type, model=model)
         assert (spec.mixer, spec.attention_path, spec.own_forward) == (Mixer.ATTENTION, attention, own), spec
         assert refusal(spec, "dp") is None and refusal(spec, "cp") is None, spec.refused
-        pp = refusal(spec, "pp") or ""  # tiny OPT projects its 768-wide embedding to the hidden width and back
-        assert "model.decoder.project_out (Linear)" in pp if model_type == "opt" else not pp, spec.refused
+        assert refusal(spec, "pp") is None, spec.refused  # (tiny OPT projects its 768-wide embedding and back)
     for model_type, module in (("bloom", "h.*.self_attention (BloomAttention)"), ("mpt", "blocks.*.attn (MptAttention)"),
                                ("falcon", "h.*.self_attention (FalconAttention)"),
                                ("xglm", "layers.*.self_attn (XGLMAttention)")):
         model = build_tiny(tiny_config(model_type), device="meta")
         spec = spec_from_hf_config(model.config, name=model_type, model=model)
         assert spec.own_forward and refusal(spec, "dp") is None, spec.refused
-        assert (refusal(spec, "pp") is None) == (model_type != "bloom"), spec.refused
+        assert refusal(spec, "pp") is None, spec.refused  # (Bloom's embedding norm: with the first stage)
         for axis in ("tp", "cp", "sequence_parallel", "inference"):
             assert f"{module} computes attention in its own forward" in (refusal(spec, axis) or ""), (axis, spec.refused)
     model = build_tiny(tiny_config("trocr"), device="meta")
@@ -191,7 +190,8 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
     config.is_decoder = True
     spec = spec_from_hf_config(config, name="bert", model=build_tiny(config, device="meta"))
     assert refusal(spec, "dp") is None and refusal(spec, "cp") is None, spec.refused
-    assert "BertEncoder: no final norm after its layers; use pp=1" in refusal(spec, "pp"), spec.refused  # as it runs
+    assert "BertEncoder: no final norm after its layers, and bert.embeddings.position_embeddings holds parameters " \
+           "outside bert.encoder" in refusal(spec, "pp"), spec.refused  # (its head's transform: no stage holds it)
     # BLT: its cross-attention looks both ways; past that, its widths live in the sub-configs of its encoder, global
     # transformer and decoder: named too, not a TypeError
     model = build_tiny(tiny_config("blt"), device="meta")
@@ -200,3 +200,36 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
     monkeypatch.setattr(facts, "bidirectional_attention", lambda model: None)
     with pytest.raises(InvalidConfigError, match=r"BltForCausalLM's config has no hidden \(hidden_size"):
         spec_from_hf_config(model.config, name="blt", model=model)
+
+
+def test_what_the_base_holds_beside_the_layers_goes_with_the_stage_that_runs_it():
+    """Read off the traced graph, not the order HF declares modules in (OPT declares project_out first): OPT's
+    learned positions and project_in run before the layers (the first stage's), project_out after them (the last
+    stage's, `ModelSpec.after_layers`); BLOOM's embedding norm before; OPT-350m's post-norm decoder has no final
+    norm and still places every parameter; layers reading another layer's hidden states refuse pp by name."""
+    from autoshard.models.beside import beside_layers, stand_in_width
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.models.tiny import build_tiny, tiny_config
+    from autoshard.rules.validity import refusal
+
+    def names(model_type, **overrides):
+        model = build_tiny(tiny_config(model_type, **overrides), device="meta")
+        base = model.get_submodule(facts.layer_list(model)[0].rpartition(".")[0])
+        before, after, why = beside_layers(model)
+        named = {id(m): n for n, m in base.named_children()}
+        spec = spec_from_hf_config(model.config, name=model_type, model=model)
+        return [named[id(m)] for m in before], [named[id(m)] for m in after], why, spec
+
+    before, after, why, spec = names("opt")
+    assert (before, after, why, spec.after_layers) == (["embed_positions", "project_in"], ["project_out"], "",
+                                                        ("project_out",))
+    before, after, why, spec = names("opt", do_layer_norm_before=False)
+    assert (before, after, why) == (["embed_positions", "project_in"], ["project_out"], "") and \
+        refusal(spec, "pp") is None
+    before, after, why, _ = names("bloom")
+    assert (before, after, why) == (["word_embeddings_layernorm"], [], "")
+    model = build_tiny(tiny_config("opt"), device="meta")
+    assert stand_in_width(model.model.decoder.project_in) == model.model.decoder.project_in.out_features
+    assert stand_in_width(model.model.decoder.embed_positions)[0] == "lookup"
+    _, _, _, spec = names("inkling2_text")
+    assert "its layers read block_states beside their input" in refusal(spec, "pp"), spec.refused

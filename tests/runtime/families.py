@@ -56,11 +56,14 @@ BEYOND_VOCAB = {"mllama": _tiny("mllama")}
 # classes that declare no base_model_tp_plan: tp runs the Megatron pairs found on their graph
 # (passes/capture/tp_proposal.py): Persimmon's fused per-head query_key_value -> dense, dense_h_to_4h -> dense_4h_to_h
 # (its per-head q/k layer norms' gradients summed over tp), StableLM's q/k/v -> o_proj, gate/up -> down_proj, LFM2's
-# q/k/v -> out_proj, w1/w3 -> w2 (HF declares its embedding only)
+# q/k/v -> out_proj, w1/w3 -> w2 (HF declares its embedding only); StarCoder's (GPT-BigCode's) multi-query
+# c_attn, [q; k; v] of one KV head, which no head count splits: gathered as HF declares Phi-3's qkv_proj (the attention
+# whole on every rank)
 NO_TP_PLAN = {
     "persimmon": _tiny("persimmon"),
     "stablelm": _tiny("stablelm"),
     "lfm2": _tiny("lfm2"),  # declares its embedding only; w1 / w3 -> w2 at its adjusted width (2/3, rounded up), not the config's
+    "gpt_bigcode": _tiny("gpt_bigcode", attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
 }
 
 # HF's gathered styles beside plain ones: GLM-4's per-head attention region and gathered gate_up_proj ->
@@ -129,31 +132,31 @@ _SCAN = "the Mamba-1 selective scan of layers.0.mixer"
 # its call to HF's attention interface (GPT-NeoX's head_size): dp, pp (the model's own forward where the base is no
 # plain LLaMA stack: GPT-2's learned positions, OPT) and cp; tp as HF declares it at the model's own paths
 # (GPT-NeoX's per-head fused query_key_value and parallel residual, GPT-J's h.*, CodeGen's qkv_proj in whole model-
-# parallel groups, their MLP width read off the layer), refused by the proposal where none is declared (GPT-2's Conv1D);
+# parallel groups, their MLP width read off the layer), proposed on the graph where none is declared (GPT-2's Conv1D:
+# transposed linears split on their other dim, the fused c_attn as packed [q; k; v] pieces, its split_size per rank);
 # OPT's fc1 -> fc2 sit in the layer itself, no module holds the pair: fc1's own input enters the tp region; OPT's pp
-# refused by its project_in / project_out linears (tiny OPT projects 768 -> 64);
+# places its project_in with the first stage and project_out (past the final norm) with the last, by where its traced
+# graph runs them (tiny OPT projects 768 -> 64);
 # dropout off, so one process is reproducible. CTRL's attention takes its normed input as v, k and q (tp: each use's
 # gradient summed over the ranks; only v's was) and its base scales the embeddings in place (a later pipeline stage
 # feeds its own forward zeros, not the received tensor, which in-place scaling refused)
 CLASSIC = {"gpt_neox": _tiny("gpt_neox"), "opt": _tiny("opt", dropout=0.0),
            "gpt2": _tiny("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "gptj": _tiny("gptj"),
            "codegen": _tiny("codegen"), "ctrl": _tiny("ctrl", resid_pdrop=0.0, embd_pdrop=0.0)}
-CLASSIC_REFUSED = {("gpt2", "tp"): "no colwise -> rowwise pair on the graph",
-                   ("opt", "pp"): "model.decoder.project_out (Linear) holds parameters beside the embedding"}
+CLASSIC_REFUSED = {}
 
 # every family under every axis on two ranks (dense: dp, tp, pp, cp; MoE: dp, tp, pp, cp, ep), inside the
 # shared world-2 spawn (test_equivalence.py); an axis a family refuses must say so by name, on every rank
 PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
 
 # attention computed in the layer's own forward (Falcon's direct SDPA call, MPT's and Bloom's ALiBi, XGLM's matmuls,
-# GPT-Neo's global and 4-token local layers): dp and pp by the model's own forward, priced by the ops it traces to; tp
-# and cp refused naming the module (no rule splits its heads, no CP attention swaps in), Bloom's pp by its embedding
-# norm; dropout off
+# GPT-Neo's global and 4-token local layers): dp and pp by the model's own forward (Bloom's embedding norm with the
+# first stage, a later one running a stand-in), priced by the ops it traces to; tp and cp refused naming the module
+# (no rule splits its heads, no CP attention swaps in); dropout off
 OWN_ATTENTION = {t: Tiny(f"{t}-tiny", without_dropout(exaggerated(tiny_config(t, **more)))) for t, more in (
     ("falcon", {}), ("mpt", {}), ("bloom", {}), ("xglm", {}), ("gpt_neo", dict(window_size=4)))}
 _OWN = "computes attention in its own forward"
-OWN_ATTENTION_REFUSED = {**{(t, a): _OWN for t in OWN_ATTENTION for a in ("tp", "cp")},
-                         ("bloom", "pp"): "transformer.word_embeddings_layernorm (LayerNorm) holds parameters beside"}
+OWN_ATTENTION_REFUSED = {(t, a): _OWN for t in OWN_ATTENTION for a in ("tp", "cp")}
 # a heterogeneous config (HF's per_layer_config): Gemma-4's full-attention layers with twice the head_dim of its
 # sliding ones, and (k_eq_v) half their K/V heads with the keys as values (no v_proj); read as two layer kinds.
 # Its attention (scale 1, q/k RMS-normed) turns float32 noise in the first step's weights into ~1e-4 of the second
@@ -225,6 +228,10 @@ def check_families() -> None:
     # transformer.h): both raised "'CodeGenModel' object has no attribute 'layers'"
     check_axes({"codegen": CLASSIC["codegen"]}, lambda name: (dict(dp=2, zero=3),), {})
     check_plan(CLASSIC["gpt2"], dict(dp=2, zero=3), compile="aot_eager", logits=True)
+    # OPT-350m's layout: norms after each sublayer (do_layer_norm_before false), so no final norm: each stage enters
+    # the model's own forward at a layer of its own, project_out with the last
+    check_plan(Tiny("opt-post-norm-tiny", exaggerated(tiny_config("opt", dropout=0.0, do_layer_norm_before=False))),
+               dict(pp=2, micro_batch=2), logits=True)
     check_axes(PER_LAYER_MOE, lambda name: PER_LAYER_PLANS, PER_LAYER_REFUSED)
     check_axes(UNUSED, lambda name: UNUSED_PLANS, UNUSED_REFUSED)
     check_axes(STAGED, lambda name: (dict(pp=2, micro_batch=2),), {})

@@ -168,7 +168,7 @@ def _run_all(rank: int, world: int, configs) -> None:
     if world == 4:
         for preset, plan, logits in WHOLE_GROUPS:
             check_plan(preset, plan, logits=logits, sgd=True)
-        from tests.runtime.families import DENSE
+        from tests.runtime.families import CLASSIC, DENSE
         from tests.runtime.hybrids import HYBRIDS
 
         # sequence parallelism through stages that run HF's own forward (positions, masks and placeholder of the
@@ -176,6 +176,9 @@ def _run_all(rank: int, world: int, configs) -> None:
         # softcaps, DeepSeek-V3's latent attention and its dense and MoE layers, per stage too
         check_plan(DENSE["gemma2"], dict(pp=2, tp=2, micro_batch=2, sequence_parallel=True), logits=True)
         check_plan(HYBRIDS["deepseek_v3"], dict(pp=2, tp=2, micro_batch=2, sequence_parallel=[False, True]), logits=True)
+        # GPT-2's transposed linears (HF's Conv1D) split by the layout proposed on its graph, through the stages of
+        # its own forward (learned positions)
+        check_plan(CLASSIC["gpt2"], dict(pp=2, tp=2, micro_batch=2), logits=True)
 
 
 def _check_nothing_held() -> None:

@@ -79,9 +79,9 @@ def _placement(spec, role, leaf: str):
         if sharding.one_kv_head(spec, role):
             return R  # multi-query attention's one KV head: whole on every rank
         pieces = tuple(sharding.size(spec, p.length) for p in role.pieces)
-        return Shard(0, pieces if len(pieces) > 1 else ())
+        return Shard(sharding.param_dim(role, leaf), pieces if len(pieces) > 1 else ())
     if s is sharding.Strategy.ROWWISE and leaf in role.params and leaf != "bias":
-        return Shard(1)
+        return Shard(sharding.param_dim(role, leaf))
     if s is sharding.Strategy.REGION and leaf in role.params:
         return Shard(0)
     return R

@@ -26,12 +26,12 @@ class Proposal:
 
 def propose(cap: Captured, layer, spec) -> Proposal:
     """The Megatron-style layout of `layer` (layer 0 of the captured model) read off `cap` (module docstring)."""
-    from torch import nn
+    from autoshard.models.facts import linear_widths
 
     if not cap.repeated:
         return Proposal(refusal="the traced graph shows no repeated layer stack to pair projections in")
     prefix = f"{cap.repeated[0].prefix}.0"
-    linears = {p: m for p, m in layer.named_modules() if p and isinstance(m, nn.Linear)}
+    linears = {p: w for p, m in layer.named_modules() if p and (w := linear_widths(m)) is not None}  # (in, out)
     feeders = _feeders(cap, prefix, linears)
     rowwise = [b for b in feeders if feeders[b]]
     if not rowwise:
@@ -57,11 +57,15 @@ def propose(cap: Captured, layer, spec) -> Proposal:
             return Proposal(refusal=f"layers.*.{group[0]} -> layers.*.{b}: no module of the layer holds the pair, "
                                     "so the tp region has no input to enter at; tp is not offered for this model")
         attention = _is_attention(layer.get_submodule(region))
-        pieces = [(a, "colwise", _length(spec, linears[a].out_features, attention)) for a in group]
-        pieces.append((b, "rowwise", _length(spec, linears[b].in_features, attention, rowwise=True)))
+        pieces = [(a, "colwise", _length(spec, linears[a][1], attention)) for a in group]
+        pieces.append((b, "rowwise", _length(spec, linears[b][0], attention, rowwise=True)))
         odd = next((p for p in pieces if p[2] is None), None)
+        gathered = _gathered_group(spec, pieces, linears) if odd is not None and attention else None
+        if gathered is not None:  # (StarCoder's [q; k; v] of one KV head): HF's gathered styles, attention whole
+            roles += gathered
+            continue
         if odd is not None:
-            width = linears[odd[0]].out_features if odd[1] == "colwise" else linears[odd[0]].in_features
+            width = linears[odd[0]][1 if odd[1] == "colwise" else 0]
             counts = ("heads x head_dim (or KV heads x head_dim, or one fused q/k/v)" if attention
                       else "the MLP width (intermediate_size)")
             return Proposal(refusal=f"layers.*.{odd[0]}: its {odd[1]} width {width} is not {counts} of the config, "
@@ -136,6 +140,16 @@ def packed_pairs(layer, roles) -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
+def _gathered_group(spec, pieces, linears) -> list[tuple[str, str, str]] | None:
+    """An attention group whose fused projection no head count splits (multi-query [q; k; v] of one KV head: its
+    width heads x head_dim + 2 x head_dim) as HF's gathered styles: each colwise linear `colwise_gather_output` by its
+    whole width, the rowwise one `rowwise_split_input`, the attention whole on every rank (what HF declares for
+    Phi-3's qkv_proj); None where a width is no size of the config."""
+    out = [(a, "colwise_gather_output" if style == "colwise" else "rowwise_split_input",
+            _gathered_length(spec, linears[a][1 if style == "colwise" else 0])) for a, style, _ in pieces]
+    return None if any(n is None for _, _, n in out) else out
+
+
 def _has(layer, path: str) -> bool:
     try:
         layer.get_submodule(path)
@@ -208,6 +222,6 @@ def _length(spec, width: int, attention: bool, *, rowwise: bool = False) -> str 
         return None
     if width == kv:
         return "kv"
-    if width == q + 2 * kv and spec.kv_heads == spec.heads:
-        return "qkv"
+    if width == q + 2 * kv and spec.kv_heads == spec.heads:  # interleaved per head or packed [q; k; v] (GPT-2's:
+        return "qkv"  # presets._proposed_layout)
     return None

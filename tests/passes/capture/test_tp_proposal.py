@@ -76,6 +76,39 @@ def test_the_proposal_is_proven_before_it_runs():
     assert not proof.proven and "layers.*.self_attn" in proof.refusal(), proof.refusal()
 
 
+def test_gpt2_transposed_linears_split_on_their_other_dim():
+    """GPT-2's projections are HF's Conv1D (weight [input, output], applied by addmm): found as linears by structure,
+    paired by data flow, their weights split on the other dim than nn.Linear's; its fused c_attn, cut into q, k and
+    v by split_size, is proven only as packed [q; k; v] pieces (the per-head claim is caught on the graph), its
+    split_size and each colwise Conv1D's nf set per rank (the tp runs: tests/runtime/families.py `CLASSIC`)."""
+    from autoshard.ir import Mesh, Plan
+    from autoshard.passes.rewrite import shard_program
+    from tests.runtime.families import CLASSIC
+
+    source = CLASSIC["gpt2"]
+    spec = source.spec
+    assert spec.transposed == ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert spec.tp_pairs == (("attn", "region", "heads"), ("attn.c_attn", "packed_colwise", "qkv"),
+                             ("attn.c_proj", "rowwise", "q"), ("mlp", "region", "ffn"), ("mlp.c_fc", "colwise", "ffn"),
+                             ("mlp.c_proj", "rowwise", "ffn"))
+    assert "tp" not in dict(spec.refused)
+    per_head = tuple((p, "colwise" if s == "packed_colwise" else s, n) for p, s, n in spec.tp_pairs)
+    assert not prove_tp(replace(spec, tp_pairs=per_head, grad_sum=()), source.build()).proven
+    model = source.build()
+    program = shard_program(Plan(model="gpt2", fingerprint="", hardware="cpu", devices=2, global_batch=2, seq_len=16,
+                                 mesh=Mesh(tp=2)), spec, {n: tuple(p.shape) for n, p in model.named_parameters()},
+                            tp_rank=1)
+    hidden = spec.hidden
+    c_attn = program.placement("transformer.h.0.attn.c_attn.weight")
+    assert (c_attn.dim, c_attn.segments) == (1, (hidden,) * 3)  # [hidden, 3 hidden]: q, k, v each split
+    assert program.placement("transformer.h.0.attn.c_attn.bias").dim == 0
+    assert program.placement("transformer.h.0.mlp.c_proj.weight").dim == 0  # rowwise: the input rows
+    attrs = {(p, a): v for p, a, v in program.attrs}
+    assert attrs[("transformer.h.0.attn", "split_size")] == hidden // 2
+    assert attrs[("transformer.h.0.attn.c_attn", "nf")] == 3 * hidden // 2
+    assert attrs[("transformer.h.0.mlp.c_fc", "nf")] == spec.ffn // 2
+
+
 def test_the_llama_table_on_persimmon_is_caught_not_run():
     """Before the proposal, Persimmon was proven under the LLaMA table, whose q/k/v / o_proj / MLP names it lacks:
     everything in its tp regions replicated, the regions' input gradients whole yet all-reduced by the runtime

@@ -1,0 +1,114 @@
+"""What a decoder's base model holds beside its layers, and on which side of them its forward runs it.
+
+Contract: `beside_layers(model) -> (before, after, why)`: the base's children with parameters other than the input
+embedding, the layer list and the final norm, split by where the traced forward graph first runs them (before the
+layers: the first pipeline stage holds them; after: the last), or why pipeline stages of the model's own forward
+cannot place them. `stand_in_width(module)`: what a later stage runs in place of a module it does not hold. The
+whole contract: docs/modules/models.md (models/beside.py).
+"""
+
+from __future__ import annotations
+
+from autoshard.models.facts import final_norm, layer_list, linear_widths
+
+
+def after_layers(model) -> tuple[str, ...]:
+    """The names of the base's children `beside_layers` finds run after the layers (OPT's project_out), read off the
+    traced graph: what `ModelSpec.after_layers` keeps for the runtime, whose model may not trace (under cp)."""
+    before, after, why = beside_layers(model)
+    base = model.get_submodule(layer_list(model)[0].rpartition(".")[0])
+    return () if why else tuple(n for n, m in base.named_children() if any(m is a for a in after))
+
+
+def beside_layers(model, after: tuple[str, ...] | None = None) -> tuple[list, list, str]:
+    """(before, after, why): the base model's children with parameters beside the input embedding, the layers and
+    the final norm, by where its forward runs them (`_run_after`): `before` the layers (GPT-2's and OPT's learned
+    positions, BLOOM's embedding norm, OPT's project_in), which the first pipeline stage holds, `after` them (OPT's
+    project_out, past the final norm), which the last stage holds; and why pp cannot place them, naming the first
+    module no stand-in can replace on a later stage (`stand_in_width`: one neither an embedding, a linear nor a
+    per-channel norm), or, where the base has no final norm (OPT-350m's), a parameter no stage holds (BERT's head
+    transform), or "". `after`: the names run after the layers, known already (`ModelSpec.after_layers`), else read
+    off the graph."""
+    from torch import nn
+
+    from autoshard.errors import InvalidConfigError
+
+    path, layers = layer_list(model)
+    base_path = path.rpartition(".")[0]
+    base = model.get_submodule(base_path)
+    try:
+        norm = final_norm(base, layers)
+    except InvalidConfigError as e:  # none (OPT-350m's): every stage enters at a layer of its own
+        norm, missing = None, str(e).removesuffix("; use pp=1")
+    held = {id(layers), id(model.get_input_embeddings()), id(norm)}
+    found = [(n, m) for n, m in base.named_children() if id(m) not in held and any(True for _ in m.parameters())]
+    if norm is None:  # then every parameter must sit where a stage holds it (BERT's: its head's transform does not)
+        placed = {id(p) for m in (layers, model.get_input_embeddings(), model.get_output_embeddings(),
+                                  *(m for _, m in found)) if m is not None for p in m.parameters()}
+        stray = next((n for n, p in model.named_parameters() if id(p) not in placed), None)
+        if stray is not None:
+            return [], [], (f"{missing}, and {stray.rpartition('.')[0]} holds parameters outside {base_path} and "
+                            "the embedding and LM head, which no pipeline stage of its own forward places")
+    # embeddings are looked up before the layers (GPT-2's learned positions); where else the others run: the graph
+    other = tuple(n for n, m in found if not isinstance(m, nn.Embedding))
+    after = frozenset(after) if after is not None else _run_after(model, path, other) if other else frozenset()
+    if isinstance(after, str):
+        return [], [], after
+    odd = next(((n, m) for n, m in found if n not in after and stand_in_width(m) is False), None)
+    if odd is not None:
+        return [], [], (f"{base_path}.{odd[0]} ({type(odd[1]).__name__}) holds parameters beside the embedding, the "
+                        "layers and the final norm, run before the layers, that is no embedding, linear or norm: the "
+                        "pipeline stages of the model's own forward have no stand-in for it on a later stage")
+    return [m for n, m in found if n not in after], [m for n, m in found if n in after], ""
+
+
+def stand_in_width(module):
+    """What a later pipeline stage runs in place of `module`, a child of the base run before the layers whose
+    weights it does not hold (its output is replaced by the received hidden states at the stage's first layer):
+    zeros of (indices' shape, width) for an embedding (("lookup", width)), of the input's shape with the last
+    dimension `width` for a linear, None (the input's width) for a per-channel norm; False: none of those."""
+    from torch import nn
+
+    if isinstance(module, nn.Embedding):
+        return "lookup", module.embedding_dim
+    widths = linear_widths(module)
+    if widths is not None:
+        return widths[1]
+    params = list(module.parameters())
+    return None if params and all(p.dim() == 1 and p.shape == params[0].shape for p in params) else False
+
+
+def _run_after(model, layers_path: str, names: tuple[str, ...]):
+    """The names (children of the base holding the layers at `layers_path`) whose first op on the traced forward
+    graph comes after the layers' first, or why the graph cannot say (it does not trace). Memoised per model class
+    and config."""
+    key = (type(model), model.config.to_json_string(use_diff=False), layers_path, names)
+    if key not in _RUN_AFTER:
+        _RUN_AFTER[key] = _first_ops_after(model, layers_path, names)
+    return _RUN_AFTER[key]
+
+
+_RUN_AFTER: dict = {}  # a memo, not state: a model class and config trace to the same graph
+
+
+def _first_ops_after(model, layers_path: str, names: tuple[str, ...]):
+    from autoshard.errors import CaptureError
+    from autoshard.passes.capture.tp_proof import traced
+
+    base = layers_path.rpartition(".")[0]
+    try:
+        cap = traced(model)[1]
+    except CaptureError as e:
+        return (f"{base} holds modules beside the layers ({', '.join(names)}), and where its forward runs them cannot "
+                f"be read off its graph, which does not trace ({e})")
+    first: dict[str, int] = {}
+    for i, node in enumerate(cap.call_nodes()):
+        path = cap.site(node).module_path
+        if cap.site(node).phase == "fwd":
+            for n in (*names, layers_path.rpartition(".")[2]):
+                if path == f"{base}.{n}" or path.startswith(f"{base}.{n}."):
+                    first.setdefault(n, i)
+    layer = first.pop(layers_path.rpartition(".")[2], None)
+    if layer is None:
+        return f"{base}: no op of its layers shows on its traced graph, so where the modules beside them run is unknown"
+    return frozenset(n for n, i in first.items() if i > layer)
