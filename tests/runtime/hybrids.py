@@ -66,7 +66,7 @@ def check_hybrids() -> None:
     # off in the embedding's gradient before), dp exact
     check_axes({"zamba2_one_hybrid": _tiny("zamba2", layers_block_type=["mamba", "hybrid"], num_hidden_layers=2)},
                lambda name: (dict(dp=2), dict(pp=2, micro_batch=2)),
-               {("zamba2_one_hybrid", "pp"): "its layers read the embeddings' output"})
+               {("zamba2_one_hybrid", "pp"): "its layers read original_hidden_states beside their input"})
     _check_generate()
 
 
