@@ -221,15 +221,14 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     from autoshard.passes.capture.layer_kinds import find_layer_stack
 
     stack = find_layer_stack(model)  # walked once, passed on
-    if facts.mixer != "attention":
+    own = F.own_attention(model) if facts.mixer != "attention" else None  # first: such a module is no unknown mixer
+    if facts.mixer != "attention" and not own:
         from autoshard.models.layered import _mixer_without_cp, layered_spec
 
         layered = layered_spec(model, name=name)  # Mamba-1's selective scans (Mamba, Falcon-Mamba): by their rules
         if layered is not None:
             return layered
-
-        own = F.own_attention(model)  # first: such a module is no unknown mixer (it attends, priced as nothing)
-        refused = _own_attention_refusals(own, model) if own else hybrid_refusals(model, stack)
+        refused = hybrid_refusals(model, stack)
         if refused:  # a uniform stack of a mixer with no rule: the model's own forward, dp and pp only
             return ModelSpec(mixer=Mixer.ATTENTION, ffn=value("ffn", 0) or 0, own_forward=True, refused=refused,
                              **common)
@@ -238,10 +237,19 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
             f"{name}: {mixer}: a sequence mixer autoshard has no rule for (neither a module calling HF's attention "
             "interface nor the Mamba-2 SSD scan), so no axis can be priced or run for it; autoshard plans decoders "
             "whose layers mix tokens by attention or SSD (mixed stacks may hold other mixers: dp and pp)")
-    parts = layer_parts(model, stack) if stack is not None else None  # read once (its recurrent states measured)
-    hybrid = hybrid_refusals(model, stack, parts)  # None: one repeated kind of attention layer
+    if own:  # attention in the layer's own forward (Falcon, BLOOM, MPT, XGLM, GPT-Neo): its stages run that forward,
+        facts = replace(facts, attention_path=_own_path(own), own_forward=True, sliding_window=0, window_layers=0)
+    parts = layer_parts(model, stack) if stack is not None and not own else None  # read once (states measured)
+    hybrid = hybrid_refusals(model, stack, parts) if not own else None  # None: one repeated kind of attention layer
     if hybrid is None:
-        _check_layers_alike(model, facts, name=name)
+        try:
+            _check_layers_alike(model, facts, name=name)
+        except InvalidConfigError as e:  # (GPT-NeoX-Japanese's last layer): its own forward under dp and pp only
+            if not own:
+                raise
+            return ModelSpec(mixer=Mixer.ATTENTION, ffn=value("ffn", 0) or 0, own_forward=True, **common, refused=(
+                ("tp", f"{own}: {str(e).partition(': ')[2]}"), *_own_attention_refusals(own, model),
+                *_unplaced_refusal(model)))
     heads = value("heads")
     missing = [f"{key} ({' / '.join(F.ALIASES[key])})" for key, v in (("hidden", common["hidden"]), ("heads", heads))
                if not is_positive_int(v)]
@@ -252,7 +260,8 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
             "sub-configs")
     usual = common["hidden"] // heads
     head_dim = value("head_dim", usual) or usual
-    spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=value("kv_heads", heads),
+    kv_heads = _kv_heads(model, facts, value("kv_heads", heads)) if own else value("kv_heads", heads)
+    spec = ModelSpec(mixer=Mixer.ATTENTION, heads=heads, kv_heads=kv_heads,
                      head_dim=0 if head_dim == usual else head_dim, ffn=_ffn(model, facts, value("ffn", 0), hybrid),
                      embedding_plain=facts.embedding_plain, own_forward=facts.own_forward or hybrid is not None,
                      head_params=facts.head_params, attention_attrs=facts.attention_attrs, transposed=facts.transposed,
@@ -297,6 +306,9 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
     from autoshard.models.verdicts import failed_axes
 
     found = _refusals(spec, facts, proof.refusal() if proof is not None else untraced, model)
+    if own:  # its own refusals (sequence parallelism, cp, serving) over the one-kind rules'
+        mine = _own_attention_refusals(own, model)
+        found = mine + tuple(r for r in found if r[0] not in {a for a, _ in mine})
     if hybrid is not None:  # a hybrid's own refusals replace the one-kind rules' (models/layered.py)
         found = hybrid + tuple(r for r in found if r[0] not in {a for a, _ in hybrid})
     verified = tuple(v for v in failed_axes(type(model)) if v[0] not in {a for a, _ in found})
@@ -315,18 +327,35 @@ def _ffn(model, facts, declared: int, hybrid) -> int:
 
 def _own_attention_refusals(own: str, model) -> tuple[tuple[str, str], ...]:
     """An attention computed in the layer's own forward (`facts.own_attention`: Falcon, MPT, BLOOM, XGLM): run by
-    the model's own forward under dp (any ZeRO) and pp, priced by the ops its graph runs; tp, sequence parallelism
-    and cp refused naming the module (no rule splits its heads, no CP attention swaps in), serving too (its KV cache
-    is read off the attention interface's calls), pp where the base holds parameters beside the layers that are no
-    embedding (BLOOM's embedding norm)."""
-    from autoshard.models import facts as F
-
-    out = [("tp", f"{own}: no tensor-parallel rule splits its heads; use tp=1"),
-           ("sequence_parallel", f"{own}: sequence parallelism runs with tp; set sequence_parallel to false"),
+    the model's own forward under dp (any ZeRO), pp and tp (the attention whole on every rank, its projections in
+    HF's gathered styles: passes/capture/tp_proposal.py), priced by the ops its graph runs; sequence parallelism
+    and cp refused naming the module (no CP attention swaps in), serving too (its KV cache is read off the attention
+    interface's calls)."""
+    out = [("sequence_parallel", f"{own}: sequence parallelism is not run around it; set sequence_parallel to "
+                                 "false"),
            ("cp", f"{own}: no context-parallel attention swaps in for it; use cp=1"),
            ("inference", f"{own}: serving prices the KV cache of attention called through that interface; plan "
                          "its training")]
-    return tuple(out) + _unplaced_refusal(model)
+    return tuple(out)
+
+
+def _own_path(own: str) -> str:
+    """The path inside a layer of the attention module `facts.own_attention` names ("h.*.self_attention (...)")."""
+    return own.split(" ", 1)[0].partition(".*.")[2]
+
+
+def _kv_heads(model, facts, declared: int) -> int:
+    """The KV heads of an attention computed in its own forward: what its module keeps (Falcon-7B's multi-query
+    attention keeps 1 where its config's num_kv_heads says 71), else the config's."""
+    from autoshard.models.facts import layer_list
+
+    found = layer_list(model)
+    if not facts.attention_path or found is None:
+        return declared
+    module = found[1][0].get_submodule(facts.attention_path)
+    kept = next((getattr(module, a) for a in ("num_key_value_heads", "num_kv_heads", "kv_heads")
+                 if isinstance(getattr(module, a, None), int)), None)
+    return kept or declared
 
 
 def _unplaced_refusal(model) -> tuple[tuple[str, str], ...]:

@@ -154,12 +154,14 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
     forward where the base is no plain LLaMA stack, OPT's projections and Bloom's embedding norm with the stage
     that runs them; pp refused where no stage would hold a parameter, BERT's); a config with no widths of its own (BLT) and attention that looks both
     ways (BERT without is_decoder) are refused naming the module; attention computed in a module's own forward
-    (ALiBi in Bloom and MPT, Falcon's direct SDPA call, XGLM's matmuls) plans dp and pp by the model's own forward,
-    tp, sequence parallelism, cp and serving refused naming the module; a loss
+    (ALiBi in Bloom and MPT, Falcon's direct SDPA call, XGLM's matmuls) plans dp and pp by the model's own forward
+    and tp with that attention whole on every rank (its projections gathered), sequence parallelism, cp and serving
+    refused naming the module; a loss
     computed in the model's own forward (TrOCR's, labels already shifted) is refused whole."""
     from autoshard.errors import InvalidConfigError
     from autoshard.models.presets import spec_from_hf_config
     from autoshard.models.tiny import build_tiny, tiny_config
+    from autoshard.rules import sharding
     from autoshard.rules.validity import refusal
 
     for model_type, attention, own in (("gpt_neox", "attention", False), ("opt", "self_attn", True),
@@ -176,7 +178,8 @@ def test_classic_decoders_are_read_by_structure_and_own_attention_is_refused_by_
         spec = spec_from_hf_config(model.config, name=model_type, model=model)
         assert spec.own_forward and refusal(spec, "dp") is None, spec.refused
         assert refusal(spec, "pp") is None, spec.refused  # (Bloom's embedding norm: with the first stage)
-        for axis in ("tp", "cp", "sequence_parallel", "inference"):
+        assert refusal(spec, "tp") is None and sharding.attention_whole(spec), spec.refused  # whole, gathered
+        for axis in ("cp", "sequence_parallel", "inference"):
             assert f"{module} computes attention in its own forward" in (refusal(spec, axis) or ""), (axis, spec.refused)
     model = build_tiny(tiny_config("trocr"), device="meta")
     with pytest.raises(InvalidConfigError, match=r"TrOCRForCausalLM computes its loss in its own forward"):

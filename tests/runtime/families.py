@@ -151,12 +151,14 @@ PLANS = (dict(dp=2), dict(tp=2), dict(pp=2, micro_batch=2), dict(cp=2))
 
 # attention computed in the layer's own forward (Falcon's direct SDPA call, MPT's and Bloom's ALiBi, XGLM's matmuls,
 # GPT-Neo's global and 4-token local layers): dp and pp by the model's own forward (Bloom's embedding norm with the
-# first stage, a later one running a stand-in), priced by the ops it traces to; tp and cp refused naming the module
-# (no rule splits its heads, no CP attention swaps in); dropout off
+# first stage, a later one running a stand-in), priced by the ops it traces to; tp with the attention whole on every
+# rank, its projections in HF's gathered styles (no head count its forward views by is set per rank), the MLP a
+# Megatron pair (Falcon's multi-query query_key_value, XGLM's fc1 -> fc2 in the layer itself); cp refused naming the
+# module (no CP attention swaps in); dropout off
 OWN_ATTENTION = {t: Tiny(f"{t}-tiny", without_dropout(exaggerated(tiny_config(t, **more)))) for t, more in (
     ("falcon", {}), ("mpt", {}), ("bloom", {}), ("xglm", {}), ("gpt_neo", dict(window_size=4)))}
 _OWN = "computes attention in its own forward"
-OWN_ATTENTION_REFUSED = {(t, a): _OWN for t in OWN_ATTENTION for a in ("tp", "cp")}
+OWN_ATTENTION_REFUSED = {(t, "cp"): _OWN for t in OWN_ATTENTION}
 # a heterogeneous config (HF's per_layer_config): Gemma-4's full-attention layers with twice the head_dim of its
 # sliding ones, and (k_eq_v) half their K/V heads with the keys as values (no v_proj); read as two layer kinds.
 # Its attention (scale 1, q/k RMS-normed) turns float32 noise in the first step's weights into ~1e-4 of the second

@@ -57,13 +57,19 @@ def propose(cap: Captured, layer, spec) -> Proposal:
             return Proposal(refusal=f"layers.*.{group[0]} -> layers.*.{b}: no module of the layer holds the pair, "
                                     "so the tp region has no input to enter at; tp is not offered for this model")
         attention = _is_attention(layer.get_submodule(region))
+        own = not attention and region == spec.attention_path  # attention in its own forward (Falcon's): whole, by
+        attention = attention or own  # no head count its forward views by that the rewrite could set per rank
         pieces = [(a, "colwise", _length(spec, linears[a][1], attention)) for a in group]
         pieces.append((b, "rowwise", _length(spec, linears[b][0], attention, rowwise=True)))
         odd = next((p for p in pieces if p[2] is None), None)
-        gathered = _gathered_group(spec, pieces, linears) if odd is not None and attention else None
+        gathered = _gathered_group(spec, pieces, linears) if (odd is not None or own) and attention else None
         if gathered is not None:  # (StarCoder's [q; k; v] of one KV head): HF's gathered styles, attention whole
             roles += gathered
             continue
+        if own:
+            return Proposal(refusal=f"layers.*.{region}: its attention is computed in its own forward, so it runs whole "
+                                    "on every rank, but a width of its projections is no size of the config to gather "
+                                    "it by; tp is not offered for this model")
         if odd is not None:
             width = linears[odd[0]][1 if odd[1] == "colwise" else 0]
             counts = ("heads x head_dim (or KV heads x head_dim, or one fused q/k/v)" if attention
