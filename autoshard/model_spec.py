@@ -98,6 +98,9 @@ class ModelSpec:
     embedding_plain: bool = _fact(True)  # a plain nn.Embedding (else: no vocab-parallel embedding is offered)
     own_forward: bool = _fact(False)  # pipeline stages run the model's own forward (models/facts.py)
     after_layers: tuple[str, ...] = _fact(())  # the base's children its forward runs after the layers (models/beside.py)
+    # what the base holds beside the layers under sequence parallelism (models/beside.py `sequence_beside`): (full path,
+    # "split": a position table whose output is cut to the shard | "before" / "after": a per-token module on the shard)
+    beside: tuple[tuple[str, str], ...] = _fact(())
     # attention features read at HF's attention-interface call (models/facts.py): the window of the layers
     # that attend within one (sliding_window tokens; Mistral all layers, Gemma-2/3 and GPT-OSS alternate ones)
     sliding_window: int = _fact(0)

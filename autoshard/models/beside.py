@@ -20,6 +20,23 @@ def after_layers(model) -> tuple[str, ...]:
     return () if why else tuple(n for n, m in base.named_children() if any(m is a for a in after))
 
 
+def sequence_beside(model, after: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """How each module `beside_layers` finds runs under sequence parallelism, as (full path, how): an embedding before
+    the layers (GPT-2's learned positions) "split" (looked up for the whole sequence, its output cut to the rank's
+    shard), a linear or per-channel norm "before" (OPT's project_in) or "after" the layers (project_out) per token on
+    the shard (its gradient summed over tp); () where there are none, or one is none of those."""
+    from torch import nn
+
+    before, later, why = beside_layers(model, after=after)
+    if why:
+        return ()
+    paths = {id(m): n for n, m in model.named_modules()}
+    out = [(paths[id(m)], "split" if isinstance(m, nn.Embedding) else "before") for m in before]
+    out += [(paths[id(m)], "after") for m in later]
+    per_token = all(how == "split" or stand_in_width(model.get_submodule(p)) is not False for p, how in out)
+    return tuple(out) if per_token else ()
+
+
 def beside_layers(model, after: tuple[str, ...] | None = None) -> tuple[list, list, str]:
     """(before, after, why): the base model's children with parameters beside the input embedding, the layers and
     the final norm, by where its forward runs them (`_run_after`): `before` the layers (GPT-2's and OPT's learned

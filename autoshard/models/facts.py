@@ -179,6 +179,7 @@ class ModelFacts:
     #                            of a plain LLaMA stack would drop: pipeline stages run the model's own forward
     plain_stack: bool = True  # its base holds only the input embedding, the layers, one final norm and rotary
     #                           embeddings (`_bare_stack`): no learned positions or projections beside the layers
+    own_positions: bool = False  # its base keeps position buffers or builds a mask of its own (`positions_of_its_own`)
 
 
 def read_facts(config, model) -> ModelFacts:
@@ -221,8 +222,9 @@ def read_facts(config, model) -> ModelFacts:
     facts["transposed"] = tuple(p for p, m in layer0.named_modules() if transposed_linear(m)) if layer0 is not None \
         else ()
     facts["residual_norms"] = residual_norms(layers, config_value(config, "hidden", 0)) if layers is not None else ()
-    facts["plain_stack"] = _bare_stack(model, found, materialised=bool(types) and all(
-        LAYER_MASKS.get(t) == "materialised" for t in types))
+    materialised = bool(types) and all(LAYER_MASKS.get(t) == "materialised" for t in types)
+    facts["plain_stack"] = _bare_stack(model, found, materialised=materialised)
+    facts["own_positions"] = found is not None and positions_of_its_own(model, found, materialised=materialised)
     facts["own_forward"] = mixer == "attention" and (_needs_own_forward(facts, config) or not _llama_stack(model, found))
     return ModelFacts(**facts)
 
@@ -356,10 +358,20 @@ def _bare_stack(model, found, *, materialised: bool = False) -> bool:
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     others = [m for m in base.children() if m is not layers and m is not embed]
     held = [m for m in others if any(True for _ in m.parameters())]
-    # buffers of anything but a rotary embedding (Gemma-3's per layer type, Granite's list of them): positions
+    return len(held) <= 1 and not positions_of_its_own(model, found, materialised=materialised)
+
+
+def positions_of_its_own(model, found, *, materialised: bool = False) -> bool:
+    """Whether the base model around the `found` layers keeps buffers of anything but a rotary embedding (CTRL's and
+    XGLM's sinusoidal positions, Gemma-3's rotary per layer type) or builds a mask of its own (`_own_mask`), which a
+    sequence-parallel forward cannot hand it for the whole sequence."""
+    path, layers = found
+    base = model.get_submodule(path.rpartition(".")[0])
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    others = [m for m in base.children() if m is not layers and m is not embed]
     buffers = any(True for _ in base.buffers(recurse=False)) or any(
         "Rotary" not in type(x).__name__ for m in others for x in m.modules() if any(True for _ in x.buffers(recurse=False)))
-    return len(held) <= 1 and not buffers and not _own_mask(base, built={"allow_is_causal_skip"} if materialised else ())
+    return buffers or _own_mask(base, built={"allow_is_causal_skip"} if materialised else ())
 
 
 def _rotary_plain(rotary) -> bool:

@@ -168,7 +168,7 @@ def spec_from_hf_config(config, *, name: str, model: nn.Module | None = None) ->
     config on the meta device), by facts, not by model type (models/facts.py); InvalidConfigError for a
     config HF builds but whose forward fails (`config_violation`) or a model with no sequence mixer
     autoshard knows. What an axis cannot run yet is in `spec.refused`, named per axis."""
-    from autoshard.models.facts import layer_list, per_layer_refusal
+    from autoshard.models.facts import per_layer_refusal
 
     if model is None:
         model = _meta_model(config, name=name)
@@ -179,10 +179,6 @@ def spec_from_hf_config(config, *, name: str, model: nn.Module | None = None) ->
     why = config_violation(spec)
     if why:
         raise InvalidConfigError(f"{name}: {why}")
-    if spec.own_forward and layer_list(model) is not None:  # read off its graph now: the runtime's may not trace
-        from autoshard.models.beside import after_layers  # (under cp its attention is autoshard's)
-
-        spec = replace(spec, after_layers=after_layers(model))
     return spec
 
 
@@ -305,6 +301,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
         spec = replace(spec, grad_sum=proof.grad_sums, grad_sum_numel=proof.summed_numel)
     from autoshard.models.verdicts import failed_axes
 
+    spec = _with_beside(spec, facts, model)
     found = _refusals(spec, facts, proof.refusal() if proof is not None else untraced, model)
     if own:  # its own refusals (sequence parallelism, cp, serving) over the one-kind rules'
         mine = _own_attention_refusals(own, model)
@@ -337,6 +334,20 @@ def _own_attention_refusals(own: str, model) -> tuple[tuple[str, str], ...]:
            ("inference", f"{own}: serving prices the KV cache of attention called through that interface; plan "
                          "its training")]
     return tuple(out)
+
+
+def _with_beside(spec: ModelSpec, facts, model) -> ModelSpec:
+    """`spec` with what its base holds beside the layers read off its graph now (the runtime's model may not trace:
+    under cp its attention is autoshard's): the modules its forward runs after the layers (`after_layers`), and, where
+    the base keeps no positions or mask of its own, how each runs under sequence parallelism (`beside`)."""
+    from autoshard.models.beside import after_layers, sequence_beside
+    from autoshard.models.facts import layer_list
+
+    if not spec.own_forward or layer_list(model) is None:
+        return spec
+    after = after_layers(model)
+    beside = sequence_beside(model, after) if not facts.plain_stack and not facts.own_positions else ()
+    return replace(spec, after_layers=after, beside=beside)
 
 
 def _own_path(own: str) -> str:
@@ -500,9 +511,9 @@ def _sequence_refusal(spec: ModelSpec, facts) -> str:
     summed = [p for p in spec.grad_sum if p not in one_kv and not p.startswith(regions)]
     if extra:
         return f"layers.*.{extra[0]} has no sequence-parallel rule"
-    if not facts.plain_stack:
-        return ("the model's own forward around its layers (learned positions, projections or attention masks of "
-                "its own beside them) is not run on a sequence shard")
+    if not facts.plain_stack and not spec.beside:  # (GPT-2's learned positions, OPT's projections: `beside`)
+        return ("the model's own forward around its layers (positions or attention masks of its own, or modules beside "
+                "them that are no embedding, linear or norm) is not run on a sequence shard")
     masked = sorted(set(facts.layer_types) - set(LAYER_MASKS))
     if masked:  # runtime/stages.whole_sequence_mask builds the masks of facts.LAYER_MASKS
         return f"its layers of type {masked[0]!r} take a mask autoshard does not build for the whole sequence"

@@ -90,7 +90,7 @@ def _sequence_paths(spec: ModelSpec, layers: Sequence[str], on: Sequence[bool], 
     every layer of a sequence-parallel stage; the embedding / final norm and LM head with the first /
     last stage's."""
     out = []
-    for kind, keep in ((BlockKind.EMBED, first), (BlockKind.HEAD, last)):
+    for kind, keep in ((BlockKind.EMBED, first), (BlockKind.HEAD, last and not spec.beside)):  # (`_sequence_wholes`)
         if keep:
             out += [r.path for r in sharding.table(spec) if r.block is kind and r.path]
     inner = [r for r in sharding.table(spec) if r.block is BlockKind.LAYER and r.path
@@ -102,10 +102,13 @@ def _sequence_paths(spec: ModelSpec, layers: Sequence[str], on: Sequence[bool], 
 
 def _sequence_wholes(spec: ModelSpec, layers: Sequence[str], on: Sequence[bool]) -> tuple[str, ...]:
     """The modules of a sequence-parallel stage's layers that run whole on every tp rank (`sharding.whole_modules`:
-    HF's gathered attention), which leave the shard at their input."""
+    HF's gathered attention), which leave the shard at their input; and the final norm of a model whose forward
+    reshapes by the input's length past it (`ModelSpec.beside`: GPT-2's), where the sequence leaves the shard."""
     wholes = sharding.whole_modules(spec)
+    final = spec.stack[2] if spec.stack else "model.norm"  # the model's own final norm, else LLaMA's ("": none)
+    norm = (final,) if spec.beside and on and on[-1] and final else ()
     return tuple(f"{p}.{w}" for i, (p, keep) in enumerate(zip(layers, on)) if keep for w, held in wholes
-                 if not held or i in held)
+                 if not held or i in held) + norm
 
 
 def _sequence_edges(spec: ModelSpec, on: Sequence[str]) -> dict:

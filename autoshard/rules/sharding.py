@@ -204,6 +204,12 @@ def _base_table(spec: ModelSpec) -> tuple[Role, ...]:
         if role.block is BlockKind.HEAD and role.strategy is Strategy.VOCAB and not spec.embedding_plain and spec.tied:
             role = replace(role, strategy=Strategy.REPLICATE)
         out.append(role)
+    # what the base holds beside the layers (ModelSpec.beside): a position table whose output sequence parallelism cuts
+    # to the shard (replicated, as Gemma's embedding), a per-token module on the shard (its gradient summed over tp)
+    out += [Role(path, _H if how == "after" else _E, Strategy.REPLICATE, sequence=how == "before")
+            for path, how in spec.beside]
+    if spec.beside:  # its forward reshapes by the input's length past the final norm (GPT-2's view): the sequence
+        out = [replace(r, sequence=False) if r.block is _H else r for r in out]  # leaves the shard at that norm
     if spec.sequence_norms:  # the layer's own norms (Apertus' attention_layernorm, GPT-J's ln_1), not LLaMA's
         out = [r for r in out if not (r.block is BlockKind.LAYER and r.sequence and r.path not in moe_block_paths(spec))]
         out += [Role(path, _L, Strategy.REPLICATE, sequence=True) for path in spec.sequence_norms]

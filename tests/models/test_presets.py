@@ -236,3 +236,27 @@ def test_what_the_base_holds_beside_the_layers_goes_with_the_stage_that_runs_it(
     assert stand_in_width(model.model.decoder.embed_positions)[0] == "lookup"
     _, _, _, spec = names("inkling2_text")
     assert "its layers read block_states beside their input" in refusal(spec, "pp"), spec.refused
+
+
+def test_sequence_parallelism_around_learned_positions():
+    """GPT-2's learned positions run under sequence parallelism: looked up for the whole sequence, their output cut to
+    the rank's shard (a replicated EMBED role, no `sequence`); its final norm runs whole (its forward views the output
+    by the input's length past it), the sequence leaving the shard there; CTRL's positions are a buffer its forward
+    indexes: refused by name (the tp2 runs: tests/runtime/families.py `SEQUENCE`)."""
+    from autoshard.ir import Mesh, Plan
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.models.tiny import build_tiny, tiny_config
+    from autoshard.passes.rewrite import shard_program
+    from autoshard.rules.validity import refusal
+
+    model = build_tiny(tiny_config("gpt2"), device="meta")
+    spec = spec_from_hf_config(model.config, name="gpt2", model=model)
+    assert spec.beside == (("transformer.wpe", "split"),) and refusal(spec, "sequence_parallel") is None
+    plan = Plan(model="gpt2", fingerprint="", hardware="cpu", devices=2, global_batch=2, seq_len=16,
+                mesh=Mesh(tp=2), sequence_parallel=True)
+    program = shard_program(plan, spec, {n: tuple(p.shape) for n, p in model.named_parameters()}, tp_rank=0)
+    assert program.sequence_splits == ("transformer.wpe",) and "transformer.ln_f" in program.sequence_wholes
+    assert "lm_head" not in program.sequence_paths and "transformer.ln_f.weight" not in program.sequence_grads
+    model = build_tiny(tiny_config("ctrl"), device="meta")
+    spec = spec_from_hf_config(model.config, name="ctrl", model=model)
+    assert spec.beside == () and "positions or attention masks of its own" in refusal(spec, "sequence_parallel")

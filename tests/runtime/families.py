@@ -199,7 +199,9 @@ WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
 # attention region, which reads the gathered sequence), DeepSeek-V3.2's indexer (inside the latent attention's region,
 # handed the whole sequence's causal mask materialised, as its forward builds it), Llama-4's chunked attention (the
 # whole sequence's chunked mask); HF's gathered attention run whole with the sequence gathered at its input
-# (OLMo-2's full-width q/k norms, Phi-3's fused qkv)
+# (OLMo-2's full-width q/k norms, Phi-3's fused qkv); GPT-2's learned positions (looked up whole, cut to the shard)
+# and its final norm run whole (its forward views the output by the input's length past it: the sequence leaves the
+# shard there, `ModelSpec.beside`)
 SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_config("apertus")))),
             "stablelm": NO_TP_PLAN["stablelm"], "gpt_neox": CLASSIC["gpt_neox"], "qwen3": DENSE["qwen3"],
             "mistral": DENSE["mistral"],
@@ -208,7 +210,8 @@ SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_con
             "gemma2": DENSE["gemma2"], "granite": DENSE["granite"], "mllama": BEYOND_VOCAB["mllama"],
             "qwen3_moe": MOE["qwen3_moe"], "llama4": MOE["llama4"], "deepseek_v2": LATENT["deepseek_v2"],
             "afmoe": GATED["afmoe"], "qwen3_5": DELTA["qwen3_5"], "olmo2": DENSE["olmo2"], "phi3": DENSE["phi3"],
-            "mamba": SCANS["mamba"], "gpt_oss": MOE["gpt_oss"], "deepseek_v32": UNUSED["deepseek_v32"]}
+            "mamba": SCANS["mamba"], "gpt_oss": MOE["gpt_oss"], "deepseek_v32": UNUSED["deepseek_v32"],
+            "gpt2": CLASSIC["gpt2"]}
 SEQUENCE_REFUSED = {}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",

@@ -177,8 +177,8 @@ def _run_all(rank: int, world: int, configs) -> None:
         check_plan(DENSE["gemma2"], dict(pp=2, tp=2, micro_batch=2, sequence_parallel=True), logits=True)
         check_plan(HYBRIDS["deepseek_v3"], dict(pp=2, tp=2, micro_batch=2, sequence_parallel=[False, True]), logits=True)
         # GPT-2's transposed linears (HF's Conv1D) split by the layout proposed on its graph, through the stages of
-        # its own forward (learned positions)
-        check_plan(CLASSIC["gpt2"], dict(pp=2, tp=2, micro_batch=2), logits=True)
+        # its own forward (learned positions), under sequence parallelism (its positions cut to the shard)
+        check_plan(CLASSIC["gpt2"], dict(pp=2, tp=2, micro_batch=2, sequence_parallel=True), logits=True)
 
 
 def _check_nothing_held() -> None:
