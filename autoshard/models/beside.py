@@ -23,11 +23,20 @@ def after_layers(model) -> tuple[str, ...]:
 def sequence_beside(model, after: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     """How each module `beside_layers` finds runs under sequence parallelism, as (full path, how): an embedding before
     the layers (GPT-2's learned positions) "split" (looked up for the whole sequence, its output cut to the rank's
-    shard), a linear or per-channel norm "before" (OPT's project_in) or "after" the layers (project_out) per token on
-    the shard (its gradient summed over tp); () where there are none, or one is none of those."""
+    shard), a linear or per-channel norm "before" the layers (OPT's project_in) per token on the shard (its gradient
+    summed over tp), one "after" them (project_out) past the final norm, where the sequence leaves the shard (the
+    norm runs whole: rules/sharding.py); () where there are none, one is none of those, or there is no final norm
+    (OPT-350m's) for the sequence to leave the shard at."""
     from torch import nn
 
+    from autoshard.errors import InvalidConfigError
+
     before, later, why = beside_layers(model, after=after)
+    path, layers = layer_list(model)
+    try:
+        final_norm(model.get_submodule(path.rpartition(".")[0]), layers)
+    except InvalidConfigError:
+        return ()
     if why:
         return ()
     paths = {id(m): n for n, m in model.named_modules()}

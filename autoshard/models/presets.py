@@ -505,15 +505,18 @@ def _sequence_refusal(spec: ModelSpec, facts) -> str:
     # a parameter with no role inside a region (DeepSeek-V3.2's indexer in the latent attention) is replicated and
     # reads the gathered sequence there, as without sequence parallelism
     extra = [n for n in facts.layer_params if n.rpartition(".")[0] not in roles and not n.startswith(regions)]
-    open_cols = [r.path for r in layer if r.strategy is sharding.Strategy.COLWISE and not r.path.startswith(regions)]
+    # (a lone colwise linear in the layer is its own region, OPT's fc1: it gathers the shard at its own input)
+    open_cols = [r.path for r in layer if r.strategy is sharding.Strategy.COLWISE
+                 and not f"{r.path}.".startswith(regions)]
     # one KV head's projections run on the gathered sequence like any split linear: their tp sum is no hindrance
     one_kv = {r.path for r in layer if sharding.one_kv_head(spec, r)}
     summed = [p for p in spec.grad_sum if p not in one_kv and not p.startswith(regions)]
     if extra:
         return f"layers.*.{extra[0]} has no sequence-parallel rule"
     if not facts.plain_stack and not spec.beside:  # (GPT-2's learned positions, OPT's projections: `beside`)
-        return ("the model's own forward around its layers (positions or attention masks of its own, or modules beside "
-                "them that are no embedding, linear or norm) is not run on a sequence shard")
+        return ("the model's own forward around its layers (positions or attention masks of its own, modules beside "
+                "them that are no embedding, linear or norm, or no final norm for the sequence to leave the shard at) "
+                "is not run on a sequence shard")
     masked = sorted(set(facts.layer_types) - set(LAYER_MASKS))
     if masked:  # runtime/stages.whole_sequence_mask builds the masks of facts.LAYER_MASKS
         return f"its layers of type {masked[0]!r} take a mask autoshard does not build for the whole sequence"

@@ -27,6 +27,13 @@ from autoshard.runtime.data_parallel import take_grad
 SEQ_DIM = 1  # hidden states are (batch, sequence, hidden)
 
 
+def token_dim(x: Tensor) -> int:
+    """The dim sequence parallelism splits `x` on: the sequence of (batch, sequence, hidden) hidden states, or the
+    tokens of a (tokens, hidden) view an MLP flattens them to (OPT's): its rank-major gather there is per-token work,
+    and the row-parallel output's reduce-scatter hands each rank its own tokens back in their order."""
+    return SEQ_DIM if x.dim() > 2 else 0
+
+
 def shard_tensor(full: Tensor, placement: Replicate | Shard) -> Tensor:
     """This rank's slice of `full` (a new contiguous tensor)."""
     if isinstance(placement, Replicate):
@@ -58,7 +65,7 @@ class RowParallelLinear(nn.Linear):
     def reduce_and_add_bias(self, y: Tensor) -> Tensor:
         """The local partial product `y` summed over tp (reduce-scattered along the sequence under sequence
         parallelism), then the bias, once (runtime/fp8.py's float8 row-parallel linear calls it too)."""
-        y = (reduce_scatter_to_sequence(y, self.tp_group, SEQ_DIM) if self.sequence_parallel
+        y = (reduce_scatter_to_sequence(y, self.tp_group, token_dim(y)) if self.sequence_parallel
              else reduce_from_group(y, self.tp_group))
         return y if self.bias is None else y + self.bias
 
@@ -274,7 +281,7 @@ def _gather_in_forward(module: nn.Module, group, *, keep_shard: bool) -> None:
             args, kwargs = _enter_region(module, args, kwargs, group=group)
             return forward(*args, **kwargs)
         local = _region_input(args, kwargs)
-        full = gather_from_sequence(local, group, SEQ_DIM)
+        full = gather_from_sequence(local, group, token_dim(local))
         args, kwargs = _replaced(args, kwargs, local, full)
         if not keep_shard:
             return forward(*args, **kwargs)
@@ -344,7 +351,7 @@ class _ShardSaved(torch.autograd.graph.saved_tensors_hooks):
             return packed
         owner, shape, stride, offset = packed
         if owner.full is None:  # gathered again, once, when backward first needs it
-            owner.full = all_gather_dim(owner.local, owner.group, SEQ_DIM)
+            owner.full = all_gather_dim(owner.local, owner.group, token_dim(owner.local))
         return owner.full.as_strided(shape, stride, offset)
 
 

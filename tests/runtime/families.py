@@ -201,7 +201,8 @@ WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
 # whole sequence's chunked mask); HF's gathered attention run whole with the sequence gathered at its input
 # (OLMo-2's full-width q/k norms, Phi-3's fused qkv); GPT-2's learned positions (looked up whole, cut to the shard)
 # and its final norm run whole (its forward views the output by the input's length past it: the sequence leaves the
-# shard there, `ModelSpec.beside`)
+# shard there, `ModelSpec.beside`); OPT's project_in on the shard, its fc1 its own region over the tokens its layer
+# flattens (b x s, h): gathered and reduce-scattered on that dim (runtime/tensor_parallel.py `token_dim`)
 SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_config("apertus")))),
             "stablelm": NO_TP_PLAN["stablelm"], "gpt_neox": CLASSIC["gpt_neox"], "qwen3": DENSE["qwen3"],
             "mistral": DENSE["mistral"],
@@ -211,7 +212,7 @@ SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_con
             "qwen3_moe": MOE["qwen3_moe"], "llama4": MOE["llama4"], "deepseek_v2": LATENT["deepseek_v2"],
             "afmoe": GATED["afmoe"], "qwen3_5": DELTA["qwen3_5"], "olmo2": DENSE["olmo2"], "phi3": DENSE["phi3"],
             "mamba": SCANS["mamba"], "gpt_oss": MOE["gpt_oss"], "deepseek_v32": UNUSED["deepseek_v32"],
-            "gpt2": CLASSIC["gpt2"]}
+            "gpt2": CLASSIC["gpt2"], "opt": CLASSIC["opt"]}
 SEQUENCE_REFUSED = {}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
 REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
