@@ -97,7 +97,8 @@ class ModelSpec:
     transposed: tuple[str, ...] = _fact(())  # a layer's linears storing their weight [input, output] (GPT-2's Conv1D)
     embedding_plain: bool = _fact(True)  # a plain nn.Embedding (else: no vocab-parallel embedding is offered)
     own_forward: bool = _fact(False)  # pipeline stages run the model's own forward (models/facts.py)
-    after_layers: tuple[str, ...] = _fact(())  # the base's children its forward runs after the layers (models/beside.py)
+    # the base's children its forward runs after the layers (models/beside.py), None where not read (the runtime reads)
+    after_layers: tuple[str, ...] | None = _fact(None)
     # what the base holds beside the layers under sequence parallelism (models/beside.py `sequence_beside`): (full path,
     # "split": a position table whose output is cut to the shard | "before" / "after": a per-token module on the shard)
     beside: tuple[tuple[str, str], ...] = _fact(())

@@ -52,8 +52,8 @@ def beside_layers(model, after: tuple[str, ...] | None = None) -> tuple[list, li
     positions, BLOOM's embedding norm, OPT's project_in), which the first pipeline stage holds, `after` them (OPT's
     project_out, past the final norm), which the last stage holds; and why pp cannot place them, naming the first
     module no stand-in can replace on a later stage (`stand_in_width`: one neither an embedding, a linear nor a
-    per-channel norm), or, where the base has no final norm (OPT-350m's), a parameter no stage holds (BERT's head
-    transform), or "". `after`: the names run after the layers, known already (`ModelSpec.after_layers`), else read
+    per-channel norm), or a parameter no stage holds (outside the base, the input embedding and the LM head: BERT's
+    head transform, Fuyu's vision projection), or "". `after`: the names run after the layers, known already (`ModelSpec.after_layers`), else read
     off the graph."""
     from torch import nn
 
@@ -66,15 +66,17 @@ def beside_layers(model, after: tuple[str, ...] | None = None) -> tuple[list, li
         norm = final_norm(base, layers)
     except InvalidConfigError as e:  # none (OPT-350m's): every stage enters at a layer of its own
         norm, missing = None, str(e).removesuffix("; use pp=1")
+    else:
+        missing = ""
     held = {id(layers), id(model.get_input_embeddings()), id(norm)}
     found = [(n, m) for n, m in base.named_children() if id(m) not in held and any(True for _ in m.parameters())]
-    if norm is None:  # then every parameter must sit where a stage holds it (BERT's: its head's transform does not)
-        placed = {id(p) for m in (layers, model.get_input_embeddings(), model.get_output_embeddings(),
-                                  *(m for _, m in found)) if m is not None for p in m.parameters()}
-        stray = next((n for n, p in model.named_parameters() if id(p) not in placed), None)
-        if stray is not None:
-            return [], [], (f"{missing}, and {stray.rpartition('.')[0]} holds parameters outside {base_path} and "
-                            "the embedding and LM head, which no pipeline stage of its own forward places")
+    # every parameter must sit where a stage holds it (BERT's head transform, Fuyu's vision projection do not)
+    placed = {id(p) for m in (layers, model.get_input_embeddings(), model.get_output_embeddings(), norm,
+                              *(m for _, m in found)) if m is not None for p in m.parameters()}
+    stray = next((n for n, p in model.named_parameters() if id(p) not in placed), None)
+    if stray is not None:
+        return [], [], (f"{missing + ', and ' if norm is None else ''}{stray.rpartition('.')[0]} holds parameters "
+                        f"outside {base_path}, the input embedding and the LM head, which no pipeline stage holds")
     # embeddings are looked up before the layers (GPT-2's learned positions); where else the others run: the graph
     other = tuple(n for n, m in found if not isinstance(m, nn.Embedding))
     after = frozenset(after) if after is not None else _run_after(model, path, other) if other else frozenset()

@@ -479,8 +479,7 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
     reader = F.mask_reader(model)
     if reader:
         out.append(("cp", reader))
-    if facts.own_forward:  # what the stages of its own forward cannot place
-        out.extend(_unplaced_refusal(model))
+    out.extend(_unplaced_refusal(model))  # what its pipeline stages cannot place
     why = _sequence_refusal(spec, facts)
     if why:
         out.append(("sequence_parallel", f"{why}; set sequence_parallel to false"))
