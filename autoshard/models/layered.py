@@ -278,8 +278,10 @@ def _mixer_without_cp(model: nn.Module, stack) -> str | None:
             return f"the Mamba-1 selective scan of {_relative(f'{stack.prefix}.{i}.{scan}', base)}"
         # a child with a Conv1d or an A_log; else, in a mixed stack, one that is no MLP, MoE block or norm (MiniMax's
         # lightning attention, whose decay is a buffer): either may mix the sequence, which a cp rank holds a chunk of
-        mixer = next(((p, m) for p, m in layer.named_children() if _mixes_sequence(m)), None) or next(
-            ((p, m) for p, m in layer.named_children() if not stack.uniform and _unknown_part(p, m, experts)), None)
+        # (a short convolution has its CP algorithm: runtime/cp_conv.py, its conv continuing the previous rank's tokens)
+        children = [(p, m) for p, m in layer.named_children() if short_conv(m) is None]
+        mixer = next(((p, m) for p, m in children if _mixes_sequence(m)), None) or next(
+            ((p, m) for p, m in children if not stack.uniform and _unknown_part(p, m, experts)), None)
         if mixer is None:  # a layer of per-token ops alone (Nemotron-H's MLP and MoE layers)
             continue
         path = _relative(f"{stack.prefix}.{i}.{mixer[0]}", base)
@@ -604,6 +606,18 @@ def _reading_input(child: nn.Module, linear: dict, hidden: int) -> set[str]:
         for hook in hooks:
             hook.remove()
     return seen
+
+
+def short_conv(module: nn.Module) -> tuple[str, str, str] | None:
+    """(in_proj, conv, out_proj) child names of a short-convolution mixer (`_short_conv_part`'s pattern), or None."""
+    linear = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
+    found = _short_conv_part("", module, linear)
+    return found[3] if found is not None else None
+
+
+def short_convs(model: nn.Module) -> list[tuple[nn.Module, tuple[str, str, str]]]:
+    """(module, its (in_proj, conv, out_proj) names) of every short-convolution mixer of `model`: LFM2's."""
+    return [(m, names) for m in model.modules() if (names := short_conv(m)) is not None]
 
 
 def _short_conv_part(name: str, child: nn.Module, linear: dict) -> tuple | None:

@@ -180,7 +180,7 @@ def sequence_split_violation(seq: int, cp: int, *, balanced: bool, min_local: in
                 f"sequence to a multiple of {parts} or pick a smaller cp")
     if seq // cp < min_local:
         return (f"sequence length {seq} over cp={cp} leaves {seq // cp} tokens per rank, fewer than "
-                f"conv_kernel-1 = {min_local} (Mamba-2 conv halo); use a smaller cp")
+                f"conv_kernel-1 = {min_local} (a causal conv's halo: Mamba-2's, LFM2's); use a smaller cp")
     return None
 
 

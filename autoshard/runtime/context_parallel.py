@@ -29,12 +29,12 @@ IGNORE_INDEX = -100
 
 def layout_of(model: nn.Module) -> SeqLayout:
     """The sequence layout CP uses for `model`, by its sequence mixers (models/facts.py `mixer_of`,
-    models/facts.py `ssd_mixers`): causal attention alone balanced, any SSD scan contiguous (a hybrid's
-    attention then runs on the contiguous chunks); raises for a model with neither."""
-    from autoshard.models.facts import mixer_of
-    from autoshard.models.facts import ssd_mixers
+    models/facts.py `ssd_mixers`): causal attention alone balanced, any SSD scan or short convolution contiguous (a
+    hybrid's attention then runs on the contiguous chunks); raises for a model with neither."""
+    from autoshard.models.facts import mixer_of, ssd_mixers
+    from autoshard.models.layered import short_convs
 
-    if ssd_mixers(model):
+    if ssd_mixers(model) or short_convs(model):  # (LFM2's short convolutions continue the previous chunk too)
         return SeqLayout.CONTIGUOUS
     if mixer_of(model) == "attention":  # causal attention (MoE MLPs are per token)
         return SeqLayout.BALANCED
@@ -81,9 +81,13 @@ def enable_context_parallel(model: nn.Module, ctx: CPContext) -> SeqLayout:
 
         install_cp_attention(model, ctx, layout)
     if layout is SeqLayout.CONTIGUOUS:
+        from autoshard.models.facts import ssd_mixers
+        from autoshard.runtime.cp_conv import install_cp_short_convs
         from autoshard.runtime.cp_mamba import install_cp_mixers
 
-        install_cp_mixers(model, ctx)
+        if ssd_mixers(model):
+            install_cp_mixers(model, ctx)
+        install_cp_short_convs(model, ctx)
     return layout
 
 
