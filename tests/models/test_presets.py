@@ -114,9 +114,9 @@ def test_sliding_window_is_read_where_the_attention_call_gets_it(model_type, ove
 
 
 def test_constructs_without_a_rule_are_refused_by_name_and_the_other_axes_plan():
-    """Zamba2's shared transformer block (one module in several layers): pp refused naming it; LFM2's short
-    convolution and Qwen3-Next's gated DeltaNet (sequence mixers with no CP algorithm): cp refused naming
-    them; a uniform stack of such a mixer (Mamba-1) runs dp and pp (its own forward) and refuses tp, sequence
+    """Zamba2's shared transformer block (one module in several layers): pp refused naming it; Qwen3-Next's gated
+    DeltaNet (a sequence mixer with no CP algorithm): cp refused naming it, LFM2's short convolution not (its conv
+    continues the previous rank's tokens: runtime/cp_conv.py); a uniform stack of such a mixer (Mamba-1) runs dp and pp (its own forward) and refuses tp, sequence
     parallelism and cp naming the module."""
     from transformers import MambaConfig, MambaForCausalLM
 
@@ -126,13 +126,14 @@ def test_constructs_without_a_rule_are_refused_by_name_and_the_other_axes_plan()
     from tests.models import hybrid_models
 
     for model_type, axis, want in (("zamba2", "pp", "its layers share a block"),
-                                   ("lfm2", "cp", "the sequence mixer layers.0.conv (Lfm2ShortConv"),
                                    ("qwen3_next", "cp", "the sequence mixer layers.0.linear_attn (")):
         model = hybrid_models.build(model_type)
         for spec in (spec_from_hf_config(model.config, name=model_type, model=model),  # parallelize's
                      resolve_model_spec(model, model_type)):  # plan's
             assert want in (refusal(spec, axis) or ""), (model_type, spec.refused)
             assert refusal(spec, "dp") is None
+    model = hybrid_models.build("lfm2")
+    assert refusal(spec_from_hf_config(model.config, name="lfm2", model=model), "cp") is None
     mamba = MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2))
     spec = spec_from_hf_config(mamba.config, name="mamba", model=mamba)  # read by its parts, as Jamba's layers
     assert spec.own_forward and all(refusal(spec, a) is None for a in ("dp", "pp", "tp", "sequence_parallel"))
