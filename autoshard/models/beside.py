@@ -74,9 +74,9 @@ def beside_layers(model, after: tuple[str, ...] | None = None) -> tuple[list, li
     placed = {id(p) for m in (layers, model.get_input_embeddings(), model.get_output_embeddings(), norm,
                               *(m for _, m in found)) if m is not None for p in m.parameters()}
     stray = next((n for n, p in model.named_parameters() if id(p) not in placed), None)
-    if stray is not None:
-        return [], [], (f"{missing + ', and ' if norm is None else ''}{stray.rpartition('.')[0]} holds parameters "
-                        f"outside {base_path}, the input embedding and the LM head, which no pipeline stage holds")
+    stray_why = "" if stray is None else (f"{missing + ', and ' if norm is None else ''}{stray.rpartition('.')[0]} "
+                                          f"holds parameters outside {base_path}, the input embedding and the LM "
+                                          "head, which no pipeline stage holds")
     # embeddings are looked up before the layers (GPT-2's learned positions); where else the others run: the graph
     other = tuple(n for n, m in found if not isinstance(m, nn.Embedding))
     after = frozenset(after) if after is not None else _run_after(model, path, other) if other else frozenset()
@@ -87,7 +87,7 @@ def beside_layers(model, after: tuple[str, ...] | None = None) -> tuple[list, li
         return [], [], (f"{base_path}.{odd[0]} ({type(odd[1]).__name__}) holds parameters beside the embedding, the "
                         "layers and the final norm, run before the layers, that is no embedding, linear or norm: the "
                         "pipeline stages of the model's own forward have no stand-in for it on a later stage")
-    return [m for n, m in found if n not in after], [m for n, m in found if n in after], ""
+    return [m for n, m in found if n not in after], [m for n, m in found if n in after], stray_why
 
 
 def stand_in_width(module):

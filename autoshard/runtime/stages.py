@@ -373,7 +373,7 @@ def _build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
     body, parts = _parts(model, stage, own_forward=spec.own_forward)
     if spec.own_forward:
         extras, finals, unplaced = beside_layers(model, after=spec.after_layers)
-        if unplaced:
+        if unplaced and not (stage.embed and stage.head):  # (one stage of the whole model: nothing to place)
             raise InvalidConfigError(f"{type(model).__name__}: {unplaced}; use pp=1")
         return OwnForwardStage(stage, config=config, model=model, base=body, positions=positions, extras=extras,
                                finals=finals, **parts)

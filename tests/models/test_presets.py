@@ -264,9 +264,9 @@ def test_sequence_parallelism_around_learned_positions():
 
 
 def test_pp_is_refused_where_no_stage_would_hold_a_parameter():
-    """A wrapper's vision projection (Fuyu's) or a head's transform (ModernBERT decoder's lm_head.dense) sits where no
-    pipeline stage holds it: pp refused by name (Fuyu's pp2 ran with its vision_embed_tokens on no stage: its
-    checkpoint would have lost them), not a bare error at stage build."""
+    """A wrapper's vision projection (Fuyu's) sits where no pipeline stage holds it: pp refused by name (Fuyu's pp2 ran
+    with its vision_embed_tokens on no stage: its checkpoint would have lost them), not a bare error at stage build;
+    ModernBERT decoder's embeddings block (no stand-in for a later stage) is named too."""
     from autoshard.models.beside import beside_layers
     from autoshard.models.presets import spec_from_hf_config
     from autoshard.models.tiny import build_tiny, tiny_config
@@ -276,5 +276,5 @@ def test_pp_is_refused_where_no_stage_would_hold_a_parameter():
     assert "model.vision_embed_tokens holds parameters outside model.language_model" in beside_layers(model)[2]
     assert "FuyuForCausalLM wraps its decoder" in refusal(spec_from_hf_config(model.config, name="fuyu", model=model),
                                                           "pp")
-    model = build_tiny(tiny_config("modernbert-decoder"), device="meta")
-    assert "lm_head.dense holds parameters outside model" in beside_layers(model)[2]
+    model = build_tiny(tiny_config("modernbert-decoder"), device="meta")  # (its embeddings block first: no stand-in)
+    assert "model.embeddings (ModernBertDecoderEmbeddings) holds parameters beside" in beside_layers(model)[2]
