@@ -123,7 +123,7 @@ def _first_ops_after(model, layers_path: str, names: tuple[str, ...]):
     from autoshard.errors import CaptureError
     from autoshard.passes.capture.tp_proof import traced
 
-    base = layers_path.rpartition(".")[0]
+    base, _, layers_name = layers_path.rpartition(".")
     try:
         cap = traced(model)[1]
     except CaptureError as e:
@@ -131,12 +131,12 @@ def _first_ops_after(model, layers_path: str, names: tuple[str, ...]):
                 f"be read off its graph, which does not trace ({e})")
     first: dict[str, int] = {}
     for i, node in enumerate(cap.call_nodes()):
-        path = cap.site(node).module_path
-        if cap.site(node).phase == "fwd":
-            for n in (*names, layers_path.rpartition(".")[2]):
-                if path == f"{base}.{n}" or path.startswith(f"{base}.{n}."):
+        site = cap.site(node)
+        if site.phase == "fwd":
+            for n in (*names, layers_name):
+                if site.module_path == f"{base}.{n}" or site.module_path.startswith(f"{base}.{n}."):
                     first.setdefault(n, i)
-    layer = first.pop(layers_path.rpartition(".")[2], None)
+    layer = first.pop(layers_name, None)
     if layer is None:
         return f"{base}: no op of its layers shows on its traced graph, so where the modules beside them run is unknown"
     return frozenset(n for n, i in first.items() if i > layer)

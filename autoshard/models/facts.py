@@ -441,12 +441,21 @@ def own_attention(model) -> str | None:
     SDPA call, XGLM's and GPT-Neo's matmuls), not through HF's attention interface, where autoshard substitutes the
     kernel that runs, prices it, and swaps in its context-parallel attention: such a model runs dp and pp by its
     own forward, priced by the ops it traces to (models/presets.py `_own_attention_refusals`)."""
+    path = own_attention_path(model)
+    if path is None:
+        return None
+    found = layer_list(model)
+    return (f"{found[0].rpartition('.')[2]}.*.{path} ({type(found[1][0].get_submodule(path)).__name__}) computes "
+            "attention in its own forward, not through HF's attention interface (transformers' ALL_ATTENTION_FUNCTIONS)")
+
+
+def own_attention_path(model) -> str | None:
+    """The path inside a layer of the module `own_attention` names (Falcon's "self_attention"), or None."""
     found = layer_list(model)
     for path, module in found[1][0].named_modules() if found is not None else ():
         if path and (hasattr(module, "layer_idx") or hasattr(module, "layer_id")) and not is_attention(module) and (
                 hasattr(module, "head_dim") or hasattr(module, "head_size")):  # GPT-Neo's keeps a layer_id
-            return (f"{found[0].rpartition('.')[2]}.*.{path} ({type(module).__name__}) computes attention in its own "
-                    "forward, not through HF's attention interface (transformers' ALL_ATTENTION_FUNCTIONS)")
+            return path
     return None
 
 

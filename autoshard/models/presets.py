@@ -234,7 +234,8 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
             "interface nor the Mamba-2 SSD scan), so no axis can be priced or run for it; autoshard plans decoders "
             "whose layers mix tokens by attention or SSD (mixed stacks may hold other mixers: dp and pp)")
     if own:  # attention in the layer's own forward (Falcon, BLOOM, MPT, XGLM, GPT-Neo): its stages run that forward,
-        facts = replace(facts, attention_path=_own_path(own), own_forward=True, sliding_window=0, window_layers=0)
+        facts = replace(facts, attention_path=F.own_attention_path(model), own_forward=True, sliding_window=0,
+                        window_layers=0)
     parts = layer_parts(model, stack) if stack is not None and not own else None  # read once (states measured)
     hybrid = hybrid_refusals(model, stack, parts) if not own else None  # None: one repeated kind of attention layer
     if hybrid is None:
@@ -348,11 +349,6 @@ def _with_beside(spec: ModelSpec, facts, model) -> ModelSpec:
     after = after_layers(model)
     beside = sequence_beside(model, after) if not facts.plain_stack and not facts.own_positions else ()
     return replace(spec, after_layers=after, beside=beside)
-
-
-def _own_path(own: str) -> str:
-    """The path inside a layer of the attention module `facts.own_attention` names ("h.*.self_attention (...)")."""
-    return own.split(" ", 1)[0].partition(".*.")[2]
 
 
 def _kv_heads(model, facts, declared: int) -> int:
