@@ -35,7 +35,7 @@ from autoshard.runtime.context_parallel import setup_context_parallel
 from autoshard.runtime.dist_model import DistributedModel, RankSetup
 from autoshard.runtime.expert_parallel import apply_expert_parallel, expert_tp_names
 from autoshard.runtime.mesh import DEFAULT_TIMEOUT_S, backend_for, build_groups, check_timeout, init_default_group
-from autoshard.runtime.ssd import install_ssd_mixers
+from autoshard.runtime.ssd import install_ssd_mixers, install_unfused_scans
 from autoshard.runtime.tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger("autoshard")
@@ -132,6 +132,7 @@ def parallelize(model: nn.Module, example_inputs: Any, *,
                                           timeout_s=timeout_s, generate=serving)
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     install_ssd_mixers(model)  # the SSD as the cost model prices it (passes/capture/kernels.py, runtime/ssd.py)
+    install_unfused_scans(model)  # Mamba-1's linears as modules, which tp and fp8 wrap (runtime/ssd.py)
     # CP first: its Mamba-2 mixers replace the mixer's forward, which TP's wrappers (checkpoint, the
     # sequence-parallel gather) then wrap
     cp = setup_context_parallel(model, plan.mesh, groups)  # None when cp == 1
@@ -210,6 +211,8 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
     try:
         plan, error = resolve(), None
         check_plan(plan, spec, world_size=world, generate=generate)
+        if not generate:
+            _check_weights_dtype(plan, model, device)
     except AutoshardError as e:
         if world == 1 and not dist.is_initialized():
             raise  # nobody to tell: no process group is made just to report it
@@ -226,6 +229,22 @@ def _rank_program(model: nn.Module, spec, resolve: Callable[[], Plan], *, world:
     groups = build_groups(plan.mesh, device=device, backend=backend_for(device), timeout_s=timeout_s)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     return plan, groups, shard_program(plan, spec, shapes, tp_rank=groups.coords.tp)
+
+
+def _check_weights_dtype(plan: Plan, model: nn.Module, device: torch.device) -> None:
+    """A plan training in fp32 (`precision` fp32, or auto on a CPU) takes float32 weights: its gradients are float32
+    (the data-parallel buckets' main gradients), which a bf16 parameter's `.grad` cannot hold (torch raised at the
+    first step). Raised on every rank alike, naming the first other parameter and both ways out."""
+    if plan.precision.resolve(device.type).mixed:
+        return
+    low = next(((n, p.dtype) for n, p in model.named_parameters()
+                if p.is_floating_point() and p.dtype != torch.float32), None)
+    if low is not None:
+        how = f"auto on {device.type}" if plan.precision is Precision.AUTO else "fp32"
+        raise InvalidConfigError(
+            f"the model's parameter {low[0]} is {str(low[1]).removeprefix('torch.')}, but the plan's precision is fp32 "
+            f"({how}), which trains float32 weights; pass precision='bf16-mixed' (bf16 compute, fp32 master "
+            "weights and gradients) or an fp32 model (model.float())")
 
 
 def _check_arguments(*, global_batch, optimizer, seed, hardware, timeout_s) -> None:

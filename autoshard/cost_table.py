@@ -18,6 +18,7 @@ from autoshard.ir import BlockKind, OpKind
 # passes/capture/selective_scan.py and passes/capture/gated_delta_rule.py as autoshard::<name>); kept here, where
 # a plan of a shipped table reads them without importing torch
 SCAN_TARGETS = ("autoshard.selective_scan.", "autoshard.gated_delta_rule.")
+DELTA_RULE_TARGET = "autoshard.gated_delta_rule"  # the gated delta rule's forward and backward ops' targets begin so
 
 B, S = sympy.symbols("b s", positive=True, integer=True)
 

@@ -20,6 +20,11 @@ def _fact(default):
     return field(default=default, metadata={"omit_default": True})
 
 
+# layer parts whose sequence state crosses a cp rank boundary (state passing, a conv's halo): a Mamba-2 or Mamba-1
+# scan, a gated DeltaNet, a short convolution (runtime/cp_mamba.py, cp_scan.py, cp_delta.py, cp_conv.py)
+STATE_PASSING = ("ssd", "mamba1", "delta", "short_conv")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerPart:
     """One sub-block of a hybrid's layers (models/layered.py `layer_parts`), what its tensor-parallel rule
@@ -129,6 +134,9 @@ class ModelSpec:
     # LLaMA's (model.layers, model.embed_tokens, model.norm, lm_head), which the sharding table's roles then sit at
     # (models/facts.py `stack_paths`: GPT-NeoX's gpt_neox.layers, gpt_neox.embed_in, ..., embed_out)
     stack: tuple[str, ...] = _fact(())
+    # one layer kind of a mixed stack some other kind of which passes a state under cp (passes/cost/compiled.py
+    # `kind_spec` sets it): the whole stack's sequence is cut into contiguous chunks (`cp_contiguous`)
+    passes_state: bool = _fact(False)
 
     def mixer_spec(self, mixer: Mixer, layers: tuple[int, ...] = ()) -> ModelSpec | None:
         """A spec of the numbers of this model's `mixer` layers alone (its own mixer's, or a hybrid's second
@@ -182,6 +190,19 @@ class ModelSpec:
         """Attention layers: one attention head's width, HF's head_dim (hidden / heads unless the config sets
         another, e.g. Gemma-style head_dim=256 at hidden 3072: q_proj then has heads x head_dim rows)."""
         return self.head_dim or self.hidden // self.heads
+
+    @property
+    def cp_contiguous(self) -> bool:
+        """Whether cp cuts the sequence into contiguous chunks, not balanced ones: a layer passes a state or a conv's
+        last tokens from rank to rank (a Mamba-2 or Mamba-1 scan, a gated DeltaNet, a short convolution), in this
+        spec's layers or another kind's of its stack (runtime/context_parallel.py `layout_of` reads the modules)."""
+        return self.mixer is Mixer.SSD or self.passes_state or any(p.kind in STATE_PASSING for p in self.parts)
+
+    @property
+    def cp_halo(self) -> int:
+        """The most tokens a causal conv of the layers reads of the rank before it under cp (its kernel - 1)."""
+        kernels = [self.conv, *(p.size("conv") for p in self.parts if p.kind in STATE_PASSING)]
+        return max(max(kernels) - 1, 0)
 
     @property
     def intermediate(self) -> int:

@@ -7,11 +7,15 @@
    this machine's cores; the figure is the slowest rank (the step waits for it) over cp1.
    The K/V all-gather is not in these times: its volume is part 2.
 2. Communication per training step: `autoshard.parallelize(..., plan=dict(cp=N))` runs one
-   train_step of the tiny LLaMA and Mamba-2 (bf16) on N gloo processes while every CP all-gather
+   train_step of the tiny LLaMA, Mamba-2, Mamba-1 and three hybrids (Jamba: Mamba-1, attention, MoE;
+   Bamba: Mamba-2 and attention; LFM2: short convolutions and attention; Qwen3-Next: gated DeltaNet, attention,
+   MoE; all bf16-mixed) on N gloo
+   processes while every CP all-gather
    is counted (forward output bytes; backward reduce-scatter input bytes from a gradient hook).
    Per-device volume = (N-1)/N of each buffer (ring / pairwise). The prediction is
    `passes.cost.block_time(...).cp_comm_s` on a unit device profile (1 byte/s, ~0 latency), so
-   its seconds read as bytes: the cost model's own CP terms, layers x micro-batches.
+   its seconds read as bytes: the cost model's own CP terms, layers x micro-batches (a mixed stack:
+   each layer kind's own terms x its layers).
 
 Usage: python bench/bench_cp.py [--seq 4096] [--heads 16] [--kv-heads 4] [--step-seq 256]
 """
@@ -25,11 +29,18 @@ import socket
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tiny models of tests/models
+
+# presets, and tiny HF models by factory (tests/models): Mamba-1, and hybrids of each state-passing mixer
+STEP_MODELS = ("llama-tiny", "mamba2-tiny", "tests.models.mamba1_models:mamba_tiny", "jamba", "bamba", "lfm2",
+               "qwen3_next")
 
 
 def _time(fn, repeat: int) -> float:
@@ -76,6 +87,7 @@ def attention_times(seq: int, heads: int, kv_heads: int, head_dim: int, repeat: 
 
 def _counting(counter: dict):
     import autoshard.runtime.cp_attention as attn
+    import autoshard.runtime.cp_delta as delta
     import autoshard.runtime.cp_mamba as mamba
     from autoshard.runtime.cp_sequence import all_gather_autograd
 
@@ -86,7 +98,23 @@ def _counting(counter: dict):
             out.register_hook(lambda g: counter.__setitem__("bwd", counter["bwd"] + g.numel() * g.element_size()))
         return out
 
-    attn.all_gather_autograd = mamba.all_gather_autograd = gather
+    # (cp_scan and cp_conv gather through cp_mamba's functions)
+    attn.all_gather_autograd = mamba.all_gather_autograd = delta.all_gather_autograd = gather
+
+
+def _model(name: str):
+    """(vocab, a fresh model) of a preset, a factory, or a tiny hybrid of tests/models/hybrid_models.py."""
+    from autoshard.models.presets import build_model, get_spec, resolve_model
+
+    if ":" in name:
+        model = resolve_model(name, device="cpu")[1]
+    elif name in ("llama-tiny", "mamba2-tiny"):
+        model = build_model(get_spec(name), seed=0)
+    else:
+        from tests.models import hybrid_models
+
+        model = hybrid_models.build(name)
+    return model.config.vocab_size, model
 
 
 def _step_worker(rank: int, world: int, port: int, seq: int, batch: int, results: str) -> None:
@@ -96,16 +124,15 @@ def _step_worker(rank: int, world: int, port: int, seq: int, batch: int, results
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         import autoshard
-        from autoshard.models.presets import build_model, get_spec
 
         counter = {"fwd": 0, "bwd": 0}
         _counting(counter)
         lines = []
-        for name in ("llama-tiny", "mamba2-tiny"):
-            spec = get_spec(name)
-            model = build_model(spec, seed=0, dtype=torch.bfloat16)
-            ids = torch.randint(0, spec.vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
-            dm = autoshard.parallelize(model, ids, plan=dict(cp=world), global_batch=batch)
+        for name in STEP_MODELS:
+            torch.manual_seed(0)
+            vocab, model = _model(name)
+            ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+            dm = autoshard.parallelize(model, ids, plan=dict(cp=world, precision="bf16-mixed"), global_batch=batch)
             counter.update(fwd=0, bwd=0)
             start = time.perf_counter()
             dm.train_step(ids, ids)
@@ -132,18 +159,21 @@ def predicted_volume(name: str, cp: int, seq: int, batch: int) -> float:
     """Per-device bytes of CP collectives in one step, from the cost model's own CP terms."""
     from autoshard.hardware import load_hardware
     from autoshard.ir import BlockKind, Mesh
-    from autoshard.models.presets import get_spec
+    from autoshard.commands.common import cost_table_for
     from autoshard.passes.cost.block import block_time
     from autoshard.passes.cost.compiled import compile_table
     from autoshard.passes.cost.layout import Layout
-    from autoshard.passes.capture.shapes import build_cost_table
 
-    spec = get_spec(name)
+    spec, table = cost_table_for(name if name in STEP_MODELS[:3] else f"tests.models.hybrid_models:{name}_tiny",
+                                 spinner=False)
     unit = dataclasses.replace(load_hardware("cpu"), intra_bandwidth=1.0, inter_bandwidth=1.0,
                                intra_latency=1e-30, inter_latency=1e-30)
-    ct = compile_table(build_cost_table(spec), spec)
-    layout = Layout(mesh=Mesh(cp=cp), micro_batch=batch)
-    return block_time(ct, unit, layout, BlockKind.LAYER, seq_len=seq).cp_comm_s * spec.layers
+    ct = compile_table(table, spec)
+    layout = Layout(mesh=Mesh(cp=cp), micro_batch=batch, precision="bf16-mixed")
+    kinds = ct.kinds or (ct,)  # a mixed stack: each kind's own terms, times its layers
+    counts = [list(ct.layer_kinds).count(i) for i in range(len(kinds))] if ct.kinds else [spec.layers]
+    return sum(block_time(view, unit, layout, BlockKind.LAYER, seq_len=seq).cp_comm_s * n
+               for view, n in zip(kinds, counts))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,14 +198,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  cp{cp}  {max(per) * 1e3:9.1f} ms  slowest rank = {max(per) / base:.3f} x cp1 "
               f"(ideal {1 / cp:.3f}); ranks: " + " ".join(f"{t * 1e3:.1f}" for t in per))
 
-    print(f"\nCP communication per train_step, bf16, batch {args.step_batch}, seq {args.step_seq} "
+    print(f"\nCP communication per train_step, bf16-mixed, batch {args.step_batch}, seq {args.step_seq} "
           "(per device: (N-1)/N of every gathered buffer, fwd all-gather + bwd reduce-scatter)")
     for cp in (2, 4):
         measured = measured_volume(cp, args.step_seq, args.step_batch)
         for name, (fwd, bwd, secs) in measured.items():
             per_device = (fwd + bwd) * (cp - 1) / cp
             predicted = predicted_volume(name, cp, args.step_seq, args.step_batch)
-            print(f"  cp{cp} {name:12s} buffers fwd {fwd:>9d} B  bwd {bwd:>9d} B  per device {per_device:>11.0f} B  "
+            print(f"  cp{cp} {name.rpartition(':')[2]:12s} buffers fwd {fwd:>9d} B  bwd {bwd:>9d} B  per device {per_device:>11.0f} B  "
                   f"cost model {predicted:>11.0f} B  ratio {per_device / predicted:.3f}  (step {secs:.2f} s)")
 
 

@@ -214,7 +214,7 @@ def run(args) -> int:
             kinds = ", ".join(f"{b.count} {b.name}" for b in table.layer_blocks())
             ep = "ep (its MoE layers' experts; the others data-parallel), " if spec.is_moe else ""
             print(f"layers of {len(table.layer_blocks())} kinds ({kinds}): each stage priced as the sum of its own "
-                  f"layers; {ep}dp, pp{' and tp' if spec.parts else ''} priced, {'' if spec.parts else 'tp, '}cp, "
+                  f"layers; {ep}dp, pp, cp{' and tp' if spec.parts else ''} priced, {'' if spec.parts else 'tp, '}"
                   "selective recompute and ZeRO-3 not for a mixed stack yet")
     return 0
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from autoshard.errors import InvalidConfigError
 from autoshard.model_spec import Mixer, ModelSpec, config_violation
+from autoshard.models.dispatch import delta_mixers, delta_split, is_selective_scan, split_points
 from autoshard.models.facts import bidirectional_attention, ssd_mixers, text_config
 
 def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
@@ -30,7 +31,7 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
     stack = find_layer_stack(model)
     mixers = ssd_mixers(model)
     # a uniform stack of Mamba-1 selective scans (Mamba, Falcon-Mamba): by its parts' rules, as Jamba's layers are
-    scans = stack is not None and stack.uniform and any(_selective_scan(m) for m in model.get_submodule(stack.prefix)[0].modules())
+    scans = stack is not None and stack.uniform and any(is_selective_scan(m) for m in model.get_submodule(stack.prefix)[0].modules())
     if config is None or stack is None or (stack.uniform and not mixers and not scans):
         return None
     parts = layer_parts(model, stack)  # the stack found once, its parts read once: passed on
@@ -145,9 +146,10 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
     (one kind of layer, no SSD mixer beside attention). A hybrid is a mixed stack (layers of several kinds:
     Bamba, Nemotron-H, Jamba, DeepSeek-V3's dense and MoE layers) or one whose layers hold an SSD mixer beside
     attention (Falcon-H1). Its pipeline stages run the model's own forward (HF's hybrid cache, a mask per layer
-    type); dp, pp and cp run, cp by state passing in the Mamba-2 layers (runtime/cp_mamba.py) and the
-    attention algorithm in the attention layers. Refused by name: cp where a layer holds a sequence mixer no
-    CP algorithm splits (Mamba-1's selective scan, gated DeltaNet, short convolutions), pp where layers share
+    type); dp, pp and cp run, cp by state passing in the Mamba-2 and Mamba-1 layers (runtime/cp_mamba.py,
+    cp_scan.py), the previous rank's tokens in short convolutions (cp_conv.py) and the attention algorithm in the
+    attention layers. Refused by name: cp where a layer holds a sequence mixer no CP algorithm splits (a gated
+    DeltaNet, lightning attention), pp where layers share
     a block (Zamba2), tp where a layer holds a part no tensor-parallel rule splits (`layer_parts`: Kimi-Linear's
     delta attention, a shared block; the others run by their parts' rules),
     ep, and sequence parallelism where a part has no rule of its own (`_sequence_unsplit`). `stack`: the model's `find_layer_stack`; `parts`: its `layer_parts` where the caller
@@ -261,10 +263,12 @@ def _experts_without_ep(model: nn.Module, stack) -> str | None:
 
 
 def _mixer_without_cp(model: nn.Module, stack) -> str | None:
-    """The first layer's sequence mixer that context parallelism has no algorithm for, named ("the Mamba-1
-    selective scan of layers.0.mamba"), or None: a layer with neither an attention module nor an SSD mixer
-    but a child holding a Conv1d or an A_log mixes its sequence some other way (Mamba-1's selective scan, Qwen3-Next's gated DeltaNet, LFM2's short
-    convolutions)."""
+    """The first layer's sequence mixer that context parallelism has no algorithm for, named ("the sequence mixer
+    layers.0.linear_attn (Qwen3NextGatedDeltaNet, ...)"), or None: a layer with neither an attention module nor an
+    SSD mixer but a child holding a Conv1d or an A_log mixes its sequence some other way (MiniMax's lightning
+    attention, Kimi's delta attention; Mamba-1's selective scan, gated DeltaNets and LFM2's short convolutions have
+    their CP algorithms, a mixer whose forward calls no one conv they swap by signature excepted: models/dispatch.py
+    `split_points`, `delta_split`)."""
     from autoshard.models.facts import config_value, is_attention
 
     base = stack.prefix.rpartition(".")[0]
@@ -273,9 +277,18 @@ def _mixer_without_cp(model: nn.Module, stack) -> str | None:
     for i, layer in enumerate(layers):
         if any(is_attention(m) for m in layer.modules()) or ssd_mixers(layer):
             continue
-        scan = next((p for p, m in layer.named_modules() if _selective_scan(m)), None)
-        if scan is not None:
-            return f"the Mamba-1 selective scan of {_relative(f'{stack.prefix}.{i}.{scan}', base)}"
+        scan = next(((p, m) for p, m in layer.named_modules() if is_selective_scan(m)), None)
+        if scan is not None:  # passes its state between ranks (runtime/cp_scan.py) where its dispatch points swap
+            points = split_points(scan[1])
+            if isinstance(points, str):
+                return f"the Mamba-1 selective scan of {_relative(f'{stack.prefix}.{i}.{scan[0]}', base)} ({points})"
+            continue
+        delta = delta_mixers(layer)  # passes its state too (runtime/cp_delta.py) where its one causal conv swaps
+        if delta:
+            why = next(((p, w) for p, m in delta for w in [delta_split(m)] if w), None)
+            if why:
+                return f"the gated DeltaNet {_relative(f'{stack.prefix}.{i}.{why[0]}', base)} ({why[1]})"
+            continue
         # a child with a Conv1d or an A_log; else, in a mixed stack, one that is no MLP, MoE block or norm (MiniMax's
         # lightning attention, whose decay is a buffer): either may mix the sequence, which a cp rank holds a chunk of
         # (a short convolution has its CP algorithm: runtime/cp_conv.py, its conv continuing the previous rank's tokens)
@@ -302,12 +315,6 @@ def _mixes_sequence(module: nn.Module) -> bool:
     """A layer child that mixes along the sequence: it holds a Conv1d or a recurrence's A_log."""
     return any(isinstance(m, nn.Conv1d) or "A_log" in dict(m.named_parameters(recurse=False))
                for m in module.modules())
-
-
-def _selective_scan(module: nn.Module) -> bool:
-    """A Mamba-1 mixer: its own A_log (heads x state) and the dt / x projections, no SSD dt_bias."""
-    own = {k for k, _ in module.named_parameters(recurse=False)}
-    return "A_log" in own and "dt_bias" not in own and hasattr(module, "x_proj") and hasattr(module, "dt_proj")
 
 
 _DELTA_ATTRS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")  # HF's gated DeltaNet size attributes
@@ -478,7 +485,7 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         buffers = tuple(b for b, _ in m.named_buffers(recurse=False) if b == "mup_vector")
         return "ssd", name, sizes, (), attrs, buffers
     counts = tuple(a for a in COUNT_ATTRS if isinstance(getattr(child, a, None), int))
-    if _selective_scan(child) and {"in_proj", "x_proj", "dt_proj", "out_proj"} <= set(linear):
+    if is_selective_scan(child) and {"in_proj", "x_proj", "dt_proj", "out_proj"} <= set(linear):
         x_proj, dt_proj = linear["x_proj"], linear["dt_proj"]
         sizes = (("inner", child.D.shape[0]), ("dt_rank", dt_proj.in_features), ("conv", child.conv1d.kernel_size[0]),
                  ("x_out", x_proj.out_features))

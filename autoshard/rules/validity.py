@@ -299,9 +299,9 @@ def _dp_batch(q: PlanQuestion) -> str | None:
 
 def _cp_split(q: PlanQuestion) -> str | None:
     spec = q.spec
-    if spec.mixer is Mixer.ATTENTION:  # 2*cp chunks (balanced causal layout, runtime/context_parallel.py)
+    if not spec.cp_contiguous:  # 2*cp chunks (balanced causal layout, runtime/context_parallel.py)
         return sequence_split_violation(q.seq_len, q.mesh.cp, balanced=True, model=spec.name)
-    return sequence_split_violation(q.seq_len, q.mesh.cp, balanced=False, min_local=spec.conv - 1, model=spec.name)
+    return sequence_split_violation(q.seq_len, q.mesh.cp, balanced=False, min_local=spec.cp_halo, model=spec.name)
 
 
 def _ep_batch(q: PlanQuestion) -> str | None:

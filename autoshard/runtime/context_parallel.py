@@ -29,12 +29,14 @@ IGNORE_INDEX = -100
 
 def layout_of(model: nn.Module) -> SeqLayout:
     """The sequence layout CP uses for `model`, by its sequence mixers (models/facts.py `mixer_of`,
-    models/facts.py `ssd_mixers`): causal attention alone balanced, any SSD scan or short convolution contiguous (a
-    hybrid's attention then runs on the contiguous chunks); raises for a model with neither."""
+    models/facts.py `ssd_mixers`): causal attention alone balanced, any SSD or Mamba-1 scan, gated DeltaNet or short
+    convolution contiguous (a hybrid's attention then runs on the contiguous chunks); raises for a model with neither."""
     from autoshard.models.facts import mixer_of, ssd_mixers
     from autoshard.models.layered import short_convs
+    from autoshard.models.dispatch import delta_mixers, scan_mixers
 
-    if ssd_mixers(model) or short_convs(model):  # (LFM2's short convolutions continue the previous chunk too)
+    # (Mamba-1's scans and gated DeltaNets pass their state, LFM2's short convolutions continue the previous chunk)
+    if ssd_mixers(model) or scan_mixers(model) or delta_mixers(model) or short_convs(model):
         return SeqLayout.CONTIGUOUS
     if mixer_of(model) == "attention":  # causal attention (MoE MLPs are per token)
         return SeqLayout.BALANCED
@@ -84,9 +86,13 @@ def enable_context_parallel(model: nn.Module, ctx: CPContext) -> SeqLayout:
         from autoshard.models.facts import ssd_mixers
         from autoshard.runtime.cp_conv import install_cp_short_convs
         from autoshard.runtime.cp_mamba import install_cp_mixers
+        from autoshard.runtime.cp_delta import install_cp_delta_rules
+        from autoshard.runtime.cp_scan import install_cp_scans
 
         if ssd_mixers(model):
             install_cp_mixers(model, ctx)
+        install_cp_scans(model, ctx)
+        install_cp_delta_rules(model, ctx)
         install_cp_short_convs(model, ctx)
     return layout
 

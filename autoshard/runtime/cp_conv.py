@@ -27,7 +27,7 @@ def cp_short_conv_forward(mixer: nn.Module, names: tuple[str, str, str], ctx: CP
         hidden_states = hidden_states * attention_mask[:, :, None].to(hidden_states.dtype)
     into, conv, out = (getattr(mixer, n) for n in names)
     b, c, x = into(hidden_states).chunk(3, dim=-1)  # (b, L, width) each
-    return out(c * conv_with_halo(b * x, conv, ctx).to(c.dtype))
+    return out(c * conv_with_halo(b * x, conv.weight, conv.bias, ctx).to(c.dtype))
 
 
 def install_cp_short_convs(model: nn.Module, ctx: CPContext) -> int:

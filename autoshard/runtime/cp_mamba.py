@@ -25,23 +25,25 @@ __all__ = ["conv_with_halo", "cp_mixer_forward", "install_cp_mixers", "prefix_st
 
 
 def prefix_state(final: Tensor, total: Tensor, ctx: CPContext) -> Tensor:
-    """This rank's initial SSM state from all ranks' slice-final states (b, h, p, n) and log-decays (b, h)."""
-    b, h, p, n = final.shape
-    packed = torch.cat([final.reshape(b, -1), total], dim=1).contiguous()  # (b, h p n + h)
+    """This rank's initial state from every rank's slice-final state `final` (b, *state) and its log-decay over the
+    slice `total` (b, *lead), `lead` the leading dims of the state's that one decay spans (Mamba-2: a head's (b, h) of
+    (b, h, p, n); Mamba-1: each channel and state entry, (b, d, n), the state's own shape)."""
+    b, size = final.shape[0], final[0].numel()
+    packed = torch.cat([final.reshape(b, -1), total.reshape(b, -1)], dim=1).contiguous()
     gathered = all_gather_autograd(packed, ctx).view(ctx.size, b, -1)
-    states = gathered[..., : h * p * n].reshape(ctx.size, b, h, p, n)
-    decays = gathered[..., h * p * n:]  # (cp, b, h)
+    states = gathered[..., :size].reshape(ctx.size, *final.shape)
+    decays = gathered[..., size:].reshape(ctx.size, *total.shape)
     ends = decays.cumsum(0)
     start_r = ends[ctx.rank] - decays[ctx.rank]  # log-decay from sequence start to this rank's start
-    before = torch.arange(ctx.size, device=final.device) < ctx.rank
-    weight = (start_r[None] - ends).masked_fill(~before[:, None, None], float("-inf")).exp()  # (cp, b, h)
-    return torch.einsum("jbh,jbhpn->bhpn", weight, states)
+    before = (torch.arange(ctx.size, device=final.device) < ctx.rank).view(-1, *[1] * total.dim())
+    weight = (start_r[None] - ends).masked_fill(~before, float("-inf")).exp()  # (cp, b, *lead)
+    return (weight.view(*weight.shape, *[1] * (final.dim() - total.dim())) * states).sum(0)
 
 
-def conv_with_halo(xbc: Tensor, conv: nn.Conv1d, ctx: CPContext) -> Tensor:
-    """Causal depthwise conv1d of this rank's slice (b, L, c), continuing rank r-1's tokens."""
+def conv_with_halo(xbc: Tensor, weight: Tensor, bias: Tensor | None, ctx: CPContext) -> Tensor:
+    """Causal depthwise conv1d (weight (c, 1, k)) of this rank's slice (b, L, c), continuing rank r-1's tokens."""
     b, L, channels = xbc.shape
-    halo = conv.weight.shape[-1] - 1
+    halo = weight.shape[-1] - 1
     why = sequence_split_violation(L * ctx.size, ctx.size, balanced=False, min_local=halo)  # the plan's cp rule
     if why:
         raise InvalidConfigError(why)
@@ -49,7 +51,7 @@ def conv_with_halo(xbc: Tensor, conv: nn.Conv1d, ctx: CPContext) -> Tensor:
     tails = all_gather_autograd(tails, ctx).view(ctx.size, b, halo, channels)
     prev = tails[(ctx.rank - 1) % ctx.size] * float(ctx.rank > 0)  # zeros on rank 0, still in the graph
     full = torch.cat([prev, xbc], dim=1).transpose(1, 2)  # (b, c, k-1+L)
-    return F.conv1d(full.to(conv.weight.dtype), conv.weight, conv.bias, groups=channels).transpose(1, 2)
+    return F.conv1d(full.to(weight.dtype), weight, bias, groups=channels).transpose(1, 2)
 
 
 def cp_mixer_forward(mixer: nn.Module, ctx: CPContext, hidden_states: Tensor, cache=None,
@@ -65,7 +67,7 @@ def cp_mixer_forward(mixer: nn.Module, ctx: CPContext, hidden_states: Tensor, ca
     heads, head_dim, groups, n = local_sizes(mixer)
     inner = heads * head_dim
     gate, xbc, dt = proj.split([inner, inner + 2 * groups * n, heads], dim=-1)
-    xbc = mixer.act(conv_with_halo(xbc, mixer.conv1d, ctx)).to(dtype)
+    xbc = mixer.act(conv_with_halo(xbc, mixer.conv1d.weight, mixer.conv1d.bias, ctx)).to(dtype)
     if attention_mask is not None:
         xbc = xbc * attention_mask[:, :, None].to(dtype)
     x, B, C = xbc.split([inner, groups * n, groups * n], dim=-1)

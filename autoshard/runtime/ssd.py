@@ -391,6 +391,19 @@ def install_ssd_mixers(model: nn.Module) -> int:
     return install_mixer_forward(model, mixer_forward)
 
 
+def install_unfused_scans(model: nn.Module) -> int:
+    """Make every Mamba-1 mixer of `model` (models/dispatch.py `scan_mixers`) decline mamba_ssm's fused whole-mixer
+    kernel (`mamba_inner_fn`, which reads the weights directly: tp's shards would skip their all-reduces, fp8's
+    linears their float8 GEMMs), so it runs its linears as modules and its conv and scan kernels, as the cost model
+    prices them; returns how many. Without mamba_ssm (a CPU) HF takes that path already."""
+    from autoshard.models.dispatch import declined, scan_mixers, swapping_forward, takes_fused
+
+    found = scan_mixers(model)
+    for _, mixer in found:
+        swapping_forward(mixer, ((takes_fused, declined),), lambda args, kwargs: None)
+    return len(found)
+
+
 def install_mixer_forward(model: nn.Module, forward_of) -> int:
     """Replace the forward of every SSD mixer of `model` by `forward_of(mixer, hidden_states, cache,
     attention_mask, **kwargs)`; returns how many (the HF keyword `cache_params` read as `cache`)."""

@@ -114,10 +114,10 @@ def test_sliding_window_is_read_where_the_attention_call_gets_it(model_type, ove
 
 
 def test_constructs_without_a_rule_are_refused_by_name_and_the_other_axes_plan():
-    """Zamba2's shared transformer block (one module in several layers): pp refused naming it; Qwen3-Next's gated
-    DeltaNet (a sequence mixer with no CP algorithm): cp refused naming it, LFM2's short convolution not (its conv
-    continues the previous rank's tokens: runtime/cp_conv.py); a uniform stack of such a mixer (Mamba-1) runs dp and pp (its own forward) and refuses tp, sequence
-    parallelism and cp naming the module."""
+    """Zamba2's shared transformer block (one module in several layers): pp refused naming it; MiniMax's lightning
+    attention (a sequence mixer with no CP algorithm): cp refused naming it; LFM2's short convolution and Qwen3-Next's
+    gated DeltaNet not (runtime/cp_conv.py, cp_delta.py); a uniform stack of Mamba-1 scans runs every axis (its
+    own forward; cp by state passing: runtime/cp_scan.py)."""
     from transformers import MambaConfig, MambaForCausalLM
 
     from autoshard.errors import InvalidConfigError
@@ -125,19 +125,21 @@ def test_constructs_without_a_rule_are_refused_by_name_and_the_other_axes_plan()
     from autoshard.rules.validity import refusal
     from tests.models import hybrid_models
 
+    from autoshard.models.tiny import build_tiny, tiny_config
+
     for model_type, axis, want in (("zamba2", "pp", "its layers share a block"),
-                                   ("qwen3_next", "cp", "the sequence mixer layers.0.linear_attn (")):
-        model = hybrid_models.build(model_type)
+                                   ("minimax", "cp", "the sequence mixer layers.1.self_attn (MiniMaxLightningAttention")):
+        model = hybrid_models.build(model_type) if model_type == "zamba2" else build_tiny(tiny_config(model_type))
         for spec in (spec_from_hf_config(model.config, name=model_type, model=model),  # parallelize's
                      resolve_model_spec(model, model_type)):  # plan's
             assert want in (refusal(spec, axis) or ""), (model_type, spec.refused)
             assert refusal(spec, "dp") is None
-    model = hybrid_models.build("lfm2")
-    assert refusal(spec_from_hf_config(model.config, name="lfm2", model=model), "cp") is None
+    for model_type in ("lfm2", "qwen3_next"):
+        model = hybrid_models.build(model_type)
+        assert refusal(spec_from_hf_config(model.config, name=model_type, model=model), "cp") is None
     mamba = MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=64, state_size=8, num_hidden_layers=2))
     spec = spec_from_hf_config(mamba.config, name="mamba", model=mamba)  # read by its parts, as Jamba's layers
-    assert spec.own_forward and all(refusal(spec, a) is None for a in ("dp", "pp", "tp", "sequence_parallel"))
-    assert "the Mamba-1 selective scan of layers.0.mixer has no CP algorithm" in (refusal(spec, "cp") or "")
+    assert spec.own_forward and all(refusal(spec, a) is None for a in ("dp", "pp", "tp", "sequence_parallel", "cp"))
     # a module with no sequence mixer autoshard can name at all is still refused whole
     with pytest.raises(InvalidConfigError, match="a sequence mixer autoshard has no rule for"):
         spec_from_hf_config(mamba.config, name="bare", model=torch.nn.Sequential(torch.nn.Linear(2, 2)))

@@ -116,7 +116,8 @@ MARKED = {"granite_swa": _tiny("granite_swa"), "aria_text": _tiny("aria_text")}
 # gated DeltaNet layers beside attention, split by key heads (models/layered.py `_delta_part`): Qwen3.5's separate
 # [q; k; v], z, b and a projections beside gated attention (Qwen3-Next's fused per-key-head ones:
 # tests/runtime/hybrids.py); OLMo-hybrid's q / k / v / a / b / g beside attention with full-width q / k norms, which
-# runs whole on every rank as HF declares it (gathered q / k / v, o_proj's input sliced)
+# runs whole on every rank as HF declares it (gathered q / k / v, o_proj's input sliced); cp passes each rank's
+# final state (runtime/cp_delta.py)
 DELTA = {"qwen3_5": _tiny("qwen3_5_text"), "olmo_hybrid": _tiny("olmo_hybrid")}
 
 # MiniMax's lightning attention (a decay buffer, no Conv1d or A_log) beside attention layers: cp refused by name
@@ -124,9 +125,9 @@ LIGHTNING = {"minimax": _tiny("minimax")}
 LIGHTNING_REFUSED = {("minimax", "cp"): "the sequence mixer layers.1.self_attn (MiniMaxLightningAttention"}
 
 # a uniform stack of Mamba-1 selective scans, read by its parts as Jamba's layers are (models/layered.py
-# `layered_spec`): the model's own forward under dp and pp, tp by the scan's inner channels; cp refused naming it
+# `layered_spec`): the model's own forward under dp and pp, tp by the scan's inner channels, cp by state passing
+# (runtime/cp_scan.py)
 SCANS = {"mamba": _tiny("mamba")}
-_SCAN = "the Mamba-1 selective scan of layers.0.mixer"
 
 # the classic decoders, their layers found by structure (transformer.h, model.decoder.layers) and their attention by
 # its call to HF's attention interface (GPT-NeoX's head_size): dp, pp (the model's own forward where the base is no
@@ -215,8 +216,7 @@ SEQUENCE = {"apertus": Tiny("apertus-tiny", without_dropout(exaggerated(tiny_con
             "gpt2": CLASSIC["gpt2"], "opt": CLASSIC["opt"]}
 SEQUENCE_REFUSED = {}
 SEQUENCE_PLAN = dict(sequence_parallel=True, tp=2)
-REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert",
-           ("mamba", "cp"): f"{_SCAN} has no CP algorithm"}
+REFUSED = {("llama4", "ep"): "feed_forward.experts (Llama4TextExperts): its forward takes the tokens already scattered to every expert"}
 
 
 def check_families() -> None:
@@ -246,7 +246,7 @@ def check_families() -> None:
     check_axes(GATED, lambda name: GATED_PLANS, {})
     check_axes(LATENT, lambda name: PLANS + ((dict(ep=2),) if name == "deepseek_v2" else ()), {})
     check_axes(MARKED, lambda name: (dict(tp=2),), {})
-    check_axes(DELTA, lambda name: (dict(tp=2),), {})
+    check_axes(DELTA, lambda name: (dict(tp=2), dict(cp=2)), {})
     check_axes(GEMMA4, lambda name: PLANS + ((dict(ep=2),) if name == "gemma4_moe" else ()), GEMMA4_REFUSED, sgd=True)
     check_axes(UNSET, lambda name: (dict(tp=2),) + ((dict(ep=2),) if name != "nemotron" else ()), {})
     check_axes(WRAPPED, lambda name: PLANS, WRAPPED_REFUSED)

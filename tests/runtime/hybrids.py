@@ -45,10 +45,9 @@ HYBRIDS = {
 # sequence's masks (runtime/stages.whole_sequence_mask: the attention layers' causal one, the recurrent layers' none)
 PLANS = (dict(dp=2), dict(pp=2, micro_batch=2), dict(cp=2), dict(tp=2), dict(ep=2), dict(tp=2, sequence_parallel=True))
 # tp: every layer part by its own rule (models/layered.py `layer_parts`); refused naming the first part none splits
-# (Zamba2's shared block); cp: LFM2's short convolutions continue the previous rank's tokens (runtime/cp_conv.py)
+# (Zamba2's shared block); cp: LFM2's short convolutions continue the previous rank's tokens (runtime/cp_conv.py),
+# Jamba's Mamba-1 scans and Qwen3-Next's gated DeltaNets pass their state (runtime/cp_scan.py, cp_delta.py)
 REFUSED = {           ("zamba2", "tp"): "no tensor-parallel rule splits a shared block yet",
-           ("jamba", "cp"): "the Mamba-1 selective scan of layers.0.mamba has no CP algorithm",
-           ("qwen3_next", "cp"): "the sequence mixer layers.0.linear_attn (Qwen3NextGatedDeltaNet, neither attention",
            ("zamba2", "pp"): "its layers share a block"}
 MOE = ("nemotron_h", "deepseek_v3", "jamba", "granitemoehybrid", "qwen3_next", "granite4_no_attention",
        "nemotron_h_no_attention")

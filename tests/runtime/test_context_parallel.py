@@ -94,9 +94,17 @@ def _run_all(rank: int, world: int) -> None:
                           ("mamba2-tiny", 40 * world)):  # 40: local slices that are not whole SSD chunks
             _case_model(ctx, name, seq)
         _case_mixer_with_mask(ctx, seq=6 * world)
+        _case_swapped_mixers(ctx, seq=6 * world)
     for preset in ("llama-tiny", "mamba2-tiny"):  # the runtime: two AdamW steps against one process
         for plan in _PLANS[world]:
             check_plan(preset, plan, logits=plan is _PLANS[world][0] or "pp" in plan)
+    if world == 4:  # Mamba-1's scans and gated DeltaNets by state passing (runtime/cp_scan.py, cp_delta.py), with
+        from tests.runtime.families import SCANS  # tp's splits and pp's stages; Jamba's and Qwen3-Next's beside
+        from tests.runtime.hybrids import HYBRIDS  # attention (contiguous chunks) and MoE layers
+
+        for source in (SCANS["mamba"], HYBRIDS["jamba"], HYBRIDS["qwen3_next"]):
+            for plan in (dict(tp=2, cp=2), dict(pp=2, cp=2, micro_batch=2)):
+                check_plan(source, plan, logits=True)
 
 
 def _case_attention(ctx: CPContext, *, seq: int, heads: int, kv_heads: int, batch: int) -> None:
@@ -180,6 +188,48 @@ def _case_mixer_with_mask(ctx: CPContext, *, seq: int) -> None:
             got = got.clone()
             dist.all_reduce(got, group=ctx.group)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} grad {pname}: {m}")
+
+
+def _case_swapped_mixers(ctx: CPContext, *, seq: int) -> None:
+    """Recurrent mixers whose own forward runs with its kernels swapped (runtime/cp_scan.py, cp_delta.py), alone,
+    with a padding mask, against HF's own torch path: Mamba-1's (Mamba's, Falcon-Mamba's B / C / dt norms, Jamba's),
+    the entering state's contribution in pieces shorter than a rank's slice (CHUNK 5), and gated DeltaNets
+    (Qwen3-Next's fused projections, Qwen3.5's separate ones, OLMo-hybrid's with q / k norms)."""
+    import copy
+
+    from autoshard.models.dispatch import delta_mixers, scan_mixers
+    from autoshard.models.tiny import build_tiny, tiny_config
+    from autoshard.runtime import cp_scan
+    from autoshard.runtime.cp_delta import install_cp_delta_rules
+
+    cases = [(t, scan_mixers, cp_scan.install_cp_scans) for t in ("mamba", "falcon_mamba", "jamba")]
+    cases += [(t, delta_mixers, install_cp_delta_rules) for t in ("qwen3_next", "qwen3_5_text", "olmo_hybrid")]
+    chunk, cp_scan.CHUNK = cp_scan.CHUNK, 5
+    try:
+        for model_type, found, install in cases:
+            model = build_tiny(tiny_config(model_type), seed=3)
+            mixer = copy.deepcopy(found(model)[0][1])
+            torch.manual_seed(2)
+            x = torch.randn(2, seq, model.config.hidden_size, requires_grad=True)
+            mask = torch.ones(2, seq)
+            mask[1, : seq // 4] = 0
+            ref = type(mixer).forward(mixer, x, attention_mask=mask)
+            w = torch.randn_like(ref)
+            names, params = zip(*mixer.named_parameters())
+            ref_grads = torch.autograd.grad((ref * w).sum(), [x, *params])
+            assert install(mixer, ctx) == 1
+            lay = SeqLayout.CONTIGUOUS
+            xl = split_sequence(x.detach(), ctx, lay).requires_grad_()
+            out = mixer(xl, attention_mask=split_sequence(mask, ctx, lay))
+            torch.testing.assert_close(out, split_sequence(ref.detach(), ctx, lay), **TOL, msg=lambda m: f"{model_type}: {m}")
+            grads = torch.autograd.grad((out * split_sequence(w, ctx, lay)).sum(), [xl, *params])
+            torch.testing.assert_close(grads[0], split_sequence(ref_grads[0], ctx, lay), **TOL)
+            for pname, got, want in zip(names, grads[1:], ref_grads[1:]):
+                got = got.clone()
+                dist.all_reduce(got, group=ctx.group)
+                torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{model_type} grad {pname}: {m}")
+    finally:
+        cp_scan.CHUNK = chunk
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -61,6 +61,13 @@ def test_parallelize_rejects_before_any_collective():
         with pytest.raises(InvalidConfigError, match=r"example_inputs must be input_ids of shape \(batch, seq\), "
                                                      r"neither empty .* got a tensor of shape"):
             autoshard.parallelize(model, bad, plan=dict(dp=1))
+    # a bf16 model under an fp32 plan (auto on a CPU): its .grad cannot hold the float32 main gradients (torch
+    # raised at the first data-parallel step); named, with both ways out
+    half = build_model(get_spec("llama-tiny"), dtype=torch.bfloat16)
+    for plan in (dict(dp=1), dict(dp=1, precision="fp32")):
+        with pytest.raises(InvalidConfigError, match=r"parameter model.embed_tokens.weight is bfloat16, but the plan's "
+                                                     r"precision is fp32 .*precision='bf16-mixed'.*model.float\(\)"):
+            autoshard.parallelize(half, ids, plan=plan)
     assert not torch.distributed.is_initialized()
 
 

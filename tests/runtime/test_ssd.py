@@ -262,3 +262,42 @@ def test_hybrid_mixers_are_hfs_forward(name):
     from autoshard.models.facts import ssd_mixers
 
     assert install_ssd_mixers(model) == len(ssd_mixers(model)) > 0
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba", "jamba"])
+def test_mamba1_mixers_decline_the_fused_whole_mixer_kernel(model_type, monkeypatch):
+    """mamba_ssm's `mamba_inner_fn` reads the mixer's weights directly, so tp's shards would skip their all-reduces
+    and fp8's linears their float8 GEMMs: the runtime makes every Mamba-1 mixer decline it (runtime/ssd.py
+    `install_unfused_scans`), found by its signature, while HF's own forward runs; the model's output is unchanged,
+    and the kernel's global is back once the forward is done (Jamba's forward calls none)."""
+    import sys
+
+    from autoshard.models.dispatch import scan_mixers, takes_fused
+    from autoshard.models.tiny import build_tiny, tiny_config
+    from autoshard.runtime.ssd import install_unfused_scans
+
+    model = build_tiny(tiny_config(model_type), seed=0)
+    mixer = scan_mixers(model)[0][1]
+    where = sys.modules[type(mixer).__module__].__dict__
+    name = next(n for n, f in where.items() if callable(f) and not isinstance(f, type) and
+                takes_fused(tuple(__import__("inspect").signature(f).parameters)))
+
+    def fused(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight, *args, **kwargs):
+        raise AssertionError("the fused whole-mixer kernel ran")  # mamba_ssm's signature; it must not be reached
+
+    monkeypatch.setitem(where, name, fused)
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    model.train()
+    from autoshard.models.dispatch import dispatch_points
+
+    if model_type == "jamba":  # its forward calls none (its dt norm sits where the fused kernel has none)
+        assert not dispatch_points(mixer, takes_fused, object())
+    else:
+        with pytest.raises(AssertionError, match="the fused whole-mixer kernel ran"):
+            model(ids, use_cache=False)
+    with monkeypatch.context() as m:
+        m.setitem(where, name, lambda *a, **k: None)
+        want = model(ids, use_cache=False).logits
+    assert install_unfused_scans(model) == len(scan_mixers(model))
+    torch.testing.assert_close(model(ids, use_cache=False).logits, want)
+    assert where[name] is fused

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from autoshard.passes.capture.dispatch import reference_grads, swapped
+from autoshard.models.dispatch import swapped, takes_delta_rule
+from autoshard.passes.capture.reference_ops import reference_grads
 
 CHUNK = 64  # tokens per chunk of fla's chunk_gated_delta_rule (and HF's torch fallback's default chunk_size)
 OP = "gated_delta_rule"  # the op's name (its traced node's target prefix is in cost_table.SCAN_TARGETS)
@@ -90,16 +91,10 @@ def substitute_delta_rule(query, key, value, g, beta, chunk_size=CHUNK, initial_
     return out, (last if output_final_state else None)
 
 
-def _takes_delta_rule(params: tuple[str, ...]) -> bool:
-    """A gated delta rule's signature: (query, key, value, g, beta) or fla's (q, k, v, g, beta), and an initial state."""
-    return params[:5] in (("query", "key", "value", "g", "beta"), ("q", "k", "v", "g", "beta")) \
-        and "initial_state" in params
-
-
 def substituted(model: nn.Module):
     """While open, every module of `model` whose forward calls a gated delta rule calls `autoshard::gated_delta_rule`;
     yields how many dispatch points were swapped."""
-    return swapped(list({type(m): m for m in model.modules()}.values()), _takes_delta_rule, substitute_delta_rule)
+    return swapped(list({type(m): m for m in model.modules()}.values()), takes_delta_rule, substitute_delta_rule)
 
 
 # -- cost -------------------------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from autoshard.passes.capture.dispatch import dispatch_points, reference_grads, swapped
+from autoshard.models.dispatch import dispatch_points, scan_mixers, swapped, takes_scan
+from autoshard.passes.capture.reference_ops import reference_grads
 
 CHUNK = 2048  # tokens per chunk state of mamba_ssm's selective_scan_fwd kernel (kNThreads * kNItems = 128 * 16)
-_INTERFACE = ("delta_bias", "delta_softplus", "return_last_state")  # selective_scan_fn's keyword arguments
 
 
 # -- the math (the real kernels: what the traced op means) --------------------------------------------------
@@ -120,25 +120,13 @@ SCAN_FLOPS = {  # op name -> FLOPs from its arguments' values (see the module do
 
 # -- finding and swapping the dispatch points ---------------------------------------------------------------
 
-def _takes_scan(params: tuple[str, ...]) -> bool:
-    """selective_scan_fn's signature: five tensors, then `_INTERFACE` among its keywords."""
-    return len(params) >= 5 and all(k in params for k in _INTERFACE)
-
-
 def scan_dispatch(module: nn.Module) -> tuple[dict, str] | None:
     """(globals, name) of the function a Mamba-1 mixer's forward calls to scan (selective_scan_fn's signature),
     or None."""
-    return next(iter(dispatch_points(module, _takes_scan, substitute_scan)), None)
-
-
-def scan_mixers(model: nn.Module) -> tuple[tuple[str, nn.Module], ...]:
-    """(path, module) of every Mamba-1 mixer of `model` (its pattern: see the module docstring)."""
-    from autoshard.models.layered import _selective_scan
-
-    return tuple((p, m) for p, m in model.named_modules() if _selective_scan(m))
+    return next(iter(dispatch_points(module, takes_scan, substitute_scan)), None)
 
 
 def substituted(model: nn.Module):
     """While open, the Mamba-1 mixers of `model` scan through `autoshard::selective_scan`; yields how many
     dispatch points were swapped (a mixer whose forward has none is traced as it is)."""
-    return swapped((m for _, m in scan_mixers(model)), _takes_scan, substitute_scan)
+    return swapped((m for _, m in scan_mixers(model)), takes_scan, substitute_scan)

@@ -128,6 +128,9 @@ def _node_times_many(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Lay
     flops = vals[0] / div / cp * np.where(blk.quadratic, overwork, 1.0)
     byte_scale, _ = _fused_scales(ct, hw, first, kind, seq_len)
     nbytes = vals[1] * byte_scale / div / cp
+    if blk.delta_rule is not None and blk.delta_rule.any():  # runtime/cp_delta.py runs the rule three times
+        runs = np.where(blk.delta_rule, column([CP_DELTA_RUNS if lay.mesh.cp > 1 else 1.0 for lay in layouts]), 1.0)
+        flops, nbytes = flops * runs, nbytes * runs
     peak = hw.peak_flops * first.numbers.flops_scale
     dims = np.repeat(vals[None, 3:7], len(layouts), axis=0)  # [layout, (batch, m, n, k), node]
     idx = np.arange(dims.shape[2])
@@ -163,11 +166,13 @@ def cp_attention_overwork(spec: ModelSpec, cp: int) -> float:
     tokens; rank i runs query chunks i and 2cp-1-i against their whole key prefixes, the diagonal
     chunk pair computed in full under a boolean mask: (i+1) + (2cp-i) = 2cp+1 chunk pairs, where
     an exact causal split is 2cp*2cp/2/cp = 2cp pairs. So (2cp+1)/(2cp) (1.25 at cp2, 1.125 at
-    cp4); the mask's slower kernel path (docs/context_parallel.md, measured) is not priced.
-    Mamba-2's scan is linear in S: no factor."""
-    if cp == 1 or spec.mixer is not Mixer.ATTENTION:
+    cp4); the mask's slower kernel path (docs/context_parallel.md, measured) is not priced. A model whose layers
+    pass a state (`ModelSpec.cp_contiguous`: a hybrid's attention beside Mamba scans or short convolutions) cuts the
+    sequence into cp contiguous chunks: the last rank runs its chunk against the whole prefix, cp chunk pairs where
+    the ideal share is cp / 2, so 2. Only the quadratic nodes take the factor (a scan is linear in S)."""
+    if cp == 1:
         return 1.0
-    return (2 * cp + 1) / (2 * cp)
+    return 2.0 if spec.cp_contiguous else (2 * cp + 1) / (2 * cp)
 
 
 def _tokens(layout: Layout, seq_len: int) -> float:
@@ -228,33 +233,90 @@ def _group_sync(ct: CompiledTable, hw: DeviceProfile, layout: Layout, seq_len: i
 
 
 def _cp_comm(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> tuple:
-    """(forward, backward) seconds of CP communication of one block instance, one micro-batch, not
-    overlapped. LLaMA (runtime/cp_attention.py): all-gather K/V in forward, reduce-scatter dK/dV in
-    backward. Mamba-2 (runtime/cp_mamba.py): all-gather the chunk-final SSM states (fp32,
-    O(d * d_state * CP), arXiv 2602.09109) and the conv1d halo (d_conv - 1 tokens of every rank)
-    forward, reduce-scatter both backward. All of it runs inside the attention module / mixer."""
-    mesh, spec = layout.mesh, ct.spec
-    cp, tp = mesh.cp, mesh.tp
-    if cp == 1 or kind is not BlockKind.LAYER:
+    """(forward, backward) seconds of CP communication of one block instance, one micro-batch, not overlapped,
+    each collective all-gathered in forward and reduce-scattered in backward, all inside the layer's sequence
+    mixers: attention's K/V (runtime/cp_attention.py, `_cp_kv_bytes`), and each scan's or conv's state passing
+    (`_passed_bytes`: Mamba-2's chunk-final SSM states, fp32, O(d * d_state * CP), arXiv 2602.09109, and its conv
+    halo, runtime/cp_mamba.py; Mamba-1's, runtime/cp_scan.py; a gated DeltaNet's, runtime/cp_delta.py; a short
+    convolution's halo, runtime/cp_conv.py)."""
+    mesh = layout.mesh
+    if mesh.cp == 1 or kind is not BlockKind.LAYER:
         return 0.0, 0.0
-    b = layout.micro_batch
-    if spec.mixer is Mixer.ATTENTION:
-        head_dim = spec.attention_head_dim
-        kv_local = spec.kv_heads / sharding.kv_parts(spec, tp)
-        kv_full = 2 * b * seq_len * kv_local * head_dim * layout.numbers.act_bytes
-        ag = best_time(hw, Collective.ALL_GATHER, kv_full, size=cp, stride=group_stride(mesh, "cp"))
-        rs = best_time(hw, Collective.REDUCE_SCATTER, kv_full, size=cp, stride=group_stride(mesh, "cp"))
-        return ag, rs
-    # as runtime/cp_mamba.py runs it: each rank contributes its fp32 final state and log-decay per
-    # head, and its last d_conv - 1 pre-conv tokens (both all-gathered; backward reduce-scatters)
-    heads_local = spec.heads / tp
-    state = b * heads_local * (spec.head_dim * spec.state + 1) * 4.0
-    groups_local = spec.groups / (1 if sharding.groups_whole(spec, tp, layout.strategies) else tp)
-    conv_dim = spec.intermediate / tp + 2 * groups_local * spec.state
-    halo = b * (spec.conv - 1) * conv_dim * layout.numbers.act_bytes
-    fwd, bwd = (sum(best_time(hw, op, nbytes * cp, size=cp, stride=group_stride(mesh, "cp")) for nbytes in (state, halo))
-                for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER))
-    return fwd, bwd
+    stride = group_stride(mesh, "cp")
+    gathered = [_cp_kv_bytes(ct.spec, layout, seq_len), *(n * mesh.cp for n in _passed_bytes(ct.spec, layout))]
+    return tuple(sum(best_time(hw, op, n, size=mesh.cp, stride=stride) for n in gathered if n)
+                 for op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER))
+
+
+def _cp_kv_bytes(spec: ModelSpec, layout: Layout, seq_len: int) -> float:
+    """Bytes of the whole sequence's K and V of one layer's attention on a tp rank, which every cp rank gathers
+    (0 without attention): a uniform attention stack's from the spec, a hybrid's from its attention parts."""
+    if not spec.parts:
+        width = 2 * spec.kv_heads * spec.attention_head_dim if spec.mixer is Mixer.ATTENTION else 0
+    else:
+        width = sum(p.size("kv") + p.size("v") if p.kind in ("attention", "attention_whole") else
+                    2 * spec.kv_heads * spec.attention_head_dim if p.kind == "mla" else 0 for p in spec.parts)
+    if not width:
+        return 0.0
+    return layout.micro_batch * seq_len * width / sharding.kv_parts(spec, layout.mesh.tp) * layout.numbers.act_bytes
+
+
+def _passed_bytes(spec: ModelSpec, layout: Layout) -> list[float]:
+    """Bytes each rank contributes to the all-gathers of the layer's state passing: per Mamba-2 mixer its fp32 final
+    state and log-decay per head, and its last conv - 1 pre-conv tokens; per Mamba-1 scan its fp32 final state and
+    log-decay per channel and state entry, and its conv halo; per gated DeltaNet its fp32 final state and transition
+    per value head, and its conv halo over [q; k; v]; per short convolution its conv halo."""
+    b, tp, act = layout.micro_batch, layout.mesh.tp, layout.numbers.act_bytes
+    out = []
+    ssd = [(p.size("heads"), p.size("head_dim"), p.size("state"), p.size("groups"), p.size("inner"), p.size("conv"))
+           for p in spec.parts if p.kind == "ssd"]
+    if spec.mixer is Mixer.SSD and not spec.parts:
+        ssd.append((spec.heads, spec.head_dim, spec.state, spec.groups, spec.intermediate, spec.conv))
+    for heads, head_dim, state, groups, inner, conv in ssd:
+        groups_local = groups / (1 if sharding.groups_whole(spec, tp, layout.strategies) else tp)
+        out += [b * heads / tp * (head_dim * state + 1) * 4.0, b * (conv - 1) * (inner / tp + 2 * groups_local * state) * act]
+    for p in spec.parts:
+        if p.kind == "delta":  # runtime/cp_delta.py: its final state from zero (dk x dv) and transition (dk x dk)
+            dk, dv = p.size("key") / p.size("k_heads"), p.size("value") / p.size("v_heads")
+            out += [b * p.size("v_heads") / tp * dk * (dv + dk) * 4.0,
+                    b * (p.size("conv") - 1) * (2 * p.size("key") + p.size("value")) / tp * act]
+        elif p.kind == "mamba1":
+            inner = p.size("inner") / tp
+            out += [b * inner * _scan_state(p) * 2 * 4.0, b * (p.size("conv") - 1) * inner * act]
+        elif p.kind == "short_conv":
+            out.append(b * (p.size("conv") - 1) * p.size("width") / tp * act)
+    return out
+
+
+def _scan_part(spec: ModelSpec):
+    """The Mamba-1 selective scan part of `spec`'s layers (models/layered.py "mamba1"), or None."""
+    return next((p for p in spec.parts if p.kind == "mamba1"), None)
+
+
+def _scan_state(scan) -> int:
+    """A Mamba-1 scan's state size n: its x_proj gives dt_rank + 2 n (B and C)."""
+    return (scan.size("x_out") - scan.size("dt_rank")) // 2
+
+
+# runs of a gated delta rule (forward and backward) under cp (runtime/cp_delta.py): from zero (the slice's final
+# state), on zero values from the identity (its transition; values dk wide, about the same work), from the entering
+# state (the output)
+CP_DELTA_RUNS = 3.0
+
+# fp32 passes over a (b, d, L, n) tensor that a Mamba-1 scan's entering state costs a CP rank in torch ops
+# (runtime/cp_scan.py `_from_start`: A x the summed dt, exp, times the state, read through C: 6 counted; backward:
+# that forward again, checkpointed, and its gradients: 19 counted, 27 measured on a 2-core CPU, 24 taken)
+CP_SCAN_PASSES = (6, 24)
+
+
+def _cp_scan_work(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: BlockKind, seq_len: int) -> tuple:
+    """(forward, backward) seconds a CP rank spends on what the state entering its slice adds to a Mamba-1 scan's
+    output (memory-bound elementwise work, `CP_SCAN_PASSES`): 0 without cp or such a scan."""
+    scan = _scan_part(ct.spec)
+    if layout.mesh.cp == 1 or kind is not BlockKind.LAYER or scan is None:
+        return 0.0, 0.0
+    one = _tokens(layout, seq_len) * scan.size("inner") / layout.mesh.tp * _scan_state(scan) * 4.0
+    return tuple(passes * one / (hw.hbm_bandwidth * hw.vector_efficiency) for passes in CP_SCAN_PASSES)
 
 
 def _recompute_time(ct: CompiledTable, layout: Layout, kind: BlockKind, t: np.ndarray, tp_f: float,
@@ -339,6 +401,8 @@ def _block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
     blk = ct.block(kind)
     fwd, bwd = fwd_bwd_s(blk, t)
     cp_f, cp_b = _cp_comm(ct, hw, layout, kind, seq_len)
+    work_f, work_b = _cp_scan_work(ct, hw, layout, kind, seq_len)
+    fwd, bwd = fwd + work_f, bwd + work_b
     if layout.sequence_parallel and layout.mesh.tp > 1:
         tp_f, tp_b = _sequence_tp_comm(ct, hw, layout, kind, seq_len, t)
     else:
@@ -350,7 +414,7 @@ def _block_time(ct: CompiledTable, hw: DeviceProfile, layout: Layout, kind: Bloc
     ep_f, ep_b = (0.0, 0.0) if kind is not BlockKind.LAYER else moe_cost.ep_comm_time(
         hw, ct.spec, layout.mesh, tokens=_tokens(layout, seq_len) / shard, imbalance=layout.moe_imbalance,
         act_bytes=layout.numbers.act_bytes)
-    return BlockTime(fwd_s=fwd, bwd_s=bwd, recompute_s=_recompute_time(ct, layout, kind, t, tp_f, cp_f, ep_f),
+    return BlockTime(fwd_s=fwd, bwd_s=bwd, recompute_s=_recompute_time(ct, layout, kind, t, tp_f, cp_f + work_f, ep_f),
                      tp_comm_s=tp_f + tp_b, cp_comm_s=cp_f + cp_b, ep_comm_s=ep_f + ep_b)
 
 
@@ -420,11 +484,8 @@ def block_activation_bytes(ct: CompiledTable, layout: Layout, kind: BlockKind, *
     if kind is BlockKind.LAYER and layout.recompute is Recompute.SELECTIVE:
         keep &= ~blk.rerun  # the checkpoint keeps the module's input: the norm's output, kept anyway
     total = float(saved[keep].sum())
-    if kind is BlockKind.LAYER and mesh.cp > 1 and spec.mixer is Mixer.ATTENTION:
-        # the gathered K/V of the other CP ranks stay alive for the attention backward
-        head_dim = spec.attention_head_dim
-        kv_local = spec.kv_heads / sharding.kv_parts(spec, mesh.tp)
-        total += 2 * layout.micro_batch * seq_len * kv_local * head_dim * layout.numbers.act_bytes * (mesh.cp - 1) / mesh.cp
+    if kind is BlockKind.LAYER and mesh.cp > 1:  # the gathered K/V of the other CP ranks stay alive for the
+        total += _cp_kv_bytes(spec, layout, seq_len) * (mesh.cp - 1) / mesh.cp  # attention backward
     return total
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import sympy
 
 from autoshard.errors import InvalidConfigError
-from autoshard.cost_table import B, S, CostTable, degree_in_s
+from autoshard.cost_table import DELTA_RULE_TARGET, B, S, CostTable, degree_in_s
 from autoshard.ir import BlockKind, OpKind, Recompute, Stage
 from autoshard.model_spec import Mixer, ModelSpec
 from autoshard.passes.capture.fused_patterns import ROUTER
@@ -52,6 +52,7 @@ class CompiledBlock:
     fn: Any  # lambdified (b, s) -> list of 7 * n numbers
     expert: np.ndarray | None = None  # bool: an op of the routed experts (the sharding table's EXPERT role)
     float8: np.ndarray | None = None  # bool: a GEMM of a float8 linear (fp8 plans: sharding.is_float8_role)
+    delta_rule: np.ndarray | None = None  # bool: an op of a gated delta rule (cp runs it three times: block.py)
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # what does not depend on the shape
     # what does (the polynomials' values, node and block times), kept for the last few sequence lengths
     shaped: ShapeMemo = field(default_factory=ShapeMemo, compare=False, repr=False)
@@ -136,10 +137,11 @@ def kind_spec(spec: ModelSpec, block, first_layer: int) -> ModelSpec:
     DeepSeek-V3's dense layers, Nemotron-H's Mamba-2 / attention / MLP layers):
     such a layer is data-parallel over the ep ranks, its gradients reduced over dp x ep. A hybrid's layer parts
     (`ModelSpec.parts`) narrowed to those of the kind's layers (`first_layer`: one of them), on every layer: the
-    kind's one-layer table is priced by its own parts' sharding rules."""
+    kind's one-layer table is priced by its own parts' sharding rules; `passes_state` keeps what cp's layout is
+    for the whole stack (`ModelSpec.cp_contiguous`)."""
     if spec.parts:
         spec = replace(spec, parts=tuple(replace(p, layers=()) for p in spec.parts
-                                         if not p.layers or first_layer in p.layers))
+                                         if not p.layers or first_layer in p.layers), passes_state=spec.cp_contiguous)
     if not spec.is_moe:
         return spec
     if routes_tokens(block):
@@ -154,9 +156,9 @@ def mixed_violation(ct: CompiledTable, layout: Layout) -> str | None:
     mesh = layout.mesh
     experts = any(view.spec.is_moe for view in ct.kinds)  # ep: the MoE kinds' experts, the others data-parallel
     parts = all(view.spec.parts for view in ct.kinds)  # tp: each kind by its layer parts' rules
-    if (mesh.tp > 1 and not parts) or mesh.cp > 1 or (mesh.ep > 1 and not experts):
-        axes = ", ".join(["dp", "pp"] + ["tp"] * parts + ["ep"] * experts)
-        fix = " = ".join(["tp"] * (not parts) + ["cp"] + ["ep"] * (not experts))
+    if (mesh.tp > 1 and not parts) or (mesh.ep > 1 and not experts):
+        axes = ", ".join(["dp", "pp", "cp"] + ["tp"] * parts + ["ep"] * experts)
+        fix = " = ".join(["tp"] * (not parts) + ["ep"] * (not experts))
         return (f"{ct.spec.name}: a model whose layers are of {len(ct.kinds)} kinds is priced under {axes} "
                 f"only so far (tp {mesh.tp}, cp {mesh.cp}, ep {mesh.ep} asked); use {fix} = 1")
     if layout.recompute is Recompute.SELECTIVE or layout.zero == 3:
@@ -215,7 +217,8 @@ def _compile_block(block, spec: ModelSpec) -> CompiledBlock:
                          rerun=rerun, is_gemm=is_gemm, tp_dim=tp_dim, cp_dim=cp_dim, quadratic=quadratic,
                          region=region, region_kernels=region_kernels, region_sizes=region_sizes,
                          wgrad_groups=fused_regions.wgrad_overlap_groups(paths, wgrad & colwise), fn=fn,
-                         expert=expert, float8=float8)
+                         expert=expert, float8=float8,
+                         delta_rule=np.array([n.target.startswith(DELTA_RULE_TARGET) for n in nodes], dtype=bool))
 
 
 def _parts(path: str) -> list[str]:

@@ -184,8 +184,51 @@ def test_a_mixed_stack_is_priced_as_the_sum_of_its_layers():
     t = [block_time(v, hw, layout, BlockKind.LAYER, seq_len=64).compute_s for v in ct.kinds]  # M, A
     assert three.stage_times_s[0] - one.stage_times_s[0] == pytest.approx(t[0] + t[1], rel=1e-9)
     assert one.stage_times_s[1] - three.stage_times_s[1] == pytest.approx(t[0] + t[1], rel=1e-9)
-    with pytest.raises(InvalidConfigError, match=r"priced under dp, pp, tp only so far .*use cp = ep = 1"):
-        cost.estimate(table, bamba, hw, Layout(mesh=Mesh(cp=2), micro_batch=1), global_batch=16, seq_len=64)
+    assert mixed_violation(ct, Layout(mesh=Mesh(cp=2))) is None  # each kind by its own sequence mixers (below)
+    with pytest.raises(InvalidConfigError, match=r"ZeRO-3 is not priced for a model whose layers are of several kinds"):
+        cost.estimate(table, bamba, hw, Layout(mesh=Mesh(dp=2), micro_batch=1, zero=3), global_batch=16, seq_len=64)
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "jamba", "lfm2", "qwen3_next"])
+def test_mixed_stack_cp_is_priced_per_kind(model_type):
+    """cp on a hybrid: the stack's layout is contiguous (a kind passes a state: `ModelSpec.cp_contiguous`, as
+    runtime/context_parallel.py `layout_of` reads the modules), each kind priced by its own sequence mixers: the
+    attention kind all-gathers its K/V (kept for its backward) and runs its chunk against the whole prefix (the
+    last rank: twice its share), a Mamba-2 kind its final states and conv halo, a Mamba-1 kind its states, halo and
+    the entering state's elementwise work, a gated DeltaNet kind its states and transitions, its halo and three runs
+    of its rule, a short-convolution kind its halo alone."""
+    from autoshard.hardware import load_hardware
+    from autoshard.ir import Mesh, Recompute
+    from autoshard.passes.cost.collectives import Collective, best_time
+    from autoshard.passes.cost.block import (CP_DELTA_RUNS, _cp_comm, _cp_kv_bytes, _cp_scan_work, _node_times_many,
+                                             _passed_bytes, block_activation_bytes, cp_attention_overwork)
+
+    _, spec, table = _mixed_table(model_type)
+    hw = load_hardware("h100")
+    ct = compile_table(table, spec)
+    assert spec.cp_contiguous and spec.cp_halo == max(p.size("conv") for p in spec.parts if "conv" in dict(p.sizes)) - 1
+    cp2, dp2 = (Layout(mesh=m, micro_batch=1, zero=1, recompute=Recompute.NONE) for m in (Mesh(cp=2), Mesh(dp=2)))
+    mixers = {"bamba": {"ssd", "attention"}, "jamba": {"mamba1", "attention"}, "lfm2": {"short_conv", "attention"},
+              "qwen3_next": {"delta", "attention"}}
+    for view in ct.kinds:
+        kinds = {p.kind for p in view.spec.parts} & mixers[model_type]
+        assert view.spec.cp_contiguous and cp_attention_overwork(view.spec, 2) == 2.0
+        kv, passed = _cp_kv_bytes(view.spec, cp2, 64), _passed_bytes(view.spec, cp2)
+        assert (kv > 0) == ("attention" in kinds) and bool(passed) == bool(kinds - {"attention"})
+        gathered = [kv, *(2 * n for n in passed)]
+        want = sum(best_time(hw, Collective.ALL_GATHER, n, size=2, stride=1) for n in gathered if n)
+        assert _cp_comm(view, hw, cp2, BlockKind.LAYER, 64)[0] == pytest.approx(want) and want > 0
+        assert (_cp_scan_work(view, hw, cp2, BlockKind.LAYER, 64)[0] > 0) == ("mamba1" in kinds)
+        rule = view.block(BlockKind.LAYER).delta_rule  # the rule's ops: 3 runs of half the tokens at cp 2
+        assert rule.any() == ("delta" in kinds)
+        one, two = _node_times_many(view, hw, (dp2, cp2), BlockKind.LAYER, 64)
+        assert two[rule] == pytest.approx(one[rule] * CP_DELTA_RUNS / 2)
+        if "attention" in kinds:  # the other rank's K/V alive for the backward: half the whole sequence's
+            extra = block_activation_bytes(view, cp2, BlockKind.LAYER, seq_len=64) - block_activation_bytes(
+                view, dp2, BlockKind.LAYER, seq_len=64) / 2
+            assert extra == pytest.approx(kv / 2)
+    est = {m: cost.estimate(table, spec, hw, lay, global_batch=16, seq_len=64) for m, lay in (("cp", cp2), ("dp", dp2))}
+    assert est["cp"].time.cp_comm > 0 and est["cp"].memory.activations < est["dp"].memory.activations
 
 
 @pytest.mark.parametrize("model_type", ["bamba", "nemotron_h", "deepseek_v3", "qwen3_next", "lfm2", "granitemoehybrid"])

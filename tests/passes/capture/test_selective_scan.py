@@ -91,6 +91,40 @@ def test_found_by_pattern_and_restored():
             assert swapped == 1  # one dispatch point (the modeling module's global) serves every mixer
 
 
+class _KernelBound(_Scanless):
+    """A Mamba-1 mixer whose forward calls causal-conv1d's kernel signature (x first) beside its scan: context
+    parallelism swaps both (models/dispatch.py `split_points`); with a second conv it refuses, naming the count."""
+
+    def forward(self, u):
+        return my_scan(my_conv(u, self.D[:, None], None, activation="silu"), u, -torch.exp(self.A_log), u[:, :2],
+                       u[:, :2], D=self.D, z=None, delta_bias=None, delta_softplus=True, return_last_state=False)
+
+
+class _TwoConvs(_Scanless):
+    def forward(self, u):
+        return my_scan(my_conv(my_other_conv(u, self.D[:, None], None, activation=None), self.D[:, None], None,
+                               activation="silu"), u, -torch.exp(self.A_log), u[:, :2], u[:, :2])
+
+
+def my_conv(x, weight, bias=None, seq_idx=None, initial_states=None, activation=None):
+    return x
+
+
+my_other_conv = my_conv
+
+
+def test_cp_finds_the_scan_and_conv_by_signature():
+    from autoshard.models.dispatch import split_points
+
+    assert split_points(_KernelBound()) == ((globals(), "my_scan"), (globals(), "my_conv"))
+    assert "calls 1 selective scans and 2 causal convs" in split_points(_TwoConvs())
+    assert "calls 1 selective scans and 0 causal convs" in split_points(_Scanless())
+    for name in (MAMBA, JAMBA, "tests.models.mamba1_models:falcon_mamba_tiny"):
+        _, model = model_for(name)
+        mixer = selective_scan.scan_mixers(model)[0][1]
+        assert [n for _, n in split_points(mixer)] == ["mamba_selective_scan", "causal_conv1d_fn"]
+
+
 def test_one_graph_for_every_sequence_length():
     _, model = model_for(MAMBA)
     caps = [capture_model(model, (torch.zeros(2, s, dtype=torch.long),)) for s in (16, 48)]
@@ -155,15 +189,16 @@ def test_inspect_counts_hf_parameters(name, capsys):
     assert cost.model_flops_per_token(compile_table(table, spec), 64) == want
 
 
-def test_mamba_plans_tp_by_its_inner_channels_and_refuses_cp(tmp_path, capsys):
+def test_mamba_plans_tp_by_its_inner_channels_and_cp_by_state_passing(tmp_path, capsys):
     """A uniform stack of Mamba-1 scans is read by its parts (models/layered.py `layered_spec`), as Jamba's Mamba-1
-    layers are: tp splits the scan's inner channels (its x_proj row-parallel inside the region), priced; cp refused."""
+    layers are: tp splits the scan's inner channels (its x_proj row-parallel inside the region), priced; cp passes
+    each rank's final state (runtime/cp_scan.py), priced by its all-gathers and the entering state's work."""
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", MAMBA, "--hardware", "cpu", "--devices", "4", "--global-batch", "8",
                  "--seq-len", "64", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert json.loads(out.read_text())["mesh"]["cp"] == 1 and "tp not searched" not in text
-    assert "cp not searched: the Mamba-1 selective scan of layers.0.mixer has no CP algorithm" in text
+    assert "cp not searched" not in text
     spec, table = _table(MAMBA)
     assert [p.kind for p in spec.parts if p.kind == "mamba1"] == ["mamba1"]
     layout = Layout(mesh=Mesh(tp=2), micro_batch=1, zero=1, recompute=Recompute.NONE)
@@ -177,9 +212,33 @@ def test_mamba_plans_tp_by_its_inner_channels_and_refuses_cp(tmp_path, capsys):
     ar = lambda width: best_time(hw, Collective.ALL_REDUCE, 256 * width * layout.numbers.act_bytes, size=2, stride=1)
     forward, _ = _tp_comm(compile_table(table, spec), hw, layout, BlockKind.LAYER, 256)
     assert scan.size("x_out") != spec.hidden and forward == pytest.approx(ar(spec.hidden) + ar(scan.size("x_out")))
+    _check_cp_priced(spec, table, hw)
 
 
-def test_jamba_prices_tp_and_ep_refuses_cp():
+def _check_cp_priced(spec, table, hw) -> None:
+    """cp 2 of a Mamba-1 stack: each rank's fp32 final state and log-decay (b, inner, n) and its conv - 1 pre-conv
+    tokens all-gathered forward (reduce-scattered backward), and the entering state's elementwise work on a
+    (b, s / cp, inner, n) tensor (`CP_SCAN_PASSES`); no attention K/V."""
+    from autoshard.passes.cost.block import CP_SCAN_PASSES, _cp_comm, _cp_scan_work
+    from autoshard.passes.cost.collectives import Collective, best_time
+
+    scan = next(p for p in spec.parts if p.kind == "mamba1")
+    inner, n, conv = scan.size("inner"), (scan.size("x_out") - scan.size("dt_rank")) // 2, scan.size("conv")
+    layout = Layout(mesh=Mesh(cp=2), micro_batch=1, zero=1, recompute=Recompute.NONE)
+    ct = compile_table(table, spec)
+    gathered = [best_time(hw, Collective.ALL_GATHER, 2 * nbytes, size=2, stride=1)
+                for nbytes in (inner * n * 2 * 4.0, (conv - 1) * inner * layout.numbers.act_bytes)]
+    assert _cp_comm(ct, hw, layout, BlockKind.LAYER, 256)[0] == pytest.approx(sum(gathered))
+    work = _cp_scan_work(ct, hw, layout, BlockKind.LAYER, 256)
+    one = 128 * inner * n * 4.0 / (hw.hbm_bandwidth * hw.vector_efficiency)
+    assert work == pytest.approx(tuple(p * one for p in CP_SCAN_PASSES))
+    dp = cost.estimate(table, spec, hw, Layout(mesh=Mesh(dp=2), micro_batch=1, zero=1, recompute=Recompute.NONE),
+                       global_batch=8, seq_len=256)
+    cp = cost.estimate(table, spec, hw, layout, global_batch=8, seq_len=256)
+    assert cp.time.cp_comm > 0 and cp.memory.activations < dp.memory.activations
+
+
+def test_jamba_prices_tp_and_ep_runs_cp():
     spec, table = _table(JAMBA)
     hw = load_hardware("h100")
     step = {}
@@ -187,6 +246,5 @@ def test_jamba_prices_tp_and_ep_refuses_cp():
         layout = Layout(mesh=mesh, micro_batch=1, zero=1, recompute=Recompute.NONE)
         step[mesh] = cost.estimate(table, spec, hw, layout, global_batch=8, seq_len=256).step_time_s
     assert all(t > 0 for t in step.values()) and len(set(step.values())) == len(step)
-    assert any(axis == "cp" and "Mamba-1 selective scan of layers.0.mamba has no CP algorithm" in why
-               for axis, why in spec.refused)
-    assert all(axis != "tp" for axis, _ in spec.refused)  # the runtime runs Jamba's Mamba-1 layers under tp
+    # the runtime runs Jamba's Mamba-1 layers under tp, and under cp by state passing (runtime/cp_scan.py)
+    assert all(axis not in ("tp", "cp") for axis, _ in spec.refused)
