@@ -561,12 +561,13 @@ def _priced_layout(ct: CompiledTable, layout: Layout) -> bool:
     return not ct.kinds or (layout.virtual_stages == 1 and mixed_violation(ct, layout) is None)
 
 
-def _priced_mesh(ct: CompiledTable, mesh) -> bool:
-    """Whether a mixed stack's per-kind tables price `mesh` (`cost.mixed_violation`), kept in `ct.memo`."""
+def _priced_mesh(ct: CompiledTable, mesh, *, cp: bool = True) -> bool:
+    """Whether a mixed stack's per-kind tables price `mesh` (`cost.mixed_violation`), kept in `ct.memo`; `cp` False:
+    and it has no cp."""
     key = ("priced mesh", mesh)
     if key not in ct.memo:
         ct.memo[key] = mixed_violation(ct, Layout(mesh=mesh)) is None
-    return ct.memo[key]
+    return ct.memo[key] and (cp or mesh.cp == 1)
 
 
 def _all_sequence_parallel(problem: MeshProblem, a: Assignment) -> bool:
@@ -600,12 +601,19 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
     t0 = time.perf_counter()
     offload = hw.host_link_bandwidth is not None and hw.host_memory_bandwidth is not None
     mixed = compile_table(table, spec) if table is not None else None
-    meshes = functools.partial(_priced_mesh, mixed) if mixed is not None and mixed.kinds else None
-    parts = [part for precision, recipe in planner_precisions(hw)
-             for part in candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len,
-                                           precision=precision, fp8_recipe=recipe, offload=offload,
-                                           moe_imbalance=moe_imbalance, meshes=meshes).parts]
-    layouts = CandidateLayouts(parts, precision=resolve_precision(Precision.AUTO, hw))  # every layout concrete
+    mixed = mixed if mixed is not None and mixed.kinds else None
+
+    def candidates(cp: bool) -> CandidateLayouts:  # every layout concrete; `cp` False: a mixed stack's without cp
+        meshes = functools.partial(_priced_mesh, mixed, cp=cp) if mixed is not None else None
+        parts = [part for precision, recipe in planner_precisions(hw)
+                 for part in candidate_layouts(spec, devices=devices, global_batch=global_batch, seq_len=seq_len,
+                                               precision=precision, fp8_recipe=recipe, offload=offload,
+                                               moe_imbalance=moe_imbalance, meshes=meshes).parts]
+        return CandidateLayouts(parts, precision=resolve_precision(Precision.AUTO, hw))
+
+    # a mixed stack's cp layouts (four in five of its layouts) only where none without cp fits: their bounds
+    # alone took seconds (bench/bench_mixed_plan.py: DeepSeek-V3 on 1024 H100, 2.8 s a plan with them 11 s)
+    layouts = candidates(cp=mixed is None)
     if not layouts:
         raise InvalidConfigError(
             f"no valid layout of {devices} devices for {spec.name}: tp must divide the heads ({spec.heads}), "
@@ -614,6 +622,10 @@ def solve(spec, hw, *, devices: int, global_batch: int, seq_len: int, time_limit
     ct = compile_table(table if table is not None else build_cost_table(spec, kernels=hw.kernels), spec)
     result = search(ct, hw, global_batch=global_batch, seq_len=seq_len, layouts=layouts,
                     time_limit_s=time_limit_s, progress=progress)
+    if not result.found and mixed is not None:
+        layouts = candidates(cp=True)
+        result = search(ct, hw, global_batch=global_batch, seq_len=seq_len, layouts=layouts,
+                        time_limit_s=time_limit_s, progress=progress)
     if not result.found:
         raise _infeasible(ct, hw, spec, layouts, devices=devices, global_batch=global_batch, seq_len=seq_len)
     return _plan(ct, hw, spec, result, devices=devices, global_batch=global_batch, seq_len=seq_len,

@@ -331,3 +331,21 @@ def test_an_mlp_as_wide_as_the_model_is_read_by_its_data_flow():
     assert why is None
     mlp = next(p for p in parts if p.kind == "mlp")
     assert mlp.names == ("gate_proj", "up_proj", "down_proj") and mlp.sizes == (("ffn", 64),)
+
+
+def test_a_mixed_stack_searches_cp_where_nothing_fits_without_it():
+    """A mixed stack's cp layouts (most of its space) are searched only where no layout without cp fits
+    (passes/solve/planner.py `solve`: their bounds alone took seconds on DeepSeek-V3's 1024 H100): tiny Bamba at
+    64k tokens on two devices plans tp2 where 150 MB fits it, cp2 (contiguous chunks, half the activations) where
+    only 100 MB does."""
+    import dataclasses
+
+    from autoshard.hardware import load_hardware
+    from autoshard.passes.solve.planner import solve
+
+    _, spec, table = _mixed_table("bamba")
+    hw = load_hardware("h100")
+    plans = {mem: solve(spec, dataclasses.replace(hw, memory_bytes=mem), devices=2, global_batch=1, seq_len=65536,
+                        table=table) for mem in (1.5e8, 1e8)}
+    assert plans[1.5e8].mesh.cp == 1 and plans[1.5e8].mesh.tp == 2
+    assert plans[1e8].mesh.cp == 2 and plans[1e8].predicted["memory_gb"] <= 0.1
