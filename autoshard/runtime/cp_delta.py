@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from autoshard.errors import InvalidConfigError
-from autoshard.models.dispatch import delta_mixers, delta_split, dispatch_points, swapping_forward, takes_conv, \
-    takes_delta_rule
+from autoshard.models.dispatch import (delta_mixers, delta_split, dispatch_points, swapping_forward, takes_conv,
+                                       takes_delta_rule)
 from autoshard.runtime.cp_scan import cp_conv, training_only
 from autoshard.runtime.cp_sequence import CPContext, all_gather_autograd
 
@@ -44,6 +44,9 @@ def cp_delta_rule(original, ctx: CPContext):
         if initial_state is not None or output_final_state:
             raise InvalidConfigError("a CP gated DeltaNet runs training forwards only (no generation cache); call the "
                                      "model with use_cache=False")
+        if kwargs.get("cu_seqlens") is not None:  # packed sequences: their bounds are not where the ranks' are
+            raise InvalidConfigError("a CP gated DeltaNet takes no packed sequences (cu_seqlens); give one sequence per "
+                                     "row, padding marked with label -100")
         _, final = original(query, key, value, g, beta, *args, initial_state=None, output_final_state=True, **kwargs)
         b, _, heads, dk = *value.shape[:3], key.shape[-1]
         eye = torch.eye(dk, dtype=final.dtype, device=final.device).expand(b, heads, dk, dk)

@@ -46,6 +46,17 @@ def test_bad_input_is_named():
         layout_of(_FakeModel("gpt2"))
     with pytest.raises(UnsupportedOpError, match="no rule"):
         enable_context_parallel(torch.nn.Linear(2, 2), CPContext(group=None, rank=0, size=1))
+    # the recurrent mixers' CP substitutes: no cache, no packed sequences (named before any collective)
+    from autoshard.runtime.cp_delta import cp_delta_rule
+    from autoshard.runtime.cp_scan import cp_scan
+
+    ctx, x = CPContext(group=None, rank=0, size=1), torch.zeros(1, 4, 1, 2)
+    with pytest.raises(InvalidConfigError, match="no packed sequences"):
+        cp_delta_rule(None, ctx)(x, x, x, x[..., 0], x[..., 0], cu_seqlens=torch.tensor([0, 2, 4]))
+    with pytest.raises(InvalidConfigError, match="training forwards only"):
+        cp_delta_rule(None, ctx)(x, x, x, x[..., 0], x[..., 0], initial_state=x)
+    with pytest.raises(InvalidConfigError, match="training forwards only"):
+        cp_scan(None, ctx)(x, x, x, x, x, return_last_state=True)
 
 
 def test_plan_check_rejects_bad_cp_before_any_collective():
