@@ -114,6 +114,9 @@ def run(args) -> int:
 
         render(plan)
         print_refusals(spec)
+        if table is not None and table.mixed and plan.mesh.cp == 1 and not any(a == "cp" for a, _ in spec.refused):
+            print("cp not searched: a stack of several layer kinds searches cp only where no layout without it fits "
+                  "(planner.solve); `autoshard price --cp N` prices one")
         if args.out:
             print(f"plan written to {args.out}")
     return 0

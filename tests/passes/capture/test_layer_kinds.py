@@ -333,7 +333,7 @@ def test_an_mlp_as_wide_as_the_model_is_read_by_its_data_flow():
     assert mlp.names == ("gate_proj", "up_proj", "down_proj") and mlp.sizes == (("ffn", 64),)
 
 
-def test_a_mixed_stack_searches_cp_where_nothing_fits_without_it():
+def test_a_mixed_stack_searches_cp_where_nothing_fits_without_it(capsys):
     """A mixed stack's cp layouts (most of its space) are searched only where no layout without cp fits
     (passes/solve/planner.py `solve`: their bounds alone took seconds on DeepSeek-V3's 1024 H100): tiny Bamba at
     64k tokens on two devices plans tp2 where 150 MB fits it, cp2 (contiguous chunks, half the activations) where
@@ -349,3 +349,7 @@ def test_a_mixed_stack_searches_cp_where_nothing_fits_without_it():
                         table=table) for mem in (1.5e8, 1e8)}
     assert plans[1.5e8].mesh.cp == 1 and plans[1.5e8].mesh.tp == 2
     assert plans[1e8].mesh.cp == 2 and plans[1e8].predicted["memory_gb"] <= 0.1
+    # `plan` says so where it found a plan without cp
+    assert main(["plan", "--model", "tests.models.hybrid_models:bamba_tiny", "--hardware", "h100", "--devices", "4",
+                 "--global-batch", "8", "--seq-len", "4096"]) == 0
+    assert "cp not searched: a stack of several layer kinds searches cp only where no layout" in capsys.readouterr().out
