@@ -31,8 +31,11 @@ def _from_start(steps: Tensor, A: Tensor, C: Tensor, start: Tensor) -> Tensor:
     """(b, d, L): what the state entering the slice, `start` (b, d, n), adds to each token's scan output: decayed by
     exp(A x the dt summed up to it), `steps` (b, d, L) those sums, A (d, n), read through C (b, n, L). In pieces of
     CHUNK tokens, recomputed in the backward (`checkpoint`), so no (b, d, L, n) tensor is kept."""
-    return torch.cat([torch.einsum("bdcn,bnc->bdc", (steps[:, :, lo:lo + CHUNK, None] * A[:, None]).exp() * start[:, :, None],
-                                   C[:, :, lo:lo + CHUNK]) for lo in range(0, steps.shape[-1], CHUNK)], dim=-1)
+    pieces = []
+    for lo in range(0, steps.shape[-1], CHUNK):
+        decay = (steps[:, :, lo:lo + CHUNK, None] * A[:, None]).exp()  # (b, d, c, n)
+        pieces.append(torch.einsum("bdcn,bnc->bdc", decay * start[:, :, None], C[:, :, lo:lo + CHUNK]))
+    return torch.cat(pieces, dim=-1)
 
 
 def cp_scan(local_scan, ctx: CPContext):
