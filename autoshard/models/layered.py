@@ -284,10 +284,11 @@ def _mixer_without_cp(model: nn.Module, stack) -> str | None:
                 return f"the Mamba-1 selective scan of {_relative(f'{stack.prefix}.{i}.{scan[0]}', base)} ({points})"
             continue
         delta = delta_mixers(layer)  # passes its state too (runtime/cp_delta.py) where its one causal conv swaps
-        if delta:
-            why = next(((p, w) for p, m in delta for w in [delta_split(m)] if w), None)
+        for path, mixer in delta:
+            why = delta_split(mixer)
             if why:
-                return f"the gated DeltaNet {_relative(f'{stack.prefix}.{i}.{why[0]}', base)} ({why[1]})"
+                return f"the gated DeltaNet {_relative(f'{stack.prefix}.{i}.{path}', base)} ({why})"
+        if delta:
             continue
         # a child with a Conv1d or an A_log; else, in a mixed stack, one that is no MLP, MoE block or norm (MiniMax's
         # lightning attention, whose decay is a buffer): either may mix the sequence, which a cp rank holds a chunk of
