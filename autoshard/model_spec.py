@@ -91,6 +91,9 @@ class ModelSpec:
     # why a serving replica cannot split each expert's GEMMs over tp (models/facts.py `experts_tp_split_refusal`:
     # GPT-OSS's biased experts, Nemotron-H's ungated ones), "" where it can
     experts_no_tp_split: str = _fact("")
+    # the routed experts take every token, scaled by its router score (Llama-4's, models/facts.py `experts_scattered`):
+    # HF runs every expert on every token; ep sends the routed rows alone (passes/cost/moe_cost.py `routed_share`)
+    experts_scattered: bool = _fact(False)
     # facts read off a user's model (models/facts.py); at their defaults for the presets, and then left out
     # of the cache keys (passes/capture/table_cache.py), so the presets' shipped tables still match
     refused: tuple[tuple[str, str], ...] = _fact(())  # (axis, why) pairs this model cannot run yet

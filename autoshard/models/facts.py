@@ -642,7 +642,9 @@ def experts_ep_refusal(experts, where: str) -> str | None:
     total = getattr(experts, "num_experts", None)
     why = next((reason for reason, broken in (
         ("its forward takes the tokens already scattered to every expert, not HF's routed experts call (hidden, "
-         "top_k_index, top_k_weights)", not _takes_routing(experts)),
+         "top_k_index, top_k_weights), and a row of zeros (a token not routed there) does not give zeros and no "
+         "gradient through it (a bias, or an activation not 0 at 0), so the unrouted rows cannot be left out",
+         not _takes_routing(experts) and not experts_scattered(experts)),
         ("no num_experts attribute", not isinstance(total, int)),
         ("a norm after each expert", bool(getattr(experts, "has_post_expert_norm", False))),
         ("a parameter not indexed by expert", any(p.dim() == 0 or p.shape[0] != total
@@ -662,10 +664,24 @@ def experts_tp_split_refusal(experts, where: str) -> str | None:
     own = [n for n, _ in experts.named_parameters(recurse=False)]
     gate = getattr(getattr(type(experts), "_apply_gate", None), "__name__", "_default_apply_gate")
     if sorted(own) == ["down_proj", "gate_up_proj"] and not getattr(experts, "is_transposed", False) \
-            and getattr(experts, "is_concatenated", True) and gate == "_default_apply_gate":
+            and getattr(experts, "is_concatenated", True) and gate == "_default_apply_gate" and _takes_routing(experts):
         return None
     return (f"{where} ({type(experts).__name__}): a serving replica splits over tp only HF's default experts, "
-            f"bias-free [gate; up] x hidden and down, act(gate) * up (these hold {', '.join(own)}); use tp=1 with ep")
+            f"called with the routing, bias-free [gate; up] x hidden and down, act(gate) * up (these hold {', '.join(own)}); use tp=1 with ep")
+
+
+def experts_scattered(experts) -> bool:
+    """Whether the routed-experts module `experts` takes the tokens already scattered to every expert (Llama-4's:
+    one input, the (E x T, h) rows of every token for every expert, expert-major, each scaled by the token's router
+    score, 0 where it is not routed there) and a row of zeros gives zeros and no gradient to its input or weights:
+    every parameter a bias-free per-expert weight (E, ., .) and its activation (`act_fn`) 0 at 0. Expert
+    parallelism then sends the routed (nonzero) rows alone, exactly (runtime/expert_parallel.py)."""
+    import torch
+
+    act = getattr(experts, "act_fn", None)
+    if _takes_routing(experts) or act is None or any(p.dim() != 3 for p in experts.parameters()):
+        return False
+    return bool(act(torch.zeros(1)).eq(0).all())
 
 
 def _takes_routing(experts) -> bool:

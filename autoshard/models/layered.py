@@ -128,15 +128,16 @@ def with_experts(spec: ModelSpec, config, paths: tuple, layer: nn.Module) -> Mod
     its parts), models/facts.py `_moe_modules`): the config's routed experts and top-k, their width (expert_ffn,
     else intermediate_size: Mixtral's naming), the shared expert's width, the block's paths (`moe_paths`), the
     experts' elements as the module holds them (`expert_numel`: biases, an ungated up x hidden), and why a serving
-    replica cannot split them over tp (`experts_no_tp_split`)."""
-    from autoshard.models.facts import config_value, experts_tp_split_refusal
+    replica cannot split them over tp (`experts_no_tp_split`), and whether they take every token (`experts_scattered`)."""
+    from autoshard.models.facts import config_value, experts_scattered, experts_tp_split_refusal
 
     experts, router, shared, parts = paths
     module = layer.get_submodule(experts)
     spec = replace(spec, experts=config_value(config, "experts"), top_k=config_value(config, "top_k", 1),
                    ffn=config_value(config, "expert_ffn", None) or spec.ffn,
                    shared_ffn=config_value(config, "shared_ffn", 0) or 0, moe_paths=(router, experts, shared, *parts),
-                   experts_no_tp_split=experts_tp_split_refusal(module, f"layers.*.{experts}") or "")
+                   experts_no_tp_split=experts_tp_split_refusal(module, f"layers.*.{experts}") or "",
+                   experts_scattered=experts_scattered(module))
     numel = sum(p.numel() for p in module.parameters())
     return spec if numel == spec.expert_params else replace(spec, expert_numel=numel)
 

@@ -19,11 +19,12 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import Shard
 from autoshard.model_spec import ModelSpec
-from autoshard.models.facts import experts_ep_refusal, experts_tp_split_refusal
+from autoshard.models.facts import experts_ep_refusal, experts_scattered, experts_tp_split_refusal
 from autoshard.runtime.data_parallel import GradSync, ShardedOptimizer
 from autoshard.runtime.tensor_parallel import shard_tensor
 
@@ -69,16 +70,25 @@ class ParallelExperts(nn.Module):
         experts.num_experts = self.local
         self._parameters = experts._parameters  # one dict: HF's names, the tensors HF's forward reads
         self.hf = (experts,)  # HF's module, not a child (its parameters are this module's)
+        self.scattered = experts_scattered(experts)  # Llama-4's: every token's row for every expert (facts.py)
 
-    def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
+    def forward(self, hidden: Tensor, top_k_index: Tensor | None = None, top_k_weights: Tensor | None = None) -> Tensor:
+        if self.scattered:
+            return self._scattered(hidden)
         if self.replicated:
             return self._sliced(hidden, top_k_index, top_k_weights)
         tokens, k = top_k_index.shape
         expert_ids = top_k_index.reshape(-1)  # (T*k,)
         order = torch.argsort(expert_ids, stable=True)
-        rows = hidden[order // k]  # (T*k, h), sorted by expert
+        y, send, recv = self._dispatched(hidden[order // k], expert_ids[order], top_k_weights.dtype)
+        back = all_to_all_single_autograd(y, send, recv, self.group)  # (T*k, h), sorted by expert
+        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        out = weighted[torch.argsort(order)].view(tokens, k, -1).sum(dim=1)  # HF: reshape + sum over k
+        return out.to(hidden.dtype)
+
+    def _dispatched(self, rows: Tensor, expert_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, list, list]:
+        """(this rank's experts' outputs on the rows every peer sent them, send counts, receive counts): `rows`
+        (n, h) sorted by their experts `expert_ids` (n,), each sent to the rank holding its expert."""
         counts = torch.bincount(expert_ids, minlength=self.num_experts)  # (E,)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # [peer, local expert], flattened
@@ -87,13 +97,42 @@ class ParallelExperts(nn.Module):
         recv = per_peer.sum(1).tolist()
         x = all_to_all_single_autograd(rows, recv, send, self.group)  # (R, h), peer-major, by expert within
         local_ids = torch.arange(self.local, device=x.device).repeat(self.ep).repeat_interleave(per_peer.reshape(-1))
-        y = self._experts(x, local_ids, top_k_weights.dtype)  # (R, h)
+        y = self._padded(x, local_ids) if self.scattered else self._experts(x, local_ids, dtype)  # (R, h)
         if self.tp > 1:  # each tp rank computed its slice of every expert's intermediate width
             dist.all_reduce(y, group=self.tp_group)  # serving only (no autograd): inference plans do not train
-        back = all_to_all_single_autograd(y, send, recv, self.group)  # (T*k, h), sorted by expert
-        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-        out = weighted[torch.argsort(order)].view(tokens, k, -1).sum(dim=1)  # HF: reshape + sum over k
-        return out.to(hidden.dtype)
+        return y, send, recv
+
+    def _scattered(self, hidden: Tensor) -> Tensor:
+        """Llama-4's layout (`models/facts.experts_scattered`): `hidden` (E x T, h) holds every token's row for every
+        expert, expert-major, scaled by its router score; a row of zeros (a token not routed to that expert) gives
+        zeros and no gradient, so only the nonzero rows travel to their experts' ranks, and the output is zeros
+        elsewhere, as HF's dense forward gives. Generation (`replicated`): every ep rank holds the same tokens, its
+        experts' blocks run on them, the outputs summed over ep."""
+        x = hidden.view(self.num_experts, -1, hidden.shape[-1])  # (E, T, h)
+        if self.replicated:
+            mine = torch.zeros_like(x)
+            mine[self.first:self.first + self.local] = self.hf[0](x[self.first:self.first + self.local]
+                                                                   .reshape(-1, x.shape[-1])).view_as(mine[:self.local])
+            dist.all_reduce(mine, group=self.group)
+            return mine.view_as(hidden)
+        expert_ids, token_ids = x.ne(0).any(-1).nonzero(as_tuple=True)  # the routed pairs, by expert
+        y, send, recv = self._dispatched(x[expert_ids, token_ids], expert_ids, hidden.dtype)
+        back = all_to_all_single_autograd(y, send, recv, self.group)  # (n, h), in the order sent
+        return x.new_zeros(x.shape).index_put((expert_ids, token_ids), back).view_as(hidden)
+
+    def _padded(self, x: Tensor, local_ids: Tensor) -> Tensor:
+        """HF's scattered experts forward on rows `x` (n, h), row i for local expert `local_ids[i]`: each expert's
+        rows padded with zero rows to the most any of them received (the module views its input as E equal
+        blocks), its output cut back to the rows, in their order."""
+        order = torch.argsort(local_ids, stable=True)
+        counts = torch.bincount(local_ids, minlength=self.local)
+        starts = torch.cumsum(counts, 0) - counts
+        ids = local_ids[order]
+        slot = torch.arange(len(ids), device=x.device) - starts[ids]
+        width = max(int(counts.max()) if len(ids) else 0, 1)
+        blocks = x.new_zeros(self.local, width, x.shape[-1]).index_put((ids, slot), x[order])
+        out = self.hf[0](blocks.view(-1, x.shape[-1])).view(self.local, width, -1)
+        return out[ids, slot][torch.argsort(order)]
 
     def _sliced(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Every ep rank holds the same tokens: this rank's experts on the pairs routed to them, the

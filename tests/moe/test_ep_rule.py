@@ -37,13 +37,19 @@ def _spec(model, name: str = "m"):
     return layered_spec(model, name=name) or spec_from_hf_config(model.config, name=name, model=model)
 
 
+def _sigmoid_llama4():
+    """Llama-4 with an activation not 0 at 0: a token's zero row for an expert it is not routed to gives a nonzero
+    output, so expert parallelism cannot leave the unrouted rows out."""
+    return build_tiny(tiny_config("llama4_text", hidden_act="sigmoid"))
+
+
 def _refused_experts():
     """(name, model, a piece of the reason): a model whose experts ep cannot run, each for another reason."""
     mixtral = build_model(get_spec("mixtral-tiny"))
     normed, shared = (copy.deepcopy(mixtral) for _ in range(2))
     normed.model.layers[0].mlp.experts.has_post_expert_norm = True
     shared.model.layers[0].mlp.experts.bias = torch.nn.Parameter(torch.zeros(mixtral.config.hidden_size))  # one for all
-    return (("llama4", build_tiny(tiny_config("llama4_text")), "already scattered to every expert"),
+    return (("llama4 sigmoid", _sigmoid_llama4(), "already scattered to every expert"),
             ("post-norm", normed, "a norm after each expert"),
             ("shared parameter", shared, "a parameter not indexed by expert"))
 
@@ -57,7 +63,7 @@ def test_refused_experts_are_refused_by_one_line_naming_module_and_axis():
         with pytest.raises(InvalidConfigError) as raised:  # the runtime refuses it by the same rule
             ParallelExperts(experts, group=None, ep=1, ep_rank=0, where=path)
         assert str(raised.value) == why, name
-    llama4 = build_tiny(tiny_config("llama4_text"))  # the spec (plan, sweep, show) carries it as the ep refusal, at the layers' path
+    llama4 = _sigmoid_llama4()  # the spec (plan, sweep, show) carries it as the ep refusal, at the layers' path
     spec = _spec(llama4)
     want = experts_ep_refusal(_experts(llama4)[1], "layers.*.feed_forward.experts")
     assert dict(spec.refused)["ep"] == want
@@ -89,6 +95,33 @@ def test_accepted_experts_run_as_hf_runs_them(build):
     torch.testing.assert_close(parallel(hidden, index, weights), want)
 
 
+def test_scattered_experts_run_the_routed_rows_as_hf_runs_every_row():
+    """Llama-4's experts take every token's row for every expert, scaled by the router (zero where unrouted): the
+    rule accepts them (`experts_scattered`), the spec says so, and the rows one rank's experts receive, padded to
+    equal blocks, give HF's output on those rows, as HF's dense forward does with the zero rows in place."""
+    from autoshard.models.facts import experts_scattered
+
+    torch.manual_seed(0)
+    model = build_tiny(tiny_config("llama4_text"))
+    path, experts = _experts(model)
+    assert experts_ep_refusal(experts, path) is None and experts_scattered(experts)
+    spec = _spec(model)
+    assert spec.experts_scattered and "ep" not in dict(spec.refused)
+    assert "called with the routing" in spec.experts_no_tp_split  # a serving replica keeps its experts whole
+    total, hidden = experts.num_experts, model.config.hidden_size
+    dense = torch.zeros(total, 5, hidden)
+    routed = [(0, 1), (0, 4), (total - 1, 0), (total - 1, 2), (total - 1, 3)]  # uneven: one expert none at all
+    for e, t in routed:
+        dense[e, t] = torch.randn(hidden)
+    want = experts(dense.view(-1, hidden)).view(total, 5, hidden)
+    parallel = ParallelExperts(experts, group=None, ep=1, ep_rank=0, where=path)
+    ids = torch.tensor([e for e, _ in routed][::-1])  # in any order: rows come back in theirs
+    rows = torch.stack([dense[e, t] for e, t in routed][::-1])
+    got = parallel._padded(rows, ids)
+    torch.testing.assert_close(got, torch.stack([want[e, t] for e, t in routed][::-1]))
+    assert want.view(total, 5, hidden)[dense.ne(0).any(-1).logical_not()].abs().max() == 0  # zero rows: zeros
+
+
 def test_serving_tp_split_takes_only_hf_default_experts():
     """A serving replica's tp split of every expert (`expert_tp_placements`) is HF's default layout's: GPT-OSS's
     biased, transposed, interleaved experts are refused by one line naming the module and tp, the line the spec
@@ -107,7 +140,7 @@ def test_serving_tp_split_takes_only_hf_default_experts():
 
 
 def _parallelize_refuses_as_plan(rank: int, world: int) -> None:
-    model = build_tiny(tiny_config("llama4_text"))
+    model = _sigmoid_llama4()
     want = plan_violation(_spec(model, model.config.model_type), Mesh(ep=2), **SIZES)  # parallelize's name for it
     with pytest.raises(InvalidConfigError) as raised:
         autoshard.parallelize(model, torch.zeros(2, 16, dtype=torch.long), plan=dict(ep=2), global_batch=8)
@@ -115,5 +148,6 @@ def _parallelize_refuses_as_plan(rank: int, world: int) -> None:
 
 
 def test_parallelize_refuses_the_experts_with_the_plans_line():
-    """On two gloo ranks, parallelize of Llama-4 at ep 2 raises, on every rank, the line plan_violation gives."""
+    """On two gloo ranks, parallelize of a Llama-4 whose experts ep cannot run (a sigmoid activation) at ep 2
+    raises, on every rank, the line plan_violation gives."""
     run_ranks(2, _parallelize_refuses_as_plan)

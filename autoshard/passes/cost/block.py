@@ -139,10 +139,10 @@ def _node_times_many(ct: CompiledTable, hw: DeviceProfile, layouts: Sequence[Lay
     has_cp = blk.cp_dim >= 0
     dims[:, blk.cp_dim[has_cp], idx[has_cp]] /= cp
     if blk.expert is not None and blk.expert.any() and any(lay.mesh.ep > 1 for lay in layouts):  # passes/cost/moe_cost.py
-        busiest = np.where(blk.expert, column([moe_cost.expert_flops_factor(lay.mesh, lay.moe_imbalance)
+        busiest = np.where(blk.expert, column([moe_cost.expert_flops_factor(ct.spec, lay.mesh, lay.moe_imbalance)
                                                for lay in layouts]), 1.0)
         flops, nbytes = flops * busiest, nbytes * busiest  # the busiest rank's rows set the pace
-        per_expert, rows = (column(x) for x in zip(*(moe_cost.expert_gemm_scale(lay.mesh, lay.moe_imbalance)
+        per_expert, rows = (column(x) for x in zip(*(moe_cost.expert_gemm_scale(ct.spec, lay.mesh, lay.moe_imbalance)
                                                         for lay in layouts)))
         grow = blk.expert & blk.is_gemm & has_cp  # E/ep experts, each receiving ep x imbalance the rows
         dims[:, 0, grow] /= per_expert
