@@ -110,6 +110,9 @@ class ModelSpec:
     # what the base holds beside the layers under sequence parallelism (models/beside.py `sequence_beside`): (full path,
     # "split": a position table whose output is cut to the shard | "before" / "after": a per-token module on the shard)
     beside: tuple[tuple[str, str], ...] = _fact(())
+    # modules outside the base its forward never runs on token ids (models/beside.py `idle_modules`: a multimodal
+    # wrapper's vision tower and projector), full paths: the first pipeline stage holds them
+    idle_modules: tuple[str, ...] = _fact(())
     # attention features read at HF's attention-interface call (models/facts.py): the window of the layers
     # that attend within one (sliding_window tokens; Mistral all layers, Gemma-2/3 and GPT-OSS alternate ones)
     sliding_window: int = _fact(0)

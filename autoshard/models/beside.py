@@ -3,8 +3,9 @@
 Contract: `beside_layers(model) -> (before, after, why)`: the base's children with parameters other than the input
 embedding, the layer list and the final norm, split by where the traced forward graph first runs them (before the
 layers: the first pipeline stage holds them; after: the last), or why pipeline stages of the model's own forward
-cannot place them. `stand_in_width(module)`: what a later stage runs in place of a module it does not hold. The
-whole contract: docs/modules/models.md (models/beside.py).
+cannot place them. `idle_modules(model)`: the modules outside the base its forward never runs on token ids (a
+multimodal wrapper's vision tower), which the first stage holds. `stand_in_width(module)`: what a later stage runs
+in place of a module it does not hold. The whole contract: docs/modules/models.md (models/beside.py).
 """
 
 from __future__ import annotations
@@ -46,15 +47,60 @@ def sequence_beside(model, after: tuple[str, ...]) -> tuple[tuple[str, str], ...
     return tuple(out) if per_token else ()
 
 
-def beside_layers(model, after: tuple[str, ...] | None = None) -> tuple[list, list, str]:
+def idle_modules(model) -> tuple[str, ...]:
+    """The full paths of the outermost modules holding parameters outside the base, the input embedding and the LM
+    head that the model's forward on token ids never runs, read off its traced graph (a multimodal wrapper's vision
+    tower and projector: Gemma-3's, GOT-OCR2's, Fuyu's vision embedding); the first pipeline stage holds them (they
+    would run before the layers, on image inputs). () where there are none or the graph does not trace (then
+    `beside_layers` names them as parameters no stage holds)."""
+    found = layer_list(model)
+    if found is None:
+        return ()
+    held = [found[1], model.get_input_embeddings(), model.get_output_embeddings()]
+    placed = {id(p) for m in held if m is not None for p in m.parameters()}
+    base = model.get_submodule(found[0].rpartition(".")[0])
+    placed |= {id(p) for p in base.parameters()}  # the base's own children: `beside_layers` places them
+    outer = []
+    for path, module in model.named_modules():
+        params = list(module.parameters())
+        if path and params and not any(id(p) in placed for p in params) \
+                and not any(path.startswith(f"{o}.") for o in outer):
+            outer.append(path)
+    if not outer:
+        return ()
+    return _never_run(model, tuple(outer))
+
+
+def _never_run(model, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `paths` no forward op of the traced graph runs, () if any is run or the graph does not trace.
+    Memoised per model class and config."""
+    key = (type(model), model.config.to_json_string(use_diff=False), "idle", paths)
+    if key not in _RUN_AFTER:
+        from autoshard.errors import CaptureError
+        from autoshard.passes.capture.tp_proof import traced
+
+        try:
+            cap = traced(model)[1]
+        except CaptureError:
+            _RUN_AFTER[key] = ()
+        else:
+            run = {cap.site(n).module_path for n in cap.call_nodes() if cap.site(n).phase == "fwd"}
+            busy = any(m == p or m.startswith(f"{p}.") for p in paths for m in run)
+            _RUN_AFTER[key] = () if busy else paths
+    return _RUN_AFTER[key]
+
+
+def beside_layers(model, after: tuple[str, ...] | None = None,
+                  idle: tuple[str, ...] | None = None) -> tuple[list, list, str]:
     """(before, after, why): the base model's children with parameters beside the input embedding, the layers and
     the final norm, by where its forward runs them (`_run_after`): `before` the layers (GPT-2's and OPT's learned
     positions, BLOOM's embedding norm, OPT's project_in), which the first pipeline stage holds, `after` them (OPT's
     project_out, past the final norm), which the last stage holds; and why pp cannot place them, naming the first
     module no stand-in can replace on a later stage (`stand_in_width`: one neither an embedding, a linear nor a
     per-channel norm), or a parameter no stage holds (outside the base, the input embedding and the LM head: BERT's
-    head transform, Fuyu's vision projection), or "". `after`: the names run after the layers, known already (`ModelSpec.after_layers`), else read
-    off the graph."""
+    head transform), or "": the modules the forward never runs (`idle_modules`: a multimodal wrapper's vision tower)
+    the first stage holds. `after`: the names run after the layers, known already (`ModelSpec.after_layers`), else
+    read off the graph; `idle`: the idle modules' paths, known already (`ModelSpec.idle_modules`), else read."""
     from torch import nn
 
     from autoshard.errors import InvalidConfigError
@@ -71,8 +117,9 @@ def beside_layers(model, after: tuple[str, ...] | None = None) -> tuple[list, li
     held = {id(layers), id(model.get_input_embeddings()), id(norm)}
     found = [(n, m) for n, m in base.named_children() if id(m) not in held and any(True for _ in m.parameters())]
     # every parameter must sit where a stage holds it (BERT's head transform, Fuyu's vision projection do not)
+    idle = tuple(model.get_submodule(p) for p in (idle_modules(model) if idle is None else idle))  # the first stage
     placed = {id(p) for m in (layers, model.get_input_embeddings(), model.get_output_embeddings(), norm,
-                              *(m for _, m in found)) if m is not None for p in m.parameters()}
+                              *(m for _, m in found), *idle) if m is not None for p in m.parameters()}
     stray = next((n for n, p in model.named_parameters() if id(p) not in placed), None)
     stray_why = "" if stray is None else (f"{missing + ', and ' if norm is None else ''}{stray.rpartition('.')[0]} "
                                           f"holds parameters outside {base_path}, the input embedding and the LM "

@@ -339,12 +339,18 @@ def _own_attention_refusals(own: str, model) -> tuple[tuple[str, str], ...]:
 
 def _with_beside(spec: ModelSpec, facts, model) -> ModelSpec:
     """`spec` with what its base holds beside the layers read off its graph now (the runtime's model may not trace:
-    under cp its attention is autoshard's): the modules its forward runs after the layers (`after_layers`), and, where
+    under cp its attention is autoshard's): the modules outside it its forward never runs (`idle_modules`), the
+    modules its forward runs after the layers (`after_layers`), and, where
     the base keeps no positions or mask of its own, how each runs under sequence parallelism (`beside`)."""
     from autoshard.models.beside import after_layers, sequence_beside
     from autoshard.models.facts import layer_list
 
-    if not spec.own_forward or layer_list(model) is None:
+    if layer_list(model) is None:
+        return spec
+    from autoshard.models.beside import idle_modules
+
+    spec = replace(spec, idle_modules=idle_modules(model))
+    if not spec.own_forward:
         return spec
     after = after_layers(model)
     beside = sequence_beside(model, after) if not facts.plain_stack and not facts.own_positions else ()
@@ -367,17 +373,11 @@ def _kv_heads(model, facts, declared: int) -> int:
 
 def _unplaced_refusal(model) -> tuple[tuple[str, str], ...]:
     """pp refused where the pipeline stages of the model's own forward cannot place what its base holds beside the
-    layers (`beside.beside_layers`: a module no stand-in replaces on a later stage), or where the model is a multimodal
-    wrapper (its decoder's sizes in a text config: Gemma-4-unified's ConditionalGeneration class, whose pp2 hung
-    in its stages), else nothing."""
+    layers (`beside.beside_layers`: a module no stand-in replaces on a later stage, a parameter no stage holds), else
+    nothing. A multimodal wrapper's vision tower, which its forward on token ids never runs, the first stage holds."""
     from autoshard.models import facts as F
     from autoshard.models.beside import beside_layers
 
-    config = getattr(model, "config", None)
-    if config is not None and F.text_config(config) is not config:
-        return (("pp", f"{type(model).__name__} wraps its decoder (its sizes in {type(F.text_config(config)).__name__}): "
-                       "pipeline stages run a decoder's own forward, not a wrapper's; use pp=1, or pipeline its "
-                       "text model (AutoModelForCausalLM of the text config)"),)
     unplaced = beside_layers(model)[2] if F.layer_list(model) is not None else ""
     return (("pp", f"{unplaced}; use pp=1"),) if unplaced else ()
 

@@ -217,6 +217,9 @@ class OwnForwardStage(StageModule):
         beside = {} if stage.embed else {n: base._modules[n] for n in self.__dict__["_beside"]}
         for name, module in beside.items():
             base._modules[name] = _Zeros(stand_in_width(module))
+        embed = () if stage.embed else _embedding_site(model)
+        if embed:  # not held here: a lookup (Gemma-4-unified's of its image token, to find it in inputs_embeds)
+            embed[0]._modules[embed[1]] = _Unmatched(embed[2].weight.shape[-1])  # matches no placeholder
         wrapped = self._checkpointed(stand_ins)
         try:
             out = model(**inputs, use_cache=cache is not None, cache=cache, logits_to_keep=logits_to_keep, **kwargs)
@@ -225,6 +228,8 @@ class OwnForwardStage(StageModule):
         finally:
             base._modules[attr] = layers
             base._modules.update(beside)
+            if embed:
+                embed[0]._modules[embed[1]] = embed[2]
             for layer in wrapped:
                 del layer.forward
             for hook in hooks:
@@ -268,6 +273,28 @@ class _Zeros(nn.Module):
         shape = x.shape if self.lookup else x.shape[:-1]
         return torch.zeros(*shape, self.width or x.shape[-1], device=x.device,
                            dtype=None if self.lookup else x.dtype)
+
+
+def _embedding_site(model: nn.Module) -> tuple:
+    """(parent module, attribute, module) of the model's input embedding."""
+    embed = model.get_input_embeddings()
+    path = next(p for p, m in model.named_modules() if m is embed)
+    parent, _, attr = path.rpartition(".")
+    return model.get_submodule(parent), attr, embed
+
+
+class _Unmatched(nn.Module):
+    """Stands in for the input embedding on a later stage, which does not hold it: rows of NaN for any indices, which
+    equal no input embedding (a wrapper given inputs_embeds looks its image / audio tokens up in its embedding to find
+    them among its inputs: Gemma-4-unified's `get_placeholder_mask`; a later stage's inputs are a placeholder that
+    the received hidden states replace at its first layer)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.full((*ids.shape, self.width), float("nan"), device=ids.device)
 
 
 class _StageOutput(Exception):
@@ -358,6 +385,8 @@ def build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
     (`gather_sequence`) over this tp group; None: the boundary carries the stage's own layout.
     """
     module = _build_stage_module(model, spec, stage, positions=positions)
+    if stage.embed and spec.idle_modules:  # a wrapper's vision tower: never run on token ids, held here
+        module.idle = nn.ModuleList(model.get_submodule(p) for p in spec.idle_modules)
     module.sequence_shards = sequence_shards
     module.boundary_group = boundary_group
     return module
@@ -372,7 +401,7 @@ def _build_stage_module(model: nn.Module, spec: ModelSpec, stage: Stage, *,
                                  f"model's {layers_total} layers; stages must lie within 0..{layers_total}")
     body, parts = _parts(model, stage, own_forward=spec.own_forward)
     if spec.own_forward:
-        extras, finals, unplaced = beside_layers(model, after=spec.after_layers)
+        extras, finals, unplaced = beside_layers(model, after=spec.after_layers, idle=spec.idle_modules)
         if unplaced and not (stage.embed and stage.head):  # (one stage of the whole model: nothing to place)
             raise InvalidConfigError(f"{type(model).__name__}: {unplaced}; use pp=1")
         return OwnForwardStage(stage, config=config, model=model, base=body, positions=positions, extras=extras,

@@ -265,18 +265,20 @@ def test_sequence_parallelism_around_learned_positions():
     assert spec.beside == () and "positions or attention masks of its own" in refusal(spec, "sequence_parallel")
 
 
-def test_pp_is_refused_where_no_stage_would_hold_a_parameter():
-    """A wrapper's vision projection (Fuyu's) sits where no pipeline stage holds it: pp refused by name (Fuyu's pp2 ran
-    with its vision_embed_tokens on no stage: its checkpoint would have lost them), not a bare error at stage build;
-    ModernBERT decoder's embeddings block (no stand-in for a later stage) is named too."""
-    from autoshard.models.beside import beside_layers
+def test_pp_places_a_wrappers_idle_vision_modules_and_refuses_a_module_no_stage_replaces():
+    """A wrapper's vision projection (Fuyu's), which its forward on token ids never runs (read off the traced graph),
+    is held by the first pipeline stage (`idle_modules`; before, Fuyu's pp2 ran with it on no stage, its checkpoint
+    would have lost it, and then pp was refused for every wrapper); ModernBERT decoder's embeddings block, run before
+    the layers with no stand-in for a later stage, is refused by name."""
+    from autoshard.models.beside import beside_layers, idle_modules
     from autoshard.models.presets import spec_from_hf_config
     from autoshard.models.tiny import build_tiny, tiny_config
     from autoshard.rules.validity import refusal
 
     model = build_tiny(tiny_config("fuyu"), device="meta")
-    assert "model.vision_embed_tokens holds parameters outside model.language_model" in beside_layers(model)[2]
-    assert "FuyuForCausalLM wraps its decoder" in refusal(spec_from_hf_config(model.config, name="fuyu", model=model),
-                                                          "pp")
+    assert idle_modules(model) == ("model.vision_embed_tokens",) and beside_layers(model)[2] == ""
+    spec = spec_from_hf_config(model.config, name="fuyu", model=model)
+    assert spec.idle_modules == ("model.vision_embed_tokens",) and refusal(spec, "pp") is None
+    assert idle_modules(build_tiny(tiny_config("llama"), device="meta")) == ()  # nothing outside the decoder
     model = build_tiny(tiny_config("modernbert-decoder"), device="meta")  # (its embeddings block first: no stand-in)
     assert "model.embeddings (ModernBertDecoderEmbeddings) holds parameters beside" in beside_layers(model)[2]

@@ -184,8 +184,13 @@ GEMMA4_REFUSED = {}
 UNSET = {"nemotron": _tiny("nemotron"), "dots1": _tiny("dots1"), "lfm2_moe": _tiny("lfm2_moe")}
 # a multimodal wrapper whose vision tower holds as many layers as its decoder (Gemma-3's tiny config): the decoder's
 # layers are the list beside the input embedding, the tower (never run on text) no gradient; pp refused by name
+# multimodal wrappers trained on token ids: the vision tower and projector, which the forward never runs on them,
+# held by the first pipeline stage (models/beside.py `idle_modules`); Gemma-4-unified's later stages look its image /
+# audio tokens up in the input embedding they do not hold (runtime/stages.py `_Unmatched`); GOT-OCR2 and Fuyu (a
+# Persimmon decoder) run LLaMA's stage forward, their vision modules held on the first stage the same way
 WRAPPED = {"gemma3_wrapper": _tiny("gemma3")}
-WRAPPED_REFUSED = {("gemma3_wrapper", "pp"): "wraps its decoder"}
+WRAPPED_PP = {"gemma4_unified": _tiny("gemma4_unified"), "got_ocr2": _tiny("got_ocr2")}
+WRAPPED_REFUSED = {}
 # sequence parallelism on the layer's own residual norms (models/facts.py `residual_norms`, not LLaMA's two): Apertus'
 # attention_layernorm / feedforward_layernorm, StableLM's LayerNorms with biases, GPT-NeoX's parallel residual (both
 # regions gather the one shard), Qwen3's q/k norms (summed over tp inside the attention region, on the gathered
@@ -250,6 +255,7 @@ def check_families() -> None:
     check_axes(GEMMA4, lambda name: PLANS + ((dict(ep=2),) if name == "gemma4_moe" else ()), GEMMA4_REFUSED, sgd=True)
     check_axes(UNSET, lambda name: (dict(tp=2),) + ((dict(ep=2),) if name != "nemotron" else ()), {})
     check_axes(WRAPPED, lambda name: PLANS, WRAPPED_REFUSED)
+    check_axes(WRAPPED_PP, lambda name: (dict(pp=2, micro_batch=2),), {})
     check_axes(SEQUENCE, lambda name: (SEQUENCE_PLAN,), SEQUENCE_REFUSED)
     _check_unused_stay()
     _check_generate()
@@ -308,7 +314,7 @@ def _check_generate() -> None:
                          (DENSE["granite"], dict(pp=2)), (Tiny("gemma2-4-window3", windowed), dict(pp=2)),
                          (MOE["gpt_oss"], dict(ep=2)), (GEMMA4["gemma4_k_eq_v"], dict(tp=2)),
                          (GEMMA4["gemma4_k_eq_v"], dict(pp=2)), (GEMMA4["gemma4_moe"], dict(ep=2)), (GEMMA4["gemma4_moe"], dict(tp=2)),
-                         (WRAPPED["gemma3_wrapper"], dict(tp=2)), (UNSET["dots1"], dict(ep=2)),
+                         (WRAPPED["gemma3_wrapper"], dict(tp=2)), (WRAPPED["gemma3_wrapper"], dict(pp=2)), (UNSET["dots1"], dict(ep=2)),
                          (SCANS["mamba"], dict(tp=2)), (MOE["llama4"], dict(pp=2)), (MOE["llama4"], dict(ep=2))):
         check_generate(source, plan, ids)
 
