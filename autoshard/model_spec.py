@@ -22,7 +22,7 @@ def _fact(default):
 
 # layer parts whose sequence state crosses a cp rank boundary (state passing, a conv's halo): a Mamba-2 or Mamba-1
 # scan, a gated DeltaNet, a short convolution (runtime/cp_mamba.py, cp_scan.py, cp_delta.py, cp_conv.py)
-STATE_PASSING = ("ssd", "mamba1", "delta", "short_conv")
+STATE_PASSING = ("ssd", "mamba1", "delta", "kda", "short_conv")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,7 +30,8 @@ class LayerPart:
     """One sub-block of a hybrid's layers (models/layered.py `layer_parts`), what its tensor-parallel rule
     is read from: `kind` "attention" (q/k/v/o projections; "attention_whole" where full-width q/k norms keep it
     whole on every rank), "mla" (DeepSeek's latent attention), "ssd" (a
-    Mamba-2 mixer), "delta" (a gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-hybrid), "mlp" (gate / up / down or
+    Mamba-2 mixer), "delta" (a gated DeltaNet: Qwen3-Next, Qwen3.5, OLMo-hybrid), "kda" (one whose decay is per
+    channel: Kimi-Linear, Bailing-hybrid; `params` its per-head vectors, `linears` its projections), "mlp" (gate / up / down or
     up / down), "moe" (router, experts, shared experts), or the model's "embed", "final_norm" and "lm_head" (full
     paths); `path` inside each layer of `layers` (the
     indices holding it); `sizes`: its counts by name (heads, kv_heads, q, kv, ffn, inner, groups, ..., a recurrent
@@ -48,8 +49,9 @@ class LayerPart:
     buffers: tuple[str, ...] = ()
     params: tuple[str, ...] = ()  # a MoE part's experts' parameters (gate_up_proj or up_proj, down_proj); an attention
     #                               part's own per-head parameters (sinks), split with its heads
-    # an attention part's output gates: linears of the layer's input, one output per head or per head element,
-    # split by heads as q_proj (AFMoE's gate_proj, Laguna's g_proj: the attention output times their activation)
+    # an attention (or latent attention) part's output gates: linears of the layer's input, one output per head or per
+    # head element, split by heads as q_proj (AFMoE's gate_proj, Laguna's and Bailing-hybrid's g_proj: the attention
+    # output times their activation)
     gates: tuple[str, ...] = ()
     # a gated DeltaNet part's linears, (child name, "colwise" | "rowwise"): its projections of the layer's input
     # split by key heads, its output projection row-parallel (`names`: its norms, whole)

@@ -373,6 +373,63 @@ def _delta_part(name: str, child: nn.Module, linear: dict) -> tuple | None:
     return "delta", name, tuple(sizes.items()), tuple(norms), attrs, (), (), (), tuple(linears)
 
 
+_KDA_ATTRS = ("num_heads", "qkv_dim", "conv_dim")  # HF's per-channel delta attention size attributes
+
+
+def _kda_part(name: str, child: nn.Module, linear: dict) -> tuple | None:
+    """The "kda" part of a per-channel gated delta attention (Kimi-Linear's, Bailing-hybrid's: a gated DeltaNet whose
+    decay is per channel), found by its pattern, not its class: HF's size attributes (num_heads, head_dim and qkv_dim
+    their product), a depthwise conv1d over [q; k; v], and below it linears and vectors whose widths are sizes of the
+    heads. Split by heads: each linear of the layer's input to qkv_dim or num_heads outputs column-parallel, and one of
+    a low-rank pair (hidden -> r -> qkv_dim: its r -> qkv_dim linear column-parallel, its hidden -> r one whole, its
+    gradient summed), the output projection (qkv_dim -> hidden) row-parallel, the conv by [q; k; v], a module's vectors
+    of qkv_dim or num_heads elements (the forget gate's dt_bias and A_log) by heads, norms of one head's width whole
+    (their gradient summed). None where anything else is found."""
+    heads, hd, qkv = (getattr(child, a, None) for a in ("num_heads", "head_dim", "qkv_dim"))
+    conv = getattr(child, "conv1d", None)
+    if not all(isinstance(v, int) and v > 0 for v in (heads, hd, qkv)) or qkv != heads * hd \
+            or not isinstance(conv, nn.Conv1d) or conv.groups != conv.in_channels or conv.in_channels != 3 * qkv \
+            or any(True for _ in child.parameters(recurse=False)):
+        return None
+    ins = [m.in_features for m in linear.values()]
+    hidden = max(set(ins), key=ins.count, default=0)
+    inner = {p: m for p, m in child.named_modules() if isinstance(m, nn.Linear)}
+    ranks = {m.in_features for m in inner.values() if m.out_features == qkv and m.in_features not in (hidden, qkv)}
+    sizes = {"heads": heads, "qkv": qkv, "conv": conv.kernel_size[0]}
+    rows = [p for p, m in inner.items() if (m.in_features, m.out_features) == (qkv, hidden)]
+    if len(rows) > 1:  # qkv_dim = hidden: the widths do not tell the output projection apart, HF's name does
+        rows = [p for p in rows if p in _OUTPUTS]
+    if len(rows) != 1:
+        return None
+    linears, names, vectors = [(rows[0], "rowwise")], [], []
+    for path, m in inner.items():
+        if path == rows[0]:
+            continue
+        if m.out_features in (qkv, heads) and m.in_features in (hidden, *ranks):
+            linears.append((path, "colwise"))
+            sizes[path], sizes[f"{path}.in"] = m.out_features, m.in_features
+        elif m.in_features == hidden and m.out_features in ranks:
+            names.append(path)
+            sizes[path] = m.weight.numel()
+        else:
+            return None  # a linear no rule splits
+    for path, m in child.named_modules():
+        own = dict(m.named_parameters(recurse=False))
+        if not own or isinstance(m, (nn.Linear, nn.Conv1d)):
+            continue
+        if {k: tuple(p.shape) for k, p in own.items()} == {"weight": (hd,)}:  # a norm over one head
+            names.append(path)
+            sizes[path] = hd
+        elif path and all(p.numel() in (qkv, heads) and max(p.shape) == p.numel() for p in own.values()):
+            vectors += [f"{path}.{k}" for k in own]
+        else:
+            return None  # a parameter no rule splits
+    holders = {v.rpartition(".")[0] for v in vectors}
+    attrs = tuple(f"{h}.{a}".lstrip(".") for h in ("", *sorted(holders)) for a in _KDA_ATTRS
+                  if isinstance(getattr(child.get_submodule(h), a, None), int))
+    return "kda", name, tuple(sizes.items()), tuple(names), attrs, (), tuple(vectors), (), tuple(linears)
+
+
 def _relative(path: str, base: str) -> str:
     """`path` below the base model ("model.layers.2.mamba" -> "layers.2.mamba")."""
     return path[len(base) + 1:] if base and path.startswith(base + ".") else path
@@ -386,9 +443,9 @@ _MLA = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # DeepSeek's multi-head la
 
 
 # the parts whose mixer keeps a recurrent state per sequence that no spec number prices (a Mamba-2 mixer's is priced
-# by its heads, state and conv: ModelSpec.mixer_spec; "other": a mixer no rule reads, Kimi-Linear's delta attention):
+# by its heads, state and conv: ModelSpec.mixer_spec; "other": a mixer no rule reads: MiniMax's lightning attention):
 # its bytes measured on HF's own cache (`recurrent_state_bytes`)
-STATE_PARTS = ("mamba1", "delta", "short_conv", "other")
+STATE_PARTS = ("mamba1", "delta", "kda", "short_conv", "other")
 
 
 def recurrent_state_bytes(model: nn.Module) -> dict[int, int]:
@@ -420,7 +477,7 @@ def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
     attention, a Mamba-2 or Mamba-1 mixer, a gated DeltaNet, a short convolution, each found by its pattern, a gated
     or plain MLP, a MoE block, a norm (a child holding only vectors), and the embedding, final norm and LM head), each
     with the layers holding it at one path and its sizes. `why` (else None) names the first layer child with
-    parameters that is none of them (Kimi-Linear's delta attention): no tensor-parallel rule splits it, so tp is refused;
+    parameters that is none of them (MiniMax's lightning attention): no tensor-parallel rule splits it, so tp is refused;
     it is an "other" part, whole on every rank (the table still names every layer's experts for ep). A block
     shared by several layers (Zamba2): ((), why). `stack`: the model's `find_layer_stack`."""
     from autoshard.models.facts import _moe_modules, config_value, is_attention
@@ -455,7 +512,7 @@ def layer_parts(model: nn.Module, stack) -> tuple[tuple, str | None]:
                               "neither attention, a Mamba-2 SSD mixer, an MLP nor a MoE block: no tensor-parallel "
                               "rule splits it yet; use tp=1")
             found.setdefault(part, []).append(i)
-    order = ("attention", "attention_whole", "mla", "ssd", "mamba1", "delta", "short_conv", "mlp", "moe", "norm",
+    order = ("attention", "attention_whole", "mla", "ssd", "mamba1", "delta", "kda", "short_conv", "mlp", "moe", "norm",
              "other")  # the sequence mixers first (sharding.selective_module)
     parts = [LayerPart(kind=k, path=p, layers=tuple(ix), sizes=s, names=n, attrs=a, buffers=b,
                        params=q[0] if q else (), gates=q[1] if len(q) > 1 else (), linears=q[2] if len(q) > 2 else ())
@@ -541,11 +598,16 @@ def _part(name: str, child: nn.Module, *, ssd: bool, experts: int, attention: bo
         sizes = (("heads", heads), ("q", q.out_features), ("q_rank", q.in_features),
                  ("kv_b", linear["kv_b_proj"].out_features), ("kv_rank", linear["kv_b_proj"].in_features),
                  ("o", linear["o_proj"].in_features))
-        latent = [(n, m) for n, m in child.named_children() if n not in ("q_b_proj", "q_proj", "kv_b_proj", "o_proj")
+        # output gates: a linear of the layer's input with an output per head (Bailing-hybrid's g_proj), by heads
+        gates = tuple(n for n, m in linear.items() if n not in (*_MLA, "q_proj", "q_a_proj", "q_b_proj")
+                      and m.in_features == linear["kv_a_proj_with_mqa"].in_features and m.out_features == heads)
+        latent = [(n, m) for n, m in child.named_children() if n not in ("q_b_proj", "q_proj", "kv_b_proj", "o_proj",
+                                                                          *gates)
                   and any(True for _ in m.parameters())]  # the latent projections and their norms: whole
         sizes += tuple((n, sum(p.numel() for p in m.parameters())) for n, m in latent)
-        return "mla", name, sizes, tuple(n for n, _ in latent), counts, ()
-    delta = _delta_part(name, child, linear)
+        sizes += tuple((n, heads) for n in gates)
+        return "mla", name, sizes, tuple(n for n, _ in latent), counts, (), (), gates
+    delta = _delta_part(name, child, linear) or _kda_part(name, child, linear)
     if delta is not None:
         return delta
     if experts:

@@ -466,7 +466,7 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
     experts = tuple(r.path for r in sharding.table(spec) if r.strategy is sharding.Strategy.EXPERT)
     styles = F.tp_style_refusal(facts, layered=bool(spec.parts), mla=any(p.kind == "mla" for p in spec.parts),
                                 experts=experts,
-                                own=tuple(p.path for p in spec.parts if p.kind in ("delta", "attention_whole")))
+                                own=tuple(p.path for p in spec.parts if p.kind in ("delta", "kda", "attention_whole")))
     why = "; on the graph: ".join(w for w in (styles, unmatched, unproven) if w)
     if why:
         out.append(("tp", why))

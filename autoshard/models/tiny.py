@@ -36,9 +36,10 @@ EXAGGERATED = {"logits_scaling": 0.25, "embedding_multiplier": 6.0, "residual_mu
 MLA_SIZES = {"qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 24,
              "index_head_dim": 16, "index_n_heads": 4, "index_topk": 4}  # 4 keys of the 16: sparse (HF's 2048: all)
 # a gated DeltaNet's heads (Qwen3-Next, Qwen3.5, OLMo-hybrid, LaraMini: the config's linear_* fields, where it
-# sets them): 2 key heads of 16, each with 2 value heads of 16
+# sets them): 2 key heads of 16, each with 2 value heads of 16; a per-channel one's (Kimi-Linear, Bailing-hybrid:
+# HF's 32 heads of 128 made each tiny layer 4096 wide): 4 heads of 16
 DELTA_SIZES = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-               "linear_value_head_dim": 16}
+               "linear_value_head_dim": 16, "linear_num_heads": 4, "linear_head_dim": 16}
 # a per-layer input embedding (Gemma-3n's, Gemma-4's: each layer reads its own slice of a second embedding)
 PER_LAYER_INPUT_SIZES = {"hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 256}
 # fields HF's default config of a family leaves unset although every published checkpoint of it sets them (the model

@@ -33,8 +33,8 @@ def shard_program(plan: Plan, spec: ModelSpec, params: Mapping[str, tuple[int, .
     placements, partial = [], []
     for name in params:
         layer = _layer_index(spec, name)
-        placement = (_placement(spec, name, tp, tp_rank, chosen[chunk_of[layer] if layer is not None else 0])
-                     if tp > 1 else Replicate())
+        placement = (_fitted(_placement(spec, name, tp, tp_rank, chosen[chunk_of[layer] if layer is not None else 0]),
+                             params[name]) if tp > 1 else Replicate())
         if isinstance(placement, Shard) and (placement.parts < tp or any(placement.whole)):
             partial.append(name)
         elif tp > 1 and _grad_summed(spec, name):  # replicated, its gradient partial on each rank (q/k norms)
@@ -151,6 +151,19 @@ def _placement(spec: ModelSpec, name: str, tp: int, tp_rank: int, strategies=())
                  segments=tuple(sharding.size(spec, p.length) for p in role.pieces), whole=whole if any(whole) else ())
 
 
+def _fitted(placement: Placement, shape: tuple[int, ...]) -> Placement:
+    """A one-piece split of a vector held with singleton dims or of another length than the piece (a per-head A_log,
+    (1, 1, heads, 1), split by heads beside a dt_bias of heads x head_dim: Kimi-Linear's forget gate) along its one
+    dimension longer than 1, whole; any other placement as it is."""
+    if not isinstance(placement, Shard) or len(placement.segments) != 1 or \
+            shape[placement.dim:placement.dim + 1] == placement.segments:
+        return placement
+    long = [d for d, size in enumerate(shape) if size > 1]
+    if len(long) != 1:
+        return placement
+    return replace(placement, dim=long[0], segments=(shape[long[0]],))
+
+
 def _tp_modules(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strategies: list) -> dict:
     # a replicated embedding / LM head (the plan's "embedding" / "head" choice) is no VOCAB module: it stays
     # the plain HF module, and the loss runs on full logits (ShardProgram.vocab_head is None)
@@ -245,6 +258,12 @@ def _part_attrs(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
                          "key_dim": key, "value_dim": value, "conv_dim": 2 * key + value}
                 out += [(path, a, local[a]) for a in part.attrs]
                 out += [(f"{path}.conv1d", k, 2 * key + value) for k in ("in_channels", "out_channels", "groups")]
+            elif part.kind == "kda":  # its forward splits [q; k; v] by qkv_dim, its forget gate views by num_heads
+                local = {"num_heads": part.size("heads") // tp, "qkv_dim": part.size("qkv") // tp,
+                         "conv_dim": 3 * part.size("qkv") // tp}
+                out += [(f"{path}.{a}".rpartition(".")[0], a.rpartition(".")[2], local[a.rpartition(".")[2]])
+                        for a in part.attrs]
+                out += [(f"{path}.conv1d", k, local["conv_dim"]) for k in ("in_channels", "out_channels", "groups")]
             elif part.kind == "ssd":
                 split = not sharding.groups_whole(spec, tp, strategies[i])
                 out += _ssd_attrs(path, part.size("heads"), part.size("groups"), part.size("inner"), part.size("state"),

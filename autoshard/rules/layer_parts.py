@@ -50,7 +50,9 @@ def parts_table(spec: ModelSpec) -> tuple[Role, ...]:
                          fan=n("kv_rank"), layers=lay),
                     Role(at("o_proj"), _L, Strategy.ROWWISE, (Piece(n("o"), n("heads")),), fan="hidden", layers=lay),
                     *(Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
-                      for p in part.names)]
+                      for p in part.names),
+                    *(Role(at(g), _L, Strategy.COLWISE, (Piece(n(g), n("heads")),), _LINEAR, fan="hidden", layers=lay)
+                      for g in part.gates)]  # an output gate per head (Bailing-hybrid's g_proj)
         elif part.kind == "ssd":
             out += _at_part(MAMBA2, "mixer", i, part)
         elif part.kind == "mamba1":  # Mamba-1's selective scan by its inner channels (vLLM's MambaMixer split)
@@ -74,6 +76,19 @@ def parts_table(spec: ModelSpec) -> tuple[Role, ...]:
                            fan="hidden", layers=lay) for c, how in part.linears),
                     *(Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
                       for p in part.names)]  # the gated norm over one value head: whole, gradient summed
+        elif part.kind == "kda":  # a per-channel gated delta attention by heads (models/layered.py `_kda_part`)
+            qkv = Piece(n("qkv"), n("heads"))
+            holders = {}
+            for v in part.params:  # the vectors of qkv_dim or num_heads elements, by heads (the forget gate's)
+                holders.setdefault(v.rpartition(".")[0], []).append(v.rpartition(".")[2])
+            out += [Role(part.path, _L, Strategy.REGION, (Piece(n("heads"), n("heads")),), params=(), layers=lay),
+                    Role(at("conv1d"), _L, Strategy.COLWISE, (qkv, qkv, qkv), _LINEAR, fan=n("conv"), layers=lay),
+                    *(Role(at(c), _L, Strategy.ROWWISE, (qkv,), fan="hidden", layers=lay) if how == "rowwise" else
+                      Role(at(c), _L, Strategy.COLWISE, (Piece(n(c), n("heads")),), _LINEAR, fan=n(f"{c}.in"),
+                           layers=lay) for c, how in part.linears),
+                    *(Role(at(h), _L, Strategy.COLWISE, (qkv,), tuple(held), layers=lay) for h, held in holders.items()),
+                    *(Role(at(p), _L, Strategy.REPLICATE, (Piece(n(p), "one"),), _LINEAR, grad_sum=True, layers=lay)
+                      for p in part.names)]  # low-rank input projections and one head's norm: whole, gradient summed
         elif part.kind == "mlp":  # its input projections column-parallel, its output projection (the last) row-parallel
             ffn = Piece(n("ffn"), n("ffn"))
             packed = {c for c, how in part.linears if how == "packed"}  # a fused [gate; up]: its two halves

@@ -120,6 +120,12 @@ MARKED = {"granite_swa": _tiny("granite_swa"), "aria_text": _tiny("aria_text")}
 # final state (runtime/cp_delta.py)
 DELTA = {"qwen3_5": _tiny("qwen3_5_text"), "olmo_hybrid": _tiny("olmo_hybrid")}
 
+# per-channel gated delta attention (Kimi-Linear's KDA beside MLA layers, Bailing-hybrid's beside MLA with a per-head
+# output gate), split by heads (models/layered.py `_kda_part`): q / k / v, the forget gate's low-rank pair (its
+# hidden -> r projection whole, gradient summed), its dt_bias and A_log (Kimi's held (1, 1, heads, 1): split along
+# the heads, passes/rewrite.py `_fitted`), beta, the output gate, o_proj row-parallel; cp by runtime/cp_delta.py
+KDA = {"kimi_linear": _tiny("kimi_linear"), "bailing_hybrid": _tiny("bailing_hybrid")}
+
 # MiniMax's lightning attention (a decay buffer, no Conv1d or A_log) beside attention layers: cp refused by name
 LIGHTNING = {"minimax": _tiny("minimax")}
 LIGHTNING_REFUSED = {("minimax", "cp"): "the sequence mixer layers.1.self_attn (MiniMaxLightningAttention"}
@@ -252,6 +258,7 @@ def check_families() -> None:
     check_axes(LATENT, lambda name: PLANS + ((dict(ep=2),) if name == "deepseek_v2" else ()), {})
     check_axes(MARKED, lambda name: (dict(tp=2),), {})
     check_axes(DELTA, lambda name: (dict(tp=2), dict(cp=2)), {})
+    check_axes(KDA, lambda name: (dict(tp=2), dict(cp=2), dict(tp=2, sequence_parallel=True)), {})
     check_axes(GEMMA4, lambda name: PLANS + ((dict(ep=2),) if name == "gemma4_moe" else ()), GEMMA4_REFUSED, sgd=True)
     check_axes(UNSET, lambda name: (dict(tp=2),) + ((dict(ep=2),) if name != "nemotron" else ()), {})
     check_axes(WRAPPED, lambda name: PLANS, WRAPPED_REFUSED)

@@ -265,7 +265,8 @@ def _passed_bytes(spec: ModelSpec, layout: Layout) -> list[float]:
     """Bytes each rank contributes to the all-gathers of the layer's state passing: per Mamba-2 mixer its fp32 final
     state and log-decay per head, and its last conv - 1 pre-conv tokens; per Mamba-1 scan its fp32 final state and
     log-decay per channel and state entry, and its conv halo; per gated DeltaNet its fp32 final state and transition
-    per value head, and its conv halo over [q; k; v]; per short convolution its conv halo."""
+    per value head, and its conv halo over [q; k; v] (a per-channel one, "kda", alike); per short convolution its conv
+    halo."""
     b, tp, act = layout.micro_batch, layout.mesh.tp, layout.numbers.act_bytes
     out = []
     ssd = [(p.size("heads"), p.size("head_dim"), p.size("state"), p.size("groups"), p.size("inner"), p.size("conv"))
@@ -280,6 +281,9 @@ def _passed_bytes(spec: ModelSpec, layout: Layout) -> list[float]:
             dk, dv = p.size("key") / p.size("k_heads"), p.size("value") / p.size("v_heads")
             out += [b * p.size("v_heads") / tp * dk * (dv + dk) * 4.0,
                     b * (p.size("conv") - 1) * (2 * p.size("key") + p.size("value")) / tp * act]
+        elif p.kind == "kda":  # a gated DeltaNet whose decay is per channel: the same state per head, dk = dv
+            hd = p.size("qkv") / p.size("heads")
+            out += [b * p.size("heads") / tp * hd * 2 * hd * 4.0, b * (p.size("conv") - 1) * 3 * p.size("qkv") / tp * act]
         elif p.kind == "mamba1":
             inner = p.size("inner") / tp
             out += [b * inner * _scan_state(p) * 2 * 4.0, b * (p.size("conv") - 1) * inner * act]

@@ -140,11 +140,12 @@ def kimi_linear_tiny():
     return build_tiny(tiny_config("kimi_linear"))
 
 
-def test_a_mixer_no_rule_reads_keeps_its_measured_state():
-    """Kimi-Linear's delta attention is a part no tensor-parallel rule reads ("other": whole on every rank, tp
-    refused); its state per sequence is still HF's cache's, measured when the spec is made: priced equal to it."""
+def test_a_per_channel_delta_attention_keeps_its_measured_state():
+    """Kimi-Linear's per-channel delta attention (a "kda" part, split by heads under tp) keeps a state per sequence
+    that no spec number gives: HF's cache's, measured when the spec is made, priced equal to it."""
     name = "tests.passes.serving.test_hybrid_cache:kimi_linear_tiny"
     spec, module = model_for(name)
+    assert "kda" in {p.kind for p in spec.parts}
     spec, table = cost_table_for(name, spinner=False, spec=spec, module=module)
     it = ic.compile_inference_table(table, spec)
     model = kimi_linear_tiny().to(torch.bfloat16)
