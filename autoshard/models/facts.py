@@ -740,12 +740,23 @@ def ssd_mixers(model) -> list:
     return out
 
 
-def cache_layer_bytes(layer) -> int:
-    """Bytes of every tensor one layer of a HF cache holds (K/V, conv and SSM states, once filled)."""
+def cache_bytes_by_layer(cache) -> list[int]:
+    """Bytes a HF cache holds per layer: every tensor of its layer objects (`cache_layer_bytes`) and of the per-layer
+    lists kept beside them (MiniMax's `linear_cache`: its lightning-attention layers' states)."""
+    layers = list(getattr(cache, "layers", ()))
+    lists = [v for k, v in vars(cache).items() if k != "layers" and isinstance(v, list)]
+    return [(cache_layer_bytes(layers[i]) if i < len(layers) else 0)
+            + sum(_tensor_bytes(held[i]) for held in lists if i < len(held))
+            for i in range(max([len(layers), *map(len, lists)]))]
+
+
+def _tensor_bytes(value) -> int:
     import torch
 
-    total = 0
-    for value in vars(layer).values():
-        tensors = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else (value,)
-        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    return total
+    tensors = value if isinstance(value, (list, tuple)) else value.values() if isinstance(value, dict) else (value,)
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def cache_layer_bytes(layer) -> int:
+    """Bytes of every tensor one layer of a HF cache holds (K/V, conv and SSM states, once filled)."""
+    return sum(_tensor_bytes(value) for value in vars(layer).values())

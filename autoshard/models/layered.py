@@ -457,7 +457,7 @@ def recurrent_state_bytes(model: nn.Module) -> dict[int, int]:
 
     import torch
 
-    from autoshard.models.facts import cache_layer_bytes
+    from autoshard.models.facts import cache_bytes_by_layer
 
     sizes = []
     try:
@@ -466,7 +466,7 @@ def recurrent_state_bytes(model: nn.Module) -> dict[int, int]:
         for tokens in (4, 8):
             out = twin(torch.zeros(1, tokens, dtype=torch.long, device="meta"), use_cache=True)
             cache = getattr(out, "past_key_values", None)
-            sizes.append([cache_layer_bytes(layer) for layer in cache.layers])
+            sizes.append(cache_bytes_by_layer(cache))
     except Exception:  # a forward or cache this reading does not know: nothing measured
         return {}
     return {i: 2 * a - b for i, (a, b) in enumerate(zip(*sizes)) if 2 * a - b > 0}

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from autoshard.errors import InvalidConfigError
 from autoshard.ir import NON_NEGATIVE_INT
 from autoshard.model_spec import Mixer, ModelSpec
-from autoshard.models.facts import cache_layer_bytes
+from autoshard.models.facts import cache_bytes_by_layer
 from autoshard.models.presets import max_positions, position_violation
 from autoshard.runtime.comm import gather_last_dim
 from autoshard.runtime.stages import OwnForwardStage, StageModule, attention_masks
@@ -74,7 +74,7 @@ class Generator:
             step_input = token[:, None]
             if self.eos and not bool(unfinished.any()):
                 break
-        self.cache_bytes = sum(cache_layer_bytes(layer) for layer in cache.layers)
+        self.cache_bytes = sum(cache_bytes_by_layer(cache))
         return ids
 
     def _step(self, ids: Tensor, cache, *, past: int, hop_dtypes: dict[int, torch.dtype]) -> Tensor:

@@ -195,6 +195,10 @@ def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec, layers: tuple[int, 
         paths[block.kind] = tuple(n.module_path for n in nodes)
         fwd = [n for n in nodes if n.phase == "fwd"]
         attention = attention_modules(fwd)  # sdpa / flash, or eager attention's s x s matmuls
+        kept = _state_part(stack, layers)  # a recurrent mixer's s x s blocks (MiniMax's lightning attention): no KV
+        if kept is not None:
+            at = f"{sharding.layer_prefix(stack, 0)}.{kept.path}"
+            attention = {m for m in attention if m != at and not m.startswith(f"{at}.")}
         scans = {n.module_path.removesuffix(".conv1d") for n in fwd if is_scan_op(n, mamba2=ssd)}
         # only the s x s attention runs differently in decode; all of the SSD mixer's own ops do
         in_core = [(n.module_path in attention and degree_in_s(n.flops) >= 2) or n.module_path in scans for n in nodes]
@@ -219,17 +223,31 @@ def _mixer_spec(stack: ModelSpec, mixer: Mixer, block, layers: tuple[int, ...]) 
     return spec
 
 
+def _state_part(stack: ModelSpec, layers: tuple[int, ...]):
+    """The part of the kind's layers (`layers`, its first) whose recurrent state was measured on HF's cache
+    (`layered.recurrent_state_bytes`), or None."""
+    first = layers[0] if layers else 0
+    return next((p for p in stack.parts if first in p.layers and dict(p.sizes).get("state_bytes")), None)
+
+
 def _recurrent_state(stack: ModelSpec, block, fwd, ssd: bool, layers: tuple[int, ...]) -> tuple[float, Any]:
     """(bytes, tp divisor) of the recurrent state a layer's sequence mixer keeps beside attention's KV and Mamba-2's
     state (a convolution over the sequence that is no Mamba-2 SSD: Mamba-1's selective scan, a short convolution, a
-    gated DeltaNet): its part's measured `state_bytes`, split over tp as its convolution's channels are
-    (`sharding.node_divisor` at the kind's own first layer); (0, None) for none; one with no measured state is
-    refused by name."""
+    gated DeltaNet; or a mixer whose state HF keeps beside its layers' cache, MiniMax's lightning attention): its
+    part's measured `state_bytes`, split over tp as its convolution's channels are (`sharding.node_divisor` at the
+    kind's own first layer; a mixer with no convolution as its module is); (0, None) for none; a convolution with no
+    measured state is refused by name."""
     conv = next((n for n in fwd if "convolution" in n.target), None)
-    if conv is None or ssd:
+    if ssd:
         return 0.0, None
     first = layers[0] if layers else 0
-    part = next((p for p in stack.parts if first in p.layers and dict(p.sizes).get("state_bytes")), None)
+    part = _state_part(stack, layers)
+    if conv is None and part is not None:
+        path = f"{sharding.layer_prefix(stack, first)}.{part.path}"
+        return float(dict(part.sizes)["state_bytes"]), functools.partial(sharding.node_divisor, stack, BlockKind.LAYER,
+                                                                         path)
+    if conv is None:
+        return 0.0, None
     if part is None:
         raise InvalidConfigError(
             f"{stack.name}: {conv.module_path or block.name} mixes its sequence by a convolution that is no Mamba-2 "

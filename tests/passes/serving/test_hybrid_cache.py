@@ -15,7 +15,7 @@ from autoshard.commands.common import cost_table_for, model_for
 from autoshard.errors import InvalidConfigError
 from autoshard.model_spec import Mixer
 from autoshard.passes.serving import inference_cost as ic
-from autoshard.models.facts import cache_layer_bytes
+from autoshard.models.facts import cache_bytes_by_layer, cache_layer_bytes
 from tests.models.hybrid_models import build
 
 BATCH, PROMPT = 2, 20  # 20 tokens: more than the tiny chunk (16), the prefill scan spans two chunks
@@ -140,18 +140,28 @@ def kimi_linear_tiny():
     return build_tiny(tiny_config("kimi_linear"))
 
 
-def test_a_per_channel_delta_attention_keeps_its_measured_state():
-    """Kimi-Linear's per-channel delta attention (a "kda" part, split by heads under tp) keeps a state per sequence
-    that no spec number gives: HF's cache's, measured when the spec is made, priced equal to it."""
-    name = "tests.passes.serving.test_hybrid_cache:kimi_linear_tiny"
+def minimax_tiny():
+    from autoshard.models.tiny import build_tiny, tiny_config
+
+    return build_tiny(tiny_config("minimax"))
+
+
+@pytest.mark.parametrize("factory", ["kimi_linear_tiny", "minimax_tiny"])
+def test_a_recurrent_mixer_keeps_its_measured_state(factory):
+    """Kimi-Linear's per-channel delta attention (a "kda" part, split by heads under tp) and MiniMax's lightning
+    attention (a part no tensor-parallel rule reads: "other", whole on every rank) keep a state per sequence that no
+    spec number gives: HF's cache's (MiniMax keeps it beside its layers' cache, in `linear_cache`), measured when the
+    spec is made, priced equal to it. MiniMax's lightning layers were priced as attention, a KV cache growing with
+    the tokens (its s x s blocks read as attention's), and their state not at all."""
+    name = f"tests.passes.serving.test_hybrid_cache:{factory}"
     spec, module = model_for(name)
-    assert "kda" in {p.kind for p in spec.parts}
+    assert {"kimi_linear_tiny": "kda", "minimax_tiny": "other"}[factory] in {p.kind for p in spec.parts}
     spec, table = cost_table_for(name, spinner=False, spec=spec, module=module)
     it = ic.compile_inference_table(table, spec)
-    model = kimi_linear_tiny().to(torch.bfloat16)
+    model = globals()[factory]().to(torch.bfloat16)
     ids = torch.randint(3, 200, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        held = sum(cache_layer_bytes(layer) for layer in model(ids, use_cache=True).past_key_values.layers)
+        held = sum(cache_bytes_by_layer(model(ids, use_cache=True).past_key_values))
     assert ic.stage_cache_bytes(it, ic.stages_of(spec, 1)[0], batch=BATCH, tokens=PROMPT, tp=1) == held
 
 
