@@ -110,10 +110,11 @@ class ParallelExperts(nn.Module):
         experts' blocks run on them, the outputs summed over ep."""
         x = hidden.view(self.num_experts, -1, hidden.shape[-1])  # (E, T, h)
         if self.replicated:
+            held = slice(self.first, self.first + self.local)
             mine = torch.zeros_like(x)
-            mine[self.first:self.first + self.local] = self.hf[0](x[self.first:self.first + self.local]
-                                                                   .reshape(-1, x.shape[-1])).view_as(mine[:self.local])
-            dist.all_reduce(mine, group=self.group)
+            mine[held] = self.hf[0](x[held].reshape(-1, x.shape[-1])).view(self.local, -1, x.shape[-1])
+            if self.ep > 1:
+                dist.all_reduce(mine, group=self.group)
             return mine.view_as(hidden)
         expert_ids, token_ids = x.ne(0).any(-1).nonzero(as_tuple=True)  # the routed pairs, by expert
         y, send, recv = self._dispatched(x[expert_ids, token_ids], expert_ids, hidden.dtype)

@@ -217,7 +217,7 @@ class OwnForwardStage(StageModule):
         beside = {} if stage.embed else {n: base._modules[n] for n in self.__dict__["_beside"]}
         for name, module in beside.items():
             base._modules[name] = _Zeros(stand_in_width(module))
-        embed = () if stage.embed else _embedding_site(model)
+        embed = () if stage.embed else _embedding_site(model)  # (read each call: tp may swap the module)
         if embed:  # not held here: a lookup (Gemma-4-unified's of its image token, to find it in inputs_embeds)
             embed[0]._modules[embed[1]] = _Unmatched(embed[2].weight.shape[-1])  # matches no placeholder
         wrapped = self._checkpointed(stand_ins)

@@ -120,6 +120,8 @@ def test_scattered_experts_run_the_routed_rows_as_hf_runs_every_row():
     got = parallel._padded(rows, ids)
     torch.testing.assert_close(got, torch.stack([want[e, t] for e, t in routed][::-1]))
     assert want.view(total, 5, hidden)[dense.ne(0).any(-1).logical_not()].abs().max() == 0  # zero rows: zeros
+    parallel.replicated = True  # generation: this rank's experts' blocks of the same rows (one rank: all of them)
+    torch.testing.assert_close(parallel(dense.view(-1, hidden)), want.view(-1, hidden))
 
 
 def test_serving_tp_split_takes_only_hf_default_experts():
