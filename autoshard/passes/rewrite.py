@@ -261,8 +261,9 @@ def _part_attrs(spec: ModelSpec, layers: list[str], tp: int, tp_rank: int, strat
             elif part.kind == "kda":  # its forward splits [q; k; v] by qkv_dim, its forget gate views by num_heads
                 local = {"num_heads": part.size("heads") // tp, "qkv_dim": part.size("qkv") // tp,
                          "conv_dim": 3 * part.size("qkv") // tp}
-                out += [(f"{path}.{a}".rpartition(".")[0], a.rpartition(".")[2], local[a.rpartition(".")[2]])
-                        for a in part.attrs]
+                for attr in part.attrs:  # its own ("qkv_dim") and its forget gate's ("forget_gate.num_heads")
+                    module, _, leaf = f"{path}.{attr}".rpartition(".")
+                    out.append((module, leaf, local[leaf]))
                 out += [(f"{path}.conv1d", k, local["conv_dim"]) for k in ("in_channels", "out_channels", "groups")]
             elif part.kind == "ssd":
                 split = not sharding.groups_whole(spec, tp, strategies[i])

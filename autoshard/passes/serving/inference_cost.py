@@ -207,7 +207,7 @@ def _kind_table(ct: CompiledTable, blocks, stack: ModelSpec, layers: tuple[int, 
                         if c and n.phase == "fwd" and n.module_path in attention), sympy.Integer(0))
             mixers = tuple(_mixer_spec(stack, m, block, layers) for m, held in ((Mixer.ATTENTION, attention), (Mixer.SSD, scans))
                            if held)
-            state = _recurrent_state(stack, block, fwd, ssd, layers)
+            state = _recurrent_state(stack, block, fwd, ssd, layers, kept)
         core[block.kind] = np.array(in_core, dtype=bool)
         skip[block.kind] = np.array([block.kind is BlockKind.HEAD and n.module_path == "" for n in nodes], dtype=bool)
     return InferenceTable(ct=ct, core=core, skip=skip, lookup=lookup, paths=paths, mixers=mixers, state=state,
@@ -230,23 +230,15 @@ def _state_part(stack: ModelSpec, layers: tuple[int, ...]):
     return next((p for p in stack.parts if first in p.layers and dict(p.sizes).get("state_bytes")), None)
 
 
-def _recurrent_state(stack: ModelSpec, block, fwd, ssd: bool, layers: tuple[int, ...]) -> tuple[float, Any]:
+def _recurrent_state(stack: ModelSpec, block, fwd, ssd: bool, layers: tuple[int, ...], part) -> tuple[float, Any]:
     """(bytes, tp divisor) of the recurrent state a layer's sequence mixer keeps beside attention's KV and Mamba-2's
     state (a convolution over the sequence that is no Mamba-2 SSD: Mamba-1's selective scan, a short convolution, a
     gated DeltaNet; or a mixer whose state HF keeps beside its layers' cache, MiniMax's lightning attention): its
-    part's measured `state_bytes`, split over tp as its convolution's channels are (`sharding.node_divisor` at the
-    kind's own first layer; a mixer with no convolution as its module is); (0, None) for none; a convolution with no
-    measured state is refused by name."""
+    part's measured `state_bytes` (`part`: `_state_part` of the kind's layers), split over tp as its convolution's
+    channels are (`sharding.node_divisor` at the kind's own first layer; a mixer with no convolution as its module
+    is); (0, None) for none; a convolution with no measured state is refused by name."""
     conv = next((n for n in fwd if "convolution" in n.target), None)
-    if ssd:
-        return 0.0, None
-    first = layers[0] if layers else 0
-    part = _state_part(stack, layers)
-    if conv is None and part is not None:
-        path = f"{sharding.layer_prefix(stack, first)}.{part.path}"
-        return float(dict(part.sizes)["state_bytes"]), functools.partial(sharding.node_divisor, stack, BlockKind.LAYER,
-                                                                         path)
-    if conv is None:
+    if ssd or (conv is None and part is None):
         return 0.0, None
     if part is None:
         raise InvalidConfigError(
@@ -255,8 +247,8 @@ def _recurrent_state(stack: ModelSpec, block, fwd, ssd: bool, layers: tuple[int,
             "be read off HF's cache: serving prices the attention layers' KV cache, the Mamba-2 layers' conv + SSM "
             "state and the measured state of a hybrid's other recurrent layers (Mamba-1, short convolutions, gated "
             "DeltaNet); plan its training")
-    prefix = sharding.layer_prefix(stack, 0)
-    path = sharding.layer_prefix(stack, first) + conv.module_path.removeprefix(prefix)
+    inside = conv.module_path.removeprefix(sharding.layer_prefix(stack, 0)) if conv is not None else f".{part.path}"
+    path = sharding.layer_prefix(stack, layers[0] if layers else 0) + inside
     divisor = functools.partial(sharding.node_divisor, stack, BlockKind.LAYER, path)  # of tp
     return float(dict(part.sizes)["state_bytes"]), divisor
 
