@@ -28,6 +28,7 @@ from autoshard.passes.capture.capture import BWD, FWD, Captured, Site, capture_m
 from autoshard.passes.capture import gated_delta_rule, selective_scan
 
 B_SAMPLES = (2, 3)
+PROBE_TOKENS = 1024  # a forward looping over blocks of the sequence shorter than this grows its graph by then
 FIELDS = ("flops", "bytes_read", "bytes_written", "saved_bytes", "g0", "g1", "g2", "g3")
 
 # ops that only move or create data: no arithmetic (FLOPs 0), bytes still counted
@@ -89,9 +90,12 @@ def _mixed(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module
 
 
 def _table_of(spec: ModelSpec, truncated: nn.Module, training: bool, kernels: tuple[str, ...]) -> CostTable:
-    """The table of the one-layer model `truncated`, its LAYER block standing for `spec.layers` layers."""
+    """The table of the one-layer model `truncated`, its LAYER block standing for `spec.layers` layers. A forward
+    that loops over blocks of the sequence (`_block_loop`) is traced within one block and priced per block."""
     chunk = spec.chunk if spec.mixer is Mixer.SSD else 0
-    s_samples = tuple(chunk * k for k in (2, 3, 4)) if chunk else (64, 128, 192)
+    block = None if chunk else _block_loop(truncated, training)
+    s_samples = (tuple(chunk * k for k in (2, 3, 4)) if chunk else tuple(block * k // 4 for k in (1, 2, 3)) if block
+                 else (64, 128, 192))
     traces = {}
     for b in B_SAMPLES:
         for s in s_samples:
@@ -111,7 +115,50 @@ def _table_of(spec: ModelSpec, truncated: nn.Module, training: bool, kernels: tu
     experts = spec.moe_paths[1] if spec.is_moe and len(spec.moe_paths) > 1 else None
     holds = experts is not None and any(n == experts or n.endswith(f".{experts}") for n, _ in truncated.named_modules())
     fused_patterns.check_routing(fused, spec, holds_experts=holds)
-    return _assemble(spec, traces[ref], exprs, measured[ref], truncated, regions, fused)
+    table = _assemble(spec, traces[ref], exprs, measured[ref], truncated, regions, fused)
+    return _per_block(table, block) if block else table
+
+
+def _block_loop(model: nn.Module, training: bool) -> int | None:
+    """The length l of the blocks a forward loops over along the sequence (MiniMax's lightning attention: per block
+    of l tokens, (q k^T) v within it and q times the state the blocks before it left), read off the graph: it is the
+    same up to l tokens and gains the same nodes with each further block, the first time at l + 1 (l a power of two
+    below PROBE_TOKENS). None, at one trace more, where the graph at PROBE_TOKENS is the one at 64 tokens (or where
+    it grows some other way: a loop over tokens is refused by `_common_names` as before)."""
+    sizes: dict[int, int] = {}
+
+    def size(s: int) -> int:
+        if s not in sizes:
+            sizes[s] = sum(1 for _ in _trace(model, B_SAMPLES[0], s, training).call_nodes())
+        return sizes[s]
+
+    if size(PROBE_TOKENS) == size(64):
+        return None
+    block = next((p for p in (2 ** k for k in range(4, PROBE_TOKENS.bit_length() - 1)) if size(p + 1) > size(p)), None)
+    if block is None:
+        return None
+    two, three, four = (size(block * n) for n in (2, 3, 4))
+    return block if three - two == four - three > 0 else None
+
+
+def _per_block(table: CostTable, block: int) -> CostTable:
+    """`table`, traced within one block of `block` tokens, with its LAYER blocks priced per block: f(b, s) becomes
+    f(b s / block, block), each block of a sequence costing what a sequence of one whole block does (its GEMMs
+    shaped per block too). Exact at s a multiple of the block (tests/passes/capture/test_shapes.py checks it on the
+    graph traced over several blocks); a sequence of less than a block is priced as a whole block (its within-block
+    (q k^T) v overpriced, by s / block; the layer's projections are per token either way). The embedding and head,
+    outside the loop, stay as traced."""
+    at = {B: B * S / block, S: sympy.Integer(block)}
+
+    def per(expr):
+        return sympy.expand(sympy.sympify(expr).subs(at, simultaneous=True))
+
+    def node(n: NodeCost) -> NodeCost:
+        return replace(n, flops=per(n.flops), bytes_read=per(n.bytes_read), bytes_written=per(n.bytes_written),
+                       saved_bytes=per(n.saved_bytes), gemm=None if n.gemm is None else tuple(map(per, n.gemm)))
+
+    return replace(table, blocks=tuple(replace(b, nodes=tuple(map(node, b.nodes))) if b.kind is BlockKind.LAYER else b
+                                       for b in table.blocks))
 
 
 def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
