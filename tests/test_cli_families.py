@@ -28,17 +28,18 @@ def _inspect(capsys, factory: str):
     return code, out, err
 
 
-def test_a_router_inside_a_gate_module_is_found(capsys):
+@pytest.mark.parametrize("factory", ["hunyuan_v1_moe", "gemma4"])
+def test_parameters_outside_the_layers_are_counted_as_hf_does(capsys, factory):
     """HunYuan-MoE's router is the linear `mlp.gate.wg` inside its gate module: read as the router, the model
-    inspects with HF's count (its dp2 / ep2 runs match one process)."""
-    code, out, err = _inspect(capsys, "hunyuan_v1_moe")
+    inspects with HF's count (its dp2 / ep2 runs match one process). Gemma-4's ConditionalGeneration wrapper with the
+    default per-layer input embedding (its E models; refused before, the table counting one layer's slice of it)."""
+    code, out, err = _inspect(capsys, factory)
     assert code == 0, err
-    assert json.loads(out)["params"] == hunyuan_v1_moe().num_parameters()
+    assert json.loads(out)["params"] == globals()[factory]().num_parameters()
 
 
 @pytest.mark.parametrize("factory,needle", [
     ("longcat_flash", "the traced blocks hold 32,832 parameters"),  # its layers of two sublayers each: not read
-    ("gemma4", "feeds each layer its own slice of a per-layer input embedding"),  # a multimodal wrapper's text config
     ("dots3_note", "declares per-layer values of kv_lora_rank, num_attention_heads"),
     ("rwkv", "changes with the input shape (b, s) = (2, 64) vs (2, 128)"),  # a Python loop over tokens
     ("zaya", "chooses among 5 experts, but the routed experts at 'mlp.experts' hold 4"),  # a null expert

@@ -105,9 +105,8 @@ def per_layer_refusal(config, model) -> str | None:
     models/layered.py `layer_parts`); its global values (the first layer type's) stand for the model where one
     number is asked (the spec's heads, the tiny config), so HF's per-layer guard is lifted on it
     (`allow_global_per_layer_attribute_access`). Refused: layers of one type that differ (a per-index config), and
-    layers reading a per-layer input or keys and values of another layer (Gemma-3n's and Gemma-4's E models: their
-    per-layer embedding table grows with the layer count, outside the layers, and a pipeline stage would need the
-    other layer's keys)."""
+    layers reading keys and values of another layer (Gemma-3n's and Gemma-4's E models: a pipeline stage would need
+    the other layer's keys). A per-layer input embedding is read (`per_layer_input_refusals`)."""
     config = text_config(config)
     attributes = getattr(config, "per_layer_attributes", None)
     if attributes:
@@ -120,16 +119,29 @@ def per_layer_refusal(config, model) -> str | None:
             return (f"{what} that differ between layers of one type: autoshard reads the layers by kind (one table "
                     "per layer type); give the layers of each type the same values")
         config.allow_global_per_layer_attribute_access = True
-    if is_positive_int(getattr(config, "hidden_size_per_layer_input", None)):
-        return (f"{type(config).__name__} feeds each layer its own slice of a per-layer input embedding "
-                f"(hidden_size_per_layer_input={config.hidden_size_per_layer_input}): that table grows with the layer "
-                "count outside the layers and is not priced or split yet; set hidden_size_per_layer_input to 0")
     shared = [n for n, m in model.named_modules() if getattr(m, "is_kv_shared_layer", False)]
     if shared:
         return (f"{shared[0]} reuses the keys and values of an earlier layer (num_kv_shared_layers="
                 f"{getattr(config, 'num_kv_shared_layers', '?')}): a layer reading another layer's keys is not priced "
                 "or split over pipeline stages yet; set num_kv_shared_layers to 0")
     return None
+
+
+def per_layer_input_refusals(config) -> tuple[tuple[str, str], ...]:
+    """(axis, why) of the axes a model feeding each layer its own slice of a per-layer input embedding cannot run
+    (Gemma-4's and Gemma-3n's E models: HF's hidden_size_per_layer_input; the model's forward looks the token ids up in
+    a [vocab, layers x d] table and adds a projection of the input embedding to it before the layers; priced grown to
+    every layer's slice: passes/capture/shapes_trace.py `_grown_outside_layers`). It trains under dp (any ZeRO) and cp
+    (per token: each rank looks its own tokens up) as one process does; pp refused (a later stage holds neither the
+    token ids' table nor the input embedding). tp: its layers' per-layer gate and projection have no tensor-parallel
+    rule (`layered.layer_parts` names them)."""
+    config = text_config(config)
+    width = getattr(config, "hidden_size_per_layer_input", None)
+    if not is_positive_int(width):
+        return ()
+    return (("pp", f"its layers read per-layer inputs (hidden_size_per_layer_input={width}), made before the layers "
+                   "from the token ids and the input embedding, which a later pipeline stage holds neither of; "
+                   "use pp=1"),)
 
 
 # the count of dense layers a MoE stack starts with (DeepSeek's first_k_dense_replace, LFM2-MoE's num_dense_layers)

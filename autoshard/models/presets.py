@@ -476,6 +476,7 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
     if reader:
         out.append(("cp", reader))
     out.extend(_unplaced_refusal(model))  # what its pipeline stages cannot place
+    out.extend(r for r in F.per_layer_input_refusals(model.config) if r[0] not in {a for a, _ in out})
     why = _sequence_refusal(spec, facts)
     if why:
         out.append(("sequence_parallel", f"{why}; set sequence_parallel to false"))

@@ -184,6 +184,14 @@ GEMMA4 = {"gemma4": _gemma4("gemma4-tiny"),
           "gemma4_moe": _gemma4("gemma4-moe-tiny", enable_moe_block=True, num_experts=128, top_k_experts=8,
                                 moe_intermediate_size=704)}
 GEMMA4_REFUSED = {}
+# Gemma-4's E models (HF's default Gemma4TextConfig): every layer reads its own slice of a per-layer input embedding
+# ([vocab, layers x d], looked up and added to a projection of the input embedding before the layers); dp (ZeRO-3 too)
+# and cp run it, per token; pp and tp refused by name (before, the whole model was refused: the table grew with the
+# layer count outside the layers, unpriced)
+PER_LAYER_INPUT = {"gemma4_ple": Tiny("gemma4-ple-tiny", exaggerated(tiny_config("gemma4_text")))}
+PER_LAYER_INPUT_PLANS = (dict(dp=2), dict(cp=2), dict(dp=2, zero=3), dict(pp=2, micro_batch=2), dict(tp=2))
+PER_LAYER_INPUT_REFUSED = {("gemma4_ple", "pp"): "its layers read per-layer inputs",
+                           ("gemma4_ple", "tp"): "layers.0.per_layer_input_gate (Linear) is neither attention"}
 # HF's default configs leave a field unset that every checkpoint sets (models/tiny.py `UNSET_BY_DEFAULT`; before, the
 # tiny model did not build): Nemotron's K/V heads (squared-ReLU MLP, partial rotary, LayerNorm1P), dots1's experts
 # (shared experts beside routed ones), LFM2-MoE's layer types (a dense conv layer, then a MoE attention layer)
@@ -260,6 +268,7 @@ def check_families() -> None:
     check_axes(DELTA, lambda name: (dict(tp=2), dict(cp=2)), {})
     check_axes(KDA, lambda name: (dict(tp=2), dict(cp=2), dict(tp=2, sequence_parallel=True)), {})
     check_axes(GEMMA4, lambda name: PLANS + ((dict(ep=2),) if name == "gemma4_moe" else ()), GEMMA4_REFUSED, sgd=True)
+    check_axes(PER_LAYER_INPUT, lambda name: PER_LAYER_INPUT_PLANS, PER_LAYER_INPUT_REFUSED, sgd=True)
     check_axes(UNSET, lambda name: (dict(tp=2),) + ((dict(ep=2),) if name != "nemotron" else ()), {})
     check_axes(WRAPPED, lambda name: PLANS, WRAPPED_REFUSED)
     check_axes(WRAPPED_PP, lambda name: (dict(pp=2, micro_batch=2),), {})

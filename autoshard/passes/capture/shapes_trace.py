@@ -72,7 +72,9 @@ def build(spec: ModelSpec, training: bool, dtype: torch.dtype | str, model: nn.M
     stack = None if model is None else layer_kinds.find_layer_stack(model)
     if stack is not None and not stack.uniform:
         return _mixed(spec, training, torch_dtype(dtype), model, kernels, stack)
-    return _table_of(spec, _truncated(spec, torch_dtype(dtype), model), training, kernels)
+    truncated = _truncated(spec, torch_dtype(dtype), model)
+    table = _table_of(spec, truncated, training, kernels)
+    return table if stack is None else _grown_outside_layers(table, model, truncated, stack.prefix)
 
 
 def _mixed(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module, kernels: tuple[str, ...],
@@ -80,13 +82,56 @@ def _mixed(spec: ModelSpec, training: bool, dtype: torch.dtype, model: nn.Module
     """The table of a mixed stack: a LAYER block per kind (named by it, its count and the parameters one
     layer of it owns) from the one-layer copy of that kind; the embedding and head from the copy whose
     embedding computes the most (every mask and rotary table any layer kind asks for)."""
-    tables = [_table_of(spec, layer_kinds.one_layer_copy(model, stack, k.name, dtype), training, kernels)
-              for k in stack.kinds]
-    edges = max(tables, key=lambda t: len(t.block(BlockKind.EMBED).nodes))
+    copies = [layer_kinds.one_layer_copy(model, stack, k.name, dtype) for k in stack.kinds]
+    tables = [_table_of(spec, one, training, kernels) for one in copies]
+    edges = max(range(len(tables)), key=lambda i: len(tables[i].block(BlockKind.EMBED).nodes))
+    grown = _grown_outside_layers(tables[edges], model, copies[edges], stack.prefix)
     layers = tuple(replace(t.block(BlockKind.LAYER), name=k.name, count=k.count, params=k.params)
                    for t, k in zip(tables, stack.kinds))
-    return CostTable(model=spec.name, blocks=(edges.block(BlockKind.EMBED), *layers, edges.block(BlockKind.HEAD)),
+    return CostTable(model=spec.name, blocks=(grown.block(BlockKind.EMBED), *layers, grown.block(BlockKind.HEAD)),
                      layer_kinds=stack.sequence, shared_params=stack.shared_params)
+
+
+def _grown_outside_layers(table: CostTable, model: nn.Module, copy: nn.Module, prefix: str) -> CostTable:
+    """`table`'s embedding and head, traced on the one-layer `copy`, grown to `model`'s: a parameter outside the
+    layers (below `prefix`) that `model` holds `n` times as large as the copy (Gemma-4's per-layer input embedding
+    and its projection, [vocab, L x d] and [hidden -> L x d]: every layer reads its own slice) counts in full in
+    its block and its module's ops are priced `n` times (as `n` GEMMs of the copy's shape; the projection's add of
+    its input's gradient too, under 1% over: tests/passes/capture/test_layer_kinds.py). Not grown: the elementwise
+    scaling and the norm of the per-layer inputs outside those modules (priced for one layer's slice).
+    The table as it is where nothing grows (every other model)."""
+    held = dict(copy.named_parameters())
+    grown: dict[str, int] = {}
+    extra = 0
+    for name, p in model.named_parameters():
+        small = held.get(name)
+        if small is None or name.startswith(f"{prefix}.") or p.numel() == small.numel():
+            continue
+        if p.numel() % small.numel():
+            return table  # not a multiple of the copy's: the parameter check names it (shapes.check_params)
+        grown[name.rpartition(".")[0]] = p.numel() // small.numel()
+        extra += p.numel() - small.numel()
+    if not grown:
+        return table
+
+    def factor(n: NodeCost) -> int:
+        return next((f for path, f in grown.items() if n.module_path == path or n.module_path.startswith(f"{path}.")), 1)
+
+    def node(n: NodeCost) -> NodeCost:
+        f = factor(n)
+        return n if f == 1 else replace(n, flops=f * n.flops, bytes_read=f * n.bytes_read,
+                                        bytes_written=f * n.bytes_written, saved_bytes=f * n.saved_bytes,
+                                        gemm=None if n.gemm is None else (f * n.gemm[0], *n.gemm[1:]))
+
+    def block(b: BlockCost) -> BlockCost:
+        if b.kind is BlockKind.LAYER:
+            return b
+        own = any(factor(n) > 1 for n in b.nodes)
+        return replace(b, nodes=tuple(map(node, b.nodes)), params=b.params + (extra if own else 0))
+
+    if sum(any(factor(n) > 1 for n in b.nodes) for b in table.blocks if b.kind is not BlockKind.LAYER) != 1:
+        return table  # held by both or neither: the parameter check names the count
+    return replace(table, blocks=tuple(map(block, table.blocks)))
 
 
 def _table_of(spec: ModelSpec, truncated: nn.Module, training: bool, kernels: tuple[str, ...]) -> CostTable:
@@ -122,8 +167,8 @@ def _table_of(spec: ModelSpec, truncated: nn.Module, training: bool, kernels: tu
 def _block_loop(model: nn.Module, training: bool) -> int | None:
     """The length l of the blocks a forward loops over along the sequence (MiniMax's lightning attention: per block
     of l tokens, (q k^T) v within it and q times the state the blocks before it left), read off the graph: it is the
-    same up to l tokens and gains the same nodes with each further block, the first time at l + 1 (l a power of two
-    below PROBE_TOKENS). None, at one trace more, where the graph at PROBE_TOKENS is the one at 64 tokens (or where
+    same within a block (at l/4 and l/2 tokens) and gains the same nodes with each further block, the first time at
+    l + 1 (l a power of two below PROBE_TOKENS). None, at one trace more, where the graph at PROBE_TOKENS is the one at 64 tokens (or where
     it grows some other way: a loop over tokens is refused by `_common_names` as before)."""
     sizes: dict[int, int] = {}
 
@@ -136,6 +181,8 @@ def _block_loop(model: nn.Module, training: bool) -> int | None:
         return None
     block = next((p for p in (2 ** k for k in range(4, PROBE_TOKENS.bit_length() - 1)) if size(p + 1) > size(p)), None)
     if block is None:
+        return None
+    if size(block // 4) != size(block // 2):  # not the same within a block: a loop over tokens (RWKV's), refused after
         return None
     two, three, four = (size(block * n) for n in (2, 3, 4))
     return block if three - two == four - three > 0 else None

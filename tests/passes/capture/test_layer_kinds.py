@@ -353,3 +353,35 @@ def test_a_mixed_stack_searches_cp_where_nothing_fits_without_it(capsys):
     assert main(["plan", "--model", "tests.models.hybrid_models:bamba_tiny", "--hardware", "h100", "--devices", "4",
                  "--global-batch", "8", "--seq-len", "4096"]) == 0
     assert "cp not searched: a stack of several layer kinds searches cp only where no layout" in capsys.readouterr().out
+
+
+def test_a_per_layer_input_embedding_is_priced_for_every_layer():
+    """Gemma-4's per-layer input embedding ([vocab, layers x d]) and its projection (hidden -> layers x d) sit outside
+    the layers and grow with the layer count: the one-layer copy holds one layer's slice, so they are grown to the
+    model's (`shapes_trace._grown_outside_layers`). Parameters as HF counts them (before: refused, the table counting
+    one layer's slice), and the projection's FLOPs those of the whole model's graph."""
+    import sympy
+
+    from autoshard.cost_table import B, S
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.models.tiny import build_tiny, tiny_config
+    from autoshard.passes.capture import shapes_trace
+    from autoshard.passes.capture.capture import capture_model
+
+    model = build_tiny(tiny_config("gemma4_text"), device="meta")
+    assert model.config.hidden_size_per_layer_input and model.config.num_hidden_layers == 2
+    spec = spec_from_hf_config(model.config, name="gemma4-ple", model=model)
+    assert [a for a, _ in spec.refused if a in ("pp", "cp")] == ["pp"]  # cp runs it, per token
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOSHARD_CACHE_DIR", "off")
+        table = build_cost_table(spec, model=model)
+    assert table.params == model.num_parameters()
+    projection = "model.per_layer_model_projection"
+    priced = sum(int(sympy.sympify(n.flops).subs({B: 2, S: 64})) for n in table.block(BlockKind.EMBED).nodes
+                 if n.module_path == projection)
+    cap = capture_model(model.to(torch.bfloat16), (torch.zeros(2, 64, dtype=torch.long),))
+    measured = shapes_trace.measure(cap, spec, (2, 64), ())
+    sites = dict(cap.sites)
+    graph = sum(m.values[0] for name, m in measured.items() if sites[name].module_path == projection)
+    # within 1%: the module's add of its input's gradient (b x s x hidden, not per layer) is priced per layer too
+    assert graph <= priced < 1.01 * graph and graph > 0
