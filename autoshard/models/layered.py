@@ -193,6 +193,10 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
         out.append(("pp", f"its layers read {_cross_layer_input(model, stack)} beside their input (hidden states of "
                           "other layers than the one before: Zamba's embeddings' output, Inkling-2's block residual "
                           "states), which no pipeline boundary carries; use pp=1"))
+    else:  # a per-layer input embedding (Gemma-4's E models): made before the layers, which a later stage cannot
+        from autoshard.models.facts import per_layer_input_refusals
+
+        out.extend(per_layer_input_refusals(model.config))
     if ssd and not any(p.kind in ("attention", "attention_whole", "mla") for p in parts[0]):
         out.append(("inference", "it has no attention layer, and HF's hybrid cache asks an attention layer for the "
                                  "cached length (its forward with a cache, HF's own generate too, raise "

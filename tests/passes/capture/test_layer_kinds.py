@@ -371,7 +371,8 @@ def test_a_per_layer_input_embedding_is_priced_for_every_layer():
     model = build_tiny(tiny_config("gemma4_text"), device="meta")
     assert model.config.hidden_size_per_layer_input and model.config.num_hidden_layers == 2
     spec = spec_from_hf_config(model.config, name="gemma4-ple", model=model)
-    assert [a for a, _ in spec.refused if a in ("pp", "cp")] == ["pp"]  # cp runs it, per token
+    for read in (spec, layered_spec(model, name="gemma4-ple")):  # `parallelize`'s and `plan`'s readings alike
+        assert [a for a, _ in read.refused if a in ("pp", "cp")] == ["pp"]  # cp runs it, per token
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AUTOSHARD_CACHE_DIR", "off")
         table = build_cost_table(spec, model=model)
