@@ -51,7 +51,11 @@ def layered_spec(model: nn.Module, *, name: str) -> ModelSpec | None:
                          ffn=getattr(config, "intermediate_size", 0) or 0, **common)
     # the axes the runtime refuses on this model are not searched either (rules/validity.axis_violation): a plan
     # of `autoshard plan` is one `parallelize` runs
-    spec = replace(stack_experts(spec, model, stack, config), refused=hybrid_refusals(model, stack, parts) or (),
+    from autoshard.models.presets import model_refusals
+
+    refused = hybrid_refusals(model, stack, parts) or ()
+    refused += tuple(r for r in model_refusals(model) if r[0] not in {a for a, _ in refused})
+    spec = replace(stack_experts(spec, model, stack, config), refused=refused,
                    **beside_facts(model, config, spec.mixer), **kv_latent(model, config), parts=parts[0],
                    own_forward=True)  # its stages run HF's own forward (the hybrid cache, a mask per layer type)
     why = config_violation(spec) if spec.heads and (spec.kv_heads or spec.groups) else None
@@ -193,10 +197,6 @@ def hybrid_refusals(model: nn.Module, stack, parts: tuple | None = None) -> tupl
         out.append(("pp", f"its layers read {_cross_layer_input(model, stack)} beside their input (hidden states of "
                           "other layers than the one before: Zamba's embeddings' output, Inkling-2's block residual "
                           "states), which no pipeline boundary carries; use pp=1"))
-    else:  # a per-layer input embedding (Gemma-4's E models): made before the layers, which a later stage cannot
-        from autoshard.models.facts import per_layer_input_refusals
-
-        out.extend(per_layer_input_refusals(model.config))
     if ssd and not any(p.kind in ("attention", "attention_whole", "mla") for p in parts[0]):
         out.append(("inference", "it has no attention layer, and HF's hybrid cache asks an attention layer for the "
                                  "cached length (its forward with a cache, HF's own generate too, raise "

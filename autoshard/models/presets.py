@@ -371,6 +371,16 @@ def _kv_heads(model, facts, declared: int) -> int:
     return kept or declared
 
 
+def model_refusals(model) -> tuple[tuple[str, str], ...]:
+    """The pp refusals read off the model itself, whichever reading makes its spec (`_spec_of`'s, `parallelize`'s,
+    and `layered.layered_spec`'s of a mixed stack, `plan`'s): what its pipeline stages cannot place, per-layer
+    inputs. Before, a mixed stack's reading missed them: `plan` could pick pp for ModernBERT-decoder (and for
+    Gemma-4's E models), which `parallelize` refuses."""
+    from autoshard.models import facts as F
+
+    return (*_unplaced_refusal(model), *F.per_layer_input_refusals(model.config))
+
+
 def _unplaced_refusal(model) -> tuple[tuple[str, str], ...]:
     """pp refused where the pipeline stages of the model's own forward cannot place what its base holds beside the
     layers (`beside.beside_layers`: a module no stand-in replaces on a later stage, a parameter no stage holds), else
@@ -475,8 +485,7 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
     reader = F.mask_reader(model)
     if reader:
         out.append(("cp", reader))
-    out.extend(_unplaced_refusal(model))  # what its pipeline stages cannot place
-    out.extend(r for r in F.per_layer_input_refusals(model.config) if r[0] not in {a for a, _ in out})
+    out.extend(r for r in model_refusals(model) if r[0] not in {a for a, _ in out})  # stages, own attention, inputs
     why = _sequence_refusal(spec, facts)
     if why:
         out.append(("sequence_parallel", f"{why}; set sequence_parallel to false"))

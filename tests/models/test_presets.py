@@ -282,3 +282,22 @@ def test_pp_places_a_wrappers_idle_vision_modules_and_refuses_a_module_no_stage_
     assert idle_modules(build_tiny(tiny_config("llama"), device="meta")) == ()  # nothing outside the decoder
     model = build_tiny(tiny_config("modernbert-decoder"), device="meta")  # (its embeddings block first: no stand-in)
     assert "model.embeddings (ModernBertDecoderEmbeddings) holds parameters beside" in beside_layers(model)[2]
+
+
+@pytest.mark.parametrize("model_type,why", [
+    ("modernbert-decoder", "model.embeddings (ModernBertDecoderEmbeddings) holds parameters beside the embedding"),
+    ("gemma4_text", "its layers read per-layer inputs"),
+])
+def test_plan_and_parallelize_read_the_same_pp_refusal(model_type, why):
+    """A mixed stack is read twice: by `plan` (`layered.layered_spec`, via `resolve_model`) and by `parallelize`
+    (`spec_from_hf_config`). What its pipeline stages cannot place and per-layer inputs refused pp in the second
+    only, so `plan` could pick a pp that `parallelize` refuses (`presets.model_refusals`, read by both now)."""
+    from autoshard.models.facts import text_config
+    from autoshard.models.layered import layered_spec
+    from autoshard.models.presets import spec_from_hf_config
+    from autoshard.models.tiny import build_tiny, tiny_config
+
+    model = build_tiny(tiny_config(model_type), device="meta")
+    for spec in (layered_spec(model, name=model_type),
+                 spec_from_hf_config(text_config(model.config), name=model_type, model=model)):
+        assert why in dict(spec.refused)["pp"], spec.refused
