@@ -372,13 +372,16 @@ def _kv_heads(model, facts, declared: int) -> int:
 
 
 def model_refusals(model) -> tuple[tuple[str, str], ...]:
-    """The pp refusals read off the model itself, whichever reading makes its spec (`_spec_of`'s, `parallelize`'s,
-    and `layered.layered_spec`'s of a mixed stack, `plan`'s): what its pipeline stages cannot place, per-layer
-    inputs. Before, a mixed stack's reading missed them: `plan` could pick pp for ModernBERT-decoder (and for
-    Gemma-4's E models), which `parallelize` refuses."""
+    """The refusals read off the model itself, whichever reading makes its spec (`_spec_of`'s, `parallelize`'s, and
+    `layered.layered_spec`'s of a mixed stack, `plan`'s): an attention computed in its own forward where no module
+    calls HF's attention interface or runs a Mamba-2 SSD (as `_spec_of` reads it), what its pipeline stages cannot
+    place, per-layer inputs. Before, a mixed stack's reading missed them: `plan` could pick pp for ModernBERT-decoder
+    (and Gemma-4's E models) and serve GPT-NeoX-Japanese (its last layer differs), which `parallelize` refuses."""
     from autoshard.models import facts as F
 
-    return (*_unplaced_refusal(model), *F.per_layer_input_refusals(model.config))
+    own = F.own_attention(model) if not F.mixer_of(model) else None
+    return (*(_own_attention_refusals(own, model) if own else ()), *_unplaced_refusal(model),
+            *F.per_layer_input_refusals(model.config))
 
 
 def _unplaced_refusal(model) -> tuple[tuple[str, str], ...]:

@@ -284,14 +284,16 @@ def test_pp_places_a_wrappers_idle_vision_modules_and_refuses_a_module_no_stage_
     assert "model.embeddings (ModernBertDecoderEmbeddings) holds parameters beside" in beside_layers(model)[2]
 
 
-@pytest.mark.parametrize("model_type,why", [
-    ("modernbert-decoder", "model.embeddings (ModernBertDecoderEmbeddings) holds parameters beside the embedding"),
-    ("gemma4_text", "its layers read per-layer inputs"),
+@pytest.mark.parametrize("model_type,axis,why", [
+    ("modernbert-decoder", "pp", "model.embeddings (ModernBertDecoderEmbeddings) holds parameters beside the embedding"),
+    ("gemma4_text", "pp", "its layers read per-layer inputs"),
+    ("gpt_neox_japanese", "inference", "computes attention in its own forward"),  # its last layer differs: mixed
 ])
-def test_plan_and_parallelize_read_the_same_pp_refusal(model_type, why):
+def test_plan_and_parallelize_read_the_same_refusals(model_type, axis, why):
     """A mixed stack is read twice: by `plan` (`layered.layered_spec`, via `resolve_model`) and by `parallelize`
-    (`spec_from_hf_config`). What its pipeline stages cannot place and per-layer inputs refused pp in the second
-    only, so `plan` could pick a pp that `parallelize` refuses (`presets.model_refusals`, read by both now)."""
+    (`spec_from_hf_config`). What its pipeline stages cannot place, per-layer inputs and an attention of its own
+    were refused in the second only, so `plan` could pick a pp or a serving plan that `parallelize` and `generate`
+    refuse (`presets.model_refusals`, read by both now)."""
     from autoshard.models.facts import text_config
     from autoshard.models.layered import layered_spec
     from autoshard.models.presets import spec_from_hf_config
@@ -300,4 +302,4 @@ def test_plan_and_parallelize_read_the_same_pp_refusal(model_type, why):
     model = build_tiny(tiny_config(model_type), device="meta")
     for spec in (layered_spec(model, name=model_type),
                  spec_from_hf_config(text_config(model.config), name=model_type, model=model)):
-        assert why in dict(spec.refused)["pp"], spec.refused
+        assert why in dict(spec.refused)[axis], spec.refused
