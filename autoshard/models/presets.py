@@ -246,7 +246,7 @@ def _spec_of(config, model, *, name: str) -> ModelSpec:
                 raise
             return ModelSpec(mixer=Mixer.ATTENTION, ffn=value("ffn", 0) or 0, own_forward=True, **common, refused=(
                 ("tp", f"{own}: {str(e).partition(': ')[2]}"), *_own_attention_refusals(own, model),
-                *_unplaced_refusal(model)))
+                *_placing_refusals(model)))
     heads = value("heads")
     missing = [f"{key} ({' / '.join(F.ALIASES[key])})" for key, v in (("hidden", common["hidden"]), ("heads", heads))
                if not is_positive_int(v)]
@@ -342,13 +342,11 @@ def _with_beside(spec: ModelSpec, facts, model) -> ModelSpec:
     under cp its attention is autoshard's): the modules outside it its forward never runs (`idle_modules`), the
     modules its forward runs after the layers (`after_layers`), and, where
     the base keeps no positions or mask of its own, how each runs under sequence parallelism (`beside`)."""
-    from autoshard.models.beside import after_layers, sequence_beside
+    from autoshard.models.beside import after_layers, idle_modules, sequence_beside
     from autoshard.models.facts import layer_list
 
     if layer_list(model) is None:
         return spec
-    from autoshard.models.beside import idle_modules
-
     spec = replace(spec, idle_modules=idle_modules(model))
     if not spec.own_forward:
         return spec
@@ -380,8 +378,16 @@ def model_refusals(model) -> tuple[tuple[str, str], ...]:
     from autoshard.models import facts as F
 
     own = F.own_attention(model) if not F.mixer_of(model) else None
-    return (*(_own_attention_refusals(own, model) if own else ()), *_unplaced_refusal(model),
-            *F.per_layer_input_refusals(model.config))
+    return (*(_own_attention_refusals(own, model) if own else ()), *_placing_refusals(model))
+
+
+def _placing_refusals(model) -> tuple[tuple[str, str], ...]:
+    """pp refused for what the model's pipeline stages cannot place: a module beside the layers
+    (`_unplaced_refusal`), per-layer inputs (`facts.per_layer_input_refusals`). `_spec_of` reads an attention of the
+    model's own itself (before its other refusals), so `_refusals` takes these alone."""
+    from autoshard.models import facts as F
+
+    return (*_unplaced_refusal(model), *F.per_layer_input_refusals(model.config))
 
 
 def _unplaced_refusal(model) -> tuple[tuple[str, str], ...]:
@@ -488,7 +494,7 @@ def _refusals(spec: ModelSpec, facts, unproven: str | None, model) -> tuple[tupl
     reader = F.mask_reader(model)
     if reader:
         out.append(("cp", reader))
-    out.extend(r for r in model_refusals(model) if r[0] not in {a for a, _ in out})  # stages, own attention, inputs
+    out.extend(r for r in _placing_refusals(model) if r[0] not in {a for a, _ in out})  # what stages cannot place
     why = _sequence_refusal(spec, facts)
     if why:
         out.append(("sequence_parallel", f"{why}; set sequence_parallel to false"))

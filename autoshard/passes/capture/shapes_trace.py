@@ -9,7 +9,7 @@ import copy
 import operator
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import sympy
 import torch
@@ -135,13 +135,20 @@ def _table_of(spec: ModelSpec, truncated: nn.Module, training: bool, kernels: tu
     """The table of the one-layer model `truncated`, its LAYER block standing for `spec.layers` layers. A forward
     that loops over blocks of the sequence (`_block_loop`) is traced within one block and priced per block."""
     chunk = spec.chunk if spec.mixer is Mixer.SSD else 0
-    block = None if chunk else _block_loop(truncated, training)
+    traced: dict[tuple[int, int], Captured] = {}  # each shape traced once (the block probe's 64 tokens are a sample)
+
+    def trace(b: int, s: int) -> Captured:
+        if (b, s) not in traced:
+            traced[b, s] = _trace(truncated, b, s, training)
+        return traced[b, s]
+
+    block = None if chunk else _block_loop(trace)
     s_samples = (tuple(chunk * k for k in (2, 3, 4)) if chunk else tuple(block * k // 4 for k in (1, 2, 3)) if block
                  else (64, 128, 192))
     traces = {}
     for b in B_SAMPLES:
         for s in s_samples:
-            traces[b, s] = _trace(truncated, b, s, training)
+            traces[b, s] = trace(b, s)
             if len(traces) == 2:  # a graph that grows with the sequence (RWKV's token loop) refused here, before
                 _common_names(traces, spec)  # the longer traces, which take minutes to make
     _common_names(traces, spec)
@@ -161,18 +168,16 @@ def _table_of(spec: ModelSpec, truncated: nn.Module, training: bool, kernels: tu
     return _per_block(table, block) if block else table
 
 
-def _block_loop(model: nn.Module, training: bool) -> int | None:
+def _block_loop(trace: Callable[[int, int], Captured]) -> int | None:
     """The length l of the blocks a forward loops over along the sequence (MiniMax's lightning attention: per block
     of l tokens, (q k^T) v within it and q times the state the blocks before it left), read off the graph: it is the
     same within a block (at l/4 and l/2 tokens) and gains the same nodes with each further block, the first time at
     l + 1 (l a power of two below PROBE_TOKENS). None, at one trace more, where the graph at PROBE_TOKENS is the one
-    at 64 tokens (or where it grows some other way: a loop over tokens is refused by `_common_names` as before)."""
-    sizes: dict[int, int] = {}
+    at 64 tokens (or where it grows some other way: a loop over tokens is refused by `_common_names` as before).
+    `trace(b, s)`: the one-layer model's graph at (b, s), memoised by the caller."""
 
     def size(s: int) -> int:
-        if s not in sizes:
-            sizes[s] = sum(1 for _ in _trace(model, B_SAMPLES[0], s, training).call_nodes())
-        return sizes[s]
+        return sum(1 for _ in trace(B_SAMPLES[0], s).call_nodes())
 
     if size(PROBE_TOKENS) == size(64):
         return None

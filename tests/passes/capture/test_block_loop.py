@@ -34,12 +34,16 @@ def _measured(layer, spec, s: int) -> list[int]:
     return [sum(v[i] for v in on) for i in range(len(FIELDS))]
 
 
+def _probed(layer):
+    return shapes_trace._block_loop(lambda b, s: shapes_trace._trace(layer, b, s, True))
+
+
 def test_the_block_length_is_read_off_the_graph_and_a_plain_layer_has_none():
     model = minimax_tiny()
-    assert shapes_trace._block_loop(_lightning_layer(model), True) == model.config.block_size == 256
+    assert _probed(_lightning_layer(model)) == model.config.block_size == 256
     stack = layer_kinds.find_layer_stack(model)
     full = layer_kinds.one_layer_copy(model, stack, "full_attention", torch.bfloat16)
-    assert shapes_trace._block_loop(full, True) is None  # attention's graph is the same at every length
+    assert _probed(full) is None  # attention's graph is the same at every length
 
 
 def test_a_lightning_layer_is_priced_per_block():
